@@ -1,0 +1,102 @@
+// The device interface: the one seam between the exchange core and an accelerator runtime.
+#pragma once
+
+#include <handoff/dlpack.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string_view>
+
+namespace handoff::device {
+
+/// A native stream (cudaStream_t, hipStream_t or a simulated stream) as the integer DLPack passes.
+enum class stream_handle : std::uintptr_t {};
+/// A native event (cudaEvent_t or a simulated event).
+enum class event_handle : std::uintptr_t {};
+
+/// What kind of memory an address belongs to.
+enum class memory_kind {
+  unregistered,  ///< host memory the backend does not know (plain malloc)
+  pinned_host,   ///< page-locked host memory registered with the backend (kDLCUDAHost/kDLROCMHost)
+  device,        ///< device memory (kDLCUDA/kDLROCM)
+  managed,       ///< unified memory (kDLCUDAManaged)
+};
+
+/// Attributes of an address, as cuPointerGetAttributes reports them.
+struct pointer_attributes {
+  memory_kind kind{memory_kind::unregistered};
+  int device{-1};                 ///< owning ordinal; -1 for unregistered memory
+  const void* base{nullptr};      ///< start of the allocation that contains the address
+  std::size_t size{0};            ///< size of that allocation in bytes
+  void* device_pointer{nullptr};  ///< the address usable from the current context
+};
+
+/// Whether a stream is capturing into a graph.
+enum class capture_status { none, active, invalidated };
+
+/// An accelerator runtime. Every call is checked: a failure throws `handoff::device_error` naming
+/// the call, the backend's error name and its text. Calls are thread-safe. Streams, events and
+/// allocations belong to the device that was current when they were created.
+class backend {
+ public:
+  backend() = default;
+  backend(const backend&) = delete;
+  backend& operator=(const backend&) = delete;
+  backend(backend&&) = delete;
+  backend& operator=(backend&&) = delete;
+  virtual ~backend() = default;
+
+  /// "cuda", "sim" or "sim-rocm".
+  [[nodiscard]] virtual std::string_view name() const noexcept = 0;
+  /// The DLPack device type of this backend's device memory (kDLCUDA or kDLROCM).
+  [[nodiscard]] virtual DLDeviceType device_type() const noexcept = 0;
+  [[nodiscard]] virtual int device_count() = 0;
+  /// The calling thread's current device.
+  [[nodiscard]] virtual int current_device() = 0;
+  virtual void set_current_device(int device) = 0;
+
+  /// The legacy default stream: implicitly synchronizes with every blocking stream of its device.
+  [[nodiscard]] virtual stream_handle legacy_default_stream() const noexcept = 0;
+  /// The calling thread's per-thread default stream (a blocking stream).
+  [[nodiscard]] virtual stream_handle per_thread_default_stream() const noexcept = 0;
+  /// Creates a stream on the current device.
+  [[nodiscard]] virtual stream_handle create_stream(bool non_blocking) = 0;
+  virtual void destroy_stream(stream_handle stream) noexcept = 0;
+  /// The device a stream belongs to (a default stream belongs to the current device).
+  [[nodiscard]] virtual int stream_device(stream_handle stream) = 0;
+  /// False for streams created non-blocking, which do not synchronize with the legacy default.
+  [[nodiscard]] virtual bool stream_is_blocking(stream_handle stream) = 0;
+  [[nodiscard]] virtual capture_status stream_capture_status(stream_handle stream) = 0;
+  /// Blocks the calling thread until all work on `stream` is done.
+  virtual void synchronize_stream(stream_handle stream) = 0;
+  /// Blocks the calling thread until all work on the current device is done.
+  virtual void synchronize_device() = 0;
+
+  /// Creates an event on the current device, timing disabled.
+  [[nodiscard]] virtual event_handle create_event() = 0;
+  virtual void destroy_event(event_handle event) noexcept = 0;
+  /// Captures the work enqueued so far on `stream`. The event and the stream must share a device.
+  virtual void record_event(event_handle event, stream_handle stream) = 0;
+  /// True once the work captured by the most recent record is done (or if never recorded).
+  [[nodiscard]] virtual bool query_event(event_handle event) = 0;
+  virtual void synchronize_event(event_handle event) = 0;
+  /// Work enqueued on `stream` after this call waits for the event's most recent record, as of
+  /// this call. Never blocks the host.
+  virtual void stream_wait_event(stream_handle stream, event_handle event) = 0;
+
+  /// Attributes of any address; unregistered host memory is reported as such, not as an error.
+  [[nodiscard]] virtual pointer_attributes attributes(const void* ptr) = 0;
+
+  /// Allocates device memory on the current device (stream-ordered on `stream`).
+  [[nodiscard]] virtual void* allocate(std::size_t bytes, stream_handle stream) = 0;
+  /// Frees memory from `allocate` once the work enqueued on `stream` so far is done.
+  virtual void deallocate(void* ptr, stream_handle stream) noexcept = 0;
+  /// Enqueues a copy of `bytes` between any two addresses the backend can reach.
+  virtual void copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream) = 0;
+  /// Enqueues a host function; it runs on a backend thread once earlier work on `stream` is done,
+  /// and must not call into the backend.
+  virtual void launch_host_func(stream_handle stream, void (*fn)(void*), void* user_data) = 0;
+};
+
+}  // namespace handoff::device

@@ -1,0 +1,36 @@
+// The per-process runtime: which device backend serves this process, and what it reports.
+#pragma once
+
+#include <handoff/device.hpp>
+
+#include <string>
+
+namespace handoff {
+
+/// What `handoff.runtime_info()` reports.
+struct runtime_description {
+  std::string backend;        ///< "cuda", "sim", "sim-rocm" or "none"
+  int device_count{0};
+  std::string version;        ///< handoff's version
+  std::string dlpack_version; ///< highest DLPack version produced, "1.1"
+  bool cuda_compiled{false};  ///< whether the CUDA backend was built
+  std::string backend_error;  ///< why the requested backend could not start; empty when it did
+};
+
+/// handoff's version, "major.minor.patch".
+[[nodiscard]] const char* version() noexcept;
+
+/// Describes the runtime without throwing; starts the backend if it was not started yet.
+[[nodiscard]] runtime_description describe_runtime() noexcept;
+
+/// The backend chosen by HANDOFF_BACKEND (auto, cuda, sim, sim-rocm, none), started on first use.
+/// Returns nullptr for `none` (and for `auto` with no usable device). Thread-safe.
+/// @throws device_error when a backend named explicitly could not start (every call, with the
+///         original reason).
+[[nodiscard]] device::backend* active_backend();
+
+/// Like active_backend(), but a missing backend is an error naming what needed one.
+/// @throws device_error when there is no backend.
+[[nodiscard]] device::backend& require_backend(const char* what);
+
+}  // namespace handoff

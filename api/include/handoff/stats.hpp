@@ -1,0 +1,29 @@
+// Process-wide exchange counters (`handoff.stats()`).
+#pragma once
+
+#include <cstdint>
+
+namespace handoff {
+
+/// A snapshot of the counters. Each is monotonic except `live_views`.
+struct stats_snapshot {
+  std::uint64_t exports{0};            ///< tensors exported (__dlpack__)
+  std::uint64_t imports{0};            ///< producers imported (from_dlpack, asarray)
+  std::uint64_t waits_inserted{0};     ///< consumer streams made to wait on a producer event
+  std::uint64_t waits_elided{0};       ///< orderings skipped: same stream, or already ordered
+  std::uint64_t events_created{0};     ///< events created by the event pool
+  std::uint64_t events_reused{0};      ///< events taken from the pool instead of created
+  std::uint64_t deferred_releases{0};  ///< releases deferred until a consumer stream was done
+  std::int64_t live_views{0};          ///< producers currently kept alive by handoff
+};
+
+/// Names of the counters, for bindings. Order matches stats_snapshot.
+enum class counter { exports, imports, waits_inserted, waits_elided, events_created, events_reused, deferred_releases };
+
+[[nodiscard]] stats_snapshot stats() noexcept;
+/// Zeroes the monotonic counters; `live_views` keeps counting what is alive.
+void reset_stats() noexcept;
+/// Adds `n` to a counter. Lock-free.
+void count(counter which, std::uint64_t n = 1) noexcept;
+
+}  // namespace handoff

@@ -1,0 +1,48 @@
+// What a DLPack `stream` argument asks of a producer, per device type (the contract's stream table).
+#pragma once
+
+#include <handoff/dlpack.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace handoff {
+
+/// How the producer must order its pending work before the consumer's.
+enum class stream_order {
+  none,                ///< no ordering (-1; or any CPU-like device with None)
+  legacy_default,      ///< CUDA's legacy default stream (None or 1)
+  per_thread_default,  ///< CUDA's per-thread default stream (2)
+  default_stream,      ///< ROCm's default stream (None or 0)
+  handle,              ///< the consumer's stream, given by handle (> 2)
+};
+
+/// A validated consumer stream request.
+struct stream_request {
+  stream_order order{stream_order::none};
+  std::uintptr_t handle{0};  ///< the stream handle when order == handle
+
+  friend bool operator==(const stream_request&, const stream_request&) = default;
+};
+
+/// Maps the `stream` argument of `__dlpack__` (nullopt for None) to a request for an array on
+/// `device`. Pure: touches no device.
+/// @throws value_error naming the value and the device type when the table forbids it.
+[[nodiscard]] stream_request classify_stream(DLDeviceType device, std::optional<std::int64_t> stream);
+
+/// True for device types whose memory is ordered by CUDA streams.
+[[nodiscard]] constexpr bool is_cuda_device(DLDeviceType device) noexcept
+{
+  return device == kDLCUDA || device == kDLCUDAHost || device == kDLCUDAManaged;
+}
+
+/// True for device types whose memory is ordered by ROCm streams.
+[[nodiscard]] constexpr bool is_rocm_device(DLDeviceType device) noexcept
+{
+  return device == kDLROCM || device == kDLROCMHost;
+}
+
+/// Name of a device type for messages ("CUDA", "ROCm host", ...).
+[[nodiscard]] const char* device_type_name(DLDeviceType device) noexcept;
+
+}  // namespace handoff

@@ -1,0 +1,33 @@
+"""handoff: zero-copy array exchange between GPU libraries, with the streams ordered.
+
+Import any array (DLPack, CUDA Array Interface, ``__array_interface__``, buffer protocol) as a
+:class:`handoff.Array` and pass it on to any framework; handoff orders the producer's pending work
+before the consumer's stream without blocking the host.
+"""
+
+from ._handoff import (
+    Array,
+    DeviceError,
+    __version__,
+    asarray,
+    from_dlpack,
+    reset_stats,
+    runtime_info,
+    stats,
+)
+from ._streams import Stream, as_stream, current_stream, stream
+
+__all__ = [
+    "Array",
+    "DeviceError",
+    "Stream",
+    "__version__",
+    "as_stream",
+    "asarray",
+    "current_stream",
+    "from_dlpack",
+    "reset_stats",
+    "runtime_info",
+    "stats",
+    "stream",
+]

@@ -1,0 +1,125 @@
+"""Consumer streams: handoff.Stream, as_stream, and the ``with handoff.stream(...)`` block."""
+
+from __future__ import annotations
+
+from . import _handoff
+
+__all__ = ["Stream", "as_stream", "current_stream", "stream"]
+
+# One ContextVar, owned by the extension so that from_dlpack reads it without calling Python:
+# context-local, so blocks nest per thread and per asyncio task.
+_current = _handoff._stream_var
+
+
+class Stream:
+    """A non-owning reference to a device stream: its raw handle and, if known, its device.
+
+    ``handle`` is the native handle (``cudaStream_t`` as an int); DLPack's special values are
+    accepted too (1: legacy default, 2: per-thread default for CUDA; 0: default for ROCm).
+    """
+
+    __slots__ = ("_handle", "_device")
+
+    def __init__(self, handle: int, *, device: int | None = None) -> None:
+        if isinstance(handle, bool) or not isinstance(handle, int):
+            raise TypeError(f"Stream handle must be an int, not {type(handle).__name__}")
+        if handle < 0:
+            raise ValueError(f"Stream handle must be non-negative, got {handle}")
+        if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
+            raise ValueError(f"Stream device must be None or a non-negative int, got {device!r}")
+        self._handle = handle
+        self._device = device
+
+    @property
+    def handle(self) -> int:
+        return self._handle
+
+    @property
+    def device(self) -> int | None:
+        return self._device
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self._handle)
+
+    def __int__(self) -> int:
+        return self._handle
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Stream):
+            return NotImplemented
+        return (self._handle, self._device) == (other._handle, other._device)
+
+    def __hash__(self) -> int:
+        return hash((self._handle, self._device))
+
+    def __repr__(self) -> str:
+        device = "" if self._device is None else f", device={self._device}"
+        return f"handoff.Stream({self._handle:#x}{device})"
+
+
+def as_stream(obj: object) -> Stream:
+    """Converts a stream-like object to a :class:`Stream`.
+
+    Accepts a :class:`Stream`, an int handle, an object with ``__cuda_stream__()`` (returning
+    ``(version, handle)``), ``.cuda_stream`` (PyTorch) or ``.ptr`` (CuPy).
+    """
+    if isinstance(obj, Stream):
+        return obj
+    if isinstance(obj, bool):
+        raise TypeError("a bool is not a stream")
+    if isinstance(obj, int):
+        return Stream(obj)
+    protocol = getattr(obj, "__cuda_stream__", None)
+    if protocol is not None:
+        value = protocol() if callable(protocol) else protocol
+        if not (isinstance(value, tuple) and len(value) == 2):
+            raise TypeError(f"{type(obj).__name__}.__cuda_stream__() must return (version, handle)")
+        return Stream(int(value[1]), device=_device_of(obj))
+    for attribute in ("cuda_stream", "ptr"):
+        handle = getattr(obj, attribute, None)
+        if isinstance(handle, int) and not isinstance(handle, bool):
+            return Stream(handle, device=_device_of(obj))
+    raise TypeError(
+        f"{type(obj).__name__} is not a stream: expected an int, handoff.Stream, or an object with "
+        "__cuda_stream__(), .cuda_stream or .ptr"
+    )
+
+
+def _device_of(obj: object) -> int | None:
+    device = getattr(obj, "device", None)
+    index = getattr(device, "index", device)  # torch.device has .index; CuPy's Device is int-like
+    if hasattr(device, "id"):
+        index = device.id
+    try:
+        return None if index is None else int(index)
+    except (TypeError, ValueError):
+        return None
+
+
+def current_stream() -> Stream | None:
+    """The stream of the innermost enclosing ``handoff.stream(...)`` block, or None."""
+    return _current.get(None)
+
+
+class stream:  # noqa: N801 - used as `with handoff.stream(s):`
+    """Sets the consumer stream for imports in a block (context-local: per thread, per task).
+
+    ``with handoff.stream(s): handoff.from_dlpack(x)`` imports ``x`` ordered before work that is
+    then put on ``s``. Blocks nest; leaving one restores the outer stream.
+    """
+
+    __slots__ = ("_stream", "_tokens")
+
+    def __init__(self, obj: object) -> None:
+        self._stream = None if obj is None else as_stream(obj)
+        self._tokens: list = []
+
+    def __enter__(self) -> Stream | None:
+        self._tokens.append(_current.set(self._stream))
+        return self._stream
+
+    def __exit__(self, *exc_info: object) -> None:
+        _current.reset(self._tokens.pop())
+
+
+_handoff._set_as_stream(as_stream)

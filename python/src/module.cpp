@@ -1,0 +1,118 @@
+// handoff._handoff: the extension module. It only binds; the logic lives in the runtime.
+#include "py_array.hpp"
+#include "py_exchange.hpp"
+#include "py_interfaces.hpp"
+
+#include <handoff/error.hpp>
+#include <handoff/runtime.hpp>
+#include <handoff/stats.hpp>
+#include <handoff/stream_value.hpp>
+
+namespace py = pybind11;
+using namespace handoff;
+using namespace handoff::python;
+
+namespace {
+
+PyObject* device_error_type = nullptr;
+
+void raise_device_error(const device_error& e)
+{
+  py::object instance = py::reinterpret_borrow<py::object>(device_error_type)(e.what());
+  instance.attr("backend") = e.backend();
+  instance.attr("error_name") = e.error_name();
+  PyErr_SetObject(device_error_type, instance.ptr());
+}
+
+// Each C++ exception type maps to exactly one Python exception type.
+void translate(std::exception_ptr thrown)
+{
+  try {
+    if (thrown) { std::rethrow_exception(thrown); }
+  } catch (const device_error& e) {
+    raise_device_error(e);
+  } catch (const value_error& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const buffer_error& e) {
+    PyErr_SetString(PyExc_BufferError, e.what());
+  } catch (const type_error& e) {
+    PyErr_SetString(PyExc_TypeError, e.what());
+  } catch (const not_implemented_error& e) {
+    PyErr_SetString(PyExc_NotImplementedError, e.what());
+  }
+}
+
+py::dict stats_dict()
+{
+  const stats_snapshot s = stats();
+  py::dict out;
+  out["exports"] = s.exports;
+  out["imports"] = s.imports;
+  out["waits_inserted"] = s.waits_inserted;
+  out["waits_elided"] = s.waits_elided;
+  out["events_created"] = s.events_created;
+  out["events_reused"] = s.events_reused;
+  out["deferred_releases"] = s.deferred_releases;
+  out["live_views"] = s.live_views;
+  return out;
+}
+
+py::dict runtime_info()
+{
+  const runtime_description d = describe_runtime();
+  py::dict out;
+  out["backend"] = d.backend;
+  out["device_count"] = d.device_count;
+  out["version"] = d.version;
+  out["dlpack_version"] = d.dlpack_version;
+  out["cuda_compiled"] = d.cuda_compiled;
+  out["backend_error"] = d.backend_error.empty() ? py::object(py::none()) : py::object(py::str(d.backend_error));
+  return out;
+}
+
+const char* stream_order_name(stream_order order)
+{
+  switch (order) {
+    case stream_order::none: return "none";
+    case stream_order::legacy_default: return "legacy_default";
+    case stream_order::per_thread_default: return "per_thread_default";
+    case stream_order::default_stream: return "default_stream";
+    case stream_order::handle: return "handle";
+  }
+  return "unknown";
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_handoff, m)
+{
+  m.doc() = "handoff's native core: stream-correct zero-copy array exchange.";
+  device_error_type = PyErr_NewExceptionWithDoc(
+    "handoff.DeviceError", "A device runtime call failed; `error_name` is the backend's name for the error.",
+    PyExc_RuntimeError, nullptr);
+  if (device_error_type == nullptr) { throw py::error_already_set(); }
+  m.attr("DeviceError") = py::reinterpret_borrow<py::object>(device_error_type);
+  py::register_exception_translator(&translate);
+
+  bind_array(m);
+  init_exchange(m);
+
+  m.def("from_dlpack", &from_dlpack, py::arg("x"), py::pos_only(), py::kw_only(), py::arg("device") = py::none(),
+        py::arg("copy") = py::none(), py::arg("stream") = py::none(),
+        "Imports an object with __dlpack__ (or a DLPack capsule) as a handoff.Array, zero-copy.");
+  m.def("asarray", &asarray, py::arg("x"), py::pos_only(), py::kw_only(), py::arg("device") = py::none(),
+        py::arg("copy") = py::none(), py::arg("stream") = py::none(),
+        "Imports through DLPack, the CUDA Array Interface, __array_interface__ or the buffer protocol.");
+  m.def("stats", &stats_dict, "Exchange counters since the last reset_stats().");
+  m.def("reset_stats", &reset_stats, "Zeroes the counters (live_views keeps counting what is alive).");
+  m.def("runtime_info", &runtime_info, "Backend, device count and versions.");
+  m.def("_classify_stream", [](int device_type, py::handle stream) {
+    const stream_request r = classify_stream(static_cast<DLDeviceType>(device_type), stream_argument(stream));
+    return py::make_tuple(stream_order_name(r.order), r.handle);
+  }, "The producer's action for a DLPack stream value on a device type (the contract's table).");
+  m.def("_parse_cuda_array_interface", [](py::handle interface) {
+    const cuda_array_interface parsed = parse_cuda_array_interface(interface);
+    return py::make_tuple(py::cast(parsed.layout.shape), parsed.stream ? py::object(py::int_(*parsed.stream)) : py::object(py::none()));
+  }, "Validates a __cuda_array_interface__ dict without touching a device.");
+  m.attr("__version__") = handoff::version();
+}

@@ -1,0 +1,189 @@
+#include "py_exchange.hpp"
+
+#include "py_interfaces.hpp"
+
+#include <handoff/error.hpp>
+#include <handoff/stats.hpp>
+
+#include <fmt/format.h>
+
+#include <array>
+
+namespace handoff::python {
+namespace {
+
+// Interned names and constant arguments, made once: the import path is hot.
+struct cached_objects {
+  PyObject* dlpack = nullptr;         // "__dlpack__"
+  PyObject* dlpack_device = nullptr;  // "__dlpack_device__"
+  PyObject* max_version = nullptr;    // (1, 1)
+  PyObject* kw_max_version = nullptr; // ("max_version",)
+  PyObject* stream_var = nullptr;     // ContextVar of handoff.stream(...) blocks
+  PyObject* as_stream = nullptr;      // handoff.as_stream, set by the package
+};
+cached_objects cached;
+
+std::string type_name(py::handle object)
+{
+  return py::str(py::type::handle_of(object).attr("__name__")).cast<std::string>();
+}
+
+// The consumer stream for this import: the argument, else the enclosing handoff.stream block.
+py::object consumer_stream(py::handle stream)
+{
+  if (!stream.is_none()) { return py::reinterpret_borrow<py::object>(stream); }
+  PyObject* value = nullptr;
+  if (PyContextVar_Get(cached.stream_var, nullptr, &value) != 0) { throw py::error_already_set(); }
+  return value != nullptr ? py::reinterpret_steal<py::object>(value) : py::object(py::none());
+}
+
+// The `stream` value to hand to a producer on `device` for consumer stream `stream` (an int in
+// DLPack's convention, or a stream object).
+py::object producer_stream_argument(py::handle stream, DLDeviceType device)
+{
+  if (stream.is_none() || (!is_cuda_device(device) && !is_rocm_device(device))) { return py::none(); }
+  if (PyLong_Check(stream.ptr())) { return py::reinterpret_borrow<py::object>(stream); }
+  // A stream object: its raw handle, with CUDA's legacy default (handle 0) spelled 1 as DLPack asks.
+  HANDOFF_EXPECTS(cached.as_stream != nullptr, type_error, "stream objects need the handoff package");
+  const py::object resolved = py::reinterpret_borrow<py::object>(cached.as_stream)(stream);
+  const auto handle = resolved.attr("handle").cast<long long>();
+  return py::int_(is_cuda_device(device) && handle == 0 ? 1 : handle);
+}
+
+DLDeviceType producer_device(py::handle x)
+{
+  const py::object device = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(x.ptr(), cached.dlpack_device));
+  if (!device) { throw py::error_already_set(); }
+  const bool pair = PyTuple_Check(device.ptr()) && PyTuple_GET_SIZE(device.ptr()) == 2;
+  HANDOFF_EXPECTS(pair, type_error, fmt::format("{}.__dlpack_device__() must return a (device_type, device_id) tuple",
+                                                type_name(x)));
+  return static_cast<DLDeviceType>(py::reinterpret_borrow<py::tuple>(device)[0].cast<int>());
+}
+
+// Calls x.__dlpack__ with keyword arguments only.
+py::object call_dlpack(py::handle x, std::span<const std::pair<const char*, py::handle>> kwargs)
+{
+  std::array<PyObject*, 5> args{x.ptr()};
+  py::tuple names(kwargs.size());
+  for (std::size_t i = 0; i < kwargs.size(); ++i) {
+    args[i + 1] = kwargs[i].second.ptr();
+    PyTuple_SET_ITEM(names.ptr(), static_cast<Py_ssize_t>(i), PyUnicode_InternFromString(kwargs[i].first));
+  }
+  PyObject* result = PyObject_VectorcallMethod(cached.dlpack, args.data(), 1 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                               kwargs.empty() ? nullptr : names.ptr());
+  if (result == nullptr) { throw py::error_already_set(); }
+  return py::reinterpret_steal<py::object>(result);
+}
+
+struct dlpack_result {
+  py::object capsule;
+  bool legacy;  // the producer refused max_version, so it could not honour dl_device or copy either
+};
+
+dlpack_result request_capsule(py::handle x, py::handle stream, py::handle device, py::handle copy)
+{
+  if (stream.is_none() && device.is_none() && copy.is_none()) {
+    // The common case, with cached arguments: x.__dlpack__(max_version=(1, 1)).
+    std::array<PyObject*, 2> args{x.ptr(), cached.max_version};
+    PyObject* result = PyObject_VectorcallMethod(cached.dlpack, args.data(), 1 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                                 cached.kw_max_version);
+    if (result != nullptr) { return {py::reinterpret_steal<py::object>(result), false}; }
+  } else {
+    std::vector<std::pair<const char*, py::handle>> kwargs{{"max_version", cached.max_version}};
+    if (!stream.is_none()) { kwargs.emplace_back("stream", stream); }
+    if (!device.is_none()) { kwargs.emplace_back("dl_device", device); }
+    if (!copy.is_none()) { kwargs.emplace_back("copy", copy); }
+    try {
+      return {call_dlpack(x, kwargs), false};
+    } catch (py::error_already_set& e) {
+      if (!e.matches(PyExc_TypeError)) { throw; }
+    }
+  }
+  if (PyErr_Occurred() != nullptr && !PyErr_ExceptionMatches(PyExc_TypeError)) { throw py::error_already_set(); }
+  PyErr_Clear();
+  // A producer older than DLPack 1.0: no max_version, dl_device or copy.
+  if (stream.is_none()) { return {call_dlpack(x, {}), true}; }
+  const std::array<std::pair<const char*, py::handle>, 1> legacy_args{{{"stream", stream}}};
+  return {call_dlpack(x, legacy_args), true};
+}
+
+// Applies `device` and `copy` to an imported view where the producer could not.
+array settle(array view, std::optional<DLDevice> device, std::optional<bool> copy, bool producer_honoured)
+{
+  if (device && (device->device_type != view.device().device_type || device->device_id != view.device().device_id)) {
+    HANDOFF_EXPECTS(device->device_type == kDLCPU && copy != false, buffer_error,
+                    fmt::format("the data is on device ({}, {}) and cannot be imported to ({}, {}){}",
+                                static_cast<int>(view.device().device_type), view.device().device_id,
+                                static_cast<int>(device->device_type), device->device_id,
+                                copy == false ? " with copy=False" : ""));
+    return copy_to_host(view);
+  }
+  if (copy == true && !producer_honoured) { return copy_to_host(view); }
+  return view;
+}
+
+py::object finish(array view)
+{
+  count(counter::imports);
+  return wrap(std::move(view));
+}
+
+}  // namespace
+
+void init_exchange(py::module_& m)
+{
+  cached.dlpack = PyUnicode_InternFromString("__dlpack__");
+  cached.dlpack_device = PyUnicode_InternFromString("__dlpack_device__");
+  cached.max_version = Py_BuildValue("(ii)", DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION);
+  cached.kw_max_version = Py_BuildValue("(s)", "max_version");
+  cached.stream_var = PyContextVar_New("handoff.stream", nullptr);
+  if (cached.dlpack == nullptr || cached.dlpack_device == nullptr || cached.max_version == nullptr ||
+      cached.kw_max_version == nullptr || cached.stream_var == nullptr) {
+    throw py::error_already_set();
+  }
+  m.attr("_stream_var") = py::reinterpret_borrow<py::object>(cached.stream_var);
+  m.def("_set_as_stream", [](py::object fn) { cached.as_stream = fn.release().ptr(); });
+}
+
+py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::handle stream)
+{
+  const auto target = device_argument(device, "device");
+  const auto want_copy = copy_argument(copy);
+  if (PyCapsule_CheckExact(x.ptr())) { return finish(settle(consume_capsule(x), target, want_copy, false)); }
+  HANDOFF_EXPECTS(PyObject_HasAttr(x.ptr(), cached.dlpack) != 0, type_error,
+                  fmt::format("from_dlpack: {} object has no __dlpack__ method and is not a DLPack capsule",
+                              type_name(x)));
+  const py::object consumer = consumer_stream(stream);
+  const py::object producer_arg =
+    consumer.is_none() ? py::object(py::none()) : producer_stream_argument(consumer, producer_device(x));
+  if (PyLong_Check(producer_arg.ptr())) { (void)stream_argument(producer_arg); }  // bool/range checks
+  const auto [capsule, legacy] = request_capsule(x, producer_arg, device, copy);
+  return finish(settle(consume_capsule(capsule), target, want_copy, !legacy));
+}
+
+py::object asarray(py::handle x, py::handle device, py::handle copy, py::handle stream)
+{
+  const bool has_dlpack = PyCapsule_CheckExact(x.ptr()) || PyObject_HasAttr(x.ptr(), cached.dlpack) != 0;
+  if (has_dlpack) {
+    try {
+      return from_dlpack(x, device, copy, stream);
+    } catch (py::error_already_set& e) {
+      // DLPack could not express it (say, a byte-swapped array): another protocol may.
+      if (!e.matches(PyExc_BufferError)) { throw; }
+    } catch (const buffer_error&) {
+    }
+  }
+  const auto target = device_argument(device, "device");
+  const auto want_copy = copy_argument(copy);
+  if (py::object cai = py::getattr(x, "__cuda_array_interface__", py::none()); !cai.is_none()) {
+    return finish(settle(import_cuda_array_interface(x, cai), target, want_copy, false));
+  }
+  if (py::object ai = py::getattr(x, "__array_interface__", py::none()); !ai.is_none()) {
+    return finish(settle(import_array_interface(x, ai), target, want_copy, false));
+  }
+  if (PyObject_CheckBuffer(x.ptr()) != 0) { return finish(settle(import_buffer(x), target, want_copy, false)); }
+  throw type_error(fmt::format("asarray: {} object supports no array protocol (DLPack, CUDA Array Interface, "
+                               "__array_interface__ or the buffer protocol)", type_name(x)));
+}
+
+}  // namespace handoff::python

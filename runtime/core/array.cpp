@@ -1,0 +1,284 @@
+#include <handoff/array.hpp>
+#include <handoff/dtype.hpp>
+#include <handoff/error.hpp>
+
+#include "core/live_views.hpp"
+#include "log/logger.hpp"
+
+#include <fmt/format.h>
+
+#include <cstring>
+#include <limits>
+#include <utility>
+
+namespace handoff {
+
+struct producer_ref::state {
+  explicit state(std::function<void()> release) : release_(std::move(release)) { detail::live_view_added(); }
+  state(const state&) = delete;
+  state& operator=(const state&) = delete;
+  state(state&&) = delete;
+  state& operator=(state&&) = delete;
+  ~state()
+  {
+    detail::live_view_released();
+    if (!release_) { return; }
+    try {
+      release_();
+    } catch (...) {
+      HANDOFF_LOG_ERROR("a producer's release function threw; the exception was dropped");
+    }
+  }
+
+  std::function<void()> release_;
+};
+
+producer_ref::producer_ref(std::function<void()> release)
+{
+  try {
+    state_ = std::make_shared<state>(std::move(release));
+  } catch (...) {
+    // Out of memory before ownership was established: release now, so nothing leaks.
+    if (release) { release(); }
+    throw;
+  }
+}
+
+namespace {
+
+// Multiplies non-negative values, reporting overflow past int64.
+bool checked_multiply(std::int64_t a, std::int64_t b, std::int64_t& out) noexcept
+{
+  return !__builtin_mul_overflow(a, b, &out);
+}
+
+void validate(const array_layout& layout)
+{
+  HANDOFF_EXPECTS(layout.shape.size() == layout.strides.size(), value_error,
+                  fmt::format("strides has {} entries but shape has {} dimensions", layout.strides.size(),
+                              layout.shape.size()));
+  HANDOFF_EXPECTS(layout.dtype.lanes == 1 && layout.dtype.bits > 0, buffer_error,
+                  fmt::format("unsupported dtype (code {}, bits {}, lanes {})", layout.dtype.code, layout.dtype.bits,
+                              layout.dtype.lanes));
+  std::int64_t elements = 1;
+  for (std::size_t i = 0; i < layout.shape.size(); ++i) {
+    HANDOFF_EXPECTS(layout.shape[i] >= 0, value_error,
+                    fmt::format("shape[{}] is negative ({})", i, layout.shape[i]));
+    HANDOFF_EXPECTS(checked_multiply(elements, layout.shape[i], elements), value_error,
+                    fmt::format("shape {} overflows: its element count does not fit in 64 bits",
+                                fmt::join(layout.shape, "x")));
+  }
+  std::int64_t bytes = 0;
+  HANDOFF_EXPECTS(checked_multiply(elements, static_cast<std::int64_t>(itemsize(layout.dtype)), bytes), value_error,
+                  fmt::format("shape {} overflows: its size in bytes does not fit in 64 bits",
+                              fmt::join(layout.shape, "x")));
+  HANDOFF_EXPECTS(elements == 0 || layout.data != nullptr, value_error,
+                  "data is a null pointer but the array has elements");
+}
+
+}  // namespace
+
+array::array(array_layout layout, producer_ref owner) : layout_(std::move(layout)), owner_(std::move(owner))
+{
+  validate(layout_);
+}
+
+std::int64_t array::size() const noexcept
+{
+  std::int64_t n = 1;
+  for (const auto extent : layout_.shape) { n *= extent; }
+  return n;
+}
+
+std::size_t array::itemsize() const noexcept { return handoff::itemsize(layout_.dtype); }
+
+std::int64_t array::nbytes() const noexcept { return size() * static_cast<std::int64_t>(itemsize()); }
+
+bool array::is_c_contiguous() const noexcept
+{
+  std::int64_t expected = 1;
+  for (std::size_t i = layout_.shape.size(); i-- > 0;) {
+    if (layout_.shape[i] == 0) { return true; }
+    if (layout_.shape[i] != 1 && layout_.strides[i] != expected) { return false; }
+    expected *= layout_.shape[i];
+  }
+  return true;
+}
+
+std::vector<std::int64_t> contiguous_strides(std::span<const std::int64_t> shape)
+{
+  std::vector<std::int64_t> strides(shape.size());
+  std::int64_t step = 1;
+  for (std::size_t i = shape.size(); i-- > 0;) {
+    strides[i] = step;
+    step *= shape[i] > 0 ? shape[i] : 1;
+  }
+  return strides;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Import
+
+namespace {
+
+template <typename Managed>
+producer_ref adopt(Managed* tensor)
+{
+  return producer_ref{[tensor]() noexcept {
+    if (tensor->deleter != nullptr) { tensor->deleter(tensor); }
+  }};
+}
+
+array_layout layout_of(const DLTensor& t, bool readonly)
+{
+  HANDOFF_EXPECTS(t.ndim >= 0, value_error, fmt::format("DLPack tensor has negative ndim ({})", t.ndim));
+  HANDOFF_EXPECTS(t.ndim == 0 || t.shape != nullptr, value_error,
+                  fmt::format("DLPack tensor has ndim {} but a null shape", t.ndim));
+  (void)dtype_name(t.dtype);  // throws buffer_error for dtypes handoff cannot describe
+  array_layout layout;
+  layout.device = t.device;
+  layout.dtype = t.dtype;
+  layout.readonly = readonly;
+  const auto ndim = static_cast<std::size_t>(t.ndim);
+  layout.shape.assign(t.shape, t.shape + ndim);
+  if (t.strides != nullptr) {
+    layout.strides.assign(t.strides, t.strides + ndim);
+  } else {
+    layout.strides = contiguous_strides(layout.shape);
+  }
+  layout.data = t.data == nullptr ? nullptr : static_cast<std::byte*>(t.data) + t.byte_offset;
+  return layout;
+}
+
+}  // namespace
+
+array import_dlpack(DLManagedTensorVersioned* tensor)
+{
+  HANDOFF_EXPECTS(tensor != nullptr, value_error, "DLPack capsule holds a null DLManagedTensorVersioned");
+  producer_ref owner = adopt(tensor);  // from here on, the deleter runs exactly once
+  HANDOFF_EXPECTS(tensor->version.major == DLPACK_MAJOR_VERSION, buffer_error,
+                  fmt::format("DLPack major version {}.{} is not supported (handoff understands {}.x)",
+                              tensor->version.major, tensor->version.minor, DLPACK_MAJOR_VERSION));
+  const DLTensor& t = tensor->dl_tensor;
+  const bool padded = (tensor->flags & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED) != 0;
+  HANDOFF_EXPECTS(t.dtype.bits >= 8 || padded, buffer_error,
+                  fmt::format("packed sub-byte dtype ({} bits) is not supported; export it padded", t.dtype.bits));
+  return array{layout_of(t, (tensor->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0), std::move(owner)};
+}
+
+array import_dlpack(DLManagedTensor* tensor)
+{
+  HANDOFF_EXPECTS(tensor != nullptr, value_error, "DLPack capsule holds a null DLManagedTensor");
+  producer_ref owner = adopt(tensor);
+  HANDOFF_EXPECTS(tensor->dl_tensor.dtype.bits >= 8, buffer_error,
+                  fmt::format("sub-byte dtype ({} bits) cannot be exchanged through a legacy DLPack capsule",
+                              tensor->dl_tensor.dtype.bits));
+  return array{layout_of(tensor->dl_tensor, false), std::move(owner)};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Export
+
+namespace {
+
+// One allocation per export: the managed tensor, its shape and strides, and the producer it pins.
+template <typename Managed>
+struct exported {
+  Managed managed{};
+  std::vector<std::int64_t> shape;
+  std::vector<std::int64_t> strides;
+  producer_ref owner;
+
+  static void deleter(Managed* self) noexcept { delete static_cast<exported*>(self->manager_ctx); }
+};
+
+template <typename Managed>
+Managed* make_export(const array& view)
+{
+  auto* out = new exported<Managed>{};
+  out->shape.assign(view.shape().begin(), view.shape().end());
+  out->strides.assign(view.strides().begin(), view.strides().end());
+  out->owner = view.owner();
+  DLTensor& t = out->managed.dl_tensor;
+  t.data = view.data();
+  t.device = view.device();
+  t.ndim = view.ndim();
+  t.dtype = view.dtype();
+  t.shape = out->shape.data();
+  t.strides = out->strides.data();  // never NULL, even for 0-d (DLPack 1.2)
+  t.byte_offset = 0;
+  out->managed.manager_ctx = out;
+  out->managed.deleter = &exported<Managed>::deleter;
+  return &out->managed;
+}
+
+}  // namespace
+
+DLManagedTensorVersioned* export_versioned(const array& view, export_options options)
+{
+  auto* managed = make_export<DLManagedTensorVersioned>(view);
+  managed->version = options.version;
+  managed->flags = (view.readonly() ? DLPACK_FLAG_BITMASK_READ_ONLY : 0) |
+                   (options.copied ? DLPACK_FLAG_BITMASK_IS_COPIED : 0) |
+                   (view.dtype().bits < 8 ? DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED : 0);
+  return managed;
+}
+
+DLManagedTensor* export_legacy(const array& view)
+{
+  HANDOFF_EXPECTS(!view.readonly(), buffer_error,
+                  "cannot export a read-only array to a legacy DLPack consumer (it cannot mark it read-only); "
+                  "pass max_version=(1, 0) or newer");
+  HANDOFF_EXPECTS(view.dtype().bits >= 8, buffer_error,
+                  "a sub-byte dtype cannot be exported through a legacy DLPack capsule; pass max_version=(1, 1)");
+  return make_export<DLManagedTensor>(view);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Copy
+
+namespace {
+
+void copy_strided(std::byte* dst, const std::byte* src, const array& view, std::size_t dim, std::int64_t& written)
+{
+  const auto item = static_cast<std::int64_t>(view.itemsize());
+  const std::int64_t stride_bytes = view.strides()[dim] * item;
+  const std::int64_t extent = view.shape()[dim];
+  for (std::int64_t i = 0; i < extent; ++i) {
+    const std::byte* at = src + i * stride_bytes;
+    if (dim + 1 == view.shape().size()) {
+      std::memcpy(dst + written, at, static_cast<std::size_t>(item));
+      written += item;
+    } else {
+      copy_strided(dst, at, view, dim + 1, written);
+    }
+  }
+}
+
+}  // namespace
+
+array copy_to_host(const array& view)
+{
+  HANDOFF_EXPECTS(view.device().device_type == kDLCPU, buffer_error,
+                  fmt::format("a host copy of {} memory needs a device backend", static_cast<int>(view.device().device_type)));
+  const auto bytes = static_cast<std::size_t>(view.nbytes());
+  auto storage = std::make_unique<std::byte[]>(bytes > 0 ? bytes : 1);
+  if (bytes > 0) {
+    if (view.is_c_contiguous()) {
+      std::memcpy(storage.get(), view.data(), bytes);
+    } else {
+      std::int64_t written = 0;
+      copy_strided(storage.get(), static_cast<const std::byte*>(view.data()), view, 0, written);
+    }
+  }
+  array_layout layout;
+  layout.data = storage.get();
+  layout.device = {kDLCPU, 0};
+  layout.dtype = view.dtype();
+  layout.shape.assign(view.shape().begin(), view.shape().end());
+  layout.strides = contiguous_strides(layout.shape);
+  std::byte* raw = storage.release();
+  return array{std::move(layout), producer_ref{[raw]() noexcept { delete[] raw; }}};
+}
+
+}  // namespace handoff

@@ -1,0 +1,47 @@
+#include <handoff/stats.hpp>
+
+#include "core/live_views.hpp"
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+
+namespace handoff {
+namespace {
+
+constexpr std::size_t counter_count = static_cast<std::size_t>(counter::deferred_releases) + 1;
+
+// Relaxed atomics: the counters are statistics, not synchronization.
+std::array<std::atomic<std::uint64_t>, counter_count> counters{};
+std::atomic<std::int64_t> live{0};
+
+std::uint64_t load(counter which) noexcept
+{
+  return counters[static_cast<std::size_t>(which)].load(std::memory_order_relaxed);
+}
+
+}  // namespace
+
+void count(counter which, std::uint64_t n) noexcept
+{
+  counters[static_cast<std::size_t>(which)].fetch_add(n, std::memory_order_relaxed);
+}
+
+stats_snapshot stats() noexcept
+{
+  return {load(counter::exports),        load(counter::imports),        load(counter::waits_inserted),
+          load(counter::waits_elided),   load(counter::events_created), load(counter::events_reused),
+          load(counter::deferred_releases), live.load(std::memory_order_relaxed)};
+}
+
+void reset_stats() noexcept
+{
+  for (auto& c : counters) { c.store(0, std::memory_order_relaxed); }
+}
+
+namespace detail {
+void live_view_added() noexcept { live.fetch_add(1, std::memory_order_relaxed); }
+void live_view_released() noexcept { live.fetch_sub(1, std::memory_order_relaxed); }
+}  // namespace detail
+
+}  // namespace handoff

@@ -1,0 +1,107 @@
+#include <handoff/error.hpp>
+#include <handoff/runtime.hpp>
+
+#include "device/backend_factory.hpp"
+#include "log/logger.hpp"
+
+#include <fmt/format.h>
+
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <string_view>
+
+namespace handoff {
+namespace {
+
+struct started_backend {
+  std::string name{"none"};
+  std::unique_ptr<device::backend> backend;
+  std::string error_name;  // set when a backend named explicitly failed to start
+  std::string error;
+};
+
+started_backend start()
+{
+  const char* env = std::getenv("HANDOFF_BACKEND");
+  const std::string_view requested = (env != nullptr && *env != '\0') ? env : "auto";
+  started_backend out;
+  if (requested == "none") { return out; }
+  if (requested == "auto") {
+    if (!device::cuda_compiled_in()) {
+      out.error = "the CUDA backend was not compiled in";
+      return out;
+    }
+    try {
+      out.backend = device::make_backend("cuda");
+      out.name = "cuda";
+    } catch (const device_error& e) {
+      out.error = e.what();  // no usable device: run without a backend
+      HANDOFF_LOG_INFO("HANDOFF_BACKEND=auto: no CUDA device ({}); backend is none", e.what());
+    }
+    return out;
+  }
+  out.name = std::string{requested};
+  try {
+    out.backend = device::make_backend(requested);
+  } catch (const device_error& e) {
+    out.error_name = e.error_name();
+    out.error = e.what();
+  } catch (const error& e) {
+    out.error_name = "handoffErrorInvalidBackend";
+    out.error = e.what();
+  }
+  if (!out.error.empty()) { HANDOFF_LOG_WARN("HANDOFF_BACKEND={} cannot start: {}", out.name, out.error); }
+  return out;
+}
+
+const started_backend& started()
+{
+  static const started_backend instance = start();
+  return instance;
+}
+
+}  // namespace
+
+device::backend* active_backend()
+{
+  const auto& s = started();
+  if (!s.error_name.empty()) {
+    throw device_error(s.name, s.error_name, fmt::format("HANDOFF_BACKEND={} cannot start: {}", s.name, s.error));
+  }
+  return s.backend.get();
+}
+
+device::backend& require_backend(const char* what)
+{
+  device::backend* b = active_backend();
+  if (b == nullptr) {
+    const auto& s = started();
+    throw device_error("none", "handoffErrorNoBackend",
+                       fmt::format("{} needs a device backend, and none is active (HANDOFF_BACKEND={}{})", what,
+                                   std::getenv("HANDOFF_BACKEND") ? std::getenv("HANDOFF_BACKEND") : "auto",
+                                   s.error.empty() ? "" : fmt::format("; {}", s.error)));
+  }
+  return *b;
+}
+
+const char* version() noexcept { return HANDOFF_VERSION; }
+
+runtime_description describe_runtime() noexcept
+{
+  runtime_description d;
+  try {
+    const auto& s = started();
+    d.backend = s.name;
+    d.version = HANDOFF_VERSION;
+    d.dlpack_version = fmt::format("{}.{}", DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION);
+    d.cuda_compiled = device::cuda_compiled_in();
+    d.backend_error = s.error;
+    if (s.backend) { d.device_count = s.backend->device_count(); }
+  } catch (const std::exception& e) {
+    d.backend_error = e.what();
+  }
+  return d;
+}
+
+}  // namespace handoff

@@ -1,0 +1,233 @@
+// Import, export and lifetimes of handoff::array: every deleter runs exactly once on every path.
+#include <handoff/array.hpp>
+#include <handoff/dtype.hpp>
+#include <handoff/error.hpp>
+#include <handoff/stats.hpp>
+
+#include <gtest/gtest.h>
+
+#include <array>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+using namespace handoff;
+
+// A producer-side tensor that counts its deleter calls.
+struct fake_producer {
+  std::vector<float> storage;
+  std::vector<std::int64_t> shape;
+  std::vector<std::int64_t> strides;
+  int deleted = 0;
+  DLManagedTensorVersioned versioned{};
+  DLManagedTensor legacy{};
+
+  explicit fake_producer(std::vector<std::int64_t> dims) : shape(std::move(dims))
+  {
+    std::int64_t n = 1;
+    for (auto d : shape) { n *= d; }
+    storage.resize(static_cast<std::size_t>(n));
+    std::iota(storage.begin(), storage.end(), 0.0F);
+    strides = contiguous_strides(shape);
+    DLTensor t{};
+    t.data = storage.data();
+    t.device = {kDLCPU, 0};
+    t.ndim = static_cast<std::int32_t>(shape.size());
+    t.dtype = {kDLFloat, 32, 1};
+    t.shape = shape.data();
+    t.strides = strides.data();
+    versioned.version = {1, 1};
+    versioned.manager_ctx = this;
+    versioned.deleter = [](DLManagedTensorVersioned* self) { ++static_cast<fake_producer*>(self->manager_ctx)->deleted; };
+    versioned.dl_tensor = t;
+    legacy.manager_ctx = this;
+    legacy.deleter = [](DLManagedTensor* self) { ++static_cast<fake_producer*>(self->manager_ctx)->deleted; };
+    legacy.dl_tensor = t;
+  }
+};
+
+class ArrayTest : public ::testing::Test {
+ protected:
+  void SetUp() override { live_before_ = stats().live_views; }
+  void TearDown() override { EXPECT_EQ(stats().live_views, live_before_) << "a producer leaked"; }
+
+ private:
+  std::int64_t live_before_ = 0;
+};
+
+TEST_F(ArrayTest, ImportKeepsProducerUntilLastViewIsGone)
+{
+  fake_producer p{{2, 3}};
+  {
+    array view = import_dlpack(&p.versioned);
+    EXPECT_EQ(view.data(), p.storage.data());
+    EXPECT_EQ(view.size(), 6);
+    EXPECT_EQ(view.nbytes(), 24);
+    EXPECT_FALSE(view.readonly());
+    array copy = view;
+    { array moved = std::move(view); }
+    EXPECT_EQ(p.deleted, 0);
+  }
+  EXPECT_EQ(p.deleted, 1);
+}
+
+TEST_F(ArrayTest, ExportedTensorPinsTheProducer)
+{
+  fake_producer p{{4}};
+  DLManagedTensorVersioned* out = nullptr;
+  {
+    array view = import_dlpack(&p.versioned);
+    out = export_versioned(view);
+  }
+  EXPECT_EQ(p.deleted, 0);
+  ASSERT_NE(out->dl_tensor.strides, nullptr);
+  EXPECT_EQ(out->dl_tensor.strides[0], 1);
+  EXPECT_EQ(out->version.major, 1U);
+  out->deleter(out);
+  EXPECT_EQ(p.deleted, 1);
+}
+
+TEST_F(ArrayTest, ZeroDimensionalExportHasNonNullStrides)
+{
+  fake_producer p{{}};
+  array view = import_dlpack(&p.versioned);
+  EXPECT_EQ(view.ndim(), 0);
+  EXPECT_EQ(view.size(), 1);
+  DLManagedTensorVersioned* out = export_versioned(view);
+  EXPECT_NE(out->dl_tensor.strides, nullptr);
+  EXPECT_NE(out->dl_tensor.shape, nullptr);
+  out->deleter(out);
+}
+
+TEST_F(ArrayTest, NullStridesMeanRowMajor)
+{
+  fake_producer p{{2, 3, 4}};
+  p.versioned.dl_tensor.strides = nullptr;
+  array view = import_dlpack(&p.versioned);
+  EXPECT_EQ(std::vector<std::int64_t>(view.strides().begin(), view.strides().end()),
+            (std::vector<std::int64_t>{12, 4, 1}));
+}
+
+TEST_F(ArrayTest, ByteOffsetIsFoldedIntoData)
+{
+  fake_producer p{{3}};
+  p.versioned.dl_tensor.shape[0] = 2;
+  p.versioned.dl_tensor.byte_offset = 4;
+  array view = import_dlpack(&p.versioned);
+  EXPECT_EQ(view.data(), p.storage.data() + 1);
+}
+
+TEST_F(ArrayTest, ReadOnlyFlagIsKeptAndRefusedToLegacyConsumers)
+{
+  fake_producer p{{3}};
+  p.versioned.flags = DLPACK_FLAG_BITMASK_READ_ONLY;
+  array view = import_dlpack(&p.versioned);
+  EXPECT_TRUE(view.readonly());
+  EXPECT_THROW((void)export_legacy(view), buffer_error);
+  DLManagedTensorVersioned* out = export_versioned(view);
+  EXPECT_EQ(out->flags & DLPACK_FLAG_BITMASK_READ_ONLY, DLPACK_FLAG_BITMASK_READ_ONLY);
+  out->deleter(out);
+}
+
+TEST_F(ArrayTest, FailedImportsRunTheDeleterExactlyOnce)
+{
+  {
+    fake_producer p{{3}};
+    p.versioned.version = {2, 0};
+    EXPECT_THROW((void)import_dlpack(&p.versioned), buffer_error);
+    EXPECT_EQ(p.deleted, 1);
+  }
+  {
+    fake_producer p{{3}};
+    p.versioned.dl_tensor.dtype = {kDLFloat, 32, 4};
+    EXPECT_THROW((void)import_dlpack(&p.versioned), buffer_error);
+    EXPECT_EQ(p.deleted, 1);
+  }
+  {
+    fake_producer p{{3}};
+    p.versioned.dl_tensor.shape[0] = -3;
+    EXPECT_THROW((void)import_dlpack(&p.versioned), value_error);
+    EXPECT_EQ(p.deleted, 1);
+  }
+  {
+    fake_producer p{{3}};
+    p.versioned.dl_tensor.ndim = -1;
+    EXPECT_THROW((void)import_dlpack(&p.versioned), value_error);
+    EXPECT_EQ(p.deleted, 1);
+  }
+  {
+    fake_producer p{{3}};
+    p.versioned.dl_tensor.data = nullptr;
+    EXPECT_THROW((void)import_dlpack(&p.versioned), value_error);
+    EXPECT_EQ(p.deleted, 1);
+  }
+  {
+    fake_producer p{{3}};
+    p.legacy.dl_tensor.dtype = *dtype_from_name("float4_e2m1fn");
+    EXPECT_THROW((void)import_dlpack(&p.legacy), buffer_error);
+    EXPECT_EQ(p.deleted, 1);
+  }
+  {
+    fake_producer p{{3}};
+    p.versioned.dl_tensor.dtype = *dtype_from_name("float4_e2m1fn");  // packed: refused
+    EXPECT_THROW((void)import_dlpack(&p.versioned), buffer_error);
+    EXPECT_EQ(p.deleted, 1);
+  }
+}
+
+TEST_F(ArrayTest, OverflowingShapeIsRefused)
+{
+  fake_producer p{{2, 2}};
+  p.versioned.dl_tensor.shape[0] = INT64_MAX / 2;
+  p.versioned.dl_tensor.shape[1] = 4;
+  EXPECT_THROW((void)import_dlpack(&p.versioned), value_error);
+  EXPECT_EQ(p.deleted, 1);
+}
+
+TEST_F(ArrayTest, EmptyArraysMayHaveNullData)
+{
+  fake_producer p{{0, 5}};
+  p.versioned.dl_tensor.data = nullptr;
+  array view = import_dlpack(&p.versioned);
+  EXPECT_EQ(view.size(), 0);
+  EXPECT_TRUE(view.is_c_contiguous());
+}
+
+TEST_F(ArrayTest, CopyToHostHandlesNegativeAndZeroStrides)
+{
+  fake_producer p{{2, 3}};  // 0 1 2 / 3 4 5
+  std::array<std::int64_t, 2> reversed{-3, -1};
+  p.versioned.dl_tensor.strides = reversed.data();
+  p.versioned.dl_tensor.data = p.storage.data() + 5;
+  array view = import_dlpack(&p.versioned);
+  EXPECT_FALSE(view.is_c_contiguous());
+  array copy = copy_to_host(view);
+  const auto* values = static_cast<const float*>(copy.data());
+  EXPECT_EQ(std::vector<float>(values, values + 6), (std::vector<float>{5, 4, 3, 2, 1, 0}));
+
+  fake_producer q{{3}};
+  std::array<std::int64_t, 2> shape{2, 3};
+  std::array<std::int64_t, 2> broadcast{0, 1};
+  q.versioned.dl_tensor.ndim = 2;
+  q.versioned.dl_tensor.shape = shape.data();
+  q.versioned.dl_tensor.strides = broadcast.data();
+  array row = import_dlpack(&q.versioned);
+  array rows = copy_to_host(row);
+  const auto* r = static_cast<const float*>(rows.data());
+  EXPECT_EQ(std::vector<float>(r, r + 6), (std::vector<float>{0, 1, 2, 0, 1, 2}));
+}
+
+TEST_F(ArrayTest, LiveViewsCountsProducers)
+{
+  const auto before = stats().live_views;
+  fake_producer p{{3}};
+  {
+    array view = import_dlpack(&p.versioned);
+    array again = view;
+    EXPECT_EQ(stats().live_views, before + 1);
+  }
+  EXPECT_EQ(stats().live_views, before);
+}
+
+}  // namespace

@@ -1,0 +1,77 @@
+// Every cell of the contract's stream table.
+#include <handoff/error.hpp>
+#include <handoff/stream_value.hpp>
+
+#include <gtest/gtest.h>
+
+#include <optional>
+
+namespace {
+
+using handoff::classify_stream;
+using handoff::stream_order;
+using handoff::stream_request;
+
+constexpr std::optional<std::int64_t> none = std::nullopt;
+
+class StreamValueTest : public ::testing::TestWithParam<DLDeviceType> {};
+
+INSTANTIATE_TEST_SUITE_P(Cuda, StreamValueTest, ::testing::Values(kDLCUDA, kDLCUDAHost, kDLCUDAManaged));
+
+TEST_P(StreamValueTest, CudaTable)
+{
+  const DLDeviceType d = GetParam();
+  EXPECT_EQ(classify_stream(d, none), (stream_request{stream_order::legacy_default, 0}));
+  EXPECT_EQ(classify_stream(d, -1), (stream_request{stream_order::none, 0}));
+  EXPECT_THROW((void)classify_stream(d, 0), handoff::value_error);
+  EXPECT_EQ(classify_stream(d, 1), (stream_request{stream_order::legacy_default, 0}));
+  EXPECT_EQ(classify_stream(d, 2), (stream_request{stream_order::per_thread_default, 0}));
+  EXPECT_EQ(classify_stream(d, 3), (stream_request{stream_order::handle, 3}));
+  EXPECT_EQ(classify_stream(d, 0x7f0012345600), (stream_request{stream_order::handle, 0x7f0012345600}));
+  EXPECT_THROW((void)classify_stream(d, -2), handoff::value_error);
+  EXPECT_THROW((void)classify_stream(d, INT64_MIN), handoff::value_error);
+}
+
+class RocmStreamValueTest : public ::testing::TestWithParam<DLDeviceType> {};
+
+INSTANTIATE_TEST_SUITE_P(Rocm, RocmStreamValueTest, ::testing::Values(kDLROCM, kDLROCMHost));
+
+TEST_P(RocmStreamValueTest, RocmTable)
+{
+  const DLDeviceType d = GetParam();
+  EXPECT_EQ(classify_stream(d, none), (stream_request{stream_order::default_stream, 0}));
+  EXPECT_EQ(classify_stream(d, -1), (stream_request{stream_order::none, 0}));
+  EXPECT_EQ(classify_stream(d, 0), (stream_request{stream_order::default_stream, 0}));
+  EXPECT_THROW((void)classify_stream(d, 1), handoff::value_error);
+  EXPECT_THROW((void)classify_stream(d, 2), handoff::value_error);
+  EXPECT_EQ(classify_stream(d, 3), (stream_request{stream_order::handle, 3}));
+  EXPECT_THROW((void)classify_stream(d, -5), handoff::value_error);
+}
+
+class OtherStreamValueTest : public ::testing::TestWithParam<DLDeviceType> {};
+
+INSTANTIATE_TEST_SUITE_P(Other, OtherStreamValueTest,
+                         ::testing::Values(kDLCPU, kDLOpenCL, kDLVulkan, kDLMetal, kDLVPI, kDLExtDev, kDLOneAPI,
+                                           kDLWebGPU, kDLHexagon, kDLMAIA, kDLTrn));
+
+TEST_P(OtherStreamValueTest, OnlyNoneIsValid)
+{
+  const DLDeviceType d = GetParam();
+  EXPECT_EQ(classify_stream(d, none), (stream_request{stream_order::none, 0}));
+  for (const std::int64_t value : {-1, 0, 1, 2, 3, 1000, -7}) {
+    EXPECT_THROW((void)classify_stream(d, value), handoff::value_error) << value;
+  }
+}
+
+TEST(StreamValueMessageTest, NamesTheValueAndDevice)
+{
+  try {
+    (void)classify_stream(kDLCUDA, 0);
+    FAIL() << "expected value_error";
+  } catch (const handoff::value_error& e) {
+    EXPECT_NE(std::string{e.what()}.find("stream=0"), std::string::npos) << e.what();
+    EXPECT_NE(std::string{e.what()}.find("CUDA"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
