@@ -4,7 +4,7 @@ include_guard(GLOBAL)
 find_package(Threads REQUIRED)
 find_package(fmt REQUIRED)
 find_package(spdlog REQUIRED)
-find_package(Boost 1.74 REQUIRED)
+find_package(Boost 1.74 REQUIRED CONFIG)
 
 set(HANDOFF_HAS_CUDA OFF)
 if(NOT HANDOFF_WITH_CUDA STREQUAL "OFF")

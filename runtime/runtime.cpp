@@ -3,6 +3,7 @@
 
 #include "device/backend_factory.hpp"
 #include "log/logger.hpp"
+#include "service/service_thread.hpp"
 
 #include <fmt/format.h>
 
@@ -17,6 +18,7 @@ namespace {
 struct started_backend {
   std::string name{"none"};
   std::unique_ptr<device::backend> backend;
+  std::unique_ptr<context> exchange;  // after backend: destroyed first, draining deferred releases
   std::string error_name;  // set when a backend named explicitly failed to start
   std::string error;
 };
@@ -55,9 +57,18 @@ started_backend start()
   return out;
 }
 
+started_backend start_with_context()
+{
+  started_backend s = start();
+  if (s.backend) {
+    s.exchange = std::make_unique<context>(*s.backend, std::make_unique<detail::service_thread>());
+  }
+  return s;
+}
+
 const started_backend& started()
 {
-  static const started_backend instance = start();
+  static const started_backend instance = start_with_context();
   return instance;
 }
 
@@ -86,6 +97,18 @@ device::backend& require_backend(const char* what)
 }
 
 const char* version() noexcept { return HANDOFF_VERSION; }
+
+context* active_context()
+{
+  (void)active_backend();  // throws when a named backend failed to start
+  return started().exchange.get();
+}
+
+context& require_context(const char* what)
+{
+  (void)require_backend(what);
+  return *started().exchange;
+}
 
 runtime_description describe_runtime() noexcept
 {

@@ -1,4 +1,5 @@
 #include <handoff/array.hpp>
+#include <handoff/context.hpp>
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
 
@@ -9,6 +10,7 @@
 
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <utility>
 
 namespace handoff {
@@ -23,6 +25,10 @@ struct producer_ref::state {
   {
     detail::live_view_released();
     if (!release_) { return; }
+    if (release_after_ && release_after_->ctx != nullptr) {
+      release_after_->ctx->release_after(release_after_->device, release_after_->stream, std::move(release_));
+      return;
+    }
     try {
       release_();
     } catch (...) {
@@ -31,6 +37,9 @@ struct producer_ref::state {
   }
 
   std::function<void()> release_;
+  mutable std::mutex mutex_;  // guards the two bindings
+  std::optional<stream_binding> ready_on_;
+  std::optional<stream_binding> release_after_;
 };
 
 producer_ref::producer_ref(std::function<void()> release)
@@ -42,6 +51,27 @@ producer_ref::producer_ref(std::function<void()> release)
     if (release) { release(); }
     throw;
   }
+}
+
+std::optional<stream_binding> producer_ref::ready_on() const
+{
+  if (!state_) { return std::nullopt; }
+  std::lock_guard lock{state_->mutex_};
+  return state_->ready_on_;
+}
+
+void producer_ref::set_ready_on(const stream_binding& where) const
+{
+  if (!state_) { return; }
+  std::lock_guard lock{state_->mutex_};
+  state_->ready_on_ = where;
+}
+
+void producer_ref::release_after(const stream_binding& consumer) const
+{
+  if (!state_) { return; }
+  std::lock_guard lock{state_->mutex_};
+  state_->release_after_ = consumer;
 }
 
 namespace {
@@ -187,6 +217,7 @@ struct exported {
   Managed managed{};
   std::vector<std::int64_t> shape;
   std::vector<std::int64_t> strides;
+  std::int64_t scalar_dims[1]{0};  // what shape and strides point at for 0-d: never NULL
   producer_ref owner;
 
   static void deleter(Managed* self) noexcept { delete static_cast<exported*>(self->manager_ctx); }
@@ -204,8 +235,8 @@ Managed* make_export(const array& view)
   t.device = view.device();
   t.ndim = view.ndim();
   t.dtype = view.dtype();
-  t.shape = out->shape.data();
-  t.strides = out->strides.data();  // never NULL, even for 0-d (DLPack 1.2)
+  t.shape = t.ndim > 0 ? out->shape.data() : out->scalar_dims;
+  t.strides = t.ndim > 0 ? out->strides.data() : out->scalar_dims;  // never NULL (DLPack 1.2)
   t.byte_offset = 0;
   out->managed.manager_ctx = out;
   out->managed.deleter = &exported<Managed>::deleter;

@@ -1,16 +1,28 @@
 // handoff::array: an immutable strided view of memory that keeps its producer alive.
 #pragma once
 
+#include <handoff/device.hpp>
 #include <handoff/dlpack.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
 namespace handoff {
+
+class context;
+
+/// A stream of a context's backend, on a device: where device data is ready, or which consumer
+/// stream must be done with it before its producer is released.
+struct stream_binding {
+  context* ctx{nullptr};
+  int device{0};
+  device::stream_handle stream{};
+};
 
 /// Shared ownership of a producer. The release function runs exactly once, when the last view
 /// or exported tensor referring to it is gone, on whichever thread that happens; it must not throw.
@@ -23,6 +35,15 @@ class producer_ref {
 
   [[nodiscard]] explicit operator bool() const noexcept { return static_cast<bool>(state_); }
   [[nodiscard]] long use_count() const noexcept { return state_.use_count(); }
+
+  /// The stream the data is ready on: the stream of the producer's last write, or the consumer
+  /// stream it was imported onto. nullopt for host data. Thread-safe.
+  [[nodiscard]] std::optional<stream_binding> ready_on() const;
+  /// Records the stream of a new write to the data. Thread-safe.
+  void set_ready_on(const stream_binding& where) const;
+  /// Makes the release wait for the work enqueued on `consumer` by the time the last reference
+  /// goes (see context::release_after). Set once, at import.
+  void release_after(const stream_binding& consumer) const;
 
  private:
   struct state;

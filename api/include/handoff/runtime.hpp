@@ -1,6 +1,7 @@
 // The per-process runtime: which device backend serves this process, and what it reports.
 #pragma once
 
+#include <handoff/context.hpp>
 #include <handoff/device.hpp>
 
 #include <string>
@@ -32,5 +33,12 @@ struct runtime_description {
 /// Like active_backend(), but a missing backend is an error naming what needed one.
 /// @throws device_error when there is no backend.
 [[nodiscard]] device::backend& require_backend(const char* what);
+
+/// The exchange context (event pool, deferred releases) of the active backend; nullptr for none.
+/// @throws device_error as active_backend() does.
+[[nodiscard]] context* active_context();
+
+/// Like active_context(), but a missing backend is an error naming what needed one.
+[[nodiscard]] context& require_context(const char* what);
 
 }  // namespace handoff

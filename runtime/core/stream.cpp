@@ -1,0 +1,72 @@
+#include <handoff/error.hpp>
+#include <handoff/event_pool.hpp>
+#include <handoff/stats.hpp>
+#include <handoff/stream.hpp>
+
+#include "core/device_guard.hpp"
+#include "log/logger.hpp"
+
+#include <fmt/format.h>
+
+namespace handoff {
+namespace {
+
+std::uintptr_t raw(device::stream_handle s) noexcept { return static_cast<std::uintptr_t>(s); }
+
+bool capturing(device::backend& backend, device::stream_handle s)
+{
+  return backend.stream_capture_status(s) != device::capture_status::none;
+}
+
+}  // namespace
+
+void stream_view::wait(stream_view producer, int device, event_pool& events) const
+{
+  HANDOFF_EXPECTS(producer.backend_ == backend_, value_error, "cannot order streams of two different backends");
+  device::backend& b = *backend_;
+  if (producer.handle_ == handle_) {
+    count(counter::waits_elided);
+    return;
+  }
+  detail::device_guard on_owner{b, device};  // default streams now resolve on the data's device
+  const auto legacy = b.legacy_default_stream();
+  const bool producer_legacy = producer.handle_ == legacy;
+  const bool consumer_legacy = handle_ == legacy;
+
+  // Graph capture: the legacy default stream must not be touched, and a capture can only be
+  // ordered with another capture (an event recorded in one is not waitable from outside).
+  const bool producer_captures = !producer_legacy && capturing(b, producer.handle_);
+  const bool consumer_captures = !consumer_legacy && capturing(b, handle_);
+  if (producer_captures || consumer_captures) {
+    HANDOFF_EXPECTS(!producer_legacy && !consumer_legacy, buffer_error,
+                    fmt::format("cannot order stream {:#x} before stream {:#x}: one is capturing into a graph and "
+                                "the other is the legacy default stream, which a capture must not touch",
+                                raw(producer.handle_), raw(handle_)));
+    HANDOFF_EXPECTS(producer_captures && consumer_captures, buffer_error,
+                    fmt::format("cannot order stream {:#x} before stream {:#x}: only one of them is capturing into "
+                                "a graph", raw(producer.handle_), raw(handle_)));
+  }
+
+  const int producer_device = b.stream_device(producer.handle_);
+  HANDOFF_EXPECTS(producer_device == device, value_error,
+                  fmt::format("the producer's stream {:#x} belongs to device {}, but its data belongs to device {}",
+                              raw(producer.handle_), producer_device, device));
+
+  // The legacy default stream already waits for prior work of blocking streams of its device, and
+  // blocking streams for prior legacy work.
+  if (!producer_captures && (producer_legacy || consumer_legacy) && b.stream_device(handle_) == device) {
+    const bool other_blocking = producer_legacy ? b.stream_is_blocking(handle_) : b.stream_is_blocking(producer.handle_);
+    if (other_blocking) {
+      count(counter::waits_elided);
+      return;
+    }
+  }
+
+  const pooled_event event = events.acquire(device);
+  b.record_event(event.get(), producer.handle_);
+  b.stream_wait_event(handle_, event.get());
+  count(counter::waits_inserted);
+  HANDOFF_LOG_TRACE("stream {:#x} waits for stream {:#x} on device {}", raw(handle_), raw(producer.handle_), device);
+}
+
+}  // namespace handoff

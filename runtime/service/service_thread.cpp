@@ -1,0 +1,42 @@
+#include "service/service_thread.hpp"
+
+#include "log/logger.hpp"
+
+#include <boost/asio/post.hpp>
+
+#include <future>
+
+namespace handoff::detail {
+
+service_thread::service_thread()
+  : guard_(boost::asio::make_work_guard(io_)), thread_([this] {
+      for (;;) {
+        try {
+          io_.run();
+          return;
+        } catch (const std::exception& e) {
+          HANDOFF_LOG_ERROR("service thread: a task threw ({}); continuing", e.what());
+        }
+      }
+    })
+{
+}
+
+service_thread::~service_thread()
+{
+  guard_.reset();  // run() returns once the queue is empty
+  if (thread_.joinable()) { thread_.join(); }
+}
+
+void service_thread::post(std::function<void()> work) { boost::asio::post(io_, std::move(work)); }
+
+void service_thread::drain()
+{
+  if (std::this_thread::get_id() == thread_.get_id()) { return; }
+  std::promise<void> done;
+  auto finished = done.get_future();
+  post([&done] { done.set_value(); });
+  finished.wait();
+}
+
+}  // namespace handoff::detail

@@ -1,0 +1,52 @@
+// A simulated two-device backend with helpers to write and read device floats.
+#pragma once
+
+#include <handoff/sim.hpp>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <vector>
+
+namespace handoff::testing {
+
+using namespace std::chrono_literals;
+
+class SimTest : public ::testing::Test {
+ protected:
+  static constexpr std::size_t n = 1024;
+  static constexpr auto slow = 200ms;  // long enough that an unordered reader always wins
+
+  device::sim_backend sim{2, device::sim_flavour::cuda};
+
+  float* allocate_on(int device)
+  {
+    const int previous = sim.current_device();
+    sim.set_current_device(device);
+    auto* p = static_cast<float*>(sim.allocate(n * sizeof(float), sim.legacy_default_stream()));
+    sim.enqueue_fill(sim.legacy_default_stream(), p, n, 0.0F);
+    sim.synchronize_device();
+    sim.set_current_device(previous);
+    return p;
+  }
+
+  device::stream_handle stream_on(int device, bool non_blocking = true)
+  {
+    const int previous = sim.current_device();
+    sim.set_current_device(device);
+    const auto s = sim.create_stream(non_blocking);
+    sim.set_current_device(previous);
+    return s;
+  }
+
+  // Copies the data to the host on `stream` and waits for that copy only.
+  std::vector<float> read(const float* data, device::stream_handle stream)
+  {
+    std::vector<float> host(n);
+    sim.copy_async(host.data(), data, n * sizeof(float), stream);
+    sim.synchronize_stream(stream);
+    return host;
+  }
+};
+
+}  // namespace handoff::testing

@@ -1,0 +1,153 @@
+// stream_view::wait on the simulated device: ordering, elision, devices, capture, faults.
+#include <handoff/error.hpp>
+#include <handoff/event_pool.hpp>
+#include <handoff/stats.hpp>
+#include <handoff/stream.hpp>
+
+#include "core/sim_fixture.hpp"
+
+namespace {
+
+using namespace handoff;
+using handoff::testing::SimTest;
+
+class StreamWaitTest : public SimTest {
+ protected:
+  event_pool events{sim};
+  stream_view view(device::stream_handle s) { return stream_view{sim, s}; }
+};
+
+TEST_F(StreamWaitTest, ConsumerSeesTheProducersFinishedWrite)
+{
+  float* data = allocate_on(0);
+  const auto producer = stream_on(0);
+  const auto consumer = stream_on(0);
+  sim.enqueue_fill(producer, data, n, 1.0F, slow);
+  const auto before = stats();
+  view(consumer).wait(view(producer), 0, events);
+  EXPECT_EQ(stats().waits_inserted, before.waits_inserted + 1);
+  const auto seen = read(data, consumer);
+  EXPECT_EQ(seen.front(), 1.0F);
+  EXPECT_EQ(seen.back(), 1.0F);
+}
+
+TEST_F(StreamWaitTest, NegativeControlWithoutTheWaitSeesStaleData)
+{
+  float* data = allocate_on(0);
+  const auto producer = stream_on(0);
+  const auto consumer = stream_on(0);
+  sim.enqueue_fill(producer, data, n, 1.0F, slow);
+  const auto seen = read(data, consumer);  // no wait: the race handoff exists to prevent
+  EXPECT_EQ(seen.front(), 0.0F);
+  sim.synchronize_device();
+}
+
+TEST_F(StreamWaitTest, TheWaitNeverBlocksTheHost)
+{
+  float* data = allocate_on(0);
+  const auto producer = stream_on(0);
+  const auto consumer = stream_on(0);
+  sim.enqueue_fill(producer, data, n, 1.0F, slow);
+  const auto start = std::chrono::steady_clock::now();
+  view(consumer).wait(view(producer), 0, events);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, slow / 2);
+  sim.synchronize_device();
+}
+
+TEST_F(StreamWaitTest, SameStreamIsElided)
+{
+  const auto s = stream_on(0);
+  const auto before = stats();
+  view(s).wait(view(s), 0, events);
+  EXPECT_EQ(stats().waits_elided, before.waits_elided + 1);
+  EXPECT_EQ(stats().waits_inserted, before.waits_inserted);
+}
+
+TEST_F(StreamWaitTest, LegacyConsumerAfterBlockingProducerIsElidedAndSafe)
+{
+  float* data = allocate_on(0);
+  const auto producer = stream_on(0, /*non_blocking=*/false);
+  sim.enqueue_fill(producer, data, n, 1.0F, slow);
+  const auto before = stats();
+  view(sim.legacy_default_stream()).wait(view(producer), 0, events);
+  EXPECT_EQ(stats().waits_elided, before.waits_elided + 1);
+  EXPECT_EQ(read(data, sim.legacy_default_stream()).front(), 1.0F);  // the device's own rule ordered it
+}
+
+TEST_F(StreamWaitTest, LegacyConsumerAfterNonBlockingProducerWaits)
+{
+  float* data = allocate_on(0);
+  const auto producer = stream_on(0, /*non_blocking=*/true);
+  sim.enqueue_fill(producer, data, n, 1.0F, slow);
+  const auto before = stats();
+  view(sim.legacy_default_stream()).wait(view(producer), 0, events);
+  EXPECT_EQ(stats().waits_inserted, before.waits_inserted + 1);
+  EXPECT_EQ(read(data, sim.legacy_default_stream()).front(), 1.0F);
+}
+
+TEST_F(StreamWaitTest, RecordsOnTheDataDeviceAndRestoresTheCurrentOne)
+{
+  float* data = allocate_on(1);
+  const auto producer = stream_on(1);
+  const auto consumer = stream_on(1);
+  sim.set_current_device(0);
+  sim.enqueue_fill(producer, data, n, 2.0F, slow);
+  view(consumer).wait(view(producer), 1, events);
+  EXPECT_EQ(sim.current_device(), 0);
+  EXPECT_EQ(read(data, consumer).front(), 2.0F);
+}
+
+TEST_F(StreamWaitTest, AProducerStreamOnAnotherDeviceIsAClearError)
+{
+  const auto producer = stream_on(0);
+  const auto consumer = stream_on(1);
+  EXPECT_THROW(view(consumer).wait(view(producer), 1, events), value_error);
+  EXPECT_EQ(sim.current_device(), 0);
+}
+
+TEST_F(StreamWaitTest, ThreeHundredExchangesReuseTheirEvents)
+{
+  float* data = allocate_on(0);
+  const auto producer = stream_on(0);
+  const auto consumer = stream_on(0);
+  const auto before = stats();
+  for (int i = 0; i < 300; ++i) {
+    sim.enqueue_fill(producer, data, n, static_cast<float>(i));
+    view(consumer).wait(view(producer), 0, events);
+  }
+  EXPECT_LE(stats().events_created - before.events_created, 16U);
+  EXPECT_GE(stats().events_reused - before.events_reused, 284U);
+  EXPECT_EQ(read(data, consumer).front(), 299.0F);
+}
+
+TEST_F(StreamWaitTest, CaptureNeverTouchesTheLegacyStream)
+{
+  const auto producer = stream_on(0, /*non_blocking=*/false);
+  sim.begin_capture(producer);
+  EXPECT_THROW(view(sim.legacy_default_stream()).wait(view(producer), 0, events), buffer_error);
+  const auto outsider = stream_on(0);
+  EXPECT_THROW(view(outsider).wait(view(producer), 0, events), buffer_error);
+  (void)sim.end_capture(producer);  // not invalidated: the legacy stream was never used
+}
+
+TEST_F(StreamWaitTest, FaultsLeaveNoLeakAndRestoreTheDevice)
+{
+  const auto producer = stream_on(1);
+  const auto consumer = stream_on(1);
+  for (const char* op : {"create_event", "record_event", "stream_wait_event", "set_current_device"}) {  // create_event first: the pool starts empty
+    sim.inject_fault(op, 1, "cudaErrorLaunchFailure");
+    try {
+      view(consumer).wait(view(producer), 1, events);
+      ADD_FAILURE() << op << ": expected device_error";
+    } catch (const device_error& e) {
+      EXPECT_EQ(e.error_name(), "cudaErrorLaunchFailure") << op;
+    }
+    EXPECT_EQ(sim.current_device(), 0) << op;
+    sim.clear_faults();
+  }
+  const auto idle = events.idle();
+  view(consumer).wait(view(producer), 1, events);  // works again, and the borrowed event came back
+  EXPECT_EQ(events.idle(), idle);
+}
+
+}  // namespace
