@@ -1,0 +1,137 @@
+// The simulated accelerator ("sim", "sim-rocm"): a device that runs on the CPU with CUDA's stream
+// semantics, plus the hooks tests and the Python `handoff.sim` module use to drive it.
+#pragma once
+
+#include <handoff/device.hpp>
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+namespace handoff::device {
+
+/// Which runtime a simulated device imitates: its DLPack device type, its stream numbering and the
+/// names of its errors.
+enum class sim_flavour {
+  cuda,  ///< "sim": kDLCUDA; legacy default stream 1 (also 0), per-thread default stream 2
+  rocm,  ///< "sim-rocm": kDLROCM; default (null) stream 0; 1 and 2 are not stream handles
+};
+
+/// A simulated accelerator with `device_count` devices. Memory is host memory owned by a simulated
+/// device and answered for by an allocation table; streams are asynchronous in-order queues run by
+/// a pool of worker threads; events, waits, the legacy and per-thread default streams and graph
+/// capture follow CUDA's rules. Errors carry CUDA's names ("sim") or HIP's ("sim-rocm").
+///
+/// @note Every call is thread-safe. The destructor waits for all enqueued work to finish, then
+///       frees every allocation still in the table; it never throws.
+class sim_backend final : public backend {
+ public:
+  /// The most devices a simulated backend may have.
+  static constexpr int max_devices = 64;
+
+  /// @throws handoff::value_error when `device_count` is not in [1, max_devices].
+  sim_backend(int device_count, sim_flavour flavour);
+  ~sim_backend() override;
+  sim_backend(const sim_backend&) = delete;
+  sim_backend& operator=(const sim_backend&) = delete;
+  sim_backend(sim_backend&&) = delete;
+  sim_backend& operator=(sim_backend&&) = delete;
+
+  // --- backend ---------------------------------------------------------------------------------
+  [[nodiscard]] std::string_view name() const noexcept override;
+  [[nodiscard]] DLDeviceType device_type() const noexcept override;
+  [[nodiscard]] int device_count() override;
+  [[nodiscard]] int current_device() override;
+  void set_current_device(int device) override;
+  [[nodiscard]] stream_handle legacy_default_stream() const noexcept override;
+  /// "sim": 2 on every thread. "sim-rocm": a value > 2 that names the calling thread's stream.
+  [[nodiscard]] stream_handle per_thread_default_stream() const noexcept override;
+  [[nodiscard]] stream_handle create_stream(bool non_blocking) override;
+  void destroy_stream(stream_handle stream) noexcept override;
+  [[nodiscard]] int stream_device(stream_handle stream) override;
+  [[nodiscard]] bool stream_is_blocking(stream_handle stream) override;
+  [[nodiscard]] capture_status stream_capture_status(stream_handle stream) override;
+  void synchronize_stream(stream_handle stream) override;
+  void synchronize_device() override;
+  [[nodiscard]] event_handle create_event() override;
+  void destroy_event(event_handle event) noexcept override;
+  void record_event(event_handle event, stream_handle stream) override;
+  [[nodiscard]] bool query_event(event_handle event) override;
+  void synchronize_event(event_handle event) override;
+  void stream_wait_event(stream_handle stream, event_handle event) override;
+  [[nodiscard]] pointer_attributes attributes(const void* ptr) override;
+  [[nodiscard]] void* allocate(std::size_t bytes, stream_handle stream) override;
+  void deallocate(void* ptr, stream_handle stream) noexcept override;
+  void copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream) override;
+  void launch_host_func(stream_handle stream, void (*fn)(void*), void* user_data) override;
+
+  // --- simulation extras -----------------------------------------------------------------------
+  [[nodiscard]] sim_flavour flavour() const noexcept;
+
+  /// The operation names `inject_fault` accepts: the throwing backend calls ("record_event",
+  /// "create_event", "stream_wait_event", "attributes", "set_current_device", ...) and the
+  /// extras below ("enqueue_fill", "begin_capture", ...).
+  [[nodiscard]] static std::span<const std::string_view> fault_operations() noexcept;
+
+  /// Makes the next `count` calls of `operation` throw `handoff::device_error` named `error_name`
+  /// (e.g. "cudaErrorLaunchFailure") before they change any state. A later call for the same
+  /// operation replaces the earlier one; `count == 0` removes it.
+  /// @throws handoff::value_error for an unknown operation or a negative count.
+  void inject_fault(std::string operation, int count, std::string error_name);
+  /// Removes every injected fault.
+  void clear_faults() noexcept;
+
+  /// Enqueues on `stream`: wait `delay` (without holding a worker thread), then write `pattern`
+  /// repeatedly over `bytes` bytes at `dst`. `bytes` must be a multiple of the pattern's size.
+  /// Returns at once; the pattern is copied.
+  void enqueue_fill_bytes(stream_handle stream, void* dst, std::size_t bytes,
+                          std::span<const std::byte> pattern, std::chrono::nanoseconds delay = {});
+
+  /// Enqueues on `stream`: wait `delay`, then set `count` elements at `dst` to `value`.
+  /// e.g. `sim.enqueue_fill(s, floats, n, 1.0f, std::chrono::milliseconds{200})`.
+  template <class T>
+  requires std::is_trivially_copyable_v<T>
+  void enqueue_fill(stream_handle stream, T* dst, std::size_t count, const T& value,
+                    std::chrono::nanoseconds delay = {})
+  {
+    enqueue_fill_bytes(stream, dst, count * sizeof(T),
+                       std::as_bytes(std::span<const T, 1>{&value, 1}), delay);
+  }
+
+  /// Enqueues on `stream` a wait of `duration` (the stream's later work starts after it).
+  void enqueue_sleep(stream_handle stream, std::chrono::nanoseconds duration);
+
+  /// Starts capturing `stream` into a graph (cudaStreamBeginCapture, global mode). Work enqueued
+  /// on a capturing stream is recorded, not run; streams that wait on an event recorded in the
+  /// capture join it. While a blocking stream captures, any use of its device's legacy default
+  /// stream fails with cudaErrorStreamCaptureImplicit and invalidates the capture; synchronizing a
+  /// capturing stream or its device fails with cudaErrorStreamCaptureUnsupported.
+  void begin_capture(stream_handle stream);
+  /// Ends the capture begun on `stream` for it and every stream that joined it; the captured work
+  /// is discarded (the simulation does not launch graphs).
+  /// @return how many operations were captured.
+  /// @throws device_error cudaErrorStreamCaptureInvalidated when the capture was invalidated.
+  std::size_t end_capture(stream_handle stream);
+
+  /// Page-locked host memory on the current device (memory_kind::pinned_host), as cudaMallocHost.
+  [[nodiscard]] void* allocate_pinned_host(std::size_t bytes);
+  /// Managed memory on the current device (memory_kind::managed), as cudaMallocManaged.
+  [[nodiscard]] void* allocate_managed(std::size_t bytes);
+  /// Frees any allocation of this backend once all work on its device is done, as cudaFree.
+  void free_sync(void* ptr);
+  /// How many allocations the table holds (deferred frees count until they have run).
+  [[nodiscard]] std::size_t live_allocations();
+
+ private:
+  struct impl;
+  std::unique_ptr<impl> impl_;
+};
+
+/// The simulated backend behind `b`, or nullptr when `b` is not one.
+[[nodiscard]] sim_backend* as_sim(backend& b) noexcept;
+
+}  // namespace handoff::device

@@ -1,0 +1,30 @@
+// Chooses and constructs a device backend by name ("cuda", "sim", "sim-rocm").
+#pragma once
+
+#include <handoff/device.hpp>
+
+#include <memory>
+#include <string_view>
+
+namespace handoff::device {
+
+/// A new backend: "cuda" (see make_cuda_backend), "sim" or "sim-rocm" (a simulated device with
+/// HANDOFF_SIM_DEVICES devices, default 2).
+/// @throws handoff::value_error for any other name or an invalid HANDOFF_SIM_DEVICES.
+/// @throws handoff::device_error when "cuda" cannot start.
+[[nodiscard]] std::unique_ptr<backend> make_backend(std::string_view name);
+
+/// Whether this build contains the CUDA backend (the toolkit was found at configure time).
+[[nodiscard]] bool cuda_compiled_in() noexcept;
+
+/// The CUDA backend on the machine's driver.
+/// @throws handoff::device_error (backend "cuda") saying why when it is not compiled in or no
+///         device is usable, e.g. "no usable CUDA device: cudaGetDeviceCount failed:
+///         cudaErrorInsufficientDriver: ...".
+[[nodiscard]] std::unique_ptr<backend> make_cuda_backend();
+
+/// HANDOFF_SIM_DEVICES: an integer from 1 to sim_backend::max_devices; 2 when unset or empty.
+/// @throws handoff::value_error for anything else.
+[[nodiscard]] int sim_device_count_from_env();
+
+}  // namespace handoff::device

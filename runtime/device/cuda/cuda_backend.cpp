@@ -1,0 +1,326 @@
+// The CUDA backend: the runtime API (linked statically) for everything, and the few driver entry
+// points it needs (pointer attributes, the current context) looked up at run time, so the library
+// never links libcuda and loads on machines without a driver.
+#include "device/cuda/cuda_backend.hpp"
+
+#include "log/logger.hpp"
+
+#include <handoff/error.hpp>
+
+#include <cuda_runtime_api.h>
+#include <cudaTypedefs.h>  // PFN_* driver prototypes; header only, nothing is linked
+#include <fmt/format.h>
+
+#include <array>
+#include <cstdint>
+#include <string>
+
+namespace handoff::device::cuda {
+namespace {
+
+[[noreturn]] void throw_cuda_error(cudaError_t status, const char* call, const char* file, int line)
+{
+  (void)cudaGetLastError();  // clear a non-sticky error so later calls do not report it again
+  const char* name = cudaGetErrorName(status);
+  const char* text = cudaGetErrorString(status);
+  throw device_error("cuda", name,
+                     fmt::format("{} failed at {}:{}: {}: {}", call, file, line, name, text));
+}
+
+}  // namespace
+}  // namespace handoff::device::cuda
+
+/// Checks a CUDA runtime call; a failure throws handoff::device_error with the call, file:line,
+/// the error's name and its text.
+#define HANDOFF_CUDA_TRY(call)                                                               \
+  do {                                                                                       \
+    const cudaError_t handoff_status_ = (call);                                              \
+    if (handoff_status_ != cudaSuccess) [[unlikely]] {                                       \
+      ::handoff::device::cuda::throw_cuda_error(handoff_status_, #call, __FILE__, __LINE__); \
+    }                                                                                        \
+  } while (false)
+
+namespace handoff::device::cuda {
+namespace {
+
+/// The driver functions the backend calls, from cudaGetDriverEntryPointByVersion.
+struct driver_api {
+  PFN_cuPointerGetAttributes_v7000 pointer_get_attributes{nullptr};
+  PFN_cuCtxGetCurrent_v4000 ctx_get_current{nullptr};
+  PFN_cuGetErrorName_v6000 get_error_name{nullptr};
+  PFN_cuGetErrorString_v6000 get_error_string{nullptr};
+};
+
+template <class F>
+void load_entry_point(const char* symbol, F& fn, unsigned int version)
+{
+  void* address = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  HANDOFF_CUDA_TRY(
+    cudaGetDriverEntryPointByVersion(symbol, &address, version, cudaEnableDefault, &found));
+  if (found != cudaDriverEntryPointSuccess || address == nullptr) {
+    throw device_error(
+      "cuda", "cudaErrorSymbolNotFound",
+      fmt::format("no usable CUDA device: the driver has no {} (version {})", symbol, version));
+  }
+  fn = reinterpret_cast<F>(address);
+}
+
+cudaStream_t to_native(stream_handle h) noexcept
+{
+  return reinterpret_cast<cudaStream_t>(static_cast<std::uintptr_t>(h));
+}
+cudaEvent_t to_native(event_handle h) noexcept
+{
+  return reinterpret_cast<cudaEvent_t>(static_cast<std::uintptr_t>(h));
+}
+bool is_default_stream(stream_handle h) noexcept { return static_cast<std::uintptr_t>(h) <= 2; }
+
+/// Tolerated in destructors and noexcept calls while the process shuts down.
+bool is_shutdown_error(cudaError_t status) noexcept
+{
+  return status == cudaErrorCudartUnloading || status == cudaErrorContextIsDestroyed;
+}
+
+class cuda_backend final : public backend {
+ public:
+  cuda_backend()
+  {
+    int count = 0;
+    const cudaError_t status = cudaGetDeviceCount(&count);
+    if (status != cudaSuccess) {
+      (void)cudaGetLastError();
+      throw device_error("cuda", cudaGetErrorName(status),
+                         fmt::format("no usable CUDA device: cudaGetDeviceCount failed: {}: {}",
+                                     cudaGetErrorName(status), cudaGetErrorString(status)));
+    }
+    if (count == 0) {
+      throw device_error("cuda", "cudaErrorNoDevice",
+                         "no usable CUDA device: cudaGetDeviceCount found none");
+    }
+    device_count_ = count;
+    load_entry_point("cuPointerGetAttributes", driver_.pointer_get_attributes, 7000);
+    load_entry_point("cuCtxGetCurrent", driver_.ctx_get_current, 4000);
+    load_entry_point("cuGetErrorName", driver_.get_error_name, 6000);
+    load_entry_point("cuGetErrorString", driver_.get_error_string, 6000);
+    HANDOFF_LOG_DEBUG("cuda: {} devices", count);
+  }
+
+  [[nodiscard]] std::string_view name() const noexcept override { return "cuda"; }
+  [[nodiscard]] DLDeviceType device_type() const noexcept override { return kDLCUDA; }
+  [[nodiscard]] int device_count() override { return device_count_; }
+
+  [[nodiscard]] int current_device() override
+  {
+    int device = 0;
+    HANDOFF_CUDA_TRY(cudaGetDevice(&device));
+    return device;
+  }
+
+  void set_current_device(int device) override { HANDOFF_CUDA_TRY(cudaSetDevice(device)); }
+
+  // DLPack's 1 and 2 are cudaStreamLegacy and cudaStreamPerThread: the same integers.
+  [[nodiscard]] stream_handle legacy_default_stream() const noexcept override
+  {
+    return stream_handle{1};
+  }
+  [[nodiscard]] stream_handle per_thread_default_stream() const noexcept override
+  {
+    return stream_handle{2};
+  }
+
+  [[nodiscard]] stream_handle create_stream(bool non_blocking) override
+  {
+    cudaStream_t stream = nullptr;
+    const unsigned int flags = non_blocking ? cudaStreamNonBlocking : cudaStreamDefault;
+    HANDOFF_CUDA_TRY(cudaStreamCreateWithFlags(&stream, flags));
+    return stream_handle{reinterpret_cast<std::uintptr_t>(stream)};
+  }
+
+  void destroy_stream(stream_handle stream) noexcept override
+  {
+    if (is_default_stream(stream)) {
+      HANDOFF_LOG_ERROR("cudaStreamDestroy({:#x}): a default stream cannot be destroyed",
+                        static_cast<std::uintptr_t>(stream));
+      return;
+    }
+    log_quietly("cudaStreamDestroy", cudaStreamDestroy(to_native(stream)));
+  }
+
+  [[nodiscard]] int stream_device(stream_handle stream) override
+  {
+    if (is_default_stream(stream)) { return current_device(); }
+    int device = 0;
+    HANDOFF_CUDA_TRY(cudaStreamGetDevice(to_native(stream), &device));
+    return device;
+  }
+
+  [[nodiscard]] bool stream_is_blocking(stream_handle stream) override
+  {
+    if (is_default_stream(stream)) { return true; }
+    unsigned int flags = 0;
+    HANDOFF_CUDA_TRY(cudaStreamGetFlags(to_native(stream), &flags));
+    return (flags & cudaStreamNonBlocking) == 0;
+  }
+
+  [[nodiscard]] capture_status stream_capture_status(stream_handle stream) override
+  {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    HANDOFF_CUDA_TRY(cudaStreamIsCapturing(to_native(stream), &status));
+    switch (status) {
+      case cudaStreamCaptureStatusActive: return capture_status::active;
+      case cudaStreamCaptureStatusInvalidated: return capture_status::invalidated;
+      default: return capture_status::none;
+    }
+  }
+
+  void synchronize_stream(stream_handle stream) override
+  {
+    HANDOFF_CUDA_TRY(cudaStreamSynchronize(to_native(stream)));
+  }
+
+  void synchronize_device() override { HANDOFF_CUDA_TRY(cudaDeviceSynchronize()); }
+
+  [[nodiscard]] event_handle create_event() override
+  {
+    cudaEvent_t event = nullptr;
+    HANDOFF_CUDA_TRY(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    return event_handle{reinterpret_cast<std::uintptr_t>(event)};
+  }
+
+  void destroy_event(event_handle event) noexcept override
+  {
+    log_quietly("cudaEventDestroy", cudaEventDestroy(to_native(event)));
+  }
+
+  void record_event(event_handle event, stream_handle stream) override
+  {
+    HANDOFF_CUDA_TRY(cudaEventRecord(to_native(event), to_native(stream)));
+  }
+
+  [[nodiscard]] bool query_event(event_handle event) override
+  {
+    const cudaError_t status = cudaEventQuery(to_native(event));
+    if (status == cudaErrorNotReady) { return false; }
+    HANDOFF_CUDA_TRY(status);
+    return true;
+  }
+
+  void synchronize_event(event_handle event) override
+  {
+    HANDOFF_CUDA_TRY(cudaEventSynchronize(to_native(event)));
+  }
+
+  void stream_wait_event(stream_handle stream, event_handle event) override
+  {
+    HANDOFF_CUDA_TRY(
+      cudaStreamWaitEvent(to_native(stream), to_native(event), cudaEventWaitDefault));
+  }
+
+  [[nodiscard]] pointer_attributes attributes(const void* ptr) override
+  {
+    ensure_context();
+    unsigned int memory_type = 0;
+    int ordinal = -1;
+    CUdeviceptr range_start = 0;
+    std::size_t range_size = 0;
+    CUdeviceptr device_pointer = 0;
+    unsigned int is_managed = 0;
+    std::array<CUpointer_attribute, 6> names{
+      CU_POINTER_ATTRIBUTE_MEMORY_TYPE,      CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+      CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+      CU_POINTER_ATTRIBUTE_DEVICE_POINTER,   CU_POINTER_ATTRIBUTE_IS_MANAGED};
+    std::array<void*, 6> values{&memory_type, &ordinal,        &range_start,
+                                &range_size,  &device_pointer, &is_managed};
+    const CUresult status = driver_.pointer_get_attributes(
+      static_cast<unsigned int>(names.size()), names.data(), values.data(),
+      static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(ptr)));
+    if (status != CUDA_SUCCESS) { throw_driver_error(status, "cuPointerGetAttributes", ptr); }
+
+    pointer_attributes result;
+    if (is_managed != 0) {
+      result.kind = memory_kind::managed;
+    } else if (memory_type == CU_MEMORYTYPE_DEVICE) {
+      result.kind = memory_kind::device;
+    } else if (memory_type == CU_MEMORYTYPE_HOST) {
+      result.kind = memory_kind::pinned_host;
+    } else {
+      return result;  // plain host memory: unregistered, device -1
+    }
+    result.device = ordinal;
+    result.base = reinterpret_cast<const void*>(static_cast<std::uintptr_t>(range_start));
+    result.size = range_size;
+    result.device_pointer = reinterpret_cast<void*>(static_cast<std::uintptr_t>(device_pointer));
+    return result;
+  }
+
+  [[nodiscard]] void* allocate(std::size_t bytes, stream_handle stream) override
+  {
+    void* ptr = nullptr;
+    HANDOFF_CUDA_TRY(cudaMallocAsync(&ptr, bytes, to_native(stream)));
+    return ptr;
+  }
+
+  void deallocate(void* ptr, stream_handle stream) noexcept override
+  {
+    if (ptr == nullptr) { return; }
+    log_quietly("cudaFreeAsync", cudaFreeAsync(ptr, to_native(stream)));
+  }
+
+  void copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream) override
+  {
+    HANDOFF_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, to_native(stream)));
+  }
+
+  void launch_host_func(stream_handle stream, void (*fn)(void*), void* user_data) override
+  {
+    HANDOFF_CUDA_TRY(cudaLaunchHostFunc(to_native(stream), fn, user_data));
+  }
+
+ private:
+  // The driver answers pointer queries in the calling thread's context; a thread that has not
+  // touched the runtime yet has none, so make the current device's primary context current.
+  void ensure_context()
+  {
+    CUcontext context = nullptr;
+    const CUresult status = driver_.ctx_get_current(&context);
+    if (status != CUDA_SUCCESS) { throw_driver_error(status, "cuCtxGetCurrent", nullptr); }
+    if (context == nullptr) {
+      int device = 0;
+      HANDOFF_CUDA_TRY(cudaGetDevice(&device));
+      HANDOFF_CUDA_TRY(cudaSetDevice(device));
+    }
+  }
+
+  [[noreturn]] void throw_driver_error(CUresult status, const char* call, const void* arg) const
+  {
+    const char* name = nullptr;
+    const char* text = nullptr;
+    if (driver_.get_error_name(status, &name) != CUDA_SUCCESS || name == nullptr) {
+      name = "CUDA_ERROR_UNKNOWN";
+    }
+    if (driver_.get_error_string(status, &text) != CUDA_SUCCESS || text == nullptr) {
+      text = "unknown error";
+    }
+    throw device_error("cuda", name,
+                       fmt::format("{}({}) failed: {}: {}", call, fmt::ptr(arg), name, text));
+  }
+
+  static void log_quietly(const char* call, cudaError_t status) noexcept
+  {
+    if (status == cudaSuccess) { return; }
+    (void)cudaGetLastError();
+    if (is_shutdown_error(status)) { return; }
+    HANDOFF_LOG_ERROR("{} failed: {}: {}", call, cudaGetErrorName(status),
+                      cudaGetErrorString(status));
+  }
+
+  int device_count_{0};
+  driver_api driver_;
+};
+
+}  // namespace
+
+std::unique_ptr<backend> make_backend() { return std::make_unique<cuda_backend>(); }
+
+}  // namespace handoff::device::cuda

@@ -1,0 +1,103 @@
+// Choosing a backend by name, HANDOFF_SIM_DEVICES, and the CUDA backend's refusal to start without
+// a driver.
+#include "device/backend_factory.hpp"
+#include "device/sim/sim_backend.hpp"
+
+#include <handoff/error.hpp>
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <optional>
+#include <string>
+
+namespace handoff::device {
+namespace {
+
+class DeviceFactoryTest : public ::testing::Test {
+ protected:
+  void SetUp() override
+  {
+    if (const char* value = std::getenv("HANDOFF_SIM_DEVICES")) { saved_ = value; }
+  }
+  void TearDown() override
+  {
+    if (saved_) {
+      ::setenv("HANDOFF_SIM_DEVICES", saved_->c_str(), 1);
+    } else {
+      ::unsetenv("HANDOFF_SIM_DEVICES");
+    }
+  }
+
+  std::optional<std::string> saved_;
+};
+
+TEST_F(DeviceFactoryTest, MakesSimulatedBackendsByName)
+{
+  ::unsetenv("HANDOFF_SIM_DEVICES");
+  auto sim = make_backend("sim");
+  EXPECT_EQ(sim->name(), "sim");
+  EXPECT_EQ(sim->device_type(), kDLCUDA);
+  EXPECT_EQ(sim->device_count(), 2);
+  EXPECT_NE(as_sim(*sim), nullptr);
+
+  auto rocm = make_backend("sim-rocm");
+  EXPECT_EQ(rocm->name(), "sim-rocm");
+  EXPECT_EQ(rocm->device_type(), kDLROCM);
+  EXPECT_EQ(as_sim(*rocm)->flavour(), sim_flavour::rocm);
+}
+
+TEST_F(DeviceFactoryTest, ReadsTheSimulatedDeviceCount)
+{
+  ::setenv("HANDOFF_SIM_DEVICES", "3", 1);
+  EXPECT_EQ(make_backend("sim")->device_count(), 3);
+  ::setenv("HANDOFF_SIM_DEVICES", "", 1);
+  EXPECT_EQ(make_backend("sim-rocm")->device_count(), 2);
+  for (const char* bad : {"0", "-1", "two", "2x", "65", "99999999999"}) {
+    ::setenv("HANDOFF_SIM_DEVICES", bad, 1);
+    try {
+      (void)make_backend("sim");
+      ADD_FAILURE() << "accepted HANDOFF_SIM_DEVICES=" << bad;
+    } catch (const value_error& e) {
+      EXPECT_NE(std::string(e.what()).find("HANDOFF_SIM_DEVICES"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_THROW(sim_backend(0, sim_flavour::cuda), value_error);
+}
+
+TEST_F(DeviceFactoryTest, RejectsUnknownNamesListingTheAcceptedOnes)
+{
+  try {
+    (void)make_backend("opencl");
+    ADD_FAILURE() << "accepted an unknown backend";
+  } catch (const value_error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("'opencl'"), std::string::npos) << what;
+    EXPECT_NE(what.find("cuda, sim, sim-rocm"), std::string::npos) << what;
+  }
+}
+
+TEST_F(DeviceFactoryTest, CudaSaysWhyItCannotStart)
+{
+  std::unique_ptr<backend> cuda;
+  try {
+    cuda = make_cuda_backend();
+  } catch (const device_error& e) {
+    EXPECT_EQ(e.backend(), "cuda");
+    EXPECT_FALSE(e.error_name().empty());
+    const std::string what = e.what();
+    if (cuda_compiled_in()) {
+      EXPECT_EQ(what.rfind("no usable CUDA device: ", 0), 0U) << what;
+      EXPECT_NE(what.find(e.error_name()), std::string::npos) << what;
+    } else {
+      EXPECT_NE(what.find("not compiled in"), std::string::npos) << what;
+    }
+    return;
+  }
+  ASSERT_TRUE(cuda_compiled_in());
+  EXPECT_EQ(cuda->name(), "cuda");
+  EXPECT_GE(cuda->device_count(), 1);
+}
+
+}  // namespace
+}  // namespace handoff::device
