@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextvars import ContextVar, Token
+
 from . import _handoff
 
 __all__ = ["Stream", "as_stream", "current_stream", "stream"]
@@ -9,6 +11,10 @@ __all__ = ["Stream", "as_stream", "current_stream", "stream"]
 # One ContextVar, owned by the extension so that from_dlpack reads it without calling Python:
 # context-local, so blocks nest per thread and per asyncio task.
 _current = _handoff._stream_var
+# The reset tokens of the blocks entered in this context, innermost last. They live in the context,
+# not in the block object, so that one block object may be entered by several threads or tasks at
+# once: each leaves with the token it made.
+_tokens: ContextVar[tuple[Token, ...]] = ContextVar("handoff.stream_tokens", default=())
 
 
 class Stream:
@@ -72,17 +78,21 @@ def as_stream(obj: object) -> Stream:
     protocol = getattr(obj, "__cuda_stream__", None)
     if protocol is not None:
         value = protocol() if callable(protocol) else protocol
-        if not (isinstance(value, tuple) and len(value) == 2):
-            raise TypeError(f"{type(obj).__name__}.__cuda_stream__() must return (version, handle)")
-        return Stream(int(value[1]), device=_device_of(obj))
+        if not (isinstance(value, tuple) and len(value) == 2 and all(_is_int(v) for v in value)):
+            raise TypeError(f"{type(obj).__name__}.__cuda_stream__() must return (version, handle), two ints")
+        return Stream(value[1], device=_device_of(obj))
     for attribute in ("cuda_stream", "ptr"):
         handle = getattr(obj, attribute, None)
-        if isinstance(handle, int) and not isinstance(handle, bool):
+        if _is_int(handle):
             return Stream(handle, device=_device_of(obj))
     raise TypeError(
         f"{type(obj).__name__} is not a stream: expected an int, handoff.Stream, or an object with "
         "__cuda_stream__(), .cuda_stream or .ptr"
     )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _device_of(obj: object) -> int | None:
@@ -108,18 +118,20 @@ class stream:  # noqa: N801 - used as `with handoff.stream(s):`
     then put on ``s``. Blocks nest; leaving one restores the outer stream.
     """
 
-    __slots__ = ("_stream", "_tokens")
+    __slots__ = ("_stream",)
 
     def __init__(self, obj: object) -> None:
         self._stream = None if obj is None else as_stream(obj)
-        self._tokens: list = []
 
     def __enter__(self) -> Stream | None:
-        self._tokens.append(_current.set(self._stream))
+        token = _current.set(self._stream)
+        _tokens.set((*_tokens.get(), token))
         return self._stream
 
     def __exit__(self, *exc_info: object) -> None:
-        _current.reset(self._tokens.pop())
+        *outer, token = _tokens.get()
+        _tokens.set(tuple(outer))
+        _current.reset(token)
 
 
 _handoff._set_as_stream(as_stream)

@@ -2,6 +2,7 @@
 #include "py_array.hpp"
 #include "py_exchange.hpp"
 #include "py_interfaces.hpp"
+#include "py_sim.hpp"
 
 #include <handoff/error.hpp>
 #include <handoff/runtime.hpp>
@@ -96,6 +97,7 @@ PYBIND11_MODULE(_handoff, m)
 
   bind_array(m);
   init_exchange(m);
+  bind_sim(m);
 
   m.def("from_dlpack", &from_dlpack, py::arg("x"), py::pos_only(), py::kw_only(), py::arg("device") = py::none(),
         py::arg("copy") = py::none(), py::arg("stream") = py::none(),
@@ -112,7 +114,11 @@ PYBIND11_MODULE(_handoff, m)
   }, "The producer's action for a DLPack stream value on a device type (the contract's table).");
   m.def("_parse_cuda_array_interface", [](py::handle interface) {
     const cuda_array_interface parsed = parse_cuda_array_interface(interface);
-    return py::make_tuple(py::cast(parsed.layout.shape), parsed.stream ? py::object(py::int_(*parsed.stream)) : py::object(py::none()));
+    py::tuple shape(parsed.layout.shape.size());
+    for (std::size_t i = 0; i < parsed.layout.shape.size(); ++i) {
+      shape[i] = py::int_(parsed.layout.shape[i]);
+    }
+    return py::make_tuple(shape, parsed.stream ? py::object(py::int_(*parsed.stream)) : py::object(py::none()));
   }, "Validates a __cuda_array_interface__ dict without touching a device.");
   m.attr("__version__") = handoff::version();
 }

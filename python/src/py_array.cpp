@@ -5,6 +5,8 @@
 
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
+#include <handoff/exchange.hpp>
+#include <handoff/runtime.hpp>
 #include <handoff/stats.hpp>
 
 #include <fmt/format.h>
@@ -52,6 +54,40 @@ std::string device_text(DLDevice device)
                      static_cast<int>(device.device_type), device.device_id);
 }
 
+// CUDA Array Interface v3 of CUDA-resident data; `stream` is where the data is ready, so that the
+// consumer can order its work after it (None when unknown: nothing to wait for).
+py::dict cuda_array_interface(const py_array& a)
+{
+  const array& view = a.view;
+  if (!is_cuda_device(view.device().device_type)) {
+    throw py::attribute_error(fmt::format("__cuda_array_interface__ is for CUDA memory; this array is on {}",
+                                          device_text(view.device())));
+  }
+  std::string type;
+  try {
+    type = typestr(view.dtype());
+  } catch (const buffer_error& e) {
+    throw py::attribute_error(e.what());
+  }
+  py::dict out;
+  out["shape"] = int_tuple(view.shape());
+  out["typestr"] = type;
+  out["data"] = py::make_tuple(reinterpret_cast<std::uintptr_t>(view.data()), view.readonly());
+  out["strides"] = view.is_c_contiguous() ? py::object(py::none()) : py::object(byte_strides(view));
+  py::list descr;
+  descr.append(py::make_tuple("", type));
+  out["descr"] = descr;
+  out["version"] = 3;
+  const auto ready = view.owner().ready_on();
+  if (ready) {
+    const auto handle = static_cast<std::uintptr_t>(ready->stream);
+    out["stream"] = handle == 0 ? 1 : handle;  // CUDA's legacy default stream is 0 as a handle, 1 here
+  } else {
+    out["stream"] = py::none();
+  }
+  return out;
+}
+
 }  // namespace
 
 py::capsule export_dlpack(const py_array& self, py::handle stream, py::handle max_version, py::handle dl_device,
@@ -59,9 +95,10 @@ py::capsule export_dlpack(const py_array& self, py::handle stream, py::handle ma
 {
   const array& view = self.view;
   const stream_request request = classify_stream(view.device().device_type, stream_argument(stream));
-  HANDOFF_EXPECTS(request.order == stream_order::none, not_implemented_error,
-                  fmt::format("stream-ordered export of {} memory needs the stream-aware runtime",
-                              device_type_name(view.device().device_type)));
+  if (request.order != stream_order::none) {
+    const py::gil_scoped_release unlocked;  // device calls only; never blocks on the device
+    order_export(active_context(), view, request);
+  }
   const auto version = requested_version(max_version);
   const auto target = device_argument(dl_device, "dl_device");
   const auto want_copy = copy_argument(copy);
@@ -119,6 +156,8 @@ A zero-copy view of an array imported into handoff. It keeps its producer alive;
       out["version"] = 3;
       return out;
     })
+    .def_property_readonly("__cuda_array_interface__", &cuda_array_interface,
+                           "CUDA Array Interface v3, with `stream` naming the stream the data is ready on.")
     .def("__repr__", [](const py_array& a) {
       return fmt::format("handoff.Array(shape=({}{}), dtype={}, device=({}, {}))", fmt::join(a.view.shape(), ", "),
                          a.view.ndim() == 1 ? "," : "", dtype_name(a.view.dtype()),

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include <array>
+#include <exception>
 
 namespace handoff::python {
 namespace {
@@ -35,6 +36,19 @@ py::object consumer_stream(py::handle stream)
   PyObject* value = nullptr;
   if (PyContextVar_Get(cached.stream_var, nullptr, &value) != 0) { throw py::error_already_set(); }
   return value != nullptr ? py::reinterpret_steal<py::object>(value) : py::object(py::none());
+}
+
+// Refuses a `stream` argument that is no stream at all, whatever the producer's device: an int
+// (DLPack's conventions; bool is not one) or a stream object handoff.as_stream accepts.
+void check_consumer_stream(py::handle stream)
+{
+  if (stream.is_none()) { return; }
+  if (PyLong_Check(stream.ptr()) != 0) {
+    (void)stream_argument(stream);  // bool and range checks
+    return;
+  }
+  HANDOFF_EXPECTS(cached.as_stream != nullptr, type_error, "stream objects need the handoff package");
+  (void)py::reinterpret_borrow<py::object>(cached.as_stream)(stream);  // TypeError for non-streams
 }
 
 // The `stream` value to hand to a producer on `device` for consumer stream `stream` (an int in
@@ -147,6 +161,7 @@ void init_exchange(py::module_& m)
 
 py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::handle stream)
 {
+  check_consumer_stream(stream);
   const auto target = device_argument(device, "device");
   const auto want_copy = copy_argument(copy);
   if (PyCapsule_CheckExact(x.ptr())) { return finish(settle(consume_capsule(x), target, want_copy, false)); }
@@ -157,22 +172,30 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
   const py::object producer_arg =
     consumer.is_none() ? py::object(py::none()) : producer_stream_argument(consumer, producer_device(x));
   if (PyLong_Check(producer_arg.ptr())) { (void)stream_argument(producer_arg); }  // bool/range checks
-  const auto [capsule, legacy] = request_capsule(x, producer_arg, device, copy);
+  // The producer gets the device as DLPack spells it, a (device_type, device_id) tuple, whatever
+  // spelling the caller used ("cpu").
+  const py::object dl_device =
+    target ? py::object(py::make_tuple(static_cast<int>(target->device_type), target->device_id)) : py::object(py::none());
+  const auto [capsule, legacy] = request_capsule(x, producer_arg, dl_device, copy);
   return finish(settle(consume_capsule(capsule), target, want_copy, !legacy));
 }
 
 py::object asarray(py::handle x, py::handle device, py::handle copy, py::handle stream)
 {
   const bool has_dlpack = PyCapsule_CheckExact(x.ptr()) || PyObject_HasAttr(x.ptr(), cached.dlpack) != 0;
+  std::exception_ptr dlpack_refused;  // raised again when no other protocol is there to try
   if (has_dlpack) {
     try {
       return from_dlpack(x, device, copy, stream);
     } catch (py::error_already_set& e) {
       // DLPack could not express it (say, a byte-swapped array): another protocol may.
       if (!e.matches(PyExc_BufferError)) { throw; }
+      dlpack_refused = std::current_exception();
     } catch (const buffer_error&) {
+      dlpack_refused = std::current_exception();
     }
   }
+  check_consumer_stream(stream);
   const auto target = device_argument(device, "device");
   const auto want_copy = copy_argument(copy);
   if (py::object cai = py::getattr(x, "__cuda_array_interface__", py::none()); !cai.is_none()) {
@@ -182,6 +205,7 @@ py::object asarray(py::handle x, py::handle device, py::handle copy, py::handle 
     return finish(settle(import_array_interface(x, ai), target, want_copy, false));
   }
   if (PyObject_CheckBuffer(x.ptr()) != 0) { return finish(settle(import_buffer(x), target, want_copy, false)); }
+  if (dlpack_refused) { std::rethrow_exception(dlpack_refused); }
   throw type_error(fmt::format("asarray: {} object supports no array protocol (DLPack, CUDA Array Interface, "
                                "__array_interface__ or the buffer protocol)", type_name(x)));
 }

@@ -116,6 +116,8 @@ std::pair<void*, bool> data_pair(const interface_reader& reader, py::handle data
                               interface_reader::type_name(data)));
   const auto tuple = py::reinterpret_borrow<py::tuple>(data);
   const std::int64_t address = reader.integer(tuple[0], "data[0]");
+  HANDOFF_EXPECTS(address >= 0, value_error,
+                  fmt::format("{} 'data'[0] is a negative pointer ({})", reader.protocol(), address));
   HANDOFF_EXPECTS(PyBool_Check(tuple[1].ptr()), value_error,
                   fmt::format("{} 'data'[1] (readonly) must be a bool", reader.protocol()));
   return {reinterpret_cast<void*>(static_cast<std::uintptr_t>(address)), tuple[1].ptr() == Py_True};
@@ -143,6 +145,27 @@ producer_ref buffer_owner(std::unique_ptr<Py_buffer> buffer)
   }};
 }
 
+// Refuses an __array_interface__ whose elements reach outside the buffer its data lies in, which
+// NumPy does not check: reading them would be out of bounds.
+void check_within(const array& view, std::int64_t offset, std::int64_t length)
+{
+  if (view.size() == 0) { return; }
+  const auto item = static_cast<std::int64_t>(view.itemsize());
+  std::int64_t low = offset;
+  std::int64_t high = offset + item;  // offset <= length, both far from overflowing
+  bool representable = true;
+  for (std::size_t i = 0; i < view.shape().size(); ++i) {
+    std::int64_t reach = 0;
+    representable = representable && !__builtin_mul_overflow(view.shape()[i] - 1, view.strides()[i], &reach) &&
+                    !__builtin_mul_overflow(reach, item, &reach);
+    std::int64_t& end = reach < 0 ? low : high;
+    representable = representable && !__builtin_add_overflow(end, reach, &end);
+  }
+  HANDOFF_EXPECTS(representable && low >= 0 && high <= length, value_error,
+                  fmt::format("__array_interface__ 'shape' and 'strides' from 'offset' {} reach outside the {}-byte "
+                              "buffer of 'data'", offset, length));
+}
+
 }  // namespace
 
 array import_buffer(py::handle object)
@@ -150,25 +173,29 @@ array import_buffer(py::handle object)
   auto buffer = std::make_unique<Py_buffer>();
   if (PyObject_GetBuffer(object.ptr(), buffer.get(), PyBUF_RECORDS_RO) != 0) { throw py::error_already_set(); }
   const Py_buffer& b = *buffer;
+  producer_ref owner = buffer_owner(std::move(buffer));  // from here on, every exit releases the buffer
   array_layout layout;
-  try {
-    layout.dtype = dtype_from_buffer_format(b.format != nullptr ? b.format : "B", static_cast<std::size_t>(b.itemsize));
-  } catch (...) {
-    PyBuffer_Release(buffer.get());
-    throw;
-  }
+  layout.dtype = dtype_from_buffer_format(b.format != nullptr ? b.format : "B", static_cast<std::size_t>(b.itemsize));
   layout.data = b.buf;
   layout.readonly = b.readonly != 0;
-  layout.shape.assign(b.shape, b.shape + b.ndim);
+  // Exporters may leave shape or strides NULL (ctypes does for strides; 0-d buffers may for both):
+  // PEP 3118 reads that as C-contiguous, and a NULL shape of one dimension as len / itemsize.
+  if (b.ndim > 0 && b.shape != nullptr) {
+    layout.shape.assign(b.shape, b.shape + b.ndim);
+  } else if (b.ndim > 0) {
+    layout.shape.assign(1, static_cast<std::int64_t>(b.len / b.itemsize));
+  }
+  if (b.ndim == 0 || b.strides == nullptr || b.shape == nullptr) {
+    layout.strides = contiguous_strides(layout.shape);
+    return bind_layout(std::move(layout), std::move(owner), "buffer");
+  }
   const auto item = static_cast<std::int64_t>(b.itemsize);
   for (int i = 0; i < b.ndim; ++i) {
-    if (b.strides[i] % item != 0) {
-      PyBuffer_Release(buffer.get());
-      throw buffer_error(fmt::format("buffer stride {} is not a multiple of the item size {}", b.strides[i], item));
-    }
+    HANDOFF_EXPECTS(b.strides[i] % item == 0, buffer_error,
+                    fmt::format("buffer stride {} is not a multiple of the item size {}", b.strides[i], item));
     layout.strides.push_back(b.strides[i] / item);
   }
-  return bind_layout(std::move(layout), buffer_owner(std::move(buffer)), "buffer");
+  return bind_layout(std::move(layout), std::move(owner), "buffer");
 }
 
 array import_array_interface(py::handle object, py::handle interface)
@@ -186,9 +213,15 @@ array import_array_interface(py::handle object, py::handle interface)
     std::int64_t offset = 0;
     if (const py::handle o = reader.optional("offset")) { offset = reader.integer(o, "offset"); }
     array whole = import_buffer(exporter);
+    HANDOFF_EXPECTS(whole.is_c_contiguous(), value_error,
+                    "__array_interface__ 'data' is a buffer, but not a contiguous one");
+    HANDOFF_EXPECTS(offset >= 0 && offset <= whole.nbytes(), value_error,
+                    fmt::format("__array_interface__ 'offset' {} is outside the {}-byte buffer", offset, whole.nbytes()));
     layout.data = static_cast<std::byte*>(whole.data()) + offset;
     layout.readonly = whole.readonly();
-    return bind_layout(std::move(layout), whole.owner(), "__array_interface__");
+    array out = bind_layout(std::move(layout), whole.owner(), "__array_interface__");
+    check_within(out, offset, whole.nbytes());
+    return out;
   }
   std::tie(layout.data, layout.readonly) = data_pair(reader, data);
   return bind_layout(std::move(layout), python_owner(object), "__array_interface__");

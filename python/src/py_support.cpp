@@ -75,6 +75,9 @@ producer_ref python_owner(py::handle object)
 array consume_capsule(py::handle capsule)
 {
   PyObject* raw = capsule.ptr();
+  HANDOFF_EXPECTS(PyCapsule_CheckExact(raw) != 0, type_error,
+                  fmt::format("expected a DLPack capsule, got {}",
+                              py::str(py::type::handle_of(capsule).attr("__name__")).cast<std::string>()));
   if (PyCapsule_IsValid(raw, versioned_name) != 0) {
     auto* tensor = static_cast<DLManagedTensorVersioned*>(PyCapsule_GetPointer(raw, versioned_name));
     PyCapsule_SetName(raw, used_versioned_name);  // before import: its deleter now belongs to us

@@ -103,18 +103,23 @@ std::size_t itemsize(DLDataType dtype) noexcept
 
 DLDataType dtype_from_typestr(std::string_view text, std::string_view field)
 {
-  // Shape: one byte-order character, one kind character, a decimal element size.
-  int size = 0;
-  const bool well_formed =
-    text.size() >= 3 && std::string_view{"<>|="}.find(text[0]) != std::string_view::npos &&
-    std::from_chars(text.data() + 2, text.data() + text.size(), size).ptr == text.data() + text.size() &&
-    size > 0;
-  HANDOFF_EXPECTS(well_formed, value_error,
-                  fmt::format("{} '{}' is malformed: expected byte order, kind and size, like '<f4'", field, text));
+  // Shape: one byte-order character, one kind character, a decimal element size. The kind is
+  // judged first: NumPy's own typestrs for kinds DLPack cannot carry ('|O', '<M8[s]') are valid
+  // but not exchangeable, so they are buffer errors rather than malformed.
+  const auto malformed = [&] {
+    return value_error(
+      fmt::format("{} '{}' is malformed: expected byte order, kind and size, like '<f4'", field, text));
+  };
+  if (text.size() < 2 || std::string_view{"<>|="}.find(text[0]) == std::string_view::npos) { throw malformed(); }
   const char order = text[0];
   const auto code = typestr_kind(text[1]);
   HANDOFF_EXPECTS(code.has_value(), buffer_error,
                   fmt::format("{} '{}': kind '{}' cannot be exchanged (only b, i, u, f, c)", field, text, text[1]));
+  int size = 0;
+  const bool sized = text.size() >= 3 &&
+                     std::from_chars(text.data() + 2, text.data() + text.size(), size).ptr == text.data() + text.size() &&
+                     size > 0;
+  if (!sized) { throw malformed(); }
   const bool swapped = size > 1 && ((order == '>' && little_endian) || (order == '<' && !little_endian));
   HANDOFF_EXPECTS(!swapped, buffer_error,
                   fmt::format("{} '{}' is byte-swapped; DLPack exchanges native byte order only", field, text));

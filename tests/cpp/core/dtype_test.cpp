@@ -45,6 +45,9 @@ TEST(DtypeTest, Typestr)
   EXPECT_EQ(dtype_from_typestr(">i1"), *dtype_from_name("int8"));  // one byte has no byte order
   EXPECT_THROW((void)dtype_from_typestr(">f4"), buffer_error);
   EXPECT_THROW((void)dtype_from_typestr("|O8"), buffer_error);
+  EXPECT_THROW((void)dtype_from_typestr("|O"), buffer_error);       // NumPy's own, valid but not exchangeable
+  EXPECT_THROW((void)dtype_from_typestr("<M8[s]"), buffer_error);
+  EXPECT_THROW((void)dtype_from_typestr("<f0"), value_error);
   EXPECT_THROW((void)dtype_from_typestr("<f3"), buffer_error);
   EXPECT_THROW((void)dtype_from_typestr("f4"), value_error);
   EXPECT_THROW((void)dtype_from_typestr("<f"), value_error);

@@ -1,0 +1,297 @@
+// handoff.sim: drive the simulated accelerator from Python (streams, arrays, delayed writes, faults).
+#include "py_sim.hpp"
+
+#include "py_support.hpp"
+
+#include <handoff/dtype.hpp>
+#include <handoff/error.hpp>
+#include <handoff/exchange.hpp>
+#include <handoff/runtime.hpp>
+#include <handoff/sim.hpp>
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+namespace handoff::python {
+namespace {
+
+using device::sim_backend;
+
+struct active_sim {
+  context& ctx;
+  sim_backend& sim;
+};
+
+active_sim require_sim()
+{
+  context& ctx = require_context("handoff.sim");
+  sim_backend* sim = device::as_sim(ctx.backend());
+  if (sim == nullptr) {
+    throw device_error(std::string{ctx.backend().name()}, "handoffErrorNotSimulated",
+                       fmt::format("handoff.sim needs HANDOFF_BACKEND=sim or sim-rocm; the active backend is {}",
+                                   ctx.backend().name()));
+  }
+  return {ctx, *sim};
+}
+
+// Makes `device` current for a scope.
+class current_device {
+ public:
+  current_device(sim_backend& sim, int device) : sim_(sim), previous_(sim.current_device())
+  {
+    HANDOFF_EXPECTS(device >= 0 && device < sim.device_count(), value_error,
+                    fmt::format("device {} does not exist (the simulated backend has {})", device, sim.device_count()));
+    sim_.set_current_device(device);
+  }
+  current_device(const current_device&) = delete;
+  current_device& operator=(const current_device&) = delete;
+  current_device(current_device&&) = delete;
+  current_device& operator=(current_device&&) = delete;
+  ~current_device()
+  {
+    try {
+      sim_.set_current_device(previous_);
+    } catch (...) {
+    }
+  }
+
+ private:
+  sim_backend& sim_;
+  int previous_;
+};
+
+// An owning simulated stream.
+class sim_stream {
+ public:
+  sim_stream(int device, bool non_blocking) : device_(device)
+  {
+    auto [ctx, sim] = require_sim();
+    const current_device on{sim, device};
+    handle_ = sim.create_stream(non_blocking);
+    sim_ = &sim;
+    non_blocking_ = non_blocking;
+  }
+  sim_stream(const sim_stream&) = delete;
+  sim_stream& operator=(const sim_stream&) = delete;
+  sim_stream(sim_stream&&) = delete;
+  sim_stream& operator=(sim_stream&&) = delete;
+  ~sim_stream() { sim_->destroy_stream(handle_); }  // pending work still runs, as in CUDA
+
+  [[nodiscard]] std::uintptr_t handle() const noexcept { return static_cast<std::uintptr_t>(handle_); }
+  [[nodiscard]] int device() const noexcept { return device_; }
+  [[nodiscard]] bool non_blocking() const noexcept { return non_blocking_; }
+  void synchronize()
+  {
+    const py::gil_scoped_release unlocked;
+    sim_->synchronize_stream(handle_);
+  }
+
+ private:
+  sim_backend* sim_{nullptr};
+  device::stream_handle handle_{};
+  int device_;
+  bool non_blocking_{false};
+};
+
+// A stream argument: a sim.Stream, a handoff.Stream or anything handoff.as_stream accepts, or an
+// int (a raw handle; the backend's default stream numbering applies).
+device::stream_handle stream_of(py::handle stream)
+{
+  HANDOFF_EXPECTS(!stream.is_none(), type_error, "a stream is required (stream=...)");
+  if (py::isinstance<sim_stream>(stream)) { return static_cast<device::stream_handle>(stream.cast<sim_stream&>().handle()); }
+  const py::object resolved = py::module_::import("handoff").attr("as_stream")(stream);
+  return static_cast<device::stream_handle>(resolved.attr("handle").cast<std::uintptr_t>());
+}
+
+array& sim_array(py::handle object, active_sim& s)
+{
+  HANDOFF_EXPECTS(py::isinstance<py_array>(object), type_error, "expected a handoff.Array made by handoff.sim");
+  array& view = object.cast<py_array&>().view;
+  HANDOFF_EXPECTS(is_stream_ordered(s.ctx, view), buffer_error,
+                  fmt::format("this array is on device type {}, not on the simulated device",
+                              static_cast<int>(view.device().device_type)));
+  HANDOFF_EXPECTS(view.is_c_contiguous(), buffer_error, "handoff.sim works on contiguous arrays only");
+  return view;
+}
+
+// The bytes of `value` converted to `dtype`, for a fill pattern.
+std::vector<std::byte> element_bytes(py::handle value, DLDataType dtype)
+{
+  const auto name = dtype_name(dtype);
+  std::vector<std::byte> out(itemsize(dtype));
+  const auto put = [&out](auto v) { std::memcpy(out.data(), &v, sizeof v); };
+  const bool is_bool = PyBool_Check(value.ptr());
+  if (name == "float32") { put(value.cast<float>()); }
+  else if (name == "float64") { put(value.cast<double>()); }
+  else if (name == "int8") { put(static_cast<std::int8_t>(value.cast<long long>())); }
+  else if (name == "int16") { put(static_cast<std::int16_t>(value.cast<long long>())); }
+  else if (name == "int32") { put(static_cast<std::int32_t>(value.cast<long long>())); }
+  else if (name == "int64") { put(static_cast<std::int64_t>(value.cast<long long>())); }
+  else if (name == "uint8") { put(static_cast<std::uint8_t>(value.cast<unsigned long long>())); }
+  else if (name == "uint16") { put(static_cast<std::uint16_t>(value.cast<unsigned long long>())); }
+  else if (name == "uint32") { put(static_cast<std::uint32_t>(value.cast<unsigned long long>())); }
+  else if (name == "uint64") { put(static_cast<std::uint64_t>(value.cast<unsigned long long>())); }
+  else if (name == "bool") { put(static_cast<std::uint8_t>(is_bool ? value.ptr() == Py_True : value.cast<double>() != 0.0)); }
+  else { throw buffer_error(fmt::format("handoff.sim.fill does not support dtype {}", name)); }
+  return out;
+}
+
+std::chrono::nanoseconds seconds(double delay)
+{
+  HANDOFF_EXPECTS(std::isfinite(delay) && delay >= 0.0, value_error,
+                  fmt::format("delay must be a non-negative number of seconds, not {}", delay));
+  return std::chrono::nanoseconds{static_cast<std::int64_t>(delay * 1e9)};
+}
+
+py::object zeros(py::handle shape_arg, const std::string& dtype_text, int device, const std::string& memory)
+{
+  auto s = require_sim();
+  const auto dtype = dtype_from_name(dtype_text);
+  HANDOFF_EXPECTS(dtype.has_value(), value_error, fmt::format("unknown dtype '{}'", dtype_text));
+  std::vector<std::int64_t> shape;
+  if (PyLong_Check(shape_arg.ptr())) {
+    shape.push_back(shape_arg.cast<std::int64_t>());
+  } else {
+    for (const auto extent : shape_arg) { shape.push_back(extent.cast<std::int64_t>()); }
+  }
+  array_layout layout;
+  layout.dtype = *dtype;
+  layout.shape = shape;
+  layout.strides = contiguous_strides(shape);
+  std::int64_t elements = 1;
+  for (const auto extent : shape) {
+    HANDOFF_EXPECTS(extent >= 0, value_error, fmt::format("shape {} has a negative extent", fmt::join(shape, "x")));
+    elements *= extent;
+  }
+  const auto bytes = static_cast<std::size_t>(elements) * itemsize(*dtype);
+  const bool rocm = s.sim.flavour() == device::sim_flavour::rocm;
+
+  const current_device on{s.sim, device};
+  const auto stream = s.sim.legacy_default_stream();
+  void* data = nullptr;
+  if (memory == "device") {
+    data = s.sim.allocate(bytes > 0 ? bytes : 1, stream);
+    layout.device = {rocm ? kDLROCM : kDLCUDA, device};
+  } else if (memory == "pinned") {
+    data = s.sim.allocate_pinned_host(bytes > 0 ? bytes : 1);
+    layout.device = {rocm ? kDLROCMHost : kDLCUDAHost, 0};
+  } else if (memory == "managed") {
+    HANDOFF_EXPECTS(!rocm, value_error, "managed memory has no DLPack device type on ROCm");
+    data = s.sim.allocate_managed(bytes > 0 ? bytes : 1);
+    layout.device = {kDLCUDAManaged, 0};
+  } else {
+    throw value_error(fmt::format("memory='{}' is not one of 'device', 'pinned', 'managed'", memory));
+  }
+  sim_backend* sim = &s.sim;
+  // Freed as cudaFree does, once the device is idle: a write may still be pending on any stream.
+  producer_ref owner{[sim, data]() noexcept {
+    try {
+      sim->free_sync(data);
+    } catch (...) {  // the backend is shutting down and frees what is left itself
+    }
+  }};
+  if (bytes > 0) {
+    const std::byte zero{0};
+    s.sim.enqueue_fill_bytes(stream, data, bytes, std::span<const std::byte>{&zero, 1});
+  }
+  layout.data = data;
+  array view{std::move(layout), std::move(owner)};
+  view.owner().set_ready_on({&s.ctx, device, stream});
+  return wrap(std::move(view));
+}
+
+void fill(py::handle target, py::handle value, py::handle stream, double delay)
+{
+  auto s = require_sim();
+  array& view = sim_array(target, s);
+  HANDOFF_EXPECTS(!view.readonly(), buffer_error, "cannot fill a read-only array");
+  const auto pattern = element_bytes(value, view.dtype());
+  const auto handle = stream_of(stream);
+  const int device = owning_device(s.ctx, view);
+  const current_device on{s.sim, device};
+  if (view.nbytes() > 0) {
+    s.sim.enqueue_fill_bytes(handle, view.data(), static_cast<std::size_t>(view.nbytes()), pattern, seconds(delay));
+  }
+  view.owner().set_ready_on({&s.ctx, device, handle});
+}
+
+py::object to_numpy(py::handle source, py::handle stream)
+{
+  auto s = require_sim();
+  const array& view = sim_array(source, s);
+  const auto handle = stream_of(stream);
+  const int device = owning_device(s.ctx, view);
+  py::module_ numpy = py::module_::import("numpy");
+  py::tuple shape(view.shape().size());
+  for (std::size_t i = 0; i < view.shape().size(); ++i) { shape[i] = view.shape()[i]; }
+  const std::string name{dtype_name(view.dtype())};
+  py::object out = numpy.attr("empty")(shape, name == "bfloat16" ? "uint16" : name);
+  const auto host = reinterpret_cast<void*>(out.attr("ctypes").attr("data").cast<std::uintptr_t>());
+  const auto bytes = static_cast<std::size_t>(view.nbytes());
+  {
+    const py::gil_scoped_release unlocked;
+    const current_device on{s.sim, device};
+    if (bytes > 0) { s.sim.copy_async(host, view.data(), bytes, handle); }
+    s.sim.synchronize_stream(handle);
+  }
+  return out;
+}
+
+void synchronize(py::handle device)
+{
+  auto s = require_sim();
+  const py::gil_scoped_release unlocked;
+  const int first = device.is_none() ? 0 : device.cast<int>();
+  const int last = device.is_none() ? s.sim.device_count() - 1 : first;
+  for (int d = first; d <= last; ++d) {
+    const current_device on{s.sim, d};
+    s.sim.synchronize_device();
+  }
+}
+
+}  // namespace
+
+void bind_sim(py::module_& parent)
+{
+  py::module_ m = parent.def_submodule("_sim", "The simulated accelerator (HANDOFF_BACKEND=sim or sim-rocm).");
+  py::class_<sim_stream>(m, "Stream", "An owning stream of the simulated device.")
+    .def(py::init<int, bool>(), py::arg("device") = 0, py::kw_only(), py::arg("non_blocking") = false)
+    .def_property_readonly("handle", &sim_stream::handle)
+    .def_property_readonly("device", &sim_stream::device)
+    .def_property_readonly("non_blocking", &sim_stream::non_blocking)
+    .def("__cuda_stream__", [](const sim_stream& s) { return py::make_tuple(0, s.handle()); })
+    .def("synchronize", &sim_stream::synchronize, "Blocks until the stream's work is done (GIL released).")
+    .def("__repr__", [](const sim_stream& s) {
+      return fmt::format("handoff.sim.Stream({:#x}, device={}{})", s.handle(), s.device(),
+                         s.non_blocking() ? ", non_blocking=True" : "");
+    });
+  m.def("zeros", &zeros, py::arg("shape"), py::arg("dtype") = "float32", py::arg("device") = 0, py::kw_only(),
+        py::arg("memory") = "device",
+        "A zero-filled array on a simulated device ('device'), or in pinned host or managed memory.");
+  m.def("fill", &fill, py::arg("array"), py::arg("value"), py::kw_only(), py::arg("stream"), py::arg("delay") = 0.0,
+        "Enqueues on `stream`: wait `delay` seconds, then write `value` everywhere. Returns at once.");
+  m.def("to_numpy", &to_numpy, py::arg("array"), py::kw_only(), py::arg("stream"),
+        "Enqueues a copy to a new NumPy array on `stream` and waits for the stream.");
+  m.def("synchronize", &synchronize, py::arg("device") = py::none(), "Waits for all work on a device (or all).");
+  m.def("inject_fault", [](const std::string& op, int count, const std::string& error) {
+    require_sim().sim.inject_fault(op, count, error);
+  }, py::arg("operation"), py::arg("count") = 1, py::arg("error") = "cudaErrorLaunchFailure",
+     "Makes the next `count` calls of a device operation fail with `error` (a DeviceError).");
+  m.def("clear_faults", [] { require_sim().sim.clear_faults(); });
+  m.def("begin_capture", [](py::handle stream) { require_sim().sim.begin_capture(stream_of(stream)); },
+        py::arg("stream"));
+  m.def("end_capture", [](py::handle stream) { return require_sim().sim.end_capture(stream_of(stream)); },
+        py::arg("stream"));
+  m.def("live_allocations", [] { return require_sim().sim.live_allocations(); });
+  m.def("drain", [] {
+    context* ctx = active_context();
+    if (ctx == nullptr) { return; }
+    const py::gil_scoped_release unlocked;
+    ctx->drain();
+  }, "Waits for the releases deferred so far.");
+}
+
+}  // namespace handoff::python

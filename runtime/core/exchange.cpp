@@ -1,0 +1,74 @@
+#include <handoff/error.hpp>
+#include <handoff/exchange.hpp>
+#include <handoff/stream.hpp>
+
+#include <fmt/format.h>
+
+namespace handoff {
+
+std::optional<device::stream_handle> resolve_stream(device::backend& backend, stream_request request)
+{
+  switch (request.order) {
+    case stream_order::none: return std::nullopt;
+    case stream_order::legacy_default:
+    case stream_order::default_stream: return backend.legacy_default_stream();
+    case stream_order::per_thread_default: return backend.per_thread_default_stream();
+    case stream_order::handle: return static_cast<device::stream_handle>(request.handle);
+  }
+  return std::nullopt;
+}
+
+bool is_stream_ordered(const context& ctx, const array& view) noexcept
+{
+  const DLDeviceType type = view.device().device_type;
+  return ctx.backend().device_type() == kDLROCM ? is_rocm_device(type) : is_cuda_device(type);
+}
+
+int owning_device(context& ctx, const array& view)
+{
+  const DLDevice claimed = view.device();
+  if (view.data() == nullptr) { return claimed.device_id; }  // empty: nothing to look up
+  const device::pointer_attributes where = ctx.backend().attributes(view.data());
+  const bool device_memory = claimed.device_type == kDLCUDA || claimed.device_type == kDLROCM;
+  if (device_memory) {
+    HANDOFF_EXPECTS(where.kind == device::memory_kind::device, value_error,
+                    fmt::format("the array claims {} device {} memory, but {:#x} is not device memory of the {} "
+                                "backend", device_type_name(claimed.device_type), claimed.device_id,
+                                reinterpret_cast<std::uintptr_t>(view.data()), ctx.backend().name()));
+    HANDOFF_EXPECTS(where.device == claimed.device_id, value_error,
+                    fmt::format("the array claims device {}, but its memory belongs to device {}",
+                                claimed.device_id, where.device));
+    return where.device;
+  }
+  // Pinned and managed memory report device 0 in DLPack; record where the allocation was made.
+  return where.device >= 0 ? where.device : ctx.backend().current_device();
+}
+
+void order_export(context* ctx, const array& view, stream_request consumer)
+{
+  if (consumer.order == stream_order::none) { return; }
+  if (ctx == nullptr) {
+    throw device_error("none", "handoffErrorNoBackend",
+                       fmt::format("ordering {} memory for a consumer stream needs a device backend, and none is active",
+                                   device_type_name(view.device().device_type)));
+  }
+  if (!is_stream_ordered(*ctx, view)) {
+    throw device_error(std::string{ctx->backend().name()}, "handoffErrorWrongBackend",
+                       fmt::format("a {} array cannot be ordered by the {} backend",
+                                   device_type_name(view.device().device_type), ctx->backend().name()));
+  }
+  device::backend& backend = ctx->backend();
+  const int device = owning_device(*ctx, view);
+  const auto ready = view.owner().ready_on();
+  const auto producer = ready && ready->ctx == ctx ? ready->stream : backend.legacy_default_stream();
+  stream_view{backend, *resolve_stream(backend, consumer)}.wait(stream_view{backend, producer}, device, ctx->events());
+}
+
+void bind_import(context& ctx, const array& view, int device, device::stream_handle consumer)
+{
+  const stream_binding on_consumer{&ctx, device, consumer};
+  view.owner().set_ready_on(on_consumer);
+  view.owner().release_after(on_consumer);
+}
+
+}  // namespace handoff

@@ -1,0 +1,156 @@
+"""Shared fixtures and helpers for handoff's Python tests: DLPack structs via ctypes, capsule
+inspection, and the live-producer gauge."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import subprocess
+import sys
+
+import pytest
+
+import handoff
+
+# DLPack device types (dlpack.h).
+CPU, CUDA, CUDA_HOST, OPENCL, VULKAN, METAL, VPI, ROCM, ROCM_HOST, EXT_DEV, CUDA_MANAGED, ONEAPI, WEBGPU, HEXAGON, MAIA = (
+    1, 2, 3, 4, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17,
+)
+TRN = 18
+
+FLAG_READ_ONLY = 1 << 0
+FLAG_IS_COPIED = 1 << 1
+
+
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class DLManagedTensorVersioned(ctypes.Structure):
+    pass
+
+
+VERSIONED_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensorVersioned))
+DLManagedTensorVersioned._fields_ = [
+    ("version", DLPackVersion),
+    ("manager_ctx", ctypes.c_void_p),
+    ("deleter", VERSIONED_DELETER),
+    ("flags", ctypes.c_uint64),
+    ("dl_tensor", DLTensor),
+]
+
+_api = ctypes.pythonapi
+_api.PyCapsule_GetName.restype = ctypes.c_char_p
+_api.PyCapsule_GetName.argtypes = [ctypes.py_object]
+_api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+_api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_api.PyCapsule_New.restype = ctypes.py_object
+_api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+
+def capsule_name(capsule: object) -> str | None:
+    name = _api.PyCapsule_GetName(capsule)
+    return None if name is None else name.decode()
+
+
+def versioned_tensor(capsule: object) -> DLManagedTensorVersioned:
+    """The DLManagedTensorVersioned inside an unconsumed "dltensor_versioned" capsule."""
+    address = _api.PyCapsule_GetPointer(capsule, b"dltensor_versioned")
+    return DLManagedTensorVersioned.from_address(address)
+
+
+def new_capsule(pointer: int, name: bytes | None) -> object:
+    """A capsule with no destructor (the test keeps what it points to alive)."""
+    return _api.PyCapsule_New(pointer, name, None)
+
+
+class HandMadeTensor:
+    """A DLManagedTensorVersioned built in ctypes whose deleter counts its calls.
+
+    The fields are set by the test to produce tensors that handoff must accept or refuse; either
+    way the deleter must run exactly once.
+    """
+
+    def __init__(self, data: int, shape: tuple[int, ...], *, code: int = 2, bits: int = 32, major: int = 1,
+                 flags: int = 0, null_shape: bool = False) -> None:
+        self.deleted = 0
+        self.shape = (ctypes.c_int64 * max(len(shape), 1))(*shape)
+        self.managed = DLManagedTensorVersioned()
+        self.managed.version = DLPackVersion(major, 1)
+        self.managed.flags = flags
+        self.deleter = VERSIONED_DELETER(self._delete)
+        self.managed.deleter = self.deleter
+        t = self.managed.dl_tensor
+        t.data = data
+        t.device = DLDevice(CPU, 0)
+        t.ndim = len(shape)
+        t.dtype = DLDataType(code, bits, 1)
+        t.shape = ctypes.cast(None, ctypes.POINTER(ctypes.c_int64)) if null_shape else self.shape
+        t.strides = ctypes.cast(None, ctypes.POINTER(ctypes.c_int64))
+        t.byte_offset = 0
+
+    def _delete(self, _managed: object) -> None:
+        self.deleted += 1
+
+    def capsule(self) -> object:
+        return new_capsule(ctypes.addressof(self.managed), b"dltensor_versioned")
+
+
+def live_views() -> int:
+    """Producers handoff keeps alive now, after collecting garbage."""
+    gc.collect()
+    return handoff.stats()["live_views"]
+
+
+@pytest.fixture
+def live():
+    """Asserts that a test leaves no more live producers than it found.
+
+    A full collection costs a tenth of a second once PyTorch is loaded, so it runs only when the
+    count differs; it may then also free garbage older than the test, hence `<=`.
+    """
+    start = handoff.stats()["live_views"]
+    yield start
+    if handoff.stats()["live_views"] != start:
+        assert live_views() <= start, "the test leaked handoff producers"
+
+
+@pytest.fixture
+def settled():
+    """Like `live`, exact: collects garbage before and after, for tests that count producers."""
+    start = live_views()
+    yield start
+    assert live_views() == start, "the test leaked handoff producers"
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh interpreter with extra environment variables."""
+    environment = {**os.environ, **env}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def torch():
+    """PyTorch, or a skip where it is not installed."""
+    return pytest.importorskip("torch")

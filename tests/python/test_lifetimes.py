@@ -1,0 +1,307 @@
+"""Who keeps what alive: producers, capsules and their deleters, on every path, on many threads,
+and at interpreter shutdown."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+
+import numpy as np
+import pytest
+
+import handoff
+from conftest import capsule_name, live_views, run_python
+
+
+class Owned(np.ndarray):
+    """A NumPy array that can be weakly referenced and says so by name."""
+
+
+def owned(n: int = 6) -> Owned:
+    return np.arange(n, dtype=np.float64).view(Owned)
+
+
+class Producer:
+    """A tiny producer whose capsules come from a NumPy array it holds."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        self.data = data
+
+    def __dlpack__(self, **kwargs):
+        return self.data.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.data.__dlpack_device__()
+
+
+class FailingProducer:
+    def __init__(self, error: type[BaseException]) -> None:
+        self.error = error
+        self.calls = 0
+
+    def __dlpack__(self, **kwargs):
+        self.calls += 1
+        raise self.error("producer refused")
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
+class LegacyProducer:
+    """A producer older than DLPack 1.0: no max_version keyword."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        self.data = data
+
+    def __dlpack__(self, stream=None):
+        return self.data.__dlpack__()
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
+def test_array_keeps_the_producer_alive(settled):
+    data = owned()
+    ref = weakref.ref(data)
+    h = handoff.from_dlpack(Producer(data))
+    del data
+    assert ref() is not None
+    assert live_views() == settled + 1
+    np.testing.assert_array_equal(np.from_dlpack(h), np.arange(6.0))
+    del h
+    assert ref() is None  # by reference counting alone, no gc pass needed
+    assert handoff.stats()["live_views"] == settled
+
+
+def test_unconsumed_capsule_keeps_the_producer_alive(settled):
+    data = owned()
+    ref = weakref.ref(data)
+    h = handoff.from_dlpack(data)
+    del data
+    capsule = h.__dlpack__(max_version=(1, 1))
+    del h
+    assert ref() is not None
+    assert handoff.stats()["live_views"] == settled + 1
+    del capsule  # its destructor runs the deleter
+    assert ref() is None
+    assert handoff.stats()["live_views"] == settled
+
+
+@pytest.mark.parametrize("max_version", [None, (1, 0), (1, 1)])
+def test_capsule_deleter_runs_on_gc(max_version, settled):
+    data = owned()
+    ref = weakref.ref(data)
+    h = handoff.from_dlpack(data)
+    del data
+
+    class Cycle:
+        pass
+
+    holder = Cycle()
+    holder.self = holder
+    holder.capsule = h.__dlpack__(max_version=max_version)
+    del h, holder
+    assert ref() is not None  # held by a reference cycle until the collector runs
+    assert live_views() == settled
+    assert ref() is None
+
+
+def test_views_of_views_share_one_producer(settled):
+    data = owned()
+    ref = weakref.ref(data)
+    h1 = handoff.from_dlpack(data)
+    h2 = handoff.from_dlpack(h1)
+    h3 = handoff.from_dlpack(h2.__dlpack__())
+    b = np.from_dlpack(h3)
+    del data, h1, h2
+    assert ref() is not None
+    del h3
+    assert ref() is not None  # b still uses it
+    b[0] = 5.0
+    del b
+    assert ref() is None
+
+
+def test_consumed_capsules_are_renamed(torch, settled):
+    a = np.arange(4.0)
+    for max_version, name in [((1, 1), "dltensor_versioned"), (None, "dltensor")]:
+        capsule = a.__dlpack__(max_version=max_version)
+        assert capsule_name(capsule) == name
+        h = handoff.from_dlpack(capsule)
+        assert capsule_name(capsule) == "used_" + name
+        exported = h.__dlpack__(max_version=max_version)
+        assert capsule_name(exported) == name
+        t = torch.utils.dlpack.from_dlpack(exported)
+        assert capsule_name(exported) == "used_" + name
+        assert t.data_ptr() == a.ctypes.data
+        del h, t, capsule, exported
+
+
+def test_torch_keeps_the_producer_alive(torch, settled):
+    data = owned()
+    ref = weakref.ref(data)
+    t = torch.from_dlpack(handoff.from_dlpack(data))
+    del data
+    assert ref() is not None
+    assert live_views() == settled + 1
+    del t
+    assert ref() is None
+    assert handoff.stats()["live_views"] == settled
+
+
+def test_legacy_producer_falls_back_and_keeps_its_data_alive(settled):
+    data = owned()
+    ref = weakref.ref(data)
+    h = handoff.from_dlpack(LegacyProducer(data))
+    assert h.data_ptr == data.ctypes.data
+    del data
+    assert ref() is not None
+    del h
+    assert ref() is None
+
+
+@pytest.mark.parametrize("error", [BufferError, ValueError, RuntimeError, TypeError])
+def test_producer_raising_leaks_nothing(error, settled):
+    producer = FailingProducer(error)
+    with pytest.raises(error, match="producer refused"):
+        handoff.from_dlpack(producer)
+    assert producer.calls == (2 if error is TypeError else 1)  # TypeError: one legacy retry
+    assert live_views() == settled
+    with pytest.raises(error, match="producer refused"):
+        handoff.asarray(producer)  # a BufferError tries the other protocols; with none, it is raised
+    assert live_views() == settled
+
+
+def test_unsupported_dtype_through_the_buffer_protocol_leaks_nothing(settled):
+    a = np.array(["ab", "cd"])
+    view = memoryview(a)
+    with pytest.raises(BufferError, match="buffer format"):
+        handoff.asarray(view)
+    assert live_views() == settled
+    view.release()  # raises BufferError if handoff still held an export of it
+
+
+def test_buffer_is_released_with_the_array(settled):
+    raw = bytearray(16)
+    h = handoff.asarray(raw)
+    with pytest.raises(BufferError):
+        raw.extend(b"x")  # exported: cannot resize
+    del h
+    raw.extend(b"x")
+    view = memoryview(np.arange(3.0))
+    h = handoff.asarray(view)
+    with pytest.raises(BufferError):
+        view.release()
+    del h
+    view.release()
+
+
+def test_refused_readonly_legacy_export_leaks_nothing(settled):
+    a = np.broadcast_to(np.arange(3.0), (2, 3))
+    h = handoff.from_dlpack(a)
+    for _ in range(3):
+        with pytest.raises(BufferError):
+            h.__dlpack__()
+    del h
+    assert live_views() == settled
+
+
+def test_refused_stream_export_leaks_nothing(settled):
+    h = handoff.from_dlpack(np.arange(3.0))
+    for value in (0, 1, True, "x"):
+        with pytest.raises((ValueError, TypeError)):
+            h.__dlpack__(stream=value, max_version=(1, 1))
+    del h
+    assert live_views() == settled
+
+
+def test_exceptions_keep_their_traceback_through_capsule_destructors(settled):
+    # A capsule destroyed while an exception propagates must not clear or replace it.
+    h = handoff.from_dlpack(np.arange(3.0))
+
+    def fail():
+        capsule = h.__dlpack__()  # noqa: F841 - destroyed during unwinding
+        raise KeyError("kept")
+
+    with pytest.raises(KeyError, match="kept"):
+        fail()
+    del h
+
+
+def test_many_threads_exchanging_at_once(torch, settled):
+    threads, rounds = 8, 500
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(threads)
+
+    def worker(seed: int) -> None:
+        try:
+            barrier.wait()
+            for i in range(rounds):
+                a = np.full(4 + (i % 3), seed * 1000 + i, dtype=np.int64)
+                t = torch.from_dlpack(handoff.from_dlpack(a))
+                assert t.data_ptr() == a.ctypes.data
+                assert int(t[0]) == seed * 1000 + i
+                b = np.from_dlpack(handoff.from_dlpack(t))
+                assert b.ctypes.data == a.ctypes.data
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    workers = [threading.Thread(target=worker, args=(n,)) for n in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not errors, errors[0]
+    assert live_views() == settled
+
+
+def test_objects_released_on_another_thread(settled):
+    # The last reference may die on a thread that did not import: releases take the GIL there.
+    data = owned()
+    ref = weakref.ref(data)
+    box = [handoff.from_dlpack(data), handoff.from_dlpack(data).__dlpack__()]
+    del data
+    thread = threading.Thread(target=box.clear)
+    thread.start()
+    thread.join()
+    assert ref() is None
+    assert live_views() == settled
+
+
+SHUTDOWN = """
+import numpy as np, handoff
+{extra}
+a = np.arange(10.0)
+h = handoff.from_dlpack(a)
+c1 = h.__dlpack__()
+c2 = h.__dlpack__(max_version=(1, 1))
+b = np.from_dlpack(handoff.from_dlpack(h))
+m = handoff.asarray(memoryview(bytearray(8)))
+i = handoff.asarray(type("I", (), {{"__array_interface__": a.__array_interface__, "keep": a}})())
+class Cycle: pass
+cycle = Cycle(); cycle.cycle = cycle; cycle.capsule = h.__dlpack__(); cycle.array = h
+"""
+
+
+@pytest.mark.parametrize("extra", ["", "import torch; t = torch.from_dlpack(handoff.from_dlpack(np.ones(3)))"])
+def test_interpreter_shutdown_with_live_objects(extra):
+    if extra and "torch" not in sys.modules:
+        pytest.importorskip("torch")
+    result = run_python(SHUTDOWN.format(extra=extra))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert result.stdout == ""
+
+
+def test_shutdown_from_a_thread_holding_arrays():
+    code = """
+import threading, numpy as np, handoff
+keep = []
+def work():
+    keep.append(handoff.from_dlpack(np.arange(4.0)))
+    keep.append(keep[-1].__dlpack__())
+t = threading.Thread(target=work); t.start(); t.join()
+"""
+    result = run_python(code)
+    assert (result.returncode, result.stderr) == (0, "")

@@ -1,0 +1,285 @@
+"""Stream ordering through the real export and import paths, on the simulated device.
+
+Run with HANDOFF_BACKEND=sim (arrays report as CUDA) or sim-rocm (as ROCm); skipped otherwise.
+Every ordering test has a negative control that shows the race when ordering is turned off.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+
+import handoff
+
+BACKEND = handoff.runtime_info()["backend"]
+pytestmark = pytest.mark.skipif(
+    not BACKEND.startswith("sim"), reason=f"needs HANDOFF_BACKEND=sim or sim-rocm (backend is {BACKEND!r})"
+)
+if BACKEND.startswith("sim"):
+    from handoff import sim
+
+ROCM = BACKEND == "sim-rocm"
+DEVICE_TYPE = 10 if ROCM else 2
+DEFAULT_STREAM = 0 if ROCM else 1  # the DLPack value naming the device's default stream
+SLOW = 0.2  # seconds a producer write takes: long enough that an unordered reader always wins
+N = 4096
+
+
+@pytest.fixture
+def streams():
+    producer = sim.Stream(non_blocking=True)
+    consumer = sim.Stream(non_blocking=True)
+    yield producer, consumer
+    sim.synchronize()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    sim.clear_faults()
+    gc.collect()
+    sim.drain()
+    live = handoff.stats()["live_views"]
+    allocations = sim.live_allocations()
+    yield
+    sim.clear_faults()
+    sim.synchronize()
+    gc.collect()
+    sim.drain()
+    assert handoff.stats()["live_views"] == live, "a producer was leaked"
+    assert sim.live_allocations() == allocations, "a device allocation was leaked"
+
+
+def pending_write(stream, value=1.0, device=0):
+    """A device array whose producer write (`value` everywhere) is still running on `stream`."""
+    array = sim.zeros(N, "float32", device)
+    sim.synchronize()
+    sim.fill(array, value, stream=stream, delay=SLOW)
+    return array
+
+
+class TorchLikeStream:
+    def __init__(self, handle):
+        self.cuda_stream = handle
+
+
+class CupyLikeStream:
+    def __init__(self, handle):
+        self.ptr = handle
+
+
+CONSUMER_SPELLINGS = {
+    "int": lambda s: s.handle,
+    "handoff.Stream": lambda s: handoff.Stream(s.handle),
+    "sim.Stream (__cuda_stream__)": lambda s: s,
+    ".cuda_stream": lambda s: TorchLikeStream(s.handle),
+    ".ptr": lambda s: CupyLikeStream(s.handle),
+}
+
+
+def test_arrays_report_the_simulated_device_type():
+    array = sim.zeros((2, 3))
+    assert array.device == (DEVICE_TYPE, 0)
+    assert array.__dlpack_device__() == (DEVICE_TYPE, 0)
+    assert sim.zeros(4, device=1).device == (DEVICE_TYPE, 1)
+
+
+@pytest.mark.parametrize("spelling", CONSUMER_SPELLINGS)
+def test_import_orders_a_pending_write_for_every_stream_spelling(streams, spelling):
+    producer, consumer = streams
+    source = pending_write(producer)
+    view = handoff.from_dlpack(source, stream=CONSUMER_SPELLINGS[spelling](consumer))
+    assert sim.to_numpy(view, stream=consumer)[[0, -1]].tolist() == [1.0, 1.0]
+
+
+def test_import_orders_for_the_enclosing_stream_block(streams):
+    producer, consumer = streams
+    source = pending_write(producer)
+    with handoff.stream(consumer):
+        view = handoff.from_dlpack(source)
+    assert sim.to_numpy(view, stream=consumer)[0] == 1.0
+
+
+def test_negative_control_no_ordering_shows_the_race(streams):
+    producer, consumer = streams
+    source = pending_write(producer)
+    view = handoff.from_dlpack(source, stream=-1)  # the consumer asks for no ordering
+    assert sim.to_numpy(view, stream=consumer)[0] == 0.0, "expected stale data without ordering"
+
+
+def test_export_orders_before_the_consumer_stream_without_blocking(streams):
+    producer, consumer = streams
+    source = pending_write(producer)
+    before = handoff.stats()
+    import time
+
+    start = time.perf_counter()
+    capsule = source.__dlpack__(stream=consumer.handle, max_version=(1, 1))
+    assert time.perf_counter() - start < SLOW / 2, "the export blocked the host"
+    assert handoff.stats()["waits_inserted"] == before["waits_inserted"] + 1
+    view = handoff.from_dlpack(capsule, stream=consumer)
+    assert sim.to_numpy(view, stream=consumer)[0] == 1.0
+
+
+def test_same_stream_is_elided(streams):
+    _, consumer = streams
+    source = pending_write(consumer)
+    before = handoff.stats()
+    view = handoff.from_dlpack(source, stream=consumer)
+    after = handoff.stats()
+    assert after["waits_elided"] == before["waits_elided"] + 1
+    assert after["waits_inserted"] == before["waits_inserted"]
+    assert sim.to_numpy(view, stream=consumer)[0] == 1.0  # in-order on one stream
+
+
+def test_default_stream_consumer_after_a_blocking_producer_is_elided_and_safe():
+    producer = sim.Stream(non_blocking=False)
+    source = pending_write(producer)
+    before = handoff.stats()
+    view = handoff.from_dlpack(source, stream=DEFAULT_STREAM)
+    assert handoff.stats()["waits_elided"] == before["waits_elided"] + 1
+    assert sim.to_numpy(view, stream=DEFAULT_STREAM)[0] == 1.0  # the device's own rule ordered it
+
+
+def test_default_stream_consumer_after_a_non_blocking_producer_waits(streams):
+    producer, _ = streams
+    source = pending_write(producer)
+    before = handoff.stats()
+    view = handoff.from_dlpack(source)  # None: DLPack's default stream
+    assert handoff.stats()["waits_inserted"] == before["waits_inserted"] + 1
+    assert sim.to_numpy(view, stream=DEFAULT_STREAM)[0] == 1.0
+
+
+def test_three_hundred_exchanges_create_at_most_sixteen_events(streams):
+    producer, consumer = streams
+    source = sim.zeros(N)
+    before = handoff.stats()
+    for i in range(300):
+        sim.fill(source, float(i), stream=producer)
+        view = handoff.from_dlpack(source, stream=consumer)
+    after = handoff.stats()
+    assert after["events_created"] - before["events_created"] <= 16
+    assert after["waits_inserted"] - before["waits_inserted"] == 300
+    assert sim.to_numpy(view, stream=consumer)[0] == 299.0
+
+
+def test_export_from_a_device_other_than_the_current_one():
+    producer = sim.Stream(1, non_blocking=True)
+    consumer = sim.Stream(1, non_blocking=True)
+    source = pending_write(producer, value=3.0, device=1)
+    view = handoff.from_dlpack(source, stream=consumer)  # current device stays 0
+    assert view.device == (DEVICE_TYPE, 1)
+    assert sim.to_numpy(view, stream=consumer)[0] == 3.0
+    sim.synchronize()
+
+
+def test_a_consumer_stream_of_another_device_is_a_clear_error():
+    source = sim.zeros(N, device=1)
+    elsewhere = sim.Stream(0, non_blocking=True)
+    with pytest.raises((ValueError, handoff.DeviceError)):
+        source.__dlpack__(stream=elsewhere.handle, max_version=(1, 1))
+
+
+class CudaArrayInterfaceProducer:
+    def __init__(self, interface, owner):
+        self.__cuda_array_interface__ = interface
+        self.owner = owner
+
+
+@pytest.mark.skipif(ROCM, reason="the CUDA Array Interface is for CUDA memory")
+def test_cuda_array_interface_v3_import_orders_the_pending_producer(streams):
+    producer, consumer = streams
+    source = pending_write(producer, value=4.0)
+    interface = source.__cuda_array_interface__
+    assert interface["version"] == 3 and interface["stream"] == producer.handle
+    view = handoff.asarray(CudaArrayInterfaceProducer(interface, source), stream=consumer)
+    assert view.data_ptr == source.data_ptr
+    assert sim.to_numpy(view, stream=consumer)[0] == 4.0
+
+
+@pytest.mark.skipif(ROCM, reason="the CUDA Array Interface is for CUDA memory")
+def test_cuda_array_interface_without_stream_is_the_negative_control(streams):
+    producer, consumer = streams
+    source = pending_write(producer, value=4.0)
+    interface = dict(source.__cuda_array_interface__, stream=None)  # "no synchronization needed"
+    view = handoff.asarray(CudaArrayInterfaceProducer(interface, source), stream=consumer)
+    assert sim.to_numpy(view, stream=consumer)[0] == 0.0
+
+
+def test_release_waits_for_the_consumer_stream(streams):
+    _, consumer = streams
+    source = sim.zeros(N)
+    sim.synchronize()
+    probe = weakref.ref(source)
+    view = handoff.from_dlpack(source, stream=consumer)
+    del source
+    gc.collect()
+    assert probe() is not None, "the view must keep its producer alive"
+    sim.fill(view, 9.0, stream=consumer, delay=SLOW)  # consumer work still using the memory
+    before = handoff.stats()["deferred_releases"]
+    del view
+    gc.collect()
+    assert handoff.stats()["deferred_releases"] == before + 1
+    assert probe() is not None, "released while the consumer stream still used the memory"
+    consumer.synchronize()
+    sim.drain()
+    gc.collect()
+    assert probe() is None
+
+
+@pytest.mark.parametrize(
+    "operation", ["record_event", "stream_wait_event", "create_event", "attributes", "set_current_device"]
+)
+def test_a_device_fault_raises_device_error_and_leaks_nothing(streams, operation):
+    producer, consumer = streams
+    source = pending_write(producer, device=1)  # a device switch is needed: set_current_device runs
+    consumer = sim.Stream(1, non_blocking=True)
+    handoff.from_dlpack(sim.zeros(1), stream=sim.Stream(non_blocking=True))  # warm the pool for device 0
+    sim.inject_fault(operation, 1, "cudaErrorLaunchFailure" if not ROCM else "hipErrorLaunchFailure")
+    if operation == "create_event":
+        handoff.reset_stats()
+    with pytest.raises(handoff.DeviceError) as failure:
+        handoff.from_dlpack(source, stream=consumer)
+    assert failure.value.error_name.endswith("LaunchFailure")
+    assert isinstance(failure.value, RuntimeError)
+    sim.clear_faults()
+    view = handoff.from_dlpack(source, stream=consumer)  # works again afterwards
+    assert sim.to_numpy(view, stream=consumer)[0] == 1.0
+
+
+def test_stream_table_through_the_real_path():
+    array = sim.zeros(4)
+    ok = [None, -1, 0, sim.Stream().handle] if ROCM else [None, -1, 1, 2, sim.Stream().handle]
+    bad = [1, 2, -2] if ROCM else [0, -2]
+    for value in ok:
+        handoff.from_dlpack(array.__dlpack__(stream=value, max_version=(1, 1)))
+    for value in bad:
+        with pytest.raises(ValueError):
+            array.__dlpack__(stream=value, max_version=(1, 1))
+    for value in (True, 1.0, "1"):
+        with pytest.raises(TypeError):
+            array.__dlpack__(stream=value, max_version=(1, 1))
+
+
+def test_many_threads_exchange_at_once():
+    errors = []
+
+    def worker():
+        try:
+            stream = sim.Stream(non_blocking=True)
+            for i in range(50):
+                source = sim.zeros(64)
+                sim.fill(source, float(i), stream=stream)
+                view = handoff.from_dlpack(source, stream=stream)
+                assert sim.to_numpy(view, stream=stream)[0] == float(i)
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors

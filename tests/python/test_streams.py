@@ -1,0 +1,259 @@
+"""Consumer streams: handoff.Stream, as_stream, and ``with handoff.stream(...)`` blocks that are
+context-local (per thread, per asyncio task)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+import handoff
+
+
+class CudaStreamProtocol:
+    def __init__(self, handle: int, version: int = 0) -> None:
+        self.handle = handle
+        self.version = version
+
+    def __cuda_stream__(self):
+        return (self.version, self.handle)
+
+
+class TorchLike:
+    class device:  # noqa: N801 - mimics torch.device
+        index = 3
+
+    cuda_stream = 0x1234
+
+
+class CupyLike:
+    class device:  # noqa: N801 - mimics cupy.cuda.Device
+        id = 1
+
+    ptr = 0x5678
+
+
+# --- Stream ----------------------------------------------------------------------------------
+
+
+def test_stream_holds_handle_and_device():
+    s = handoff.Stream(0xABC, device=2)
+    assert s.handle == 0xABC
+    assert s.device == 2
+    assert int(s) == 0xABC
+    assert s.__cuda_stream__() == (0, 0xABC)
+    assert handoff.Stream(5).device is None
+    assert "0xabc" in repr(s) and "device=2" in repr(s)
+
+
+def test_stream_equality_and_hash():
+    assert handoff.Stream(7, device=1) == handoff.Stream(7, device=1)
+    assert handoff.Stream(7, device=1) != handoff.Stream(7, device=0)
+    assert handoff.Stream(7) != handoff.Stream(8)
+    assert handoff.Stream(7) != 7
+    assert len({handoff.Stream(7, device=1), handoff.Stream(7, device=1), handoff.Stream(7)}) == 2
+
+
+@pytest.mark.parametrize("handle", [True, 1.0, "7", None, b"\x07"])
+def test_stream_handle_must_be_an_int(handle):
+    with pytest.raises(TypeError, match="Stream handle must be an int"):
+        handoff.Stream(handle)
+
+
+def test_stream_handle_and_device_ranges():
+    with pytest.raises(ValueError, match="non-negative"):
+        handoff.Stream(-1)
+    for device in (-1, True, "0", 1.0):
+        with pytest.raises(ValueError, match="device"):
+            handoff.Stream(3, device=device)
+
+
+# --- as_stream -------------------------------------------------------------------------------
+
+
+def test_as_stream_accepts_every_spelling():
+    s = handoff.Stream(9, device=0)
+    assert handoff.as_stream(s) is s
+    assert handoff.as_stream(9) == handoff.Stream(9)
+    assert handoff.as_stream(0) == handoff.Stream(0)
+    assert handoff.as_stream(CudaStreamProtocol(0x42)) == handoff.Stream(0x42)
+    assert handoff.as_stream(TorchLike()) == handoff.Stream(0x1234, device=3)
+    assert handoff.as_stream(CupyLike()) == handoff.Stream(0x5678, device=1)
+
+
+@pytest.mark.parametrize("obj", [True, False, 1.5, "3", None, object(), [3], (0, 3)])
+def test_as_stream_refuses_non_streams(obj):
+    with pytest.raises(TypeError, match="stream"):
+        handoff.as_stream(obj)
+
+
+@pytest.mark.parametrize("value", [(0,), [0, 3], 3, (0, 3, 1), (0, "3"), (0, 3.5), (0, True), (0, None)])
+def test_as_stream_refuses_a_bad_cuda_stream_protocol(value):
+    class Bad:
+        def __cuda_stream__(self):
+            return value
+
+    with pytest.raises(TypeError, match="__cuda_stream__"):
+        handoff.as_stream(Bad())
+
+
+@pytest.mark.parametrize("attribute", ["cuda_stream", "ptr"])
+@pytest.mark.parametrize("value", [True, "7", 7.0, None])
+def test_as_stream_refuses_ill_typed_attributes(attribute, value):
+    obj = type("S", (), {attribute: value})()
+    with pytest.raises(TypeError, match="is not a stream"):
+        handoff.as_stream(obj)
+
+
+def test_as_stream_with_torch_cpu_has_no_cuda_stream(torch):
+    with pytest.raises(TypeError):
+        handoff.as_stream(torch.device("cpu"))
+
+
+# --- with handoff.stream(...) ----------------------------------------------------------------
+
+
+def test_block_sets_and_restores_the_current_stream():
+    assert handoff.current_stream() is None
+    with handoff.stream(7) as s:
+        assert s == handoff.Stream(7)
+        assert handoff.current_stream() == handoff.Stream(7)
+    assert handoff.current_stream() is None
+
+
+def test_blocks_nest():
+    with handoff.stream(handoff.Stream(3, device=0)):
+        with handoff.stream(CudaStreamProtocol(4)):
+            assert handoff.current_stream() == handoff.Stream(4)
+            with handoff.stream(None):
+                assert handoff.current_stream() is None
+            assert handoff.current_stream() == handoff.Stream(4)
+        assert handoff.current_stream() == handoff.Stream(3, device=0)
+    assert handoff.current_stream() is None
+
+
+def test_block_restores_on_exception():
+    with pytest.raises(KeyError):
+        with handoff.stream(5):
+            raise KeyError
+    assert handoff.current_stream() is None
+
+
+def test_block_object_is_reentrant():
+    block = handoff.stream(6)
+    with block:
+        with block:
+            assert handoff.current_stream() == handoff.Stream(6)
+        assert handoff.current_stream() == handoff.Stream(6)
+    assert handoff.current_stream() is None
+
+
+def test_block_refuses_non_streams():
+    with pytest.raises(TypeError):
+        handoff.stream(1.5)
+    assert handoff.current_stream() is None
+
+
+def test_blocks_are_per_thread():
+    seen: dict[str, object] = {}
+    inside = threading.Event()
+    done = threading.Event()
+
+    def other() -> None:
+        inside.wait()
+        seen["before"] = handoff.current_stream()
+        with handoff.stream(11):
+            seen["inside"] = handoff.current_stream()
+        seen["after"] = handoff.current_stream()
+        done.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    with handoff.stream(10):
+        inside.set()
+        done.wait(10)
+        assert handoff.current_stream() == handoff.Stream(10)  # the thread's block did not leak here
+    thread.join()
+    assert seen == {"before": None, "inside": handoff.Stream(11), "after": None}
+
+
+def test_one_block_object_shared_by_threads():
+    # A module-level `block = handoff.stream(s)` used by several threads at once: each thread's
+    # exit restores that thread's own state.
+    block = handoff.stream(12)
+    barrier = threading.Barrier(4)
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            for _ in range(50):
+                with block:
+                    barrier.wait()
+                    assert handoff.current_stream() == handoff.Stream(12)
+                assert handoff.current_stream() is None
+                barrier.wait()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, repr(errors[0])
+
+
+def test_blocks_are_per_asyncio_task():
+    async def task(handle: int, ready: asyncio.Event, go: asyncio.Event) -> tuple:
+        with handoff.stream(handle):
+            ready.set()
+            await go.wait()
+            inside = handoff.current_stream()
+        return inside, handoff.current_stream()
+
+    async def main() -> list:
+        events = [(asyncio.Event(), asyncio.Event()) for _ in range(3)]
+        tasks = [asyncio.create_task(task(20 + i, *events[i])) for i in range(3)]
+        for ready, _ in events:
+            await ready.wait()
+        assert handoff.current_stream() is None
+        for _, go in reversed(events):  # leave the blocks in another order than they were entered
+            go.set()
+            await asyncio.sleep(0)
+        return await asyncio.gather(*tasks)
+
+    results = asyncio.run(main())
+    assert results == [(handoff.Stream(20 + i), None) for i in range(3)]
+
+
+def test_one_block_object_shared_by_tasks():
+    block = handoff.stream(30)
+
+    async def task(ready: asyncio.Event, go: asyncio.Event):
+        with block:
+            ready.set()
+            await go.wait()
+            return handoff.current_stream()
+
+    async def main():
+        a, b = (asyncio.Event(), asyncio.Event()), (asyncio.Event(), asyncio.Event())
+        ta, tb = asyncio.create_task(task(*a)), asyncio.create_task(task(*b))
+        await a[0].wait()
+        await b[0].wait()
+        a[1].set()  # the first to enter leaves first
+        first = await ta
+        b[1].set()
+        return first, await tb
+
+    assert asyncio.run(main()) == (handoff.Stream(30), handoff.Stream(30))
+
+
+def test_block_applies_to_imports_of_cpu_data(live):
+    a = np.arange(4.0)
+    with handoff.stream(handoff.Stream(0x77)):
+        h = handoff.from_dlpack(a)  # CPU data needs no ordering: the block does not get in the way
+        assert h.data_ptr == a.ctypes.data
+        assert handoff.asarray(memoryview(a)).data_ptr == a.ctypes.data
