@@ -3,6 +3,8 @@
 #include "py_interfaces.hpp"
 
 #include <handoff/error.hpp>
+#include <handoff/exchange.hpp>
+#include <handoff/runtime.hpp>
 #include <handoff/stats.hpp>
 
 #include <fmt/format.h>
@@ -136,6 +138,26 @@ array settle(array view, std::optional<DLDevice> device, std::optional<bool> cop
   return view;
 }
 
+// A device view imported for `consumer` (a DLPack stream value; None for the default stream): its
+// data is ready there, and its producer outlives the work the consumer then enqueues there.
+void bind_to_consumer(const array& view, py::handle consumer)
+{
+  const DLDeviceType type = view.device().device_type;
+  if (!is_cuda_device(type) && !is_rocm_device(type)) { return; }
+  context* ctx = active_context();
+  if (ctx == nullptr || !is_stream_ordered(*ctx, view)) { return; }  // memory no active backend orders
+  const auto stream = resolve_stream(ctx->backend(), classify_stream(type, stream_argument(consumer)));
+  if (!stream) { return; }  // stream=-1: the consumer orders its work itself
+  bind_import(*ctx, view, owning_device(*ctx, view), *stream);
+}
+
+// The DLPack stream value of the consumer stream for data on `device` (None: the default).
+std::optional<std::int64_t> consumer_value(py::handle stream, DLDeviceType device)
+{
+  const py::object consumer = consumer_stream(stream);
+  return consumer.is_none() ? std::nullopt : stream_argument(producer_stream_argument(consumer, device));
+}
+
 py::object finish(array view)
 {
   count(counter::imports);
@@ -164,7 +186,13 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
   check_consumer_stream(stream);
   const auto target = device_argument(device, "device");
   const auto want_copy = copy_argument(copy);
-  if (PyCapsule_CheckExact(x.ptr())) { return finish(settle(consume_capsule(x), target, want_copy, false)); }
+  if (PyCapsule_CheckExact(x.ptr())) {
+    array view = consume_capsule(x);
+    const py::object consumer = consumer_stream(stream);
+    bind_to_consumer(view, consumer.is_none() ? py::object(py::none())
+                                              : producer_stream_argument(consumer, view.device().device_type));
+    return finish(settle(std::move(view), target, want_copy, false));
+  }
   HANDOFF_EXPECTS(PyObject_HasAttr(x.ptr(), cached.dlpack) != 0, type_error,
                   fmt::format("from_dlpack: {} object has no __dlpack__ method and is not a DLPack capsule",
                               type_name(x)));
@@ -177,7 +205,9 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
   const py::object dl_device =
     target ? py::object(py::make_tuple(static_cast<int>(target->device_type), target->device_id)) : py::object(py::none());
   const auto [capsule, legacy] = request_capsule(x, producer_arg, dl_device, copy);
-  return finish(settle(consume_capsule(capsule), target, want_copy, !legacy));
+  array view = consume_capsule(capsule);
+  bind_to_consumer(view, producer_arg);
+  return finish(settle(std::move(view), target, want_copy, !legacy));
 }
 
 py::object asarray(py::handle x, py::handle device, py::handle copy, py::handle stream)
@@ -199,7 +229,7 @@ py::object asarray(py::handle x, py::handle device, py::handle copy, py::handle 
   const auto target = device_argument(device, "device");
   const auto want_copy = copy_argument(copy);
   if (py::object cai = py::getattr(x, "__cuda_array_interface__", py::none()); !cai.is_none()) {
-    return finish(settle(import_cuda_array_interface(x, cai), target, want_copy, false));
+    return finish(settle(import_cuda_array_interface(x, cai, consumer_value(stream, kDLCUDA)), target, want_copy, false));
   }
   if (py::object ai = py::getattr(x, "__array_interface__", py::none()); !ai.is_none()) {
     return finish(settle(import_array_interface(x, ai), target, want_copy, false));

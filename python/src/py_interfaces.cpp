@@ -2,7 +2,9 @@
 
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
+#include <handoff/exchange.hpp>
 #include <handoff/runtime.hpp>
+#include <handoff/stream.hpp>
 
 #include <fmt/format.h>
 
@@ -249,10 +251,11 @@ cuda_array_interface parse_cuda_array_interface(py::handle interface)
   return out;
 }
 
-array import_cuda_array_interface(py::handle object, py::handle interface)
+array import_cuda_array_interface(py::handle object, py::handle interface, std::optional<std::int64_t> consumer)
 {
   cuda_array_interface parsed = parse_cuda_array_interface(interface);
-  device::backend& backend = require_backend("importing __cuda_array_interface__ data");
+  context& ctx = require_context("importing __cuda_array_interface__ data");
+  device::backend& backend = ctx.backend();
   const device::pointer_attributes where = backend.attributes(parsed.layout.data);
   const bool rocm = backend.device_type() == kDLROCM;
   switch (where.kind) {
@@ -270,7 +273,19 @@ array import_cuda_array_interface(py::handle object, py::handle interface)
       throw buffer_error("__cuda_array_interface__ 'data' points to memory the device does not know");
   }
   if (where.device_pointer != nullptr) { parsed.layout.data = where.device_pointer; }
-  return bind_layout(std::move(parsed.layout), python_owner(object), "__cuda_array_interface__");
+  const DLDeviceType type = parsed.layout.device.device_type;
+  array view = bind_layout(std::move(parsed.layout), python_owner(object), "__cuda_array_interface__");
+
+  const auto consumer_stream = resolve_stream(backend, classify_stream(type, consumer));
+  if (!consumer_stream) { return view; }  // the consumer orders its work itself
+  const int device = owning_device(ctx, view);
+  if (parsed.stream) {  // v3: the producer's work on `stream` must finish before the consumer's
+    if (const auto producer = resolve_stream(backend, classify_stream(type, parsed.stream))) {
+      stream_view{backend, *consumer_stream}.wait(stream_view{backend, *producer}, device, ctx.events());
+    }
+  }
+  bind_import(ctx, view, device, *consumer_stream);
+  return view;
 }
 
 }  // namespace handoff::python

@@ -23,8 +23,11 @@ struct cuda_array_interface {
 /// @throws value_error naming the field, not_implemented_error for a mask.
 [[nodiscard]] cuda_array_interface parse_cuda_array_interface(py::handle interface);
 
-/// Imports `object` through its `__cuda_array_interface__`: parses it, then resolves the pointer
-/// with the active backend. @throws device_error when there is no backend.
-[[nodiscard]] array import_cuda_array_interface(py::handle object, py::handle interface);
+/// Imports `object` through its `__cuda_array_interface__`: parses it, resolves the pointer with
+/// the active backend, makes the consumer stream (a DLPack value; nullopt for the default) wait on
+/// the interface's `stream` with an event (never a host synchronize), and binds the view to it.
+/// @throws device_error when there is no backend.
+[[nodiscard]] array import_cuda_array_interface(py::handle object, py::handle interface,
+                                                std::optional<std::int64_t> consumer);
 
 }  // namespace handoff::python

@@ -11,41 +11,103 @@ context::context(device::backend& backend, std::unique_ptr<executor> deferred)
 {
 }
 
-context::~context() = default;  // deferred_ (declared last) drains and joins before the pool goes
+context::~context()
+{
+  // Host functions still queued on streams post to the executor: let every device finish first.
+  try {
+    const int devices = backend_.device_count();
+    for (int device = 0; device < devices; ++device) {
+      detail::device_guard on{backend_, device};
+      backend_.synchronize_device();
+    }
+  } catch (const std::exception& e) {
+    HANDOFF_LOG_WARN("shutting down: could not wait for the devices ({})", e.what());
+  }
+  drain();
+}
+
+// A release waiting for a consumer stream; the stream's host function hands it to the executor.
+struct context::pending_release {
+  context* owner;
+  std::function<void()> release_producer;
+
+  void run() noexcept
+  {
+    release_producer();
+    owner->finished_one();
+  }
+
+  static void on_stream_reached(void* self) noexcept
+  {
+    // Runs on a backend thread, which must not call into the backend: hand over and return.
+    auto* pending = static_cast<pending_release*>(self);
+    try {
+      pending->owner->deferred_->post([pending]() noexcept {
+        pending->run();
+        delete pending;
+      });
+    } catch (...) {
+      pending->run();  // could not hand over (out of memory): the stream is done, release here
+      delete pending;
+    }
+  }
+};
+
+void context::finished_one() noexcept
+{
+  std::lock_guard lock{pending_mutex_};
+  if (--pending_ == 0) { none_pending_.notify_all(); }
+}
+
+void context::drain()
+{
+  std::unique_lock lock{pending_mutex_};
+  none_pending_.wait(lock, [this] { return pending_ == 0; });
+}
 
 void context::release_after(int device, device::stream_handle stream, std::function<void()> release) noexcept
 {
+  std::unique_ptr<pending_release> pending;
   try {
-    detail::device_guard on_owner{backend_, device};
-    auto event = std::make_shared<pooled_event>(events_.acquire(device));
-    backend_.record_event(event->get(), stream);
-    if (backend_.query_event(event->get())) {  // nothing pending on the stream
-      release();
-      return;
+    pending.reset(new pending_release{this, std::move(release)});
+    {
+      std::lock_guard lock{pending_mutex_};
+      ++pending_;
     }
+    detail::device_guard on_owner{backend_, device};
+    backend_.launch_host_func(stream, &pending_release::on_stream_reached, pending.get());
+    (void)pending.release();  // owned by the stream's host function now
     count(counter::deferred_releases);
-    deferred_->post([this, event, release = std::move(release)]() noexcept {
-      try {
-        backend_.synchronize_event(event->get());
-      } catch (const std::exception& e) {
-        HANDOFF_LOG_ERROR("deferred release: waiting for the consumer stream failed ({}); releasing now", e.what());
-      }
-      release();
-    });
     return;
   } catch (const std::exception& e) {
-    HANDOFF_LOG_WARN("deferred release: cannot record on stream {:#x} ({}); waiting for the stream instead",
+    HANDOFF_LOG_WARN("deferred release: cannot enqueue on stream {:#x} ({}); waiting for the stream instead",
                      static_cast<std::uintptr_t>(stream), e.what());
   }
-  // The event path failed: synchronize the stream itself, never release early.
-  try {
-    detail::device_guard on_owner{backend_, device};
-    backend_.synchronize_stream(stream);
-  } catch (const std::exception& e) {
-    HANDOFF_LOG_ERROR("deferred release: synchronizing stream {:#x} failed ({}); releasing",
-                      static_cast<std::uintptr_t>(stream), e.what());
+  if (!pending) {  // could not even allocate: wait here, never release early (pending_ untouched)
+    try {
+      detail::device_guard on_owner{backend_, device};
+      backend_.synchronize_stream(stream);
+    } catch (...) {
+    }
+    release();
+    return;
   }
-  release();
+  // Fall back to waiting for the whole stream on the executor.
+  const std::shared_ptr<pending_release> job{std::move(pending)};
+  try {
+    deferred_->post([this, device, stream, job]() noexcept {
+      try {
+        detail::device_guard on_owner{backend_, device};
+        backend_.synchronize_stream(stream);
+      } catch (const std::exception& e) {
+        HANDOFF_LOG_ERROR("deferred release: synchronizing stream {:#x} failed ({}); releasing",
+                          static_cast<std::uintptr_t>(stream), e.what());
+      }
+      job->run();
+    });
+  } catch (...) {
+    job->run();  // cannot defer at all: the stream may be busy, but leaking is worse
+  }
 }
 
 }  // namespace handoff

@@ -4,8 +4,11 @@
 #include <handoff/device.hpp>
 #include <handoff/event_pool.hpp>
 
+#include <condition_variable>
+#include <cstddef>
 #include <functional>
 #include <memory>
+#include <mutex>
 
 namespace handoff {
 
@@ -33,24 +36,31 @@ class context {
   context& operator=(const context&) = delete;
   context(context&&) = delete;
   context& operator=(context&&) = delete;
-  /// Finishes the pending releases, then destroys the pool's events.
+  /// Waits for every device (so queued host functions have run), finishes the pending releases,
+  /// then destroys the pool's events.
   ~context();
 
   [[nodiscard]] device::backend& backend() const noexcept { return backend_; }
   [[nodiscard]] event_pool& events() noexcept { return events_; }
 
   /// Runs `release` once the work enqueued so far on `stream` (of `device`) is done, without
-  /// blocking the caller: at once when the stream is idle, else on the executor after an event
-  /// recorded on `stream` completes (counted in deferred_releases). If the event cannot be
-  /// recorded, it waits for the whole stream on the executor instead: never early.
+  /// blocking the caller: a host function enqueued on `stream` hands it to the executor (counted
+  /// in deferred_releases); no event is used. If that cannot be enqueued, the executor waits for
+  /// the whole stream instead: never early.
   void release_after(int device, device::stream_handle stream, std::function<void()> release) noexcept;
 
-  /// Blocks until the releases deferred before this call have run.
-  void drain() { deferred_->drain(); }
+  /// Blocks until no deferred release is pending (each waits for its stream, then runs).
+  void drain();
 
  private:
   device::backend& backend_;
+  struct pending_release;
+  void finished_one() noexcept;
+
   event_pool events_;
+  std::mutex pending_mutex_;
+  std::condition_variable none_pending_;
+  std::size_t pending_{0};  // deferred releases not yet run
   std::unique_ptr<executor> deferred_;
 };
 

@@ -1,0 +1,34 @@
+// The stream rules of an exchange: what an export orders, and what an import promises.
+#pragma once
+
+#include <handoff/array.hpp>
+#include <handoff/context.hpp>
+#include <handoff/stream_value.hpp>
+
+#include <optional>
+
+namespace handoff {
+
+/// The stream a validated DLPack request names on `backend`; nullopt when it asks for no ordering.
+[[nodiscard]] std::optional<device::stream_handle> resolve_stream(device::backend& backend, stream_request request);
+
+/// The device that owns `view`'s memory, from the pointer's attributes (not the current device).
+/// @throws value_error when the view claims another device than the one its memory belongs to, or
+///         device memory that the backend does not know.
+[[nodiscard]] int owning_device(context& ctx, const array& view);
+
+/// Export half: orders the work pending on the stream `view` is ready on (its producer's last
+/// write; the device's legacy default stream when unknown) before the work the consumer will
+/// enqueue on the requested stream. Never blocks the host.
+/// @throws device_error when the view is on a device and no backend is active (`ctx` null), or
+///         the backend is of another family (a CUDA array with a ROCm backend).
+void order_export(context* ctx, const array& view, stream_request consumer);
+
+/// Import half: records that `view`'s data is ready on `consumer` (of `device`), and defers the
+/// release of its producer until the work enqueued on `consumer` by then is done.
+void bind_import(context& ctx, const array& view, int device, device::stream_handle consumer);
+
+/// True when `view` lives in memory ordered by the streams of `ctx`'s backend.
+[[nodiscard]] bool is_stream_ordered(const context& ctx, const array& view) noexcept;
+
+}  // namespace handoff
