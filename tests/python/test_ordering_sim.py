@@ -295,3 +295,19 @@ def test_many_threads_exchange_at_once():
     for t in threads:
         t.join()
     assert not errors
+
+
+def test_graph_capture_never_touches_the_default_stream():
+    producer = sim.Stream(non_blocking=False)
+    outsider = sim.Stream(non_blocking=True)
+    array = sim.zeros(N)
+    sim.begin_capture(producer)
+    try:
+        sim.fill(array, 1.0, stream=producer)  # captured, not run
+        with pytest.raises(BufferError, match="legacy default stream"):
+            array.__dlpack__(stream=DEFAULT_STREAM, max_version=(1, 1))
+        with pytest.raises(BufferError, match="only one of them is capturing"):
+            array.__dlpack__(stream=outsider.handle, max_version=(1, 1))
+    finally:
+        assert sim.end_capture(producer) >= 1  # not invalidated: the default stream was never used
+    assert sim.to_numpy(array, stream=outsider)[0] == 0.0  # captured work is not launched

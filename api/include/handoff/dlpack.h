@@ -12,6 +12,7 @@
 #define DLPACK_MINOR_VERSION 1
 #endif
 
+/* NOLINTBEGIN: C declarations with DLPack's ABI names, kept as upstream spells them. */
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -110,5 +111,6 @@ typedef struct DLManagedTensorVersioned {
 #ifdef __cplusplus
 } /* extern "C" */
 #endif
+/* NOLINTEND */
 
 #endif /* HANDOFF_DLPACK_H */
