@@ -1,7 +1,8 @@
 """Per-import and per-export host cost of handoff next to NumPy's and PyTorch's own, in one process.
 
 Each row times one exchange (a DLPack capsule made by the producer and consumed by the consumer),
-best of several repeats, and prints the ratio to the peer doing the same job. Ownership tracking
+best of several repeats (handoff's and the peer's interleaved, so that both see the same machine
+load), and prints the ratio to the peer doing the same job. Ownership tracking
 (live_views, stats) is always on in handoff.
 
     .venv/bin/python bench/exchange_bench.py [--quick]
@@ -20,9 +21,14 @@ import torch
 import handoff
 
 
-def best_ns(fn, number: int, repeat: int) -> float:
+def best_ns_pair(ours, peer, number: int, repeat: int) -> tuple[float, float]:
+    """Best time per call of each, the repeats interleaved so that both see the same machine load."""
     gc.collect()
-    return min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e9
+    best_ours = best_peer = float("inf")
+    for _ in range(repeat):
+        best_ours = min(best_ours, timeit.timeit(ours, number=number))
+        best_peer = min(best_peer, timeit.timeit(peer, number=number))
+    return best_ours / number * 1e9, best_peer / number * 1e9
 
 
 def main() -> None:
@@ -53,8 +59,7 @@ def main() -> None:
     print(f"| {'exchange':<22} | {'handoff ns':>10} | {'peer':<23} | {'peer ns':>8} | {'ratio':>5} |")
     print(f"|{'-' * 24}|{'-' * 12}:|{'-' * 25}|{'-' * 9}:|{'-' * 6}:|")
     for what, ours, peer_name, peer in rows:
-        ours_ns = best_ns(ours, number, repeat)
-        peer_ns = best_ns(peer, number, repeat)
+        ours_ns, peer_ns = best_ns_pair(ours, peer, number, repeat)
         print(f"| {what:<22} | {ours_ns:>10.0f} | {peer_name:<23} | {peer_ns:>8.0f} | {ours_ns / peer_ns:>5.2f} |")
     print(f"\nlive_views after the run: {handoff.stats()['live_views']} (the one view held by this script)")
 

@@ -15,34 +15,6 @@ using namespace handoff::python;
 
 namespace {
 
-PyObject* device_error_type = nullptr;
-
-void raise_device_error(const device_error& e)
-{
-  py::object instance = py::reinterpret_borrow<py::object>(device_error_type)(e.what());
-  instance.attr("backend") = e.backend();
-  instance.attr("error_name") = e.error_name();
-  PyErr_SetObject(device_error_type, instance.ptr());
-}
-
-// Each C++ exception type maps to exactly one Python exception type.
-void translate(std::exception_ptr thrown)
-{
-  try {
-    if (thrown) { std::rethrow_exception(thrown); }
-  } catch (const device_error& e) {
-    raise_device_error(e);
-  } catch (const value_error& e) {
-    PyErr_SetString(PyExc_ValueError, e.what());
-  } catch (const buffer_error& e) {
-    PyErr_SetString(PyExc_BufferError, e.what());
-  } catch (const type_error& e) {
-    PyErr_SetString(PyExc_TypeError, e.what());
-  } catch (const not_implemented_error& e) {
-    PyErr_SetString(PyExc_NotImplementedError, e.what());
-  }
-}
-
 py::dict stats_dict()
 {
   const stats_snapshot s = stats();
@@ -88,23 +60,19 @@ const char* stream_order_name(stream_order order)
 PYBIND11_MODULE(_handoff, m)
 {
   m.doc() = "handoff's native core: stream-correct zero-copy array exchange.";
-  device_error_type = PyErr_NewExceptionWithDoc(
+  PyObject* device_error_type = PyErr_NewExceptionWithDoc(
     "handoff.DeviceError", "A device runtime call failed; `error_name` is the backend's name for the error.",
     PyExc_RuntimeError, nullptr);
   if (device_error_type == nullptr) { throw py::error_already_set(); }
+  set_device_error_type(device_error_type);
   m.attr("DeviceError") = py::reinterpret_borrow<py::object>(device_error_type);
-  py::register_exception_translator(&translate);
+  // Each C++ exception type maps to exactly one Python exception type.
+  py::register_exception_translator([](std::exception_ptr thrown) { translate_exception(thrown); });
 
   bind_array(m);
   init_exchange(m);
   bind_sim(m);
 
-  m.def("from_dlpack", &from_dlpack, py::arg("x"), py::pos_only(), py::kw_only(), py::arg("device") = py::none(),
-        py::arg("copy") = py::none(), py::arg("stream") = py::none(),
-        "Imports an object with __dlpack__ (or a DLPack capsule) as a handoff.Array, zero-copy.");
-  m.def("asarray", &asarray, py::arg("x"), py::pos_only(), py::kw_only(), py::arg("device") = py::none(),
-        py::arg("copy") = py::none(), py::arg("stream") = py::none(),
-        "Imports through DLPack, the CUDA Array Interface, __array_interface__ or the buffer protocol.");
   m.def("stats", &stats_dict, "Exchange counters since the last reset_stats().");
   m.def("reset_stats", &reset_stats, "Zeroes the counters (live_views keeps counting what is alive).");
   m.def("runtime_info", &runtime_info, "Backend, device count and versions.");

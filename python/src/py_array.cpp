@@ -1,4 +1,5 @@
-// handoff.Array: properties and the producer side of DLPack and the array interfaces.
+// handoff.Array: a plain CPython type (no pybind11 instance machinery: creating one is a single
+// object allocation) with its properties, and the producer side of DLPack and the array interfaces.
 #include "py_array.hpp"
 
 #include "py_support.hpp"
@@ -11,7 +12,12 @@
 
 #include <fmt/format.h>
 
+#include <structmember.h>
+
 #include <algorithm>
+#include <climits>
+#include <cstddef>
+#include <new>
 
 namespace handoff::python {
 namespace {
@@ -27,16 +33,24 @@ py::tuple int_tuple(std::span<const std::int64_t> values, std::int64_t scale = 1
 
 py::tuple byte_strides(const array& view) { return int_tuple(view.strides(), static_cast<std::int64_t>(view.itemsize())); }
 
+// An int of a max_version tuple, saturated to the range of long long.
+long long saturated(PyObject* value) noexcept
+{
+  int overflow = 0;
+  const long long out = PyLong_AsLongLongAndOverflow(value, &overflow);
+  return overflow > 0 ? LLONG_MAX : overflow < 0 ? LLONG_MIN : out;
+}
+
 // The DLPack version a consumer asked for; nullopt selects the legacy capsule.
 std::optional<DLPackVersion> requested_version(py::handle max_version)
 {
   if (max_version.is_none()) { return std::nullopt; }
-  const bool pair = PyTuple_Check(max_version.ptr()) && PyTuple_GET_SIZE(max_version.ptr()) == 2 &&
-                    PyLong_Check(PyTuple_GET_ITEM(max_version.ptr(), 0)) &&
-                    PyLong_Check(PyTuple_GET_ITEM(max_version.ptr(), 1));
+  PyObject* raw = max_version.ptr();
+  const bool pair = PyTuple_Check(raw) && PyTuple_GET_SIZE(raw) == 2 && PyLong_Check(PyTuple_GET_ITEM(raw, 0)) &&
+                    PyLong_Check(PyTuple_GET_ITEM(raw, 1));
   HANDOFF_EXPECTS(pair, type_error, "max_version must be None or a (major, minor) tuple of ints");
-  const auto major = py::reinterpret_borrow<py::int_>(PyTuple_GET_ITEM(max_version.ptr(), 0)).cast<long long>();
-  const auto minor = py::reinterpret_borrow<py::int_>(PyTuple_GET_ITEM(max_version.ptr(), 1)).cast<long long>();
+  const long long major = saturated(PyTuple_GET_ITEM(raw, 0));
+  const long long minor = saturated(PyTuple_GET_ITEM(raw, 1));
   if (major < 1) { return std::nullopt; }
   // Same major: stamp the consumer's minor if older than ours, so it can read every field we set.
   const auto stamped_minor = major == 1 ? std::clamp<long long>(minor, 0, DLPACK_MINOR_VERSION) : DLPACK_MINOR_VERSION;
@@ -56,9 +70,8 @@ std::string device_text(DLDevice device)
 
 // CUDA Array Interface v3 of CUDA-resident data; `stream` is where the data is ready, so that the
 // consumer can order its work after it (None when unknown: nothing to wait for).
-py::dict cuda_array_interface(const py_array& a)
+py::dict cuda_array_interface(const array& view)
 {
-  const array& view = a.view;
   if (!is_cuda_device(view.device().device_type)) {
     throw py::attribute_error(fmt::format("__cuda_array_interface__ is for CUDA memory; this array is on {}",
                                           device_text(view.device())));
@@ -88,81 +101,276 @@ py::dict cuda_array_interface(const py_array& a)
   return out;
 }
 
-}  // namespace
-
-py::capsule export_dlpack(const py_array& self, py::handle stream, py::handle max_version, py::handle dl_device,
-                          py::handle copy)
+py::dict array_interface(const array& view)
 {
-  const array& view = self.view;
-  const stream_request request = classify_stream(view.device().device_type, stream_argument(stream));
-  if (request.order != stream_order::none) {
-    const py::gil_scoped_release unlocked;  // device calls only; never blocks on the device
-    order_export(active_context(), view, request);
+  if (view.device().device_type != kDLCPU) {
+    throw py::attribute_error(fmt::format("__array_interface__ is for CPU arrays; this one is on {}",
+                                          device_text(view.device())));
   }
-  const auto version = requested_version(max_version);
+  py::dict out;
+  out["shape"] = int_tuple(view.shape());
+  out["typestr"] = typestr(view.dtype());
+  out["data"] = py::make_tuple(reinterpret_cast<std::uintptr_t>(view.data()), view.readonly());
+  out["strides"] = view.is_c_contiguous() ? py::object(py::none()) : py::object(byte_strides(view));
+  out["version"] = 3;
+  return out;
+}
+
+py::capsule export_capsule(const array& view, std::optional<DLPackVersion> version, bool copied)
+{
+  return version ? make_capsule(export_versioned(view, {*version, copied})) : make_capsule(export_legacy(view));
+}
+
+// Whether an export to `dl_device` with `copy` must copy the data to the host.
+bool export_copies(const array& view, py::handle dl_device, py::handle copy)
+{
   const auto target = device_argument(dl_device, "dl_device");
   const auto want_copy = copy_argument(copy);
-
   const bool moves = target.has_value() && !same_device(*target, view.device());
   HANDOFF_EXPECTS(!moves || target->device_type == kDLCPU, buffer_error,
                   fmt::format("cannot export an array on {} to {}: the device is unreachable from there",
                               device_text(view.device()), device_text(*target)));
   HANDOFF_EXPECTS(!(moves && want_copy == false), buffer_error,
                   fmt::format("exporting to {} needs a copy, but copy=False", device_text(*target)));
-  const bool copied = moves || want_copy == true;
-  const array out = copied ? copy_to_host(view) : view;
+  return moves || want_copy == true;
+}
 
-  py::capsule capsule = version ? make_capsule(export_versioned(out, {*version, copied}))
-                                : make_capsule(export_legacy(out));
+// Array.__dlpack__: validates the stream for the array's device, then exports a capsule.
+py::capsule export_dlpack(const array& view, py::handle stream, py::handle max_version, py::handle dl_device,
+                          py::handle copy)
+{
+  const stream_request request = classify_stream(view.device().device_type, stream_argument(stream));
+  if (request.order != stream_order::none) {
+    const py::gil_scoped_release unlocked;  // device calls only; never blocks on the device
+    order_export(active_context(), view, request);
+  }
+  const auto version = requested_version(max_version);
+  const bool copied = (!dl_device.is_none() || !copy.is_none()) && export_copies(view, dl_device, copy);
+  py::capsule capsule = copied ? export_capsule(copy_to_host(view), version, true) : export_capsule(view, version, false);
   count(counter::exports);
   return capsule;
 }
 
+// ---------------------------------------------------------------------------------------------
+// The type
+
+// A handoff.Array: the object header, its weak references and the view, built in place.
+struct array_object {
+  PyObject_HEAD
+  PyObject* weakrefs;
+  alignas(array) std::byte storage[sizeof(array)];
+};
+
+PyTypeObject* array_type = nullptr;
+const signature* dlpack_signature = nullptr;
+
+array& view_of(PyObject* self) noexcept
+{
+  return *std::launder(reinterpret_cast<array*>(reinterpret_cast<array_object*>(self)->storage));
+}
+
+// Runs `body` (returning a py::object) as a CPython entry point: a new reference, or nullptr
+// with the Python error its exception maps to.
+template <typename Body>
+PyObject* entry(Body&& body) noexcept
+{
+  try {
+    return body().release().ptr();
+  } catch (...) {
+    raise_current_exception();
+    return nullptr;
+  }
+}
+
+void array_dealloc(PyObject* self) noexcept
+{
+  auto* object = reinterpret_cast<array_object*>(self);
+  if (object->weakrefs != nullptr) { PyObject_ClearWeakRefs(self); }
+  view_of(self).~array();  // may release the producer, running its deleter here
+  PyTypeObject* type = Py_TYPE(self);
+  PyObject_Free(self);
+  Py_DECREF(type);
+}
+
+PyObject* array_repr(PyObject* self) noexcept
+{
+  return entry([self] {
+    const array& view = view_of(self);
+    const std::string text =
+      fmt::format("handoff.Array(shape=({}{}), dtype={}, device=({}, {}))", fmt::join(view.shape(), ", "),
+                  view.ndim() == 1 ? "," : "", dtype_name(view.dtype()), static_cast<int>(view.device().device_type),
+                  view.device().device_id);
+    return py::reinterpret_steal<py::object>(
+      PyUnicode_FromStringAndSize(text.data(), static_cast<Py_ssize_t>(text.size())));
+  });
+}
+
+// A new reference, or nullptr with the error already set by the CPython call that made it.
+py::object checked(PyObject* made)
+{
+  if (made == nullptr) { throw py::error_already_set(); }
+  return py::reinterpret_steal<py::object>(made);
+}
+
+py::object device_tuple(const array& view)
+{
+  return py::make_tuple(static_cast<int>(view.device().device_type), view.device().device_id);
+}
+
+PyObject* get_shape(PyObject* self, void* /*closure*/) noexcept
+{
+  return entry([self] { return py::object(int_tuple(view_of(self).shape())); });
+}
+
+PyObject* get_strides(PyObject* self, void* /*closure*/) noexcept
+{
+  return entry([self] { return py::object(byte_strides(view_of(self))); });
+}
+
+PyObject* get_dtype(PyObject* self, void* /*closure*/) noexcept
+{
+  return entry([self] {
+    const std::string_view name = dtype_name(view_of(self).dtype());
+    return checked(PyUnicode_FromStringAndSize(name.data(), static_cast<Py_ssize_t>(name.size())));
+  });
+}
+
+PyObject* get_device(PyObject* self, void* /*closure*/) noexcept
+{
+  return entry([self] { return device_tuple(view_of(self)); });
+}
+
+PyObject* get_data_ptr(PyObject* self, void* /*closure*/) noexcept
+{
+  return PyLong_FromUnsignedLongLong(reinterpret_cast<std::uintptr_t>(view_of(self).data()));
+}
+
+PyObject* get_readonly(PyObject* self, void* /*closure*/) noexcept
+{
+  return PyBool_FromLong(view_of(self).readonly() ? 1 : 0);
+}
+
+PyObject* get_ndim(PyObject* self, void* /*closure*/) noexcept { return PyLong_FromLong(view_of(self).ndim()); }
+
+PyObject* get_size(PyObject* self, void* /*closure*/) noexcept { return PyLong_FromLongLong(view_of(self).size()); }
+
+PyObject* get_nbytes(PyObject* self, void* /*closure*/) noexcept
+{
+  return PyLong_FromLongLong(view_of(self).nbytes());
+}
+
+PyObject* get_array_interface(PyObject* self, void* /*closure*/) noexcept
+{
+  return entry([self] { return py::object(array_interface(view_of(self))); });
+}
+
+PyObject* get_cuda_array_interface(PyObject* self, void* /*closure*/) noexcept
+{
+  return entry([self] { return py::object(cuda_array_interface(view_of(self))); });
+}
+
+PyObject* method_dlpack(PyObject* self, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames) noexcept
+{
+  PyObject* arguments[4];  // stream, max_version, dl_device, copy
+  if (!dlpack_signature->parse(args, nargsf, kwnames, arguments)) { return nullptr; }
+  return entry([&] {
+    return py::object(export_dlpack(view_of(self), arguments[0], arguments[1], arguments[2], arguments[3]));
+  });
+}
+
+PyObject* method_dlpack_device(PyObject* self, PyObject* /*unused*/) noexcept
+{
+  return entry([self] { return device_tuple(view_of(self)); });
+}
+
+// PyMethodDef stores every calling convention as a PyCFunction.
+template <typename Function>
+PyCFunction as_cfunction(Function* function) noexcept
+{
+  return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(function));
+}
+
+PyGetSetDef array_getset[] = {
+  {"shape", get_shape, nullptr, nullptr, nullptr},
+  {"strides", get_strides, nullptr, "Strides in bytes, as NumPy reports them.", nullptr},
+  {"dtype", get_dtype, nullptr, nullptr, nullptr},
+  {"device", get_device, nullptr, "(device_type, device_id) with DLPack's codes.", nullptr},
+  {"data_ptr", get_data_ptr, nullptr, nullptr, nullptr},
+  {"readonly", get_readonly, nullptr, nullptr, nullptr},
+  {"ndim", get_ndim, nullptr, nullptr, nullptr},
+  {"size", get_size, nullptr, nullptr, nullptr},
+  {"nbytes", get_nbytes, nullptr, nullptr, nullptr},
+  {"__array_interface__", get_array_interface, nullptr, "NumPy's array interface v3 (CPU arrays only).", nullptr},
+  {"__cuda_array_interface__", get_cuda_array_interface, nullptr,
+   "CUDA Array Interface v3, with `stream` naming the stream the data is ready on.", nullptr},
+  {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+PyMethodDef array_methods[] = {
+  {"__dlpack__", as_cfunction(method_dlpack), METH_FASTCALL | METH_KEYWORDS,
+   "__dlpack__($self, /, *, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
+   "Exports the array as a DLPack capsule (versioned when max_version >= (1, 0))."},
+  {"__dlpack_device__", as_cfunction(method_dlpack_device), METH_NOARGS,
+   "__dlpack_device__($self, /)\n--\n\nThe (device_type, device_id) of the data, with DLPack's codes."},
+  {nullptr, nullptr, 0, nullptr},
+};
+
+PyMemberDef array_members[] = {
+  {"__weaklistoffset__", T_PYSSIZET, static_cast<Py_ssize_t>(offsetof(array_object, weakrefs)), READONLY, nullptr},
+  {nullptr, 0, 0, 0, nullptr},
+};
+
+constexpr const char* array_doc =
+  "A zero-copy view of an array imported into handoff. It keeps its producer alive; when the last view\n"
+  "(and every capsule exported from it) is gone, the producer is released.";
+
+}  // namespace
+
+py::object wrap(array&& view)
+{
+  auto* object = static_cast<array_object*>(PyObject_Malloc(sizeof(array_object)));
+  if (object == nullptr) {
+    PyErr_NoMemory();
+    throw py::error_already_set();
+  }
+  PyObject* self = PyObject_Init(reinterpret_cast<PyObject*>(object), array_type);  // holds the type
+  object->weakrefs = nullptr;
+  new (object->storage) array(std::move(view));
+  return py::reinterpret_steal<py::object>(self);
+}
+
+array* as_array(py::handle object) noexcept
+{
+  return object && Py_TYPE(object.ptr()) == array_type ? &view_of(object.ptr()) : nullptr;
+}
+
 void bind_array(py::module_& m)
 {
-  py::class_<py_array>(m, "Array", R"doc(
-A zero-copy view of an array imported into handoff. It keeps its producer alive; when the last view
-(and every capsule exported from it) is gone, the producer is released.
-)doc")
-    .def_property_readonly("shape", [](const py_array& a) { return int_tuple(a.view.shape()); })
-    .def_property_readonly("strides", [](const py_array& a) { return byte_strides(a.view); },
-                           "Strides in bytes, as NumPy reports them.")
-    .def_property_readonly("dtype", [](const py_array& a) { return std::string{dtype_name(a.view.dtype())}; })
-    .def_property_readonly("device", [](const py_array& a) {
-      return py::make_tuple(static_cast<int>(a.view.device().device_type), a.view.device().device_id);
-    })
-    .def_property_readonly("data_ptr", [](const py_array& a) { return reinterpret_cast<std::uintptr_t>(a.view.data()); })
-    .def_property_readonly("readonly", [](const py_array& a) { return a.view.readonly(); })
-    .def_property_readonly("ndim", [](const py_array& a) { return a.view.ndim(); })
-    .def_property_readonly("size", [](const py_array& a) { return a.view.size(); })
-    .def_property_readonly("nbytes", [](const py_array& a) { return a.view.nbytes(); })
-    .def("__dlpack__", &export_dlpack, py::kw_only(), py::arg("stream") = py::none(),
-         py::arg("max_version") = py::none(), py::arg("dl_device") = py::none(), py::arg("copy") = py::none(),
-         "Exports the array as a DLPack capsule (versioned when max_version >= (1, 0)).")
-    .def("__dlpack_device__", [](const py_array& a) {
-      return py::make_tuple(static_cast<int>(a.view.device().device_type), a.view.device().device_id);
-    })
-    .def_property_readonly("__array_interface__", [](const py_array& a) -> py::dict {
-      const array& view = a.view;
-      if (view.device().device_type != kDLCPU) {
-        throw py::attribute_error(fmt::format("__array_interface__ is for CPU arrays; this one is on {}",
-                                              device_text(view.device())));
-      }
-      py::dict out;
-      out["shape"] = int_tuple(view.shape());
-      out["typestr"] = typestr(view.dtype());
-      out["data"] = py::make_tuple(reinterpret_cast<std::uintptr_t>(view.data()), view.readonly());
-      out["strides"] = view.is_c_contiguous() ? py::object(py::none()) : py::object(byte_strides(view));
-      out["version"] = 3;
-      return out;
-    })
-    .def_property_readonly("__cuda_array_interface__", &cuda_array_interface,
-                           "CUDA Array Interface v3, with `stream` naming the stream the data is ready on.")
-    .def("__repr__", [](const py_array& a) {
-      return fmt::format("handoff.Array(shape=({}{}), dtype={}, device=({}, {}))", fmt::join(a.view.shape(), ", "),
-                         a.view.ndim() == 1 ? "," : "", dtype_name(a.view.dtype()),
-                         static_cast<int>(a.view.device().device_type), a.view.device().device_id);
-    });
+  dlpack_signature = new signature("__dlpack__", 0, {"stream", "max_version", "dl_device", "copy"});
+  PyType_Slot slots[] = {
+    {Py_tp_dealloc, reinterpret_cast<void*>(array_dealloc)},
+    {Py_tp_repr, reinterpret_cast<void*>(array_repr)},
+    {Py_tp_getset, array_getset},
+    {Py_tp_methods, array_methods},
+    {Py_tp_members, array_members},
+    {Py_tp_doc, const_cast<char*>(array_doc)},
+    {0, nullptr},
+  };
+  unsigned int flags = Py_TPFLAGS_DEFAULT;
+#ifdef Py_TPFLAGS_DISALLOW_INSTANTIATION
+  flags |= Py_TPFLAGS_DISALLOW_INSTANTIATION;  // made only by from_dlpack, asarray and handoff.sim
+#endif
+#ifdef Py_TPFLAGS_IMMUTABLETYPE
+  flags |= Py_TPFLAGS_IMMUTABLETYPE;
+#endif
+  PyType_Spec spec{"handoff.Array", static_cast<int>(sizeof(array_object)), 0, flags, slots};
+  PyObject* type = PyType_FromSpec(&spec);
+  if (type == nullptr) { throw py::error_already_set(); }
+  array_type = reinterpret_cast<PyTypeObject*>(type);
+#ifndef Py_TPFLAGS_DISALLOW_INSTANTIATION
+  array_type->tp_new = nullptr;
+#endif
+  m.attr("Array") = py::reinterpret_borrow<py::object>(type);  // `array_type` keeps its own reference
 }
 
 }  // namespace handoff::python

@@ -1,14 +1,18 @@
-// Binding of handoff.Array.
+// handoff.Array: a plain CPython type holding a handoff::array, and the producer side of DLPack.
 #pragma once
 
 #include "py_support.hpp"
 
 namespace handoff::python {
 
-/// Array.__dlpack__: validates the stream for the array's device, then exports a capsule.
-[[nodiscard]] py::capsule export_dlpack(const py_array& self, py::handle stream, py::handle max_version,
-                                        py::handle dl_device, py::handle copy);
-
+/// Creates the `handoff.Array` type and adds it to `m`.
 void bind_array(py::module_& m);
+
+/// Wraps a view as a new `handoff.Array`. @throws py::error_already_set when out of memory.
+[[nodiscard]] py::object wrap(array&& view);
+
+/// The view held by `object` when it is a `handoff.Array`, else nullptr. Borrowed: valid while
+/// `object` is alive.
+[[nodiscard]] array* as_array(py::handle object) noexcept;
 
 }  // namespace handoff::python

@@ -1,5 +1,9 @@
+// handoff.from_dlpack and handoff.asarray. The import of an array is the hot path: arguments are
+// parsed without pybind11, names and constant arguments are made once, and `__dlpack__` is found
+// on the type without creating a bound method.
 #include "py_exchange.hpp"
 
+#include "py_array.hpp"
 #include "py_interfaces.hpp"
 
 #include <handoff/error.hpp>
@@ -26,9 +30,24 @@ struct cached_objects {
 };
 cached_objects cached;
 
-std::string type_name(py::handle object)
+// True when `x` has a `__dlpack__` attribute. Looked up on the type first (the type's attribute
+// cache answers without allocating); only objects without it there pay for a full getattr.
+bool has_dlpack(PyObject* x)
 {
-  return py::str(py::type::handle_of(object).attr("__name__")).cast<std::string>();
+  if (_PyType_Lookup(Py_TYPE(x), cached.dlpack) != nullptr) { return true; }
+  return PyObject_HasAttr(x, cached.dlpack) != 0;
+}
+
+// The plain method `x.__dlpack__` resolves to, when that needs no instance lookup: `x`'s type uses
+// the generic getattr, its instances have no __dict__ and the type's attribute is a method
+// descriptor (as NumPy's, PyTorch's and handoff's are). Then calling it with `x` first is what
+// x.__dlpack__(...) does. Borrowed; nullptr otherwise (use has_dlpack and a method call).
+PyObject* plain_dlpack_method(PyObject* x)
+{
+  PyTypeObject* type = Py_TYPE(x);
+  if (type->tp_getattro != PyObject_GenericGetAttr || type->tp_dictoffset != 0) { return nullptr; }
+  PyObject* method = _PyType_Lookup(type, cached.dlpack);
+  return method != nullptr && PyType_HasFeature(Py_TYPE(method), Py_TPFLAGS_METHOD_DESCRIPTOR) ? method : nullptr;
 }
 
 // The consumer stream for this import: the argument, else the enclosing handoff.stream block.
@@ -123,8 +142,9 @@ dlpack_result request_capsule(py::handle x, py::handle stream, py::handle device
   return {call_dlpack(x, legacy_args), true};
 }
 
-// Applies `device` and `copy` to an imported view where the producer could not.
-array settle(array view, std::optional<DLDevice> device, std::optional<bool> copy, bool producer_honoured)
+// Applies `device` and `copy` to an imported view where the producer could not: replaces `view`
+// by a host copy when one is needed.
+void settle(array& view, std::optional<DLDevice> device, std::optional<bool> copy, bool producer_honoured)
 {
   if (device && (device->device_type != view.device().device_type || device->device_id != view.device().device_id)) {
     HANDOFF_EXPECTS(device->device_type == kDLCPU && copy != false, buffer_error,
@@ -132,10 +152,10 @@ array settle(array view, std::optional<DLDevice> device, std::optional<bool> cop
                                 static_cast<int>(view.device().device_type), view.device().device_id,
                                 static_cast<int>(device->device_type), device->device_id,
                                 copy == false ? " with copy=False" : ""));
-    return copy_to_host(view);
+    view = copy_to_host(view);
+    return;
   }
-  if (copy == true && !producer_honoured) { return copy_to_host(view); }
-  return view;
+  if (copy == true && !producer_honoured) { view = copy_to_host(view); }
 }
 
 // A device view imported for `consumer` (a DLPack stream value; None for the default stream): its
@@ -158,11 +178,46 @@ std::optional<std::int64_t> consumer_value(py::handle stream, DLDeviceType devic
   return consumer.is_none() ? std::nullopt : stream_argument(producer_stream_argument(consumer, device));
 }
 
-py::object finish(array view)
+// Settles `view` (see settle), counts the import and wraps it as a handoff.Array.
+py::object finish(array&& view, std::optional<DLDevice> device, std::optional<bool> copy, bool producer_honoured)
 {
+  if (device || copy) { settle(view, device, copy, producer_honoured); }
   count(counter::imports);
   return wrap(std::move(view));
 }
+
+// from_dlpack and asarray share one signature: (x, /, *, device=None, copy=None, stream=None).
+const signature* from_dlpack_signature = nullptr;
+const signature* asarray_signature = nullptr;
+
+template <py::object (*Import)(py::handle, py::handle, py::handle, py::handle), const signature** Signature>
+PyObject* import_entry(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames) noexcept
+{
+  PyObject* arguments[4];  // x, device, copy, stream
+  if (!(*Signature)->parse(args, nargsf, kwnames, arguments)) { return nullptr; }
+  try {
+    return Import(arguments[0], arguments[1], arguments[2], arguments[3]).release().ptr();
+  } catch (...) {
+    raise_current_exception();
+    return nullptr;
+  }
+}
+
+template <typename Function>
+PyCFunction as_cfunction(Function* function) noexcept
+{
+  return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(function));
+}
+
+PyMethodDef import_functions[] = {
+  {"from_dlpack", as_cfunction(import_entry<from_dlpack, &from_dlpack_signature>), METH_FASTCALL | METH_KEYWORDS,
+   "from_dlpack(x, /, *, device=None, copy=None, stream=None)\n--\n\n"
+   "Imports an object with __dlpack__ (or a DLPack capsule) as a handoff.Array, zero-copy."},
+  {"asarray", as_cfunction(import_entry<asarray, &asarray_signature>), METH_FASTCALL | METH_KEYWORDS,
+   "asarray(x, /, *, device=None, copy=None, stream=None)\n--\n\n"
+   "Imports through DLPack, the CUDA Array Interface, __array_interface__ or the buffer protocol."},
+  {nullptr, nullptr, 0, nullptr},
+};
 
 }  // namespace
 
@@ -171,7 +226,8 @@ void init_exchange(py::module_& m)
   cached.dlpack = PyUnicode_InternFromString("__dlpack__");
   cached.dlpack_device = PyUnicode_InternFromString("__dlpack_device__");
   cached.max_version = Py_BuildValue("(ii)", DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION);
-  cached.kw_max_version = Py_BuildValue("(s)", "max_version");
+  // Interned keyword names: producers' argument parsers match them by identity before comparing text.
+  cached.kw_max_version = Py_BuildValue("(N)", PyUnicode_InternFromString("max_version"));
   cached.stream_var = PyContextVar_New("handoff.stream", nullptr);
   if (cached.dlpack == nullptr || cached.dlpack_device == nullptr || cached.max_version == nullptr ||
       cached.kw_max_version == nullptr || cached.stream_var == nullptr) {
@@ -179,10 +235,33 @@ void init_exchange(py::module_& m)
   }
   m.attr("_stream_var") = py::reinterpret_borrow<py::object>(cached.stream_var);
   m.def("_set_as_stream", [](py::object fn) { cached.as_stream = fn.release().ptr(); });
+  from_dlpack_signature = new signature("from_dlpack", 1, {"device", "copy", "stream"});
+  asarray_signature = new signature("asarray", 1, {"device", "copy", "stream"});
+  if (PyModule_AddFunctions(m.ptr(), import_functions) != 0) { throw py::error_already_set(); }
 }
 
 py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::handle stream)
 {
+  if (device.is_none() && copy.is_none() && stream.is_none()) {
+    // The common call, from_dlpack(x), outside any handoff.stream block: the general path below
+    // with nothing to check, settle or resolve, and a producer whose __dlpack__ is a plain method.
+    PyObject* method = plain_dlpack_method(x.ptr());
+    const py::object consumer = method != nullptr ? consumer_stream(stream) : py::object{};
+    if (method != nullptr && consumer.is_none()) {
+      std::array<PyObject*, 2> args{x.ptr(), cached.max_version};  // x.__dlpack__(max_version=(1, 1))
+      py::object capsule = py::reinterpret_steal<py::object>(
+        PyObject_Vectorcall(method, args.data(), 1, cached.kw_max_version));
+      if (!capsule) {
+        if (!PyErr_ExceptionMatches(PyExc_TypeError)) { throw py::error_already_set(); }
+        PyErr_Clear();
+        capsule = call_dlpack(x, {});  // a producer older than DLPack 1.0
+      }
+      array view = consume_capsule(capsule);
+      bind_to_consumer(view, consumer);
+      count(counter::imports);
+      return wrap(std::move(view));
+    }
+  }
   check_consumer_stream(stream);
   const auto target = device_argument(device, "device");
   const auto want_copy = copy_argument(copy);
@@ -191,9 +270,9 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
     const py::object consumer = consumer_stream(stream);
     bind_to_consumer(view, consumer.is_none() ? py::object(py::none())
                                               : producer_stream_argument(consumer, view.device().device_type));
-    return finish(settle(std::move(view), target, want_copy, false));
+    return finish(std::move(view), target, want_copy, false);
   }
-  HANDOFF_EXPECTS(PyObject_HasAttr(x.ptr(), cached.dlpack) != 0, type_error,
+  HANDOFF_EXPECTS(has_dlpack(x.ptr()), type_error,
                   fmt::format("from_dlpack: {} object has no __dlpack__ method and is not a DLPack capsule",
                               type_name(x)));
   const py::object consumer = consumer_stream(stream);
@@ -207,14 +286,13 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
   const auto [capsule, legacy] = request_capsule(x, producer_arg, dl_device, copy);
   array view = consume_capsule(capsule);
   bind_to_consumer(view, producer_arg);
-  return finish(settle(std::move(view), target, want_copy, !legacy));
+  return finish(std::move(view), target, want_copy, !legacy);
 }
 
 py::object asarray(py::handle x, py::handle device, py::handle copy, py::handle stream)
 {
-  const bool has_dlpack = PyCapsule_CheckExact(x.ptr()) || PyObject_HasAttr(x.ptr(), cached.dlpack) != 0;
   std::exception_ptr dlpack_refused;  // raised again when no other protocol is there to try
-  if (has_dlpack) {
+  if (PyCapsule_CheckExact(x.ptr()) || has_dlpack(x.ptr())) {
     try {
       return from_dlpack(x, device, copy, stream);
     } catch (py::error_already_set& e) {
@@ -229,12 +307,12 @@ py::object asarray(py::handle x, py::handle device, py::handle copy, py::handle 
   const auto target = device_argument(device, "device");
   const auto want_copy = copy_argument(copy);
   if (py::object cai = py::getattr(x, "__cuda_array_interface__", py::none()); !cai.is_none()) {
-    return finish(settle(import_cuda_array_interface(x, cai, consumer_value(stream, kDLCUDA)), target, want_copy, false));
+    return finish(import_cuda_array_interface(x, cai, consumer_value(stream, kDLCUDA)), target, want_copy, false);
   }
   if (py::object ai = py::getattr(x, "__array_interface__", py::none()); !ai.is_none()) {
-    return finish(settle(import_array_interface(x, ai), target, want_copy, false));
+    return finish(import_array_interface(x, ai), target, want_copy, false);
   }
-  if (PyObject_CheckBuffer(x.ptr()) != 0) { return finish(settle(import_buffer(x), target, want_copy, false)); }
+  if (PyObject_CheckBuffer(x.ptr()) != 0) { return finish(import_buffer(x), target, want_copy, false); }
   if (dlpack_refused) { std::rethrow_exception(dlpack_refused); }
   throw type_error(fmt::format("asarray: {} object supports no array protocol (DLPack, CUDA Array Interface, "
                                "__array_interface__ or the buffer protocol)", type_name(x)));

@@ -5,7 +5,8 @@
 
 namespace handoff::python {
 
-/// Creates the context variable behind `handoff.stream(...)` blocks and the cached call arguments.
+/// Creates the context variable behind `handoff.stream(...)` blocks and the cached call
+/// arguments, and adds `from_dlpack` and `asarray` to `m` as METH_FASTCALL functions.
 void init_exchange(py::module_& m);
 
 /// handoff.from_dlpack(x, /, *, device=None, copy=None, stream=None)

@@ -1,6 +1,7 @@
 // handoff.sim: drive the simulated accelerator from Python (streams, arrays, delayed writes, faults).
 #include "py_sim.hpp"
 
+#include "py_array.hpp"
 #include "py_support.hpp"
 
 #include <handoff/dtype.hpp>
@@ -108,8 +109,9 @@ device::stream_handle stream_of(py::handle stream)
 
 array& sim_array(py::handle object, active_sim& s)
 {
-  HANDOFF_EXPECTS(py::isinstance<py_array>(object), type_error, "expected a handoff.Array made by handoff.sim");
-  array& view = object.cast<py_array&>().view;
+  array* found = as_array(object);
+  HANDOFF_EXPECTS(found != nullptr, type_error, "expected a handoff.Array made by handoff.sim");
+  array& view = *found;
   HANDOFF_EXPECTS(is_stream_ordered(s.ctx, view), buffer_error,
                   fmt::format("this array is on device type {}, not on the simulated device",
                               static_cast<int>(view.device().device_type)));

@@ -4,8 +4,12 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
+#include <exception>
+#include <new>
 #include <string_view>
+#include <utility>
 
 namespace handoff::python {
 namespace {
@@ -19,10 +23,15 @@ constexpr const char* used_legacy_name = "used_dltensor";
 template <typename Managed>
 void capsule_destructor(PyObject* capsule, const char* live_name) noexcept
 {
-  if (interpreter_finalizing() || !PyCapsule_IsValid(capsule, live_name)) { return; }  // consumed
+  if (interpreter_finalizing()) { return; }
+  const char* name = PyCapsule_GetName(capsule);
+  if (name == nullptr || std::strcmp(name, live_name) != 0) {  // consumed: renamed "used_..."
+    PyErr_Clear();
+    return;
+  }
   PyObject *type = nullptr, *value = nullptr, *traceback = nullptr;
   PyErr_Fetch(&type, &value, &traceback);
-  auto* tensor = static_cast<Managed*>(PyCapsule_GetPointer(capsule, live_name));
+  auto* tensor = static_cast<Managed*>(PyCapsule_GetPointer(capsule, name));
   if (tensor != nullptr && tensor->deleter != nullptr) { tensor->deleter(tensor); }
   PyErr_Restore(type, value, traceback);
 }
@@ -64,8 +73,6 @@ bool interpreter_finalizing() noexcept
 #endif
 }
 
-py::object wrap(array view) { return py::cast(py_array{std::move(view)}, py::return_value_policy::move); }
-
 producer_ref python_owner(py::handle object)
 {
   PyObject* raw = object.inc_ref().ptr();
@@ -76,19 +83,21 @@ array consume_capsule(py::handle capsule)
 {
   PyObject* raw = capsule.ptr();
   HANDOFF_EXPECTS(PyCapsule_CheckExact(raw) != 0, type_error,
-                  fmt::format("expected a DLPack capsule, got {}",
-                              py::str(py::type::handle_of(capsule).attr("__name__")).cast<std::string>()));
-  if (PyCapsule_IsValid(raw, versioned_name) != 0) {
-    auto* tensor = static_cast<DLManagedTensorVersioned*>(PyCapsule_GetPointer(raw, versioned_name));
+                  fmt::format("expected a DLPack capsule, got {}", type_name(capsule)));
+  // The name is read once and compared here; PyCapsule_GetPointer compares it once more.
+  const char* name = PyCapsule_GetName(raw);
+  if (name != nullptr && std::strcmp(name, versioned_name) == 0) {
+    auto* tensor = static_cast<DLManagedTensorVersioned*>(PyCapsule_GetPointer(raw, name));
+    if (tensor == nullptr) { throw py::error_already_set(); }
     PyCapsule_SetName(raw, used_versioned_name);  // before import: its deleter now belongs to us
     return import_dlpack(tensor);
   }
-  if (PyCapsule_IsValid(raw, legacy_name) != 0) {
-    auto* tensor = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(raw, legacy_name));
+  if (name != nullptr && std::strcmp(name, legacy_name) == 0) {
+    auto* tensor = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(raw, name));
+    if (tensor == nullptr) { throw py::error_already_set(); }
     PyCapsule_SetName(raw, used_legacy_name);
     return import_dlpack(tensor);
   }
-  const char* name = PyCapsule_GetName(raw);
   PyErr_Clear();
   const std::string_view seen = name != nullptr ? name : "";
   HANDOFF_EXPECTS(seen != used_versioned_name && seen != used_legacy_name, value_error,
@@ -103,11 +112,11 @@ py::capsule make_capsule(DLManagedTensorVersioned* tensor)
 
 py::capsule make_capsule(DLManagedTensor* tensor) { return wrap_capsule(tensor, legacy_name, legacy_destructor); }
 
-std::optional<std::int64_t> stream_argument(py::handle stream)
+std::optional<std::int64_t> parse_stream_argument(py::handle stream)
 {
   if (stream.is_none()) { return std::nullopt; }
   HANDOFF_EXPECTS(PyLong_Check(stream.ptr()) && !PyBool_Check(stream.ptr()), type_error,
-                  fmt::format("stream must be an int or None, not {}", py::str(py::type::handle_of(stream).attr("__name__")).cast<std::string>()));
+                  fmt::format("stream must be an int or None, not {}", type_name(stream)));
   int overflow = 0;
   const long long value = PyLong_AsLongLongAndOverflow(stream.ptr(), &overflow);
   HANDOFF_EXPECTS(overflow == 0, value_error,
@@ -115,34 +124,183 @@ std::optional<std::int64_t> stream_argument(py::handle stream)
   return static_cast<std::int64_t>(value);
 }
 
-std::optional<DLDevice> device_argument(py::handle device, const char* field)
+std::optional<DLDevice> parse_device_argument(py::handle device, const char* field)
 {
   if (device.is_none()) { return std::nullopt; }
-  if (PyUnicode_Check(device.ptr())) {
+  PyObject* raw = device.ptr();
+  if (PyUnicode_Check(raw)) {
     const auto text = device.cast<std::string>();
     HANDOFF_EXPECTS(text == "cpu", value_error,
                     fmt::format("{}='{}' is not a device handoff knows; pass a (device_type, device_id) tuple", field, text));
     return DLDevice{kDLCPU, 0};
   }
-  HANDOFF_EXPECTS(PyTuple_Check(device.ptr()) && PyTuple_GET_SIZE(device.ptr()) == 2, type_error,
+  HANDOFF_EXPECTS(PyTuple_Check(raw) && PyTuple_GET_SIZE(raw) == 2, type_error,
                   fmt::format("{} must be None, 'cpu' or a (device_type, device_id) tuple", field));
-  const auto pair = py::reinterpret_borrow<py::tuple>(device);
-  for (const auto item : pair) {
-    HANDOFF_EXPECTS(PyLong_Check(item.ptr()) && !PyBool_Check(item.ptr()), type_error,
-                    fmt::format("{} must hold two ints", field));
+  long long values[2]{};
+  bool representable = true;
+  for (Py_ssize_t i = 0; i < 2; ++i) {
+    PyObject* item = PyTuple_GET_ITEM(raw, i);
+    HANDOFF_EXPECTS(PyLong_Check(item) && !PyBool_Check(item), type_error, fmt::format("{} must hold two ints", field));
+    int overflow = 0;
+    values[i] = PyLong_AsLongLongAndOverflow(item, &overflow);
+    representable = representable && overflow == 0;
   }
-  const auto type = pair[0].cast<long long>();
-  const auto id = pair[1].cast<long long>();
-  HANDOFF_EXPECTS(type >= kDLCPU && type <= kDLTrn && id >= 0 && id <= INT32_MAX, value_error,
-                  fmt::format("{}=({}, {}) is not a valid DLPack device", field, type, id));
+  const auto [type, id] = values;
+  HANDOFF_EXPECTS(representable && type >= kDLCPU && type <= kDLTrn && id >= 0 && id <= INT32_MAX, value_error,
+                  fmt::format("{}=({}, {}) is not a valid DLPack device", field,
+                              py::str(PyTuple_GET_ITEM(raw, 0)).cast<std::string>(),
+                              py::str(PyTuple_GET_ITEM(raw, 1)).cast<std::string>()));
   return DLDevice{static_cast<DLDeviceType>(type), static_cast<std::int32_t>(id)};
 }
 
-std::optional<bool> copy_argument(py::handle copy)
+std::optional<bool> parse_copy_argument(py::handle copy)
 {
   if (copy.is_none()) { return std::nullopt; }
   HANDOFF_EXPECTS(PyBool_Check(copy.ptr()), type_error, "copy must be None, True or False");
   return copy.ptr() == Py_True;
+}
+
+std::string type_name(py::handle object)
+{
+  return py::str(py::type::handle_of(object).attr("__name__")).cast<std::string>();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+
+namespace {
+
+PyObject* device_error_type = nullptr;
+
+void raise_device_error(const device_error& e)
+{
+  py::object instance = py::reinterpret_borrow<py::object>(device_error_type)(e.what());
+  instance.attr("backend") = e.backend();
+  instance.attr("error_name") = e.error_name();
+  PyErr_SetObject(device_error_type, instance.ptr());
+}
+
+}  // namespace
+
+void set_device_error_type(PyObject* type) noexcept { device_error_type = type; }
+
+void translate_exception(const std::exception_ptr& thrown)
+{
+  try {
+    if (thrown) { std::rethrow_exception(thrown); }
+  } catch (const device_error& e) {
+    raise_device_error(e);
+  } catch (const value_error& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const buffer_error& e) {
+    PyErr_SetString(PyExc_BufferError, e.what());
+  } catch (const type_error& e) {
+    PyErr_SetString(PyExc_TypeError, e.what());
+  } catch (const not_implemented_error& e) {
+    PyErr_SetString(PyExc_NotImplementedError, e.what());
+  }
+}
+
+void raise_current_exception() noexcept
+{
+  try {
+    try {
+      throw;
+    } catch (py::error_already_set& e) {
+      e.restore();
+    } catch (const py::builtin_exception& e) {
+      e.set_error();
+    } catch (const error&) {
+      translate_exception(std::current_exception());
+    } catch (const std::bad_alloc&) {
+      PyErr_NoMemory();
+    } catch (const std::exception& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+  } catch (py::error_already_set& e) {  // raised while building the Python exception
+    e.restore();
+  } catch (...) {
+    PyErr_SetString(PyExc_SystemError, "an unknown C++ exception escaped from handoff");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Argument parsing
+
+signature::signature(const char* function, std::size_t positional, std::initializer_list<const char*> keywords)
+    : function_(function), positional_(positional)
+{
+  for (const char* keyword : keywords) {
+    PyObject* name = PyUnicode_InternFromString(keyword);
+    if (name == nullptr) { throw py::error_already_set(); }
+    names_.push_back(name);
+    texts_.emplace_back(keyword);
+  }
+}
+
+Py_ssize_t signature::keyword_index(PyObject* name) const noexcept
+{
+  for (std::size_t i = 0; i < names_.size(); ++i) {
+    if (names_[i] == name) { return static_cast<Py_ssize_t>(i); }  // interned: the common case
+  }
+  Py_ssize_t length = 0;
+  const char* text = PyUnicode_Check(name) ? PyUnicode_AsUTF8AndSize(name, &length) : nullptr;
+  if (text == nullptr) {
+    PyErr_Clear();
+    return -1;
+  }
+  const std::string_view wanted{text, static_cast<std::size_t>(length)};
+  for (std::size_t i = 0; i < texts_.size(); ++i) {
+    if (texts_[i] == wanted) { return static_cast<Py_ssize_t>(i); }
+  }
+  return -1;
+}
+
+bool signature::parse(PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames, PyObject** out) const noexcept
+{
+  const Py_ssize_t given = PyVectorcall_NARGS(static_cast<std::size_t>(nargsf));
+  const auto wanted = static_cast<Py_ssize_t>(positional_);
+  if (given != wanted) {
+    if (given < wanted) {
+      PyErr_Format(PyExc_TypeError, "%s() missing required positional argument (%zd given, %zd required)", function_,
+                   given, wanted);
+    } else if (wanted == 0) {
+      PyErr_Format(PyExc_TypeError, "%s() takes no positional arguments (%zd given)", function_, given);
+    } else {
+      PyErr_Format(PyExc_TypeError, "%s() takes %zd positional argument%s but %zd were given", function_, wanted,
+                   wanted == 1 ? "" : "s", given);
+    }
+    return false;
+  }
+  for (std::size_t i = 0; i < positional_; ++i) { out[i] = args[i]; }
+  for (std::size_t i = positional_; i < size(); ++i) { out[i] = Py_None; }
+  if (kwnames == nullptr) { return true; }
+  const Py_ssize_t count = PyTuple_GET_SIZE(kwnames);
+  if (kwnames == last_kwnames_) {
+    for (Py_ssize_t k = 0; k < count; ++k) {
+      out[positional_ + static_cast<std::size_t>(last_indices_[static_cast<std::size_t>(k)])] = args[given + k];
+    }
+    return true;
+  }
+  std::array<Py_ssize_t, 8> indices{};
+  const bool remember = count <= static_cast<Py_ssize_t>(std::min(names_.size(), indices.size()));
+  for (Py_ssize_t k = 0; k < count; ++k) {
+    PyObject* name = PyTuple_GET_ITEM(kwnames, k);
+    const Py_ssize_t index = keyword_index(name);
+    if (index < 0) {
+      PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%U'%s", function_, name,
+                   positional_ > 0 ? " (the first argument is positional-only)" : "");
+      return false;
+    }
+    out[positional_ + static_cast<std::size_t>(index)] = args[given + k];
+    if (remember) { indices[static_cast<std::size_t>(k)] = index; }
+  }
+  if (remember) {
+    Py_INCREF(kwnames);
+    Py_XDECREF(std::exchange(last_kwnames_, kwnames));
+    last_indices_ = indices;
+  }
+  return true;
 }
 
 }  // namespace handoff::python

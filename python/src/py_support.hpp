@@ -1,4 +1,4 @@
-// Shared pieces of the bindings: the Array type, Python-owned producers, capsules, argument parsing.
+// Shared pieces of the bindings: Python-owned producers, capsules, argument parsing, errors.
 #pragma once
 
 #include <handoff/array.hpp>
@@ -6,20 +6,16 @@
 
 #include <pybind11/pybind11.h>
 
+#include <array>
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
+#include <string>
+#include <vector>
 
 namespace handoff::python {
 
 namespace py = pybind11;
-
-/// The C++ state of a `handoff.Array`.
-struct py_array {
-  array view;
-};
-
-/// Wraps a view as a new `handoff.Array`.
-[[nodiscard]] py::object wrap(array view);
 
 /// Keeps `object` alive until the producer is released; the release takes the GIL and may run on
 /// any thread. During interpreter finalization the reference is left alone.
@@ -35,16 +31,73 @@ struct py_array {
 
 /// A Python `stream` argument as an integer (None -> nullopt).
 /// @throws type_error for bool and non-integers, value_error for integers outside int64.
-[[nodiscard]] std::optional<std::int64_t> stream_argument(py::handle stream);
+[[nodiscard]] std::optional<std::int64_t> parse_stream_argument(py::handle stream);
+[[nodiscard]] inline std::optional<std::int64_t> stream_argument(py::handle stream)
+{
+  return stream.is_none() ? std::nullopt : parse_stream_argument(stream);
+}
 
 /// A `device`/`dl_device` argument: None, a (device_type, device_id) tuple, or "cpu".
 /// @throws type_error / value_error naming `field`.
-[[nodiscard]] std::optional<DLDevice> device_argument(py::handle device, const char* field);
+[[nodiscard]] std::optional<DLDevice> parse_device_argument(py::handle device, const char* field);
+[[nodiscard]] inline std::optional<DLDevice> device_argument(py::handle device, const char* field)
+{
+  return device.is_none() ? std::nullopt : parse_device_argument(device, field);
+}
 
 /// A `copy` argument: None, True or False. @throws type_error.
-[[nodiscard]] std::optional<bool> copy_argument(py::handle copy);
+[[nodiscard]] std::optional<bool> parse_copy_argument(py::handle copy);
+[[nodiscard]] inline std::optional<bool> copy_argument(py::handle copy)
+{
+  if (copy.ptr() == Py_True) { return true; }
+  if (copy.ptr() == Py_False) { return false; }
+  return copy.is_none() ? std::nullopt : parse_copy_argument(copy);
+}
 
 /// True when the interpreter is shutting down and Python objects must not be touched.
 [[nodiscard]] bool interpreter_finalizing() noexcept;
+
+/// The `__name__` of `object`'s type, for messages.
+[[nodiscard]] std::string type_name(py::handle object);
+
+/// Sets `handoff.DeviceError`, the Python type `device_error` maps to (made by the module).
+void set_device_error_type(PyObject* type) noexcept;
+
+/// Sets the Python error that the C++ exception being handled maps to: each handoff exception to
+/// its one Python type, pybind11's to theirs, `std::bad_alloc` to MemoryError, any other to
+/// RuntimeError. Call it only from a `catch` block, in functions called from Python without
+/// pybind11 (which would otherwise translate the exception itself).
+void raise_current_exception() noexcept;
+
+/// Rethrows `thrown` unless it is a handoff exception, which it turns into its Python error (the
+/// exception translator pybind11 uses for the functions it binds).
+void translate_exception(const std::exception_ptr& thrown);
+
+/// The parameters of a function called with METH_FASTCALL | METH_KEYWORDS whose signature is
+/// `name(p0, ..., /, *, k0=None, ...)`: required positional-only parameters, then keyword-only
+/// ones defaulting to None. Made once, at module initialization (it interns the names).
+class signature {
+ public:
+  signature(const char* function, std::size_t positional, std::initializer_list<const char*> keywords);
+
+  [[nodiscard]] std::size_t size() const noexcept { return positional_ + names_.size(); }
+
+  /// Fills out[0, positional) with the positional arguments and the rest with the keyword
+  /// arguments in declaration order, None where absent (borrowed references; `out` has size()
+  /// entries). Returns false with CPython's TypeError set when the call does not match.
+  [[nodiscard]] bool parse(PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames, PyObject** out) const noexcept;
+
+ private:
+  [[nodiscard]] Py_ssize_t keyword_index(PyObject* name) const noexcept;
+
+  const char* function_;
+  std::size_t positional_;
+  std::vector<PyObject*> names_;  // interned, owned for the life of the process
+  std::vector<std::string> texts_;
+  // The last keyword-name tuple matched by text and where its names go: callers such as NumPy
+  // pass the same tuple of non-interned names on every call. Guarded by the GIL.
+  mutable PyObject* last_kwnames_{nullptr};  // a strong reference, so its address is not reused
+  mutable std::array<Py_ssize_t, 8> last_indices_{};
+};
 
 }  // namespace handoff::python

@@ -8,15 +8,18 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <new>
 #include <utility>
 
 namespace handoff {
 
 struct producer_ref::state {
-  explicit state(std::function<void()> release) : release_(std::move(release)) { detail::live_view_added(); }
+  explicit state(std::function<void()> release) noexcept : release_(std::move(release)) { detail::live_view_added(); }
   state(const state&) = delete;
   state& operator=(const state&) = delete;
   state(state&&) = delete;
@@ -36,6 +39,22 @@ struct producer_ref::state {
     }
   }
 
+  static void acquire(state* s) noexcept
+  {
+    if (s != nullptr) { s->references_.fetch_add(1, std::memory_order_relaxed); }
+  }
+  static void release(state* s) noexcept
+  {
+    if (s == nullptr) { return; }
+    // The only reference (the usual case: one view) cannot be copied concurrently, so it needs no
+    // atomic read-modify-write; acquire orders every use through other, gone references before.
+    if (s->references_.load(std::memory_order_acquire) == 1 ||
+        s->references_.fetch_sub(1, std::memory_order_acq_rel) == 1) {  // acq_rel: as above
+      delete s;
+    }
+  }
+
+  std::atomic<long> references_{1};
   std::function<void()> release_;
   mutable std::mutex mutex_;  // guards the two bindings
   std::optional<stream_binding> ready_on_;
@@ -45,12 +64,34 @@ struct producer_ref::state {
 producer_ref::producer_ref(std::function<void()> release)
 {
   try {
-    state_ = std::make_shared<state>(std::move(release));
+    state_ = new state(std::move(release));
   } catch (...) {
     // Out of memory before ownership was established: release now, so nothing leaks.
     if (release) { release(); }
     throw;
   }
+}
+
+producer_ref::producer_ref(const producer_ref& other) noexcept : state_(other.state_) { state::acquire(state_); }
+
+producer_ref& producer_ref::operator=(const producer_ref& other) noexcept
+{
+  state::acquire(other.state_);
+  state::release(std::exchange(state_, other.state_));
+  return *this;
+}
+
+producer_ref& producer_ref::operator=(producer_ref&& other) noexcept
+{
+  if (this != &other) { state::release(std::exchange(state_, std::exchange(other.state_, nullptr))); }
+  return *this;
+}
+
+producer_ref::~producer_ref() { state::release(state_); }
+
+long producer_ref::use_count() const noexcept
+{
+  return state_ == nullptr ? 0 : state_->references_.load(std::memory_order_relaxed);
 }
 
 std::optional<stream_binding> producer_ref::ready_on() const
@@ -135,14 +176,24 @@ bool array::is_c_contiguous() const noexcept
   return true;
 }
 
-std::vector<std::int64_t> contiguous_strides(std::span<const std::int64_t> shape)
+namespace {
+
+// Row-major strides of `shape`, written to `strides` (shape.size() entries).
+void fill_contiguous_strides(std::span<const std::int64_t> shape, std::int64_t* strides) noexcept
 {
-  std::vector<std::int64_t> strides(shape.size());
   std::int64_t step = 1;
   for (std::size_t i = shape.size(); i-- > 0;) {
     strides[i] = step;
     step *= shape[i] > 0 ? shape[i] : 1;
   }
+}
+
+}  // namespace
+
+std::vector<std::int64_t> contiguous_strides(std::span<const std::int64_t> shape)
+{
+  std::vector<std::int64_t> strides(shape.size());
+  fill_contiguous_strides(shape, strides.data());
   return strides;
 }
 
@@ -159,12 +210,27 @@ producer_ref adopt(Managed* tensor)
   }};
 }
 
+// The dtypes nearly every exchange uses, known without a table search.
+bool is_common(DLDataType dtype) noexcept
+{
+  if (dtype.lanes != 1) { return false; }
+  const auto power_of_two_bytes = dtype.bits == 8 || dtype.bits == 16 || dtype.bits == 32 || dtype.bits == 64;
+  switch (dtype.code) {
+    case kDLInt:
+    case kDLUInt: return power_of_two_bytes;
+    case kDLFloat: return dtype.bits == 16 || dtype.bits == 32 || dtype.bits == 64;
+    case kDLBool: return dtype.bits == 8;
+    case kDLComplex: return dtype.bits == 64 || dtype.bits == 128;
+    default: return false;
+  }
+}
+
 array_layout layout_of(const DLTensor& t, bool readonly)
 {
   HANDOFF_EXPECTS(t.ndim >= 0, value_error, fmt::format("DLPack tensor has negative ndim ({})", t.ndim));
   HANDOFF_EXPECTS(t.ndim == 0 || t.shape != nullptr, value_error,
                   fmt::format("DLPack tensor has ndim {} but a null shape", t.ndim));
-  (void)dtype_name(t.dtype);  // throws buffer_error for dtypes handoff cannot describe
+  if (!is_common(t.dtype)) { (void)dtype_name(t.dtype); }  // throws buffer_error for dtypes handoff cannot describe
   array_layout layout;
   layout.device = t.device;
   layout.dtype = t.dtype;
@@ -174,7 +240,8 @@ array_layout layout_of(const DLTensor& t, bool readonly)
   if (t.strides != nullptr) {
     layout.strides.assign(t.strides, t.strides + ndim);
   } else {
-    layout.strides = contiguous_strides(layout.shape);
+    layout.strides.resize(ndim);
+    fill_contiguous_strides(layout.shape, layout.strides.data());
   }
   layout.data = t.data == nullptr ? nullptr : static_cast<std::byte*>(t.data) + t.byte_offset;
   return layout;
@@ -211,36 +278,60 @@ array import_dlpack(DLManagedTensor* tensor)
 
 namespace {
 
-// One allocation per export: the managed tensor, its shape and strides, and the producer it pins.
+// One allocation per export: the managed tensor and the producer it pins, followed by its shape
+// and strides (2 * ndim values; at least one, so that a 0-d tensor's pointers are never NULL).
 template <typename Managed>
 struct exported {
   Managed managed{};
-  std::vector<std::int64_t> shape;
-  std::vector<std::int64_t> strides;
-  std::int64_t scalar_dims[1]{0};  // what shape and strides point at for 0-d: never NULL
   producer_ref owner;
 
-  static void deleter(Managed* self) noexcept { delete static_cast<exported*>(self->manager_ctx); }
+  static std::int64_t* trailing(exported* self) noexcept
+  {
+    return reinterpret_cast<std::int64_t*>(reinterpret_cast<std::byte*>(self) + header_size());
+  }
+  static constexpr std::size_t header_size() noexcept
+  {
+    return (sizeof(exported) + alignof(std::int64_t) - 1) / alignof(std::int64_t) * alignof(std::int64_t);
+  }
+  static std::size_t bytes(std::size_t ndim) noexcept
+  {
+    return header_size() + sizeof(std::int64_t) * std::max<std::size_t>(2 * ndim, 1);
+  }
+
+  static exported* make(const array& view)
+  {
+    const auto ndim = static_cast<std::size_t>(view.ndim());
+    void* memory = ::operator new(bytes(ndim));
+    auto* out = new (memory) exported{Managed{}, view.owner()};  // noexcept from here on
+    std::int64_t* dims = trailing(out);
+    dims[0] = 0;
+    std::copy(view.shape().begin(), view.shape().end(), dims);
+    std::copy(view.strides().begin(), view.strides().end(), dims + ndim);
+    DLTensor& t = out->managed.dl_tensor;
+    t.data = view.data();
+    t.device = view.device();
+    t.ndim = view.ndim();
+    t.dtype = view.dtype();
+    t.shape = dims;
+    t.strides = dims + ndim;  // never NULL (DLPack 1.2); for 0-d both point at one zero
+    t.byte_offset = 0;
+    out->managed.manager_ctx = out;
+    out->managed.deleter = &exported::deleter;
+    return out;
+  }
+
+  static void deleter(Managed* self) noexcept
+  {
+    auto* out = static_cast<exported*>(self->manager_ctx);
+    out->~exported();
+    ::operator delete(out);
+  }
 };
 
 template <typename Managed>
 Managed* make_export(const array& view)
 {
-  auto* out = new exported<Managed>{};
-  out->shape.assign(view.shape().begin(), view.shape().end());
-  out->strides.assign(view.strides().begin(), view.strides().end());
-  out->owner = view.owner();
-  DLTensor& t = out->managed.dl_tensor;
-  t.data = view.data();
-  t.device = view.device();
-  t.ndim = view.ndim();
-  t.dtype = view.dtype();
-  t.shape = t.ndim > 0 ? out->shape.data() : out->scalar_dims;
-  t.strides = t.ndim > 0 ? out->strides.data() : out->scalar_dims;  // never NULL (DLPack 1.2)
-  t.byte_offset = 0;
-  out->managed.manager_ctx = out;
-  out->managed.deleter = &exported<Managed>::deleter;
-  return &out->managed;
+  return &exported<Managed>::make(view)->managed;
 }
 
 }  // namespace
@@ -307,7 +398,8 @@ array copy_to_host(const array& view)
   layout.device = {kDLCPU, 0};
   layout.dtype = view.dtype();
   layout.shape.assign(view.shape().begin(), view.shape().end());
-  layout.strides = contiguous_strides(layout.shape);
+  layout.strides.resize(layout.shape.size());
+  fill_contiguous_strides(layout.shape, layout.strides.data());
   std::byte* raw = storage.release();
   return array{std::move(layout), producer_ref{[raw]() noexcept { delete[] raw; }}};
 }

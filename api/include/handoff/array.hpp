@@ -4,12 +4,18 @@
 #include <handoff/device.hpp>
 #include <handoff/dlpack.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <functional>
+#include <initializer_list>
+#include <iterator>
 #include <memory>
+#include <new>
 #include <optional>
 #include <span>
+#include <utility>
 #include <vector>
 
 namespace handoff {
@@ -26,15 +32,22 @@ struct stream_binding {
 
 /// Shared ownership of a producer. The release function runs exactly once, when the last view
 /// or exported tensor referring to it is gone, on whichever thread that happens; it must not throw.
-/// Every live producer is counted in `stats().live_views`.
+/// Every live producer is counted in `stats().live_views`. Copies share one intrusively counted
+/// state (one allocation per producer); copying and destroying references is thread-safe.
 class producer_ref {
  public:
-  producer_ref() = default;
-  /// Takes ownership: `release` runs once the last copy of this reference is destroyed.
+  producer_ref() noexcept = default;
+  /// Takes ownership: `release` runs once the last copy of this reference is destroyed. A release
+  /// function whose captures fit in two pointers is stored without a further allocation.
   explicit producer_ref(std::function<void()> release);
+  producer_ref(const producer_ref& other) noexcept;
+  producer_ref(producer_ref&& other) noexcept : state_(std::exchange(other.state_, nullptr)) {}
+  producer_ref& operator=(const producer_ref& other) noexcept;
+  producer_ref& operator=(producer_ref&& other) noexcept;
+  ~producer_ref();
 
-  [[nodiscard]] explicit operator bool() const noexcept { return static_cast<bool>(state_); }
-  [[nodiscard]] long use_count() const noexcept { return state_.use_count(); }
+  [[nodiscard]] explicit operator bool() const noexcept { return state_ != nullptr; }
+  [[nodiscard]] long use_count() const noexcept;
 
   /// The stream the data is ready on: the stream of the producer's last write, or the consumer
   /// stream it was imported onto. nullopt for host data. Thread-safe.
@@ -47,7 +60,148 @@ class producer_ref {
 
  private:
   struct state;
-  std::shared_ptr<state> state_;
+  state* state_{nullptr};
+};
+
+/// The extents of one axis list (a shape or its strides): up to `inline_capacity` values live in
+/// the object itself, so that arrays of the usual ranks need no allocation; more go to the heap.
+/// A contiguous range of `std::int64_t`, convertible to `std::span<const std::int64_t>`.
+class extents {
+ public:
+  static constexpr std::size_t inline_capacity = 6;
+
+  extents() noexcept = default;
+  extents(std::span<const std::int64_t> values) { assign(values.begin(), values.end()); }  // NOLINT: implicit
+  extents(const std::vector<std::int64_t>& values) : extents(std::span<const std::int64_t>{values}) {}  // NOLINT
+  extents(std::initializer_list<std::int64_t> values) { assign(values.begin(), values.end()); }
+  extents(const extents& other)
+  {
+    if (other.heap_) {
+      assign(other.begin(), other.end());
+    } else {
+      copy_inline(other);
+    }
+  }
+  extents(extents&& other) noexcept { take(other); }
+  extents& operator=(const extents& other)
+  {
+    if (this != &other) {
+      if (other.heap_ || heap_) {
+        assign(other.begin(), other.end());
+      } else {
+        copy_inline(other);
+      }
+    }
+    return *this;
+  }
+  extents& operator=(extents&& other) noexcept
+  {
+    if (this != &other) {
+      heap_.reset();
+      take(other);
+    }
+    return *this;
+  }
+  extents& operator=(std::span<const std::int64_t> values)
+  {
+    assign(values.begin(), values.end());
+    return *this;
+  }
+  extents& operator=(const std::vector<std::int64_t>& values) { return *this = std::span<const std::int64_t>{values}; }
+  ~extents() = default;
+
+  /// Replaces the contents with [first, last).
+  template <typename Iterator>
+  void assign(Iterator first, Iterator last)
+  {
+    const auto count = static_cast<std::size_t>(std::distance(first, last));
+    size_ = 0;
+    reserve(count);
+    std::copy(first, last, data());
+    size_ = count;
+  }
+  void assign(std::size_t count, std::int64_t value)
+  {
+    size_ = 0;
+    reserve(count);
+    std::fill_n(data(), count, value);
+    size_ = count;
+  }
+  /// Grows or shrinks to `count` values; new ones are zero.
+  void resize(std::size_t count)
+  {
+    reserve(count);
+    if (count > size_) { std::fill(data() + size_, data() + count, std::int64_t{0}); }
+    size_ = count;
+  }
+  void reserve(std::size_t count)
+  {
+    if (count > capacity_) { grow(count); }
+  }
+  void push_back(std::int64_t value)
+  {
+    if (size_ == capacity_) { grow(2 * capacity_); }
+    data()[size_++] = value;
+  }
+  void clear() noexcept { size_ = 0; }
+
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  [[nodiscard]] bool empty() const noexcept { return size_ == 0; }
+  [[nodiscard]] std::int64_t* data() noexcept { return heap_ ? heap_.get() : inline_data(); }
+  [[nodiscard]] const std::int64_t* data() const noexcept { return heap_ ? heap_.get() : inline_data(); }
+  [[nodiscard]] std::int64_t* begin() noexcept { return data(); }
+  [[nodiscard]] std::int64_t* end() noexcept { return data() + size_; }
+  [[nodiscard]] const std::int64_t* begin() const noexcept { return data(); }
+  [[nodiscard]] const std::int64_t* end() const noexcept { return data() + size_; }
+  [[nodiscard]] std::int64_t& operator[](std::size_t i) noexcept { return data()[i]; }
+  [[nodiscard]] std::int64_t operator[](std::size_t i) const noexcept { return data()[i]; }
+
+  friend bool operator==(const extents& a, const extents& b) noexcept
+  {
+    return std::equal(a.begin(), a.end(), b.begin(), b.end());
+  }
+
+ private:
+  void grow(std::size_t count)
+  {
+    auto bigger = std::make_unique_for_overwrite<std::int64_t[]>(count);
+    std::copy(begin(), end(), bigger.get());
+    heap_ = std::move(bigger);
+    capacity_ = count;
+  }
+  // Bytes, not values: the buffer is left uninitialized (zeroing it costs more than the rest of
+  // an import) and copied whole, a fixed size the compiler copies without a call.
+  [[nodiscard]] std::int64_t* inline_data() noexcept
+  {
+    return std::launder(reinterpret_cast<std::int64_t*>(inline_));
+  }
+  [[nodiscard]] const std::int64_t* inline_data() const noexcept
+  {
+    return std::launder(reinterpret_cast<const std::int64_t*>(inline_));
+  }
+  void copy_inline(const extents& other) noexcept
+  {
+    std::memcpy(inline_, other.inline_, sizeof inline_);
+    size_ = other.size_;
+  }
+  void take(extents& other) noexcept
+  {
+    if (other.heap_) {
+      heap_ = std::move(other.heap_);
+      size_ = other.size_;
+      capacity_ = other.capacity_;
+    } else {
+      copy_inline(other);
+      capacity_ = inline_capacity;
+    }
+    other.size_ = 0;
+    other.capacity_ = inline_capacity;
+  }
+
+  std::size_t size_{0};
+  std::size_t capacity_{inline_capacity};
+  std::unique_ptr<std::int64_t[]> heap_;
+  alignas(std::int64_t) std::byte inline_[inline_capacity * sizeof(std::int64_t)];
 };
 
 /// Layout of a strided array. Strides are in elements, as in DLPack.
@@ -55,8 +209,8 @@ struct array_layout {
   void* data{nullptr};  ///< first element (DLPack's data + byte_offset)
   DLDevice device{kDLCPU, 0};
   DLDataType dtype{kDLFloat, 32, 1};
-  std::vector<std::int64_t> shape;
-  std::vector<std::int64_t> strides;
+  extents shape;
+  extents strides;
   bool readonly{false};
 };
 
