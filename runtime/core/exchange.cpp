@@ -2,7 +2,12 @@
 #include <handoff/exchange.hpp>
 #include <handoff/stream.hpp>
 
+#include "core/device_guard.hpp"
+
 #include <fmt/format.h>
+
+#include <algorithm>
+#include <memory>
 
 namespace handoff {
 
@@ -69,6 +74,71 @@ void bind_import(context& ctx, const array& view, int device, device::stream_han
   const stream_binding on_consumer{&ctx, device, consumer};
   view.owner().set_ready_on(on_consumer);
   view.owner().release_after(on_consumer);
+}
+
+namespace {
+
+// The byte range [first, last) a strided view touches, relative to its data pointer.
+std::pair<std::int64_t, std::int64_t> byte_extent(const array& view)
+{
+  const auto item = static_cast<std::int64_t>(view.itemsize());
+  std::int64_t first = 0;
+  std::int64_t last = item;
+  for (std::size_t i = 0; i < view.shape().size(); ++i) {
+    const std::int64_t reach = (view.shape()[i] - 1) * view.strides()[i] * item;
+    (reach < 0 ? first : last) += reach;
+  }
+  return {first, last};
+}
+
+}  // namespace
+
+array copy_device_array(context& ctx, const array& view, bool to_host)
+{
+  device::backend& backend = ctx.backend();
+  const int device = owning_device(ctx, view);
+  const auto ready = view.owner().ready_on();
+  detail::device_guard on_owner{backend, device};
+  const auto stream = ready && ready->ctx == &ctx ? ready->stream : backend.legacy_default_stream();
+  if (view.size() == 0) {
+    array_layout empty = view.layout();
+    empty.data = nullptr;
+    empty.readonly = false;
+    empty.strides = contiguous_strides(empty.shape);
+    if (to_host) { empty.device = {kDLCPU, 0}; }
+    return array{std::move(empty), producer_ref{[] {}}};
+  }
+  const auto [first, last] = byte_extent(view);
+  const auto span = static_cast<std::size_t>(last - first);
+  const std::byte* source = static_cast<const std::byte*>(view.data()) + first;
+
+  if (to_host) {
+    // Bring the touched span over in stream order, wait for it, then compact it on the host.
+    auto staging = std::make_unique<std::byte[]>(span);
+    backend.copy_async(staging.get(), source, span, stream);
+    backend.synchronize_stream(stream);
+    array_layout host = view.layout();
+    host.data = staging.get() - first;
+    host.device = {kDLCPU, 0};
+    std::byte* raw = staging.release();
+    return copy_to_host(array{std::move(host), producer_ref{[raw]() noexcept { delete[] raw; }}});
+  }
+  HANDOFF_EXPECTS(view.is_c_contiguous(), buffer_error,
+                  "a copy of non-contiguous device memory on the device is not supported; copy it to the host");
+  void* copy = backend.allocate(span, stream);
+  try {
+    backend.copy_async(copy, source, span, stream);
+  } catch (...) {
+    backend.deallocate(copy, stream);
+    throw;
+  }
+  device::backend* owner = &backend;
+  array_layout layout = view.layout();
+  layout.data = copy;
+  layout.readonly = false;
+  array out{std::move(layout), producer_ref{[owner, copy, stream]() noexcept { owner->deallocate(copy, stream); }}};
+  out.owner().set_ready_on({&ctx, device, stream});
+  return out;
 }
 
 }  // namespace handoff

@@ -28,6 +28,12 @@ void order_export(context* ctx, const array& view, stream_request consumer);
 /// release of its producer until the work enqueued on `consumer` by then is done.
 void bind_import(context& ctx, const array& view, int device, device::stream_handle consumer);
 
+/// A compact copy of device-resident `view`, made in order after the work pending on the stream it
+/// is ready on: on the host (`to_host`, waited for, so the copy is usable when this returns) or on
+/// the same device (stream-ordered: the copy is ready on that stream and returns at once).
+/// @throws device_error when a device call fails; nothing is leaked.
+[[nodiscard]] array copy_device_array(context& ctx, const array& view, bool to_host);
+
 /// True when `view` lives in memory ordered by the streams of `ctx`'s backend.
 [[nodiscard]] bool is_stream_ordered(const context& ctx, const array& view) noexcept;
 
