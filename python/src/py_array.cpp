@@ -121,8 +121,10 @@ py::capsule export_capsule(const array& view, std::optional<DLPackVersion> versi
   return version ? make_capsule(export_versioned(view, {*version, copied})) : make_capsule(export_legacy(view));
 }
 
-// Whether an export to `dl_device` with `copy` must copy the data to the host.
-bool export_copies(const array& view, py::handle dl_device, py::handle copy)
+// What an export to `dl_device` with `copy` must copy: nothing, on the same device, or to the host.
+enum class export_copy { none, same_device, to_host };
+
+export_copy copy_needed(const array& view, py::handle dl_device, py::handle copy)
 {
   const auto target = device_argument(dl_device, "dl_device");
   const auto want_copy = copy_argument(copy);
@@ -132,7 +134,8 @@ bool export_copies(const array& view, py::handle dl_device, py::handle copy)
                               device_text(view.device()), device_text(*target)));
   HANDOFF_EXPECTS(!(moves && want_copy == false), buffer_error,
                   fmt::format("exporting to {} needs a copy, but copy=False", device_text(*target)));
-  return moves || want_copy == true;
+  if (moves) { return export_copy::to_host; }
+  return want_copy == true ? export_copy::same_device : export_copy::none;
 }
 
 // Array.__dlpack__: validates the stream for the array's device, then exports a capsule.
@@ -145,8 +148,11 @@ py::capsule export_dlpack(const array& view, py::handle stream, py::handle max_v
     order_export(active_context(), view, request);
   }
   const auto version = requested_version(max_version);
-  const bool copied = (!dl_device.is_none() || !copy.is_none()) && export_copies(view, dl_device, copy);
-  py::capsule capsule = copied ? export_capsule(copy_to_host(view), version, true) : export_capsule(view, version, false);
+  const export_copy copying =
+    (!dl_device.is_none() || !copy.is_none()) ? copy_needed(view, dl_device, copy) : export_copy::none;
+  py::capsule capsule = copying == export_copy::none
+                          ? export_capsule(view, version, false)
+                          : export_capsule(copy_of(view, copying == export_copy::to_host), version, true);
   count(counter::exports);
   return capsule;
 }

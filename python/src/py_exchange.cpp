@@ -143,7 +143,7 @@ dlpack_result request_capsule(py::handle x, py::handle stream, py::handle device
 }
 
 // Applies `device` and `copy` to an imported view where the producer could not: replaces `view`
-// by a host copy when one is needed.
+// by a copy when one is needed.
 void settle(array& view, std::optional<DLDevice> device, std::optional<bool> copy, bool producer_honoured)
 {
   if (device && (device->device_type != view.device().device_type || device->device_id != view.device().device_id)) {
@@ -152,10 +152,10 @@ void settle(array& view, std::optional<DLDevice> device, std::optional<bool> cop
                                 static_cast<int>(view.device().device_type), view.device().device_id,
                                 static_cast<int>(device->device_type), device->device_id,
                                 copy == false ? " with copy=False" : ""));
-    view = copy_to_host(view);
+    view = copy_of(view, /*to_host=*/true);
     return;
   }
-  if (copy == true && !producer_honoured) { view = copy_to_host(view); }
+  if (copy == true && !producer_honoured) { view = copy_of(view, /*to_host=*/false); }
 }
 
 // A device view imported for `consumer` (a DLPack stream value; None for the default stream): its

@@ -1,6 +1,8 @@
 #include "py_support.hpp"
 
 #include <handoff/error.hpp>
+#include <handoff/exchange.hpp>
+#include <handoff/runtime.hpp>
 
 #include <fmt/format.h>
 
@@ -63,6 +65,17 @@ void release_reference(PyObject* object) noexcept
 }
 
 }  // namespace
+
+array copy_of(const array& view, bool to_host)
+{
+  if (view.device().device_type == kDLCPU) { return copy_to_host(view); }
+  context& ctx = require_context("copying device memory");
+  HANDOFF_EXPECTS(is_stream_ordered(ctx, view), buffer_error,
+                  fmt::format("the {} backend cannot copy {} memory", ctx.backend().name(),
+                              device_type_name(view.device().device_type)));
+  const py::gil_scoped_release unlocked;
+  return copy_device_array(ctx, view, to_host);
+}
 
 bool interpreter_finalizing() noexcept
 {

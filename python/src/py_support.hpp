@@ -54,6 +54,11 @@ namespace py = pybind11;
   return copy.is_none() ? std::nullopt : parse_copy_argument(copy);
 }
 
+/// A compact copy of `view`: host data on the host; device data on its device, or on the host
+/// when `to_host` (through the active backend, in stream order; the GIL is released meanwhile).
+/// @throws device_error when device data needs a backend and none is active.
+[[nodiscard]] array copy_of(const array& view, bool to_host);
+
 /// True when the interpreter is shutting down and Python objects must not be touched.
 [[nodiscard]] bool interpreter_finalizing() noexcept;
 

@@ -311,3 +311,40 @@ def test_graph_capture_never_touches_the_default_stream():
     finally:
         assert sim.end_capture(producer) >= 1  # not invalidated: the default stream was never used
     assert sim.to_numpy(array, stream=outsider)[0] == 0.0  # captured work is not launched
+
+
+def test_copy_to_the_host_waits_for_the_pending_write(streams):
+    producer, _ = streams
+    source = pending_write(producer, value=2.5)
+    host = handoff.from_dlpack(source, device=(1, 0))  # dl_device=CPU: a copy, in stream order
+    assert host.device == (1, 0)
+    assert host.data_ptr != source.data_ptr
+    import numpy as np
+
+    assert np.from_dlpack(host)[[0, -1]].tolist() == [2.5, 2.5]
+
+
+def test_numpy_reads_a_device_array_through_a_host_copy(streams):
+    import numpy as np
+
+    producer, _ = streams
+    source = pending_write(producer, value=7.0)
+    values = np.from_dlpack(source, device="cpu")
+    assert values.shape == (N,) and values[0] == 7.0 and values[-1] == 7.0
+
+
+def test_copy_on_the_device_is_stream_ordered(streams):
+    producer, _ = streams
+    source = pending_write(producer, value=3.0)
+    copy = handoff.from_dlpack(source.__dlpack__(copy=True, max_version=(1, 1)))
+    assert copy.device == source.device
+    assert copy.data_ptr != source.data_ptr
+    assert sim.to_numpy(copy, stream=producer)[0] == 3.0  # the copy was enqueued after the write
+
+
+def test_copy_false_to_the_host_is_refused():
+    source = sim.zeros(4)
+    with pytest.raises(BufferError, match="copy=False"):
+        source.__dlpack__(dl_device=(1, 0), copy=False, max_version=(1, 1))
+    with pytest.raises(BufferError, match="unreachable"):
+        source.__dlpack__(dl_device=(DEVICE_TYPE, 1), max_version=(1, 1))
