@@ -19,7 +19,7 @@ struct started_backend {
   std::string name{"none"};
   std::unique_ptr<device::backend> backend;
   std::unique_ptr<context> exchange;  // after backend: destroyed first, draining deferred releases
-  std::string error_name;  // set when a backend named explicitly failed to start
+  std::string error_name;             // set when a backend named explicitly failed to start
   std::string error;
 };
 
@@ -60,9 +60,7 @@ started_backend start()
 started_backend start_with_context()
 {
   started_backend s = start();
-  if (s.backend) {
-    s.exchange = std::make_unique<context>(*s.backend, std::make_unique<detail::service_thread>());
-  }
+  if (s.backend) { s.exchange = std::make_unique<context>(*s.backend, std::make_unique<detail::service_thread>()); }
   return s;
 }
 
@@ -96,7 +94,10 @@ device::backend& require_backend(const char* what)
   return *b;
 }
 
-const char* version() noexcept { return HANDOFF_VERSION; }
+const char* version() noexcept
+{
+  return HANDOFF_VERSION;
+}
 
 context* active_context()
 {

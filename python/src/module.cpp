@@ -46,11 +46,16 @@ py::dict runtime_info()
 const char* stream_order_name(stream_order order)
 {
   switch (order) {
-    case stream_order::none: return "none";
-    case stream_order::legacy_default: return "legacy_default";
-    case stream_order::per_thread_default: return "per_thread_default";
-    case stream_order::default_stream: return "default_stream";
-    case stream_order::handle: return "handle";
+    case stream_order::none:
+      return "none";
+    case stream_order::legacy_default:
+      return "legacy_default";
+    case stream_order::per_thread_default:
+      return "per_thread_default";
+    case stream_order::default_stream:
+      return "default_stream";
+    case stream_order::handle:
+      return "handle";
   }
   return "unknown";
 }
@@ -76,17 +81,21 @@ PYBIND11_MODULE(_handoff, m)
   m.def("stats", &stats_dict, "Exchange counters since the last reset_stats().");
   m.def("reset_stats", &reset_stats, "Zeroes the counters (live_views keeps counting what is alive).");
   m.def("runtime_info", &runtime_info, "Backend, device count and versions.");
-  m.def("_classify_stream", [](int device_type, py::handle stream) {
-    const stream_request r = classify_stream(static_cast<DLDeviceType>(device_type), stream_argument(stream));
-    return py::make_tuple(stream_order_name(r.order), r.handle);
-  }, "The producer's action for a DLPack stream value on a device type (the contract's table).");
-  m.def("_parse_cuda_array_interface", [](py::handle interface) {
-    const cuda_array_interface parsed = parse_cuda_array_interface(interface);
-    py::tuple shape(parsed.layout.shape.size());
-    for (std::size_t i = 0; i < parsed.layout.shape.size(); ++i) {
-      shape[i] = py::int_(parsed.layout.shape[i]);
-    }
-    return py::make_tuple(shape, parsed.stream ? py::object(py::int_(*parsed.stream)) : py::object(py::none()));
-  }, "Validates a __cuda_array_interface__ dict without touching a device.");
+  m.def(
+    "_classify_stream",
+    [](int device_type, py::handle stream) {
+      const stream_request r = classify_stream(static_cast<DLDeviceType>(device_type), stream_argument(stream));
+      return py::make_tuple(stream_order_name(r.order), r.handle);
+    },
+    "The producer's action for a DLPack stream value on a device type (the contract's table).");
+  m.def(
+    "_parse_cuda_array_interface",
+    [](py::handle interface) {
+      const cuda_array_interface parsed = parse_cuda_array_interface(interface);
+      py::tuple shape(parsed.layout.shape.size());
+      for (std::size_t i = 0; i < parsed.layout.shape.size(); ++i) { shape[i] = py::int_(parsed.layout.shape[i]); }
+      return py::make_tuple(shape, parsed.stream ? py::object(py::int_(*parsed.stream)) : py::object(py::none()));
+    },
+    "Validates a __cuda_array_interface__ dict without touching a device.");
   m.attr("__version__") = handoff::version();
 }

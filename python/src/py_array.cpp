@@ -31,7 +31,10 @@ py::tuple int_tuple(std::span<const std::int64_t> values, std::int64_t scale = 1
   return out;
 }
 
-py::tuple byte_strides(const array& view) { return int_tuple(view.strides(), static_cast<std::int64_t>(view.itemsize())); }
+py::tuple byte_strides(const array& view)
+{
+  return int_tuple(view.strides(), static_cast<std::int64_t>(view.itemsize()));
+}
 
 // An int of a max_version tuple, saturated to the range of long long.
 long long saturated(PyObject* value) noexcept
@@ -73,8 +76,8 @@ std::string device_text(DLDevice device)
 py::dict cuda_array_interface(const array& view)
 {
   if (!is_cuda_device(view.device().device_type)) {
-    throw py::attribute_error(fmt::format("__cuda_array_interface__ is for CUDA memory; this array is on {}",
-                                          device_text(view.device())));
+    throw py::attribute_error(
+      fmt::format("__cuda_array_interface__ is for CUDA memory; this array is on {}", device_text(view.device())));
   }
   std::string type;
   try {
@@ -104,8 +107,8 @@ py::dict cuda_array_interface(const array& view)
 py::dict array_interface(const array& view)
 {
   if (view.device().device_type != kDLCPU) {
-    throw py::attribute_error(fmt::format("__array_interface__ is for CPU arrays; this one is on {}",
-                                          device_text(view.device())));
+    throw py::attribute_error(
+      fmt::format("__array_interface__ is for CPU arrays; this one is on {}", device_text(view.device())));
   }
   py::dict out;
   out["shape"] = int_tuple(view.shape());
@@ -162,8 +165,7 @@ py::capsule export_dlpack(const array& view, py::handle stream, py::handle max_v
 
 // A handoff.Array: the object header, its weak references and the view, built in place.
 struct array_object {
-  PyObject_HEAD
-  PyObject* weakrefs;
+  PyObject_HEAD PyObject* weakrefs;
   alignas(array) std::byte storage[sizeof(array)];
 };
 
@@ -256,9 +258,15 @@ PyObject* get_readonly(PyObject* self, void* /*closure*/) noexcept
   return PyBool_FromLong(view_of(self).readonly() ? 1 : 0);
 }
 
-PyObject* get_ndim(PyObject* self, void* /*closure*/) noexcept { return PyLong_FromLong(view_of(self).ndim()); }
+PyObject* get_ndim(PyObject* self, void* /*closure*/) noexcept
+{
+  return PyLong_FromLong(view_of(self).ndim());
+}
 
-PyObject* get_size(PyObject* self, void* /*closure*/) noexcept { return PyLong_FromLongLong(view_of(self).size()); }
+PyObject* get_size(PyObject* self, void* /*closure*/) noexcept
+{
+  return PyLong_FromLongLong(view_of(self).size());
+}
 
 PyObject* get_nbytes(PyObject* self, void* /*closure*/) noexcept
 {
@@ -279,9 +287,8 @@ PyObject* method_dlpack(PyObject* self, PyObject* const* args, Py_ssize_t nargsf
 {
   PyObject* arguments[4];  // stream, max_version, dl_device, copy
   if (!dlpack_signature->parse(args, nargsf, kwnames, arguments)) { return nullptr; }
-  return entry([&] {
-    return py::object(export_dlpack(view_of(self), arguments[0], arguments[1], arguments[2], arguments[3]));
-  });
+  return entry(
+    [&] { return py::object(export_dlpack(view_of(self), arguments[0], arguments[1], arguments[2], arguments[3])); });
 }
 
 PyObject* method_dlpack_device(PyObject* self, PyObject* /*unused*/) noexcept

@@ -21,12 +21,12 @@ namespace {
 
 // Interned names and constant arguments, made once: the import path is hot.
 struct cached_objects {
-  PyObject* dlpack = nullptr;         // "__dlpack__"
-  PyObject* dlpack_device = nullptr;  // "__dlpack_device__"
-  PyObject* max_version = nullptr;    // (1, 1)
-  PyObject* kw_max_version = nullptr; // ("max_version",)
-  PyObject* stream_var = nullptr;     // ContextVar of handoff.stream(...) blocks
-  PyObject* as_stream = nullptr;      // handoff.as_stream, set by the package
+  PyObject* dlpack = nullptr;          // "__dlpack__"
+  PyObject* dlpack_device = nullptr;   // "__dlpack_device__"
+  PyObject* max_version = nullptr;     // (1, 1)
+  PyObject* kw_max_version = nullptr;  // ("max_version",)
+  PyObject* stream_var = nullptr;      // ContextVar of handoff.stream(...) blocks
+  PyObject* as_stream = nullptr;       // handoff.as_stream, set by the package
 };
 cached_objects cached;
 
@@ -90,8 +90,8 @@ DLDeviceType producer_device(py::handle x)
   const py::object device = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(x.ptr(), cached.dlpack_device));
   if (!device) { throw py::error_already_set(); }
   const bool pair = PyTuple_Check(device.ptr()) && PyTuple_GET_SIZE(device.ptr()) == 2;
-  HANDOFF_EXPECTS(pair, type_error, fmt::format("{}.__dlpack_device__() must return a (device_type, device_id) tuple",
-                                                type_name(x)));
+  HANDOFF_EXPECTS(pair, type_error,
+                  fmt::format("{}.__dlpack_device__() must return a (device_type, device_id) tuple", type_name(x)));
   return static_cast<DLDeviceType>(py::reinterpret_borrow<py::tuple>(device)[0].cast<int>());
 }
 
@@ -120,8 +120,8 @@ dlpack_result request_capsule(py::handle x, py::handle stream, py::handle device
   if (stream.is_none() && device.is_none() && copy.is_none()) {
     // The common case, with cached arguments: x.__dlpack__(max_version=(1, 1)).
     std::array<PyObject*, 2> args{x.ptr(), cached.max_version};
-    PyObject* result = PyObject_VectorcallMethod(cached.dlpack, args.data(), 1 | PY_VECTORCALL_ARGUMENTS_OFFSET,
-                                                 cached.kw_max_version);
+    PyObject* result =
+      PyObject_VectorcallMethod(cached.dlpack, args.data(), 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, cached.kw_max_version);
     if (result != nullptr) { return {py::reinterpret_steal<py::object>(result), false}; }
   } else {
     std::vector<std::pair<const char*, py::handle>> kwargs{{"max_version", cached.max_version}};
@@ -147,11 +147,11 @@ dlpack_result request_capsule(py::handle x, py::handle stream, py::handle device
 void settle(array& view, std::optional<DLDevice> device, std::optional<bool> copy, bool producer_honoured)
 {
   if (device && (device->device_type != view.device().device_type || device->device_id != view.device().device_id)) {
-    HANDOFF_EXPECTS(device->device_type == kDLCPU && copy != false, buffer_error,
-                    fmt::format("the data is on device ({}, {}) and cannot be imported to ({}, {}){}",
-                                static_cast<int>(view.device().device_type), view.device().device_id,
-                                static_cast<int>(device->device_type), device->device_id,
-                                copy == false ? " with copy=False" : ""));
+    HANDOFF_EXPECTS(
+      device->device_type == kDLCPU && copy != false, buffer_error,
+      fmt::format("the data is on device ({}, {}) and cannot be imported to ({}, {}){}",
+                  static_cast<int>(view.device().device_type), view.device().device_id,
+                  static_cast<int>(device->device_type), device->device_id, copy == false ? " with copy=False" : ""));
     view = copy_of(view, /*to_host=*/true);
     return;
   }
@@ -249,8 +249,8 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
     const py::object consumer = method != nullptr ? consumer_stream(stream) : py::object{};
     if (method != nullptr && consumer.is_none()) {
       std::array<PyObject*, 2> args{x.ptr(), cached.max_version};  // x.__dlpack__(max_version=(1, 1))
-      py::object capsule = py::reinterpret_steal<py::object>(
-        PyObject_Vectorcall(method, args.data(), 1, cached.kw_max_version));
+      py::object capsule =
+        py::reinterpret_steal<py::object>(PyObject_Vectorcall(method, args.data(), 1, cached.kw_max_version));
       if (!capsule) {
         if (!PyErr_ExceptionMatches(PyExc_TypeError)) { throw py::error_already_set(); }
         PyErr_Clear();
@@ -272,17 +272,18 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
                                               : producer_stream_argument(consumer, view.device().device_type));
     return finish(std::move(view), target, want_copy, false);
   }
-  HANDOFF_EXPECTS(has_dlpack(x.ptr()), type_error,
-                  fmt::format("from_dlpack: {} object has no __dlpack__ method and is not a DLPack capsule",
-                              type_name(x)));
+  HANDOFF_EXPECTS(
+    has_dlpack(x.ptr()), type_error,
+    fmt::format("from_dlpack: {} object has no __dlpack__ method and is not a DLPack capsule", type_name(x)));
   const py::object consumer = consumer_stream(stream);
   const py::object producer_arg =
     consumer.is_none() ? py::object(py::none()) : producer_stream_argument(consumer, producer_device(x));
   if (PyLong_Check(producer_arg.ptr())) { (void)stream_argument(producer_arg); }  // bool/range checks
   // The producer gets the device as DLPack spells it, a (device_type, device_id) tuple, whatever
   // spelling the caller used ("cpu").
-  const py::object dl_device =
-    target ? py::object(py::make_tuple(static_cast<int>(target->device_type), target->device_id)) : py::object(py::none());
+  const py::object dl_device = target
+                                 ? py::object(py::make_tuple(static_cast<int>(target->device_type), target->device_id))
+                                 : py::object(py::none());
   const auto [capsule, legacy] = request_capsule(x, producer_arg, dl_device, copy);
   array view = consume_capsule(capsule);
   bind_to_consumer(view, producer_arg);
@@ -314,8 +315,10 @@ py::object asarray(py::handle x, py::handle device, py::handle copy, py::handle 
   }
   if (PyObject_CheckBuffer(x.ptr()) != 0) { return finish(import_buffer(x), target, want_copy, false); }
   if (dlpack_refused) { std::rethrow_exception(dlpack_refused); }
-  throw type_error(fmt::format("asarray: {} object supports no array protocol (DLPack, CUDA Array Interface, "
-                               "__array_interface__ or the buffer protocol)", type_name(x)));
+  throw type_error(
+    fmt::format("asarray: {} object supports no array protocol (DLPack, CUDA Array Interface, "
+                "__array_interface__ or the buffer protocol)",
+                type_name(x)));
 }
 
 }  // namespace handoff::python

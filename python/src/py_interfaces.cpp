@@ -103,7 +103,8 @@ array_layout common_layout(const interface_reader& reader)
   for (std::size_t i = 0; i < bytes.size(); ++i) {
     HANDOFF_EXPECTS(bytes[i] % item == 0, buffer_error,
                     fmt::format("{} 'strides'[{}] = {} is not a multiple of the item size {}; DLPack strides count "
-                                "elements", reader.protocol(), i, bytes[i], item));
+                                "elements",
+                                reader.protocol(), i, bytes[i], item));
     layout.strides.push_back(bytes[i] / item);
   }
   return layout;
@@ -165,7 +166,8 @@ void check_within(const array& view, std::int64_t offset, std::int64_t length)
   }
   HANDOFF_EXPECTS(representable && low >= 0 && high <= length, value_error,
                   fmt::format("__array_interface__ 'shape' and 'strides' from 'offset' {} reach outside the {}-byte "
-                              "buffer of 'data'", offset, length));
+                              "buffer of 'data'",
+                              offset, length));
 }
 
 }  // namespace
@@ -217,8 +219,9 @@ array import_array_interface(py::handle object, py::handle interface)
     array whole = import_buffer(exporter);
     HANDOFF_EXPECTS(whole.is_c_contiguous(), value_error,
                     "__array_interface__ 'data' is a buffer, but not a contiguous one");
-    HANDOFF_EXPECTS(offset >= 0 && offset <= whole.nbytes(), value_error,
-                    fmt::format("__array_interface__ 'offset' {} is outside the {}-byte buffer", offset, whole.nbytes()));
+    HANDOFF_EXPECTS(
+      offset >= 0 && offset <= whole.nbytes(), value_error,
+      fmt::format("__array_interface__ 'offset' {} is outside the {}-byte buffer", offset, whole.nbytes()));
     layout.data = static_cast<std::byte*>(whole.data()) + offset;
     layout.readonly = whole.readonly();
     array out = bind_layout(std::move(layout), whole.owner(), "__array_interface__");

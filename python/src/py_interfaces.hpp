@@ -15,7 +15,7 @@ namespace handoff::python {
 
 /// A parsed, validated `__cuda_array_interface__` (v0 to v3), before its pointer is resolved.
 struct cuda_array_interface {
-  array_layout layout;               ///< device left unset: the pointer's attributes decide it
+  array_layout layout;                 ///< device left unset: the pointer's attributes decide it
   std::optional<std::int64_t> stream;  ///< v3 `stream`: the producer's stream, nullopt when absent
 };
 

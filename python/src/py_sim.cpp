@@ -31,9 +31,9 @@ active_sim require_sim()
   context& ctx = require_context("handoff.sim");
   sim_backend* sim = device::as_sim(ctx.backend());
   if (sim == nullptr) {
-    throw device_error(std::string{ctx.backend().name()}, "handoffErrorNotSimulated",
-                       fmt::format("handoff.sim needs HANDOFF_BACKEND=sim or sim-rocm; the active backend is {}",
-                                   ctx.backend().name()));
+    throw device_error(
+      std::string{ctx.backend().name()}, "handoffErrorNotSimulated",
+      fmt::format("handoff.sim needs HANDOFF_BACKEND=sim or sim-rocm; the active backend is {}", ctx.backend().name()));
   }
   return {ctx, *sim};
 }
@@ -55,8 +55,7 @@ class current_device {
   {
     try {
       sim_.set_current_device(previous_);
-    } catch (...) {
-    }
+    } catch (...) {}
   }
 
  private:
@@ -102,7 +101,9 @@ class sim_stream {
 device::stream_handle stream_of(py::handle stream)
 {
   HANDOFF_EXPECTS(!stream.is_none(), type_error, "a stream is required (stream=...)");
-  if (py::isinstance<sim_stream>(stream)) { return static_cast<device::stream_handle>(stream.cast<sim_stream&>().handle()); }
+  if (py::isinstance<sim_stream>(stream)) {
+    return static_cast<device::stream_handle>(stream.cast<sim_stream&>().handle());
+  }
   const py::object resolved = py::module_::import("handoff").attr("as_stream")(stream);
   return static_cast<device::stream_handle>(resolved.attr("handle").cast<std::uintptr_t>());
 }
@@ -126,18 +127,31 @@ std::vector<std::byte> element_bytes(py::handle value, DLDataType dtype)
   std::vector<std::byte> out(itemsize(dtype));
   const auto put = [&out](auto v) { std::memcpy(out.data(), &v, sizeof v); };
   const bool is_bool = PyBool_Check(value.ptr());
-  if (name == "float32") { put(value.cast<float>()); }
-  else if (name == "float64") { put(value.cast<double>()); }
-  else if (name == "int8") { put(static_cast<std::int8_t>(value.cast<long long>())); }
-  else if (name == "int16") { put(static_cast<std::int16_t>(value.cast<long long>())); }
-  else if (name == "int32") { put(static_cast<std::int32_t>(value.cast<long long>())); }
-  else if (name == "int64") { put(static_cast<std::int64_t>(value.cast<long long>())); }
-  else if (name == "uint8") { put(static_cast<std::uint8_t>(value.cast<unsigned long long>())); }
-  else if (name == "uint16") { put(static_cast<std::uint16_t>(value.cast<unsigned long long>())); }
-  else if (name == "uint32") { put(static_cast<std::uint32_t>(value.cast<unsigned long long>())); }
-  else if (name == "uint64") { put(static_cast<std::uint64_t>(value.cast<unsigned long long>())); }
-  else if (name == "bool") { put(static_cast<std::uint8_t>(is_bool ? value.ptr() == Py_True : value.cast<double>() != 0.0)); }
-  else { throw buffer_error(fmt::format("handoff.sim.fill does not support dtype {}", name)); }
+  if (name == "float32") {
+    put(value.cast<float>());
+  } else if (name == "float64") {
+    put(value.cast<double>());
+  } else if (name == "int8") {
+    put(static_cast<std::int8_t>(value.cast<long long>()));
+  } else if (name == "int16") {
+    put(static_cast<std::int16_t>(value.cast<long long>()));
+  } else if (name == "int32") {
+    put(static_cast<std::int32_t>(value.cast<long long>()));
+  } else if (name == "int64") {
+    put(static_cast<std::int64_t>(value.cast<long long>()));
+  } else if (name == "uint8") {
+    put(static_cast<std::uint8_t>(value.cast<unsigned long long>()));
+  } else if (name == "uint16") {
+    put(static_cast<std::uint16_t>(value.cast<unsigned long long>()));
+  } else if (name == "uint32") {
+    put(static_cast<std::uint32_t>(value.cast<unsigned long long>()));
+  } else if (name == "uint64") {
+    put(static_cast<std::uint64_t>(value.cast<unsigned long long>()));
+  } else if (name == "bool") {
+    put(static_cast<std::uint8_t>(is_bool ? value.ptr() == Py_True : value.cast<double>() != 0.0));
+  } else {
+    throw buffer_error(fmt::format("handoff.sim.fill does not support dtype {}", name));
+  }
   return out;
 }
 
@@ -277,22 +291,29 @@ void bind_sim(py::module_& parent)
   m.def("to_numpy", &to_numpy, py::arg("array"), py::kw_only(), py::arg("stream"),
         "Enqueues a copy to a new NumPy array on `stream` and waits for the stream.");
   m.def("synchronize", &synchronize, py::arg("device") = py::none(), "Waits for all work on a device (or all).");
-  m.def("inject_fault", [](const std::string& op, int count, const std::string& error) {
-    require_sim().sim.inject_fault(op, count, error);
-  }, py::arg("operation"), py::arg("count") = 1, py::arg("error") = "cudaErrorLaunchFailure",
-     "Makes the next `count` calls of a device operation fail with `error` (a DeviceError).");
+  m.def(
+    "inject_fault",
+    [](const std::string& op, int count, const std::string& error) {
+      require_sim().sim.inject_fault(op, count, error);
+    },
+    py::arg("operation"), py::arg("count") = 1, py::arg("error") = "cudaErrorLaunchFailure",
+    "Makes the next `count` calls of a device operation fail with `error` (a DeviceError).");
   m.def("clear_faults", [] { require_sim().sim.clear_faults(); });
-  m.def("begin_capture", [](py::handle stream) { require_sim().sim.begin_capture(stream_of(stream)); },
-        py::arg("stream"));
-  m.def("end_capture", [](py::handle stream) { return require_sim().sim.end_capture(stream_of(stream)); },
-        py::arg("stream"));
+  m.def(
+    "begin_capture", [](py::handle stream) { require_sim().sim.begin_capture(stream_of(stream)); }, py::arg("stream"));
+  m.def(
+    "end_capture", [](py::handle stream) { return require_sim().sim.end_capture(stream_of(stream)); },
+    py::arg("stream"));
   m.def("live_allocations", [] { return require_sim().sim.live_allocations(); });
-  m.def("drain", [] {
-    context* ctx = active_context();
-    if (ctx == nullptr) { return; }
-    const py::gil_scoped_release unlocked;
-    ctx->drain();
-  }, "Waits for the releases deferred so far.");
+  m.def(
+    "drain",
+    [] {
+      context* ctx = active_context();
+      if (ctx == nullptr) { return; }
+      const py::gil_scoped_release unlocked;
+      ctx->drain();
+    },
+    "Waits for the releases deferred so far.");
 }
 
 }  // namespace handoff::python

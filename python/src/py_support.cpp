@@ -43,7 +43,10 @@ void versioned_destructor(PyObject* capsule) noexcept
   capsule_destructor<DLManagedTensorVersioned>(capsule, versioned_name);
 }
 
-void legacy_destructor(PyObject* capsule) noexcept { capsule_destructor<DLManagedTensor>(capsule, legacy_name); }
+void legacy_destructor(PyObject* capsule) noexcept
+{
+  capsule_destructor<DLManagedTensor>(capsule, legacy_name);
+}
 
 template <typename Managed>
 py::capsule wrap_capsule(Managed* tensor, const char* name, PyCapsule_Destructor destructor)
@@ -123,7 +126,10 @@ py::capsule make_capsule(DLManagedTensorVersioned* tensor)
   return wrap_capsule(tensor, versioned_name, versioned_destructor);
 }
 
-py::capsule make_capsule(DLManagedTensor* tensor) { return wrap_capsule(tensor, legacy_name, legacy_destructor); }
+py::capsule make_capsule(DLManagedTensor* tensor)
+{
+  return wrap_capsule(tensor, legacy_name, legacy_destructor);
+}
 
 std::optional<std::int64_t> parse_stream_argument(py::handle stream)
 {
@@ -143,8 +149,9 @@ std::optional<DLDevice> parse_device_argument(py::handle device, const char* fie
   PyObject* raw = device.ptr();
   if (PyUnicode_Check(raw)) {
     const auto text = device.cast<std::string>();
-    HANDOFF_EXPECTS(text == "cpu", value_error,
-                    fmt::format("{}='{}' is not a device handoff knows; pass a (device_type, device_id) tuple", field, text));
+    HANDOFF_EXPECTS(
+      text == "cpu", value_error,
+      fmt::format("{}='{}' is not a device handoff knows; pass a (device_type, device_id) tuple", field, text));
     return DLDevice{kDLCPU, 0};
   }
   HANDOFF_EXPECTS(PyTuple_Check(raw) && PyTuple_GET_SIZE(raw) == 2, type_error,
@@ -195,7 +202,10 @@ void raise_device_error(const device_error& e)
 
 }  // namespace
 
-void set_device_error_type(PyObject* type) noexcept { device_error_type = type; }
+void set_device_error_type(PyObject* type) noexcept
+{
+  device_error_type = type;
+}
 
 void translate_exception(const std::exception_ptr& thrown)
 {

@@ -72,7 +72,10 @@ producer_ref::producer_ref(std::function<void()> release)
   }
 }
 
-producer_ref::producer_ref(const producer_ref& other) noexcept : state_(other.state_) { state::acquire(state_); }
+producer_ref::producer_ref(const producer_ref& other) noexcept : state_(other.state_)
+{
+  state::acquire(state_);
+}
 
 producer_ref& producer_ref::operator=(const producer_ref& other) noexcept
 {
@@ -87,7 +90,10 @@ producer_ref& producer_ref::operator=(producer_ref&& other) noexcept
   return *this;
 }
 
-producer_ref::~producer_ref() { state::release(state_); }
+producer_ref::~producer_ref()
+{
+  state::release(state_);
+}
 
 long producer_ref::use_count() const noexcept
 {
@@ -125,24 +131,23 @@ bool checked_multiply(std::int64_t a, std::int64_t b, std::int64_t& out) noexcep
 
 void validate(const array_layout& layout)
 {
-  HANDOFF_EXPECTS(layout.shape.size() == layout.strides.size(), value_error,
-                  fmt::format("strides has {} entries but shape has {} dimensions", layout.strides.size(),
-                              layout.shape.size()));
+  HANDOFF_EXPECTS(
+    layout.shape.size() == layout.strides.size(), value_error,
+    fmt::format("strides has {} entries but shape has {} dimensions", layout.strides.size(), layout.shape.size()));
   HANDOFF_EXPECTS(layout.dtype.lanes == 1 && layout.dtype.bits > 0, buffer_error,
                   fmt::format("unsupported dtype (code {}, bits {}, lanes {})", layout.dtype.code, layout.dtype.bits,
                               layout.dtype.lanes));
   std::int64_t elements = 1;
   for (std::size_t i = 0; i < layout.shape.size(); ++i) {
-    HANDOFF_EXPECTS(layout.shape[i] >= 0, value_error,
-                    fmt::format("shape[{}] is negative ({})", i, layout.shape[i]));
-    HANDOFF_EXPECTS(checked_multiply(elements, layout.shape[i], elements), value_error,
-                    fmt::format("shape {} overflows: its element count does not fit in 64 bits",
-                                fmt::join(layout.shape, "x")));
+    HANDOFF_EXPECTS(layout.shape[i] >= 0, value_error, fmt::format("shape[{}] is negative ({})", i, layout.shape[i]));
+    HANDOFF_EXPECTS(
+      checked_multiply(elements, layout.shape[i], elements), value_error,
+      fmt::format("shape {} overflows: its element count does not fit in 64 bits", fmt::join(layout.shape, "x")));
   }
   std::int64_t bytes = 0;
-  HANDOFF_EXPECTS(checked_multiply(elements, static_cast<std::int64_t>(itemsize(layout.dtype)), bytes), value_error,
-                  fmt::format("shape {} overflows: its size in bytes does not fit in 64 bits",
-                              fmt::join(layout.shape, "x")));
+  HANDOFF_EXPECTS(
+    checked_multiply(elements, static_cast<std::int64_t>(itemsize(layout.dtype)), bytes), value_error,
+    fmt::format("shape {} overflows: its size in bytes does not fit in 64 bits", fmt::join(layout.shape, "x")));
   HANDOFF_EXPECTS(elements == 0 || layout.data != nullptr, value_error,
                   "data is a null pointer but the array has elements");
 }
@@ -161,9 +166,15 @@ std::int64_t array::size() const noexcept
   return n;
 }
 
-std::size_t array::itemsize() const noexcept { return handoff::itemsize(layout_.dtype); }
+std::size_t array::itemsize() const noexcept
+{
+  return handoff::itemsize(layout_.dtype);
+}
 
-std::int64_t array::nbytes() const noexcept { return size() * static_cast<std::int64_t>(itemsize()); }
+std::int64_t array::nbytes() const noexcept
+{
+  return size() * static_cast<std::int64_t>(itemsize());
+}
 
 bool array::is_c_contiguous() const noexcept
 {
@@ -217,11 +228,16 @@ bool is_common(DLDataType dtype) noexcept
   const auto power_of_two_bytes = dtype.bits == 8 || dtype.bits == 16 || dtype.bits == 32 || dtype.bits == 64;
   switch (dtype.code) {
     case kDLInt:
-    case kDLUInt: return power_of_two_bytes;
-    case kDLFloat: return dtype.bits == 16 || dtype.bits == 32 || dtype.bits == 64;
-    case kDLBool: return dtype.bits == 8;
-    case kDLComplex: return dtype.bits == 64 || dtype.bits == 128;
-    default: return false;
+    case kDLUInt:
+      return power_of_two_bytes;
+    case kDLFloat:
+      return dtype.bits == 16 || dtype.bits == 32 || dtype.bits == 64;
+    case kDLBool:
+      return dtype.bits == 8;
+    case kDLComplex:
+      return dtype.bits == 64 || dtype.bits == 128;
+    default:
+      return false;
   }
 }
 
@@ -381,8 +397,9 @@ void copy_strided(std::byte* dst, const std::byte* src, const array& view, std::
 
 array copy_to_host(const array& view)
 {
-  HANDOFF_EXPECTS(view.device().device_type == kDLCPU, buffer_error,
-                  fmt::format("a host copy of {} memory needs a device backend", static_cast<int>(view.device().device_type)));
+  HANDOFF_EXPECTS(
+    view.device().device_type == kDLCPU, buffer_error,
+    fmt::format("a host copy of {} memory needs a device backend", static_cast<int>(view.device().device_type)));
   const auto bytes = static_cast<std::size_t>(view.nbytes());
   auto storage = std::make_unique<std::byte[]>(bytes > 0 ? bytes : 1);
   if (bytes > 0) {

@@ -7,9 +7,8 @@
 namespace handoff {
 
 context::context(device::backend& backend, std::unique_ptr<executor> deferred)
-  : backend_(backend), events_(backend), deferred_(std::move(deferred))
-{
-}
+    : backend_(backend), events_(backend), deferred_(std::move(deferred))
+{}
 
 context::~context()
 {
@@ -87,8 +86,7 @@ void context::release_after(int device, device::stream_handle stream, std::funct
     try {
       detail::device_guard on_owner{backend_, device};
       backend_.synchronize_stream(stream);
-    } catch (...) {
-    }
+    } catch (...) {}
     release();
     return;
   }

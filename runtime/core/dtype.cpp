@@ -54,12 +54,18 @@ constexpr std::array known_dtypes{
 std::optional<DLDataTypeCode> typestr_kind(char kind) noexcept
 {
   switch (kind) {
-    case 'b': return kDLBool;
-    case 'i': return kDLInt;
-    case 'u': return kDLUInt;
-    case 'f': return kDLFloat;
-    case 'c': return kDLComplex;
-    default: return std::nullopt;
+    case 'b':
+      return kDLBool;
+    case 'i':
+      return kDLInt;
+    case 'u':
+      return kDLUInt;
+    case 'f':
+      return kDLFloat;
+    case 'c':
+      return kDLComplex;
+    default:
+      return std::nullopt;
   }
 }
 
@@ -77,9 +83,9 @@ bool is_known(DLDataType dtype) noexcept
 
 std::string_view dtype_name(DLDataType dtype)
 {
-  HANDOFF_EXPECTS(dtype.lanes == 1, buffer_error,
-                  fmt::format("vector dtypes are not supported (code {}, bits {}, lanes {})", dtype.code,
-                              dtype.bits, dtype.lanes));
+  HANDOFF_EXPECTS(
+    dtype.lanes == 1, buffer_error,
+    fmt::format("vector dtypes are not supported (code {}, bits {}, lanes {})", dtype.code, dtype.bits, dtype.lanes));
   for (const auto& known : known_dtypes) {
     if (known.dtype == dtype) { return known.name; }
   }
@@ -116,9 +122,9 @@ DLDataType dtype_from_typestr(std::string_view text, std::string_view field)
   HANDOFF_EXPECTS(code.has_value(), buffer_error,
                   fmt::format("{} '{}': kind '{}' cannot be exchanged (only b, i, u, f, c)", field, text, text[1]));
   int size = 0;
-  const bool sized = text.size() >= 3 &&
-                     std::from_chars(text.data() + 2, text.data() + text.size(), size).ptr == text.data() + text.size() &&
-                     size > 0;
+  const bool sized =
+    text.size() >= 3 &&
+    std::from_chars(text.data() + 2, text.data() + text.size(), size).ptr == text.data() + text.size() && size > 0;
   if (!sized) { throw malformed(); }
   const bool swapped = size > 1 && ((order == '>' && little_endian) || (order == '<' && !little_endian));
   HANDOFF_EXPECTS(!swapped, buffer_error,
@@ -133,16 +139,28 @@ std::string typestr(DLDataType dtype)
 {
   char kind = 0;
   switch (dtype.code) {
-    case kDLBool: kind = 'b'; break;
-    case kDLInt: kind = 'i'; break;
-    case kDLUInt: kind = 'u'; break;
-    case kDLFloat: kind = 'f'; break;
-    case kDLComplex: kind = 'c'; break;
-    default: break;
+    case kDLBool:
+      kind = 'b';
+      break;
+    case kDLInt:
+      kind = 'i';
+      break;
+    case kDLUInt:
+      kind = 'u';
+      break;
+    case kDLFloat:
+      kind = 'f';
+      break;
+    case kDLComplex:
+      kind = 'c';
+      break;
+    default:
+      break;
   }
   const bool numpy_has_it = kind != 0 && is_known(dtype) && !(dtype.code == kDLComplex && dtype.bits == 32);
-  HANDOFF_EXPECTS(numpy_has_it, buffer_error,
-                  fmt::format("dtype {} has no array-interface typestr; exchange it through DLPack", dtype_name(dtype)));
+  HANDOFF_EXPECTS(
+    numpy_has_it, buffer_error,
+    fmt::format("dtype {} has no array-interface typestr; exchange it through DLPack", dtype_name(dtype)));
   const std::size_t size = itemsize(dtype);
   const char order = size == 1 ? '|' : (little_endian ? '<' : '>');
   return fmt::format("{}{}{}", order, kind, size);
@@ -161,11 +179,32 @@ DLDataType dtype_from_buffer_format(std::string_view format, std::size_t size)
   std::optional<DLDataTypeCode> code;
   if (element.size() == 1) {
     switch (element.front()) {
-      case '?': code = kDLBool; break;
-      case 'b': case 'h': case 'i': case 'l': case 'q': case 'n': code = kDLInt; break;
-      case 'B': case 'H': case 'I': case 'L': case 'Q': case 'N': code = kDLUInt; break;
-      case 'e': case 'f': case 'd': code = kDLFloat; break;
-      default: break;
+      case '?':
+        code = kDLBool;
+        break;
+      case 'b':
+      case 'h':
+      case 'i':
+      case 'l':
+      case 'q':
+      case 'n':
+        code = kDLInt;
+        break;
+      case 'B':
+      case 'H':
+      case 'I':
+      case 'L':
+      case 'Q':
+      case 'N':
+        code = kDLUInt;
+        break;
+      case 'e':
+      case 'f':
+      case 'd':
+        code = kDLFloat;
+        break;
+      default:
+        break;
     }
   } else if (element == "Zf" || element == "Zd") {
     code = kDLComplex;

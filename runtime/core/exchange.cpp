@@ -14,11 +14,15 @@ namespace handoff {
 std::optional<device::stream_handle> resolve_stream(device::backend& backend, stream_request request)
 {
   switch (request.order) {
-    case stream_order::none: return std::nullopt;
+    case stream_order::none:
+      return std::nullopt;
     case stream_order::legacy_default:
-    case stream_order::default_stream: return backend.legacy_default_stream();
-    case stream_order::per_thread_default: return backend.per_thread_default_stream();
-    case stream_order::handle: return static_cast<device::stream_handle>(request.handle);
+    case stream_order::default_stream:
+      return backend.legacy_default_stream();
+    case stream_order::per_thread_default:
+      return backend.per_thread_default_stream();
+    case stream_order::handle:
+      return static_cast<device::stream_handle>(request.handle);
   }
   return std::nullopt;
 }
@@ -38,11 +42,12 @@ int owning_device(context& ctx, const array& view)
   if (device_memory) {
     HANDOFF_EXPECTS(where.kind == device::memory_kind::device, value_error,
                     fmt::format("the array claims {} device {} memory, but {:#x} is not device memory of the {} "
-                                "backend", device_type_name(claimed.device_type), claimed.device_id,
+                                "backend",
+                                device_type_name(claimed.device_type), claimed.device_id,
                                 reinterpret_cast<std::uintptr_t>(view.data()), ctx.backend().name()));
-    HANDOFF_EXPECTS(where.device == claimed.device_id, value_error,
-                    fmt::format("the array claims device {}, but its memory belongs to device {}",
-                                claimed.device_id, where.device));
+    HANDOFF_EXPECTS(
+      where.device == claimed.device_id, value_error,
+      fmt::format("the array claims device {}, but its memory belongs to device {}", claimed.device_id, where.device));
     return where.device;
   }
   // Pinned and managed memory report device 0 in DLPack; record where the allocation was made.
@@ -53,9 +58,10 @@ void order_export(context* ctx, const array& view, stream_request consumer)
 {
   if (consumer.order == stream_order::none) { return; }
   if (ctx == nullptr) {
-    throw device_error("none", "handoffErrorNoBackend",
-                       fmt::format("ordering {} memory for a consumer stream needs a device backend, and none is active",
-                                   device_type_name(view.device().device_type)));
+    throw device_error(
+      "none", "handoffErrorNoBackend",
+      fmt::format("ordering {} memory for a consumer stream needs a device backend, and none is active",
+                  device_type_name(view.device().device_type)));
   }
   if (!is_stream_ordered(*ctx, view)) {
     throw device_error(std::string{ctx->backend().name()}, "handoffErrorWrongBackend",

@@ -29,8 +29,9 @@ void count(counter which, std::uint64_t n) noexcept
 
 stats_snapshot stats() noexcept
 {
-  return {load(counter::exports),        load(counter::imports),        load(counter::waits_inserted),
-          load(counter::waits_elided),   load(counter::events_created), load(counter::events_reused),
+  return {load(counter::exports),           load(counter::imports),
+          load(counter::waits_inserted),    load(counter::waits_elided),
+          load(counter::events_created),    load(counter::events_reused),
           load(counter::deferred_releases), live.load(std::memory_order_relaxed)};
 }
 
@@ -40,8 +41,14 @@ void reset_stats() noexcept
 }
 
 namespace detail {
-void live_view_added() noexcept { live.fetch_add(1, std::memory_order_relaxed); }
-void live_view_released() noexcept { live.fetch_sub(1, std::memory_order_relaxed); }
+void live_view_added() noexcept
+{
+  live.fetch_add(1, std::memory_order_relaxed);
+}
+void live_view_released() noexcept
+{
+  live.fetch_sub(1, std::memory_order_relaxed);
+}
 }  // namespace detail
 
 }  // namespace handoff

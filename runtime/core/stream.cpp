@@ -11,7 +11,10 @@
 namespace handoff {
 namespace {
 
-std::uintptr_t raw(device::stream_handle s) noexcept { return static_cast<std::uintptr_t>(s); }
+std::uintptr_t raw(device::stream_handle s) noexcept
+{
+  return static_cast<std::uintptr_t>(s);
+}
 
 bool capturing(device::backend& backend, device::stream_handle s)
 {
@@ -44,7 +47,8 @@ void stream_view::wait(stream_view producer, int device, event_pool& events) con
                                 raw(producer.handle_), raw(handle_)));
     HANDOFF_EXPECTS(producer_captures && consumer_captures, buffer_error,
                     fmt::format("cannot order stream {:#x} before stream {:#x}: only one of them is capturing into "
-                                "a graph", raw(producer.handle_), raw(handle_)));
+                                "a graph",
+                                raw(producer.handle_), raw(handle_)));
   }
 
   const int producer_device = b.stream_device(producer.handle_);
@@ -55,7 +59,8 @@ void stream_view::wait(stream_view producer, int device, event_pool& events) con
   // The legacy default stream already waits for prior work of blocking streams of its device, and
   // blocking streams for prior legacy work.
   if (!producer_captures && (producer_legacy || consumer_legacy) && b.stream_device(handle_) == device) {
-    const bool other_blocking = producer_legacy ? b.stream_is_blocking(handle_) : b.stream_is_blocking(producer.handle_);
+    const bool other_blocking =
+      producer_legacy ? b.stream_is_blocking(handle_) : b.stream_is_blocking(producer.handle_);
     if (other_blocking) {
       count(counter::waits_elided);
       return;

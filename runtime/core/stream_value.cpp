@@ -8,22 +8,38 @@ namespace handoff {
 const char* device_type_name(DLDeviceType device) noexcept
 {
   switch (device) {
-    case kDLCPU: return "CPU";
-    case kDLCUDA: return "CUDA";
-    case kDLCUDAHost: return "CUDA host";
-    case kDLCUDAManaged: return "CUDA managed";
-    case kDLROCM: return "ROCm";
-    case kDLROCMHost: return "ROCm host";
-    case kDLOpenCL: return "OpenCL";
-    case kDLVulkan: return "Vulkan";
-    case kDLMetal: return "Metal";
-    case kDLVPI: return "VPI";
-    case kDLExtDev: return "ExtDev";
-    case kDLOneAPI: return "oneAPI";
-    case kDLWebGPU: return "WebGPU";
-    case kDLHexagon: return "Hexagon";
-    case kDLMAIA: return "MAIA";
-    case kDLTrn: return "Trainium";
+    case kDLCPU:
+      return "CPU";
+    case kDLCUDA:
+      return "CUDA";
+    case kDLCUDAHost:
+      return "CUDA host";
+    case kDLCUDAManaged:
+      return "CUDA managed";
+    case kDLROCM:
+      return "ROCm";
+    case kDLROCMHost:
+      return "ROCm host";
+    case kDLOpenCL:
+      return "OpenCL";
+    case kDLVulkan:
+      return "Vulkan";
+    case kDLMetal:
+      return "Metal";
+    case kDLVPI:
+      return "VPI";
+    case kDLExtDev:
+      return "ExtDev";
+    case kDLOneAPI:
+      return "oneAPI";
+    case kDLWebGPU:
+      return "WebGPU";
+    case kDLHexagon:
+      return "Hexagon";
+    case kDLMAIA:
+      return "MAIA";
+    case kDLTrn:
+      return "Trainium";
   }
   return "unknown";
 }
@@ -31,8 +47,8 @@ const char* device_type_name(DLDeviceType device) noexcept
 stream_request classify_stream(DLDeviceType device, std::optional<std::int64_t> stream)
 {
   const auto invalid = [&](const char* why) {
-    return value_error(fmt::format("stream={} is invalid for a {} array: {}", stream ? fmt::format("{}", *stream) : "None",
-                                   device_type_name(device), why));
+    return value_error(fmt::format("stream={} is invalid for a {} array: {}",
+                                   stream ? fmt::format("{}", *stream) : "None", device_type_name(device), why));
   };
   const auto handle = [](std::int64_t value) {
     return stream_request{stream_order::handle, static_cast<std::uintptr_t>(value)};
@@ -43,14 +59,18 @@ stream_request classify_stream(DLDeviceType device, std::optional<std::int64_t> 
     if (*stream == -1) { return {stream_order::none, 0}; }
     if (*stream == 2) { return {stream_order::per_thread_default, 0}; }
     if (*stream > 2) { return handle(*stream); }
-    if (*stream == 0) { throw invalid("0 is disallowed for CUDA (ambiguous); use 1 for the legacy default stream or 2 for per-thread"); }
+    if (*stream == 0) {
+      throw invalid("0 is disallowed for CUDA (ambiguous); use 1 for the legacy default stream or 2 for per-thread");
+    }
     throw invalid("expected None, -1, 1, 2 or a stream handle > 2");
   }
   if (is_rocm_device(device)) {
     if (!stream || *stream == 0) { return {stream_order::default_stream, 0}; }
     if (*stream == -1) { return {stream_order::none, 0}; }
     if (*stream > 2) { return handle(*stream); }
-    if (*stream == 1 || *stream == 2) { throw invalid("1 and 2 are disallowed for ROCm; use 0 for the default stream"); }
+    if (*stream == 1 || *stream == 2) {
+      throw invalid("1 and 2 are disallowed for ROCm; use 0 for the default stream");
+    }
     throw invalid("expected None, -1, 0 or a stream handle > 2");
   }
   if (!stream) { return {stream_order::none, 0}; }

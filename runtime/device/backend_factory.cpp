@@ -24,11 +24,10 @@ int sim_device_count_from_env()
   const std::string_view value{text};
   int count = 0;
   const auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), count);
-  HANDOFF_EXPECTS(ec == std::errc{} && end == value.data() + value.size() && count >= 1 &&
-                    count <= sim_backend::max_devices,
-                  value_error,
-                  fmt::format("HANDOFF_SIM_DEVICES must be an integer from 1 to {}, got '{}'",
-                              sim_backend::max_devices, value));
+  HANDOFF_EXPECTS(
+    ec == std::errc{} && end == value.data() + value.size() && count >= 1 && count <= sim_backend::max_devices,
+    value_error,
+    fmt::format("HANDOFF_SIM_DEVICES must be an integer from 1 to {}, got '{}'", sim_backend::max_devices, value));
   return count;
 }
 
@@ -46,24 +45,18 @@ std::unique_ptr<backend> make_cuda_backend()
 #if defined(HANDOFF_HAS_CUDA)
   return cuda::make_backend();
 #else
-  throw device_error(
-    "cuda", "cudaErrorNotSupported",
-    "the CUDA backend is not compiled in: handoff was built without the CUDA "
-    "toolkit (configure with HANDOFF_WITH_CUDA=ON where the toolkit is installed)");
+  throw device_error("cuda", "cudaErrorNotSupported",
+                     "the CUDA backend is not compiled in: handoff was built without the CUDA "
+                     "toolkit (configure with HANDOFF_WITH_CUDA=ON where the toolkit is installed)");
 #endif
 }
 
 std::unique_ptr<backend> make_backend(std::string_view name)
 {
   if (name == "cuda") { return make_cuda_backend(); }
-  if (name == "sim") {
-    return std::make_unique<sim_backend>(sim_device_count_from_env(), sim_flavour::cuda);
-  }
-  if (name == "sim-rocm") {
-    return std::make_unique<sim_backend>(sim_device_count_from_env(), sim_flavour::rocm);
-  }
-  throw value_error(
-    fmt::format("unknown device backend '{}'; expected one of: cuda, sim, sim-rocm", name));
+  if (name == "sim") { return std::make_unique<sim_backend>(sim_device_count_from_env(), sim_flavour::cuda); }
+  if (name == "sim-rocm") { return std::make_unique<sim_backend>(sim_device_count_from_env(), sim_flavour::rocm); }
+  throw value_error(fmt::format("unknown device backend '{}'; expected one of: cuda, sim, sim-rocm", name));
 }
 
 }  // namespace handoff::device

@@ -16,15 +16,13 @@ std::shared_ptr<spdlog::logger> make_logger() noexcept
     std::shared_ptr<spdlog::logger> made;
     if (const char* path = std::getenv("HANDOFF_LOG_FILE"); path != nullptr && *path != '\0') {
       try {
-        made = std::make_shared<spdlog::logger>(
-          "handoff", std::make_shared<spdlog::sinks::basic_file_sink_mt>(path));
+        made = std::make_shared<spdlog::logger>("handoff", std::make_shared<spdlog::sinks::basic_file_sink_mt>(path));
       } catch (const spdlog::spdlog_ex&) {
         made.reset();  // unwritable path: fall back to stderr below
       }
     }
     if (!made) {
-      made = std::make_shared<spdlog::logger>("handoff",
-                                              std::make_shared<spdlog::sinks::stderr_sink_mt>());
+      made = std::make_shared<spdlog::logger>("handoff", std::make_shared<spdlog::sinks::stderr_sink_mt>());
     }
     made->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [handoff] [%l] [tid %t] %v");
     auto level = spdlog::level::warn;

@@ -13,12 +13,10 @@ spdlog::logger& logger() noexcept;
 
 }  // namespace handoff::detail
 
-#define HANDOFF_LOG(level, ...)                                        \
-  do {                                                                 \
-    auto& handoff_logger_ = ::handoff::detail::logger();               \
-    if (handoff_logger_.should_log(level)) {                           \
-      handoff_logger_.log(level, __VA_ARGS__);                         \
-    }                                                                  \
+#define HANDOFF_LOG(level, ...)                                                         \
+  do {                                                                                  \
+    auto& handoff_logger_ = ::handoff::detail::logger();                                \
+    if (handoff_logger_.should_log(level)) { handoff_logger_.log(level, __VA_ARGS__); } \
   } while (false)
 #define HANDOFF_LOG_TRACE(...) HANDOFF_LOG(::spdlog::level::trace, __VA_ARGS__)
 #define HANDOFF_LOG_DEBUG(...) HANDOFF_LOG(::spdlog::level::debug, __VA_ARGS__)

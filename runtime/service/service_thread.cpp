@@ -9,18 +9,17 @@
 namespace handoff::detail {
 
 service_thread::service_thread()
-  : guard_(boost::asio::make_work_guard(io_)), thread_([this] {
-      for (;;) {
-        try {
-          io_.run();
-          return;
-        } catch (const std::exception& e) {
-          HANDOFF_LOG_ERROR("service thread: a task threw ({}); continuing", e.what());
+    : guard_(boost::asio::make_work_guard(io_)), thread_([this] {
+        for (;;) {
+          try {
+            io_.run();
+            return;
+          } catch (const std::exception& e) {
+            HANDOFF_LOG_ERROR("service thread: a task threw ({}); continuing", e.what());
+          }
         }
-      }
-    })
-{
-}
+      })
+{}
 
 service_thread::~service_thread()
 {
@@ -28,7 +27,10 @@ service_thread::~service_thread()
   if (thread_.joinable()) { thread_.join(); }
 }
 
-void service_thread::post(std::function<void()> work) { boost::asio::post(io_, std::move(work)); }
+void service_thread::post(std::function<void()> work)
+{
+  boost::asio::post(io_, std::move(work));
+}
 
 void service_thread::drain()
 {

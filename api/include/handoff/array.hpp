@@ -1,8 +1,8 @@
 // handoff::array: an immutable strided view of memory that keeps its producer alive.
 #pragma once
 
-#include <handoff/device.hpp>
 #include <handoff/dlpack.h>
+#include <handoff/device.hpp>
 
 #include <algorithm>
 #include <cstddef>
@@ -171,10 +171,7 @@ class extents {
   }
   // Bytes, not values: the buffer is left uninitialized (zeroing it costs more than the rest of
   // an import) and copied whole, a fixed size the compiler copies without a call.
-  [[nodiscard]] std::int64_t* inline_data() noexcept
-  {
-    return std::launder(reinterpret_cast<std::int64_t*>(inline_));
-  }
+  [[nodiscard]] std::int64_t* inline_data() noexcept { return std::launder(reinterpret_cast<std::int64_t*>(inline_)); }
   [[nodiscard]] const std::int64_t* inline_data() const noexcept
   {
     return std::launder(reinterpret_cast<const std::int64_t*>(inline_));

@@ -46,8 +46,7 @@ class device_error : public error {
   /// @param message     full human-readable message (call, location, error text)
   device_error(std::string backend, std::string error_name, const std::string& message)
       : error(message), backend_(std::move(backend)), error_name_(std::move(error_name))
-  {
-  }
+  {}
 
   [[nodiscard]] const std::string& backend() const noexcept { return backend_; }
   [[nodiscard]] const std::string& error_name() const noexcept { return error_name_; }
@@ -63,9 +62,7 @@ class device_error : public error {
 #define HANDOFF_STRINGIFY(x) HANDOFF_STRINGIFY_DETAIL(x)
 
 /// Throws `exception_type(message)` when `condition` is false. `message` is evaluated only then.
-#define HANDOFF_EXPECTS(condition, exception_type, message) \
-  do {                                                      \
-    if (!(condition)) [[unlikely]] {                        \
-      throw exception_type(message);                        \
-    }                                                       \
+#define HANDOFF_EXPECTS(condition, exception_type, message)           \
+  do {                                                                \
+    if (!(condition)) [[unlikely]] { throw exception_type(message); } \
   } while (false)

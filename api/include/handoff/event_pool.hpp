@@ -15,13 +15,11 @@ class event_pool;
 class pooled_event {
  public:
   pooled_event(event_pool& pool, int device, device::event_handle event) noexcept
-    : pool_(&pool), device_(device), event_(event)
-  {
-  }
+      : pool_(&pool), device_(device), event_(event)
+  {}
   pooled_event(pooled_event&& other) noexcept
-    : pool_(std::exchange(other.pool_, nullptr)), device_(other.device_), event_(other.event_)
-  {
-  }
+      : pool_(std::exchange(other.pool_, nullptr)), device_(other.device_), event_(other.event_)
+  {}
   pooled_event& operator=(pooled_event&&) = delete;
   pooled_event(const pooled_event&) = delete;
   pooled_event& operator=(const pooled_event&) = delete;

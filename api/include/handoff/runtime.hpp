@@ -10,12 +10,12 @@ namespace handoff {
 
 /// What `handoff.runtime_info()` reports.
 struct runtime_description {
-  std::string backend;        ///< "cuda", "sim", "sim-rocm" or "none"
+  std::string backend;  ///< "cuda", "sim", "sim-rocm" or "none"
   int device_count{0};
-  std::string version;        ///< handoff's version
-  std::string dlpack_version; ///< highest DLPack version produced, "1.1"
-  bool cuda_compiled{false};  ///< whether the CUDA backend was built
-  std::string backend_error;  ///< why the requested backend could not start; empty when it did
+  std::string version;         ///< handoff's version
+  std::string dlpack_version;  ///< highest DLPack version produced, "1.1"
+  bool cuda_compiled{false};   ///< whether the CUDA backend was built
+  std::string backend_error;   ///< why the requested backend could not start; empty when it did
 };
 
 /// handoff's version, "major.minor.patch".

@@ -88,8 +88,8 @@ class sim_backend final : public backend {
   /// Enqueues on `stream`: wait `delay` (without holding a worker thread), then write `pattern`
   /// repeatedly over `bytes` bytes at `dst`. `bytes` must be a multiple of the pattern's size.
   /// Returns at once; the pattern is copied.
-  void enqueue_fill_bytes(stream_handle stream, void* dst, std::size_t bytes,
-                          std::span<const std::byte> pattern, std::chrono::nanoseconds delay = {});
+  void enqueue_fill_bytes(stream_handle stream, void* dst, std::size_t bytes, std::span<const std::byte> pattern,
+                          std::chrono::nanoseconds delay = {});
 
   /// Enqueues on `stream`: wait `delay`, then set `count` elements at `dst` to `value`.
   /// e.g. `sim.enqueue_fill(s, floats, n, 1.0f, std::chrono::milliseconds{200})`.
@@ -98,8 +98,7 @@ class sim_backend final : public backend {
   void enqueue_fill(stream_handle stream, T* dst, std::size_t count, const T& value,
                     std::chrono::nanoseconds delay = {})
   {
-    enqueue_fill_bytes(stream, dst, count * sizeof(T),
-                       std::as_bytes(std::span<const T, 1>{&value, 1}), delay);
+    enqueue_fill_bytes(stream, dst, count * sizeof(T), std::as_bytes(std::span<const T, 1>{&value, 1}), delay);
   }
 
   /// Enqueues on `stream` a wait of `duration` (the stream's later work starts after it).

@@ -14,9 +14,8 @@ namespace handoff {
 class stream_view {
  public:
   constexpr stream_view(device::backend& backend, device::stream_handle handle) noexcept
-    : backend_(&backend), handle_(handle)
-  {
-  }
+      : backend_(&backend), handle_(handle)
+  {}
 
   [[nodiscard]] constexpr device::stream_handle handle() const noexcept { return handle_; }
   [[nodiscard]] constexpr device::backend& backend() const noexcept { return *backend_; }

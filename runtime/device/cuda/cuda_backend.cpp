@@ -7,8 +7,8 @@
 
 #include <handoff/error.hpp>
 
-#include <cuda_runtime_api.h>
 #include <cudaTypedefs.h>  // PFN_* driver prototypes; header only, nothing is linked
+#include <cuda_runtime_api.h>
 #include <fmt/format.h>
 
 #include <array>
@@ -23,8 +23,7 @@ namespace {
   (void)cudaGetLastError();  // clear a non-sticky error so later calls do not report it again
   const char* name = cudaGetErrorName(status);
   const char* text = cudaGetErrorString(status);
-  throw device_error("cuda", name,
-                     fmt::format("{} failed at {}:{}: {}: {}", call, file, line, name, text));
+  throw device_error("cuda", name, fmt::format("{} failed at {}:{}: {}: {}", call, file, line, name, text));
 }
 
 }  // namespace
@@ -56,12 +55,10 @@ void load_entry_point(const char* symbol, F& fn, unsigned int version)
 {
   void* address = nullptr;
   cudaDriverEntryPointQueryResult found{};
-  HANDOFF_CUDA_TRY(
-    cudaGetDriverEntryPointByVersion(symbol, &address, version, cudaEnableDefault, &found));
+  HANDOFF_CUDA_TRY(cudaGetDriverEntryPointByVersion(symbol, &address, version, cudaEnableDefault, &found));
   if (found != cudaDriverEntryPointSuccess || address == nullptr) {
-    throw device_error(
-      "cuda", "cudaErrorSymbolNotFound",
-      fmt::format("no usable CUDA device: the driver has no {} (version {})", symbol, version));
+    throw device_error("cuda", "cudaErrorSymbolNotFound",
+                       fmt::format("no usable CUDA device: the driver has no {} (version {})", symbol, version));
   }
   fn = reinterpret_cast<F>(address);
 }
@@ -74,7 +71,10 @@ cudaEvent_t to_native(event_handle h) noexcept
 {
   return reinterpret_cast<cudaEvent_t>(static_cast<std::uintptr_t>(h));
 }
-bool is_default_stream(stream_handle h) noexcept { return static_cast<std::uintptr_t>(h) <= 2; }
+bool is_default_stream(stream_handle h) noexcept
+{
+  return static_cast<std::uintptr_t>(h) <= 2;
+}
 
 /// Tolerated in destructors and noexcept calls while the process shuts down.
 bool is_shutdown_error(cudaError_t status) noexcept
@@ -95,8 +95,7 @@ class cuda_backend final : public backend {
                                      cudaGetErrorName(status), cudaGetErrorString(status)));
     }
     if (count == 0) {
-      throw device_error("cuda", "cudaErrorNoDevice",
-                         "no usable CUDA device: cudaGetDeviceCount found none");
+      throw device_error("cuda", "cudaErrorNoDevice", "no usable CUDA device: cudaGetDeviceCount found none");
     }
     device_count_ = count;
     load_entry_point("cuPointerGetAttributes", driver_.pointer_get_attributes, 7000);
@@ -120,14 +119,8 @@ class cuda_backend final : public backend {
   void set_current_device(int device) override { HANDOFF_CUDA_TRY(cudaSetDevice(device)); }
 
   // DLPack's 1 and 2 are cudaStreamLegacy and cudaStreamPerThread: the same integers.
-  [[nodiscard]] stream_handle legacy_default_stream() const noexcept override
-  {
-    return stream_handle{1};
-  }
-  [[nodiscard]] stream_handle per_thread_default_stream() const noexcept override
-  {
-    return stream_handle{2};
-  }
+  [[nodiscard]] stream_handle legacy_default_stream() const noexcept override { return stream_handle{1}; }
+  [[nodiscard]] stream_handle per_thread_default_stream() const noexcept override { return stream_handle{2}; }
 
   [[nodiscard]] stream_handle create_stream(bool non_blocking) override
   {
@@ -168,16 +161,16 @@ class cuda_backend final : public backend {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     HANDOFF_CUDA_TRY(cudaStreamIsCapturing(to_native(stream), &status));
     switch (status) {
-      case cudaStreamCaptureStatusActive: return capture_status::active;
-      case cudaStreamCaptureStatusInvalidated: return capture_status::invalidated;
-      default: return capture_status::none;
+      case cudaStreamCaptureStatusActive:
+        return capture_status::active;
+      case cudaStreamCaptureStatusInvalidated:
+        return capture_status::invalidated;
+      default:
+        return capture_status::none;
     }
   }
 
-  void synchronize_stream(stream_handle stream) override
-  {
-    HANDOFF_CUDA_TRY(cudaStreamSynchronize(to_native(stream)));
-  }
+  void synchronize_stream(stream_handle stream) override { HANDOFF_CUDA_TRY(cudaStreamSynchronize(to_native(stream))); }
 
   void synchronize_device() override { HANDOFF_CUDA_TRY(cudaDeviceSynchronize()); }
 
@@ -206,15 +199,11 @@ class cuda_backend final : public backend {
     return true;
   }
 
-  void synchronize_event(event_handle event) override
-  {
-    HANDOFF_CUDA_TRY(cudaEventSynchronize(to_native(event)));
-  }
+  void synchronize_event(event_handle event) override { HANDOFF_CUDA_TRY(cudaEventSynchronize(to_native(event))); }
 
   void stream_wait_event(stream_handle stream, event_handle event) override
   {
-    HANDOFF_CUDA_TRY(
-      cudaStreamWaitEvent(to_native(stream), to_native(event), cudaEventWaitDefault));
+    HANDOFF_CUDA_TRY(cudaStreamWaitEvent(to_native(stream), to_native(event), cudaEventWaitDefault));
   }
 
   [[nodiscard]] pointer_attributes attributes(const void* ptr) override
@@ -226,15 +215,13 @@ class cuda_backend final : public backend {
     std::size_t range_size = 0;
     CUdeviceptr device_pointer = 0;
     unsigned int is_managed = 0;
-    std::array<CUpointer_attribute, 6> names{
-      CU_POINTER_ATTRIBUTE_MEMORY_TYPE,      CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-      CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE,
-      CU_POINTER_ATTRIBUTE_DEVICE_POINTER,   CU_POINTER_ATTRIBUTE_IS_MANAGED};
-    std::array<void*, 6> values{&memory_type, &ordinal,        &range_start,
-                                &range_size,  &device_pointer, &is_managed};
-    const CUresult status = driver_.pointer_get_attributes(
-      static_cast<unsigned int>(names.size()), names.data(), values.data(),
-      static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(ptr)));
+    std::array<CUpointer_attribute, 6> names{CU_POINTER_ATTRIBUTE_MEMORY_TYPE,      CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                                             CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                                             CU_POINTER_ATTRIBUTE_DEVICE_POINTER,   CU_POINTER_ATTRIBUTE_IS_MANAGED};
+    std::array<void*, 6> values{&memory_type, &ordinal, &range_start, &range_size, &device_pointer, &is_managed};
+    const CUresult status =
+      driver_.pointer_get_attributes(static_cast<unsigned int>(names.size()), names.data(), values.data(),
+                                     static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(ptr)));
     if (status != CUDA_SUCCESS) { throw_driver_error(status, "cuPointerGetAttributes", ptr); }
 
     pointer_attributes result;
@@ -296,14 +283,9 @@ class cuda_backend final : public backend {
   {
     const char* name = nullptr;
     const char* text = nullptr;
-    if (driver_.get_error_name(status, &name) != CUDA_SUCCESS || name == nullptr) {
-      name = "CUDA_ERROR_UNKNOWN";
-    }
-    if (driver_.get_error_string(status, &text) != CUDA_SUCCESS || text == nullptr) {
-      text = "unknown error";
-    }
-    throw device_error("cuda", name,
-                       fmt::format("{}({}) failed: {}: {}", call, fmt::ptr(arg), name, text));
+    if (driver_.get_error_name(status, &name) != CUDA_SUCCESS || name == nullptr) { name = "CUDA_ERROR_UNKNOWN"; }
+    if (driver_.get_error_string(status, &text) != CUDA_SUCCESS || text == nullptr) { text = "unknown error"; }
+    throw device_error("cuda", name, fmt::format("{}({}) failed: {}: {}", call, fmt::ptr(arg), name, text));
   }
 
   static void log_quietly(const char* call, cudaError_t status) noexcept
@@ -311,8 +293,7 @@ class cuda_backend final : public backend {
     if (status == cudaSuccess) { return; }
     (void)cudaGetLastError();
     if (is_shutdown_error(status)) { return; }
-    HANDOFF_LOG_ERROR("{} failed: {}: {}", call, cudaGetErrorName(status),
-                      cudaGetErrorString(status));
+    HANDOFF_LOG_ERROR("{} failed: {}: {}", call, cudaGetErrorName(status), cudaGetErrorString(status));
   }
 
   int device_count_{0};
@@ -321,6 +302,9 @@ class cuda_backend final : public backend {
 
 }  // namespace
 
-std::unique_ptr<backend> make_backend() { return std::make_unique<cuda_backend>(); }
+std::unique_ptr<backend> make_backend()
+{
+  return std::make_unique<cuda_backend>();
+}
 
 }  // namespace handoff::device::cuda

@@ -19,12 +19,12 @@
 
 #include <handoff/error.hpp>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/steady_timer.hpp>
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <array>
@@ -75,28 +75,21 @@ struct error_info {
 };
 
 constexpr std::array error_table{
-  error_info{sim_error::invalid_value, "cudaErrorInvalidValue", "hipErrorInvalidValue",
-             "invalid argument"},
-  error_info{sim_error::invalid_device, "cudaErrorInvalidDevice", "hipErrorInvalidDevice",
-             "invalid device ordinal"},
+  error_info{sim_error::invalid_value, "cudaErrorInvalidValue", "hipErrorInvalidValue", "invalid argument"},
+  error_info{sim_error::invalid_device, "cudaErrorInvalidDevice", "hipErrorInvalidDevice", "invalid device ordinal"},
   error_info{sim_error::invalid_handle, "cudaErrorInvalidResourceHandle", "hipErrorInvalidHandle",
              "invalid resource handle"},
-  error_info{sim_error::memory_allocation, "cudaErrorMemoryAllocation", "hipErrorOutOfMemory",
-             "out of memory"},
-  error_info{sim_error::capture_unsupported, "cudaErrorStreamCaptureUnsupported",
-             "hipErrorStreamCaptureUnsupported",
+  error_info{sim_error::memory_allocation, "cudaErrorMemoryAllocation", "hipErrorOutOfMemory", "out of memory"},
+  error_info{sim_error::capture_unsupported, "cudaErrorStreamCaptureUnsupported", "hipErrorStreamCaptureUnsupported",
              "operation not permitted when stream is capturing"},
-  error_info{sim_error::capture_invalidated, "cudaErrorStreamCaptureInvalidated",
-             "hipErrorStreamCaptureInvalidated",
+  error_info{sim_error::capture_invalidated, "cudaErrorStreamCaptureInvalidated", "hipErrorStreamCaptureInvalidated",
              "operation failed due to a previous error during capture"},
-  error_info{sim_error::capture_implicit, "cudaErrorStreamCaptureImplicit",
-             "hipErrorStreamCaptureImplicit",
+  error_info{sim_error::capture_implicit, "cudaErrorStreamCaptureImplicit", "hipErrorStreamCaptureImplicit",
              "operation would make the legacy stream depend on a capturing blocking stream"},
-  error_info{sim_error::capture_isolation, "cudaErrorStreamCaptureIsolation",
-             "hipErrorStreamCaptureIsolation",
+  error_info{sim_error::capture_isolation, "cudaErrorStreamCaptureIsolation", "hipErrorStreamCaptureIsolation",
              "dependency created on uncaptured work in another stream"},
-  error_info{sim_error::capture_unmatched, "cudaErrorStreamCaptureUnmatched",
-             "hipErrorStreamCaptureUnmatched", "capture was not initiated in this stream"},
+  error_info{sim_error::capture_unmatched, "cudaErrorStreamCaptureUnmatched", "hipErrorStreamCaptureUnmatched",
+             "capture was not initiated in this stream"},
   error_info{sim_error::captured_event, "cudaErrorCapturedEvent", "hipErrorCapturedEvent",
              "operation not permitted on an event last recorded in a capturing stream"},
   error_info{sim_error::illegal_state, "cudaErrorIllegalState", "hipErrorIllegalState",
@@ -138,12 +131,9 @@ constexpr std::array operation_table{
 };
 
 // Not injectable: they are noexcept (a failure there can only be logged).
-constexpr std::array<std::string_view, 3> quiet_operations{"destroy_stream", "destroy_event",
-                                                           "deallocate"};
-constexpr std::array<std::string_view, 3> quiet_calls_cuda{"cudaStreamDestroy", "cudaEventDestroy",
-                                                           "cudaFreeAsync"};
-constexpr std::array<std::string_view, 3> quiet_calls_hip{"hipStreamDestroy", "hipEventDestroy",
-                                                          "hipFreeAsync"};
+constexpr std::array<std::string_view, 3> quiet_operations{"destroy_stream", "destroy_event", "deallocate"};
+constexpr std::array<std::string_view, 3> quiet_calls_cuda{"cudaStreamDestroy", "cudaEventDestroy", "cudaFreeAsync"};
+constexpr std::array<std::string_view, 3> quiet_calls_hip{"hipStreamDestroy", "hipEventDestroy", "hipFreeAsync"};
 
 constexpr auto operation_keys = [] {
   std::array<std::string_view, operation_table.size()> keys{};
@@ -157,9 +147,7 @@ std::string_view call_name(std::string_view op, sim_flavour flavour) noexcept
     if (info.key == op) { return flavour == sim_flavour::cuda ? info.cuda_call : info.hip_call; }
   }
   for (std::size_t i = 0; i < quiet_operations.size(); ++i) {
-    if (quiet_operations[i] == op) {
-      return flavour == sim_flavour::cuda ? quiet_calls_cuda[i] : quiet_calls_hip[i];
-    }
+    if (quiet_operations[i] == op) { return flavour == sim_flavour::cuda ? quiet_calls_cuda[i] : quiet_calls_hip[i]; }
   }
   return op;
 }
@@ -172,9 +160,18 @@ std::string_view error_text(std::string_view name) noexcept
   return "injected fault";
 }
 
-std::uintptr_t raw(stream_handle h) noexcept { return static_cast<std::uintptr_t>(h); }
-std::uintptr_t raw(event_handle h) noexcept { return static_cast<std::uintptr_t>(h); }
-std::uintptr_t address(const void* p) noexcept { return reinterpret_cast<std::uintptr_t>(p); }
+std::uintptr_t raw(stream_handle h) noexcept
+{
+  return static_cast<std::uintptr_t>(h);
+}
+std::uintptr_t raw(event_handle h) noexcept
+{
+  return static_cast<std::uintptr_t>(h);
+}
+std::uintptr_t address(const void* p) noexcept
+{
+  return reinterpret_cast<std::uintptr_t>(p);
+}
 
 // ------------------------------------------------------------------------------------------------
 // The work graph.
@@ -371,8 +368,7 @@ struct fault {
 // ------------------------------------------------------------------------------------------------
 
 struct sim_backend::impl {
-  impl(int count, sim_flavour f)
-      : flavour(f), device_count(count), devices(static_cast<std::size_t>(count))
+  impl(int count, sim_flavour f) : flavour(f), device_count(count), devices(static_cast<std::size_t>(count))
   {
     for (int d = 0; d < count; ++d) {
       auto legacy = std::make_unique<stream_state>();
@@ -390,9 +386,7 @@ struct sim_backend::impl {
   ~impl()
   {
     pool.shutdown();  // pending frees need the table, so drain before anything is destroyed
-    for (auto& [base, info] : allocations) {
-      ::operator delete(reinterpret_cast<void*>(base), allocation_alignment);
-    }
+    for (auto& [base, info] : allocations) { ::operator delete(reinterpret_cast<void*>(base), allocation_alignment); }
   }
 
   // --- errors ------------------------------------------------------------------------------------
@@ -402,16 +396,14 @@ struct sim_backend::impl {
     return flavour == sim_flavour::cuda ? "sim" : "sim-rocm";
   }
 
-  [[nodiscard]] device_error make_error(std::string_view op, std::string_view args,
-                                        std::string_view error_name, std::string_view text) const
+  [[nodiscard]] device_error make_error(std::string_view op, std::string_view args, std::string_view error_name,
+                                        std::string_view text) const
   {
-    return device_error(
-      std::string(backend_name()), std::string(error_name),
-      fmt::format("{}({}) failed: {}: {}", call_name(op, flavour), args, error_name, text));
+    return device_error(std::string(backend_name()), std::string(error_name),
+                        fmt::format("{}({}) failed: {}: {}", call_name(op, flavour), args, error_name, text));
   }
 
-  [[noreturn]] void fail(std::string_view op, std::string_view args, sim_error code,
-                         std::string_view detail = {}) const
+  [[noreturn]] void fail(std::string_view op, std::string_view args, sim_error code, std::string_view detail = {}) const
   {
     for (const auto& info : error_table) {
       if (info.code == code) {
@@ -477,18 +469,14 @@ struct sim_backend::impl {
   stream_state& stream(std::string_view op, std::string_view args, stream_handle h)
   {
     auto* s = find_stream(raw(h));
-    if (s == nullptr) {
-      fail(op, args, sim_error::invalid_handle, fmt::format("no stream {:#x}", raw(h)));
-    }
+    if (s == nullptr) { fail(op, args, sim_error::invalid_handle, fmt::format("no stream {:#x}", raw(h))); }
     return *s;
   }
 
   event_state& event(std::string_view op, std::string_view args, event_handle h)
   {
     auto it = events.find(raw(h));
-    if (it == events.end()) {
-      fail(op, args, sim_error::invalid_handle, fmt::format("no event {:#x}", raw(h)));
-    }
+    if (it == events.end()) { fail(op, args, sim_error::invalid_handle, fmt::format("no event {:#x}", raw(h))); }
     return *it->second;
   }
 
@@ -519,8 +507,7 @@ struct sim_backend::impl {
   }
 
   /// Appends work to `s` with CUDA's implicit legacy-stream dependencies.
-  node_ptr enqueue_locked(stream_state& s, std::function<void()> body, nanoseconds delay,
-                          node_ptr extra)
+  node_ptr enqueue_locked(stream_state& s, std::function<void()> body, nanoseconds delay, node_ptr extra)
   {
     std::vector<node_ptr> deps;
     deps.push_back(s.tail);
@@ -537,8 +524,8 @@ struct sim_backend::impl {
   }
 
   /// The public entry point for stream work: checks, then captures or enqueues.
-  void enqueue(std::string_view op, std::string_view args, stream_handle h,
-               std::function<void()> body, nanoseconds delay)
+  void enqueue(std::string_view op, std::string_view args, stream_handle h, std::function<void()> body,
+               nanoseconds delay)
   {
     check_fault(op, args);
     std::lock_guard lock(mutex);
@@ -563,8 +550,7 @@ struct sim_backend::impl {
     return tails;
   }
 
-  void* allocate_locked(std::string_view op, std::string_view args, std::size_t bytes,
-                        memory_kind kind)
+  void* allocate_locked(std::string_view op, std::string_view args, std::size_t bytes, memory_kind kind)
   {
     if (bytes == 0) { return nullptr; }
     void* p = ::operator new(bytes, allocation_alignment, std::nothrow);
@@ -578,9 +564,7 @@ struct sim_backend::impl {
   void release_allocation(std::uintptr_t base) noexcept
   {
     std::lock_guard lock(mutex);
-    if (allocations.erase(base) != 0) {
-      ::operator delete(reinterpret_cast<void*>(base), allocation_alignment);
-    }
+    if (allocations.erase(base) != 0) { ::operator delete(reinterpret_cast<void*>(base), allocation_alignment); }
   }
 
   sim_flavour flavour;
@@ -607,16 +591,18 @@ struct sim_backend::impl {
 
 sim_backend::sim_backend(int device_count, sim_flavour flavour)
 {
-  HANDOFF_EXPECTS(
-    device_count >= 1 && device_count <= max_devices, value_error,
-    fmt::format("a simulated backend has 1 to {} devices, not {}", max_devices, device_count));
+  HANDOFF_EXPECTS(device_count >= 1 && device_count <= max_devices, value_error,
+                  fmt::format("a simulated backend has 1 to {} devices, not {}", max_devices, device_count));
   impl_ = std::make_unique<impl>(device_count, flavour);
   HANDOFF_LOG_DEBUG("{}: {} simulated devices", impl_->backend_name(), device_count);
 }
 
 sim_backend::~sim_backend() = default;
 
-std::string_view sim_backend::name() const noexcept { return impl_->backend_name(); }
+std::string_view sim_backend::name() const noexcept
+{
+  return impl_->backend_name();
+}
 
 DLDeviceType sim_backend::device_type() const noexcept
 {
@@ -686,8 +672,8 @@ void sim_backend::destroy_stream(stream_handle stream) noexcept
     std::lock_guard lock(impl_->mutex);
     auto it = impl_->streams.find(raw(stream));
     if (it == impl_->streams.end()) {
-      HANDOFF_LOG_ERROR("{}({:#x}) failed: not a created stream",
-                        call_name("destroy_stream", impl_->flavour), raw(stream));
+      HANDOFF_LOG_ERROR("{}({:#x}) failed: not a created stream", call_name("destroy_stream", impl_->flavour),
+                        raw(stream));
       return;
     }
     auto& dev = impl_->devices[static_cast<std::size_t>(it->second->device)];
@@ -794,8 +780,7 @@ void sim_backend::destroy_event(event_handle event) noexcept
   try {
     std::lock_guard lock(impl_->mutex);
     if (impl_->events.erase(raw(event)) == 0) {
-      HANDOFF_LOG_ERROR("{}({:#x}) failed: not an event",
-                        call_name("destroy_event", impl_->flavour), raw(event));
+      HANDOFF_LOG_ERROR("{}({:#x}) failed: not an event", call_name("destroy_event", impl_->flavour), raw(event));
     }
   } catch (...) {
     HANDOFF_LOG_ERROR("{}: destroy_event failed", name());
@@ -811,9 +796,8 @@ void sim_backend::record_event(event_handle event, stream_handle stream)
   auto& e = impl_->event(op, args, event);
   auto& s = impl_->stream(op, args, stream);
   if (e.device != s.device) {
-    impl_->fail(
-      op, args, sim_error::invalid_handle,
-      fmt::format("the event belongs to device {}, the stream to device {}", e.device, s.device));
+    impl_->fail(op, args, sim_error::invalid_handle,
+                fmt::format("the event belongs to device {}, the stream to device {}", e.device, s.device));
   }
   impl_->check_legacy_use(op, args, s);
   if (s.capture) {
@@ -863,9 +847,7 @@ void sim_backend::stream_wait_event(stream_handle stream, event_handle event)
   impl_->check_legacy_use(op, args, s);
   if (e.capture) {
     // Waiting on captured work forks the capture into this stream (CUDA's cross-stream capture).
-    if (s.capture && s.capture != e.capture) {
-      impl_->fail(op, args, sim_error::capture_isolation);
-    }
+    if (s.capture && s.capture != e.capture) { impl_->fail(op, args, sim_error::capture_isolation); }
     if (s.kind == stream_kind::legacy) { impl_->fail(op, args, sim_error::capture_implicit); }
     s.capture = e.capture;
     ++s.capture->operations;
@@ -923,8 +905,7 @@ void sim_backend::deallocate(void* ptr, stream_handle stream) noexcept
     auto* s = impl_->find_stream(raw(stream));
     if (s == nullptr) {
       // Kept in the table (freed with the backend) rather than freed under running work.
-      HANDOFF_LOG_ERROR("{}({}, {:#x}) failed: invalid stream; the memory is kept", call, ptr,
-                        raw(stream));
+      HANDOFF_LOG_ERROR("{}({}, {:#x}) failed: invalid stream; the memory is kept", call, ptr, raw(stream));
       return;
     }
     it->second.free_pending = true;
@@ -939,8 +920,7 @@ void sim_backend::deallocate(void* ptr, stream_handle stream) noexcept
 void sim_backend::copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream)
 {
   constexpr std::string_view op = "copy_async";
-  const auto args =
-    fmt::format("{}, {}, {}, cudaMemcpyDefault, {:#x}", dst, src, bytes, raw(stream));
+  const auto args = fmt::format("{}, {}, {}, cudaMemcpyDefault, {:#x}", dst, src, bytes, raw(stream));
   if (bytes != 0 && (dst == nullptr || src == nullptr)) {
     impl_->check_fault(op, args);
     impl_->fail(op, args, sim_error::invalid_value);
@@ -955,8 +935,7 @@ void sim_backend::copy_async(void* dst, const void* src, std::size_t bytes, stre
 void sim_backend::launch_host_func(stream_handle stream, void (*fn)(void*), void* user_data)
 {
   constexpr std::string_view op = "launch_host_func";
-  const auto args =
-    fmt::format("{:#x}, {}, {}", raw(stream), reinterpret_cast<void*>(fn), user_data);
+  const auto args = fmt::format("{:#x}, {}, {}", raw(stream), reinterpret_cast<void*>(fn), user_data);
   if (fn == nullptr) {
     impl_->check_fault(op, args);
     impl_->fail(op, args, sim_error::invalid_value);
@@ -966,7 +945,10 @@ void sim_backend::launch_host_func(stream_handle stream, void (*fn)(void*), void
 
 // --- simulation extras ---------------------------------------------------------------------------
 
-sim_flavour sim_backend::flavour() const noexcept { return impl_->flavour; }
+sim_flavour sim_backend::flavour() const noexcept
+{
+  return impl_->flavour;
+}
 
 std::span<const std::string_view> sim_backend::fault_operations() noexcept
 {
@@ -975,13 +957,11 @@ std::span<const std::string_view> sim_backend::fault_operations() noexcept
 
 void sim_backend::inject_fault(std::string operation, int count, std::string error_name)
 {
-  const bool known =
-    std::find(operation_keys.begin(), operation_keys.end(), operation) != operation_keys.end();
+  const bool known = std::find(operation_keys.begin(), operation_keys.end(), operation) != operation_keys.end();
   HANDOFF_EXPECTS(known, value_error,
-                  fmt::format("inject_fault: unknown operation '{}'; expected one of: {}",
-                              operation, fmt::join(operation_keys, ", ")));
-  HANDOFF_EXPECTS(count >= 0, value_error,
-                  fmt::format("inject_fault: count must be >= 0, got {}", count));
+                  fmt::format("inject_fault: unknown operation '{}'; expected one of: {}", operation,
+                              fmt::join(operation_keys, ", ")));
+  HANDOFF_EXPECTS(count >= 0, value_error, fmt::format("inject_fault: count must be >= 0, got {}", count));
   HANDOFF_EXPECTS(!error_name.empty(), value_error, "inject_fault: error_name must not be empty");
   std::lock_guard lock(impl_->fault_mutex);
   if (count == 0) {
@@ -1001,10 +981,9 @@ void sim_backend::enqueue_fill_bytes(stream_handle stream, void* dst, std::size_
                                      std::span<const std::byte> pattern, nanoseconds delay)
 {
   constexpr std::string_view op = "enqueue_fill";
-  const auto args = fmt::format("{:#x}, {}, {}, pattern of {} bytes, delay {}ns", raw(stream), dst,
-                                bytes, pattern.size(), delay.count());
-  if (pattern.empty() || bytes % pattern.size() != 0 || (bytes != 0 && dst == nullptr) ||
-      delay < nanoseconds::zero()) {
+  const auto args = fmt::format("{:#x}, {}, {}, pattern of {} bytes, delay {}ns", raw(stream), dst, bytes,
+                                pattern.size(), delay.count());
+  if (pattern.empty() || bytes % pattern.size() != 0 || (bytes != 0 && dst == nullptr) || delay < nanoseconds::zero()) {
     impl_->check_fault(op, args);
     impl_->fail(op, args, sim_error::invalid_value,
                 "bytes must be a multiple of a non-empty pattern, dst non-null, delay >= 0");
@@ -1014,9 +993,7 @@ void sim_backend::enqueue_fill_bytes(stream_handle stream, void* dst, std::size_
     op, args, stream,
     [dst, bytes, p = std::move(copy)] {
       auto* out = static_cast<std::byte*>(dst);
-      for (std::size_t at = 0; at < bytes; at += p.size()) {
-        std::memcpy(out + at, p.data(), p.size());
-      }
+      for (std::size_t at = 0; at < bytes; at += p.size()) { std::memcpy(out + at, p.data(), p.size()); }
     },
     delay);
 }
@@ -1042,9 +1019,7 @@ void sim_backend::begin_capture(stream_handle stream)
   if (s.kind == stream_kind::legacy) {
     impl_->fail(op, args, sim_error::capture_unsupported, "the legacy stream cannot be captured");
   }
-  if (s.capture) {
-    impl_->fail(op, args, sim_error::illegal_state, "the stream is already capturing");
-  }
+  if (s.capture) { impl_->fail(op, args, sim_error::illegal_state, "the stream is already capturing"); }
   s.capture = std::make_shared<capture_info>();
   s.capture->origin = &s;
 }
@@ -1056,9 +1031,7 @@ std::size_t sim_backend::end_capture(stream_handle stream)
   impl_->check_fault(op, args);
   std::lock_guard lock(impl_->mutex);
   auto& s = impl_->stream(op, args, stream);
-  if (!s.capture) {
-    impl_->fail(op, args, sim_error::illegal_state, "the stream is not capturing");
-  }
+  if (!s.capture) { impl_->fail(op, args, sim_error::illegal_state, "the stream is not capturing"); }
   if (s.capture->origin != &s) {
     s.capture->invalidated = true;
     impl_->fail(op, args, sim_error::capture_unmatched);
@@ -1119,6 +1092,9 @@ std::size_t sim_backend::live_allocations()
   return impl_->allocations.size();
 }
 
-sim_backend* as_sim(backend& b) noexcept { return dynamic_cast<sim_backend*>(&b); }
+sim_backend* as_sim(backend& b) noexcept
+{
+  return dynamic_cast<sim_backend*>(&b);
+}
 
 }  // namespace handoff::device

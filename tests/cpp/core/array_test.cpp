@@ -39,7 +39,9 @@ struct fake_producer {
     t.strides = strides.data();
     versioned.version = {1, 1};
     versioned.manager_ctx = this;
-    versioned.deleter = [](DLManagedTensorVersioned* self) { ++static_cast<fake_producer*>(self->manager_ctx)->deleted; };
+    versioned.deleter = [](DLManagedTensorVersioned* self) {
+      ++static_cast<fake_producer*>(self->manager_ctx)->deleted;
+    };
     versioned.dl_tensor = t;
     legacy.manager_ctx = this;
     legacy.deleter = [](DLManagedTensor* self) { ++static_cast<fake_producer*>(self->manager_ctx)->deleted; };
@@ -66,7 +68,9 @@ TEST_F(ArrayTest, ImportKeepsProducerUntilLastViewIsGone)
     EXPECT_EQ(view.nbytes(), 24);
     EXPECT_FALSE(view.readonly());
     array copy = view;
-    { array moved = std::move(view); }
+    {
+      array moved = std::move(view);
+    }
     EXPECT_EQ(p.deleted, 0);
   }
   EXPECT_EQ(p.deleted, 1);

@@ -9,10 +9,33 @@ using namespace handoff;
 
 TEST(DtypeTest, NamesRoundTrip)
 {
-  for (const char* name : {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
-                           "float32", "float64", "bfloat16", "complex32", "complex64", "complex128", "float8_e3m4",
-                           "float8_e4m3", "float8_e4m3b11fnuz", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
-                           "float8_e5m2fnuz", "float8_e8m0fnu", "float6_e2m3fn", "float6_e3m2fn", "float4_e2m1fn"}) {
+  for (const char* name : {"bool",
+                           "int8",
+                           "int16",
+                           "int32",
+                           "int64",
+                           "uint8",
+                           "uint16",
+                           "uint32",
+                           "uint64",
+                           "float16",
+                           "float32",
+                           "float64",
+                           "bfloat16",
+                           "complex32",
+                           "complex64",
+                           "complex128",
+                           "float8_e3m4",
+                           "float8_e4m3",
+                           "float8_e4m3b11fnuz",
+                           "float8_e4m3fn",
+                           "float8_e4m3fnuz",
+                           "float8_e5m2",
+                           "float8_e5m2fnuz",
+                           "float8_e8m0fnu",
+                           "float6_e2m3fn",
+                           "float6_e3m2fn",
+                           "float4_e2m1fn"}) {
     const auto dtype = dtype_from_name(name);
     ASSERT_TRUE(dtype.has_value()) << name;
     EXPECT_EQ(dtype_name(*dtype), name);
@@ -45,7 +68,7 @@ TEST(DtypeTest, Typestr)
   EXPECT_EQ(dtype_from_typestr(">i1"), *dtype_from_name("int8"));  // one byte has no byte order
   EXPECT_THROW((void)dtype_from_typestr(">f4"), buffer_error);
   EXPECT_THROW((void)dtype_from_typestr("|O8"), buffer_error);
-  EXPECT_THROW((void)dtype_from_typestr("|O"), buffer_error);       // NumPy's own, valid but not exchangeable
+  EXPECT_THROW((void)dtype_from_typestr("|O"), buffer_error);  // NumPy's own, valid but not exchangeable
   EXPECT_THROW((void)dtype_from_typestr("<M8[s]"), buffer_error);
   EXPECT_THROW((void)dtype_from_typestr("<f0"), value_error);
   EXPECT_THROW((void)dtype_from_typestr("<f3"), buffer_error);

@@ -30,7 +30,9 @@ TEST_F(EventPoolTest, ReturnedEventsAreReused)
 TEST_F(EventPoolTest, PoolsArePerDevice)
 {
   event_pool events{sim};
-  { const pooled_event e = events.acquire(0); }
+  {
+    const pooled_event e = events.acquire(0);
+  }
   sim.set_current_device(1);
   const auto before = stats();
   const pooled_event on_one = events.acquire(1);  // device 0's idle event must not be handed out

@@ -31,7 +31,10 @@ using namespace std::chrono_literals;
 constexpr auto delay = 200ms;
 constexpr std::size_t count = 1024;
 
-std::uintptr_t raw(stream_handle h) { return static_cast<std::uintptr_t>(h); }
+std::uintptr_t raw(stream_handle h)
+{
+  return static_cast<std::uintptr_t>(h);
+}
 
 #define EXPECT_DEVICE_ERROR(statement, expected_name)                   \
   do {                                                                  \
@@ -55,9 +58,7 @@ class DeviceTest : public ::testing::TestWithParam<std::string> {
     try {
       backend_ = make_backend(GetParam());
     } catch (const device_error& e) {
-      if (GetParam() == "cuda") {
-        GTEST_SKIP() << "no usable CUDA backend (" << e.error_name() << "): " << e.what();
-      }
+      if (GetParam() == "cuda") { GTEST_SKIP() << "no usable CUDA backend (" << e.error_name() << "): " << e.what(); }
       throw;
     }
   }
@@ -113,8 +114,7 @@ class DeviceTest : public ::testing::TestWithParam<std::string> {
 
   /// Enqueues on `s`: wait `wait`, then set `n` floats at `dst` to `value`. The sim has a fill;
   /// elsewhere a sleeping host function and a copy from a staging buffer do the same.
-  void delayed_fill(stream_handle s, float* dst, std::size_t n, float value,
-                    std::chrono::milliseconds wait)
+  void delayed_fill(stream_handle s, float* dst, std::size_t n, float value, std::chrono::milliseconds wait)
   {
     if (auto* simulated = sim()) {
       simulated->enqueue_fill(s, dst, n, value, wait);
@@ -122,8 +122,7 @@ class DeviceTest : public ::testing::TestWithParam<std::string> {
     }
     sleeps_.push_back(wait);
     b().launch_host_func(
-      s, [](void* d) { std::this_thread::sleep_for(*static_cast<std::chrono::milliseconds*>(d)); },
-      &sleeps_.back());
+      s, [](void* d) { std::this_thread::sleep_for(*static_cast<std::chrono::milliseconds*>(d)); }, &sleeps_.back());
     staging_.emplace_back(n, value);
     b().copy_async(dst, staging_.back().data(), n * sizeof(float), s);
   }
@@ -195,10 +194,9 @@ TEST_P(DeviceTest, SimNamesItsFlavour)
     (void)b().stream_device(stream_handle{0x1234});
   } catch (const device_error& e) {
     EXPECT_EQ(e.backend(), GetParam());
-    const std::string expected = rocm()
-                                   ? "hipStreamGetDevice(0x1234) failed: hipErrorInvalidHandle: "
-                                   : "cudaStreamGetDevice(0x1234) failed: "
-                                     "cudaErrorInvalidResourceHandle: ";
+    const std::string expected = rocm() ? "hipStreamGetDevice(0x1234) failed: hipErrorInvalidHandle: "
+                                        : "cudaStreamGetDevice(0x1234) failed: "
+                                          "cudaErrorInvalidResourceHandle: ";
     EXPECT_EQ(std::string(e.what()).rfind(expected, 0), 0U) << e.what();
   }
 }
@@ -341,8 +339,7 @@ TEST_P(DeviceTest, RecordingAnEventOfAnotherDeviceFails)
   const auto s0 = stream(true);
   EXPECT_EQ(b().stream_device(s1), 1);
   EXPECT_EQ(b().stream_device(s0), 0);
-  EXPECT_DEVICE_ERROR(b().record_event(e1, s0),
-                      err("cudaErrorInvalidResourceHandle", "hipErrorInvalidHandle"));
+  EXPECT_DEVICE_ERROR(b().record_event(e1, s0), err("cudaErrorInvalidResourceHandle", "hipErrorInvalidHandle"));
 
   // Waiting on another device's event is allowed and orders the work.
   delayed_fill(s1, data, count, 1.0f, delay);
@@ -414,8 +411,7 @@ TEST_P(DeviceTest, PointerAttributesComeFromTheAllocationTable)
     simulated->free_sync(pinned);
     simulated->free_sync(managed);
     EXPECT_EQ(b().attributes(managed).kind, memory_kind::unregistered);
-    EXPECT_DEVICE_ERROR(simulated->free_sync(managed),
-                        err("cudaErrorInvalidValue", "hipErrorInvalidValue"));
+    EXPECT_DEVICE_ERROR(simulated->free_sync(managed), err("cudaErrorInvalidValue", "hipErrorInvalidValue"));
   }
   b().set_current_device(0);
 }
@@ -495,9 +491,7 @@ TEST_P(DeviceTest, InjectedFaultsFailEachOperationOnce)
      }},
     {"end_capture",
      [&] {
-       if (b().stream_capture_status(capturing) == capture_status::none) {
-         s.begin_capture(capturing);
-       }
+       if (b().stream_capture_status(capturing) == capture_status::none) { s.begin_capture(capturing); }
        (void)s.end_capture(capturing);
      }},
     {"allocate_pinned_host", [&] { s.free_sync(s.allocate_pinned_host(64)); }},
@@ -508,8 +502,7 @@ TEST_P(DeviceTest, InjectedFaultsFailEachOperationOnce)
   const std::string name = err("cudaErrorLaunchFailure", "hipErrorLaunchFailure");
   for (const auto op : sim_backend::fault_operations()) {
     SCOPED_TRACE(std::string(op));
-    auto it =
-      std::find_if(calls.begin(), calls.end(), [&](const auto& c) { return c.first == op; });
+    auto it = std::find_if(calls.begin(), calls.end(), [&](const auto& c) { return c.first == op; });
     ASSERT_NE(it, calls.end()) << "no test call for injectable operation " << op;
     s.inject_fault(std::string(op), 1, name);
     try {
@@ -518,8 +511,7 @@ TEST_P(DeviceTest, InjectedFaultsFailEachOperationOnce)
     } catch (const device_error& error) {
       EXPECT_EQ(error.error_name(), name);
       EXPECT_EQ(error.backend(), GetParam());
-      EXPECT_NE(std::string(error.what()).find(") failed: " + name + ": "), std::string::npos)
-        << error.what();
+      EXPECT_NE(std::string(error.what()).find(") failed: " + name + ": "), std::string::npos) << error.what();
     }
     EXPECT_NO_THROW(it->second()) << op << " should succeed once the fault is spent";
   }
@@ -554,8 +546,7 @@ TEST_P(DeviceTest, CaptureForbidsTheLegacyStream)
   const auto legacy = b().legacy_default_stream();
   const auto blocking = stream(false);
   float* data = floats(16, 0.0f);
-  const std::string implicit =
-    err("cudaErrorStreamCaptureImplicit", "hipErrorStreamCaptureImplicit");
+  const std::string implicit = err("cudaErrorStreamCaptureImplicit", "hipErrorStreamCaptureImplicit");
 
   s.begin_capture(blocking);
   EXPECT_EQ(b().stream_capture_status(blocking), capture_status::active);
@@ -585,10 +576,8 @@ TEST_P(DeviceTest, CaptureForbidsSynchronizationAndDefersWork)
   REQUIRE_SIM();
   auto& s = *sim();
   const auto capturing = stream(true);
-  const std::string unsupported =
-    err("cudaErrorStreamCaptureUnsupported", "hipErrorStreamCaptureUnsupported");
-  const std::string invalidated =
-    err("cudaErrorStreamCaptureInvalidated", "hipErrorStreamCaptureInvalidated");
+  const std::string unsupported = err("cudaErrorStreamCaptureUnsupported", "hipErrorStreamCaptureUnsupported");
+  const std::string invalidated = err("cudaErrorStreamCaptureInvalidated", "hipErrorStreamCaptureInvalidated");
 
   s.begin_capture(capturing);
   EXPECT_DEVICE_ERROR(b().synchronize_stream(capturing), unsupported);
@@ -603,13 +592,11 @@ TEST_P(DeviceTest, CaptureForbidsSynchronizationAndDefersWork)
   std::atomic<int> calls{0};
   const auto e = event();
   s.begin_capture(capturing);
-  EXPECT_DEVICE_ERROR(s.begin_capture(capturing),
-                      err("cudaErrorIllegalState", "hipErrorIllegalState"));
+  EXPECT_DEVICE_ERROR(s.begin_capture(capturing), err("cudaErrorIllegalState", "hipErrorIllegalState"));
   b().launch_host_func(
     capturing, [](void* c) { static_cast<std::atomic<int>*>(c)->fetch_add(1); }, &calls);
   b().record_event(e, capturing);
-  EXPECT_DEVICE_ERROR((void)b().query_event(e),
-                      err("cudaErrorCapturedEvent", "hipErrorCapturedEvent"));
+  EXPECT_DEVICE_ERROR((void)b().query_event(e), err("cudaErrorCapturedEvent", "hipErrorCapturedEvent"));
   // A stream that waits on captured work joins the capture (fork), and leaves it at the end.
   const auto forked = stream(true);
   b().stream_wait_event(forked, e);
@@ -629,8 +616,7 @@ TEST_P(DeviceTest, CaptureForbidsSynchronizationAndDefersWork)
   b().record_event(e, capturing);  // recorded outside a capture again
   b().synchronize_event(e);
   EXPECT_TRUE(b().query_event(e));
-  EXPECT_DEVICE_ERROR((void)s.end_capture(capturing),
-                      err("cudaErrorIllegalState", "hipErrorIllegalState"));
+  EXPECT_DEVICE_ERROR((void)s.end_capture(capturing), err("cudaErrorIllegalState", "hipErrorIllegalState"));
 }
 
 // --- lifetime and threads ----------------------------------------------------------------------
@@ -672,19 +658,16 @@ TEST_P(DeviceTest, ConcurrentProducersAndConsumersStayOrdered)
       const auto e = b().create_event();
       for (int r = 1; r <= rounds; ++r) {
         if (auto* simulated = sim()) {
-          simulated->enqueue_fill(producer, buffers[static_cast<std::size_t>(t)], n,
-                                  static_cast<float>(r), 2ms);
+          simulated->enqueue_fill(producer, buffers[static_cast<std::size_t>(t)], n, static_cast<float>(r), 2ms);
         } else {
           std::vector<float> values(n, static_cast<float>(r));
-          b().copy_async(buffers[static_cast<std::size_t>(t)], values.data(), n * sizeof(float),
-                         producer);
+          b().copy_async(buffers[static_cast<std::size_t>(t)], values.data(), n * sizeof(float), producer);
           b().synchronize_stream(producer);
         }
         b().record_event(e, producer);
         b().stream_wait_event(consumer, e);
         std::vector<float> out(n);
-        b().copy_async(out.data(), buffers[static_cast<std::size_t>(t)], n * sizeof(float),
-                       consumer);
+        b().copy_async(out.data(), buffers[static_cast<std::size_t>(t)], n * sizeof(float), consumer);
         b().synchronize_stream(consumer);
         if (!all_equal(out, static_cast<float>(r))) { failures.fetch_add(1); }
       }
