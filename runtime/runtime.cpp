@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -64,9 +65,15 @@ started_backend start_with_context()
   return s;
 }
 
+std::atomic<bool> backend_started{false};
+
 const started_backend& started()
 {
-  static const started_backend instance = start_with_context();
+  static const started_backend instance = [] {
+    started_backend s = start_with_context();
+    backend_started.store(true, std::memory_order_release);
+    return s;
+  }();
   return instance;
 }
 
@@ -103,6 +110,11 @@ context* active_context()
 {
   (void)active_backend();  // throws when a named backend failed to start
   return started().exchange.get();
+}
+
+context* started_context() noexcept
+{
+  return backend_started.load(std::memory_order_acquire) ? started().exchange.get() : nullptr;
 }
 
 context& require_context(const char* what)

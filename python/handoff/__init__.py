@@ -17,6 +17,13 @@ from ._handoff import (
 )
 from ._streams import Stream, as_stream, current_stream, stream
 
+import atexit as _atexit
+
+from ._handoff import _drain_deferred_releases
+
+# Releases waiting for a consumer stream run producers' deleters; let them run while Python is alive.
+_atexit.register(_drain_deferred_releases)
+
 __all__ = [
     "Array",
     "DeviceError",

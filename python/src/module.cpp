@@ -80,6 +80,15 @@ PYBIND11_MODULE(_handoff, m)
 
   m.def("stats", &stats_dict, "Exchange counters since the last reset_stats().");
   m.def("reset_stats", &reset_stats, "Zeroes the counters (live_views keeps counting what is alive).");
+  m.def(
+    "_drain_deferred_releases",
+    [] {
+      if (context* ctx = started_context()) {
+        const py::gil_scoped_release unlocked;  // the releases may need the GIL themselves
+        ctx->drain();
+      }
+    },
+    "Waits for stream-ordered releases still pending (run at exit, while Python is alive).");
   m.def("runtime_info", &runtime_info, "Backend, device count and versions.");
   m.def(
     "_classify_stream",

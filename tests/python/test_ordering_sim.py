@@ -348,3 +348,40 @@ def test_copy_false_to_the_host_is_refused():
         source.__dlpack__(dl_device=(1, 0), copy=False, max_version=(1, 1))
     with pytest.raises(BufferError, match="unreachable"):
         source.__dlpack__(dl_device=(DEVICE_TYPE, 1), max_version=(1, 1))
+
+
+@pytest.mark.skipif(ROCM, reason="uses the CUDA Array Interface")
+def test_exit_runs_pending_releases_while_python_is_alive():
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    program = textwrap.dedent(
+        """
+        import handoff
+        from handoff import sim
+
+        class Producer:
+            def __init__(self, array):
+                self.array = array
+                self.__cuda_array_interface__ = array.__cuda_array_interface__
+            def __del__(self):
+                print("released", flush=True)
+
+        consumer = sim.Stream(non_blocking=True)
+        view = handoff.asarray(Producer(sim.zeros(1024)), stream=consumer)
+        sim.fill(view, 1.0, stream=consumer, delay=0.3)
+        del view  # the release now waits for the consumer stream; the interpreter exits first
+        print("exiting", flush=True)
+        """
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "HANDOFF_BACKEND": BACKEND},
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["exiting", "released"]

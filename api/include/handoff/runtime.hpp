@@ -38,6 +38,9 @@ struct runtime_description {
 /// @throws device_error as active_backend() does.
 [[nodiscard]] context* active_context();
 
+/// The context if a backend has started (never starts one); nullptr otherwise.
+[[nodiscard]] context* started_context() noexcept;
+
 /// Like active_context(), but a missing backend is an error naming what needed one.
 [[nodiscard]] context& require_context(const char* what);
 
