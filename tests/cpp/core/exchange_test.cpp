@@ -1,0 +1,164 @@
+// The exchange rules on the simulated device: export ordering, import binding, device copies,
+// and many threads exchanging at once (run under ThreadSanitizer by the test command).
+#include <handoff/error.hpp>
+#include <handoff/exchange.hpp>
+#include <handoff/stats.hpp>
+
+#include "core/sim_fixture.hpp"
+#include "service/service_thread.hpp"
+
+#include <atomic>
+#include <thread>
+
+namespace {
+
+using namespace handoff;
+using handoff::testing::SimTest;
+
+class ExchangeTest : public SimTest {
+ protected:
+  context ctx{sim, std::make_unique<detail::service_thread>()};
+
+  // A view of `data` (n floats on `device`) whose producer frees nothing: the fixture owns it.
+  array view_of(float* data, int device)
+  {
+    array_layout layout;
+    layout.data = data;
+    layout.device = {kDLCUDA, device};
+    layout.dtype = {kDLFloat, 32, 1};
+    layout.shape = std::vector<std::int64_t>{static_cast<std::int64_t>(n)};
+    layout.strides = std::vector<std::int64_t>{1};
+    return array{std::move(layout), producer_ref{[] {}}};
+  }
+
+  static stream_request on(device::stream_handle s) { return {stream_order::handle, static_cast<std::uintptr_t>(s)}; }
+};
+
+TEST_F(ExchangeTest, ExportOrdersTheStreamTheDataIsReadyOn)
+{
+  float* data = allocate_on(0);
+  const auto producer = stream_on(0);
+  const auto consumer = stream_on(0);
+  const array view = view_of(data, 0);
+  sim.enqueue_fill(producer, data, n, 1.0F, slow);
+  view.owner().set_ready_on({&ctx, 0, producer});
+  order_export(&ctx, view, on(consumer));
+  EXPECT_EQ(read(data, consumer).front(), 1.0F);
+}
+
+TEST_F(ExchangeTest, NegativeControlNoOrderingRequestedSeesStaleData)
+{
+  float* data = allocate_on(0);
+  const auto producer = stream_on(0);
+  const auto consumer = stream_on(0);
+  const array view = view_of(data, 0);
+  sim.enqueue_fill(producer, data, n, 1.0F, slow);
+  view.owner().set_ready_on({&ctx, 0, producer});
+  order_export(&ctx, view, {stream_order::none, 0});
+  EXPECT_EQ(read(data, consumer).front(), 0.0F);
+  sim.synchronize_device();
+}
+
+TEST_F(ExchangeTest, WithoutAKnownProducerStreamTheDefaultStreamIsOrdered)
+{
+  float* data = allocate_on(0);
+  const auto consumer = stream_on(0);
+  const array view = view_of(data, 0);
+  sim.enqueue_fill(sim.legacy_default_stream(), data, n, 4.0F, slow);
+  order_export(&ctx, view, on(consumer));
+  EXPECT_EQ(read(data, consumer).front(), 4.0F);
+}
+
+TEST_F(ExchangeTest, AViewClaimingAnotherDeviceIsRefused)
+{
+  float* data = allocate_on(1);
+  const array lying = view_of(data, 0);  // the memory belongs to device 1
+  EXPECT_THROW((void)owning_device(ctx, lying), value_error);
+  EXPECT_THROW(order_export(&ctx, lying, on(stream_on(0))), value_error);
+}
+
+TEST_F(ExchangeTest, OrderingWithoutABackendIsADeviceError)
+{
+  const array view = view_of(allocate_on(0), 0);
+  EXPECT_THROW(order_export(nullptr, view, {stream_order::legacy_default, 0}), device_error);
+  EXPECT_NO_THROW(order_export(nullptr, view, {stream_order::none, 0}));
+}
+
+TEST_F(ExchangeTest, ResolvesDlpackRequestsToStreams)
+{
+  EXPECT_EQ(resolve_stream(sim, {stream_order::none, 0}), std::nullopt);
+  EXPECT_EQ(resolve_stream(sim, {stream_order::legacy_default, 0}), sim.legacy_default_stream());
+  EXPECT_EQ(resolve_stream(sim, {stream_order::per_thread_default, 0}), sim.per_thread_default_stream());
+  EXPECT_EQ(resolve_stream(sim, {stream_order::handle, 77}), static_cast<device::stream_handle>(77));
+}
+
+TEST_F(ExchangeTest, BindImportMakesTheConsumerTheReadyStreamAndDefersRelease)
+{
+  float* data = allocate_on(0);
+  const auto consumer = stream_on(0);
+  std::atomic<bool> released{false};
+  {
+    array_layout layout = view_of(data, 0).layout();
+    const array view{std::move(layout), producer_ref{[&] { released = true; }}};
+    bind_import(ctx, view, 0, consumer);
+    ASSERT_TRUE(view.owner().ready_on().has_value());
+    EXPECT_EQ(view.owner().ready_on()->stream, consumer);
+    sim.enqueue_sleep(consumer, slow);
+  }
+  EXPECT_FALSE(released.load());
+  ctx.drain();
+  EXPECT_TRUE(released.load());
+}
+
+TEST_F(ExchangeTest, DeviceCopiesFollowThePendingWrite)
+{
+  float* data = allocate_on(0);
+  const auto producer = stream_on(0);
+  const array view = view_of(data, 0);
+  sim.enqueue_fill(producer, data, n, 8.0F, slow);
+  view.owner().set_ready_on({&ctx, 0, producer});
+
+  const array host = copy_device_array(ctx, view, /*to_host=*/true);
+  EXPECT_EQ(host.device().device_type, kDLCPU);
+  EXPECT_EQ(static_cast<const float*>(host.data())[n - 1], 8.0F);
+
+  const array copy = copy_device_array(ctx, view, /*to_host=*/false);
+  EXPECT_NE(copy.data(), view.data());
+  EXPECT_EQ(copy.owner().ready_on()->stream, producer);
+  EXPECT_EQ(read(static_cast<const float*>(copy.data()), producer).front(), 8.0F);
+}
+
+TEST_F(ExchangeTest, ManyThreadsExchangeAtOnce)
+{
+  constexpr int threads = 8;
+  constexpr int rounds = 50;
+  std::vector<float*> buffers;
+  for (int t = 0; t < threads; ++t) { buffers.push_back(allocate_on(t % 2)); }
+  const auto before = stats();
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> workers;
+  for (int t = 0; t < threads; ++t) {
+    workers.emplace_back([&, t] {
+      const int device = t % 2;
+      const auto producer = stream_on(device);
+      const auto consumer = stream_on(device);
+      for (int round = 0; round < rounds; ++round) {
+        float* data = buffers[static_cast<std::size_t>(t)];
+        const array view = view_of(data, device);
+        sim.enqueue_fill(producer, data, n, static_cast<float>(round));
+        view.owner().set_ready_on({&ctx, device, producer});
+        order_export(&ctx, view, on(consumer));  // from the data's device, whatever is current
+        bind_import(ctx, view, device, consumer);
+        if (read(data, consumer).back() != static_cast<float>(round)) { ++wrong; }
+      }
+      sim.synchronize_stream(producer);
+    });
+  }
+  for (auto& w : workers) { w.join(); }
+  ctx.drain();
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_EQ(stats().waits_inserted - before.waits_inserted, static_cast<std::uint64_t>(threads * rounds));
+  EXPECT_LE(stats().events_created - before.events_created, 16U);
+}
+
+}  // namespace
