@@ -4,6 +4,7 @@
 #include "py_array.hpp"
 #include "py_support.hpp"
 
+#include <handoff/device_guard.hpp>
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
@@ -38,29 +39,20 @@ active_sim require_sim()
   return {ctx, *sim};
 }
 
-// Makes `device` current for a scope.
+// Makes `device` current for a scope, after checking that the simulated backend has it.
 class current_device {
  public:
-  current_device(sim_backend& sim, int device) : sim_(sim), previous_(sim.current_device())
+  current_device(sim_backend& sim, int device) : guard_(checked(sim, device), device) {}
+
+ private:
+  static sim_backend& checked(sim_backend& sim, int device)
   {
     HANDOFF_EXPECTS(device >= 0 && device < sim.device_count(), value_error,
                     fmt::format("device {} does not exist (the simulated backend has {})", device, sim.device_count()));
-    sim_.set_current_device(device);
-  }
-  current_device(const current_device&) = delete;
-  current_device& operator=(const current_device&) = delete;
-  current_device(current_device&&) = delete;
-  current_device& operator=(current_device&&) = delete;
-  ~current_device()
-  {
-    try {
-      sim_.set_current_device(previous_);
-    } catch (...) {}
+    return sim;
   }
 
- private:
-  sim_backend& sim_;
-  int previous_;
+  device_guard guard_;
 };
 
 // An owning simulated stream.

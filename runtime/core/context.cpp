@@ -1,7 +1,7 @@
 #include <handoff/context.hpp>
+#include <handoff/device_guard.hpp>
 #include <handoff/stats.hpp>
 
-#include "core/device_guard.hpp"
 #include "log/logger.hpp"
 
 namespace handoff {
@@ -16,7 +16,7 @@ context::~context()
   try {
     const int devices = backend_.device_count();
     for (int device = 0; device < devices; ++device) {
-      detail::device_guard on{backend_, device};
+      device_guard on{backend_, device};
       backend_.synchronize_device();
     }
   } catch (const std::exception& e) {
@@ -73,7 +73,7 @@ void context::release_after(int device, device::stream_handle stream, std::funct
       std::lock_guard lock{pending_mutex_};
       ++pending_;
     }
-    detail::device_guard on_owner{backend_, device};
+    device_guard on_owner{backend_, device};
     backend_.launch_host_func(stream, &pending_release::on_stream_reached, pending.get());
     (void)pending.release();  // owned by the stream's host function now
     count(counter::deferred_releases);
@@ -84,7 +84,7 @@ void context::release_after(int device, device::stream_handle stream, std::funct
   }
   if (!pending) {  // could not even allocate: wait here, never release early (pending_ untouched)
     try {
-      detail::device_guard on_owner{backend_, device};
+      device_guard on_owner{backend_, device};
       backend_.synchronize_stream(stream);
     } catch (...) {}
     release();
@@ -95,7 +95,7 @@ void context::release_after(int device, device::stream_handle stream, std::funct
   try {
     deferred_->post([this, device, stream, job]() noexcept {
       try {
-        detail::device_guard on_owner{backend_, device};
+        device_guard on_owner{backend_, device};
         backend_.synchronize_stream(stream);
       } catch (const std::exception& e) {
         HANDOFF_LOG_ERROR("deferred release: synchronizing stream {:#x} failed ({}); releasing",

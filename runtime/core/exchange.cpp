@@ -1,8 +1,7 @@
+#include <handoff/device_guard.hpp>
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
 #include <handoff/stream.hpp>
-
-#include "core/device_guard.hpp"
 
 #include <fmt/format.h>
 
@@ -104,7 +103,7 @@ array copy_device_array(context& ctx, const array& view, bool to_host)
   device::backend& backend = ctx.backend();
   const int device = owning_device(ctx, view);
   const auto ready = view.owner().ready_on();
-  detail::device_guard on_owner{backend, device};
+  device_guard on_owner{backend, device};
   const auto stream = ready && ready->ctx == &ctx ? ready->stream : backend.legacy_default_stream();
   if (view.size() == 0) {
     array_layout empty = view.layout();

@@ -1,9 +1,9 @@
+#include <handoff/device_guard.hpp>
 #include <handoff/error.hpp>
 #include <handoff/event_pool.hpp>
 #include <handoff/stats.hpp>
 #include <handoff/stream.hpp>
 
-#include "core/device_guard.hpp"
 #include "log/logger.hpp"
 
 #include <fmt/format.h>
@@ -31,7 +31,7 @@ void stream_view::wait(stream_view producer, int device, event_pool& events) con
     count(counter::waits_elided);
     return;
   }
-  detail::device_guard on_owner{b, device};  // default streams now resolve on the data's device
+  device_guard on_owner{b, device};  // default streams now resolve on the data's device
   const auto legacy = b.legacy_default_stream();
   const bool producer_legacy = producer.handle_ == legacy;
   const bool consumer_legacy = handle_ == legacy;

@@ -1,10 +1,12 @@
-// Private: makes a device current for a scope and restores the previous one.
+// device_guard: makes a device current for a scope and restores the previous one.
 #pragma once
 
 #include <handoff/device.hpp>
 
-namespace handoff::detail {
+namespace handoff {
 
+/// Makes `device` current on the calling thread for the guard's scope (a no-op when it already is),
+/// then restores the previous device; the restore never throws.
 class device_guard {
  public:
   /// @throws device_error when the device cannot be made current.
@@ -32,4 +34,4 @@ class device_guard {
   bool switched_{false};
 };
 
-}  // namespace handoff::detail
+}  // namespace handoff
