@@ -93,10 +93,11 @@ device::backend& require_backend(const char* what)
   device::backend* b = active_backend();
   if (b == nullptr) {
     const auto& s = started();
-    throw device_error("none", "handoffErrorNoBackend",
-                       fmt::format("{} needs a device backend, and none is active (HANDOFF_BACKEND={}{})", what,
-                                   std::getenv("HANDOFF_BACKEND") ? std::getenv("HANDOFF_BACKEND") : "auto",
-                                   s.error.empty() ? "" : fmt::format("; {}", s.error)));
+    const char* requested = std::getenv("HANDOFF_BACKEND");
+    throw device_error(
+      "none", "handoffErrorNoBackend",
+      fmt::format("{} needs a device backend, and none is active (HANDOFF_BACKEND={}{})", what,
+                  requested != nullptr ? requested : "auto", s.error.empty() ? "" : fmt::format("; {}", s.error)));
   }
   return *b;
 }

@@ -50,38 +50,32 @@ PyObject* plain_dlpack_method(PyObject* x)
   return method != nullptr && PyType_HasFeature(Py_TYPE(method), Py_TPFLAGS_METHOD_DESCRIPTOR) ? method : nullptr;
 }
 
-// The consumer stream for this import: the argument, else the enclosing handoff.stream block.
+// The consumer stream for this import, resolved once: the argument, else the enclosing
+// handoff.stream block. None, an int in DLPack's convention (checked), or a handoff.Stream; any
+// other object goes through handoff.as_stream (TypeError for non-streams).
 py::object consumer_stream(py::handle stream)
 {
-  if (!stream.is_none()) { return py::reinterpret_borrow<py::object>(stream); }
-  PyObject* value = nullptr;
-  if (PyContextVar_Get(cached.stream_var, nullptr, &value) != 0) { throw py::error_already_set(); }
-  return value != nullptr ? py::reinterpret_steal<py::object>(value) : py::object(py::none());
-}
-
-// Refuses a `stream` argument that is no stream at all, whatever the producer's device: an int
-// (DLPack's conventions; bool is not one) or a stream object handoff.as_stream accepts.
-void check_consumer_stream(py::handle stream)
-{
-  if (stream.is_none()) { return; }
+  if (stream.is_none()) {
+    PyObject* value = nullptr;
+    if (PyContextVar_Get(cached.stream_var, nullptr, &value) != 0) { throw py::error_already_set(); }
+    if (value == nullptr) { return py::none(); }
+    return py::reinterpret_steal<py::object>(value);  // the block stored a handoff.Stream
+  }
   if (PyLong_Check(stream.ptr()) != 0) {
     (void)stream_argument(stream);  // bool and range checks
-    return;
+    return py::reinterpret_borrow<py::object>(stream);
   }
   HANDOFF_EXPECTS(cached.as_stream != nullptr, type_error, "stream objects need the handoff package");
-  (void)py::reinterpret_borrow<py::object>(cached.as_stream)(stream);  // TypeError for non-streams
+  return py::reinterpret_borrow<py::object>(cached.as_stream)(stream);  // TypeError for non-streams
 }
 
-// The `stream` value to hand to a producer on `device` for consumer stream `stream` (an int in
-// DLPack's convention, or a stream object).
+// The `stream` value to hand to a producer on `device` for a consumer stream from consumer_stream().
 py::object producer_stream_argument(py::handle stream, DLDeviceType device)
 {
   if (stream.is_none() || (!is_cuda_device(device) && !is_rocm_device(device))) { return py::none(); }
   if (PyLong_Check(stream.ptr())) { return py::reinterpret_borrow<py::object>(stream); }
-  // A stream object: its raw handle, with CUDA's legacy default (handle 0) spelled 1 as DLPack asks.
-  HANDOFF_EXPECTS(cached.as_stream != nullptr, type_error, "stream objects need the handoff package");
-  const py::object resolved = py::reinterpret_borrow<py::object>(cached.as_stream)(stream);
-  const auto handle = resolved.attr("handle").cast<long long>();
+  // A handoff.Stream: its raw handle, with CUDA's legacy default (handle 0) spelled 1 as DLPack asks.
+  const auto handle = stream.attr("handle").cast<long long>();
   return py::int_(is_cuda_device(device) && handle == 0 ? 1 : handle);
 }
 
@@ -171,10 +165,10 @@ void bind_to_consumer(const array& view, py::handle consumer)
   bind_import(*ctx, view, owning_device(*ctx, view), *stream);
 }
 
-// The DLPack stream value of the consumer stream for data on `device` (None: the default).
-std::optional<std::int64_t> consumer_value(py::handle stream, DLDeviceType device)
+// The DLPack stream value of a consumer stream from consumer_stream() for data on `device`
+// (nullopt: the default).
+std::optional<std::int64_t> consumer_value(py::handle consumer, DLDeviceType device)
 {
-  const py::object consumer = consumer_stream(stream);
   return consumer.is_none() ? std::nullopt : stream_argument(producer_stream_argument(consumer, device));
 }
 
@@ -262,12 +256,11 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
       return wrap(std::move(view));
     }
   }
-  check_consumer_stream(stream);
+  const py::object consumer = consumer_stream(stream);
   const auto target = device_argument(device, "device");
   const auto want_copy = copy_argument(copy);
   if (PyCapsule_CheckExact(x.ptr())) {
     array view = consume_capsule(x);
-    const py::object consumer = consumer_stream(stream);
     bind_to_consumer(view, consumer.is_none() ? py::object(py::none())
                                               : producer_stream_argument(consumer, view.device().device_type));
     return finish(std::move(view), target, want_copy, false);
@@ -275,7 +268,6 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
   HANDOFF_EXPECTS(
     has_dlpack(x.ptr()), type_error,
     fmt::format("from_dlpack: {} object has no __dlpack__ method and is not a DLPack capsule", type_name(x)));
-  const py::object consumer = consumer_stream(stream);
   const py::object producer_arg =
     consumer.is_none() ? py::object(py::none()) : producer_stream_argument(consumer, producer_device(x));
   if (PyLong_Check(producer_arg.ptr())) { (void)stream_argument(producer_arg); }  // bool/range checks
@@ -304,11 +296,11 @@ py::object asarray(py::handle x, py::handle device, py::handle copy, py::handle 
       dlpack_refused = std::current_exception();
     }
   }
-  check_consumer_stream(stream);
+  const py::object consumer = consumer_stream(stream);
   const auto target = device_argument(device, "device");
   const auto want_copy = copy_argument(copy);
   if (py::object cai = py::getattr(x, "__cuda_array_interface__", py::none()); !cai.is_none()) {
-    return finish(import_cuda_array_interface(x, cai, consumer_value(stream, kDLCUDA)), target, want_copy, false);
+    return finish(import_cuda_array_interface(x, cai, consumer_value(consumer, kDLCUDA)), target, want_copy, false);
   }
   if (py::object ai = py::getattr(x, "__array_interface__", py::none()); !ai.is_none()) {
     return finish(import_array_interface(x, ai), target, want_copy, false);

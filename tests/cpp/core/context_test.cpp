@@ -4,19 +4,15 @@
 #include <handoff/stats.hpp>
 
 #include "core/sim_fixture.hpp"
-#include "service/service_thread.hpp"
 
 #include <atomic>
 
 namespace {
 
 using namespace handoff;
-using handoff::testing::SimTest;
+using handoff::testing::SimContextTest;
 
-class ContextTest : public SimTest {
- protected:
-  context ctx{sim, std::make_unique<detail::service_thread>()};
-};
+using ContextTest = SimContextTest;
 
 TEST_F(ContextTest, ReleaseWaitsForTheConsumerStream)
 {

@@ -5,7 +5,6 @@
 #include <handoff/stats.hpp>
 
 #include "core/sim_fixture.hpp"
-#include "service/service_thread.hpp"
 
 #include <atomic>
 #include <thread>
@@ -13,12 +12,10 @@
 namespace {
 
 using namespace handoff;
-using handoff::testing::SimTest;
+using handoff::testing::SimContextTest;
 
-class ExchangeTest : public SimTest {
+class ExchangeTest : public SimContextTest {
  protected:
-  context ctx{sim, std::make_unique<detail::service_thread>()};
-
   // A view of `data` (n floats on `device`) whose producer frees nothing: the fixture owns it.
   array view_of(float* data, int device)
   {

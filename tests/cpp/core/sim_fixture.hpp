@@ -1,7 +1,10 @@
 // A simulated two-device backend with helpers to write and read device floats.
 #pragma once
 
+#include <handoff/context.hpp>
 #include <handoff/sim.hpp>
+
+#include "service/service_thread.hpp"
 
 #include <gtest/gtest.h>
 
@@ -47,6 +50,12 @@ class SimTest : public ::testing::Test {
     sim.synchronize_stream(stream);
     return host;
   }
+};
+
+/// SimTest with the exchange context (event pool, deferred releases) of its backend.
+class SimContextTest : public SimTest {
+ protected:
+  context ctx{sim, std::make_unique<detail::service_thread>()};
 };
 
 }  // namespace handoff::testing
