@@ -1,6 +1,7 @@
 // handoff._handoff: the extension module. It only binds; the logic lives in the runtime.
 #include "py_array.hpp"
 #include "py_exchange.hpp"
+#include "py_gil.hpp"
 #include "py_interfaces.hpp"
 #include "py_sim.hpp"
 
@@ -74,6 +75,7 @@ PYBIND11_MODULE(_handoff, m)
   // Each C++ exception type maps to exactly one Python exception type.
   py::register_exception_translator([](std::exception_ptr thrown) { translate_exception(thrown); });
 
+  set_finalizing_thread(py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>());
   bind_array(m);
   init_exchange(m);
   bind_sim(m);
@@ -84,8 +86,7 @@ PYBIND11_MODULE(_handoff, m)
     "_drain_deferred_releases",
     [] {
       if (context* ctx = started_context()) {
-        const py::gil_scoped_release unlocked;  // the releases may need the GIL themselves
-        ctx->drain();
+        without_gil([ctx] { ctx->drain(); });  // the releases may need the GIL themselves
       }
     },
     "Waits for stream-ordered releases still pending (run at exit, while Python is alive).");

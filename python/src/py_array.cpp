@@ -141,21 +141,22 @@ export_copy copy_needed(const array& view, py::handle dl_device, py::handle copy
   return want_copy == true ? export_copy::same_device : export_copy::none;
 }
 
-// Array.__dlpack__: validates the stream for the array's device, then exports a capsule.
+// Array.__dlpack__: validates the stream for the array's device, makes the copy asked for, then
+// orders the consumer stream after the stream the exported data is ready on (the copy's, when one
+// was made: it is enqueued after the producer's pending work) and exports a capsule. Ordering only
+// enqueues device work, so the GIL is kept.
 py::capsule export_dlpack(const array& view, py::handle stream, py::handle max_version, py::handle dl_device,
                           py::handle copy)
 {
   const stream_request request = classify_stream(view.device().device_type, stream_argument(stream));
-  if (request.order != stream_order::none) {
-    const py::gil_scoped_release unlocked;  // device calls only; never blocks on the device
-    order_export(active_context(), view, request);
-  }
   const auto version = requested_version(max_version);
   const export_copy copying =
     (!dl_device.is_none() || !copy.is_none()) ? copy_needed(view, dl_device, copy) : export_copy::none;
-  py::capsule capsule = copying == export_copy::none
-                          ? export_capsule(view, version, false)
-                          : export_capsule(copy_of(view, copying == export_copy::to_host), version, true);
+  const std::optional<array> copied =
+    copying == export_copy::none ? std::nullopt : std::optional{copy_of(view, copying == export_copy::to_host)};
+  const array& exported = copied ? *copied : view;
+  if (copying != export_copy::to_host) { order_export(active_context(), exported, request); }
+  py::capsule capsule = export_capsule(exported, version, copied.has_value());
   count(counter::exports);
   return capsule;
 }

@@ -2,6 +2,7 @@
 #include "py_sim.hpp"
 
 #include "py_array.hpp"
+#include "py_gil.hpp"
 #include "py_support.hpp"
 
 #include <handoff/device_guard.hpp>
@@ -77,8 +78,7 @@ class sim_stream {
   [[nodiscard]] bool non_blocking() const noexcept { return non_blocking_; }
   void synchronize()
   {
-    const py::gil_scoped_release unlocked;
-    sim_->synchronize_stream(handle_);
+    without_gil([this] { sim_->synchronize_stream(handle_); });
   }
 
  private:
@@ -238,11 +238,19 @@ py::object to_numpy(py::handle source, py::handle stream)
   py::object out = numpy.attr("empty")(shape, name == "bfloat16" ? "uint16" : name);
   const auto host = reinterpret_cast<void*>(out.attr("ctypes").attr("data").cast<std::uintptr_t>());
   const auto bytes = static_cast<std::size_t>(view.nbytes());
-  {
-    const py::gil_scoped_release unlocked;
+  if (bytes > 0) {
     const current_device on{s.sim, device};
-    if (bytes > 0) { s.sim.copy_async(host, view.data(), bytes, handle); }
-    s.sim.synchronize_stream(handle);
+    s.sim.copy_async(host, view.data(), bytes, handle);
+  }
+  try {
+    without_gil([&] {
+      const current_device on{s.sim, device};
+      s.sim.synchronize_stream(handle);
+    });
+  } catch (...) {
+    // The copy may still be queued: `out` must outlive it.
+    keep_alive_until_done(s.ctx, device, handle, out);
+    throw;
   }
   return out;
 }
@@ -250,13 +258,14 @@ py::object to_numpy(py::handle source, py::handle stream)
 void synchronize(py::handle device)
 {
   auto s = require_sim();
-  const py::gil_scoped_release unlocked;
-  const int first = device.is_none() ? 0 : device.cast<int>();
+  const int first = device.is_none() ? 0 : device.cast<int>();  // converted while the GIL is held
   const int last = device.is_none() ? s.sim.device_count() - 1 : first;
-  for (int d = first; d <= last; ++d) {
-    const current_device on{s.sim, d};
-    s.sim.synchronize_device();
-  }
+  without_gil([&] {
+    for (int d = first; d <= last; ++d) {
+      const current_device on{s.sim, d};
+      s.sim.synchronize_device();
+    }
+  });
 }
 
 }  // namespace
@@ -296,14 +305,17 @@ void bind_sim(py::module_& parent)
   m.def(
     "end_capture", [](py::handle stream) { return require_sim().sim.end_capture(stream_of(stream)); },
     py::arg("stream"));
+  m.def(
+    "set_copy_delay", [](double delay) { require_sim().sim.set_copy_duration(seconds(delay)); }, py::arg("delay"),
+    "Makes every later device copy take `delay` seconds on its stream (default 0), as a real copy takes time.");
   m.def("live_allocations", [] { return require_sim().sim.live_allocations(); });
   m.def(
     "drain",
     [] {
       context* ctx = active_context();
-      if (ctx == nullptr) { return; }
-      const py::gil_scoped_release unlocked;
-      ctx->drain();
+      if (ctx != nullptr) {
+        without_gil([ctx] { ctx->drain(); });
+      }
     },
     "Waits for the releases deferred so far.");
 }

@@ -1,5 +1,7 @@
 #include "py_support.hpp"
 
+#include "py_gil.hpp"
+
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
 #include <handoff/runtime.hpp>
@@ -76,8 +78,14 @@ array copy_of(const array& view, bool to_host)
   HANDOFF_EXPECTS(is_stream_ordered(ctx, view), buffer_error,
                   fmt::format("the {} backend cannot copy {} memory", ctx.backend().name(),
                               device_type_name(view.device().device_type)));
-  const py::gil_scoped_release unlocked;
-  return copy_device_array(ctx, view, to_host);
+  if (!to_host) { return copy_device_array(ctx, view, false); }  // only enqueues
+  return without_gil([&] { return copy_device_array(ctx, view, true); });
+}
+
+void keep_alive_until_done(context& ctx, int device, device::stream_handle stream, py::handle object) noexcept
+{
+  PyObject* raw = object.inc_ref().ptr();
+  ctx.release_after(device, stream, [raw]() noexcept { release_reference(raw); });
 }
 
 bool interpreter_finalizing() noexcept

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <handoff/array.hpp>
+#include <handoff/context.hpp>
 #include <handoff/stream_value.hpp>
 
 #include <pybind11/pybind11.h>
@@ -55,9 +56,14 @@ namespace py = pybind11;
 }
 
 /// A compact copy of `view`: host data on the host; device data on its device, or on the host
-/// when `to_host` (through the active backend, in stream order; the GIL is released meanwhile).
+/// when `to_host` (through the active backend, in stream order; the GIL is released while a copy
+/// to the host is waited for).
 /// @throws device_error when device data needs a backend and none is active.
 [[nodiscard]] array copy_of(const array& view, bool to_host);
+
+/// Keeps `object` alive until the work enqueued on `stream` (of `device`) so far is done: for
+/// host memory a device copy may still write when a wait for it failed.
+void keep_alive_until_done(context& ctx, int device, device::stream_handle stream, py::handle object) noexcept;
 
 /// True when the interpreter is shutting down and Python objects must not be touched.
 [[nodiscard]] bool interpreter_finalizing() noexcept;

@@ -121,7 +121,13 @@ array copy_device_array(context& ctx, const array& view, bool to_host)
     // Bring the touched span over in stream order, wait for it, then compact it on the host.
     auto staging = std::make_unique<std::byte[]>(span);
     backend.copy_async(staging.get(), source, span, stream);
-    backend.synchronize_stream(stream);
+    try {
+      backend.synchronize_stream(stream);
+    } catch (...) {
+      // The copy may still be queued: its destination is freed only once the stream is done.
+      ctx.release_after(device, stream, [raw = staging.release()]() noexcept { delete[] raw; });
+      throw;
+    }
     array_layout host = view.layout();
     host.data = staging.get() - first;
     host.device = {kDLCPU, 0};

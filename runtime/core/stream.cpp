@@ -56,17 +56,6 @@ void stream_view::wait(stream_view producer, int device, event_pool& events) con
                   fmt::format("the producer's stream {:#x} belongs to device {}, but its data belongs to device {}",
                               raw(producer.handle_), producer_device, device));
 
-  // The legacy default stream already waits for prior work of blocking streams of its device, and
-  // blocking streams for prior legacy work.
-  if (!producer_captures && (producer_legacy || consumer_legacy) && b.stream_device(handle_) == device) {
-    const bool other_blocking =
-      producer_legacy ? b.stream_is_blocking(handle_) : b.stream_is_blocking(producer.handle_);
-    if (other_blocking) {
-      count(counter::waits_elided);
-      return;
-    }
-  }
-
   const pooled_event event = events.acquire(device);
   b.record_event(event.get(), producer.handle_);
   b.stream_wait_event(handle_, event.get());

@@ -134,13 +134,16 @@ def test_same_stream_is_elided(streams):
     assert sim.to_numpy(view, stream=consumer)[0] == 1.0  # in-order on one stream
 
 
-def test_default_stream_consumer_after_a_blocking_producer_is_elided_and_safe():
+def test_default_stream_consumer_after_a_blocking_producer_waits():
     producer = sim.Stream(non_blocking=False)
     source = pending_write(producer)
     before = handoff.stats()
     view = handoff.from_dlpack(source, stream=DEFAULT_STREAM)
-    assert handoff.stats()["waits_elided"] == before["waits_elided"] + 1
-    assert sim.to_numpy(view, stream=DEFAULT_STREAM)[0] == 1.0  # the device's own rule ordered it
+    # Not elided: implicit synchronization would order only work that is actually enqueued.
+    assert handoff.stats()["waits_inserted"] == before["waits_inserted"] + 1
+    assert sim.to_numpy(view, stream=DEFAULT_STREAM)[0] == 1.0
+    del view, source
+    sim.synchronize()
 
 
 def test_default_stream_consumer_after_a_non_blocking_producer_waits(streams):

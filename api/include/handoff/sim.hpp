@@ -104,6 +104,12 @@ class sim_backend final : public backend {
   /// Enqueues on `stream` a wait of `duration` (the stream's later work starts after it).
   void enqueue_sleep(stream_handle stream, std::chrono::nanoseconds duration);
 
+  /// Makes every later `copy_async` take `duration` on its stream, as a real copy takes time
+  /// (default: none): it reads its source when it starts and its bytes land when it ends, so a
+  /// reader ordered before a copy always sees the destination unwritten.
+  /// @throws handoff::value_error for a negative duration.
+  void set_copy_duration(std::chrono::nanoseconds duration);
+
   /// Starts capturing `stream` into a graph (cudaStreamBeginCapture, global mode). Work enqueued
   /// on a capturing stream is recorded, not run; streams that wait on an event recorded in the
   /// capture join it. While a blocking stream captures, any use of its device's legacy default

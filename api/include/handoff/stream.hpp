@@ -27,8 +27,10 @@ class stream_view {
   /// Orders the work enqueued so far on `producer` before the work enqueued on this stream from now
   /// on, for data owned by `device`: switches to `device`, records a pooled event on `producer` and
   /// makes this stream wait on it, then restores the current device. Never blocks the host.
-  /// Does nothing (counted in `waits_elided`) when the streams are the same or the device's own
-  /// rules already order them (the legacy default stream against a blocking stream).
+  /// Does nothing (counted in `waits_elided`) only when the streams are the same. The legacy
+  /// default stream's implicit synchronization is not relied on: it orders only work actually
+  /// enqueued on it, so a consumer stream that is then handed on without work of its own would
+  /// order nothing.
   /// @throws value_error when `producer` belongs to a device other than `device`.
   /// @throws buffer_error when a stream is capturing into a graph and the ordering is impossible.
   /// @throws device_error when a device call fails; the current device is restored.

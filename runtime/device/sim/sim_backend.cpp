@@ -33,6 +33,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <new>
 #include <string>
@@ -584,6 +585,8 @@ struct sim_backend::impl {
   std::mutex fault_mutex;
   std::unordered_map<std::string, fault> faults;
 
+  std::atomic<nanoseconds::rep> copy_duration{0};  // how long each copy_async occupies its stream
+
   worker_pool pool;  // last: destroyed (drained) first
 };
 
@@ -925,11 +928,27 @@ void sim_backend::copy_async(void* dst, const void* src, std::size_t bytes, stre
     impl_->check_fault(op, args);
     impl_->fail(op, args, sim_error::invalid_value);
   }
-  impl_->enqueue(op, args, stream,
-                 [dst, src, bytes] {
-                   if (bytes != 0) { std::memmove(dst, src, bytes); }
-                 },
-                 {});
+  const nanoseconds duration{impl_->copy_duration.load(std::memory_order_relaxed)};
+  if (duration == nanoseconds::zero() || bytes == 0) {
+    impl_->enqueue(op, args, stream,
+                   [dst, src, bytes] {
+                     if (bytes != 0) { std::memmove(dst, src, bytes); }
+                   },
+                   {});
+    return;
+  }
+  // A copy that takes time reads its source when it starts and its bytes land when it ends.
+  auto staged = std::make_shared<std::vector<std::byte>>();
+  const auto* from = static_cast<const std::byte*>(src);
+  impl_->enqueue(op, args, stream, [staged, from, bytes] { staged->assign(from, from + bytes); }, {});
+  impl_->enqueue(
+    op, args, stream, [staged, dst, bytes] { std::memcpy(dst, staged->data(), bytes); }, duration);
+}
+
+void sim_backend::set_copy_duration(nanoseconds duration)
+{
+  HANDOFF_EXPECTS(duration >= nanoseconds::zero(), value_error, "a copy cannot take a negative time");
+  impl_->copy_duration.store(duration.count(), std::memory_order_relaxed);
 }
 
 void sim_backend::launch_host_func(stream_handle stream, void (*fn)(void*), void* user_data)

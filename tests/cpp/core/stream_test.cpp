@@ -63,15 +63,40 @@ TEST_F(StreamWaitTest, SameStreamIsElided)
   EXPECT_EQ(stats().waits_inserted, before.waits_inserted);
 }
 
-TEST_F(StreamWaitTest, LegacyConsumerAfterBlockingProducerIsElidedAndSafe)
+TEST_F(StreamWaitTest, LegacyConsumerAfterBlockingProducerWaits)
 {
   float* data = allocate_on(0);
   const auto producer = stream_on(0, /*non_blocking=*/false);
   sim.enqueue_fill(producer, data, n, 1.0F, slow);
   const auto before = stats();
   view(sim.legacy_default_stream()).wait(view(producer), 0, events);
-  EXPECT_EQ(stats().waits_elided, before.waits_elided + 1);
-  EXPECT_EQ(read(data, sim.legacy_default_stream()).front(), 1.0F);  // the device's own rule ordered it
+  EXPECT_EQ(stats().waits_inserted, before.waits_inserted + 1);  // implicit synchronization is not relied on
+  EXPECT_EQ(read(data, sim.legacy_default_stream()).front(), 1.0F);
+}
+
+// Implicit synchronization orders only work actually enqueued on the legacy stream: a hop through it
+// with nothing enqueued there must still order the last stream after the producer.
+TEST_F(StreamWaitTest, AHopThroughTheLegacyStreamKeepsTheOrder)
+{
+  float* data = allocate_on(0);
+  const auto producer = stream_on(0, /*non_blocking=*/false);
+  const auto last = stream_on(0, /*non_blocking=*/false);
+  sim.enqueue_fill(producer, data, n, 1.0F, slow);
+  view(sim.legacy_default_stream()).wait(view(producer), 0, events);
+  view(last).wait(view(sim.legacy_default_stream()), 0, events);
+  EXPECT_EQ(read(data, last).front(), 1.0F);
+}
+
+TEST_F(StreamWaitTest, NegativeControlAHopOrderedOnlyByImplicitSynchronizationSeesStaleData)
+{
+  float* data = allocate_on(0);
+  const auto producer = stream_on(0, /*non_blocking=*/false);
+  const auto last = stream_on(0, /*non_blocking=*/false);
+  sim.enqueue_fill(producer, data, n, 1.0F, slow);
+  // Both hops left to implicit synchronization enqueue nothing: the last stream follows only the
+  // (empty) legacy stream, not the producer.
+  EXPECT_EQ(read(data, last).front(), 0.0F);
+  sim.synchronize_device();
 }
 
 TEST_F(StreamWaitTest, LegacyConsumerAfterNonBlockingProducerWaits)

@@ -1,0 +1,155 @@
+"""Ordering that must survive more than one hop: chains of imports through the default stream,
+copies made for a consumer stream, and device-to-host copies whose synchronization fails.
+
+Run with HANDOFF_BACKEND=sim or sim-rocm; skipped otherwise. Each ordering test has a negative
+control that shows the race when ordering is turned off.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+
+import pytest
+
+import handoff
+
+BACKEND = handoff.runtime_info()["backend"]
+pytestmark = pytest.mark.skipif(
+    not BACKEND.startswith("sim"), reason=f"needs HANDOFF_BACKEND=sim or sim-rocm (backend is {BACKEND!r})"
+)
+if BACKEND.startswith("sim"):
+    from handoff import sim
+
+ROCM = BACKEND == "sim-rocm"
+DEFAULT_STREAM = 0 if ROCM else 1  # the DLPack value naming the device's default stream
+SLOW = 0.2
+N = 4096
+# Each write uses a value no earlier test wrote: a fresh allocation may reuse memory that still holds
+# an old value, which would make a read of unwritten memory look right.
+VALUES = itertools.count(start=10)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    sim.clear_faults()
+    gc.collect()
+    sim.drain()
+    live = handoff.stats()["live_views"]
+    allocations = sim.live_allocations()
+    yield
+    sim.clear_faults()
+    sim.synchronize()
+    gc.collect()
+    sim.drain()
+    assert handoff.stats()["live_views"] == live, "a producer was leaked"
+    assert sim.live_allocations() == allocations, "a device allocation was leaked"
+
+
+@pytest.fixture
+def new_stream():
+    """Makes streams that outlive the test's views, as a consumer stream must."""
+    made = []
+
+    def make(non_blocking=True):
+        made.append(sim.Stream(non_blocking=non_blocking))
+        return made[-1]
+
+    yield make
+    sim.synchronize()
+
+
+def pending_write(stream, device=0):
+    """A device array and the value its producer write, still running on `stream`, puts everywhere."""
+    array = sim.zeros(N, "float32", device)
+    sim.synchronize()
+    value = float(next(VALUES))
+    sim.fill(array, value, stream=stream, delay=SLOW)
+    return array, value
+
+
+@pytest.mark.parametrize("last_blocking", [False, True], ids=["non-blocking", "blocking"])
+def test_a_hop_through_the_default_stream_keeps_the_order(last_blocking, new_stream):
+    producer = new_stream(non_blocking=False)
+    last = new_stream(non_blocking=not last_blocking)
+    source, value = pending_write(producer)
+    hop = handoff.from_dlpack(source, stream=DEFAULT_STREAM)  # nothing is enqueued on the default stream
+    view = handoff.from_dlpack(hop, stream=last)
+    assert sim.to_numpy(view, stream=last)[0] == value
+
+
+def test_a_hop_from_the_default_stream_to_a_blocking_stream_keeps_the_order(new_stream):
+    middle = new_stream(non_blocking=False)
+    last = new_stream()
+    source, value = pending_write(DEFAULT_STREAM)
+    hop = handoff.from_dlpack(source, stream=middle)  # nothing is enqueued on `middle`
+    view = handoff.from_dlpack(hop, stream=last)
+    assert sim.to_numpy(view, stream=last)[0] == value
+
+
+def test_negative_control_a_hop_with_no_ordering_shows_the_race(new_stream):
+    producer = new_stream()  # non-blocking: no implicit synchronization orders it either
+    last = new_stream()
+    source, value = pending_write(producer)
+    hop = handoff.from_dlpack(source, stream=-1)
+    view = handoff.from_dlpack(hop, stream=last)
+    assert sim.to_numpy(view, stream=last)[0] != value, "expected stale data without ordering"
+
+
+COPIES = {
+    "from_dlpack": lambda source, stream: handoff.from_dlpack(source, stream=stream, copy=True),
+    "asarray": lambda source, stream: handoff.asarray(source, stream=stream, copy=True),
+    "__dlpack__": lambda source, stream: handoff.from_dlpack(
+        source.__dlpack__(stream=stream.handle, copy=True, max_version=(1, 1)), stream=stream
+    ),
+}
+
+
+@pytest.fixture
+def slow_copies():
+    """Copies that take time, so that a reader ordered before a copy always sees it unwritten."""
+    sim.set_copy_delay(SLOW / 2)
+    yield
+    sim.set_copy_delay(0.0)
+
+
+@pytest.mark.parametrize("how", COPIES)
+def test_a_copy_for_a_consumer_stream_is_written_before_the_consumer_reads_it(how, new_stream, slow_copies):
+    producer = new_stream()
+    consumer = new_stream()
+    source, value = pending_write(producer)
+    copy = COPIES[how](source, consumer)
+    assert copy.data_ptr != source.data_ptr
+    assert sim.to_numpy(copy, stream=consumer)[0] == value
+
+
+def test_negative_control_a_copy_read_on_an_unordered_stream_shows_the_race(new_stream, slow_copies):
+    producer = new_stream()
+    consumer = new_stream()
+    source, value = pending_write(producer)
+    copy = handoff.from_dlpack(source, stream=-1, copy=True)
+    assert sim.to_numpy(copy, stream=consumer)[0] != value, "expected stale data without ordering"
+    sim.synchronize()
+
+
+HOST_COPIES = {
+    "from_dlpack(device='cpu')": lambda source: handoff.from_dlpack(source, device="cpu"),
+    "__dlpack__(dl_device=CPU)": lambda source: handoff.from_dlpack(
+        source.__dlpack__(dl_device=(1, 0), max_version=(1, 1))
+    ),
+    "sim.to_numpy": lambda source: sim.to_numpy(source, stream=DEFAULT_STREAM),
+}
+
+
+@pytest.mark.parametrize("how", HOST_COPIES)
+def test_a_failing_synchronization_during_a_host_copy_frees_nothing_early(how, new_stream):
+    producer = new_stream()
+    source, value = pending_write(producer)
+    sim.inject_fault("synchronize_stream", 1, "cudaErrorLaunchFailure")
+    with pytest.raises(handoff.DeviceError, match="cudaErrorLaunchFailure"):
+        HOST_COPIES[how](source)
+    sim.clear_faults()
+    sim.synchronize()  # the copy still lands in its staging memory, which must still be there
+    gc.collect()
+    sim.drain()
+    sim.synchronize()
