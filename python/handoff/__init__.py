@@ -19,10 +19,11 @@ from ._streams import Stream, as_stream, current_stream, stream
 
 import atexit as _atexit
 
-from ._handoff import _drain_deferred_releases
+from ._handoff import _at_exit
 
-# Releases waiting for a consumer stream run producers' deleters; let them run while Python is alive.
-_atexit.register(_drain_deferred_releases)
+# Threads still inside handoff's device calls must not take the GIL back while Python finalizes,
+# and releases waiting for a consumer stream run producers' deleters: both while Python is alive.
+_atexit.register(_at_exit)
 
 __all__ = [
     "Array",

@@ -17,6 +17,10 @@ _current = _handoff._stream_var
 _tokens: ContextVar[tuple[Token, ...]] = ContextVar("handoff.stream_tokens", default=())
 
 
+# Native handles travel as DLPack's signed 64-bit stream values.
+_HANDLE_LIMIT = 1 << 63
+
+
 class Stream:
     """A non-owning reference to a device stream: its raw handle and, if known, its device.
 
@@ -29,8 +33,8 @@ class Stream:
     def __init__(self, handle: int, *, device: int | None = None) -> None:
         if isinstance(handle, bool) or not isinstance(handle, int):
             raise TypeError(f"Stream handle must be an int, not {type(handle).__name__}")
-        if handle < 0:
-            raise ValueError(f"Stream handle must be non-negative, got {handle}")
+        if not 0 <= handle < _HANDLE_LIMIT:
+            raise ValueError(f"Stream handle {handle} is outside the native range [0, 2**63)")
         if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
             raise ValueError(f"Stream device must be None or a non-negative int, got {device!r}")
         self._handle = handle

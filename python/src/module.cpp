@@ -83,13 +83,15 @@ PYBIND11_MODULE(_handoff, m)
   m.def("stats", &stats_dict, "Exchange counters since the last reset_stats().");
   m.def("reset_stats", &reset_stats, "Zeroes the counters (live_views keeps counting what is alive).");
   m.def(
-    "_drain_deferred_releases",
+    "_at_exit",
     [] {
       if (context* ctx = started_context()) {
         without_gil([ctx] { ctx->drain(); });  // the releases may need the GIL themselves
       }
+      close_python_gate();  // later releases leave their Python objects to the ending process
     },
-    "Waits for stream-ordered releases still pending (run at exit, while Python is alive).");
+    "Run at exit while Python is alive: waits for the stream-ordered releases still pending, then stops "
+    "other threads from taking the GIL back.");
   m.def("runtime_info", &runtime_info, "Backend, device count and versions.");
   m.def(
     "_classify_stream",

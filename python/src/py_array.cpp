@@ -129,7 +129,7 @@ enum class export_copy { none, same_device, to_host };
 
 export_copy copy_needed(const array& view, py::handle dl_device, py::handle copy)
 {
-  const auto target = device_argument(dl_device, "dl_device");
+  const auto target = device_argument(dl_device, "dl_device", unknown_device_type::unreachable);
   const auto want_copy = copy_argument(copy);
   const bool moves = target.has_value() && !same_device(*target, view.device());
   HANDOFF_EXPECTS(!moves || target->device_type == kDLCPU, buffer_error,

@@ -13,6 +13,7 @@
 
 #include <fmt/format.h>
 
+#include <cxxabi.h>
 #include <array>
 #include <exception>
 
@@ -79,14 +80,32 @@ py::object producer_stream_argument(py::handle stream, DLDeviceType device)
   return py::int_(is_cuda_device(device) && handle == 0 ? 1 : handle);
 }
 
-DLDeviceType producer_device(py::handle x)
+// What x.__dlpack_device__() says. @throws type_error for anything but a pair of ints,
+// value_error for ints that are no DLPack device.
+DLDevice producer_device(py::handle x)
 {
   const py::object device = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(x.ptr(), cached.dlpack_device));
   if (!device) { throw py::error_already_set(); }
   const bool pair = PyTuple_Check(device.ptr()) && PyTuple_GET_SIZE(device.ptr()) == 2;
   HANDOFF_EXPECTS(pair, type_error,
-                  fmt::format("{}.__dlpack_device__() must return a (device_type, device_id) tuple", type_name(x)));
-  return static_cast<DLDeviceType>(py::reinterpret_borrow<py::tuple>(device)[0].cast<int>());
+                  fmt::format("{}.__dlpack_device__() must return a (device_type, device_id) tuple, not {}",
+                              type_name(x), type_name(device)));
+  const std::string field = fmt::format("{}.__dlpack_device__()", type_name(x));
+  return *parse_device_argument(device, field.c_str(), unknown_device_type::invalid);
+}
+
+// Refuses data on another device than `x.__dlpack_device__()` said (or than the dl_device it was
+// asked for): the consumer stream was passed in the numbering of the claimed device, so the
+// producer may not have ordered anything for the device the data is really on.
+void check_claimed_device(py::handle x, DLDevice expected, DLDevice actual)
+{
+  const bool same = expected.device_type == actual.device_type && expected.device_id == actual.device_id;
+  HANDOFF_EXPECTS(same, value_error,
+                  fmt::format("{0}.__dlpack_device__() said {1} device {2} (({3}, {2})), but its capsule holds data "
+                              "on {4} device {5} (({6}, {5})); refused, as the consumer stream could not be ordered",
+                              type_name(x), device_type_name(expected.device_type), expected.device_id,
+                              static_cast<int>(expected.device_type), device_type_name(actual.device_type),
+                              actual.device_id, static_cast<int>(actual.device_type)));
 }
 
 // Calls x.__dlpack__ with keyword arguments only.
@@ -184,13 +203,18 @@ py::object finish(array&& view, std::optional<DLDevice> device, std::optional<bo
 const signature* from_dlpack_signature = nullptr;
 const signature* asarray_signature = nullptr;
 
+// Not noexcept: an import runs producers' Python code, and a daemon thread that asks for the GIL
+// back there while the interpreter finalizes is ended by CPython with pthread_exit, whose
+// unwinding must pass through (std::terminate otherwise).
 template <py::object (*Import)(py::handle, py::handle, py::handle, py::handle), const signature** Signature>
-PyObject* import_entry(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames) noexcept
+PyObject* import_entry(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames)
 {
   PyObject* arguments[4];  // x, device, copy, stream
   if (!(*Signature)->parse(args, nargsf, kwnames, arguments)) { return nullptr; }
   try {
     return Import(arguments[0], arguments[1], arguments[2], arguments[3]).release().ptr();
+  } catch (abi::__forced_unwind&) {
+    throw;
   } catch (...) {
     raise_current_exception();
     return nullptr;
@@ -268,8 +292,10 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
   HANDOFF_EXPECTS(
     has_dlpack(x.ptr()), type_error,
     fmt::format("from_dlpack: {} object has no __dlpack__ method and is not a DLPack capsule", type_name(x)));
+  // The stream value the producer gets depends on the device it says its data is on.
+  const std::optional<DLDevice> claimed = consumer.is_none() ? std::nullopt : std::optional{producer_device(x)};
   const py::object producer_arg =
-    consumer.is_none() ? py::object(py::none()) : producer_stream_argument(consumer, producer_device(x));
+    claimed ? producer_stream_argument(consumer, claimed->device_type) : py::object(py::none());
   if (PyLong_Check(producer_arg.ptr())) { (void)stream_argument(producer_arg); }  // bool/range checks
   // The producer gets the device as DLPack spells it, a (device_type, device_id) tuple, whatever
   // spelling the caller used ("cpu").
@@ -278,6 +304,7 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
                                  : py::object(py::none());
   const auto [capsule, legacy] = request_capsule(x, producer_arg, dl_device, copy);
   array view = consume_capsule(capsule);
+  if (claimed) { check_claimed_device(x, target && !legacy ? *target : *claimed, view.device()); }
   bind_to_consumer(view, producer_arg);
   return finish(std::move(view), target, want_copy, !legacy);
 }

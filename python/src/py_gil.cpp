@@ -1,7 +1,5 @@
 #include "py_gil.hpp"
 
-#include "py_support.hpp"
-
 #include <atomic>
 #include <chrono>
 #include <thread>
@@ -9,7 +7,32 @@
 namespace handoff::python {
 namespace {
 
+// A thread counts itself in `entering` before it looks at `closing`, and the closer sets `closing`
+// before it looks at `entering` (both sequentially consistent): either the thread sees the gate
+// closed, or the closer sees the thread and lets it through first.
+std::atomic<bool> closing{false};
+std::atomic<int> entering{0};
 std::atomic<unsigned long> finalizing_thread{0};
+
+bool is_finalizing_thread() noexcept
+{
+  return PyThread_get_thread_ident() == finalizing_thread.load(std::memory_order_relaxed);
+}
+
+// Runs `take` (which takes the GIL) unless the gate is closed; true when it ran.
+template <typename Take>
+bool through_gate(Take take) noexcept
+{
+  if (is_finalizing_thread()) {
+    take();
+    return true;
+  }
+  entering.fetch_add(1);
+  const bool open = !closing.load();
+  if (open) { take(); }
+  entering.fetch_sub(1);
+  return open;
+}
 
 }  // namespace
 
@@ -18,12 +41,30 @@ void set_finalizing_thread(unsigned long ident) noexcept
   finalizing_thread.store(ident, std::memory_order_relaxed);
 }
 
+void close_python_gate() noexcept
+{
+  closing.store(true);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds{1};
+  while (entering.load() > 0 && std::chrono::steady_clock::now() < deadline) {
+    Py_BEGIN_ALLOW_THREADS std::this_thread::sleep_for(std::chrono::milliseconds{1});
+    Py_END_ALLOW_THREADS
+  }
+}
+
+bool ensure_gil(PyGILState_STATE& state) noexcept
+{
+  if (PyGILState_Check() != 0) {  // already held: nothing to wait for
+    state = PyGILState_Ensure();
+    return true;
+  }
+  return through_gate([&state] { state = PyGILState_Ensure(); });
+}
+
 void take_gil_back(PyThreadState* state) noexcept
 {
-  // The finalizing thread itself may still run device calls (from finalizers): it must come back.
-  const bool finalizer = PyThread_get_thread_ident() == finalizing_thread.load(std::memory_order_relaxed);
-  while (!finalizer && interpreter_finalizing()) { std::this_thread::sleep_for(std::chrono::hours{1}); }
-  PyEval_RestoreThread(state);
+  if (!through_gate([state] { PyEval_RestoreThread(state); })) {
+    for (;;) { std::this_thread::sleep_for(std::chrono::hours{1}); }  // until the process exits
+  }
 }
 
 }  // namespace handoff::python

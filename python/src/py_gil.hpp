@@ -1,4 +1,5 @@
-// Device calls that block the host run without the GIL, and come back safely at interpreter exit.
+// The GIL around device calls that block the host, and Python's exit: no thread other than the one
+// that finalizes the interpreter takes the GIL once exit has begun.
 #pragma once
 
 #include <Python.h>
@@ -13,16 +14,23 @@ namespace handoff::python {
 /// Names the thread that will finalize the interpreter (`threading.main_thread().ident`).
 void set_finalizing_thread(unsigned long ident) noexcept;
 
-/// Takes the GIL back after PyEval_SaveThread. While the interpreter finalizes, CPython (before
-/// 3.14) ends any other thread that asks for the GIL with pthread_exit, whose unwinding aborts at
-/// the first noexcept frame and runs C++ destructors that touch Python without the GIL. Such a
-/// thread (a daemon thread still inside a device call) is parked until the process exits instead,
-/// which is what CPython 3.14 does itself.
+/// Closes the gate before the interpreter finalizes (from an atexit handler, with the GIL held):
+/// threads already on their way to the GIL get it (the GIL is released meanwhile, for at most a
+/// second); any thread that asks later is refused. Finalization would otherwise end a thread that
+/// waits for the GIL with pthread_exit, whose unwinding aborts at the first noexcept frame and
+/// runs C++ destructors that touch Python without the GIL.
+void close_python_gate() noexcept;
+
+/// Takes the GIL on a thread that does not hold it (PyGILState_Ensure) and returns true, or
+/// returns false without it once the gate is closed: the caller must then not touch Python.
+[[nodiscard]] bool ensure_gil(PyGILState_STATE& state) noexcept;
+
+/// Takes the GIL back after PyEval_SaveThread. Once the gate is closed, a thread other than the
+/// finalizing one is parked here until the process exits (what CPython 3.14 does itself).
 void take_gil_back(PyThreadState* state) noexcept;
 
 /// Runs `work` (device calls that may block the host; it must not touch Python) with the GIL
-/// released, then returns its result or rethrows its exception with the GIL held again. The GIL is
-/// taken back outside any destructor (see take_gil_back).
+/// released, then returns its result or rethrows its exception with the GIL held again.
 template <typename Work>
 std::invoke_result_t<Work&> without_gil(Work&& work)
 {

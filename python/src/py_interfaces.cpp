@@ -1,5 +1,7 @@
 #include "py_interfaces.hpp"
 
+#include "py_gil.hpp"
+
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
@@ -140,8 +142,8 @@ producer_ref buffer_owner(std::unique_ptr<Py_buffer> buffer)
 {
   Py_buffer* raw = buffer.release();
   return producer_ref{[raw]() noexcept {
-    if (interpreter_finalizing()) { return; }
-    const PyGILState_STATE state = PyGILState_Ensure();
+    PyGILState_STATE state{};
+    if (interpreter_finalizing() || !ensure_gil(state)) { return; }  // exiting: the process keeps it
     PyBuffer_Release(raw);
     PyGILState_Release(state);
     delete raw;

@@ -40,19 +40,20 @@ active_sim require_sim()
   return {ctx, *sim};
 }
 
+// `device` as an ordinal of the simulated backend. @throws value_error when it has no such device.
+int checked_device(sim_backend& sim, long long device)
+{
+  HANDOFF_EXPECTS(device >= 0 && device < sim.device_count(), value_error,
+                  fmt::format("device {} does not exist (the simulated backend has {})", device, sim.device_count()));
+  return static_cast<int>(device);
+}
+
 // Makes `device` current for a scope, after checking that the simulated backend has it.
 class current_device {
  public:
-  current_device(sim_backend& sim, int device) : guard_(checked(sim, device), device) {}
+  current_device(sim_backend& sim, int device) : guard_(sim, checked_device(sim, device)) {}
 
  private:
-  static sim_backend& checked(sim_backend& sim, int device)
-  {
-    HANDOFF_EXPECTS(device >= 0 && device < sim.device_count(), value_error,
-                    fmt::format("device {} does not exist (the simulated backend has {})", device, sim.device_count()));
-    return sim;
-  }
-
   device_guard guard_;
 };
 
@@ -258,7 +259,10 @@ py::object to_numpy(py::handle source, py::handle stream)
 void synchronize(py::handle device)
 {
   auto s = require_sim();
-  const int first = device.is_none() ? 0 : device.cast<int>();  // converted while the GIL is held
+  const bool an_int = PyLong_Check(device.ptr()) && !PyBool_Check(device.ptr());
+  HANDOFF_EXPECTS(device.is_none() || an_int, type_error,
+                  fmt::format("device must be None or an int, not {}", type_name(device)));
+  const int first = device.is_none() ? 0 : checked_device(s.sim, device.cast<long long>());  // with the GIL
   const int last = device.is_none() ? s.sim.device_count() - 1 : first;
   without_gil([&] {
     for (int d = first; d <= last; ++d) {

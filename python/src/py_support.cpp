@@ -63,8 +63,8 @@ py::capsule wrap_capsule(Managed* tensor, const char* name, PyCapsule_Destructor
 
 void release_reference(PyObject* object) noexcept
 {
-  if (interpreter_finalizing()) { return; }
-  const PyGILState_STATE state = PyGILState_Ensure();
+  PyGILState_STATE state{};
+  if (interpreter_finalizing() || !ensure_gil(state)) { return; }  // exiting: the process keeps it
   Py_DECREF(object);
   PyGILState_Release(state);
 }
@@ -151,7 +151,7 @@ std::optional<std::int64_t> parse_stream_argument(py::handle stream)
   return static_cast<std::int64_t>(value);
 }
 
-std::optional<DLDevice> parse_device_argument(py::handle device, const char* field)
+std::optional<DLDevice> parse_device_argument(py::handle device, const char* field, unknown_device_type unknown)
 {
   if (device.is_none()) { return std::nullopt; }
   PyObject* raw = device.ptr();
@@ -174,10 +174,17 @@ std::optional<DLDevice> parse_device_argument(py::handle device, const char* fie
     representable = representable && overflow == 0;
   }
   const auto [type, id] = values;
-  HANDOFF_EXPECTS(representable && type >= kDLCPU && type <= kDLTrn && id >= 0 && id <= INT32_MAX, value_error,
-                  fmt::format("{}=({}, {}) is not a valid DLPack device", field,
-                              py::str(PyTuple_GET_ITEM(raw, 0)).cast<std::string>(),
-                              py::str(PyTuple_GET_ITEM(raw, 1)).cast<std::string>()));
+  const auto text = [&] {
+    return fmt::format("{}=({}, {})", field, py::str(PyTuple_GET_ITEM(raw, 0)).cast<std::string>(),
+                       py::str(PyTuple_GET_ITEM(raw, 1)).cast<std::string>());
+  };
+  HANDOFF_EXPECTS(representable && id >= 0 && id <= INT32_MAX, value_error,
+                  fmt::format("{} is not a valid DLPack device", text()));
+  if (!is_dlpack_device_type(type)) {
+    const std::string message = fmt::format("{}: {} is not a DLPack device type", text(), type);
+    if (unknown == unknown_device_type::unreachable) { throw buffer_error(message + "; the data cannot go there"); }
+    throw value_error(message);
+  }
   return DLDevice{static_cast<DLDeviceType>(type), static_cast<std::int32_t>(id)};
 }
 

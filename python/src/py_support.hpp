@@ -38,12 +38,21 @@ namespace py = pybind11;
   return stream.is_none() ? std::nullopt : parse_stream_argument(stream);
 }
 
+/// What a device type DLPack does not define means for a device argument.
+enum class unknown_device_type {
+  invalid,      ///< a value_error: the argument is wrong (a consumer's `device`)
+  unreachable,  ///< a buffer_error: the data cannot go there (a producer's `dl_device`)
+};
+
 /// A `device`/`dl_device` argument: None, a (device_type, device_id) tuple, or "cpu".
-/// @throws type_error / value_error naming `field`.
-[[nodiscard]] std::optional<DLDevice> parse_device_argument(py::handle device, const char* field);
-[[nodiscard]] inline std::optional<DLDevice> device_argument(py::handle device, const char* field)
+/// @throws type_error / value_error naming `field`; for a type DLPack does not define, what
+///         `unknown` says.
+[[nodiscard]] std::optional<DLDevice> parse_device_argument(py::handle device, const char* field,
+                                                            unknown_device_type unknown);
+[[nodiscard]] inline std::optional<DLDevice> device_argument(py::handle device, const char* field,
+                                                             unknown_device_type unknown = unknown_device_type::invalid)
 {
-  return device.is_none() ? std::nullopt : parse_device_argument(device, field);
+  return device.is_none() ? std::nullopt : parse_device_argument(device, field, unknown);
 }
 
 /// A `copy` argument: None, True or False. @throws type_error.

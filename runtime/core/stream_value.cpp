@@ -44,6 +44,31 @@ const char* device_type_name(DLDeviceType device) noexcept
   return "unknown";
 }
 
+bool is_dlpack_device_type(std::int64_t type) noexcept
+{
+  switch (type) {
+    case kDLCPU:
+    case kDLCUDA:
+    case kDLCUDAHost:
+    case kDLOpenCL:
+    case kDLVulkan:
+    case kDLMetal:
+    case kDLVPI:
+    case kDLROCM:
+    case kDLROCMHost:
+    case kDLExtDev:
+    case kDLCUDAManaged:
+    case kDLOneAPI:
+    case kDLWebGPU:
+    case kDLHexagon:
+    case kDLMAIA:
+    case kDLTrn:
+      return true;
+    default:
+      return false;
+  }
+}
+
 stream_request classify_stream(DLDeviceType device, std::optional<std::int64_t> stream)
 {
   const auto invalid = [&](const char* why) {

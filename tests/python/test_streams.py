@@ -63,8 +63,10 @@ def test_stream_handle_must_be_an_int(handle):
 
 
 def test_stream_handle_and_device_ranges():
-    with pytest.raises(ValueError, match="non-negative"):
-        handoff.Stream(-1)
+    for handle in (-1, 2**63, 2**64, 2**70):
+        with pytest.raises(ValueError, match="native range"):
+            handoff.Stream(handle)
+    assert handoff.Stream(2**63 - 1).handle == 2**63 - 1
     for device in (-1, True, "0", 1.0):
         with pytest.raises(ValueError, match="device"):
             handoff.Stream(3, device=device)

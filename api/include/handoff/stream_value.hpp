@@ -42,6 +42,9 @@ struct stream_request {
   return device == kDLROCM || device == kDLROCMHost;
 }
 
+/// True when `type` is a device type DLPack defines (kDLCPU, kDLCUDA, ... kDLTrn; 5 and 6 are not).
+[[nodiscard]] bool is_dlpack_device_type(std::int64_t type) noexcept;
+
 /// Name of a device type for messages ("CUDA", "ROCm host", ...).
 [[nodiscard]] const char* device_type_name(DLDeviceType device) noexcept;
 

@@ -1,0 +1,206 @@
+"""Hostile input: producers that lie or return the wrong types, out-of-range stream handles, device
+arguments the runtime cannot serve, calls that once crashed, and exit with threads inside handoff."""
+
+from __future__ import annotations
+
+import textwrap
+
+import numpy as np
+import pytest
+
+import handoff
+from conftest import CPU, run_python
+
+BACKEND = handoff.runtime_info()["backend"]
+SIM = BACKEND.startswith("sim")
+needs_sim = pytest.mark.skipif(not SIM, reason=f"needs HANDOFF_BACKEND=sim or sim-rocm (backend is {BACKEND!r})")
+# A stream value every backend accepts for the arrays of the test: a CPU array takes None only, so
+# a stream is asked for through a producer that claims a device.
+CONSUMER_STREAM = 0 if BACKEND == "sim-rocm" else 1
+
+
+# --- stream handles outside the native range ------------------------------------------------
+
+
+class CudaStreamProtocol:
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+class TorchLike:
+    def __init__(self, handle):
+        self.cuda_stream = handle
+
+
+class CupyLike:
+    def __init__(self, handle):
+        self.ptr = handle
+
+
+@pytest.mark.parametrize("kind", [CudaStreamProtocol, TorchLike, CupyLike, int])
+@pytest.mark.parametrize("handle", [2**63, 2**64, 2**80])
+def test_stream_objects_with_handles_outside_the_native_range_are_value_errors(kind, handle, live):
+    with pytest.raises(ValueError, match="native range|out of range"):
+        handoff.as_stream(kind(handle))
+    with pytest.raises(ValueError, match="native range|out of range"):
+        handoff.stream(kind(handle))
+    with pytest.raises(ValueError, match="native range|out of range"):
+        handoff.from_dlpack(np.arange(3.0), stream=kind(handle))
+
+
+# --- __dlpack_device__ returning the wrong things ------------------------------------------
+
+
+class ClaimsDevice:
+    """A CPU producer whose __dlpack_device__ says whatever the test wants."""
+
+    def __init__(self, claim):
+        self.claim = claim
+        self.data = np.arange(4.0)
+
+    def __dlpack_device__(self):
+        return self.claim
+
+    def __dlpack__(self, **kwargs):
+        kwargs.pop("stream", None)  # a CPU producer ignores it
+        return self.data.__dlpack__(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("claim", "error"),
+    [
+        ((1.5, 0), TypeError),
+        (("1", 0), TypeError),
+        ((1, "0"), TypeError),
+        ((True, 0), TypeError),
+        ((2**70, 0), ValueError),
+        ((1, 2**40), ValueError),
+        ((1, -1), ValueError),
+        ((99, 0), ValueError),
+        ([1, 0], TypeError),
+        ((1, 0, 0), TypeError),
+        (None, TypeError),
+    ],
+)
+def test_dlpack_device_returning_non_devices(claim, error, live):
+    with pytest.raises(error, match="__dlpack_device__"):
+        handoff.from_dlpack(ClaimsDevice(claim), stream=CONSUMER_STREAM)
+
+
+@needs_sim
+def test_a_producer_claiming_device_memory_for_host_data_is_refused(live):
+    from handoff import sim
+
+    device_type = 10 if BACKEND == "sim-rocm" else 2
+    consumer = sim.Stream()
+    with pytest.raises(ValueError, match="__dlpack_device__.*refused"):
+        handoff.from_dlpack(ClaimsDevice((device_type, 0)), stream=consumer)
+
+
+@needs_sim
+def test_a_producer_claiming_host_memory_for_device_data_is_refused(live):
+    from handoff import sim
+
+    class HidesItsDevice:
+        def __init__(self):
+            self.array = sim.zeros(8)
+
+        def __dlpack_device__(self):
+            return (CPU, 0)
+
+        def __dlpack__(self, stream=None, **kwargs):
+            return self.array.__dlpack__(stream=None if stream is None else -1, **kwargs)
+
+    consumer = sim.Stream()
+    with pytest.raises(ValueError, match="__dlpack_device__.*refused"):
+        handoff.from_dlpack(HidesItsDevice(), stream=consumer)
+    sim.synchronize()
+
+
+# --- dl_device the runtime does not know ----------------------------------------------------
+
+
+@pytest.mark.parametrize("device", [(99, 0), (5, 0), (6, 0), (2**31 - 1, 0), (2**40, 0)])
+def test_dl_device_of_an_unknown_type_is_a_buffer_error(device, live):
+    a = handoff.from_dlpack(np.arange(3.0))
+    with pytest.raises(BufferError, match="dl_device"):
+        a.__dlpack__(dl_device=device, max_version=(1, 1))
+
+
+def test_dl_device_out_of_range_is_still_a_value_error(live):
+    a = handoff.from_dlpack(np.arange(3.0))
+    for device in ((2**70, 0), (1, -1), (1, 2**31)):
+        with pytest.raises(ValueError, match="dl_device"):
+            a.__dlpack__(dl_device=device, max_version=(1, 1))
+
+
+# --- calls that once crashed ------------------------------------------------------------------
+
+
+@needs_sim
+@pytest.mark.parametrize("device", [0, 1])
+def test_sim_synchronize_of_one_device(device):
+    from handoff import sim
+
+    sim.synchronize(device)
+    sim.synchronize(device=device)
+
+
+@needs_sim
+def test_sim_synchronize_of_a_device_that_does_not_exist():
+    from handoff import sim
+
+    with pytest.raises(ValueError, match="device 7 does not exist"):
+        sim.synchronize(7)
+    for device in ("0", 1.0, True):
+        with pytest.raises(TypeError, match="device"):
+            sim.synchronize(device)
+
+
+EXIT_WITH_DAEMON_THREADS = textwrap.dedent(
+    """
+    import sys, threading, time
+    import numpy as np
+    import handoff
+    from handoff import sim
+
+    producer, consumer = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)
+    source = sim.zeros(1 << 14)
+    host = np.arange(16.0)
+
+    class StreamObject:  # resolved through handoff.as_stream, Python code inside the import
+        def __cuda_stream__(self):
+            return (0, consumer.handle)
+
+    def forever(step):
+        def run():
+            while True:
+                step()
+        return run
+
+    steps = [
+        lambda: source.__dlpack__(stream=consumer.handle),                  # ordered export
+        lambda: handoff.from_dlpack(source, stream=consumer),               # ordered import
+        lambda: handoff.from_dlpack(source, stream=StreamObject()),
+        lambda: sim.to_numpy(source, stream=producer),                      # blocks: GIL released
+        lambda: handoff.from_dlpack(source, device="cpu"),                  # blocks: GIL released
+        lambda: handoff.from_dlpack(host),
+    ]
+    for step in steps:
+        threading.Thread(target=forever(step), daemon=True).start()
+    time.sleep(0.3)
+    sys.stdout.write("exiting\\n")
+    """
+)
+
+
+@needs_sim
+@pytest.mark.parametrize("attempt", range(3))
+def test_exit_while_daemon_threads_are_inside_handoff_calls(attempt):
+    result = run_python(EXIT_WITH_DAEMON_THREADS)
+    assert "terminate called" not in result.stderr
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout == "exiting\n"
