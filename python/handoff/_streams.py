@@ -24,11 +24,16 @@ _HANDLE_LIMIT = 1 << 63
 class Stream:
     """A non-owning reference to a device stream: its raw handle and, if known, its device.
 
+    Made by :func:`as_stream` from a stream object, it keeps that object alive (and with it a stream
+    that its library destroys when the object goes); views imported onto it keep it in turn.
+
     ``handle`` is the native handle (``cudaStream_t`` as an int); DLPack's special values are
     accepted too (1: legacy default, 2: per-thread default for CUDA; 0: default for ROCm).
     """
 
-    __slots__ = ("_handle", "_device")
+    # `_source`: the object as_stream made this from, kept alive with the Stream, since CuPy, cuda.core
+    # and Numba destroy their stream when its object goes, and views bound to it outlive the call.
+    __slots__ = ("_handle", "_device", "_source")
 
     def __init__(self, handle: int, *, device: int | None = None) -> None:
         if isinstance(handle, bool) or not isinstance(handle, int):
@@ -39,6 +44,7 @@ class Stream:
             raise ValueError(f"Stream device must be None or a non-negative int, got {device!r}")
         self._handle = handle
         self._device = device
+        self._source = None
 
     @property
     def handle(self) -> int:
@@ -84,15 +90,21 @@ def as_stream(obj: object) -> Stream:
         value = protocol() if callable(protocol) else protocol
         if not (isinstance(value, tuple) and len(value) == 2 and all(_is_int(v) for v in value)):
             raise TypeError(f"{type(obj).__name__}.__cuda_stream__() must return (version, handle), two ints")
-        return Stream(value[1], device=_device_of(obj))
+        return _from_object(obj, value[1])
     for attribute in ("cuda_stream", "ptr"):
         handle = getattr(obj, attribute, None)
         if _is_int(handle):
-            return Stream(handle, device=_device_of(obj))
+            return _from_object(obj, handle)
     raise TypeError(
         f"{type(obj).__name__} is not a stream: expected an int, handoff.Stream, or an object with "
         "__cuda_stream__(), .cuda_stream or .ptr"
     )
+
+
+def _from_object(obj: object, handle: int) -> Stream:
+    made = Stream(handle, device=_device_of(obj))
+    made._source = obj
+    return made
 
 
 def _is_int(value: object) -> bool:

@@ -173,7 +173,8 @@ void settle(array& view, std::optional<DLDevice> device, std::optional<bool> cop
 
 // A device view imported for `consumer` (a DLPack stream value; None for the default stream): its
 // data is ready there, and its producer outlives the work the consumer then enqueues there.
-void bind_to_consumer(const array& view, py::handle consumer)
+// `stream_object` (what consumer_stream() resolved) is kept alive with the binding.
+void bind_to_consumer(const array& view, py::handle consumer, py::handle stream_object)
 {
   const DLDeviceType type = view.device().device_type;
   if (!is_cuda_device(type) && !is_rocm_device(type)) { return; }
@@ -181,7 +182,7 @@ void bind_to_consumer(const array& view, py::handle consumer)
   if (ctx == nullptr || !is_stream_ordered(*ctx, view)) { return; }  // memory no active backend orders
   const auto stream = resolve_stream(ctx->backend(), classify_stream(type, stream_argument(consumer)));
   if (!stream) { return; }  // stream=-1: the consumer orders its work itself
-  bind_import(*ctx, view, owning_device(*ctx, view), *stream);
+  bind_import(*ctx, view, owning_device(*ctx, view), *stream, stream_keep_alive(stream_object));
 }
 
 // The DLPack stream value of a consumer stream from consumer_stream() for data on `device`
@@ -275,7 +276,7 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
         capsule = call_dlpack(x, {});  // a producer older than DLPack 1.0
       }
       array view = consume_capsule(capsule);
-      bind_to_consumer(view, consumer);
+      bind_to_consumer(view, consumer, consumer);
       count(counter::imports);
       return wrap(std::move(view));
     }
@@ -285,8 +286,9 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
   const auto want_copy = copy_argument(copy);
   if (PyCapsule_CheckExact(x.ptr())) {
     array view = consume_capsule(x);
-    bind_to_consumer(view, consumer.is_none() ? py::object(py::none())
-                                              : producer_stream_argument(consumer, view.device().device_type));
+    bind_to_consumer(
+      view, consumer.is_none() ? py::object(py::none()) : producer_stream_argument(consumer, view.device().device_type),
+      consumer);
     return finish(std::move(view), target, want_copy, false);
   }
   HANDOFF_EXPECTS(
@@ -305,7 +307,7 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
   const auto [capsule, legacy] = request_capsule(x, producer_arg, dl_device, copy);
   array view = consume_capsule(capsule);
   if (claimed) { check_claimed_device(x, target && !legacy ? *target : *claimed, view.device()); }
-  bind_to_consumer(view, producer_arg);
+  bind_to_consumer(view, producer_arg, consumer);
   return finish(std::move(view), target, want_copy, !legacy);
 }
 
@@ -327,7 +329,8 @@ py::object asarray(py::handle x, py::handle device, py::handle copy, py::handle 
   const auto target = device_argument(device, "device");
   const auto want_copy = copy_argument(copy);
   if (py::object cai = py::getattr(x, "__cuda_array_interface__", py::none()); !cai.is_none()) {
-    return finish(import_cuda_array_interface(x, cai, consumer_value(consumer, kDLCUDA)), target, want_copy, false);
+    return finish(import_cuda_array_interface(x, cai, consumer_value(consumer, kDLCUDA), stream_keep_alive(consumer)),
+                  target, want_copy, false);
   }
   if (py::object ai = py::getattr(x, "__array_interface__", py::none()); !ai.is_none()) {
     return finish(import_array_interface(x, ai), target, want_copy, false);

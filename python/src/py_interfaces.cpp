@@ -256,7 +256,8 @@ cuda_array_interface parse_cuda_array_interface(py::handle interface)
   return out;
 }
 
-array import_cuda_array_interface(py::handle object, py::handle interface, std::optional<std::int64_t> consumer)
+array import_cuda_array_interface(py::handle object, py::handle interface, std::optional<std::int64_t> consumer,
+                                  std::shared_ptr<const void> consumer_owner)
 {
   cuda_array_interface parsed = parse_cuda_array_interface(interface);
   context& ctx = require_context("importing __cuda_array_interface__ data");
@@ -289,7 +290,7 @@ array import_cuda_array_interface(py::handle object, py::handle interface, std::
       stream_view{backend, *consumer_stream}.wait(stream_view{backend, *producer}, device, ctx.events());
     }
   }
-  bind_import(ctx, view, device, *consumer_stream);
+  bind_import(ctx, view, device, *consumer_stream, std::move(consumer_owner));
   return view;
 }
 

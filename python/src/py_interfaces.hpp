@@ -25,9 +25,11 @@ struct cuda_array_interface {
 
 /// Imports `object` through its `__cuda_array_interface__`: parses it, resolves the pointer with
 /// the active backend, makes the consumer stream (a DLPack value; nullopt for the default) wait on
-/// the interface's `stream` with an event (never a host synchronize), and binds the view to it.
+/// the interface's `stream` with an event (never a host synchronize), and binds the view to it,
+/// keeping `consumer_owner` (may be empty) alive with the binding.
 /// @throws device_error when there is no backend.
 [[nodiscard]] array import_cuda_array_interface(py::handle object, py::handle interface,
-                                                std::optional<std::int64_t> consumer);
+                                                std::optional<std::int64_t> consumer,
+                                                std::shared_ptr<const void> consumer_owner);
 
 }  // namespace handoff::python

@@ -207,7 +207,7 @@ py::object zeros(py::handle shape_arg, const std::string& dtype_text, int device
   std::memset(data, 0, bytes);
   layout.data = data;
   array view{std::move(layout), std::move(owner)};
-  view.owner().set_ready_on({&s.ctx, device, stream});
+  view.owner().set_ready_on({.ctx = &s.ctx, .device = device, .stream = stream, .stream_owner = nullptr});
   return wrap(std::move(view));
 }
 
@@ -223,7 +223,8 @@ void fill(py::handle target, py::handle value, py::handle stream, double delay)
   if (view.nbytes() > 0) {
     s.sim.enqueue_fill_bytes(handle, view.data(), static_cast<std::size_t>(view.nbytes()), pattern, seconds(delay));
   }
-  view.owner().set_ready_on({&s.ctx, device, handle});
+  view.owner().set_ready_on(
+    {.ctx = &s.ctx, .device = device, .stream = handle, .stream_owner = stream_keep_alive(stream)});
 }
 
 py::object to_numpy(py::handle source, py::handle stream)

@@ -82,6 +82,13 @@ array copy_of(const array& view, bool to_host)
   return without_gil([&] { return copy_device_array(ctx, view, true); });
 }
 
+std::shared_ptr<const void> stream_keep_alive(py::handle stream_object)
+{
+  if (stream_object.is_none() || PyLong_Check(stream_object.ptr()) != 0) { return {}; }
+  PyObject* raw = stream_object.inc_ref().ptr();
+  return std::shared_ptr<const void>{raw, [](PyObject* object) noexcept { release_reference(object); }};
+}
+
 void keep_alive_until_done(context& ctx, int device, device::stream_handle stream, py::handle object) noexcept
 {
   PyObject* raw = object.inc_ref().ptr();

@@ -70,6 +70,10 @@ enum class unknown_device_type {
 /// @throws device_error when device data needs a backend and none is active.
 [[nodiscard]] array copy_of(const array& view, bool to_host);
 
+/// A reference to a stream object (anything but None or an int) for a stream_binding to keep it
+/// alive; the last copy lets go of it under the GIL, from any thread. Empty for None and ints.
+[[nodiscard]] std::shared_ptr<const void> stream_keep_alive(py::handle stream_object);
+
 /// Keeps `object` alive until the work enqueued on `stream` (of `device`) so far is done: for
 /// host memory a device copy may still write when a wait for it failed.
 void keep_alive_until_done(context& ctx, int device, device::stream_handle stream, py::handle object) noexcept;

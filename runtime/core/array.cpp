@@ -29,7 +29,15 @@ struct producer_ref::state {
     detail::live_view_released();
     if (!release_) { return; }
     if (release_after_ && release_after_->ctx != nullptr) {
-      release_after_->ctx->release_after(release_after_->device, release_after_->stream, std::move(release_));
+      stream_binding& consumer = *release_after_;
+      if (!consumer.stream_owner) {
+        consumer.ctx->release_after(consumer.device, consumer.stream, std::move(release_));
+        return;
+      }
+      // The stream's owner goes once the release has run, after the last use of the stream.
+      consumer.ctx->release_after(
+        consumer.device, consumer.stream,
+        [release = std::move(release_), owner = std::move(consumer.stream_owner)]() noexcept { release(); });
       return;
     }
     try {

@@ -33,6 +33,7 @@ struct context::pending_release {
   void run() noexcept
   {
     release_producer();
+    release_producer = nullptr;  // and what it holds (the consumer stream's owner), before drain() returns
     owner->finished_one();
   }
 

@@ -74,9 +74,11 @@ void order_export(context* ctx, const array& view, stream_request consumer)
   stream_view{backend, *resolve_stream(backend, consumer)}.wait(stream_view{backend, producer}, device, ctx->events());
 }
 
-void bind_import(context& ctx, const array& view, int device, device::stream_handle consumer)
+void bind_import(context& ctx, const array& view, int device, device::stream_handle consumer,
+                 std::shared_ptr<const void> consumer_owner)
 {
-  const stream_binding on_consumer{&ctx, device, consumer};
+  const stream_binding on_consumer{
+    .ctx = &ctx, .device = device, .stream = consumer, .stream_owner = std::move(consumer_owner)};
   view.owner().set_ready_on(on_consumer);
   view.owner().release_after(on_consumer);
 }
@@ -147,8 +149,11 @@ array copy_device_array(context& ctx, const array& view, bool to_host)
   array_layout layout = view.layout();
   layout.data = copy;
   layout.readonly = false;
-  array out{std::move(layout), producer_ref{[owner, copy, stream]() noexcept { owner->deallocate(copy, stream); }}};
-  out.owner().set_ready_on({&ctx, device, stream});
+  // The copy lives on its source's stream: it frees there, so it keeps that stream alive too.
+  std::shared_ptr<const void> stream_owner = ready ? ready->stream_owner : nullptr;
+  array out{std::move(layout),
+            producer_ref{[owner, copy, stream, stream_owner]() noexcept { owner->deallocate(copy, stream); }}};
+  out.owner().set_ready_on({.ctx = &ctx, .device = device, .stream = stream, .stream_owner = std::move(stream_owner)});
   return out;
 }
 

@@ -238,6 +238,7 @@ def test_release_waits_for_the_consumer_stream(streams):
     assert sim.live_allocations() == allocations + 1, "released while the consumer stream still used it"
     consumer.synchronize()
     sim.drain()
+    sim.synchronize()  # the release frees as cudaFree does: once the device is idle
     gc.collect()
     assert sim.live_allocations() == allocations
 

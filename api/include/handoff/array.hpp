@@ -28,6 +28,10 @@ struct stream_binding {
   context* ctx{nullptr};
   int device{0};
   device::stream_handle stream{};
+  /// What keeps `stream` alive (a Python stream object, say: CuPy, cuda.core and Numba destroy
+  /// their stream with it) for as long as the binding is in use, its deferred release included.
+  /// Empty when the caller owns the stream.
+  std::shared_ptr<const void> stream_owner;
 };
 
 /// Shared ownership of a producer. The release function runs exactly once, when the last view

@@ -25,8 +25,10 @@ namespace handoff {
 void order_export(context* ctx, const array& view, stream_request consumer);
 
 /// Import half: records that `view`'s data is ready on `consumer` (of `device`), and defers the
-/// release of its producer until the work enqueued on `consumer` by then is done.
-void bind_import(context& ctx, const array& view, int device, device::stream_handle consumer);
+/// release of its producer until the work enqueued on `consumer` by then is done. `consumer_owner`
+/// (may be empty) keeps the consumer stream alive until then.
+void bind_import(context& ctx, const array& view, int device, device::stream_handle consumer,
+                 std::shared_ptr<const void> consumer_owner = {});
 
 /// A compact copy of device-resident `view`, made in order after the work pending on the stream it
 /// is ready on: on the host (`to_host`, waited for, so the copy is usable when this returns) or on

@@ -26,7 +26,7 @@ TEST_F(ContextTest, ReleaseWaitsForTheConsumerStream)
       seen_at_release = data[0];  // the consumer's write must be complete by now
       released = true;
     }};
-    owner.release_after({&ctx, 0, consumer});
+    owner.release_after({.ctx = &ctx, .device = 0, .stream = consumer, .stream_owner = nullptr});
     sim.enqueue_fill(consumer, data, n, 5.0F, slow);  // consumer work still using the memory
   }
   EXPECT_FALSE(released.load()) << "released before the consumer stream was done";
@@ -36,6 +36,29 @@ TEST_F(ContextTest, ReleaseWaitsForTheConsumerStream)
   EXPECT_EQ(seen_at_release.load(), 5.0F);
 }
 
+TEST_F(ContextTest, TheConsumerStreamsOwnerOutlivesTheRelease)
+{
+  const auto consumer = stream_on(0);
+  std::atomic<bool> released{false};
+  std::atomic<bool> owner_gone{false};
+  std::atomic<bool> owner_gone_before_release{false};
+  {
+    producer_ref owner{[&] {
+      owner_gone_before_release = owner_gone.load();
+      released = true;
+    }};
+    // The stream's owner (a Python stream object, say), held by nothing else.
+    std::shared_ptr<const void> stream_owner{&owner_gone, [&](const void*) { owner_gone = true; }};
+    owner.release_after({.ctx = &ctx, .device = 0, .stream = consumer, .stream_owner = std::move(stream_owner)});
+    sim.enqueue_sleep(consumer, slow);
+  }
+  EXPECT_FALSE(owner_gone.load()) << "the stream's owner went while a release was still to run on it";
+  ctx.drain();
+  EXPECT_TRUE(released.load());
+  EXPECT_FALSE(owner_gone_before_release.load());
+  EXPECT_TRUE(owner_gone.load());
+}
+
 TEST_F(ContextTest, ReleasesUseNoEvents)
 {
   const auto consumer = stream_on(0);
@@ -43,7 +66,7 @@ TEST_F(ContextTest, ReleasesUseNoEvents)
   std::atomic<int> released{0};
   for (int i = 0; i < 300; ++i) {
     producer_ref owner{[&] { ++released; }};
-    owner.release_after({&ctx, 0, consumer});
+    owner.release_after({.ctx = &ctx, .device = 0, .stream = consumer, .stream_owner = nullptr});
     sim.enqueue_sleep(consumer, std::chrono::microseconds{50});
   }
   ctx.drain();
@@ -62,7 +85,7 @@ TEST_F(ContextTest, AnEnqueueFailureFallsBackToWaitingForTheStream)
   sim.inject_fault("launch_host_func", 1, "cudaErrorLaunchFailure");
   {
     producer_ref owner{[&] { seen_at_release = data[0]; }};
-    owner.release_after({&ctx, 0, consumer});
+    owner.release_after({.ctx = &ctx, .device = 0, .stream = consumer, .stream_owner = nullptr});
   }
   ctx.drain();
   EXPECT_EQ(seen_at_release.load(), 7.0F);  // never early, even when the event path fails

@@ -38,7 +38,7 @@ TEST_F(ExchangeTest, ExportOrdersTheStreamTheDataIsReadyOn)
   const auto consumer = stream_on(0);
   const array view = view_of(data, 0);
   sim.enqueue_fill(producer, data, n, 1.0F, slow);
-  view.owner().set_ready_on({&ctx, 0, producer});
+  view.owner().set_ready_on({.ctx = &ctx, .device = 0, .stream = producer, .stream_owner = nullptr});
   order_export(&ctx, view, on(consumer));
   EXPECT_EQ(read(data, consumer).front(), 1.0F);
 }
@@ -50,7 +50,7 @@ TEST_F(ExchangeTest, NegativeControlNoOrderingRequestedSeesStaleData)
   const auto consumer = stream_on(0);
   const array view = view_of(data, 0);
   sim.enqueue_fill(producer, data, n, 1.0F, slow);
-  view.owner().set_ready_on({&ctx, 0, producer});
+  view.owner().set_ready_on({.ctx = &ctx, .device = 0, .stream = producer, .stream_owner = nullptr});
   order_export(&ctx, view, {stream_order::none, 0});
   EXPECT_EQ(read(data, consumer).front(), 0.0F);
   sim.synchronize_device();
@@ -113,7 +113,7 @@ TEST_F(ExchangeTest, DeviceCopiesFollowThePendingWrite)
   const auto producer = stream_on(0);
   const array view = view_of(data, 0);
   sim.enqueue_fill(producer, data, n, 8.0F, slow);
-  view.owner().set_ready_on({&ctx, 0, producer});
+  view.owner().set_ready_on({.ctx = &ctx, .device = 0, .stream = producer, .stream_owner = nullptr});
 
   const array host = copy_device_array(ctx, view, /*to_host=*/true);
   EXPECT_EQ(host.device().device_type, kDLCPU);
@@ -143,7 +143,7 @@ TEST_F(ExchangeTest, ManyThreadsExchangeAtOnce)
         float* data = buffers[static_cast<std::size_t>(t)];
         const array view = view_of(data, device);
         sim.enqueue_fill(producer, data, n, static_cast<float>(round));
-        view.owner().set_ready_on({&ctx, device, producer});
+        view.owner().set_ready_on({.ctx = &ctx, .device = device, .stream = producer, .stream_owner = nullptr});
         order_export(&ctx, view, on(consumer));  // from the data's device, whatever is current
         bind_import(ctx, view, device, consumer);
         if (read(data, consumer).back() != static_cast<float>(round)) { ++wrong; }
