@@ -85,8 +85,8 @@ PYBIND11_MODULE(_handoff, m)
   m.def(
     "_at_exit",
     [] {
-      if (context* ctx = started_context()) {
-        without_gil([ctx] { ctx->drain(); });  // the releases may need the GIL themselves
+      if (context* ctx = started_context()) {  // the releases may need the GIL themselves
+        without_gil([ctx] { (void)ctx->drain_for(context::exit_drain_limit); });
       }
       close_python_gate();  // later releases leave their Python objects to the ending process
     },

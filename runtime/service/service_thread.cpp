@@ -3,6 +3,9 @@
 #include "log/logger.hpp"
 
 #include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
+
+#include <memory>
 
 #include <future>
 
@@ -30,6 +33,12 @@ service_thread::~service_thread()
 void service_thread::post(std::function<void()> work)
 {
   boost::asio::post(io_, std::move(work));
+}
+
+void service_thread::post_after(std::chrono::nanoseconds delay, std::function<void()> work)
+{
+  auto timer = std::make_shared<boost::asio::steady_timer>(io_, delay);
+  timer->async_wait([timer, work = std::move(work)](const boost::system::error_code&) { work(); });
 }
 
 void service_thread::drain()

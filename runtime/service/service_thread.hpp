@@ -21,6 +21,7 @@ class service_thread final : public executor {
   ~service_thread() override;
 
   void post(std::function<void()> work) override;
+  void post_after(std::chrono::nanoseconds delay, std::function<void()> work) override;
   void drain() override;
 
  private:

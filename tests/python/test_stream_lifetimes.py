@@ -112,3 +112,21 @@ def test_views_and_streams_left_in_module_globals_exit_cleanly():
     assert result.returncode == 0, result.stderr
     assert result.stdout == "exiting\n"
     assert result.stderr == "", "exit printed errors"
+
+
+def test_a_view_dropped_while_its_consumer_stream_captures_is_released_once_after_the_capture():
+    consumer = sim.Stream(non_blocking=False)
+    source = sim.zeros(1024)
+    sim.fill(source, 2.0, stream=consumer)  # ready on the consumer stream: the import needs no wait
+    sim.synchronize()
+    live = handoff.stats()["live_views"]
+    sim.begin_capture(consumer)
+    view = handoff.from_dlpack(source, stream=consumer)
+    del view  # its release must not become a node of the graph
+    assert sim.end_capture(consumer) == 0, "the release went into the captured graph"
+    sim.drain()
+    gc.collect()
+    assert handoff.stats()["live_views"] == live
+    del source
+    sim.synchronize()
+    sim.drain()

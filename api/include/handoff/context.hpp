@@ -4,11 +4,14 @@
 #include <handoff/device.hpp>
 #include <handoff/event_pool.hpp>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <utility>
 
 namespace handoff {
 
@@ -23,6 +26,8 @@ class executor {
   virtual ~executor() = default;
   /// Hands `work` over; it must not throw.
   virtual void post(std::function<void()> work) = 0;
+  /// Hands `work` over to run once `delay` has passed (without holding the thread meanwhile).
+  virtual void post_after(std::chrono::nanoseconds delay, std::function<void()> work) = 0;
   /// Blocks until the work posted before this call has run.
   virtual void drain() = 0;
 };
@@ -36,9 +41,14 @@ class context {
   context& operator=(const context&) = delete;
   context(context&&) = delete;
   context& operator=(context&&) = delete;
-  /// Waits for every device (so queued host functions have run), finishes the pending releases,
-  /// then destroys the pool's events.
+  /// Waits for the streams that have releases pending (never for whole devices: that would create a
+  /// context on a device nothing used), then for the releases, at most `exit_drain_limit`; what is
+  /// still pending then (a stream that will never get there) is abandoned and logged. Then destroys
+  /// the pool's events.
   ~context();
+
+  /// How long the destructor waits for the pending releases.
+  static constexpr std::chrono::seconds exit_drain_limit{10};
 
   [[nodiscard]] device::backend& backend() const noexcept { return backend_; }
   [[nodiscard]] event_pool& events() noexcept { return events_; }
@@ -46,21 +56,33 @@ class context {
   /// Runs `release` once the work enqueued so far on `stream` (of `device`) is done, without
   /// blocking the caller: a host function enqueued on `stream` hands it to the executor (counted
   /// in deferred_releases); no event is used. If that cannot be enqueued, the executor waits for
-  /// the whole stream instead: never early.
+  /// the whole stream instead: never early. While `stream` captures into a graph, no host function
+  /// goes into the graph (it would run at every launch, or never): the executor waits for the
+  /// capture to end, then enqueues it.
   void release_after(int device, device::stream_handle stream, std::function<void()> release) noexcept;
 
   /// Blocks until no deferred release is pending (each waits for its stream, then runs).
   void drain();
+  /// drain(), for at most `limit`. @return true when nothing is pending.
+  bool drain_for(std::chrono::nanoseconds limit);
 
  private:
-  device::backend& backend_;
+  using stream_key = std::pair<int, device::stream_handle>;  // (device, stream)
   struct pending_release;
-  void finished_one() noexcept;
+  struct shared_state;
+  void enqueue_release(pending_release* pending) noexcept;
+  void when_not_capturing(pending_release* pending) noexcept;
+  void finished_one(stream_key where) noexcept;
 
+  device::backend& backend_;
   event_pool events_;
   std::mutex pending_mutex_;
   std::condition_variable none_pending_;
-  std::size_t pending_{0};  // deferred releases not yet run
+  std::size_t pending_{0};                       // deferred releases not yet run
+  std::map<stream_key, std::size_t> by_stream_;  // the same, by the stream they wait for
+  // What a host function still queued on a stream reaches: it outlives the context, so that a
+  // release abandoned at exit touches nothing when its host function runs after all.
+  std::shared_ptr<shared_state> shared_;
   std::unique_ptr<executor> deferred_;
 };
 

@@ -1,6 +1,7 @@
 // Stream-ordered release: a producer is released only once its consumer stream is done.
 #include <handoff/array.hpp>
 #include <handoff/context.hpp>
+#include <handoff/error.hpp>
 #include <handoff/stats.hpp>
 
 #include "core/sim_fixture.hpp"
@@ -57,6 +58,37 @@ TEST_F(ContextTest, TheConsumerStreamsOwnerOutlivesTheRelease)
   EXPECT_TRUE(released.load());
   EXPECT_FALSE(owner_gone_before_release.load());
   EXPECT_TRUE(owner_gone.load());
+}
+
+TEST_F(ContextTest, AReleaseDuringCapturePutsNothingIntoTheGraphAndRunsAfterIt)
+{
+  const auto consumer = stream_on(0, /*non_blocking=*/false);
+  std::atomic<int> released{0};
+  sim.begin_capture(consumer);
+  {
+    producer_ref owner{[&] { ++released; }};
+    owner.release_after({.ctx = &ctx, .device = 0, .stream = consumer, .stream_owner = nullptr});
+  }
+  ASSERT_EQ(sim.end_capture(consumer), 0U) << "the release's host function went into the graph";
+  ASSERT_TRUE(ctx.drain_for(std::chrono::seconds{10}));
+  EXPECT_EQ(released.load(), 1);
+}
+
+TEST_F(ContextTest, ExitWaitsOnlyForTheStreamsWithPendingReleases)
+{
+  const auto consumer = stream_on(1);
+  std::atomic<bool> released{false};
+  {
+    context exiting{sim, std::make_unique<detail::service_thread>()};
+    producer_ref owner{[&] { released = true; }};
+    owner.release_after({.ctx = &exiting, .device = 1, .stream = consumer, .stream_owner = nullptr});
+    sim.enqueue_sleep(consumer, slow);
+    // Synchronizing a whole device would make a context on every device of a real GPU.
+    sim.inject_fault("synchronize_device", 1, "cudaErrorLaunchFailure");
+  }
+  EXPECT_TRUE(released.load());
+  EXPECT_THROW(sim.synchronize_device(), device_error) << "exit synchronized a whole device";
+  sim.clear_faults();
 }
 
 TEST_F(ContextTest, ReleasesUseNoEvents)
