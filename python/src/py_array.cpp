@@ -2,6 +2,7 @@
 // object allocation) with its properties, and the producer side of DLPack and the array interfaces.
 #include "py_array.hpp"
 
+#include "py_gil.hpp"
 #include "py_support.hpp"
 
 #include <handoff/dtype.hpp>
@@ -124,8 +125,9 @@ py::capsule export_capsule(const array& view, std::optional<DLPackVersion> versi
   return version ? make_capsule(export_versioned(view, {*version, copied})) : make_capsule(export_legacy(view));
 }
 
-// What an export to `dl_device` with `copy` must copy: nothing, on the same device, or to the host.
-enum class export_copy { none, same_device, to_host };
+// What an export to `dl_device` with `copy` must make: nothing, a copy on the same device or on the
+// host, or a host view of host-accessible memory (pinned, managed: reused, as the array API asks).
+enum class export_copy { none, same_device, to_host, host_view };
 
 export_copy copy_needed(const array& view, py::handle dl_device, py::handle copy)
 {
@@ -135,6 +137,7 @@ export_copy copy_needed(const array& view, py::handle dl_device, py::handle copy
   HANDOFF_EXPECTS(!moves || target->device_type == kDLCPU, buffer_error,
                   fmt::format("cannot export an array on {} to {}: the device is unreachable from there",
                               device_text(view.device()), device_text(*target)));
+  if (moves && is_host_accessible(view.device().device_type) && want_copy != true) { return export_copy::host_view; }
   HANDOFF_EXPECTS(!(moves && want_copy == false), buffer_error,
                   fmt::format("exporting to {} needs a copy, but copy=False", device_text(*target)));
   if (moves) { return export_copy::to_host; }
@@ -152,11 +155,19 @@ py::capsule export_dlpack(const array& view, py::handle stream, py::handle max_v
   const auto version = requested_version(max_version);
   const export_copy copying =
     (!dl_device.is_none() || !copy.is_none()) ? copy_needed(view, dl_device, copy) : export_copy::none;
-  const std::optional<array> copied =
-    copying == export_copy::none ? std::nullopt : std::optional{copy_of(view, copying == export_copy::to_host)};
-  const array& exported = copied ? *copied : view;
-  if (copying != export_copy::to_host) { order_export(active_context(), exported, request); }
-  py::capsule capsule = export_capsule(exported, version, copied.has_value());
+  std::optional<array> made;
+  if (copying == export_copy::host_view) {
+    context& ctx = require_context("exporting host-accessible device memory to the CPU");
+    made = without_gil([&] { return host_view(ctx, view); });
+  } else if (copying != export_copy::none) {
+    made = copy_of(view, copying == export_copy::to_host);
+  }
+  const array& exported = made ? *made : view;
+  if (copying == export_copy::none || copying == export_copy::same_device) {
+    order_export(active_context(), exported, request);
+  }
+  const bool copied = copying == export_copy::same_device || copying == export_copy::to_host;
+  py::capsule capsule = export_capsule(exported, version, copied);
   count(counter::exports);
   return capsule;
 }

@@ -26,6 +26,20 @@ std::optional<device::stream_handle> resolve_stream(device::backend& backend, st
   return std::nullopt;
 }
 
+array host_view(context& ctx, const array& view)
+{
+  const DLDeviceType type = view.device().device_type;
+  HANDOFF_EXPECTS(is_host_accessible(type), buffer_error,
+                  fmt::format("{} memory is not accessible from the host", device_type_name(type)));
+  if (const auto ready = view.owner().ready_on(); ready && ready->ctx == &ctx) {
+    device_guard on_owner{ctx.backend(), ready->device};
+    ctx.backend().synchronize_stream(ready->stream);
+  }
+  array_layout layout = view.layout();
+  layout.device = {kDLCPU, 0};
+  return array{std::move(layout), view.owner()};
+}
+
 bool is_stream_ordered(const context& ctx, const array& view) noexcept
 {
   const DLDeviceType type = view.device().device_type;
@@ -39,6 +53,9 @@ int owning_device(context& ctx, const array& view)
   const device::pointer_attributes where = ctx.backend().attributes(view.data());
   const bool device_memory = claimed.device_type == kDLCUDA || claimed.device_type == kDLROCM;
   if (device_memory) {
+    // Managed memory is device memory to its users: PyTorch with a managed allocator and RMM's
+    // managed resource export it as kDLCUDA, on the device that uses it.
+    if (where.kind == device::memory_kind::managed) { return claimed.device_id; }
     HANDOFF_EXPECTS(where.kind == device::memory_kind::device, value_error,
                     fmt::format("the array claims {} device {} memory, but {:#x} is not device memory of the {} "
                                 "backend",

@@ -36,6 +36,11 @@ void bind_import(context& ctx, const array& view, int device, device::stream_han
 /// @throws device_error when a device call fails; nothing is leaked.
 [[nodiscard]] array copy_device_array(context& ctx, const array& view, bool to_host);
 
+/// The same host-accessible memory (pinned or managed) as a CPU array, once the work pending on
+/// the stream it is ready on is done (waited for: a CPU consumer has no stream to order).
+/// @throws buffer_error for memory the host cannot reach; device_error when the wait fails.
+[[nodiscard]] array host_view(context& ctx, const array& view);
+
 /// True when `view` lives in memory ordered by the streams of `ctx`'s backend.
 [[nodiscard]] bool is_stream_ordered(const context& ctx, const array& view) noexcept;
 

@@ -42,6 +42,12 @@ struct stream_request {
   return device == kDLROCM || device == kDLROCMHost;
 }
 
+/// True for device types whose memory the host can read and write directly (pinned, managed).
+[[nodiscard]] constexpr bool is_host_accessible(DLDeviceType device) noexcept
+{
+  return device == kDLCUDAHost || device == kDLCUDAManaged || device == kDLROCMHost;
+}
+
 /// True when `type` is a device type DLPack defines (kDLCPU, kDLCUDA, ... kDLTrn; 5 and 6 are not).
 [[nodiscard]] bool is_dlpack_device_type(std::int64_t type) noexcept;
 

@@ -1,0 +1,76 @@
+"""Memory kinds peers really export: managed memory labelled as device memory (kDLCUDA, as PyTorch
+with a managed allocator and RMM's managed resource export it), and pinned or managed memory
+handed to the CPU, which reuses the memory. Run with HANDOFF_BACKEND=sim or sim-rocm."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+
+import numpy as np
+import pytest
+
+import handoff
+from conftest import CPU, DLDevice, HandMadeTensor
+
+BACKEND = handoff.runtime_info()["backend"]
+pytestmark = pytest.mark.skipif(
+    not BACKEND.startswith("sim"), reason=f"needs HANDOFF_BACKEND=sim or sim-rocm (backend is {BACKEND!r})"
+)
+if BACKEND.startswith("sim"):
+    from handoff import sim
+
+ROCM = BACKEND == "sim-rocm"
+DEVICE = 10 if ROCM else 2
+N = 1024
+
+
+@pytest.fixture(autouse=True)
+def settle():
+    yield
+    sim.synchronize()
+    gc.collect()
+    sim.drain()
+
+
+@pytest.mark.skipif(ROCM, reason="managed memory has no DLPack device type on ROCm")
+def test_managed_memory_exported_as_device_memory_is_accepted_and_ordered():
+    managed = sim.zeros(N, memory="managed")
+    producer, consumer = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)
+    sim.fill(managed, 6.0, stream=producer, delay=0.05)
+    as_device = handoff.from_dlpack(managed, stream=producer)  # ready on the producer's stream
+    tensor = HandMadeTensor(managed.data_ptr, (N,), code=2, bits=32)  # float32
+    tensor.managed.dl_tensor.device = DLDevice(DEVICE, 0)  # as PyTorch labels managed memory
+    view = handoff.from_dlpack(tensor.capsule(), stream=consumer)
+    assert view.device == (DEVICE, 0)
+    assert view.data_ptr == managed.data_ptr
+    ordered = handoff.from_dlpack(as_device, stream=consumer)  # orders the consumer after the fill
+    assert sim.to_numpy(ordered, stream=consumer)[0] == 6.0
+    del view, ordered, as_device
+    gc.collect()
+    sim.synchronize()
+    sim.drain()
+    assert tensor.deleted == 1
+
+
+@pytest.mark.parametrize("memory", ["pinned", "managed"])
+def test_host_accessible_memory_goes_to_the_cpu_without_a_copy(memory):
+    if ROCM and memory == "managed":
+        pytest.skip("managed memory has no DLPack device type on ROCm")
+    source = sim.zeros(N, memory=memory)
+    producer = sim.Stream(non_blocking=True)
+    sim.fill(source, 8.0, stream=producer, delay=0.05)
+    for copy in (None, False):
+        view = handoff.from_dlpack(source.__dlpack__(dl_device=(CPU, 0), copy=copy, max_version=(1, 1)))
+        assert view.device == (CPU, 0)
+        assert view.data_ptr == source.data_ptr, "host-accessible memory must be reused, not copied"
+        assert np.from_dlpack(view)[0] == 8.0, "the CPU consumer must see the producer's finished write"
+    copied = handoff.from_dlpack(source, device="cpu", copy=True)
+    assert copied.data_ptr != source.data_ptr
+    assert np.from_dlpack(copied)[-1] == 8.0
+
+
+def test_device_memory_to_the_cpu_with_copy_false_is_still_refused():
+    source = sim.zeros(N)
+    with pytest.raises(BufferError, match="copy=False"):
+        source.__dlpack__(dl_device=(CPU, 0), copy=False, max_version=(1, 1))
