@@ -15,6 +15,7 @@
 
 #include <cxxabi.h>
 #include <array>
+#include <cstring>
 #include <exception>
 
 namespace handoff::python {
@@ -28,8 +29,19 @@ struct cached_objects {
   PyObject* kw_max_version = nullptr;  // ("max_version",)
   PyObject* stream_var = nullptr;      // ContextVar of handoff.stream(...) blocks
   PyObject* as_stream = nullptr;       // handoff.as_stream, set by the package
+  PyTypeObject* ndarray = nullptr;     // numpy.ndarray, once one was seen
 };
 cached_objects cached;
+
+// True for NumPy's arrays (not subclasses), which live on the host: their device need not be asked.
+bool is_numpy_array(PyObject* x) noexcept
+{
+  PyTypeObject* type = Py_TYPE(x);
+  if (type == cached.ndarray) { return true; }
+  if (cached.ndarray != nullptr || std::strcmp(type->tp_name, "numpy.ndarray") != 0) { return false; }
+  cached.ndarray = type;  // only NumPy names a type so; kept alive by the numpy module
+  return true;
+}
 
 // True when `x` has a `__dlpack__` attribute. Looked up on the type first (the type's attribute
 // cache answers without allocating); only objects without it there pay for a full getattr.
@@ -80,18 +92,34 @@ py::object producer_stream_argument(py::handle stream, DLDeviceType device)
   return py::int_(is_cuda_device(device) && handle == 0 ? 1 : handle);
 }
 
-// What x.__dlpack_device__() says. @throws type_error for anything but a pair of ints,
-// value_error for ints that are no DLPack device.
-DLDevice producer_device(py::handle x)
+// What x.__dlpack_device__() says; nullopt when `x` has none and it is not `required`.
+// @throws type_error for anything but a pair of ints, value_error for ints that are no DLPack device.
+std::optional<DLDevice> producer_device(py::handle x, bool required)
 {
   const py::object device = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(x.ptr(), cached.dlpack_device));
-  if (!device) { throw py::error_already_set(); }
+  if (!device) {
+    if (required || !PyErr_ExceptionMatches(PyExc_AttributeError)) { throw py::error_already_set(); }
+    PyErr_Clear();  // a producer older than __dlpack_device__: nothing to name
+    return std::nullopt;
+  }
   const bool pair = PyTuple_Check(device.ptr()) && PyTuple_GET_SIZE(device.ptr()) == 2;
+  if (pair) {  // the common answer, read without building the messages that errors need
+    PyObject* type = PyTuple_GET_ITEM(device.ptr(), 0);
+    PyObject* id = PyTuple_GET_ITEM(device.ptr(), 1);
+    if (PyLong_CheckExact(type) && PyLong_CheckExact(id)) {
+      int overflow = 0;
+      const long long type_value = PyLong_AsLongLongAndOverflow(type, &overflow);
+      const long long id_value = overflow == 0 ? PyLong_AsLongLongAndOverflow(id, &overflow) : -1;
+      if (overflow == 0 && id_value >= 0 && id_value <= INT32_MAX && is_dlpack_device_type(type_value)) {
+        return DLDevice{static_cast<DLDeviceType>(type_value), static_cast<std::int32_t>(id_value)};
+      }
+    }
+  }
   HANDOFF_EXPECTS(pair, type_error,
                   fmt::format("{}.__dlpack_device__() must return a (device_type, device_id) tuple, not {}",
                               type_name(x), type_name(device)));
   const std::string field = fmt::format("{}.__dlpack_device__()", type_name(x));
-  return *parse_device_argument(device, field.c_str(), unknown_device_type::invalid);
+  return parse_device_argument(device, field.c_str(), unknown_device_type::invalid);
 }
 
 // Refuses data on another device than `x.__dlpack_device__()` said (or than the dl_device it was
@@ -261,24 +289,34 @@ void init_exchange(py::module_& m)
 
 py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::handle stream)
 {
+  std::optional<DLDevice> claimed;  // what x.__dlpack_device__() says, once asked
+  bool asked_device = false;
   if (device.is_none() && copy.is_none() && stream.is_none()) {
-    // The common call, from_dlpack(x), outside any handoff.stream block: the general path below
-    // with nothing to check, settle or resolve, and a producer whose __dlpack__ is a plain method.
+    // The common call, from_dlpack(x), outside any handoff.stream block, for data without streams:
+    // the general path below with nothing to check, settle or resolve, and a producer whose
+    // __dlpack__ is a plain method. Device data goes the general way, which names the default
+    // stream: an omitted `stream` is "no synchronization" to some producers (PyTorch).
     PyObject* method = plain_dlpack_method(x.ptr());
     const py::object consumer = method != nullptr ? consumer_stream(stream) : py::object{};
     if (method != nullptr && consumer.is_none()) {
-      std::array<PyObject*, 2> args{x.ptr(), cached.max_version};  // x.__dlpack__(max_version=(1, 1))
-      py::object capsule =
-        py::reinterpret_steal<py::object>(PyObject_Vectorcall(method, args.data(), 1, cached.kw_max_version));
-      if (!capsule) {
-        if (!PyErr_ExceptionMatches(PyExc_TypeError)) { throw py::error_already_set(); }
-        PyErr_Clear();
-        capsule = call_dlpack(x, {});  // a producer older than DLPack 1.0
+      if (!is_numpy_array(x.ptr())) {
+        claimed = producer_device(x, /*required=*/false);
+        asked_device = true;
       }
-      array view = consume_capsule(capsule);
-      bind_to_consumer(view, consumer, consumer);
-      count(counter::imports);
-      return wrap(std::move(view));
+      if (!claimed || !default_stream_value(claimed->device_type)) {
+        std::array<PyObject*, 2> args{x.ptr(), cached.max_version};  // x.__dlpack__(max_version=(1, 1))
+        py::object capsule =
+          py::reinterpret_steal<py::object>(PyObject_Vectorcall(method, args.data(), 1, cached.kw_max_version));
+        if (!capsule) {
+          if (!PyErr_ExceptionMatches(PyExc_TypeError)) { throw py::error_already_set(); }
+          PyErr_Clear();
+          capsule = call_dlpack(x, {});  // a producer older than DLPack 1.0
+        }
+        array view = consume_capsule(capsule);
+        if (claimed) { check_claimed_device(x, *claimed, view.device()); }
+        count(counter::imports);
+        return wrap(std::move(view));
+      }
     }
   }
   const py::object consumer = consumer_stream(stream);
@@ -294,10 +332,15 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
   HANDOFF_EXPECTS(
     has_dlpack(x.ptr()), type_error,
     fmt::format("from_dlpack: {} object has no __dlpack__ method and is not a DLPack capsule", type_name(x)));
-  // The stream value the producer gets depends on the device it says its data is on.
-  const std::optional<DLDevice> claimed = consumer.is_none() ? std::nullopt : std::optional{producer_device(x)};
-  const py::object producer_arg =
-    claimed ? producer_stream_argument(consumer, claimed->device_type) : py::object(py::none());
+  // The stream value the producer gets depends on the device it says its data is on; for device
+  // data the default stream is named explicitly, never left to the producer's reading of "omitted".
+  if (!asked_device) { claimed = producer_device(x, /*required=*/!consumer.is_none()); }
+  py::object producer_arg = py::none();
+  if (claimed && !consumer.is_none()) {
+    producer_arg = producer_stream_argument(consumer, claimed->device_type);
+  } else if (claimed) {
+    if (const auto value = default_stream_value(claimed->device_type)) { producer_arg = py::int_(*value); }
+  }
   if (PyLong_Check(producer_arg.ptr())) { (void)stream_argument(producer_arg); }  // bool/range checks
   // The producer gets the device as DLPack spells it, a (device_type, device_id) tuple, whatever
   // spelling the caller used ("cpu").

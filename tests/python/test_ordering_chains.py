@@ -153,3 +153,38 @@ def test_a_failing_synchronization_during_a_host_copy_frees_nothing_early(how, n
     gc.collect()
     sim.drain()
     sim.synchronize()
+
+
+class TorchLikeProducer:
+    """Reads an omitted `stream` as -1, no synchronization, as PyTorch 2.13's __dlpack__ does."""
+
+    __slots__ = ("array",)  # no instance dict: handoff's fastest import path calls it
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+    def __dlpack__(self, *, stream=-1, max_version=None, dl_device=None, copy=None):
+        return self.array.__dlpack__(stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
+
+
+class TorchLikeProducerWithDict(TorchLikeProducer):
+    """The same with an instance dict, which takes the general import path."""
+
+
+@pytest.mark.parametrize("kind", [TorchLikeProducer, TorchLikeProducerWithDict])
+@pytest.mark.parametrize("entry", [handoff.from_dlpack, handoff.asarray])
+def test_a_producer_reading_an_omitted_stream_as_no_sync_is_asked_for_the_default_stream(kind, entry, new_stream):
+    producer = new_stream()  # non-blocking: only an explicit wait orders the default stream after it
+    source, value = pending_write(producer)
+    view = entry(kind(source))  # no consumer stream: the device's default stream
+    assert sim.to_numpy(view, stream=DEFAULT_STREAM)[0] == value
+
+
+def test_negative_control_a_producer_asked_for_no_sync_shows_the_race(new_stream):
+    producer = new_stream()
+    source, value = pending_write(producer)
+    view = handoff.from_dlpack(source, stream=-1)
+    assert sim.to_numpy(view, stream=DEFAULT_STREAM)[0] != value, "expected stale data without ordering"

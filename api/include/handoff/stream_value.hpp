@@ -42,6 +42,16 @@ struct stream_request {
   return device == kDLROCM || device == kDLROCMHost;
 }
 
+/// The DLPack stream value that names the default stream of `device`'s memory: 1 (the legacy
+/// default stream) for CUDA, 0 for ROCm; nullopt for devices without streams. A consumer passes it
+/// explicitly, since some producers (PyTorch) read an omitted `stream` as "no synchronization".
+[[nodiscard]] constexpr std::optional<std::int64_t> default_stream_value(DLDeviceType device) noexcept
+{
+  if (is_cuda_device(device)) { return 1; }
+  if (is_rocm_device(device)) { return 0; }
+  return std::nullopt;
+}
+
 /// True for device types whose memory the host can read and write directly (pinned, managed).
 [[nodiscard]] constexpr bool is_host_accessible(DLDeviceType device) noexcept
 {
