@@ -129,7 +129,9 @@ bool checked_multiply(std::int64_t a, std::int64_t b, std::int64_t& out) noexcep
   return !__builtin_mul_overflow(a, b, &out);
 }
 
-void validate(const array_layout& layout)
+}  // namespace
+
+void validate_layout(const array_layout& layout)
 {
   HANDOFF_EXPECTS(
     layout.shape.size() == layout.strides.size(), value_error,
@@ -152,11 +154,26 @@ void validate(const array_layout& layout)
                   "data is a null pointer but the array has elements");
 }
 
-}  // namespace
+std::optional<byte_range> byte_range_of(const array_layout& layout) noexcept
+{
+  const auto item = static_cast<std::int64_t>(itemsize(layout.dtype));
+  if (std::find(layout.shape.begin(), layout.shape.end(), 0) != layout.shape.end()) { return byte_range{}; }
+  byte_range range{0, item};
+  for (std::size_t i = 0; i < layout.shape.size(); ++i) {
+    std::int64_t reach = 0;
+    if (__builtin_mul_overflow(layout.shape[i] - 1, layout.strides[i], &reach) ||
+        __builtin_mul_overflow(reach, item, &reach)) {
+      return std::nullopt;
+    }
+    std::int64_t& end = reach < 0 ? range.low : range.high;
+    if (__builtin_add_overflow(end, reach, &end)) { return std::nullopt; }
+  }
+  return range;
+}
 
 array::array(array_layout layout, producer_ref owner) : layout_(std::move(layout)), owner_(std::move(owner))
 {
-  validate(layout_);
+  validate_layout(layout_);
 }
 
 std::int64_t array::size() const noexcept

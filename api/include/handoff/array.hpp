@@ -240,6 +240,20 @@ class array {
   producer_ref owner_;
 };
 
+/// Checks what `array`'s constructor checks, without binding an owner.
+/// @throws value_error naming the field that is wrong, buffer_error for a vector dtype.
+void validate_layout(const array_layout& layout);
+
+/// The bytes the elements of a layout reach, relative to its `data`: [low, high).
+struct byte_range {
+  std::int64_t low{0};
+  std::int64_t high{0};
+};
+
+/// The byte range of `layout`'s elements ({0, 0} when it has none); nullopt when an element's
+/// byte offset does not fit in 64 bits. Expects non-negative extents and one stride per dimension.
+[[nodiscard]] std::optional<byte_range> byte_range_of(const array_layout& layout) noexcept;
+
 /// Row-major strides, in elements, for `shape`.
 [[nodiscard]] std::vector<std::int64_t> contiguous_strides(std::span<const std::int64_t> shape);
 
