@@ -152,6 +152,10 @@ void validate_layout(const array_layout& layout)
     fmt::format("shape {} overflows: its size in bytes does not fit in 64 bits", fmt::join(layout.shape, "x")));
   HANDOFF_EXPECTS(elements == 0 || layout.data != nullptr, value_error,
                   "data is a null pointer but the array has elements");
+  // Every consumer computes element addresses from the strides: they must not overflow.
+  HANDOFF_EXPECTS(elements == 0 || byte_range_of(layout).has_value(), value_error,
+                  fmt::format("strides ({}, in elements) overflow: an element's byte offset does not fit in 64 bits",
+                              fmt::join(layout.strides, ", ")));
 }
 
 std::optional<byte_range> byte_range_of(const array_layout& layout) noexcept
@@ -206,13 +210,15 @@ bool array::is_c_contiguous() const noexcept
 
 namespace {
 
-// Row-major strides of `shape`, written to `strides` (shape.size() entries).
+// Row-major strides of `shape`, written to `strides` (shape.size() entries). The product wraps
+// instead of overflowing (undefined) for a shape whose element count does not fit in int64:
+// validate_layout refuses such a shape, and these strides are computed before it runs.
 void fill_contiguous_strides(std::span<const std::int64_t> shape, std::int64_t* strides) noexcept
 {
   std::int64_t step = 1;
   for (std::size_t i = shape.size(); i-- > 0;) {
     strides[i] = step;
-    step *= shape[i] > 0 ? shape[i] : 1;
+    (void)__builtin_mul_overflow(step, shape[i] > 0 ? shape[i] : 1, &step);
   }
 }
 
@@ -276,7 +282,9 @@ array_layout layout_of(const DLTensor& t, bool readonly)
     layout.strides.resize(ndim);
     fill_contiguous_strides(layout.shape, layout.strides.data());
   }
-  layout.data = t.data == nullptr ? nullptr : static_cast<std::byte*>(t.data) + t.byte_offset;
+  // In integers: an offset past the producer's allocation is its error, but must not make ours undefined.
+  layout.data =
+    t.data == nullptr ? nullptr : reinterpret_cast<void*>(reinterpret_cast<std::uintptr_t>(t.data) + t.byte_offset);
   return layout;
 }
 

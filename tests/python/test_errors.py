@@ -218,6 +218,7 @@ MALFORMED = [
     pytest.param(cai(shape=(2**62, 4)), "shape", id="size overflows"),
     pytest.param(cai(shape=(2**31, 2**31, 2**31)), "shape", id="element count overflows"),
     pytest.param(cai(shape=(2**64,)), "shape", id="extent out of int64"),
+    pytest.param(cai(shape=(3, 3), strides=(2**62, 4)), "strides", id="element offset overflows"),
     pytest.param(cai(data=(0, False)), "data", id="null pointer"),
     pytest.param(cai(stream=0), "stream", id="stream 0"),
     pytest.param(cai(stream="1"), "stream", id="stream str"),

@@ -215,8 +215,8 @@ struct array_layout {
 /// producer's stream ordering is handled at import and export, never by the view itself.
 class array {
  public:
-  /// Validates `layout` (non-negative shape, one stride per dimension, byte size within int64, a
-  /// non-null pointer when non-empty) and binds it to `owner`.
+  /// Validates `layout` (non-negative shape, one stride per dimension, byte size and the byte
+  /// offset of every element within int64, a non-null pointer when non-empty) and binds it to `owner`.
   /// @throws value_error naming the field that is wrong.
   array(array_layout layout, producer_ref owner);
 
