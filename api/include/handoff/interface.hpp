@@ -49,10 +49,10 @@ struct cuda_interface {
 
 /// Validates an `__array_interface__` whose `data` is a (pointer, readonly) pair. Pure.
 /// @throws value_error naming the malformed field (`version` other than 3, missing `shape`,
-///         `typestr` or `data`, negative extents, `strides` of the wrong length, a size that
-///         overflows, a negative or null pointer for non-empty data); buffer_error for a typestr
-///         that cannot be exchanged or a stride that is not a whole number of elements;
-///         not_implemented_error for a mask.
+///         `typestr` or `data`, negative extents, `strides` of the wrong length, a size or an
+///         element's byte offset that overflows, a negative or null pointer for non-empty data);
+///         buffer_error for a typestr that cannot be exchanged or a stride that is not a whole
+///         number of elements; not_implemented_error for a mask.
 [[nodiscard]] array_layout validate_array_interface(const interface_dict& dict);
 
 /// Validates an `__array_interface__` whose data lies in `buffer`, from `offset` on (its `data`
