@@ -157,12 +157,12 @@ array import_array_interface(py::handle object, py::handle interface)
   // The data is the buffer of `data`, or of the object itself, from `offset` on.
   if (const py::handle offset = reader.optional("offset")) { dict.offset = reader.integer(offset, "offset"); }
   const py::handle exporter = data ? data : object;
-  HANDOFF_EXPECTS(
-    PyObject_CheckBuffer(exporter.ptr()) != 0, value_error,
-    data ? fmt::format("__array_interface__ 'data' must be a (pointer, readonly) tuple or an object "
-                       "with the buffer protocol, not {}",
-                       type_name(data))
-         : fmt::format("__array_interface__ has no 'data' key and its {} object has no buffer", type_name(object)));
+  HANDOFF_EXPECTS(PyObject_CheckBuffer(exporter.ptr()) != 0, value_error,
+                  data ? fmt::format("__array_interface__ 'data' must be a (pointer, readonly) tuple or an object "
+                                     "with the buffer protocol, not {}",
+                                     type_name(data))
+                       : fmt::format("__array_interface__ 'data' is absent or None, and the {} object has no buffer",
+                                     type_name(object)));
   const array whole = import_buffer(exporter);
   HANDOFF_EXPECTS(whole.is_c_contiguous(), value_error,
                   "__array_interface__ 'data' is a buffer, but not a contiguous one");
