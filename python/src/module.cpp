@@ -103,7 +103,7 @@ PYBIND11_MODULE(_handoff, m)
   m.def(
     "_parse_cuda_array_interface",
     [](py::handle interface) {
-      const cuda_array_interface parsed = parse_cuda_array_interface(interface);
+      const cuda_interface parsed = parse_cuda_array_interface(interface);
       py::tuple shape(parsed.layout.shape.size());
       for (std::size_t i = 0; i < parsed.layout.shape.size(); ++i) { shape[i] = py::int_(parsed.layout.shape[i]); }
       return py::make_tuple(shape, parsed.stream ? py::object(py::int_(*parsed.stream)) : py::object(py::none()));

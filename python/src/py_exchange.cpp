@@ -220,6 +220,19 @@ std::optional<std::int64_t> consumer_value(py::handle consumer, DLDeviceType dev
   return consumer.is_none() ? std::nullopt : stream_argument(producer_stream_argument(consumer, device));
 }
 
+// The attribute `name` of `x`, or a null object when `x` has none. Only AttributeError means that:
+// any other exception a property raises propagates, as NumPy lets it.
+py::object protocol_attribute(py::handle x, const char* name)
+{
+  PyObject* value = PyObject_GetAttrString(x.ptr(), name);
+  if (value == nullptr) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) { throw py::error_already_set(); }
+    PyErr_Clear();
+    return {};
+  }
+  return py::reinterpret_steal<py::object>(value);
+}
+
 // Settles `view` (see settle), counts the import and wraps it as a handoff.Array.
 py::object finish(array&& view, std::optional<DLDevice> device, std::optional<bool> copy, bool producer_honoured)
 {
@@ -371,11 +384,11 @@ py::object asarray(py::handle x, py::handle device, py::handle copy, py::handle 
   const py::object consumer = consumer_stream(stream);
   const auto target = device_argument(device, "device");
   const auto want_copy = copy_argument(copy);
-  if (py::object cai = py::getattr(x, "__cuda_array_interface__", py::none()); !cai.is_none()) {
+  if (const py::object cai = protocol_attribute(x, "__cuda_array_interface__"); cai && !cai.is_none()) {
     return finish(import_cuda_array_interface(x, cai, consumer_value(consumer, kDLCUDA), stream_keep_alive(consumer)),
                   target, want_copy, false);
   }
-  if (py::object ai = py::getattr(x, "__array_interface__", py::none()); !ai.is_none()) {
+  if (const py::object ai = protocol_attribute(x, "__array_interface__"); ai && !ai.is_none()) {
     return finish(import_array_interface(x, ai), target, want_copy, false);
   }
   if (PyObject_CheckBuffer(x.ptr()) != 0) { return finish(import_buffer(x), target, want_copy, false); }

@@ -137,7 +137,33 @@ bool checked_multiply(std::int64_t a, std::int64_t b, std::int64_t& out) noexcep
   return !__builtin_mul_overflow(a, b, &out);
 }
 
-void validate(const array_layout& layout)
+// byte_range_of for `item`-byte elements (validate_layout has it already). In elements first, in
+// one pass with no early exit: an empty array's range is empty whatever its other extents and
+// strides would overflow to.
+std::optional<byte_range> range_of(const array_layout& layout, std::int64_t item) noexcept
+{
+  std::int64_t low = 0;
+  std::int64_t high = 0;
+  bool empty = false;
+  bool overflow = false;
+  for (std::size_t i = 0; i < layout.shape.size(); ++i) {
+    std::int64_t reach = 0;
+    empty |= layout.shape[i] == 0;
+    overflow |= __builtin_mul_overflow(layout.shape[i] - 1, layout.strides[i], &reach);
+    overflow |= reach < 0 ? __builtin_add_overflow(low, reach, &low) : __builtin_add_overflow(high, reach, &high);
+  }
+  if (empty) { return byte_range{}; }
+  byte_range range;
+  overflow |= __builtin_mul_overflow(low, item, &range.low);
+  overflow |= __builtin_mul_overflow(high, item, &range.high);
+  overflow |= __builtin_add_overflow(range.high, item, &range.high);
+  if (overflow) { return std::nullopt; }
+  return range;
+}
+
+}  // namespace
+
+void validate_layout(const array_layout& layout)
 {
   HANDOFF_EXPECTS(
     layout.shape.size() == layout.strides.size(), value_error,
@@ -152,19 +178,27 @@ void validate(const array_layout& layout)
       checked_multiply(elements, layout.shape[i], elements), value_error,
       fmt::format("shape {} overflows: its element count does not fit in 64 bits", fmt::join(layout.shape, "x")));
   }
+  const auto item = static_cast<std::int64_t>(itemsize(layout.dtype));
   std::int64_t bytes = 0;
   HANDOFF_EXPECTS(
-    checked_multiply(elements, static_cast<std::int64_t>(itemsize(layout.dtype)), bytes), value_error,
+    checked_multiply(elements, item, bytes), value_error,
     fmt::format("shape {} overflows: its size in bytes does not fit in 64 bits", fmt::join(layout.shape, "x")));
   HANDOFF_EXPECTS(elements == 0 || layout.data != nullptr, value_error,
                   "data is a null pointer but the array has elements");
+  // Every consumer computes element addresses from the strides: they must not overflow.
+  HANDOFF_EXPECTS(elements == 0 || range_of(layout, item).has_value(), value_error,
+                  fmt::format("strides ({}, in elements) overflow: an element's byte offset does not fit in 64 bits",
+                              fmt::join(layout.strides, ", ")));
 }
 
-}  // namespace
+std::optional<byte_range> byte_range_of(const array_layout& layout) noexcept
+{
+  return range_of(layout, static_cast<std::int64_t>(itemsize(layout.dtype)));
+}
 
 array::array(array_layout layout, producer_ref owner) : layout_(std::move(layout)), owner_(std::move(owner))
 {
-  validate(layout_);
+  validate_layout(layout_);
 }
 
 std::int64_t array::size() const noexcept
@@ -197,13 +231,15 @@ bool array::is_c_contiguous() const noexcept
 
 namespace {
 
-// Row-major strides of `shape`, written to `strides` (shape.size() entries).
+// Row-major strides of `shape`, written to `strides` (shape.size() entries). The product wraps
+// instead of overflowing (undefined) for a shape whose element count does not fit in int64:
+// validate_layout refuses such a shape, and these strides are computed before it runs.
 void fill_contiguous_strides(std::span<const std::int64_t> shape, std::int64_t* strides) noexcept
 {
   std::int64_t step = 1;
   for (std::size_t i = shape.size(); i-- > 0;) {
     strides[i] = step;
-    step *= shape[i] > 0 ? shape[i] : 1;
+    (void)__builtin_mul_overflow(step, shape[i] > 0 ? shape[i] : 1, &step);
   }
 }
 
@@ -267,7 +303,9 @@ array_layout layout_of(const DLTensor& t, bool readonly)
     layout.strides.resize(ndim);
     fill_contiguous_strides(layout.shape, layout.strides.data());
   }
-  layout.data = t.data == nullptr ? nullptr : static_cast<std::byte*>(t.data) + t.byte_offset;
+  // In integers: an offset past the producer's allocation is its error, but must not make ours undefined.
+  layout.data =
+    t.data == nullptr ? nullptr : reinterpret_cast<void*>(reinterpret_cast<std::uintptr_t>(t.data) + t.byte_offset);
   return layout;
 }
 

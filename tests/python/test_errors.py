@@ -218,6 +218,7 @@ MALFORMED = [
     pytest.param(cai(shape=(2**62, 4)), "shape", id="size overflows"),
     pytest.param(cai(shape=(2**31, 2**31, 2**31)), "shape", id="element count overflows"),
     pytest.param(cai(shape=(2**64,)), "shape", id="extent out of int64"),
+    pytest.param(cai(shape=(3, 3), strides=(2**62, 4)), "strides", id="element offset overflows"),
     pytest.param(cai(data=(0, False)), "data", id="null pointer"),
     pytest.param(cai(stream=0), "stream", id="stream 0"),
     pytest.param(cai(stream="1"), "stream", id="stream str"),
@@ -254,6 +255,50 @@ def test_array_interface_version_must_be_3(live):
     a = np.arange(4.0)
     with pytest.raises(ValueError, match="__array_interface__ 'version'"):
         handoff.asarray(ArrayInterface({**a.__array_interface__, "version": 2}, a))
+
+
+@pytest.mark.parametrize("name", ["__array_interface__", "__cuda_array_interface__"])
+def test_interface_property_that_raises_propagates(name, live):
+    def broken(self):
+        raise KeyError("the interface could not be made")
+
+    obj = type("Broken", (), {name: property(broken)})()
+    with pytest.raises(KeyError, match="could not be made"):
+        handoff.asarray(obj)
+
+
+@pytest.mark.parametrize("name", ["__array_interface__", "__cuda_array_interface__"])
+def test_interface_property_raising_attribute_error_is_no_protocol(name, live):
+    def absent(self):
+        raise AttributeError(name)
+
+    obj = type("Absent", (), {name: property(absent)})()
+    with pytest.raises(TypeError, match="no array protocol"):
+        handoff.asarray(obj)
+
+
+@pytest.mark.parametrize("data", [KeyError, None, 5, 1.5, [1, 2], "text"])
+def test_array_interface_without_usable_data_is_a_value_error(data, live):
+    interface = {"shape": (2,), "typestr": "<f4", "version": 3}
+    if data is not KeyError:
+        interface["data"] = data
+    with pytest.raises(ValueError, match="__array_interface__.*'data'"):
+        handoff.asarray(ArrayInterface(interface))  # an object without a buffer of its own
+
+
+def test_size_one_axis_may_have_any_stride(live):
+    # NumPy allows any stride on an axis of extent 1 (it never moves); handoff makes it contiguous.
+    a = np.arange(6, dtype=np.float32).reshape(2, 1, 3)
+    h = handoff.asarray(ArrayInterface({**a.__array_interface__, "strides": (12, 7, 4)}, a))
+    assert h.shape == (2, 1, 3) and h.strides == (12, 12, 4)
+    np.testing.assert_array_equal(np.asarray(h), a)
+    odd = np.lib.stride_tricks.as_strided(a, shape=(2, 1, 3), strides=(12, 7, 4))
+    h = handoff.asarray(memoryview(odd))
+    assert h.strides == (12, 12, 4)
+    np.testing.assert_array_equal(np.asarray(h), a)
+    assert parse_cai(cai(shape=(2, 1, 3), strides=(12, 5, 4))) == ((2, 1, 3), 1)
+    with pytest.raises(BufferError, match=r"'strides'\[1\] = 5 is not a multiple"):
+        parse_cai(cai(shape=(2, 2, 3), strides=(24, 5, 4)))
 
 
 def test_valid_cuda_array_interface_without_a_device_is_a_device_error(live):

@@ -219,8 +219,8 @@ struct array_layout {
 /// producer's stream ordering is handled at import and export, never by the view itself.
 class array {
  public:
-  /// Validates `layout` (non-negative shape, one stride per dimension, byte size within int64, a
-  /// non-null pointer when non-empty) and binds it to `owner`.
+  /// Validates `layout` (non-negative shape, one stride per dimension, byte size and the byte
+  /// offset of every element within int64, a non-null pointer when non-empty) and binds it to `owner`.
   /// @throws value_error naming the field that is wrong.
   array(array_layout layout, producer_ref owner);
 
@@ -243,6 +243,20 @@ class array {
   array_layout layout_;
   producer_ref owner_;
 };
+
+/// Checks what `array`'s constructor checks, without binding an owner.
+/// @throws value_error naming the field that is wrong, buffer_error for a vector dtype.
+void validate_layout(const array_layout& layout);
+
+/// The bytes the elements of a layout reach, relative to its `data`: [low, high).
+struct byte_range {
+  std::int64_t low{0};
+  std::int64_t high{0};
+};
+
+/// The byte range of `layout`'s elements ({0, 0} when it has none); nullopt when an element's
+/// byte offset does not fit in 64 bits. Expects non-negative extents and one stride per dimension.
+[[nodiscard]] std::optional<byte_range> byte_range_of(const array_layout& layout) noexcept;
 
 /// Row-major strides, in elements, for `shape`.
 [[nodiscard]] std::vector<std::int64_t> contiguous_strides(std::span<const std::int64_t> shape);

@@ -189,6 +189,42 @@ TEST_F(ArrayTest, OverflowingShapeIsRefused)
   EXPECT_EQ(p.deleted, 1);
 }
 
+TEST_F(ArrayTest, OverflowingShapeWithNullStridesIsRefused)
+{
+  // Found by tests/fuzz/dlpack_fuzz: the row-major strides of this shape overflowed (undefined
+  // behaviour) before the shape was refused.
+  fake_producer p{{2, 2}};
+  p.versioned.dl_tensor.shape[0] = INT64_MAX;
+  p.versioned.dl_tensor.shape[1] = INT64_MAX;
+  p.versioned.dl_tensor.strides = nullptr;
+  EXPECT_THROW((void)import_dlpack(&p.versioned), value_error);
+  EXPECT_EQ(p.deleted, 1);
+  EXPECT_EQ(contiguous_strides(std::vector<std::int64_t>{std::int64_t{1} << 62, 4, 2}).back(), 1);
+}
+
+TEST_F(ArrayTest, StridesWhoseByteOffsetsOverflowAreRefused)
+{
+  // Found by tests/fuzz/interface_fuzz: the last element's byte offset, 2 * 2^61 * 4, overflowed
+  // int64 in every consumer that computes addresses (copy_to_host among them).
+  fake_producer p{{3, 2}};
+  p.versioned.dl_tensor.strides[0] = std::int64_t{1} << 61;
+  EXPECT_THROW((void)import_dlpack(&p.versioned), value_error);
+  EXPECT_EQ(p.deleted, 1);
+  fake_producer empty{{0, 2}};
+  empty.versioned.dl_tensor.strides[0] = INT64_MAX;  // no element: no offset to compute
+  EXPECT_EQ(import_dlpack(&empty.versioned).size(), 0);
+}
+
+TEST_F(ArrayTest, ByteOffsetIsAddedAsAnAddress)
+{
+  // Found by tests/fuzz/dlpack_fuzz: a byte_offset that wraps the address space was pointer
+  // arithmetic with undefined behaviour (caught by the UBSan run of this test).
+  fake_producer p{{1}};
+  p.versioned.dl_tensor.byte_offset = UINT64_MAX - 3;  // four bytes before the data
+  const array view = import_dlpack(&p.versioned);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(view.data()), reinterpret_cast<std::uintptr_t>(p.storage.data()) - 4);
+}
+
 TEST_F(ArrayTest, EmptyArraysMayHaveNullData)
 {
   fake_producer p{{0, 5}};
