@@ -154,7 +154,7 @@ void context::release_after(int device, device::stream_handle stream, std::funct
 
 void context::enqueue_release(pending_release* pending) noexcept
 {
-  const auto [device, stream] = pending->where;
+  const auto [device, stream] = pending->where;  // copied below: clang 14 cannot capture bindings
   try {
     device_guard on_owner{backend_, device};
     backend_.launch_host_func(stream, &pending_release::on_stream_reached, pending);
@@ -166,7 +166,7 @@ void context::enqueue_release(pending_release* pending) noexcept
   }
   // Fall back to waiting for the whole stream on the executor. If even that fails, nothing says
   // when the consumer is done: the producer is kept (leaked), never released early.
-  const auto wait_then_release = [this, pending, device, stream]() noexcept {
+  const auto wait_then_release = [this, pending, device = device, stream = stream]() noexcept {
     try {
       device_guard on_owner{backend_, device};
       backend_.synchronize_stream(stream);
