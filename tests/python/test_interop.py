@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import array as pyarray
 import ctypes
+import gc
 
 import numpy as np
 import pytest
@@ -515,17 +516,61 @@ def test_torch_from_legacy_capsule(torch, live):
 # --- JAX -------------------------------------------------------------------------------------
 
 
-def test_jax_both_ways(live):
-    jax = pytest.importorskip("jax")
-    jnp = pytest.importorskip("jax.numpy")
-    x = jnp.arange(12, dtype=jnp.float32).reshape(3, 4)
+@pytest.fixture
+def jax():
+    return pytest.importorskip("jax")
+
+
+def aligned(n, dtype, alignment=64):
+    """A NumPy array whose data is `alignment`-aligned: JAX's CPU client imports such buffers
+    without a copy and copies any other."""
+    itemsize = np.dtype(dtype).itemsize
+    raw = np.zeros(n * itemsize + alignment, dtype=np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start : start + n * itemsize].view(dtype)
+
+
+def test_jax_to_handoff_is_zero_copy_and_keeps_jax_alive(jax, live):
+    x = jax.numpy.arange(12, dtype=jax.numpy.float32).reshape(3, 4)
+    pointer = x.unsafe_buffer_pointer()
     h = handoff.from_dlpack(x)
-    assert h.shape == (3, 4) and h.dtype == "float32"
+    assert h.data_ptr == pointer
+    assert h.shape == (3, 4) and h.dtype == "float32" and h.__dlpack_device__() == (CPU, 0)
+    del x
+    gc.collect()
     np.testing.assert_array_equal(np.from_dlpack(h), np.arange(12, dtype=np.float32).reshape(3, 4))
-    a = np.arange(8, dtype=np.float32)
-    y = jax.dlpack.from_dlpack(handoff.from_dlpack(a))
+    assert handoff.asarray(jax.numpy.ones(3)).shape == (3,)
+
+
+def test_handoff_to_jax_is_zero_copy_for_aligned_data(jax, live):
+    a = aligned(16, np.float32)
+    a[:] = np.arange(16)
+    y = jax.numpy.from_dlpack(handoff.from_dlpack(a))
+    assert y.unsafe_buffer_pointer() == a.ctypes.data
     np.testing.assert_array_equal(np.asarray(y), a)
-    del x, y, h
+    del a
+    gc.collect()
+    np.testing.assert_array_equal(np.asarray(y), np.arange(16, dtype=np.float32))  # the capsule kept it
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint16, np.int32, np.float16, np.float32, np.complex64, np.bool_])
+@pytest.mark.parametrize("shape", [(), (0, 3), (2, 3)])
+def test_jax_round_trips_through_handoff(jax, dtype, shape, live):
+    a = np.arange(int(np.prod(shape))).astype(dtype).reshape(shape)
+    y = jax.numpy.from_dlpack(handoff.from_dlpack(a))
+    assert y.shape == shape
+    np.testing.assert_array_equal(np.asarray(y), a)
+    back = np.from_dlpack(handoff.from_dlpack(y))
+    np.testing.assert_array_equal(back, a)
+
+
+def test_jax_refuses_broadcast_strides_that_handoff_passes_on(jax, live):
+    # handoff exports the layout as it is; JAX takes only compact ones and says so.
+    b = np.arange(12, dtype=np.float32).reshape(3, 4)[:, ::2]
+    with pytest.raises(Exception, match="striding"):
+        jax.numpy.from_dlpack(handoff.from_dlpack(b))
+    y = jax.numpy.from_dlpack(handoff.from_dlpack(b, copy=True))  # a compact copy goes
+    np.testing.assert_array_equal(np.asarray(y), b)
 
 
 # --- properties ------------------------------------------------------------------------------
