@@ -230,7 +230,8 @@ def test_release_waits_for_the_consumer_stream(streams):
     del source
     gc.collect()
     assert sim.live_allocations() == allocations + 1, "the view must keep its memory alive"
-    sim.fill(view, 9.0, stream=consumer, delay=SLOW)  # consumer work still using the memory
+    # Consumer work still using the memory, long enough to outlast a full gc.collect() on a loaded host.
+    sim.fill(view, 9.0, stream=consumer, delay=5 * SLOW)
     before = handoff.stats()["deferred_releases"]
     del view
     gc.collect()
@@ -245,7 +246,7 @@ def test_release_waits_for_the_consumer_stream(streams):
 
 # create_event is covered in C++ (tests/cpp/core/stream_test.cpp), where the pool starts empty;
 # here earlier tests have left idle events in it, so no event is created.
-@pytest.mark.parametrize("operation", ["record_event", "stream_wait_event", "attributes", "set_current_device"])
+@pytest.mark.parametrize("operation", ["record_event", "stream_wait_event", "attributes", "push_current_device"])
 def test_a_device_fault_raises_device_error_and_leaks_nothing(operation):
     producer = sim.Stream(1, non_blocking=True)
     consumer = sim.Stream(1, non_blocking=True)

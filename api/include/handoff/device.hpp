@@ -54,7 +54,14 @@ class backend {
   [[nodiscard]] virtual int device_count() = 0;
   /// The calling thread's current device.
   [[nodiscard]] virtual int current_device() = 0;
+  /// Selects `device` for the calling thread, as cudaSetDevice does (binding its primary context).
   virtual void set_current_device(int device) = 0;
+  /// Makes `device` current on top of what was current, as the driver's context stack does: the
+  /// previous context (none, a primary or a user-created one) and the runtime's selected device
+  /// are restored by the matching pop, and no other device gets a context. device_guard pairs them.
+  virtual void push_current_device(int device) = 0;
+  /// Undoes the calling thread's latest push_current_device.
+  virtual void pop_current_device() noexcept = 0;
 
   /// The legacy default stream: implicitly synchronizes with every blocking stream of its device.
   [[nodiscard]] virtual stream_handle legacy_default_stream() const noexcept = 0;

@@ -6,14 +6,16 @@
 namespace handoff {
 
 /// Makes `device` current on the calling thread for the guard's scope (a no-op when it already is),
-/// then restores the previous device; the restore never throws.
+/// then restores exactly what was current before: the previous context, or none. Restoring never
+/// selects a device, so it never creates a context on a device the thread had not used.
 class device_guard {
  public:
   /// @throws device_error when the device cannot be made current.
-  device_guard(device::backend& backend, int device) : backend_(backend), previous_(backend.current_device())
+  device_guard(device::backend& backend, int device) : backend_(backend)
   {
-    if (previous_ != device) { backend_.set_current_device(device); }
-    switched_ = previous_ != device;
+    if (backend_.current_device() == device) { return; }
+    backend_.push_current_device(device);
+    pushed_ = true;
   }
   device_guard(const device_guard&) = delete;
   device_guard& operator=(const device_guard&) = delete;
@@ -21,17 +23,12 @@ class device_guard {
   device_guard& operator=(device_guard&&) = delete;
   ~device_guard()
   {
-    if (!switched_) { return; }
-    try {
-      backend_.set_current_device(previous_);
-    } catch (...) {  // a runtime shutting down: nothing left to restore
-    }
+    if (pushed_) { backend_.pop_current_device(); }
   }
 
  private:
   device::backend& backend_;
-  int previous_;
-  bool switched_{false};
+  bool pushed_{false};
 };
 
 }  // namespace handoff

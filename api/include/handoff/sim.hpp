@@ -11,6 +11,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <vector>
 
 namespace handoff::device {
 
@@ -47,6 +48,8 @@ class sim_backend final : public backend {
   [[nodiscard]] int device_count() override;
   [[nodiscard]] int current_device() override;
   void set_current_device(int device) override;
+  void push_current_device(int device) override;
+  void pop_current_device() noexcept override;
   [[nodiscard]] stream_handle legacy_default_stream() const noexcept override;
   /// "sim": 2 on every thread. "sim-rocm": a value > 2 that names the calling thread's stream.
   [[nodiscard]] stream_handle per_thread_default_stream() const noexcept override;
@@ -128,6 +131,10 @@ class sim_backend final : public backend {
   [[nodiscard]] void* allocate_managed(std::size_t bytes);
   /// Frees any allocation of this backend once all work on its device is done, as cudaFree.
   void free_sync(void* ptr);
+  /// The devices that have a context: those selected (set_current_device, push_current_device) or
+  /// used through the current device (default streams, creating streams or events, allocating),
+  /// as CUDA creates a device's primary context. Asking which device is current creates none.
+  [[nodiscard]] std::vector<int> devices_with_context();
   /// How many allocations the table holds (deferred frees count until they have run).
   [[nodiscard]] std::size_t live_allocations();
 

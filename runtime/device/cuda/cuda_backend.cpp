@@ -13,7 +13,9 @@
 
 #include <array>
 #include <cstdint>
+#include <mutex>
 #include <string>
+#include <vector>
 
 namespace handoff::device::cuda {
 namespace {
@@ -46,6 +48,11 @@ namespace {
 struct driver_api {
   PFN_cuPointerGetAttributes_v7000 pointer_get_attributes{nullptr};
   PFN_cuCtxGetCurrent_v4000 ctx_get_current{nullptr};
+  PFN_cuCtxGetDevice_v2000 ctx_get_device{nullptr};
+  PFN_cuCtxPushCurrent_v4000 ctx_push_current{nullptr};
+  PFN_cuCtxPopCurrent_v4000 ctx_pop_current{nullptr};
+  PFN_cuDeviceGet_v2000 device_get{nullptr};
+  PFN_cuDevicePrimaryCtxRetain_v7000 primary_ctx_retain{nullptr};
   PFN_cuGetErrorName_v6000 get_error_name{nullptr};
   PFN_cuGetErrorString_v6000 get_error_string{nullptr};
 };
@@ -100,6 +107,12 @@ class cuda_backend final : public backend {
     device_count_ = count;
     load_entry_point("cuPointerGetAttributes", driver_.pointer_get_attributes, 7000);
     load_entry_point("cuCtxGetCurrent", driver_.ctx_get_current, 4000);
+    load_entry_point("cuCtxGetDevice", driver_.ctx_get_device, 2000);
+    load_entry_point("cuCtxPushCurrent", driver_.ctx_push_current, 4000);
+    load_entry_point("cuCtxPopCurrent", driver_.ctx_pop_current, 4000);
+    load_entry_point("cuDeviceGet", driver_.device_get, 2000);
+    load_entry_point("cuDevicePrimaryCtxRetain", driver_.primary_ctx_retain, 7000);
+    primary_contexts_.resize(static_cast<std::size_t>(count));
     load_entry_point("cuGetErrorName", driver_.get_error_name, 6000);
     load_entry_point("cuGetErrorString", driver_.get_error_string, 6000);
     HANDOFF_LOG_DEBUG("cuda: {} devices", count);
@@ -109,14 +122,39 @@ class cuda_backend final : public backend {
   [[nodiscard]] DLDeviceType device_type() const noexcept override { return kDLCUDA; }
   [[nodiscard]] int device_count() override { return device_count_; }
 
+  // The device of the current context (primary or user-created); with none current, the device
+  // the runtime would use. Neither creates a context.
   [[nodiscard]] int current_device() override
   {
+    if (current_context() != nullptr) {
+      CUdevice device = 0;
+      check_driver(driver_.ctx_get_device(&device), "cuCtxGetDevice", nullptr);
+      return static_cast<int>(device);
+    }
     int device = 0;
     HANDOFF_CUDA_TRY(cudaGetDevice(&device));
     return device;
   }
 
   void set_current_device(int device) override { HANDOFF_CUDA_TRY(cudaSetDevice(device)); }
+
+  // The device's primary context pushed on the thread's context stack (as CCCL's context guard
+  // does): popping restores the previous context, or none, and the runtime's selected device is
+  // never touched. cudaSetDevice would bind primary contexts, replace a user-created one, and
+  // restoring a thread that had none would create one on its default device.
+  void push_current_device(int device) override
+  {
+    check_driver(driver_.ctx_push_current(primary_context(device)), "cuCtxPushCurrent", nullptr);
+  }
+
+  void pop_current_device() noexcept override
+  {
+    CUcontext popped = nullptr;
+    const CUresult status = driver_.ctx_pop_current(&popped);
+    if (status != CUDA_SUCCESS && status != CUDA_ERROR_DEINITIALIZED) {
+      HANDOFF_LOG_ERROR("cuCtxPopCurrent failed: CUresult {}", static_cast<int>(status));
+    }
+  }
 
   // DLPack's 1 and 2 are cudaStreamLegacy and cudaStreamPerThread: the same integers.
   [[nodiscard]] stream_handle legacy_default_stream() const noexcept override { return stream_handle{1}; }
@@ -206,23 +244,24 @@ class cuda_backend final : public backend {
     HANDOFF_CUDA_TRY(cudaStreamWaitEvent(to_native(stream), to_native(event), cudaEventWaitDefault));
   }
 
+  // The address's kind, device and range need no current context (unified addressing); only the
+  // device pointer of pinned host memory is per context, and is asked for where one is current.
+  // A thread without a context gets none made for it.
   [[nodiscard]] pointer_attributes attributes(const void* ptr) override
   {
-    ensure_context();
+    const auto address = static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(ptr));
     unsigned int memory_type = 0;
     int ordinal = -1;
     CUdeviceptr range_start = 0;
     std::size_t range_size = 0;
-    CUdeviceptr device_pointer = 0;
     unsigned int is_managed = 0;
-    std::array<CUpointer_attribute, 6> names{CU_POINTER_ATTRIBUTE_MEMORY_TYPE,      CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+    std::array<CUpointer_attribute, 5> names{CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
                                              CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE,
-                                             CU_POINTER_ATTRIBUTE_DEVICE_POINTER,   CU_POINTER_ATTRIBUTE_IS_MANAGED};
-    std::array<void*, 6> values{&memory_type, &ordinal, &range_start, &range_size, &device_pointer, &is_managed};
-    const CUresult status =
-      driver_.pointer_get_attributes(static_cast<unsigned int>(names.size()), names.data(), values.data(),
-                                     static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(ptr)));
-    if (status != CUDA_SUCCESS) { throw_driver_error(status, "cuPointerGetAttributes", ptr); }
+                                             CU_POINTER_ATTRIBUTE_IS_MANAGED};
+    std::array<void*, 5> values{&memory_type, &ordinal, &range_start, &range_size, &is_managed};
+    check_driver(
+      driver_.pointer_get_attributes(static_cast<unsigned int>(names.size()), names.data(), values.data(), address),
+      "cuPointerGetAttributes", ptr);
 
     pointer_attributes result;
     if (is_managed != 0) {
@@ -237,7 +276,15 @@ class cuda_backend final : public backend {
     result.device = ordinal;
     result.base = reinterpret_cast<const void*>(static_cast<std::uintptr_t>(range_start));
     result.size = range_size;
-    result.device_pointer = reinterpret_cast<void*>(static_cast<std::uintptr_t>(device_pointer));
+    result.device_pointer = const_cast<void*>(ptr);  // unified addressing: the same address
+    if (result.kind == memory_kind::pinned_host && current_context() != nullptr) {
+      CUdeviceptr device_pointer = 0;
+      auto attribute = CU_POINTER_ATTRIBUTE_DEVICE_POINTER;
+      void* value = &device_pointer;
+      if (driver_.pointer_get_attributes(1, &attribute, &value, address) == CUDA_SUCCESS && device_pointer != 0) {
+        result.device_pointer = reinterpret_cast<void*>(static_cast<std::uintptr_t>(device_pointer));
+      }
+    }
     return result;
   }
 
@@ -265,18 +312,32 @@ class cuda_backend final : public backend {
   }
 
  private:
-  // The driver answers pointer queries in the calling thread's context; a thread that has not
-  // touched the runtime yet has none, so make the current device's primary context current.
-  void ensure_context()
+  [[nodiscard]] CUcontext current_context() const
   {
     CUcontext context = nullptr;
-    const CUresult status = driver_.ctx_get_current(&context);
-    if (status != CUDA_SUCCESS) { throw_driver_error(status, "cuCtxGetCurrent", nullptr); }
+    check_driver(driver_.ctx_get_current(&context), "cuCtxGetCurrent", nullptr);
+    return context;
+  }
+
+  // Retained once per device and kept for the process: the memory or stream that brings handoff
+  // to a device means its primary context is in use already, so retaining creates nothing new.
+  [[nodiscard]] CUcontext primary_context(int device)
+  {
+    HANDOFF_EXPECTS(device >= 0 && device < device_count_, value_error,
+                    fmt::format("CUDA device {} does not exist ({} devices)", device, device_count_));
+    std::lock_guard lock{primary_mutex_};
+    CUcontext& context = primary_contexts_[static_cast<std::size_t>(device)];
     if (context == nullptr) {
-      int device = 0;
-      HANDOFF_CUDA_TRY(cudaGetDevice(&device));
-      HANDOFF_CUDA_TRY(cudaSetDevice(device));
+      CUdevice handle = 0;
+      check_driver(driver_.device_get(&handle, device), "cuDeviceGet", nullptr);
+      check_driver(driver_.primary_ctx_retain(&context, handle), "cuDevicePrimaryCtxRetain", nullptr);
     }
+    return context;
+  }
+
+  void check_driver(CUresult status, const char* call, const void* arg) const
+  {
+    if (status != CUDA_SUCCESS) [[unlikely]] { throw_driver_error(status, call, arg); }
   }
 
   [[noreturn]] void throw_driver_error(CUresult status, const char* call, const void* arg) const
@@ -298,6 +359,8 @@ class cuda_backend final : public backend {
 
   int device_count_{0};
   driver_api driver_;
+  std::mutex primary_mutex_;
+  std::vector<CUcontext> primary_contexts_;  // by ordinal; null until first pushed
 };
 
 }  // namespace

@@ -97,6 +97,18 @@ constexpr std::array error_table{
              "the operation cannot be performed in the present state"},
 };
 
+// Names the calling thread for per-thread state (its current device, its default stream). Unlike
+// std::thread::id, never reused after a thread ends: a new thread starts with nothing current and
+// its own default stream, as in CUDA, where that state is thread-local.
+enum class thread_key : std::uint64_t {};
+
+thread_key this_thread_key() noexcept
+{
+  static std::atomic<std::uint64_t> next{0};
+  thread_local const thread_key key{next.fetch_add(1, std::memory_order_relaxed)};
+  return key;
+}
+
 struct operation_info {
   std::string_view key;
   std::string_view cuda_call;
@@ -107,6 +119,7 @@ constexpr std::array operation_table{
   operation_info{"device_count", "cudaGetDeviceCount", "hipGetDeviceCount"},
   operation_info{"current_device", "cudaGetDevice", "hipGetDevice"},
   operation_info{"set_current_device", "cudaSetDevice", "hipSetDevice"},
+  operation_info{"push_current_device", "cuCtxPushCurrent", "hipCtxPushCurrent"},
   operation_info{"create_stream", "cudaStreamCreateWithFlags", "hipStreamCreateWithFlags"},
   operation_info{"stream_device", "cudaStreamGetDevice", "hipStreamGetDevice"},
   operation_info{"stream_is_blocking", "cudaStreamGetFlags", "hipStreamGetFlags"},
@@ -132,7 +145,8 @@ constexpr std::array operation_table{
 };
 
 // Not injectable: they are noexcept (a failure there can only be logged).
-constexpr std::array<std::string_view, 3> quiet_operations{"destroy_stream", "destroy_event", "deallocate"};
+constexpr std::array<std::string_view, 4> quiet_operations{"destroy_stream", "destroy_event", "deallocate",
+                                                           "pop_current_device"};
 constexpr std::array<std::string_view, 3> quiet_calls_cuda{"cudaStreamDestroy", "cudaEventDestroy", "cudaFreeAsync"};
 constexpr std::array<std::string_view, 3> quiet_calls_hip{"hipStreamDestroy", "hipEventDestroy", "hipFreeAsync"};
 
@@ -355,7 +369,7 @@ struct allocation {
 
 struct device_state {
   std::unique_ptr<stream_state> legacy;
-  std::map<std::thread::id, std::unique_ptr<stream_state>> per_thread;
+  std::map<thread_key, std::unique_ptr<stream_state>> per_thread;
   std::vector<node_ptr> retired;  // tails of destroyed streams whose work may still run
 };
 
@@ -369,7 +383,11 @@ struct fault {
 // ------------------------------------------------------------------------------------------------
 
 struct sim_backend::impl {
-  impl(int count, sim_flavour f) : flavour(f), device_count(count), devices(static_cast<std::size_t>(count))
+  impl(int count, sim_flavour f)
+      : flavour(f),
+        device_count(count),
+        devices(static_cast<std::size_t>(count)),
+        has_context(static_cast<std::size_t>(count), false)
   {
     for (int d = 0; d < count; ++d) {
       auto legacy = std::make_unique<stream_state>();
@@ -434,11 +452,20 @@ struct sim_backend::impl {
 
   [[nodiscard]] int current_locked() const
   {
-    auto it = current.find(std::this_thread::get_id());
+    auto it = current.find(this_thread_key());
     return it == current.end() ? 0 : it->second;
   }
 
-  stream_state& per_thread_stream(std::thread::id owner, int device)
+  // The current device for a call that works on it: as in CUDA, that call gives the device a
+  // context (lazily, on first use) if it has none.
+  int using_current_locked()
+  {
+    const int device = current_locked();
+    has_context[static_cast<std::size_t>(device)] = true;
+    return device;
+  }
+
+  stream_state& per_thread_stream(thread_key owner, int device)
   {
     auto& slot = devices[static_cast<std::size_t>(device)].per_thread[owner];
     if (!slot) {
@@ -452,15 +479,15 @@ struct sim_backend::impl {
 
   stream_state* find_stream(std::uintptr_t h)
   {
-    const int device = current_locked();
+    // Default streams are the current device's.
     if (flavour == sim_flavour::cuda) {
-      if (h == 0 || h == 1) { return devices[static_cast<std::size_t>(device)].legacy.get(); }
-      if (h == 2) { return &per_thread_stream(std::this_thread::get_id(), device); }
+      if (h == 0 || h == 1) { return devices[static_cast<std::size_t>(using_current_locked())].legacy.get(); }
+      if (h == 2) { return &per_thread_stream(this_thread_key(), using_current_locked()); }
     } else {
-      if (h == 0) { return devices[static_cast<std::size_t>(device)].legacy.get(); }
+      if (h == 0) { return devices[static_cast<std::size_t>(using_current_locked())].legacy.get(); }
       if (h == 1 || h == 2) { return nullptr; }
       if (auto it = rocm_proxy_owner.find(h); it != rocm_proxy_owner.end()) {
-        return &per_thread_stream(it->second, device);
+        return &per_thread_stream(it->second, using_current_locked());
       }
     }
     auto it = streams.find(h);
@@ -556,7 +583,7 @@ struct sim_backend::impl {
     if (bytes == 0) { return nullptr; }
     void* p = ::operator new(bytes, allocation_alignment, std::nothrow);
     if (p == nullptr) { fail(op, args, sim_error::memory_allocation); }
-    const int device = current_locked();
+    const int device = using_current_locked();
     allocations.emplace(address(p), allocation{bytes, kind, device, false});
     HANDOFF_LOG_DEBUG("{}: {} bytes at {} on device {}", backend_name(), bytes, p, device);
     return p;
@@ -576,11 +603,13 @@ struct sim_backend::impl {
   std::unordered_map<std::uintptr_t, std::unique_ptr<stream_state>> streams;
   std::unordered_map<std::uintptr_t, std::unique_ptr<event_state>> events;
   std::map<std::uintptr_t, allocation> allocations;  // by base address
-  std::unordered_map<std::thread::id, int> current;
+  std::unordered_map<thread_key, int> current;
+  std::unordered_map<thread_key, std::vector<int>> pushed;  // each thread's devices before its pushes
+  std::vector<bool> has_context;  // per device: used, so CUDA would have made its primary context
   // sim-rocm names each thread's default stream by the address of a token (values 1 and 2 are not
   // stream handles there).
-  std::unordered_map<std::thread::id, std::unique_ptr<std::byte>> rocm_tokens;
-  std::unordered_map<std::uintptr_t, std::thread::id> rocm_proxy_owner;
+  std::unordered_map<thread_key, std::unique_ptr<std::byte>> rocm_tokens;
+  std::unordered_map<std::uintptr_t, thread_key> rocm_proxy_owner;
 
   std::mutex fault_mutex;
   std::unordered_map<std::string, fault> faults;
@@ -633,7 +662,36 @@ void sim_backend::set_current_device(int device)
     impl_->fail("set_current_device", args, sim_error::invalid_device);
   }
   std::lock_guard lock(impl_->mutex);
-  impl_->current[std::this_thread::get_id()] = device;
+  impl_->current[this_thread_key()] = device;
+  impl_->has_context[static_cast<std::size_t>(device)] = true;
+}
+
+void sim_backend::push_current_device(int device)
+{
+  const auto args = fmt::format("{}", device);
+  impl_->check_fault("push_current_device", args);
+  if (device < 0 || device >= impl_->device_count) {
+    impl_->fail("push_current_device", args, sim_error::invalid_device);
+  }
+  std::lock_guard lock(impl_->mutex);
+  const auto self = this_thread_key();
+  impl_->pushed[self].push_back(impl_->current_locked());
+  impl_->current[self] = device;
+  impl_->has_context[static_cast<std::size_t>(device)] = true;
+}
+
+void sim_backend::pop_current_device() noexcept
+{
+  std::lock_guard lock(impl_->mutex);
+  const auto self = this_thread_key();
+  auto it = impl_->pushed.find(self);
+  if (it == impl_->pushed.end() || it->second.empty()) {
+    HANDOFF_LOG_ERROR("{}: pop_current_device without a push on this thread", impl_->backend_name());
+    return;
+  }
+  impl_->current[self] = it->second.back();
+  it->second.pop_back();
+  if (it->second.empty()) { impl_->pushed.erase(it); }
 }
 
 stream_handle sim_backend::legacy_default_stream() const noexcept
@@ -645,7 +703,7 @@ stream_handle sim_backend::per_thread_default_stream() const noexcept
 {
   if (impl_->flavour == sim_flavour::cuda) { return stream_handle{2}; }
   std::lock_guard lock(impl_->mutex);
-  const auto tid = std::this_thread::get_id();
+  const auto tid = this_thread_key();
   auto& token = impl_->rocm_tokens[tid];
   if (!token) {
     token = std::make_unique<std::byte>();
@@ -660,7 +718,7 @@ stream_handle sim_backend::create_stream(bool non_blocking)
   impl_->check_fault("create_stream", args);
   std::lock_guard lock(impl_->mutex);
   auto s = std::make_unique<stream_state>();
-  s->device = impl_->current_locked();
+  s->device = impl_->using_current_locked();
   s->blocking = !non_blocking;
   const auto handle = address(s.get());
   HANDOFF_LOG_DEBUG("{}: stream {:#x} created on device {} ({})", name(), handle, s->device,
@@ -753,7 +811,7 @@ void sim_backend::synchronize_device()
   std::vector<node_ptr> tails;
   {
     std::lock_guard lock(impl_->mutex);
-    const int device = impl_->current_locked();
+    const int device = impl_->using_current_locked();
     bool capturing = false;
     impl_->for_each_stream(device, [&](stream_state& s) {
       if (s.capture) {
@@ -772,7 +830,7 @@ event_handle sim_backend::create_event()
   impl_->check_fault("create_event", "flags=DisableTiming");
   std::lock_guard lock(impl_->mutex);
   auto e = std::make_unique<event_state>();
-  e->device = impl_->current_locked();
+  e->device = impl_->using_current_locked();
   const auto handle = address(e.get());
   impl_->events.emplace(handle, std::move(e));
   return event_handle{handle};
@@ -1103,6 +1161,16 @@ void sim_backend::free_sync(void* ptr)
   }
   for (const auto& t : tails) { wait_for(t); }
   impl_->release_allocation(address(ptr));
+}
+
+std::vector<int> sim_backend::devices_with_context()
+{
+  std::lock_guard lock(impl_->mutex);
+  std::vector<int> used;
+  for (int d = 0; d < impl_->device_count; ++d) {
+    if (impl_->has_context[static_cast<std::size_t>(d)]) { used.push_back(d); }
+  }
+  return used;
 }
 
 std::size_t sim_backend::live_allocations()

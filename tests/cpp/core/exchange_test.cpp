@@ -1,5 +1,6 @@
 // The exchange rules on the simulated device: export ordering, import binding, device copies,
 // and many threads exchanging at once (run under ThreadSanitizer by the test command).
+#include <handoff/device_guard.hpp>
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
 #include <handoff/stats.hpp>
@@ -105,6 +106,55 @@ TEST_F(ExchangeTest, BindImportMakesTheConsumerTheReadyStreamAndDefersRelease)
   EXPECT_FALSE(released.load());
   ctx.drain();
   EXPECT_TRUE(released.load());
+}
+
+// CUDA creates a device's primary context when a thread uses the device (or selects it with
+// cudaSetDevice); a library that switches devices must leave no context behind on the device a
+// thread merely had as its default.
+TEST_F(ExchangeTest, DeviceGuardRestoresWithoutSelectingTheDefaultDevice)
+{
+  std::thread fresh([&] {  // nothing current: device 0 by default, with no context
+    {
+      const device_guard on_one{sim, 1};
+      EXPECT_EQ(sim.current_device(), 1);
+      {
+        const device_guard again{sim, 1};  // already current: no push
+        EXPECT_EQ(sim.current_device(), 1);
+      }
+      EXPECT_EQ(sim.current_device(), 1);
+    }
+    EXPECT_EQ(sim.current_device(), 0);
+  });
+  fresh.join();
+  EXPECT_EQ(sim.devices_with_context(), std::vector<int>{1});
+}
+
+TEST_F(ExchangeTest, OrderingDataOnAnotherDeviceCreatesNoContextOnTheCurrentOne)
+{
+  ASSERT_TRUE(sim.devices_with_context().empty()) << "the fixture used a device";
+  float* data = nullptr;
+  device::stream_handle producer{};
+  device::stream_handle consumer{};
+  std::thread owner([&] {  // the producing library uses device 1 only
+    sim.set_current_device(1);
+    data = static_cast<float*>(sim.allocate(n * sizeof(float), sim.legacy_default_stream()));
+    sim.enqueue_fill(sim.legacy_default_stream(), data, n, 0.0F);
+    sim.synchronize_device();
+    producer = sim.create_stream(true);
+    consumer = sim.create_stream(true);
+  });
+  owner.join();
+  std::thread importer([&] {  // a thread that never chose a device
+    sim.enqueue_fill(producer, data, n, 2.0F, slow);
+    const array view = view_of(data, 1);
+    view.owner().set_ready_on({.ctx = &ctx, .device = 1, .stream = producer, .stream_owner = nullptr});
+    order_export(&ctx, view, on(consumer));
+    bind_import(ctx, view, owning_device(ctx, view), consumer);
+    EXPECT_EQ(read(data, consumer).front(), 2.0F);
+  });
+  importer.join();
+  ctx.drain();
+  EXPECT_EQ(sim.devices_with_context(), std::vector<int>{1});
 }
 
 TEST_F(ExchangeTest, DeviceCopiesFollowThePendingWrite)

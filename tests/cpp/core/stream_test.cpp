@@ -160,7 +160,7 @@ TEST_F(StreamWaitTest, FaultsLeaveNoLeakAndRestoreTheDevice)
   const auto producer = stream_on(1);
   const auto consumer = stream_on(1);
   for (const char* op : {"create_event", "record_event", "stream_wait_event",
-                         "set_current_device"}) {  // create_event first: the pool starts empty
+                         "push_current_device"}) {  // create_event first: the pool starts empty
     sim.inject_fault(op, 1, "cudaErrorLaunchFailure");
     try {
       view(consumer).wait(view(producer), 1, events);

@@ -463,6 +463,11 @@ TEST_P(DeviceTest, InjectedFaultsFailEachOperationOnce)
     {"device_count", [&] { (void)b().device_count(); }},
     {"current_device", [&] { (void)b().current_device(); }},
     {"set_current_device", [&] { b().set_current_device(0); }},
+    {"push_current_device",
+     [&] {
+       b().push_current_device(0);
+       b().pop_current_device();
+     }},
     {"create_stream", [&] { b().destroy_stream(b().create_stream(true)); }},
     {"stream_device", [&] { (void)b().stream_device(blocking); }},
     {"stream_is_blocking", [&] { (void)b().stream_is_blocking(blocking); }},
