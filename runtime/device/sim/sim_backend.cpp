@@ -456,6 +456,20 @@ struct sim_backend::impl {
     return it == current.end() ? 0 : it->second;
   }
 
+  // set_current_device and push_current_device: the device becomes current (after the previous
+  // one is remembered, for a push) and has a context from then on.
+  void make_current(std::string_view op, int device, bool push)
+  {
+    const auto args = fmt::format("{}", device);
+    check_fault(op, args);
+    if (device < 0 || device >= device_count) { fail(op, args, sim_error::invalid_device); }
+    std::lock_guard lock(mutex);
+    const auto self = this_thread_key();
+    if (push) { pushed[self].push_back(current_locked()); }
+    current[self] = device;
+    has_context[static_cast<std::size_t>(device)] = true;
+  }
+
   // The current device for a call that works on it: as in CUDA, that call gives the device a
   // context (lazily, on first use) if it has none.
   int using_current_locked()
@@ -656,28 +670,12 @@ int sim_backend::current_device()
 
 void sim_backend::set_current_device(int device)
 {
-  const auto args = fmt::format("{}", device);
-  impl_->check_fault("set_current_device", args);
-  if (device < 0 || device >= impl_->device_count) {
-    impl_->fail("set_current_device", args, sim_error::invalid_device);
-  }
-  std::lock_guard lock(impl_->mutex);
-  impl_->current[this_thread_key()] = device;
-  impl_->has_context[static_cast<std::size_t>(device)] = true;
+  impl_->make_current("set_current_device", device, /*push=*/false);
 }
 
 void sim_backend::push_current_device(int device)
 {
-  const auto args = fmt::format("{}", device);
-  impl_->check_fault("push_current_device", args);
-  if (device < 0 || device >= impl_->device_count) {
-    impl_->fail("push_current_device", args, sim_error::invalid_device);
-  }
-  std::lock_guard lock(impl_->mutex);
-  const auto self = this_thread_key();
-  impl_->pushed[self].push_back(impl_->current_locked());
-  impl_->current[self] = device;
-  impl_->has_context[static_cast<std::size_t>(device)] = true;
+  impl_->make_current("push_current_device", device, /*push=*/true);
 }
 
 void sim_backend::pop_current_device() noexcept
