@@ -1,15 +1,17 @@
 """Hostile input: producers that lie or return the wrong types, out-of-range stream handles, device
-arguments the runtime cannot serve, calls that once crashed, and exit with threads inside handoff."""
+arguments the runtime cannot serve, calls that once crashed or leaked (several found by
+test_fuzz_hypothesis.py), and exit with threads inside handoff."""
 
 from __future__ import annotations
 
+import gc
 import textwrap
 
 import numpy as np
 import pytest
 
 import handoff
-from conftest import CPU, run_python
+from conftest import CPU, CUDA, ROCM, HandMadeTensor, capsule_name, run_python
 
 BACKEND = handoff.runtime_info()["backend"]
 SIM = BACKEND.startswith("sim")
@@ -17,6 +19,7 @@ needs_sim = pytest.mark.skipif(not SIM, reason=f"needs HANDOFF_BACKEND=sim or si
 # A stream value every backend accepts for the arrays of the test: a CPU array takes None only, so
 # a stream is asked for through a producer that claims a device.
 CONSUMER_STREAM = 0 if BACKEND == "sim-rocm" else 1
+DEVICE_MEMORY = ROCM if BACKEND == "sim-rocm" else CUDA
 
 
 # --- stream handles outside the native range ------------------------------------------------
@@ -158,6 +161,16 @@ def test_sim_synchronize_of_a_device_that_does_not_exist():
     for device in ("0", 1.0, True):
         with pytest.raises(TypeError, match="device"):
             sim.synchronize(device)
+
+
+def test_byte_strides_beyond_64_bits_are_reported_exactly(live):
+    # A stride in elements that fits may not fit in bytes where it never moves (extent 1, or empty).
+    data = np.zeros(8, dtype=np.float32)
+    tensor = HandMadeTensor(data.ctypes.data, (1, 2), strides=(2**62, 1))
+    view = handoff.from_dlpack(tensor.capsule())
+    assert view.strides == (2**64, 4)
+    empty = HandMadeTensor(data.ctypes.data, (0, 2), strides=(-(2**62), 2**62))
+    assert handoff.from_dlpack(empty.capsule()).strides == (-(2**64), 2**64)
 
 
 EXIT_WITH_DAEMON_THREADS = textwrap.dedent(
