@@ -173,6 +173,23 @@ def test_byte_strides_beyond_64_bits_are_reported_exactly(live):
     assert handoff.from_dlpack(empty.capsule()).strides == (-(2**64), 2**64)
 
 
+@needs_sim
+@pytest.mark.parametrize("device_id", [-1, 2, 9])
+def test_an_empty_capsule_on_a_device_the_backend_lacks_is_refused(device_id, live):
+    # It used to be bound to that device's default stream, whose release could never be enqueued:
+    # the producer was kept for ever.
+    from handoff import sim
+
+    tensor = HandMadeTensor(None, (0,), device=(DEVICE_MEMORY, device_id))
+    capsule = tensor.capsule(destructor=True)
+    with pytest.raises(ValueError, match=rf"device {device_id}\b.*has 2 device"):
+        handoff.from_dlpack(capsule)
+    del capsule
+    gc.collect()
+    sim.drain()
+    assert tensor.deleted == 1
+
+
 EXIT_WITH_DAEMON_THREADS = textwrap.dedent(
     """
     import sys, threading, time
