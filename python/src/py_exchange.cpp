@@ -206,9 +206,11 @@ void bind_to_consumer(const array& view, py::handle consumer, py::handle stream_
 {
   const DLDeviceType type = view.device().device_type;
   if (!is_cuda_device(type) && !is_rocm_device(type)) { return; }
+  // The stream value is checked against the device whether or not a backend orders its memory here.
+  const stream_request request = classify_stream(type, stream_argument(consumer));
   context* ctx = active_context();
   if (ctx == nullptr || !is_stream_ordered(*ctx, view)) { return; }  // memory no active backend orders
-  const auto stream = resolve_stream(ctx->backend(), classify_stream(type, stream_argument(consumer)));
+  const auto stream = resolve_stream(ctx->backend(), request);
   if (!stream) { return; }  // stream=-1: the consumer orders its work itself
   bind_import(*ctx, view, owning_device(*ctx, view), *stream, stream_keep_alive(stream_object));
 }

@@ -173,6 +173,20 @@ def test_byte_strides_beyond_64_bits_are_reported_exactly(live):
     assert handoff.from_dlpack(empty.capsule()).strides == (-(2**64), 2**64)
 
 
+# A stream value that is invalid for the device of a capsule's data, on a backend that does not
+# order that device's memory (there: sim-rocm or none for CUDA data, sim or none for ROCm data).
+FOREIGN_DEVICE, INVALID_STREAM = (CUDA, 0) if BACKEND == "sim-rocm" else (ROCM, 1)
+
+
+def test_stream_invalid_for_the_data_is_refused_on_every_backend(live):
+    tensor = HandMadeTensor(None, (0,), device=(FOREIGN_DEVICE, 0))
+    capsule = tensor.capsule(destructor=True)
+    with pytest.raises(ValueError, match=rf"stream={INVALID_STREAM}\b"):
+        handoff.from_dlpack(capsule, stream=INVALID_STREAM)
+    assert capsule_name(capsule).startswith("used_")  # handoff read it, so it deleted it
+    assert tensor.deleted == 1
+
+
 @needs_sim
 @pytest.mark.parametrize("device_id", [-1, 2, 9])
 def test_an_empty_capsule_on_a_device_the_backend_lacks_is_refused(device_id, live):
