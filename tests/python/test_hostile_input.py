@@ -204,6 +204,55 @@ def test_an_empty_capsule_on_a_device_the_backend_lacks_is_refused(device_id, li
     assert tensor.deleted == 1
 
 
+class CudaArrayInterface:
+    def __init__(self, interface):
+        self.__cuda_array_interface__ = interface
+
+
+@needs_sim
+def test_an_empty_cuda_array_interface_with_a_null_pointer_is_on_the_current_device(live):
+    # The interface asks for pointer 0 for empty arrays; there is no allocation to ask about.
+    view = handoff.asarray(CudaArrayInterface({"shape": (0,), "typestr": "<f4", "data": (0, False), "version": 3}))
+    assert view.device == (DEVICE_MEMORY, 0)
+    assert view.shape == (0,) and view.data_ptr == 0
+
+
+@needs_sim
+@pytest.mark.parametrize("how", ["argument", "block"])
+def test_a_cuda_array_interface_onto_a_stream_object_for_the_default_stream(how):
+    # handoff.Stream(0) is the default stream's handle: DLPack spells it 1 for CUDA, 0 for ROCm.
+    from handoff import sim
+
+    source = sim.zeros(1024)
+    producer = sim.Stream(non_blocking=True)
+    sim.fill(source, 5.0, stream=producer, delay=0.1)
+    cai = {"shape": (1024,), "typestr": "<f4", "data": (source.data_ptr, False), "version": 3,
+           "stream": int(producer.handle)}  # fmt: skip
+    if how == "argument":
+        view = handoff.asarray(CudaArrayInterface(cai), stream=handoff.Stream(0))
+    else:
+        with handoff.stream(handoff.Stream(0)):
+            view = handoff.asarray(CudaArrayInterface(cai))
+    assert sim.to_numpy(view, stream=CONSUMER_STREAM)[0] == 5.0
+    del view
+    sim.synchronize()
+
+
+@needs_sim
+def test_cuda_array_interface_stream_values_are_cuda_numbered_on_every_platform():
+    # 1 is the legacy default stream in the interface, also from a HIP build of a CUDA library.
+    from handoff import sim
+
+    source = sim.zeros(1024)
+    sim.fill(source, 3.0, stream=CONSUMER_STREAM, delay=0.1)  # the platform's default stream
+    consumer = sim.Stream(non_blocking=True)  # no implicit synchronization with the default stream
+    cai = {"shape": (1024,), "typestr": "<f4", "data": (source.data_ptr, False), "version": 3, "stream": 1}
+    view = handoff.asarray(CudaArrayInterface(cai), stream=consumer)
+    assert sim.to_numpy(view, stream=consumer)[0] == 3.0
+    del view
+    sim.synchronize()
+
+
 EXIT_WITH_DAEMON_THREADS = textwrap.dedent(
     """
     import sys, threading, time
