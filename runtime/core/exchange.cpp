@@ -3,6 +3,8 @@
 #include <handoff/exchange.hpp>
 #include <handoff/stream.hpp>
 
+#include "log/logger.hpp"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -183,8 +185,17 @@ array copy_device_array(context& ctx, const array& view, bool to_host)
   layout.readonly = false;
   // The copy lives on its source's stream: it frees there, so it keeps that stream alive too.
   std::shared_ptr<const void> stream_owner = ready ? ready->stream_owner : nullptr;
-  array out{std::move(layout),
-            producer_ref{[owner, copy, stream, stream_owner]() noexcept { owner->deallocate(copy, stream); }}};
+  // Released on any thread, whatever device is current there: a default stream's handle names the
+  // current device's stream, so the copy's device is made current for the free.
+  const auto release = [owner, copy, stream, device, stream_owner]() noexcept {
+    try {
+      device_guard on_copy{*owner, device};
+      owner->deallocate(copy, stream);
+    } catch (const std::exception& e) {
+      HANDOFF_LOG_ERROR("a device copy could not be freed on device {} ({}); its memory is kept", device, e.what());
+    }
+  };
+  array out{std::move(layout), producer_ref{release}};
   out.owner().set_ready_on({.ctx = &ctx, .device = device, .stream = stream, .stream_owner = std::move(stream_owner)});
   return out;
 }
