@@ -23,11 +23,22 @@
 namespace handoff::python {
 namespace {
 
+// value * scale as a Python int, exact: a stride in bytes may not fit in 64 bits where it never
+// moves (an axis of extent 1, an empty array), though the stride in elements does.
+py::object scaled(std::int64_t value, std::int64_t scale)
+{
+  std::int64_t product = 0;
+  if (__builtin_mul_overflow(value, scale, &product)) { return py::int_(value) * py::int_(scale); }
+  PyObject* made = PyLong_FromLongLong(product);
+  if (made == nullptr) { throw py::error_already_set(); }
+  return py::reinterpret_steal<py::object>(made);
+}
+
 py::tuple int_tuple(std::span<const std::int64_t> values, std::int64_t scale = 1)
 {
   py::tuple out(values.size());
   for (std::size_t i = 0; i < values.size(); ++i) {
-    PyTuple_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), PyLong_FromLongLong(values[i] * scale));
+    PyTuple_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), scaled(values[i], scale).release().ptr());
   }
   return out;
 }

@@ -206,9 +206,11 @@ void bind_to_consumer(const array& view, py::handle consumer, py::handle stream_
 {
   const DLDeviceType type = view.device().device_type;
   if (!is_cuda_device(type) && !is_rocm_device(type)) { return; }
+  // The stream value is checked against the device whether or not a backend orders its memory here.
+  const stream_request request = classify_stream(type, stream_argument(consumer));
   context* ctx = active_context();
   if (ctx == nullptr || !is_stream_ordered(*ctx, view)) { return; }  // memory no active backend orders
-  const auto stream = resolve_stream(ctx->backend(), classify_stream(type, stream_argument(consumer)));
+  const auto stream = resolve_stream(ctx->backend(), request);
   if (!stream) { return; }  // stream=-1: the consumer orders its work itself
   bind_import(*ctx, view, owning_device(*ctx, view), *stream, stream_keep_alive(stream_object));
 }
@@ -385,8 +387,13 @@ py::object asarray(py::handle x, py::handle device, py::handle copy, py::handle 
   const auto target = device_argument(device, "device");
   const auto want_copy = copy_argument(copy);
   if (const py::object cai = protocol_attribute(x, "__cuda_array_interface__"); cai && !cai.is_none()) {
-    return finish(import_cuda_array_interface(x, cai, consumer_value(consumer, kDLCUDA), stream_keep_alive(consumer)),
-                  target, want_copy, false);
+    // The data is on the active backend's device (ROCm's, for HIP builds of CUDA libraries): a
+    // consumer stream object is spelled as a stream value in that device's numbering.
+    const context* ctx = active_context();
+    const DLDeviceType cai_device = ctx != nullptr && ctx->backend().device_type() == kDLROCM ? kDLROCM : kDLCUDA;
+    return finish(
+      import_cuda_array_interface(x, cai, consumer_value(consumer, cai_device), stream_keep_alive(consumer)), target,
+      want_copy, false);
   }
   if (const py::object ai = protocol_attribute(x, "__array_interface__"); ai && !ai.is_none()) {
     return finish(import_array_interface(x, ai), target, want_copy, false);

@@ -118,6 +118,33 @@ producer_ref buffer_owner(std::unique_ptr<Py_buffer> buffer)
   }};
 }
 
+// Sets the device of CUDA Array Interface data from what the backend knows of its pointer. An empty
+// array may have a null pointer (the interface asks for 0 then): it is on the current device.
+void place_on_device(device::backend& backend, array_layout& layout)
+{
+  if (layout.data == nullptr) {
+    layout.device = {backend.device_type(), backend.current_device()};
+    return;
+  }
+  const device::pointer_attributes where = backend.attributes(layout.data);
+  const bool rocm = backend.device_type() == kDLROCM;
+  switch (where.kind) {
+    case device::memory_kind::device:
+      layout.device = {backend.device_type(), where.device};
+      break;
+    case device::memory_kind::managed:
+      HANDOFF_EXPECTS(!rocm, buffer_error, "managed memory on ROCm has no DLPack device type");
+      layout.device = {kDLCUDAManaged, 0};
+      break;
+    case device::memory_kind::pinned_host:
+      layout.device = {rocm ? kDLROCMHost : kDLCUDAHost, 0};
+      break;
+    case device::memory_kind::unregistered:
+      throw buffer_error("__cuda_array_interface__ 'data' points to memory the device does not know");
+  }
+  if (where.device_pointer != nullptr) { layout.data = where.device_pointer; }
+}
+
 }  // namespace
 
 array import_buffer(py::handle object)
@@ -186,23 +213,7 @@ array import_cuda_array_interface(py::handle object, py::handle interface, std::
   cuda_interface parsed = parse_cuda_array_interface(interface);
   context& ctx = require_context("importing __cuda_array_interface__ data");
   device::backend& backend = ctx.backend();
-  const device::pointer_attributes where = backend.attributes(parsed.layout.data);
-  const bool rocm = backend.device_type() == kDLROCM;
-  switch (where.kind) {
-    case device::memory_kind::device:
-      parsed.layout.device = {backend.device_type(), where.device};
-      break;
-    case device::memory_kind::managed:
-      HANDOFF_EXPECTS(!rocm, buffer_error, "managed memory on ROCm has no DLPack device type");
-      parsed.layout.device = {kDLCUDAManaged, 0};
-      break;
-    case device::memory_kind::pinned_host:
-      parsed.layout.device = {rocm ? kDLROCMHost : kDLCUDAHost, 0};
-      break;
-    case device::memory_kind::unregistered:
-      throw buffer_error("__cuda_array_interface__ 'data' points to memory the device does not know");
-  }
-  if (where.device_pointer != nullptr) { parsed.layout.data = where.device_pointer; }
+  place_on_device(backend, parsed.layout);
   const DLDeviceType type = parsed.layout.device.device_type;
   array view{std::move(parsed.layout), python_owner(object)};
 
@@ -210,7 +221,9 @@ array import_cuda_array_interface(py::handle object, py::handle interface, std::
   if (!consumer_stream) { return view; }  // the consumer orders its work itself
   const int device = owning_device(ctx, view);
   if (parsed.stream) {  // v3: the producer's work on `stream` must finish before the consumer's
-    if (const auto producer = resolve_stream(backend, classify_stream(type, parsed.stream))) {
+    // The interface numbers streams as CUDA does (1: legacy default, 2: per-thread default) on every
+    // platform; the backend resolves those to its own default streams.
+    if (const auto producer = resolve_stream(backend, classify_stream(kDLCUDA, parsed.stream))) {
       stream_view{backend, *consumer_stream}.wait(stream_view{backend, *producer}, device, ctx.events());
     }
   }

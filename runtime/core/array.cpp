@@ -108,6 +108,23 @@ long producer_ref::use_count() const noexcept
   return state_ == nullptr ? 0 : state_->references_.load(std::memory_order_relaxed);
 }
 
+namespace {
+
+// A binding is used later, from any thread. The per-thread default stream's handle names the
+// calling thread's stream (CUDA's cudaStreamPerThread), so it is bound as the legacy default stream
+// instead, which is ordered after the work of every blocking stream of its device, each thread's
+// per-thread default stream included.
+stream_binding thread_independent(stream_binding where) noexcept
+{
+  if (where.ctx != nullptr) {
+    const device::backend& backend = where.ctx->backend();
+    if (where.stream == backend.per_thread_default_stream()) { where.stream = backend.legacy_default_stream(); }
+  }
+  return where;
+}
+
+}  // namespace
+
 std::optional<stream_binding> producer_ref::ready_on() const
 {
   if (!state_) { return std::nullopt; }
@@ -118,15 +135,17 @@ std::optional<stream_binding> producer_ref::ready_on() const
 void producer_ref::set_ready_on(const stream_binding& where) const
 {
   if (!state_) { return; }
+  stream_binding bound = thread_independent(where);
   std::lock_guard lock{state_->mutex_};
-  state_->ready_on_ = where;
+  state_->ready_on_ = std::move(bound);
 }
 
 void producer_ref::release_after(const stream_binding& consumer) const
 {
   if (!state_) { return; }
+  stream_binding bound = thread_independent(consumer);
   std::lock_guard lock{state_->mutex_};
-  state_->release_after_ = consumer;
+  state_->release_after_ = std::move(bound);
 }
 
 namespace {

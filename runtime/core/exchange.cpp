@@ -3,6 +3,8 @@
 #include <handoff/exchange.hpp>
 #include <handoff/stream.hpp>
 
+#include "log/logger.hpp"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -46,16 +48,31 @@ bool is_stream_ordered(const context& ctx, const array& view) noexcept
   return ctx.backend().device_type() == kDLROCM ? is_rocm_device(type) : is_cuda_device(type);
 }
 
+namespace {
+
+// The device the array claims, where no allocation says otherwise. Work and releases are put on its
+// streams later, so a device the backend does not have is refused now, not when a release fails.
+int claimed_device(context& ctx, DLDevice claimed)
+{
+  const int count = ctx.backend().device_count();
+  HANDOFF_EXPECTS(claimed.device_id >= 0 && claimed.device_id < count, value_error,
+                  fmt::format("the array claims {} device {}, but the {} backend has {} device(s)",
+                              device_type_name(claimed.device_type), claimed.device_id, ctx.backend().name(), count));
+  return claimed.device_id;
+}
+
+}  // namespace
+
 int owning_device(context& ctx, const array& view)
 {
   const DLDevice claimed = view.device();
-  if (view.data() == nullptr) { return claimed.device_id; }  // empty: nothing to look up
+  if (view.data() == nullptr) { return claimed_device(ctx, claimed); }  // empty: nothing to look up
   const device::pointer_attributes where = ctx.backend().attributes(view.data());
   const bool device_memory = claimed.device_type == kDLCUDA || claimed.device_type == kDLROCM;
   if (device_memory) {
     // Managed memory is device memory to its users: PyTorch with a managed allocator and RMM's
     // managed resource export it as kDLCUDA, on the device that uses it.
-    if (where.kind == device::memory_kind::managed) { return claimed.device_id; }
+    if (where.kind == device::memory_kind::managed) { return claimed_device(ctx, claimed); }
     HANDOFF_EXPECTS(where.kind == device::memory_kind::device, value_error,
                     fmt::format("the array claims {} device {} memory, but {:#x} is not device memory of the {} "
                                 "backend",
@@ -168,8 +185,17 @@ array copy_device_array(context& ctx, const array& view, bool to_host)
   layout.readonly = false;
   // The copy lives on its source's stream: it frees there, so it keeps that stream alive too.
   std::shared_ptr<const void> stream_owner = ready ? ready->stream_owner : nullptr;
-  array out{std::move(layout),
-            producer_ref{[owner, copy, stream, stream_owner]() noexcept { owner->deallocate(copy, stream); }}};
+  // Released on any thread, whatever device is current there: a default stream's handle names the
+  // current device's stream, so the copy's device is made current for the free.
+  const auto release = [owner, copy, stream, device, stream_owner]() noexcept {
+    try {
+      device_guard on_copy{*owner, device};
+      owner->deallocate(copy, stream);
+    } catch (const std::exception& e) {
+      HANDOFF_LOG_ERROR("a device copy could not be freed on device {} ({}); its memory is kept", device, e.what());
+    }
+  };
+  array out{std::move(layout), producer_ref{release}};
   out.owner().set_ready_on({.ctx = &ctx, .device = device, .stream = stream, .stream_owner = std::move(stream_owner)});
   return out;
 }

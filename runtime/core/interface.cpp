@@ -108,6 +108,10 @@ cuda_interface validate_cuda_array_interface(const interface_dict& dict)
                     fmt::format("{} 'stream' 0 is disallowed (ambiguous); use 1 for the legacy default stream or 2 "
                                 "for per-thread",
                                 cuda_protocol));
+    HANDOFF_EXPECTS(*dict.stream >= -1, value_error,
+                    fmt::format("{} 'stream' {} is not a stream: expected 1 (legacy default), 2 (per-thread "
+                                "default), a stream handle or -1 (no ordering)",
+                                cuda_protocol, *dict.stream));
     out.stream = dict.stream;
   }
   check_layout(out.layout, cuda_protocol);

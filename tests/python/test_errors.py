@@ -221,6 +221,7 @@ MALFORMED = [
     pytest.param(cai(shape=(3, 3), strides=(2**62, 4)), "strides", id="element offset overflows"),
     pytest.param(cai(data=(0, False)), "data", id="null pointer"),
     pytest.param(cai(stream=0), "stream", id="stream 0"),
+    pytest.param(cai(stream=-2), "stream", id="stream -2"),
     pytest.param(cai(stream="1"), "stream", id="stream str"),
     pytest.param(cai(stream=True), "stream", id="stream bool"),
 ]

@@ -1,15 +1,17 @@
 """Hostile input: producers that lie or return the wrong types, out-of-range stream handles, device
-arguments the runtime cannot serve, calls that once crashed, and exit with threads inside handoff."""
+arguments the runtime cannot serve, calls that once crashed or leaked (several found by
+test_fuzz_hypothesis.py), and exit with threads inside handoff."""
 
 from __future__ import annotations
 
+import gc
 import textwrap
 
 import numpy as np
 import pytest
 
 import handoff
-from conftest import CPU, run_python
+from conftest import CPU, CUDA, ROCM, HandMadeTensor, capsule_name, run_python
 
 BACKEND = handoff.runtime_info()["backend"]
 SIM = BACKEND.startswith("sim")
@@ -17,6 +19,7 @@ needs_sim = pytest.mark.skipif(not SIM, reason=f"needs HANDOFF_BACKEND=sim or si
 # A stream value every backend accepts for the arrays of the test: a CPU array takes None only, so
 # a stream is asked for through a producer that claims a device.
 CONSUMER_STREAM = 0 if BACKEND == "sim-rocm" else 1
+DEVICE_MEMORY = ROCM if BACKEND == "sim-rocm" else CUDA
 
 
 # --- stream handles outside the native range ------------------------------------------------
@@ -158,6 +161,96 @@ def test_sim_synchronize_of_a_device_that_does_not_exist():
     for device in ("0", 1.0, True):
         with pytest.raises(TypeError, match="device"):
             sim.synchronize(device)
+
+
+def test_byte_strides_beyond_64_bits_are_reported_exactly(live):
+    # A stride in elements that fits may not fit in bytes where it never moves (extent 1, or empty).
+    data = np.zeros(8, dtype=np.float32)
+    tensor = HandMadeTensor(data.ctypes.data, (1, 2), strides=(2**62, 1))
+    view = handoff.from_dlpack(tensor.capsule())
+    assert view.strides == (2**64, 4)
+    empty = HandMadeTensor(data.ctypes.data, (0, 2), strides=(-(2**62), 2**62))
+    assert handoff.from_dlpack(empty.capsule()).strides == (-(2**64), 2**64)
+
+
+# A stream value that is invalid for the device of a capsule's data, on a backend that does not
+# order that device's memory (there: sim-rocm or none for CUDA data, sim or none for ROCm data).
+FOREIGN_DEVICE, INVALID_STREAM = (CUDA, 0) if BACKEND == "sim-rocm" else (ROCM, 1)
+
+
+def test_stream_invalid_for_the_data_is_refused_on_every_backend(live):
+    tensor = HandMadeTensor(None, (0,), device=(FOREIGN_DEVICE, 0))
+    capsule = tensor.capsule(destructor=True)
+    with pytest.raises(ValueError, match=rf"stream={INVALID_STREAM}\b"):
+        handoff.from_dlpack(capsule, stream=INVALID_STREAM)
+    assert capsule_name(capsule).startswith("used_")  # handoff read it, so it deleted it
+    assert tensor.deleted == 1
+
+
+@needs_sim
+@pytest.mark.parametrize("device_id", [-1, 2, 9])
+def test_an_empty_capsule_on_a_device_the_backend_lacks_is_refused(device_id, live):
+    # It used to be bound to that device's default stream, whose release could never be enqueued:
+    # the producer was kept for ever.
+    from handoff import sim
+
+    tensor = HandMadeTensor(None, (0,), device=(DEVICE_MEMORY, device_id))
+    capsule = tensor.capsule(destructor=True)
+    with pytest.raises(ValueError, match=rf"device {device_id}\b.*has 2 device"):
+        handoff.from_dlpack(capsule)
+    del capsule
+    gc.collect()
+    sim.drain()
+    assert tensor.deleted == 1
+
+
+class CudaArrayInterface:
+    def __init__(self, interface):
+        self.__cuda_array_interface__ = interface
+
+
+@needs_sim
+def test_an_empty_cuda_array_interface_with_a_null_pointer_is_on_the_current_device(live):
+    # The interface asks for pointer 0 for empty arrays; there is no allocation to ask about.
+    view = handoff.asarray(CudaArrayInterface({"shape": (0,), "typestr": "<f4", "data": (0, False), "version": 3}))
+    assert view.device == (DEVICE_MEMORY, 0)
+    assert view.shape == (0,) and view.data_ptr == 0
+
+
+@needs_sim
+@pytest.mark.parametrize("how", ["argument", "block"])
+def test_a_cuda_array_interface_onto_a_stream_object_for_the_default_stream(how):
+    # handoff.Stream(0) is the default stream's handle: DLPack spells it 1 for CUDA, 0 for ROCm.
+    from handoff import sim
+
+    source = sim.zeros(1024)
+    producer = sim.Stream(non_blocking=True)
+    sim.fill(source, 5.0, stream=producer, delay=0.1)
+    cai = {"shape": (1024,), "typestr": "<f4", "data": (source.data_ptr, False), "version": 3,
+           "stream": int(producer.handle)}  # fmt: skip
+    if how == "argument":
+        view = handoff.asarray(CudaArrayInterface(cai), stream=handoff.Stream(0))
+    else:
+        with handoff.stream(handoff.Stream(0)):
+            view = handoff.asarray(CudaArrayInterface(cai))
+    assert sim.to_numpy(view, stream=CONSUMER_STREAM)[0] == 5.0
+    del view
+    sim.synchronize()
+
+
+@needs_sim
+def test_cuda_array_interface_stream_values_are_cuda_numbered_on_every_platform():
+    # 1 is the legacy default stream in the interface, also from a HIP build of a CUDA library.
+    from handoff import sim
+
+    source = sim.zeros(1024)
+    sim.fill(source, 3.0, stream=CONSUMER_STREAM, delay=0.1)  # the platform's default stream
+    consumer = sim.Stream(non_blocking=True)  # no implicit synchronization with the default stream
+    cai = {"shape": (1024,), "typestr": "<f4", "data": (source.data_ptr, False), "version": 3, "stream": 1}
+    view = handoff.asarray(CudaArrayInterface(cai), stream=consumer)
+    assert sim.to_numpy(view, stream=consumer)[0] == 3.0
+    del view
+    sim.synchronize()
 
 
 EXIT_WITH_DAEMON_THREADS = textwrap.dedent(

@@ -1,5 +1,6 @@
 """Ordering that must survive more than one hop: chains of imports through the default stream,
-copies made for a consumer stream, and device-to-host copies whose synchronization fails.
+copies made for a consumer stream (and freed on their own device), device-to-host copies whose
+synchronization fails, and a per-thread default stream that another thread passes on.
 
 Run with HANDOFF_BACKEND=sim or sim-rocm; skipped otherwise. Each ordering test has a negative
 control that shows the race when ordering is turned off.
@@ -9,10 +10,14 @@ from __future__ import annotations
 
 import gc
 import itertools
+import sys
+import threading
+import time
 
 import pytest
 
 import handoff
+from conftest import HandMadeTensor
 
 BACKEND = handoff.runtime_info()["backend"]
 pytestmark = pytest.mark.skipif(
@@ -130,6 +135,79 @@ def test_negative_control_a_copy_read_on_an_unordered_stream_shows_the_race(new_
     copy = handoff.from_dlpack(source, stream=-1, copy=True)
     assert sim.to_numpy(copy, stream=consumer)[0] != value, "expected stale data without ordering"
     sim.synchronize()
+
+
+def test_a_copy_on_another_device_is_freed_in_its_own_stream_order(new_stream):
+    # The free of a copy named its stream by a default stream's handle, which resolved on the
+    # device current where the copy was dropped: freed at once there, while the copy into it was
+    # still queued on device 1 (a write into freed memory).
+    source = sim.zeros(N, "float32", 1)
+    sim.synchronize()
+    sim.fill(source, float(next(VALUES)), stream=DEFAULT_STREAM, delay=SLOW)  # device 1's default stream
+    copy = handoff.from_dlpack(source, stream=-1, copy=True)  # queued behind the write
+    allocations = sim.live_allocations()
+    del copy
+    time.sleep(SLOW / 4)
+    assert sim.live_allocations() == allocations, "the copy was freed while a copy into it was queued"
+    sim.synchronize()
+
+
+per_thread_only = pytest.mark.skipif(ROCM, reason="ROCm's per-thread default stream has no DLPack stream value")
+PER_THREAD = 2  # CUDA's per-thread default stream: its handle names the calling thread's stream
+
+
+def in_thread_kept_alive(work):
+    """Runs `work` in a thread that stays alive (so that its per-thread stream is its own) until
+    the returned function is called; returns `work`'s result and that function."""
+    result, done, leave = {}, threading.Event(), threading.Event()
+
+    def run():
+        result["value"] = work()
+        done.set()
+        leave.wait()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    done.wait()
+
+    def finish():
+        leave.set()
+        thread.join()
+
+    return result.pop("value"), finish
+
+
+@per_thread_only
+def test_data_ready_on_a_per_thread_stream_is_ordered_for_another_thread(new_stream):
+    producer = new_stream()
+    consumer = new_stream()
+    source, value = pending_write(producer)
+    view, finish = in_thread_kept_alive(lambda: handoff.from_dlpack(source, stream=PER_THREAD))
+    again = handoff.from_dlpack(view, stream=consumer)  # another thread: another per-thread stream
+    assert sim.to_numpy(again, stream=consumer)[0] == value
+    finish()
+
+
+@per_thread_only
+def test_a_release_after_a_per_thread_stream_waits_for_it_from_another_thread():
+    target = sim.zeros(N)
+    sim.synchronize()
+
+    def import_and_write():
+        tensor = HandMadeTensor(target.data_ptr, (N,), device=(2, 0))
+        view = handoff.from_dlpack(tensor.capsule(), stream=PER_THREAD)
+        sim.fill(view, 1.0, stream=PER_THREAD, delay=SLOW)  # the consumer's work on its stream
+        return tensor, view
+
+    (tensor, view), finish = in_thread_kept_alive(import_and_write)
+    assert sys.getrefcount(view) == 2  # this frame's reference is the last: the release happens here
+    del view
+    time.sleep(SLOW / 4)
+    assert tensor.deleted == 0, "released while the consumer's stream still used the data"
+    finish()
+    sim.synchronize()
+    sim.drain()
+    assert tensor.deleted == 1
 
 
 HOST_COPIES = {

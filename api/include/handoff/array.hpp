@@ -56,10 +56,11 @@ class producer_ref {
   /// The stream the data is ready on: the stream of the producer's last write, or the consumer
   /// stream it was imported onto. nullopt for host data. Thread-safe.
   [[nodiscard]] std::optional<stream_binding> ready_on() const;
-  /// Records the stream of a new write to the data. Thread-safe.
+  /// Records the stream of a new write to the data. Thread-safe. The calling thread's per-thread
+  /// default stream is recorded as the legacy default stream, which any thread can name.
   void set_ready_on(const stream_binding& where) const;
   /// Makes the release wait for the work enqueued on `consumer` by the time the last reference
-  /// goes (see context::release_after). Set once, at import.
+  /// goes (see context::release_after). Set once, at import; a per-thread default stream as above.
   void release_after(const stream_binding& consumer) const;
 
  private:

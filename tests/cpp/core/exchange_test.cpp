@@ -75,6 +75,20 @@ TEST_F(ExchangeTest, AViewClaimingAnotherDeviceIsRefused)
   EXPECT_THROW(order_export(&ctx, lying, on(stream_on(0))), value_error);
 }
 
+TEST_F(ExchangeTest, AnEmptyViewOnADeviceTheBackendDoesNotHaveIsRefused)
+{
+  // Nothing to look up: the claimed device is taken, and its streams would take the release.
+  for (const int device : {-1, 2, 7}) {
+    array_layout layout;
+    layout.device = {kDLCUDA, device};
+    layout.dtype = {kDLFloat, 32, 1};
+    layout.shape = std::vector<std::int64_t>{0};
+    layout.strides = std::vector<std::int64_t>{1};
+    const array empty{std::move(layout), producer_ref{[] {}}};
+    EXPECT_THROW((void)owning_device(ctx, empty), value_error) << device;
+  }
+}
+
 TEST_F(ExchangeTest, OrderingWithoutABackendIsADeviceError)
 {
   const array view = view_of(allocate_on(0), 0);

@@ -104,6 +104,9 @@ TEST_F(InterfaceTest, MalformedValuesAreValueErrorsNamingTheField)
   cuda.version = 3;
   cuda.stream = 0;
   expect_error<value_error>([&] { return validate_cuda_array_interface(cuda); }, {"'stream' 0"});
+  cuda.stream = -2;  // no stream: -1 (no ordering) is the only negative value
+  expect_error<value_error>([&] { return validate_cuda_array_interface(cuda); },
+                            {"__cuda_array_interface__", "'stream' -2"});
 }
 
 TEST_F(InterfaceTest, EmptyArraysMayHaveANullPointer)
