@@ -3,12 +3,13 @@
 
 #include <benchmark/benchmark.h>
 
+#include <cstddef>
 #include <vector>
 
 namespace {
 
 struct producer {
-  std::vector<float> storage = std::vector<float>(64 * 64);
+  std::vector<float> storage = std::vector<float>(std::size_t{64} * 64);
   std::int64_t shape[2] = {64, 64};
   std::int64_t strides[2] = {64, 1};
 

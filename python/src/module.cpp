@@ -73,7 +73,7 @@ PYBIND11_MODULE(_handoff, m)
   set_device_error_type(device_error_type);
   m.attr("DeviceError") = py::reinterpret_borrow<py::object>(device_error_type);
   // Each C++ exception type maps to exactly one Python exception type.
-  py::register_exception_translator([](std::exception_ptr thrown) { translate_exception(thrown); });
+  py::register_exception_translator(translate_exception);
 
   set_finalizing_thread(py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>());
   bind_array(m);

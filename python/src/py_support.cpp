@@ -229,10 +229,10 @@ void set_device_error_type(PyObject* type) noexcept
   device_error_type = type;
 }
 
-void translate_exception(const std::exception_ptr& thrown)
+void translate_exception(std::exception_ptr thrown)
 {
   try {
-    if (thrown) { std::rethrow_exception(thrown); }
+    if (thrown) { std::rethrow_exception(std::move(thrown)); }
   } catch (const device_error& e) {
     raise_device_error(e);
   } catch (const value_error& e) {

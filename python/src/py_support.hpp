@@ -95,7 +95,7 @@ void raise_current_exception() noexcept;
 
 /// Rethrows `thrown` unless it is a handoff exception, which it turns into its Python error (the
 /// exception translator pybind11 uses for the functions it binds).
-void translate_exception(const std::exception_ptr& thrown);
+void translate_exception(std::exception_ptr thrown);
 
 /// The parameters of a function called with METH_FASTCALL | METH_KEYWORDS whose signature is
 /// `name(p0, ..., /, *, k0=None, ...)`: required positional-only parameters, then keyword-only

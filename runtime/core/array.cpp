@@ -87,8 +87,10 @@ producer_ref::producer_ref(const producer_ref& other) noexcept : state_(other.st
 
 producer_ref& producer_ref::operator=(const producer_ref& other) noexcept
 {
-  state::acquire(other.state_);
-  state::release(std::exchange(state_, other.state_));
+  if (this != &other) {
+    state::acquire(other.state_);
+    state::release(std::exchange(state_, other.state_));
+  }
   return *this;
 }
 

@@ -264,7 +264,7 @@ TEST_F(ArrayTest, LiveViewsCountsProducers)
   fake_producer p{{3}};
   {
     array view = import_dlpack(&p.versioned);
-    array again = view;
+    const std::vector<array> copies(3, view);  // copies share the producer
     EXPECT_EQ(stats().live_views, before + 1);
   }
   EXPECT_EQ(stats().live_views, before);

@@ -46,6 +46,7 @@ TEST_F(EventPoolTest, ConcurrentBorrowersGetDistinctEvents)
 {
   event_pool events{sim};
   std::vector<std::thread> threads;
+  threads.reserve(8);
   for (int t = 0; t < 8; ++t) {
     threads.emplace_back([&] {
       for (int i = 0; i < 200; ++i) {

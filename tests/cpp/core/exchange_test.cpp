@@ -194,10 +194,12 @@ TEST_F(ExchangeTest, ManyThreadsExchangeAtOnce)
   constexpr int threads = 8;
   constexpr int rounds = 50;
   std::vector<float*> buffers;
+  buffers.reserve(threads);
   for (int t = 0; t < threads; ++t) { buffers.push_back(allocate_on(t % 2)); }
   const auto before = stats();
   std::atomic<int> wrong{0};
   std::vector<std::thread> workers;
+  workers.reserve(threads);
   for (int t = 0; t < threads; ++t) {
     workers.emplace_back([&, t] {
       const int device = t % 2;

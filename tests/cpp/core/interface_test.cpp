@@ -96,7 +96,8 @@ TEST_F(InterfaceTest, MalformedValuesAreValueErrorsNamingTheField)
      "overflows"},
   };
   for (const auto& [d, message] : cases) {
-    expect_error<value_error>([&] { return validate_array_interface(d); }, {"__array_interface__", message});
+    // an init-capture: clang 14 cannot capture structured bindings
+    expect_error<value_error>([&d = d] { return validate_array_interface(d); }, {"__array_interface__", message});
   }
   interface_dict cuda = dict();
   cuda.version = 4;

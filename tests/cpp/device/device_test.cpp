@@ -653,9 +653,11 @@ TEST_P(DeviceTest, ConcurrentProducersAndConsumersStayOrdered)
   constexpr int rounds = 10;
   constexpr std::size_t n = 64;
   std::vector<float*> buffers;
+  buffers.reserve(threads);
   for (int t = 0; t < threads; ++t) { buffers.push_back(floats(n, 0.0f)); }
   std::atomic<int> failures{0};
   std::vector<std::thread> workers;
+  workers.reserve(threads);
   for (int t = 0; t < threads; ++t) {
     workers.emplace_back([&, t] {
       const auto producer = b().create_stream(true);
