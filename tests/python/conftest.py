@@ -19,6 +19,12 @@ CPU, CUDA, CUDA_HOST, OPENCL, VULKAN, METAL, VPI, ROCM, ROCM_HOST, EXT_DEV, CUDA
 )
 TRN = 18
 
+# Devices of the active backend: HANDOFF_SIM_DEVICES sets the simulator's (the suite runs with 1 and 2).
+DEVICE_COUNT = handoff.runtime_info()["device_count"]
+needs_two_devices = pytest.mark.skipif(
+    DEVICE_COUNT < 2, reason=f"needs a second device (the backend has {DEVICE_COUNT}; see HANDOFF_SIM_DEVICES)"
+)
+
 FLAG_READ_ONLY = 1 << 0
 FLAG_IS_COPIED = 1 << 1
 FLAG_IS_SUBBYTE_TYPE_PADDED = 1 << 2

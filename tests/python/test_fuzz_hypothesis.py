@@ -254,7 +254,7 @@ def forged_tensors(draw) -> dict:
         "device": device,
         "data": draw(st.sampled_from(data_kinds)),
         "garbage": draw(st.integers(1, UINT64_MAX)),
-        "sim_device": draw(st.integers(0, 1)),
+        "sim_device": draw(st.integers(0, max(DEVICE_COUNT, 1) - 1)),
         "stream": draw(st.sampled_from([None, None, None, -1, DEFAULT_STREAM])),
         "entry": draw(st.sampled_from(["from_dlpack", "asarray"])),
         "copy": draw(st.sampled_from([None, None, True])),
@@ -671,7 +671,7 @@ def assert_value_error_names(protocol: str, call) -> None:
 @st.composite
 def device_pointers(draw):
     """(data, verdict, pointer) for a CUDA Array Interface: on sim, pointers into live sim allocations
-    (every memory kind, both devices); everywhere, memory no device knows and malformed values."""
+    (every memory kind, every device); everywhere, memory no device knows and malformed values."""
     readonly = draw(st.booleans())
     kinds = ["garbage", "host", "null", "malformed"]
     if SIM:
@@ -682,7 +682,7 @@ def device_pointers(draw):
     if kind in ("device", "pinned", "managed"):
         if kind == "managed" and SIM_ROCM:
             kind = "pinned"  # ROCm has no DLPack device type for managed memory
-        allocation = ALLOCATIONS[kind, draw(st.integers(0, 1)) if kind == "device" else 0]
+        allocation = ALLOCATIONS[kind, draw(st.integers(0, DEVICE_COUNT - 1)) if kind == "device" else 0]
         pointer = allocation.data_ptr + draw(st.integers(0, allocation.nbytes - 1))
         return (pointer, readonly), None, pointer
     pointer = {"garbage": draw(st.integers(1, INT64_MAX)), "host": HOST.ctypes.data, "null": 0}[kind]
@@ -692,8 +692,8 @@ def device_pointers(draw):
 # Allocations the CAI fuzzing points into, made once: a forged interface does not own its memory.
 ALLOCATIONS = {}
 if SIM:
-    ALLOCATIONS = {("device", 0): sim.zeros(1024, "uint8", 0), ("device", 1): sim.zeros(1024, "uint8", 1),
-                   ("pinned", 0): sim.zeros(1024, "uint8", memory="pinned")}  # fmt: skip
+    ALLOCATIONS = {("device", device): sim.zeros(1024, "uint8", device) for device in range(DEVICE_COUNT)}
+    ALLOCATIONS["pinned", 0] = sim.zeros(1024, "uint8", memory="pinned")
     if not SIM_ROCM:
         ALLOCATIONS["managed", 0] = sim.zeros(1024, "uint8", memory="managed")
 
@@ -822,11 +822,11 @@ def stream_likes(draw):
     return draw(st.sampled_from([1.5, "1", b"1", [1], (1,), object(), 1j]))
 
 
-# Streams that stream objects may name: both kinds, on both devices. Made once, they outlive every
+# Streams that stream objects may name: both kinds, on every device. Made once, they outlive every
 # view bound to them.
 STREAMS = []
 if SIM:
-    STREAMS = [sim.Stream(0), sim.Stream(0, non_blocking=True), sim.Stream(1), sim.Stream(1, non_blocking=True)]
+    STREAMS = [sim.Stream(device, non_blocking=flag) for device in range(DEVICE_COUNT) for flag in (False, True)]
 LIVE_HANDLES = [s.handle for s in STREAMS]
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import handoff
-from conftest import CPU, CUDA, ROCM, HandMadeTensor, capsule_name, run_python
+from conftest import CPU, CUDA, DEVICE_COUNT, ROCM, HandMadeTensor, capsule_name, needs_two_devices, run_python
 
 BACKEND = handoff.runtime_info()["backend"]
 SIM = BACKEND.startswith("sim")
@@ -144,7 +144,7 @@ def test_dl_device_out_of_range_is_still_a_value_error(live):
 
 
 @needs_sim
-@pytest.mark.parametrize("device", [0, 1])
+@pytest.mark.parametrize("device", [0, pytest.param(1, marks=needs_two_devices)])
 def test_sim_synchronize_of_one_device(device):
     from handoff import sim
 
@@ -188,7 +188,7 @@ def test_stream_invalid_for_the_data_is_refused_on_every_backend(live):
 
 
 @needs_sim
-@pytest.mark.parametrize("device_id", [-1, 2, 9])
+@pytest.mark.parametrize("device_id", [-1, DEVICE_COUNT, 9])
 def test_an_empty_capsule_on_a_device_the_backend_lacks_is_refused(device_id, live):
     # It used to be bound to that device's default stream, whose release could never be enqueued:
     # the producer was kept for ever.
@@ -196,7 +196,7 @@ def test_an_empty_capsule_on_a_device_the_backend_lacks_is_refused(device_id, li
 
     tensor = HandMadeTensor(None, (0,), device=(DEVICE_MEMORY, device_id))
     capsule = tensor.capsule(destructor=True)
-    with pytest.raises(ValueError, match=rf"device {device_id}\b.*has 2 device"):
+    with pytest.raises(ValueError, match=rf"device {device_id}\b.*has {DEVICE_COUNT} device"):
         handoff.from_dlpack(capsule)
     del capsule
     gc.collect()

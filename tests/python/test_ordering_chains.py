@@ -17,7 +17,7 @@ import time
 import pytest
 
 import handoff
-from conftest import HandMadeTensor
+from conftest import HandMadeTensor, needs_two_devices
 
 BACKEND = handoff.runtime_info()["backend"]
 pytestmark = pytest.mark.skipif(
@@ -137,13 +137,14 @@ def test_negative_control_a_copy_read_on_an_unordered_stream_shows_the_race(new_
     sim.synchronize()
 
 
-def test_a_copy_on_another_device_is_freed_in_its_own_stream_order(new_stream):
+@pytest.mark.parametrize("device", [0, pytest.param(1, marks=needs_two_devices)])
+def test_a_copy_is_freed_in_its_own_stream_order(device, new_stream):
     # The free of a copy named its stream by a default stream's handle, which resolved on the
     # device current where the copy was dropped: freed at once there, while the copy into it was
-    # still queued on device 1 (a write into freed memory).
-    source = sim.zeros(N, "float32", 1)
+    # still queued on device 1 (a write into freed memory). On the current device it must wait too.
+    source = sim.zeros(N, "float32", device)
     sim.synchronize()
-    sim.fill(source, float(next(VALUES)), stream=DEFAULT_STREAM, delay=SLOW)  # device 1's default stream
+    sim.fill(source, float(next(VALUES)), stream=DEFAULT_STREAM, delay=SLOW)  # the default stream of its device
     copy = handoff.from_dlpack(source, stream=-1, copy=True)  # queued behind the write
     allocations = sim.live_allocations()
     del copy

@@ -13,6 +13,7 @@ import weakref
 import pytest
 
 import handoff
+from conftest import needs_two_devices
 
 BACKEND = handoff.runtime_info()["backend"]
 pytestmark = pytest.mark.skipif(
@@ -83,6 +84,10 @@ def test_arrays_report_the_simulated_device_type():
     array = sim.zeros((2, 3))
     assert array.device == (DEVICE_TYPE, 0)
     assert array.__dlpack_device__() == (DEVICE_TYPE, 0)
+
+
+@needs_two_devices
+def test_arrays_of_the_second_device_report_its_id():
     assert sim.zeros(4, device=1).device == (DEVICE_TYPE, 1)
 
 
@@ -168,6 +173,7 @@ def test_three_hundred_exchanges_create_at_most_sixteen_events(streams):
     assert sim.to_numpy(view, stream=consumer)[0] == 299.0
 
 
+@needs_two_devices
 def test_export_from_a_device_other_than_the_current_one():
     producer = sim.Stream(1, non_blocking=True)
     consumer = sim.Stream(1, non_blocking=True)
@@ -178,6 +184,7 @@ def test_export_from_a_device_other_than_the_current_one():
     sim.synchronize()
 
 
+@needs_two_devices
 def test_a_consumer_on_another_device_waits_across_devices():
     producer = sim.Stream(1, non_blocking=True)
     elsewhere = sim.Stream(0, non_blocking=True)  # a peer reader: CUDA lets it wait on device 1's event
@@ -186,6 +193,7 @@ def test_a_consumer_on_another_device_waits_across_devices():
     assert sim.to_numpy(view, stream=elsewhere)[0] == 6.0
 
 
+@needs_two_devices
 def test_a_producer_stream_of_another_device_is_a_clear_error():
     wrong = sim.Stream(0, non_blocking=True)
     source = sim.zeros(N, device=1)
@@ -245,12 +253,19 @@ def test_release_waits_for_the_consumer_stream(streams):
 
 
 # create_event is covered in C++ (tests/cpp/core/stream_test.cpp), where the pool starts empty;
-# here earlier tests have left idle events in it, so no event is created.
-@pytest.mark.parametrize("operation", ["record_event", "stream_wait_event", "attributes", "push_current_device"])
-def test_a_device_fault_raises_device_error_and_leaks_nothing(operation):
-    producer = sim.Stream(1, non_blocking=True)
-    consumer = sim.Stream(1, non_blocking=True)
-    source = pending_write(producer, device=1)  # data on device 1, current device 0: a switch runs
+# here earlier tests have left idle events in it, so no event is created. Data on device 1 (the
+# current device is 0) makes a switch run, which can fail too; on device 0 nothing is pushed.
+DEVICE_FAULTS = [("record_event", 0), ("stream_wait_event", 0), ("attributes", 0)] + [
+    pytest.param(operation, 1, marks=needs_two_devices)
+    for operation in ["record_event", "stream_wait_event", "attributes", "push_current_device"]
+]
+
+
+@pytest.mark.parametrize(("operation", "device"), DEVICE_FAULTS)
+def test_a_device_fault_raises_device_error_and_leaks_nothing(operation, device):
+    producer = sim.Stream(device, non_blocking=True)
+    consumer = sim.Stream(device, non_blocking=True)
+    source = pending_write(producer, device=device)
     sim.inject_fault(operation, 1, "hipErrorLaunchFailure" if ROCM else "cudaErrorLaunchFailure")
     try:
         with pytest.raises(handoff.DeviceError) as failure:

@@ -1,5 +1,5 @@
 """A bounded-time stress test of stream ordering on the simulated device: random producer and
-consumer streams (blocking, non-blocking, the default streams) on both devices, random write
+consumer streams (blocking, non-blocking, the default streams) on every device, random write
 delays, copies, chains of hops through several streams by every exchange path, views dropped in
 random order, from two threads at once. Every consumer must read the producer's final value; a
 negative control with no ordering (stream=-1) must read stale data.

@@ -15,7 +15,7 @@ using handoff::testing::SimContextTest;
 
 using ContextTest = SimContextTest;
 
-TEST_F(ContextTest, ReleaseWaitsForTheConsumerStream)
+TEST_P(ContextTest, ReleaseWaitsForTheConsumerStream)
 {
   float* data = allocate_on(0);
   const auto consumer = stream_on(0);
@@ -37,7 +37,7 @@ TEST_F(ContextTest, ReleaseWaitsForTheConsumerStream)
   EXPECT_EQ(seen_at_release.load(), 5.0F);
 }
 
-TEST_F(ContextTest, TheConsumerStreamsOwnerOutlivesTheRelease)
+TEST_P(ContextTest, TheConsumerStreamsOwnerOutlivesTheRelease)
 {
   const auto consumer = stream_on(0);
   std::atomic<bool> released{false};
@@ -60,7 +60,7 @@ TEST_F(ContextTest, TheConsumerStreamsOwnerOutlivesTheRelease)
   EXPECT_TRUE(owner_gone.load());
 }
 
-TEST_F(ContextTest, AReleaseDuringCapturePutsNothingIntoTheGraphAndRunsAfterIt)
+TEST_P(ContextTest, AReleaseDuringCapturePutsNothingIntoTheGraphAndRunsAfterIt)
 {
   const auto consumer = stream_on(0, /*non_blocking=*/false);
   std::atomic<int> released{0};
@@ -74,14 +74,15 @@ TEST_F(ContextTest, AReleaseDuringCapturePutsNothingIntoTheGraphAndRunsAfterIt)
   EXPECT_EQ(released.load(), 1);
 }
 
-TEST_F(ContextTest, ExitWaitsOnlyForTheStreamsWithPendingReleases)
+TEST_P(ContextTest, ExitWaitsOnlyForTheStreamsWithPendingReleases)
 {
-  const auto consumer = stream_on(1);
+  const int device = sim.device_count() - 1;  // with two, a device other than the current one
+  const auto consumer = stream_on(device);
   std::atomic<bool> released{false};
   {
     context exiting{sim, std::make_unique<detail::service_thread>()};
     producer_ref owner{[&] { released = true; }};
-    owner.release_after({.ctx = &exiting, .device = 1, .stream = consumer, .stream_owner = nullptr});
+    owner.release_after({.ctx = &exiting, .device = device, .stream = consumer, .stream_owner = nullptr});
     sim.enqueue_sleep(consumer, slow);
     // Synchronizing a whole device would make a context on every device of a real GPU.
     sim.inject_fault("synchronize_device", 1, "cudaErrorLaunchFailure");
@@ -91,7 +92,7 @@ TEST_F(ContextTest, ExitWaitsOnlyForTheStreamsWithPendingReleases)
   sim.clear_faults();
 }
 
-TEST_F(ContextTest, ReleasesUseNoEvents)
+TEST_P(ContextTest, ReleasesUseNoEvents)
 {
   const auto consumer = stream_on(0);
   const auto before = stats();
@@ -108,7 +109,7 @@ TEST_F(ContextTest, ReleasesUseNoEvents)
   EXPECT_EQ(stats().events_created, before.events_created);
 }
 
-TEST_F(ContextTest, AnEnqueueFailureFallsBackToWaitingForTheStream)
+TEST_P(ContextTest, AnEnqueueFailureFallsBackToWaitingForTheStream)
 {
   float* data = allocate_on(0);
   const auto consumer = stream_on(0);
@@ -122,5 +123,7 @@ TEST_F(ContextTest, AnEnqueueFailureFallsBackToWaitingForTheStream)
   ctx.drain();
   EXPECT_EQ(seen_at_release.load(), 7.0F);  // never early, even when the event path fails
 }
+
+INSTANTIATE_TEST_SUITE_P(Sim, ContextTest, handoff::testing::sim_device_counts(), handoff::testing::device_count_name);
 
 }  // namespace

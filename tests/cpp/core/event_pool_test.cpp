@@ -12,7 +12,7 @@ using handoff::testing::SimTest;
 
 class EventPoolTest : public SimTest {};
 
-TEST_F(EventPoolTest, ReturnedEventsAreReused)
+TEST_P(EventPoolTest, ReturnedEventsAreReused)
 {
   event_pool events{sim};
   const auto before = stats();
@@ -27,8 +27,9 @@ TEST_F(EventPoolTest, ReturnedEventsAreReused)
   EXPECT_EQ(stats().events_reused - before.events_reused, 1U);
 }
 
-TEST_F(EventPoolTest, PoolsArePerDevice)
+TEST_P(EventPoolTest, PoolsArePerDevice)
 {
+  HANDOFF_REQUIRE_TWO_DEVICES();
   event_pool events{sim};
   {
     const pooled_event e = events.acquire(0);
@@ -42,7 +43,7 @@ TEST_F(EventPoolTest, PoolsArePerDevice)
   sim.set_current_device(0);
 }
 
-TEST_F(EventPoolTest, ConcurrentBorrowersGetDistinctEvents)
+TEST_P(EventPoolTest, ConcurrentBorrowersGetDistinctEvents)
 {
   event_pool events{sim};
   std::vector<std::thread> threads;
@@ -59,5 +60,8 @@ TEST_F(EventPoolTest, ConcurrentBorrowersGetDistinctEvents)
   for (auto& t : threads) { t.join(); }
   EXPECT_LE(events.idle(), 16U);
 }
+
+INSTANTIATE_TEST_SUITE_P(Sim, EventPoolTest, handoff::testing::sim_device_counts(),
+                         handoff::testing::device_count_name);
 
 }  // namespace

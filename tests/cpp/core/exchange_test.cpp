@@ -32,7 +32,7 @@ class ExchangeTest : public SimContextTest {
   static stream_request on(device::stream_handle s) { return {stream_order::handle, static_cast<std::uintptr_t>(s)}; }
 };
 
-TEST_F(ExchangeTest, ExportOrdersTheStreamTheDataIsReadyOn)
+TEST_P(ExchangeTest, ExportOrdersTheStreamTheDataIsReadyOn)
 {
   float* data = allocate_on(0);
   const auto producer = stream_on(0);
@@ -44,7 +44,7 @@ TEST_F(ExchangeTest, ExportOrdersTheStreamTheDataIsReadyOn)
   EXPECT_EQ(read(data, consumer).front(), 1.0F);
 }
 
-TEST_F(ExchangeTest, NegativeControlNoOrderingRequestedSeesStaleData)
+TEST_P(ExchangeTest, NegativeControlNoOrderingRequestedSeesStaleData)
 {
   float* data = allocate_on(0);
   const auto producer = stream_on(0);
@@ -57,7 +57,7 @@ TEST_F(ExchangeTest, NegativeControlNoOrderingRequestedSeesStaleData)
   sim.synchronize_device();
 }
 
-TEST_F(ExchangeTest, WithoutAKnownProducerStreamTheDefaultStreamIsOrdered)
+TEST_P(ExchangeTest, WithoutAKnownProducerStreamTheDefaultStreamIsOrdered)
 {
   float* data = allocate_on(0);
   const auto consumer = stream_on(0);
@@ -67,18 +67,19 @@ TEST_F(ExchangeTest, WithoutAKnownProducerStreamTheDefaultStreamIsOrdered)
   EXPECT_EQ(read(data, consumer).front(), 4.0F);
 }
 
-TEST_F(ExchangeTest, AViewClaimingAnotherDeviceIsRefused)
+TEST_P(ExchangeTest, AViewClaimingAnotherDeviceIsRefused)
 {
+  HANDOFF_REQUIRE_TWO_DEVICES();
   float* data = allocate_on(1);
   const array lying = view_of(data, 0);  // the memory belongs to device 1
   EXPECT_THROW((void)owning_device(ctx, lying), value_error);
   EXPECT_THROW(order_export(&ctx, lying, on(stream_on(0))), value_error);
 }
 
-TEST_F(ExchangeTest, AnEmptyViewOnADeviceTheBackendDoesNotHaveIsRefused)
+TEST_P(ExchangeTest, AnEmptyViewOnADeviceTheBackendDoesNotHaveIsRefused)
 {
   // Nothing to look up: the claimed device is taken, and its streams would take the release.
-  for (const int device : {-1, 2, 7}) {
+  for (const int device : {-1, sim.device_count(), 7}) {
     array_layout layout;
     layout.device = {kDLCUDA, device};
     layout.dtype = {kDLFloat, 32, 1};
@@ -89,14 +90,14 @@ TEST_F(ExchangeTest, AnEmptyViewOnADeviceTheBackendDoesNotHaveIsRefused)
   }
 }
 
-TEST_F(ExchangeTest, OrderingWithoutABackendIsADeviceError)
+TEST_P(ExchangeTest, OrderingWithoutABackendIsADeviceError)
 {
   const array view = view_of(allocate_on(0), 0);
   EXPECT_THROW(order_export(nullptr, view, {stream_order::legacy_default, 0}), device_error);
   EXPECT_NO_THROW(order_export(nullptr, view, {stream_order::none, 0}));
 }
 
-TEST_F(ExchangeTest, ResolvesDlpackRequestsToStreams)
+TEST_P(ExchangeTest, ResolvesDlpackRequestsToStreams)
 {
   EXPECT_EQ(resolve_stream(sim, {stream_order::none, 0}), std::nullopt);
   EXPECT_EQ(resolve_stream(sim, {stream_order::legacy_default, 0}), sim.legacy_default_stream());
@@ -104,7 +105,7 @@ TEST_F(ExchangeTest, ResolvesDlpackRequestsToStreams)
   EXPECT_EQ(resolve_stream(sim, {stream_order::handle, 77}), static_cast<device::stream_handle>(77));
 }
 
-TEST_F(ExchangeTest, BindImportMakesTheConsumerTheReadyStreamAndDefersRelease)
+TEST_P(ExchangeTest, BindImportMakesTheConsumerTheReadyStreamAndDefersRelease)
 {
   float* data = allocate_on(0);
   const auto consumer = stream_on(0);
@@ -125,8 +126,9 @@ TEST_F(ExchangeTest, BindImportMakesTheConsumerTheReadyStreamAndDefersRelease)
 // CUDA creates a device's primary context when a thread uses the device (or selects it with
 // cudaSetDevice); a library that switches devices must leave no context behind on the device a
 // thread merely had as its default.
-TEST_F(ExchangeTest, DeviceGuardRestoresWithoutSelectingTheDefaultDevice)
+TEST_P(ExchangeTest, DeviceGuardRestoresWithoutSelectingTheDefaultDevice)
 {
+  HANDOFF_REQUIRE_TWO_DEVICES();
   std::thread fresh([&] {  // nothing current: device 0 by default, with no context
     {
       const device_guard on_one{sim, 1};
@@ -143,8 +145,9 @@ TEST_F(ExchangeTest, DeviceGuardRestoresWithoutSelectingTheDefaultDevice)
   EXPECT_EQ(sim.devices_with_context(), std::vector<int>{1});
 }
 
-TEST_F(ExchangeTest, OrderingDataOnAnotherDeviceCreatesNoContextOnTheCurrentOne)
+TEST_P(ExchangeTest, OrderingDataOnAnotherDeviceCreatesNoContextOnTheCurrentOne)
 {
+  HANDOFF_REQUIRE_TWO_DEVICES();
   ASSERT_TRUE(sim.devices_with_context().empty()) << "the fixture used a device";
   float* data = nullptr;
   device::stream_handle producer{};
@@ -171,7 +174,7 @@ TEST_F(ExchangeTest, OrderingDataOnAnotherDeviceCreatesNoContextOnTheCurrentOne)
   EXPECT_EQ(sim.devices_with_context(), std::vector<int>{1});
 }
 
-TEST_F(ExchangeTest, DeviceCopiesFollowThePendingWrite)
+TEST_P(ExchangeTest, DeviceCopiesFollowThePendingWrite)
 {
   float* data = allocate_on(0);
   const auto producer = stream_on(0);
@@ -189,20 +192,20 @@ TEST_F(ExchangeTest, DeviceCopiesFollowThePendingWrite)
   EXPECT_EQ(read(static_cast<const float*>(copy.data()), producer).front(), 8.0F);
 }
 
-TEST_F(ExchangeTest, ManyThreadsExchangeAtOnce)
+TEST_P(ExchangeTest, ManyThreadsExchangeAtOnce)
 {
   constexpr int threads = 8;
   constexpr int rounds = 50;
   std::vector<float*> buffers;
   buffers.reserve(threads);
-  for (int t = 0; t < threads; ++t) { buffers.push_back(allocate_on(t % 2)); }
+  for (int t = 0; t < threads; ++t) { buffers.push_back(allocate_on(t % sim.device_count())); }
   const auto before = stats();
   std::atomic<int> wrong{0};
   std::vector<std::thread> workers;
   workers.reserve(threads);
   for (int t = 0; t < threads; ++t) {
     workers.emplace_back([&, t] {
-      const int device = t % 2;
+      const int device = t % sim.device_count();
       const auto producer = stream_on(device);
       const auto consumer = stream_on(device);
       for (int round = 0; round < rounds; ++round) {
@@ -223,5 +226,7 @@ TEST_F(ExchangeTest, ManyThreadsExchangeAtOnce)
   EXPECT_EQ(stats().waits_inserted - before.waits_inserted, static_cast<std::uint64_t>(threads * rounds));
   EXPECT_LE(stats().events_created - before.events_created, 16U);
 }
+
+INSTANTIATE_TEST_SUITE_P(Sim, ExchangeTest, handoff::testing::sim_device_counts(), handoff::testing::device_count_name);
 
 }  // namespace

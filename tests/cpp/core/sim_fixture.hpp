@@ -1,4 +1,5 @@
-// A simulated two-device backend with helpers to write and read device floats.
+// A simulated backend, with one device or two (the test's parameter), and helpers to write and read
+// device floats.
 #pragma once
 
 #include <handoff/context.hpp>
@@ -9,18 +10,38 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <string>
 #include <vector>
+
+// Skips a test that needs a second device when the simulator has only one.
+#define HANDOFF_REQUIRE_TWO_DEVICES()                                                                \
+  do {                                                                                               \
+    if (sim.device_count() < 2) { GTEST_SKIP() << "needs a second device (the simulator has one)"; } \
+  } while (false)
 
 namespace handoff::testing {
 
 using namespace std::chrono_literals;
 
-class SimTest : public ::testing::Test {
+/// Runs a suite with one simulated device (as on most GPU machines) and with two.
+inline auto sim_device_counts()
+{
+  return ::testing::Values(1, 2);
+}
+
+/// "1_device", "2_devices": test names that say the device count.
+inline std::string device_count_name(const ::testing::TestParamInfo<int>& info)
+{
+  return std::to_string(info.param) + (info.param == 1 ? "_device" : "_devices");
+}
+
+/// The parameter is the number of simulated devices.
+class SimTest : public ::testing::TestWithParam<int> {
  protected:
   static constexpr std::size_t n = 1024;
   static constexpr auto slow = 200ms;  // long enough that an unordered reader always wins
 
-  device::sim_backend sim{2, device::sim_flavour::cuda};
+  device::sim_backend sim{GetParam(), device::sim_flavour::cuda};
 
   float* allocate_on(int device)
   {

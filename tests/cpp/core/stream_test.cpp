@@ -6,6 +6,8 @@
 
 #include "core/sim_fixture.hpp"
 
+#include <vector>
+
 namespace {
 
 using namespace handoff;
@@ -17,7 +19,7 @@ class StreamWaitTest : public SimTest {
   stream_view view(device::stream_handle s) { return stream_view{sim, s}; }
 };
 
-TEST_F(StreamWaitTest, ConsumerSeesTheProducersFinishedWrite)
+TEST_P(StreamWaitTest, ConsumerSeesTheProducersFinishedWrite)
 {
   float* data = allocate_on(0);
   const auto producer = stream_on(0);
@@ -31,7 +33,7 @@ TEST_F(StreamWaitTest, ConsumerSeesTheProducersFinishedWrite)
   EXPECT_EQ(seen.back(), 1.0F);
 }
 
-TEST_F(StreamWaitTest, NegativeControlWithoutTheWaitSeesStaleData)
+TEST_P(StreamWaitTest, NegativeControlWithoutTheWaitSeesStaleData)
 {
   float* data = allocate_on(0);
   const auto producer = stream_on(0);
@@ -42,7 +44,7 @@ TEST_F(StreamWaitTest, NegativeControlWithoutTheWaitSeesStaleData)
   sim.synchronize_device();
 }
 
-TEST_F(StreamWaitTest, TheWaitNeverBlocksTheHost)
+TEST_P(StreamWaitTest, TheWaitNeverBlocksTheHost)
 {
   float* data = allocate_on(0);
   const auto producer = stream_on(0);
@@ -54,7 +56,7 @@ TEST_F(StreamWaitTest, TheWaitNeverBlocksTheHost)
   sim.synchronize_device();
 }
 
-TEST_F(StreamWaitTest, SameStreamIsElided)
+TEST_P(StreamWaitTest, SameStreamIsElided)
 {
   const auto s = stream_on(0);
   const auto before = stats();
@@ -63,7 +65,7 @@ TEST_F(StreamWaitTest, SameStreamIsElided)
   EXPECT_EQ(stats().waits_inserted, before.waits_inserted);
 }
 
-TEST_F(StreamWaitTest, LegacyConsumerAfterBlockingProducerWaits)
+TEST_P(StreamWaitTest, LegacyConsumerAfterBlockingProducerWaits)
 {
   float* data = allocate_on(0);
   const auto producer = stream_on(0, /*non_blocking=*/false);
@@ -76,7 +78,7 @@ TEST_F(StreamWaitTest, LegacyConsumerAfterBlockingProducerWaits)
 
 // Implicit synchronization orders only work actually enqueued on the legacy stream: a hop through it
 // with nothing enqueued there must still order the last stream after the producer.
-TEST_F(StreamWaitTest, AHopThroughTheLegacyStreamKeepsTheOrder)
+TEST_P(StreamWaitTest, AHopThroughTheLegacyStreamKeepsTheOrder)
 {
   float* data = allocate_on(0);
   const auto producer = stream_on(0, /*non_blocking=*/false);
@@ -87,7 +89,7 @@ TEST_F(StreamWaitTest, AHopThroughTheLegacyStreamKeepsTheOrder)
   EXPECT_EQ(read(data, last).front(), 1.0F);
 }
 
-TEST_F(StreamWaitTest, NegativeControlAHopOrderedOnlyByImplicitSynchronizationSeesStaleData)
+TEST_P(StreamWaitTest, NegativeControlAHopOrderedOnlyByImplicitSynchronizationSeesStaleData)
 {
   float* data = allocate_on(0);
   const auto producer = stream_on(0, /*non_blocking=*/false);
@@ -99,7 +101,7 @@ TEST_F(StreamWaitTest, NegativeControlAHopOrderedOnlyByImplicitSynchronizationSe
   sim.synchronize_device();
 }
 
-TEST_F(StreamWaitTest, LegacyConsumerAfterNonBlockingProducerWaits)
+TEST_P(StreamWaitTest, LegacyConsumerAfterNonBlockingProducerWaits)
 {
   float* data = allocate_on(0);
   const auto producer = stream_on(0, /*non_blocking=*/true);
@@ -110,8 +112,9 @@ TEST_F(StreamWaitTest, LegacyConsumerAfterNonBlockingProducerWaits)
   EXPECT_EQ(read(data, sim.legacy_default_stream()).front(), 1.0F);
 }
 
-TEST_F(StreamWaitTest, RecordsOnTheDataDeviceAndRestoresTheCurrentOne)
+TEST_P(StreamWaitTest, RecordsOnTheDataDeviceAndRestoresTheCurrentOne)
 {
+  HANDOFF_REQUIRE_TWO_DEVICES();
   float* data = allocate_on(1);
   const auto producer = stream_on(1);
   const auto consumer = stream_on(1);
@@ -122,15 +125,16 @@ TEST_F(StreamWaitTest, RecordsOnTheDataDeviceAndRestoresTheCurrentOne)
   EXPECT_EQ(read(data, consumer).front(), 2.0F);
 }
 
-TEST_F(StreamWaitTest, AProducerStreamOnAnotherDeviceIsAClearError)
+TEST_P(StreamWaitTest, AProducerStreamOnAnotherDeviceIsAClearError)
 {
+  HANDOFF_REQUIRE_TWO_DEVICES();
   const auto producer = stream_on(0);
   const auto consumer = stream_on(1);
   EXPECT_THROW(view(consumer).wait(view(producer), 1, events), value_error);
   EXPECT_EQ(sim.current_device(), 0);
 }
 
-TEST_F(StreamWaitTest, ThreeHundredExchangesReuseTheirEvents)
+TEST_P(StreamWaitTest, ThreeHundredExchangesReuseTheirEvents)
 {
   float* data = allocate_on(0);
   const auto producer = stream_on(0);
@@ -145,7 +149,7 @@ TEST_F(StreamWaitTest, ThreeHundredExchangesReuseTheirEvents)
   EXPECT_EQ(read(data, consumer).front(), 299.0F);
 }
 
-TEST_F(StreamWaitTest, CaptureNeverTouchesTheLegacyStream)
+TEST_P(StreamWaitTest, CaptureNeverTouchesTheLegacyStream)
 {
   const auto producer = stream_on(0, /*non_blocking=*/false);
   sim.begin_capture(producer);
@@ -155,15 +159,20 @@ TEST_F(StreamWaitTest, CaptureNeverTouchesTheLegacyStream)
   (void)sim.end_capture(producer);  // not invalidated: the legacy stream was never used
 }
 
-TEST_F(StreamWaitTest, FaultsLeaveNoLeakAndRestoreTheDevice)
+TEST_P(StreamWaitTest, FaultsLeaveNoLeakAndRestoreTheDevice)
 {
-  const auto producer = stream_on(1);
-  const auto consumer = stream_on(1);
-  for (const char* op : {"create_event", "record_event", "stream_wait_event",
-                         "push_current_device"}) {  // create_event first: the pool starts empty
+  // With two devices the data is on device 1, so the switch to it (a push) is faulted too; with one,
+  // the data's device is already current and nothing is pushed.
+  const int device = sim.device_count() - 1;
+  const auto producer = stream_on(device);
+  const auto consumer = stream_on(device);
+  std::vector<const char*> operations{"create_event", "record_event",
+                                      "stream_wait_event"};  // create_event first: the pool starts empty
+  if (device != sim.current_device()) { operations.push_back("push_current_device"); }
+  for (const char* op : operations) {
     sim.inject_fault(op, 1, "cudaErrorLaunchFailure");
     try {
-      view(consumer).wait(view(producer), 1, events);
+      view(consumer).wait(view(producer), device, events);
       ADD_FAILURE() << op << ": expected device_error";
     } catch (const device_error& e) {
       EXPECT_EQ(e.error_name(), "cudaErrorLaunchFailure") << op;
@@ -172,8 +181,11 @@ TEST_F(StreamWaitTest, FaultsLeaveNoLeakAndRestoreTheDevice)
     sim.clear_faults();
   }
   const auto idle = events.idle();
-  view(consumer).wait(view(producer), 1, events);  // works again, and the borrowed event came back
+  view(consumer).wait(view(producer), device, events);  // works again, and the borrowed event came back
   EXPECT_EQ(events.idle(), idle);
 }
+
+INSTANTIATE_TEST_SUITE_P(Sim, StreamWaitTest, handoff::testing::sim_device_counts(),
+                         handoff::testing::device_count_name);
 
 }  // namespace

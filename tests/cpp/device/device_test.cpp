@@ -1,5 +1,6 @@
-// The device interface, run against every backend: "sim", "sim-rocm" and "cuda" (skipped where no
-// CUDA device is usable). Tests that need the simulation extras skip on "cuda".
+// The device interface, run against every backend: "sim" and "sim-rocm" with one simulated device and
+// with two, and "cuda" (skipped where no CUDA device is usable). Tests that need the simulation extras
+// skip on "cuda"; tests that need a second device skip where there is one.
 #include "device/backend_factory.hpp"
 #include "device/sim/sim_backend.hpp"
 
@@ -15,6 +16,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -51,14 +53,37 @@ bool all_equal(const std::vector<float>& values, float expected)
   return std::all_of(values.begin(), values.end(), [&](float v) { return v == expected; });
 }
 
-class DeviceTest : public ::testing::TestWithParam<std::string> {
+// A backend the suite runs on: a simulated one with a chosen device count, or "cuda" with the
+// devices the machine has.
+struct backend_choice {
+  std::string name;
+  int sim_devices = 0;  // 0 for a real backend
+};
+
+std::ostream& operator<<(std::ostream& out, const backend_choice& choice)
+{
+  out << choice.name;
+  if (choice.sim_devices > 0) { out << " with " << choice.sim_devices << " device(s)"; }
+  return out;
+}
+
+std::unique_ptr<backend> make(const backend_choice& choice)
+{
+  if (choice.sim_devices == 0) { return make_backend(choice.name); }
+  return std::make_unique<sim_backend>(choice.sim_devices,
+                                       choice.name == "sim-rocm" ? sim_flavour::rocm : sim_flavour::cuda);
+}
+
+class DeviceTest : public ::testing::TestWithParam<backend_choice> {
  protected:
   void SetUp() override
   {
     try {
-      backend_ = make_backend(GetParam());
+      backend_ = make(GetParam());
     } catch (const device_error& e) {
-      if (GetParam() == "cuda") { GTEST_SKIP() << "no usable CUDA backend (" << e.error_name() << "): " << e.what(); }
+      if (backend_name() == "cuda") {
+        GTEST_SKIP() << "no usable CUDA backend (" << e.error_name() << "): " << e.what();
+      }
       throw;
     }
   }
@@ -81,6 +106,7 @@ class DeviceTest : public ::testing::TestWithParam<std::string> {
   }
 
   backend& b() { return *backend_; }
+  const std::string& backend_name() { return GetParam().name; }
   sim_backend* sim() { return as_sim(*backend_); }
   bool rocm() { return backend_->device_type() == kDLROCM; }
   std::string err(std::string_view cuda_name, std::string_view hip_name)
@@ -183,7 +209,7 @@ TEST_P(DeviceTest, DefaultStreamNumberingFollowsTheRuntime)
 TEST_P(DeviceTest, SimNamesItsFlavour)
 {
   REQUIRE_SIM();
-  EXPECT_EQ(b().name(), GetParam());
+  EXPECT_EQ(b().name(), backend_name());
   EXPECT_EQ(b().device_type(), rocm() ? kDLROCM : kDLCUDA);
   EXPECT_EQ(sim()->flavour(), rocm() ? sim_flavour::rocm : sim_flavour::cuda);
   EXPECT_DEVICE_ERROR((void)b().stream_device(stream_handle{0x1234}),
@@ -193,7 +219,7 @@ TEST_P(DeviceTest, SimNamesItsFlavour)
   try {
     (void)b().stream_device(stream_handle{0x1234});
   } catch (const device_error& e) {
-    EXPECT_EQ(e.backend(), GetParam());
+    EXPECT_EQ(e.backend(), backend_name());
     const std::string expected = rocm() ? "hipStreamGetDevice(0x1234) failed: hipErrorInvalidHandle: "
                                         : "cudaStreamGetDevice(0x1234) failed: "
                                           "cudaErrorInvalidResourceHandle: ";
@@ -329,7 +355,7 @@ TEST_P(DeviceTest, PerThreadDefaultStreamsArePerThreadAndBlocking)
 
 TEST_P(DeviceTest, RecordingAnEventOfAnotherDeviceFails)
 {
-  if (b().device_count() < 2) { GTEST_SKIP() << "needs two devices"; }
+  if (b().device_count() < 2) { GTEST_SKIP() << "needs a second device (the backend has one)"; }
   b().set_current_device(1);
   EXPECT_EQ(b().current_device(), 1);
   const auto e1 = event();
@@ -350,7 +376,7 @@ TEST_P(DeviceTest, RecordingAnEventOfAnotherDeviceFails)
 
 TEST_P(DeviceTest, CurrentDeviceIsPerThread)
 {
-  if (b().device_count() < 2) { GTEST_SKIP() << "needs two devices"; }
+  if (b().device_count() < 2) { GTEST_SKIP() << "needs a second device (the backend has one)"; }
   b().set_current_device(1);
   int other = -1;
   std::thread t([&] { other = b().current_device(); });
@@ -515,7 +541,7 @@ TEST_P(DeviceTest, InjectedFaultsFailEachOperationOnce)
       ADD_FAILURE() << op << " did not fail";
     } catch (const device_error& error) {
       EXPECT_EQ(error.error_name(), name);
-      EXPECT_EQ(error.backend(), GetParam());
+      EXPECT_EQ(error.backend(), backend_name());
       EXPECT_NE(std::string(error.what()).find(") failed: " + name + ": "), std::string::npos) << error.what();
     }
     EXPECT_NO_THROW(it->second()) << op << " should succeed once the fault is spent";
@@ -638,7 +664,7 @@ TEST_P(DeviceTest, DestroyingStreamsAndTheBackendDrainsPendingWork)
   b().synchronize_device();
   EXPECT_EQ(calls.load(), 1);
 
-  auto fresh = make_backend(GetParam());
+  auto fresh = make(GetParam());
   const auto t = fresh->create_stream(true);
   as_sim(*fresh)->enqueue_sleep(t, 50ms);
   fresh->launch_host_func(t, bump, &calls);
@@ -687,10 +713,18 @@ TEST_P(DeviceTest, ConcurrentProducersAndConsumersStayOrdered)
   EXPECT_EQ(failures.load(), 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Device, DeviceTest, ::testing::Values("sim", "sim-rocm", "cuda"),
-                         [](const ::testing::TestParamInfo<std::string>& param_info) {
-                           std::string name = param_info.param;
+// One simulated device as on most GPU machines, and two for what crosses devices.
+INSTANTIATE_TEST_SUITE_P(Device, DeviceTest,
+                         ::testing::Values(backend_choice{"sim", 1}, backend_choice{"sim", 2},
+                                           backend_choice{"sim-rocm", 1}, backend_choice{"sim-rocm", 2},
+                                           backend_choice{"cuda"}),
+                         [](const ::testing::TestParamInfo<backend_choice>& param_info) {
+                           std::string name = param_info.param.name;
                            std::replace(name.begin(), name.end(), '-', '_');
+                           if (param_info.param.sim_devices == 1) { name += "_1_device"; }
+                           if (param_info.param.sim_devices > 1) {
+                             name += "_" + std::to_string(param_info.param.sim_devices) + "_devices";
+                           }
                            return name;
                          });
 
