@@ -86,7 +86,7 @@ PYBIND11_MODULE(_handoff, m)
     "_at_exit",
     [] {
       if (context* ctx = started_context()) {  // the releases may need the GIL themselves
-        without_gil([ctx] { (void)ctx->drain_for(context::exit_drain_limit); });
+        without_gil([ctx] { (void)ctx->drain_at_exit(context::exit_drain_limit); });
       }
       close_python_gate();  // later releases leave their Python objects to the ending process
     },

@@ -4,6 +4,9 @@
 
 #include "log/logger.hpp"
 
+#include <optional>
+#include <string>
+#include <unordered_set>
 #include <vector>
 
 namespace handoff {
@@ -11,6 +14,8 @@ namespace {
 
 // How often the executor looks whether a capture that holds back a release has ended.
 constexpr std::chrono::milliseconds capture_poll{1};
+// How often the exit drain looks at the streams it waits for.
+constexpr std::chrono::milliseconds exit_poll{5};
 
 std::uintptr_t raw(device::stream_handle s) noexcept
 {
@@ -26,7 +31,27 @@ struct context::shared_state {
   explicit shared_state(context* live) noexcept : owner(live) {}
   std::mutex mutex;
   context* owner;
+  // Every release not yet run (or deliberately kept), so that what the context abandons stays
+  // reachable: it is left to the ending process on purpose, not lost.
+  std::unordered_set<pending_release*> outstanding;
 };
+
+namespace {
+
+// Releases abandoned by contexts that are gone: kept until the process ends (never freed, so
+// never reported as lost by a leak checker).
+template <class Releases>
+void keep_until_exit(const Releases& abandoned) noexcept
+{
+  static std::mutex mutex;
+  try {
+    static auto* kept = new std::vector<const void*>;  // NOLINT(cppcoreguidelines-owning-memory)
+    std::lock_guard lock{mutex};
+    kept->insert(kept->end(), abandoned.begin(), abandoned.end());
+  } catch (...) {}  // out of memory: they stay unfreed all the same, only unlisted
+}
+
+}  // namespace
 
 // A release waiting for a consumer stream; the stream's host function hands it to the executor.
 struct context::pending_release {
@@ -45,6 +70,18 @@ struct context::pending_release {
   // The context, unless the release was abandoned. Call with shared->mutex held.
   [[nodiscard]] context* live_owner() const noexcept { return shared->owner; }
 
+  // Frees a release that has run. Call with shared->mutex held when `locked`.
+  static void retire(pending_release* pending, bool locked = false) noexcept
+  {
+    if (locked) {
+      pending->shared->outstanding.erase(pending);
+    } else {
+      std::lock_guard lock{pending->shared->mutex};
+      pending->shared->outstanding.erase(pending);
+    }
+    delete pending;
+  }
+
   static void on_stream_reached(void* self) noexcept
   {
     // Runs on a backend thread, which must not call into the backend: hand over and return.
@@ -55,11 +92,11 @@ struct context::pending_release {
     try {
       owner->deferred_->post([pending, owner]() noexcept {
         pending->run(*owner);
-        delete pending;
+        retire(pending);
       });
     } catch (...) {
       pending->run(*owner);  // could not hand over (out of memory): the stream is done, release here
-      delete pending;
+      retire(pending, /*locked=*/true);
     }
   }
 };
@@ -70,36 +107,16 @@ context::context(device::backend& backend, std::unique_ptr<executor> deferred)
 
 context::~context()
 {
-  // Host functions still queued post to the executor: let the streams that have them get there.
-  std::vector<stream_key> streams;
+  bool drained = false;
   {
     std::lock_guard lock{pending_mutex_};
-    for (const auto& [where, count] : by_stream_) { streams.push_back(where); }
+    drained = exit_drained_ && pending_ <= abandoned_at_exit_;  // nothing new since
   }
-  for (const auto& [device, stream] : streams) {
-    try {
-      device_guard on{backend_, device};
-      const bool capturing = stream != backend_.legacy_default_stream() &&
-                             backend_.stream_capture_status(stream) != device::capture_status::none;
-      if (!capturing) { backend_.synchronize_stream(stream); }  // synchronizing a capture would invalidate it
-    } catch (const std::exception& e) {
-      HANDOFF_LOG_WARN("shutting down: could not wait for stream {:#x} of device {} ({})", raw(stream), device,
-                       e.what());
-    }
-  }
-  if (!drain_for(exit_drain_limit)) {
-    std::size_t abandoned = 0;
-    {
-      std::lock_guard lock{pending_mutex_};
-      abandoned = pending_;
-    }
-    HANDOFF_LOG_WARN(
-      "shutting down: {} stream-ordered release(s) did not run within {} s (their stream never got "
-      "there: a capture never ended, or a device error); their producers are left to the ending process",
-      abandoned, exit_drain_limit.count());
-  }
+  if (!drained) { (void)drain_at_exit(exit_drain_limit); }
   std::lock_guard lock{shared_->mutex};
   shared_->owner = nullptr;
+  keep_until_exit(shared_->outstanding);
+  shared_->outstanding.clear();
 }
 
 void context::finished_one(stream_key where) noexcept
@@ -121,15 +138,99 @@ bool context::drain_for(std::chrono::nanoseconds limit)
   return none_pending_.wait_for(lock, limit, [this] { return pending_ == 0; });
 }
 
+bool context::drain_at_exit(std::chrono::nanoseconds limit) noexcept
+{
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  // One probe event per stream with releases pending: polled, so that no stream blocks the exit
+  // for longer than the limit, and a stream whose device failed (a sticky error) is known at once.
+  struct probe {
+    stream_key where;
+    std::optional<pooled_event> event;
+    std::string failure;  // why the stream will never reach its releases
+  };
+  std::vector<probe> probes;
+  {
+    std::lock_guard lock{pending_mutex_};
+    exit_drained_ = true;
+    for (const auto& [where, count] : by_stream_) { probes.push_back({where, std::nullopt, {}}); }
+  }
+  const auto look = [this](probe& p, bool record) noexcept {
+    try {
+      device_guard on{backend_, p.where.first};
+      if (record) {
+        // A capturing stream gets no probe (it would go into the graph): its releases wait for the
+        // capture to end on the executor.
+        const bool capturing = p.where.second != backend_.legacy_default_stream() &&
+                               backend_.stream_capture_status(p.where.second) != device::capture_status::none;
+        if (capturing) { return; }
+        p.event.emplace(events_.acquire(p.where.first));
+        backend_.record_event(p.event->get(), p.where.second);
+      } else if (backend_.query_event(p.event->get())) {
+        p.event.reset();  // the stream got there; its releases are on the executor
+      }
+    } catch (const std::exception& e) {
+      p.event.reset();
+      p.failure = e.what();
+    }
+  };
+  for (auto& p : probes) { look(p, /*record=*/true); }
+
+  std::unique_lock lock{pending_mutex_};
+  const auto unreachable = [&] {
+    std::size_t count = 0;
+    for (const auto& p : probes) {
+      if (p.failure.empty()) { continue; }
+      if (const auto it = by_stream_.find(p.where); it != by_stream_.end()) { count += it->second; }
+    }
+    return count;
+  };
+  while (pending_ > unreachable() && std::chrono::steady_clock::now() < deadline) {
+    none_pending_.wait_for(lock, exit_poll);
+    lock.unlock();
+    for (auto& p : probes) {
+      if (p.event) { look(p, /*record=*/false); }
+    }
+    lock.lock();
+  }
+  for (const auto& p : probes) {
+    const auto it = by_stream_.find(p.where);
+    if (p.failure.empty() || it == by_stream_.end()) { continue; }
+    HANDOFF_LOG_WARN(
+      "shutting down: {} stream-ordered release(s) waiting for stream {:#x} of device {} abandoned: the stream "
+      "can never get there ({}); their producers are left to the ending process",
+      it->second, raw(p.where.second), p.where.first, p.failure);
+  }
+  const std::size_t abandoned = pending_;
+  const std::size_t timed_out = abandoned - unreachable();
+  abandoned_at_exit_ = abandoned;
+  lock.unlock();
+  probes.clear();  // the probe events go back to the pool
+  if (timed_out > 0) {
+    HANDOFF_LOG_WARN(
+      "shutting down: {} stream-ordered release(s) did not run within {} ms (their stream never got "
+      "there: a capture never ended, or work that never finishes); their producers are left to the ending process",
+      timed_out, std::chrono::duration_cast<std::chrono::milliseconds>(limit).count());
+  }
+  return abandoned == 0;
+}
+
 void context::release_after(int device, device::stream_handle stream, std::function<void()> release) noexcept
 {
   pending_release* pending = nullptr;
   try {
     pending = new pending_release{shared_, {device, stream}, std::move(release)};
+    {
+      std::lock_guard lock{shared_->mutex};
+      shared_->outstanding.insert(pending);
+    }
     std::lock_guard lock{pending_mutex_};
     ++pending_;
     ++by_stream_[pending->where];
   } catch (...) {
+    if (pending != nullptr) {
+      std::lock_guard lock{shared_->mutex};
+      shared_->outstanding.erase(pending);
+    }
     delete pending;  // could not even allocate: wait here, never release early
     try {
       device_guard on_owner{backend_, device};
@@ -179,7 +280,7 @@ void context::enqueue_release(pending_release* pending) noexcept
       return;
     }
     pending->run(*this);
-    delete pending;
+    pending_release::retire(pending);
   };
   try {
     deferred_->post(wait_then_release);

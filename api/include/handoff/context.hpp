@@ -41,10 +41,8 @@ class context {
   context& operator=(const context&) = delete;
   context(context&&) = delete;
   context& operator=(context&&) = delete;
-  /// Waits for the streams that have releases pending (never for whole devices: that would create a
-  /// context on a device nothing used), then for the releases, at most `exit_drain_limit`; what is
-  /// still pending then (a stream that will never get there) is abandoned and logged. Then destroys
-  /// the pool's events.
+  /// drain_at_exit(exit_drain_limit), unless it ran and nothing was released after it; then
+  /// destroys the pool's events.
   ~context();
 
   /// How long the destructor waits for the pending releases.
@@ -65,6 +63,12 @@ class context {
   void drain();
   /// drain(), for at most `limit`. @return true when nothing is pending.
   bool drain_for(std::chrono::nanoseconds limit);
+  /// At exit: waits, at most `limit`, for the pending releases whose streams can still get there.
+  /// Only the streams that have releases pending are looked at (never whole devices: that would
+  /// create a context on a device nothing used), through a polled event, never a blocking call; a
+  /// stream that fails (a sticky device error) will never get there, and its releases are
+  /// abandoned at once. What is abandoned is logged, by stream and why. @return true when nothing is pending.
+  bool drain_at_exit(std::chrono::nanoseconds limit) noexcept;
 
  private:
   using stream_key = std::pair<int, device::stream_handle>;  // (device, stream)
@@ -80,6 +84,8 @@ class context {
   std::condition_variable none_pending_;
   std::size_t pending_{0};                       // deferred releases not yet run
   std::map<stream_key, std::size_t> by_stream_;  // the same, by the stream they wait for
+  bool exit_drained_{false};                     // drain_at_exit ran
+  std::size_t abandoned_at_exit_{0};             // and left this many pending
   // What a host function still queued on a stream reaches: it outlives the context, so that a
   // release abandoned at exit touches nothing when its host function runs after all.
   std::shared_ptr<shared_state> shared_;

@@ -7,6 +7,7 @@
 #include "core/sim_fixture.hpp"
 
 #include <atomic>
+#include <chrono>
 
 namespace {
 
@@ -69,7 +70,7 @@ TEST_F(ContextTest, AReleaseDuringCapturePutsNothingIntoTheGraphAndRunsAfterIt)
     producer_ref owner{[&] { ++released; }};
     owner.release_after({.ctx = &ctx, .device = 0, .stream = consumer, .stream_owner = nullptr});
   }
-  ASSERT_EQ(sim.end_capture(consumer), 0U) << "the release's host function went into the graph";
+  ASSERT_EQ(sim.end_capture(consumer).size(), 0U) << "the release's host function went into the graph";
   ASSERT_TRUE(ctx.drain_for(std::chrono::seconds{10}));
   EXPECT_EQ(released.load(), 1);
 }
@@ -89,6 +90,26 @@ TEST_F(ContextTest, ExitWaitsOnlyForTheStreamsWithPendingReleases)
   EXPECT_TRUE(released.load());
   EXPECT_THROW(sim.synchronize_device(), device_error) << "exit synchronized a whole device";
   sim.clear_faults();
+}
+
+TEST_F(ContextTest, ExitAbandonsAtOnceTheReleasesOfADeviceWithAStickyError)
+{
+  const auto consumer = stream_on(0);
+  std::atomic<bool> released{false};
+  const auto start = std::chrono::steady_clock::now();
+  {
+    context exiting{sim, std::make_unique<detail::service_thread>()};
+    producer_ref owner{[&] { released = true; }};
+    owner.release_after({.ctx = &exiting, .device = 0, .stream = consumer, .stream_owner = nullptr});
+    sim.enqueue_sleep(consumer, slow);
+    // The release's host function is queued behind the sleep and will never run.
+    sim.inject_sticky_fault(0, "cudaErrorIllegalAddress");
+  }
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_FALSE(released.load()) << "released although the consumer stream never got there";
+  // Bounded by the device error, not by the exit limit (a hang before; 10 s after a bound alone).
+  EXPECT_LT(took, context::exit_drain_limit / 2);
+  sim.clear_sticky_fault(0);
 }
 
 TEST_F(ContextTest, ReleasesUseNoEvents)
