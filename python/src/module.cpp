@@ -76,6 +76,7 @@ PYBIND11_MODULE(_handoff, m)
   py::register_exception_translator(translate_exception);
 
   set_finalizing_thread(py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>());
+  set_deleter_runner(&run_deleter_with_gil);
   bind_array(m);
   init_exchange(m);
   bind_sim(m);

@@ -6,6 +6,7 @@ a destroyed stream used later is a violation."""
 from __future__ import annotations
 
 import time
+import os
 import textwrap
 
 import numpy as np
@@ -106,3 +107,41 @@ def test_exit_after_a_sticky_error_abandons_what_will_never_run_at_once_and_says
     assert "abandoned" in result.stderr and STICKY in result.stderr, result.stderr
     # Bounded by the device error, not by the 10 s exit limit.
     assert took < 5.0, f"exit took {took:.1f} s"
+
+
+FOREIGN_DELETER_AT_EXIT = textwrap.dedent(
+    """
+    import ctypes, sys
+    sys.path.insert(0, {tests!r})
+    import handoff
+    from handoff import sim
+    from conftest import HandMadeTensor, CUDA
+
+    source = sim.zeros(1024)
+    # A producer whose deleter takes the GIL, as CuPy's and PyTorch's do (a ctypes callback does).
+    tensor = HandMadeTensor(source.__cuda_array_interface__["data"][0], (1024,), device=(CUDA, 0))
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(tensor))  # its deleter's code outlives the interpreter
+
+    class Producer:
+        def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+            return tensor.capsule()
+
+        def __dlpack_device__(self):
+            return (CUDA, 0)
+
+    stream = sim.Stream(non_blocking=True)
+    sim.fill(source, 1.0, stream=stream, delay={delay})
+    view = handoff.from_dlpack(Producer(), stream=stream)  # dropped with the module's globals
+    print("exiting", flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(BACKEND != "sim", reason="the producer exports through the CUDA Array Interface's pointer")
+@pytest.mark.parametrize("delay", [0.0, 0.02, 0.2])
+def test_a_foreign_deleter_that_takes_the_gil_never_runs_once_python_is_finalizing(delay):
+    code = FOREIGN_DELETER_AT_EXIT.format(tests=os.path.dirname(os.path.abspath(__file__)), delay=delay)
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "exiting\n"
+    assert "terminate" not in result.stderr and "Fatal" not in result.stderr, result.stderr
