@@ -4,6 +4,7 @@
 
 #include "log/logger.hpp"
 
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <unordered_set>
@@ -16,6 +17,10 @@ namespace {
 constexpr std::chrono::milliseconds capture_poll{1};
 // How often the exit drain looks at the streams it waits for.
 constexpr std::chrono::milliseconds exit_poll{5};
+// How often the executor looks at the events of pending releases: soon while they complete, backing
+// off to the longest interval while the streams are busy.
+constexpr std::chrono::microseconds min_release_poll{20};
+constexpr std::chrono::milliseconds max_release_poll{1};
 
 std::uintptr_t raw(device::stream_handle s) noexcept
 {
@@ -53,11 +58,12 @@ void keep_until_exit(const Releases& abandoned) noexcept
 
 }  // namespace
 
-// A release waiting for a consumer stream; the stream's host function hands it to the executor.
+// A release waiting for a consumer stream: for the event recorded there, which the executor polls.
 struct context::pending_release {
   std::shared_ptr<shared_state> shared;
   stream_key where;
   std::function<void()> release_producer;
+  std::optional<pooled_event> reached;  // recorded on the stream when the release was asked for
 
   // On the executor (or, failing that, where the stream reached it), while the context lives.
   void run(context& owner) noexcept
@@ -80,24 +86,6 @@ struct context::pending_release {
       pending->shared->outstanding.erase(pending);
     }
     delete pending;
-  }
-
-  static void on_stream_reached(void* self) noexcept
-  {
-    // Runs on a backend thread, which must not call into the backend: hand over and return.
-    auto* pending = static_cast<pending_release*>(self);
-    std::lock_guard lock{pending->shared->mutex};
-    context* owner = pending->live_owner();
-    if (owner == nullptr) { return; }  // abandoned at exit: the process is ending, leave it
-    try {
-      owner->deferred_->post([pending, owner]() noexcept {
-        pending->run(*owner);
-        retire(pending);
-      });
-    } catch (...) {
-      pending->run(*owner);  // could not hand over (out of memory): the stream is done, release here
-      retire(pending, /*locked=*/true);
-    }
   }
 };
 
@@ -218,7 +206,7 @@ void context::release_after(int device, device::stream_handle stream, std::funct
 {
   pending_release* pending = nullptr;
   try {
-    pending = new pending_release{shared_, {device, stream}, std::move(release)};
+    pending = new pending_release{shared_, {device, stream}, std::move(release), std::nullopt};
     {
       std::lock_guard lock{shared_->mutex};
       shared_->outstanding.insert(pending);
@@ -258,11 +246,14 @@ void context::enqueue_release(pending_release* pending) noexcept
   const auto [device, stream] = pending->where;  // copied below: clang 14 cannot capture bindings
   try {
     device_guard on_owner{backend_, device};
-    backend_.launch_host_func(stream, &pending_release::on_stream_reached, pending);
+    pending->reached.emplace(events_.acquire(device));
+    backend_.record_event(pending->reached->get(), stream);
     count(counter::deferred_releases);
+    watch(pending);
     return;
   } catch (const std::exception& e) {
-    HANDOFF_LOG_WARN("deferred release: cannot enqueue on stream {:#x} ({}); waiting for the stream instead",
+    pending->reached.reset();
+    HANDOFF_LOG_WARN("deferred release: cannot record an event on stream {:#x} ({}); waiting for the stream instead",
                      raw(stream), e.what());
   }
   // Fall back to waiting for the whole stream on the executor. If even that fails, nothing says
@@ -289,9 +280,100 @@ void context::enqueue_release(pending_release* pending) noexcept
   }
 }
 
+void context::watch(pending_release* pending) noexcept
+{
+  std::lock_guard lock{watch_mutex_};
+  try {
+    watched_.push_back(pending);
+  } catch (...) {  // out of memory: wait for the stream on the executor instead
+    pending->reached.reset();
+    deferred_->post([this, pending]() noexcept {
+      try {
+        device_guard on_owner{backend_, pending->where.first};
+        backend_.synchronize_stream(pending->where.second);
+      } catch (...) {
+        finished_one(pending->where);  // kept, never released early
+        return;
+      }
+      pending->run(*this);
+      pending_release::retire(pending);
+    });
+    return;
+  }
+  if (!polling_) {
+    polling_ = true;
+    poll_later(min_release_poll);
+  }
+}
+
+void context::poll_later(std::chrono::nanoseconds interval) noexcept
+{
+  const auto poll = [this, shared = shared_, interval]() noexcept {
+    {
+      std::lock_guard lock{shared->mutex};
+      if (shared->owner == nullptr) { return; }  // the context is going: what is watched is abandoned
+    }
+    poll_releases(interval);
+  };
+  try {
+    deferred_->post_after(interval, poll);
+  } catch (...) {
+    poll();  // cannot defer (out of memory): look now
+  }
+}
+
+void context::poll_releases(std::chrono::nanoseconds interval) noexcept
+{
+  std::vector<pending_release*> watched;
+  {
+    std::lock_guard lock{watch_mutex_};
+    watched.swap(watched_);
+  }
+  // Grouped by device, so that each device is made current once per look.
+  std::stable_sort(watched.begin(), watched.end(),
+                   [](const pending_release* a, const pending_release* b) { return a->where.first < b->where.first; });
+  std::vector<pending_release*> reached;
+  std::vector<pending_release*> waiting;
+  std::optional<device_guard> on_device;
+  int current = -1;  // the device on_device made current
+  for (auto* pending : watched) {
+    const int device = pending->where.first;
+    try {
+      if (current != device) {
+        current = -1;
+        on_device.reset();
+        on_device.emplace(backend_, device);
+        current = device;
+      }
+      (backend_.query_event(pending->reached->get()) ? reached : waiting).push_back(pending);
+    } catch (const std::exception& e) {
+      // Nothing says when the consumer is done (a device error): the producer is kept, never
+      // released early.
+      HANDOFF_LOG_ERROR("deferred release: stream {:#x} of device {} cannot be waited for ({}); its producer is kept",
+                        raw(pending->where.second), device, e.what());
+      pending->reached.reset();
+      finished_one(pending->where);
+    }
+  }
+  on_device.reset();
+  for (auto* pending : reached) {
+    pending->reached.reset();  // the event goes back to the pool first: a release may import again
+    pending->run(*this);
+    pending_release::retire(pending);
+  }
+  std::lock_guard lock{watch_mutex_};
+  watched_.insert(watched_.end(), waiting.begin(), waiting.end());
+  if (watched_.empty()) {
+    polling_ = false;
+    return;
+  }
+  // Look again soon while releases complete; back off while the streams are busy.
+  poll_later(reached.empty() ? std::min(interval * 2, std::chrono::nanoseconds{max_release_poll}) : min_release_poll);
+}
+
 void context::when_not_capturing(pending_release* pending) noexcept
 {
-  // A host function enqueued now would become a node of the graph: run at every launch, or never.
+  // An event recorded now would become a node of the graph, and could not be queried.
   // Wait (without holding the executor) for the capture to end, then enqueue it in stream order.
   const auto look_again = [shared = shared_, pending]() noexcept {
     std::unique_lock lock{shared->mutex};

@@ -221,7 +221,9 @@ TEST_F(ExchangeTest, ManyThreadsExchangeAtOnce)
   ctx.drain();
   EXPECT_EQ(wrong.load(), 0);
   EXPECT_EQ(stats().waits_inserted - before.waits_inserted, static_cast<std::uint64_t>(threads * rounds));
-  EXPECT_LE(stats().events_created - before.events_created, 16U);
+  // Pooled: events for the waits in flight and the releases pending at once, far fewer than the
+  // 800 waits and releases.
+  EXPECT_LE(stats().events_created - before.events_created, 100U);
 }
 
 }  // namespace
