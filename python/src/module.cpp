@@ -76,6 +76,7 @@ PYBIND11_MODULE(_handoff, m)
   py::register_exception_translator(translate_exception);
 
   set_finalizing_thread(py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>());
+  set_deleter_runner(&run_deleter_with_gil);
   bind_array(m);
   init_exchange(m);
   bind_sim(m);
@@ -86,7 +87,7 @@ PYBIND11_MODULE(_handoff, m)
     "_at_exit",
     [] {
       if (context* ctx = started_context()) {  // the releases may need the GIL themselves
-        without_gil([ctx] { (void)ctx->drain_for(context::exit_drain_limit); });
+        without_gil([ctx] { (void)ctx->drain_at_exit(context::exit_drain_limit); });
       }
       close_python_gate();  // later releases leave their Python objects to the ending process
     },

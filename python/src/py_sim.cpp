@@ -306,10 +306,45 @@ void bind_sim(py::module_& parent)
     "Makes the next `count` calls of a device operation fail with `error` (a DeviceError).");
   m.def("clear_faults", [] { require_sim().sim.clear_faults(); });
   m.def(
+    "inject_sticky_fault",
+    [](long long device, const std::string& error) {
+      auto s = require_sim();
+      s.sim.inject_sticky_fault(checked_device(s.sim, device), error);
+    },
+    py::arg("device") = 0, py::arg("error") = "cudaErrorIllegalAddress",
+    "Poisons a device's context as a faulting kernel does: every later call on it raises `error`, and "
+    "work already queued there, host functions included, never runs.");
+  m.def(
+    "clear_sticky_fault",
+    [](long long device) {
+      auto s = require_sim();
+      s.sim.clear_sticky_fault(checked_device(s.sim, device));
+    },
+    py::arg("device") = 0, "Makes a device usable again (tests only: CUDA needs a new process).");
+  m.def(
+    "violations",
+    [] {
+      py::list out;
+      for (const auto& violation : require_sim().sim.violations()) { out.append(violation); }
+      return out;
+    },
+    "What the process did that CUDA leaves undefined or forbids: uses of destroyed streams or events, "
+    "runtime calls from host functions.");
+  m.def("clear_violations", [] { require_sim().sim.clear_violations(); });
+  py::class_<device::sim_graph>(m, "Graph", "A graph captured from a stream (sim.end_capture).")
+    .def("__len__", &device::sim_graph::size)
+    .def(
+      "launch",
+      [](const device::sim_graph& graph, py::handle stream) {
+        require_sim().sim.launch_graph(graph, stream_of(stream));
+      },
+      py::arg("stream"), "Enqueues a run of the graph on `stream`; each launch runs its work once.");
+  m.def(
     "begin_capture", [](py::handle stream) { require_sim().sim.begin_capture(stream_of(stream)); }, py::arg("stream"));
   m.def(
     "end_capture", [](py::handle stream) { return require_sim().sim.end_capture(stream_of(stream)); },
-    py::arg("stream"));
+    py::arg("stream"),
+    "Ends the capture begun on `stream`; returns the captured Graph, which runs only when launched.");
   m.def(
     "set_copy_delay", [](double delay) { require_sim().sim.set_copy_duration(seconds(delay)); }, py::arg("delay"),
     "Makes every later device copy take `delay` seconds on its stream (default 0), as a real copy takes time.");

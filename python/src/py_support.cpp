@@ -71,6 +71,14 @@ void release_reference(PyObject* object) noexcept
 
 }  // namespace
 
+void run_deleter_with_gil(void (*invoke)(void*) noexcept, void* tensor) noexcept
+{
+  PyGILState_STATE state{};
+  if (interpreter_finalizing() || !ensure_gil(state)) { return; }  // exiting: the process keeps it
+  invoke(tensor);
+  PyGILState_Release(state);
+}
+
 array copy_of(const array& view, bool to_host)
 {
   if (view.device().device_type == kDLCPU) { return copy_to_host(view); }

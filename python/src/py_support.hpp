@@ -78,6 +78,11 @@ enum class unknown_device_type {
 /// host memory a device copy may still write when a wait for it failed.
 void keep_alive_until_done(context& ctx, int device, device::stream_handle stream, py::handle object) noexcept;
 
+/// The deleter runner handoff uses in Python (set_deleter_runner): a producer's deleter runs holding
+/// the GIL, since producers' deleters may take it; once the interpreter is finalizing, or other
+/// threads may no longer enter it, the deleter is not run and the process keeps the memory.
+void run_deleter_with_gil(void (*invoke)(void*) noexcept, void* tensor) noexcept;
+
 /// True when the interpreter is shutting down and Python objects must not be touched.
 [[nodiscard]] bool interpreter_finalizing() noexcept;
 

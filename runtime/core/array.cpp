@@ -277,12 +277,33 @@ std::vector<std::int64_t> contiguous_strides(std::span<const std::int64_t> shape
 // Import
 
 namespace {
+std::atomic<deleter_runner> installed_runner{nullptr};
+}  // namespace
+
+void set_deleter_runner(deleter_runner runner) noexcept
+{
+  installed_runner.store(runner, std::memory_order_release);
+}
+
+namespace {
+
+template <typename Managed>
+void invoke_deleter(void* tensor) noexcept
+{
+  auto* managed = static_cast<Managed*>(tensor);
+  managed->deleter(managed);
+}
 
 template <typename Managed>
 producer_ref adopt(Managed* tensor)
 {
   return producer_ref{[tensor]() noexcept {
-    if (tensor->deleter != nullptr) { tensor->deleter(tensor); }
+    if (tensor->deleter == nullptr) { return; }
+    if (const deleter_runner runner = installed_runner.load(std::memory_order_acquire); runner != nullptr) {
+      runner(&invoke_deleter<Managed>, tensor);
+    } else {
+      tensor->deleter(tensor);
+    }
   }};
 }
 

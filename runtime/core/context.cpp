@@ -4,6 +4,10 @@
 
 #include "log/logger.hpp"
 
+#include <algorithm>
+#include <optional>
+#include <string>
+#include <unordered_set>
 #include <vector>
 
 namespace handoff {
@@ -11,6 +15,12 @@ namespace {
 
 // How often the executor looks whether a capture that holds back a release has ended.
 constexpr std::chrono::milliseconds capture_poll{1};
+// How often the exit drain looks at the streams it waits for.
+constexpr std::chrono::milliseconds exit_poll{5};
+// How often the executor looks at the events of pending releases: soon while they complete, backing
+// off to the longest interval while the streams are busy.
+constexpr std::chrono::microseconds min_release_poll{20};
+constexpr std::chrono::milliseconds max_release_poll{1};
 
 std::uintptr_t raw(device::stream_handle s) noexcept
 {
@@ -26,13 +36,34 @@ struct context::shared_state {
   explicit shared_state(context* live) noexcept : owner(live) {}
   std::mutex mutex;
   context* owner;
+  // Every release not yet run (or deliberately kept), so that what the context abandons stays
+  // reachable: it is left to the ending process on purpose, not lost.
+  std::unordered_set<pending_release*> outstanding;
 };
 
-// A release waiting for a consumer stream; the stream's host function hands it to the executor.
+namespace {
+
+// Releases abandoned by contexts that are gone: kept until the process ends (never freed, so
+// never reported as lost by a leak checker).
+template <class Releases>
+void keep_until_exit(const Releases& abandoned) noexcept
+{
+  static std::mutex mutex;
+  try {
+    static auto* kept = new std::vector<const void*>;  // NOLINT(cppcoreguidelines-owning-memory)
+    std::lock_guard lock{mutex};
+    kept->insert(kept->end(), abandoned.begin(), abandoned.end());
+  } catch (...) {}  // out of memory: they stay unfreed all the same, only unlisted
+}
+
+}  // namespace
+
+// A release waiting for a consumer stream: for the event recorded there, which the executor polls.
 struct context::pending_release {
   std::shared_ptr<shared_state> shared;
   stream_key where;
   std::function<void()> release_producer;
+  std::optional<pooled_event> reached;  // recorded on the stream when the release was asked for
 
   // On the executor (or, failing that, where the stream reached it), while the context lives.
   void run(context& owner) noexcept
@@ -45,22 +76,16 @@ struct context::pending_release {
   // The context, unless the release was abandoned. Call with shared->mutex held.
   [[nodiscard]] context* live_owner() const noexcept { return shared->owner; }
 
-  static void on_stream_reached(void* self) noexcept
+  // Frees a release that has run. Call with shared->mutex held when `locked`.
+  static void retire(pending_release* pending, bool locked = false) noexcept
   {
-    // Runs on a backend thread, which must not call into the backend: hand over and return.
-    auto* pending = static_cast<pending_release*>(self);
-    std::lock_guard lock{pending->shared->mutex};
-    context* owner = pending->live_owner();
-    if (owner == nullptr) { return; }  // abandoned at exit: the process is ending, leave it
-    try {
-      owner->deferred_->post([pending, owner]() noexcept {
-        pending->run(*owner);
-        delete pending;
-      });
-    } catch (...) {
-      pending->run(*owner);  // could not hand over (out of memory): the stream is done, release here
-      delete pending;
+    if (locked) {
+      pending->shared->outstanding.erase(pending);
+    } else {
+      std::lock_guard lock{pending->shared->mutex};
+      pending->shared->outstanding.erase(pending);
     }
+    delete pending;
   }
 };
 
@@ -70,36 +95,16 @@ context::context(device::backend& backend, std::unique_ptr<executor> deferred)
 
 context::~context()
 {
-  // Host functions still queued post to the executor: let the streams that have them get there.
-  std::vector<stream_key> streams;
+  bool drained = false;
   {
     std::lock_guard lock{pending_mutex_};
-    for (const auto& [where, count] : by_stream_) { streams.push_back(where); }
+    drained = exit_drained_ && pending_ <= abandoned_at_exit_;  // nothing new since
   }
-  for (const auto& [device, stream] : streams) {
-    try {
-      device_guard on{backend_, device};
-      const bool capturing = stream != backend_.legacy_default_stream() &&
-                             backend_.stream_capture_status(stream) != device::capture_status::none;
-      if (!capturing) { backend_.synchronize_stream(stream); }  // synchronizing a capture would invalidate it
-    } catch (const std::exception& e) {
-      HANDOFF_LOG_WARN("shutting down: could not wait for stream {:#x} of device {} ({})", raw(stream), device,
-                       e.what());
-    }
-  }
-  if (!drain_for(exit_drain_limit)) {
-    std::size_t abandoned = 0;
-    {
-      std::lock_guard lock{pending_mutex_};
-      abandoned = pending_;
-    }
-    HANDOFF_LOG_WARN(
-      "shutting down: {} stream-ordered release(s) did not run within {} s (their stream never got "
-      "there: a capture never ended, or a device error); their producers are left to the ending process",
-      abandoned, exit_drain_limit.count());
-  }
+  if (!drained) { (void)drain_at_exit(exit_drain_limit); }
   std::lock_guard lock{shared_->mutex};
   shared_->owner = nullptr;
+  keep_until_exit(shared_->outstanding);
+  shared_->outstanding.clear();
 }
 
 void context::finished_one(stream_key where) noexcept
@@ -121,15 +126,99 @@ bool context::drain_for(std::chrono::nanoseconds limit)
   return none_pending_.wait_for(lock, limit, [this] { return pending_ == 0; });
 }
 
+bool context::drain_at_exit(std::chrono::nanoseconds limit) noexcept
+{
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  // One probe event per stream with releases pending: polled, so that no stream blocks the exit
+  // for longer than the limit, and a stream whose device failed (a sticky error) is known at once.
+  struct probe {
+    stream_key where;
+    std::optional<pooled_event> event;
+    std::string failure;  // why the stream will never reach its releases
+  };
+  std::vector<probe> probes;
+  {
+    std::lock_guard lock{pending_mutex_};
+    exit_drained_ = true;
+    for (const auto& [where, count] : by_stream_) { probes.push_back({where, std::nullopt, {}}); }
+  }
+  const auto look = [this](probe& p, bool record) noexcept {
+    try {
+      device_guard on{backend_, p.where.first};
+      if (record) {
+        // A capturing stream gets no probe (it would go into the graph): its releases wait for the
+        // capture to end on the executor.
+        const bool capturing = p.where.second != backend_.legacy_default_stream() &&
+                               backend_.stream_capture_status(p.where.second) != device::capture_status::none;
+        if (capturing) { return; }
+        p.event.emplace(events_.acquire(p.where.first));
+        backend_.record_event(p.event->get(), p.where.second);
+      } else if (backend_.query_event(p.event->get())) {
+        p.event.reset();  // the stream got there; its releases are on the executor
+      }
+    } catch (const std::exception& e) {
+      p.event.reset();
+      p.failure = e.what();
+    }
+  };
+  for (auto& p : probes) { look(p, /*record=*/true); }
+
+  std::unique_lock lock{pending_mutex_};
+  const auto unreachable = [&] {
+    std::size_t count = 0;
+    for (const auto& p : probes) {
+      if (p.failure.empty()) { continue; }
+      if (const auto it = by_stream_.find(p.where); it != by_stream_.end()) { count += it->second; }
+    }
+    return count;
+  };
+  while (pending_ > unreachable() && std::chrono::steady_clock::now() < deadline) {
+    none_pending_.wait_for(lock, exit_poll);
+    lock.unlock();
+    for (auto& p : probes) {
+      if (p.event) { look(p, /*record=*/false); }
+    }
+    lock.lock();
+  }
+  for (const auto& p : probes) {
+    const auto it = by_stream_.find(p.where);
+    if (p.failure.empty() || it == by_stream_.end()) { continue; }
+    HANDOFF_LOG_WARN(
+      "shutting down: {} stream-ordered release(s) waiting for stream {:#x} of device {} abandoned: the stream "
+      "can never get there ({}); their producers are left to the ending process",
+      it->second, raw(p.where.second), p.where.first, p.failure);
+  }
+  const std::size_t abandoned = pending_;
+  const std::size_t timed_out = abandoned - unreachable();
+  abandoned_at_exit_ = abandoned;
+  lock.unlock();
+  probes.clear();  // the probe events go back to the pool
+  if (timed_out > 0) {
+    HANDOFF_LOG_WARN(
+      "shutting down: {} stream-ordered release(s) did not run within {} ms (their stream never got "
+      "there: a capture never ended, or work that never finishes); their producers are left to the ending process",
+      timed_out, std::chrono::duration_cast<std::chrono::milliseconds>(limit).count());
+  }
+  return abandoned == 0;
+}
+
 void context::release_after(int device, device::stream_handle stream, std::function<void()> release) noexcept
 {
   pending_release* pending = nullptr;
   try {
-    pending = new pending_release{shared_, {device, stream}, std::move(release)};
+    pending = new pending_release{shared_, {device, stream}, std::move(release), std::nullopt};
+    {
+      std::lock_guard lock{shared_->mutex};
+      shared_->outstanding.insert(pending);
+    }
     std::lock_guard lock{pending_mutex_};
     ++pending_;
     ++by_stream_[pending->where];
   } catch (...) {
+    if (pending != nullptr) {
+      std::lock_guard lock{shared_->mutex};
+      shared_->outstanding.erase(pending);
+    }
     delete pending;  // could not even allocate: wait here, never release early
     try {
       device_guard on_owner{backend_, device};
@@ -157,11 +246,14 @@ void context::enqueue_release(pending_release* pending) noexcept
   const auto [device, stream] = pending->where;  // copied below: clang 14 cannot capture bindings
   try {
     device_guard on_owner{backend_, device};
-    backend_.launch_host_func(stream, &pending_release::on_stream_reached, pending);
+    pending->reached.emplace(events_.acquire(device));
+    backend_.record_event(pending->reached->get(), stream);
     count(counter::deferred_releases);
+    watch(pending);
     return;
   } catch (const std::exception& e) {
-    HANDOFF_LOG_WARN("deferred release: cannot enqueue on stream {:#x} ({}); waiting for the stream instead",
+    pending->reached.reset();
+    HANDOFF_LOG_WARN("deferred release: cannot record an event on stream {:#x} ({}); waiting for the stream instead",
                      raw(stream), e.what());
   }
   // Fall back to waiting for the whole stream on the executor. If even that fails, nothing says
@@ -179,7 +271,7 @@ void context::enqueue_release(pending_release* pending) noexcept
       return;
     }
     pending->run(*this);
-    delete pending;
+    pending_release::retire(pending);
   };
   try {
     deferred_->post(wait_then_release);
@@ -188,9 +280,100 @@ void context::enqueue_release(pending_release* pending) noexcept
   }
 }
 
+void context::watch(pending_release* pending) noexcept
+{
+  std::lock_guard lock{watch_mutex_};
+  try {
+    watched_.push_back(pending);
+  } catch (...) {  // out of memory: wait for the stream on the executor instead
+    pending->reached.reset();
+    deferred_->post([this, pending]() noexcept {
+      try {
+        device_guard on_owner{backend_, pending->where.first};
+        backend_.synchronize_stream(pending->where.second);
+      } catch (...) {
+        finished_one(pending->where);  // kept, never released early
+        return;
+      }
+      pending->run(*this);
+      pending_release::retire(pending);
+    });
+    return;
+  }
+  if (!polling_) {
+    polling_ = true;
+    poll_later(min_release_poll);
+  }
+}
+
+void context::poll_later(std::chrono::nanoseconds interval) noexcept
+{
+  const auto poll = [this, shared = shared_, interval]() noexcept {
+    {
+      std::lock_guard lock{shared->mutex};
+      if (shared->owner == nullptr) { return; }  // the context is going: what is watched is abandoned
+    }
+    poll_releases(interval);
+  };
+  try {
+    deferred_->post_after(interval, poll);
+  } catch (...) {
+    poll();  // cannot defer (out of memory): look now
+  }
+}
+
+void context::poll_releases(std::chrono::nanoseconds interval) noexcept
+{
+  std::vector<pending_release*> watched;
+  {
+    std::lock_guard lock{watch_mutex_};
+    watched.swap(watched_);
+  }
+  // Grouped by device, so that each device is made current once per look.
+  std::stable_sort(watched.begin(), watched.end(),
+                   [](const pending_release* a, const pending_release* b) { return a->where.first < b->where.first; });
+  std::vector<pending_release*> reached;
+  std::vector<pending_release*> waiting;
+  std::optional<device_guard> on_device;
+  int current = -1;  // the device on_device made current
+  for (auto* pending : watched) {
+    const int device = pending->where.first;
+    try {
+      if (current != device) {
+        current = -1;
+        on_device.reset();
+        on_device.emplace(backend_, device);
+        current = device;
+      }
+      (backend_.query_event(pending->reached->get()) ? reached : waiting).push_back(pending);
+    } catch (const std::exception& e) {
+      // Nothing says when the consumer is done (a device error): the producer is kept, never
+      // released early.
+      HANDOFF_LOG_ERROR("deferred release: stream {:#x} of device {} cannot be waited for ({}); its producer is kept",
+                        raw(pending->where.second), device, e.what());
+      pending->reached.reset();
+      finished_one(pending->where);
+    }
+  }
+  on_device.reset();
+  for (auto* pending : reached) {
+    pending->reached.reset();  // the event goes back to the pool first: a release may import again
+    pending->run(*this);
+    pending_release::retire(pending);
+  }
+  std::lock_guard lock{watch_mutex_};
+  watched_.insert(watched_.end(), waiting.begin(), waiting.end());
+  if (watched_.empty()) {
+    polling_ = false;
+    return;
+  }
+  // Look again soon while releases complete; back off while the streams are busy.
+  poll_later(reached.empty() ? std::min(interval * 2, std::chrono::nanoseconds{max_release_poll}) : min_release_poll);
+}
+
 void context::when_not_capturing(pending_release* pending) noexcept
 {
-  // A host function enqueued now would become a node of the graph: run at every launch, or never.
+  // An event recorded now would become a node of the graph, and could not be queried.
   // Wait (without holding the executor) for the capture to end, then enqueue it in stream order.
   const auto look_again = [shared = shared_, pending]() noexcept {
     std::unique_lock lock{shared->mutex};

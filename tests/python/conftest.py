@@ -171,6 +171,23 @@ def live_views() -> int:
     return handoff.stats()["live_views"]
 
 
+@pytest.fixture(autouse=True)
+def no_violations():
+    """Fails a test that leaves a use CUDA leaves undefined (a destroyed stream or event used, a
+    runtime call from a host function) in the simulator's record. Sim backends only."""
+    if not handoff.runtime_info()["backend"].startswith("sim"):
+        yield
+        return
+    from handoff import sim
+
+    sim.clear_violations()
+    yield
+    found = sim.violations()
+    sim.clear_violations()
+    if found:
+        pytest.fail("uses CUDA leaves undefined: " + "; ".join(found))
+
+
 @pytest.fixture
 def live():
     """Asserts that a test leaves no more live producers than it found.

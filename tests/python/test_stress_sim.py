@@ -2,7 +2,9 @@
 consumer streams (blocking, non-blocking, the default streams) on every device, random write
 delays, copies, chains of hops through several streams by every exchange path, views dropped in
 random order, from two threads at once. Every consumer must read the producer's final value; a
-negative control with no ordering (stream=-1) must read stale data.
+negative control with no ordering (stream=-1) must read stale data. The same with device faults
+armed at random: every round either fails with a DeviceError or reads the final value, and every
+producer is released exactly once.
 
 HANDOFF_STRESS_SECONDS sets the time of the ordered run (default 8 s; the negative control stops
 as soon as it has seen stale data). HANDOFF_STRESS_SEED replays a run: the seed is printed, and
@@ -69,6 +71,7 @@ def no_leaks():
     gc.collect()
     sim.drain()
     assert handoff.stats()["live_views"] == live, "a producer was leaked"
+    sim.synchronize()  # the frees the last releases enqueued
     assert sim.live_allocations() == allocations, "a device allocation was leaked"
 
 
@@ -159,13 +162,36 @@ def one_round(rng: random.Random, streams: Streams, *, ordered: bool) -> tuple[b
     return fresh, "; ".join(log)
 
 
-def run_for(seconds: float, rng: random.Random, *, ordered: bool, stop_when_stale: bool = False) -> dict:
-    """Rounds until the time is up: how many, and the descriptions of those that read stale data."""
+# Device calls a fault may hit during a round: each must fail the call that made it (a DeviceError),
+# never leave a consumer unordered, release a producer early or twice, or leak one. Not here: making
+# a device current (push_current_device), whose failure means a broken context: a device copy
+# released then keeps its memory rather than free it on the wrong device (logged).
+FAULTABLE = [
+    "record_event", "stream_wait_event", "create_event", "launch_host_func", "copy_async", "attributes",
+    "stream_capture_status", "stream_device", "stream_is_blocking", "allocate", "enqueue_fill",
+    "synchronize_stream",
+]
+
+
+def run_for(seconds: float, rng: random.Random, *, ordered: bool, stop_when_stale: bool = False,
+            faults: bool = False) -> dict:
+    """Rounds until the time is up: how many, and the descriptions of those that read stale data.
+    With `faults`, a device fault is armed at random before a round; a round that a fault fails
+    (DeviceError) is counted, its views dropped."""
     streams = Streams(rng)
-    outcome = {"rounds": 0, "stale": []}
+    outcome = {"rounds": 0, "stale": [], "faulted": 0}
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        fresh, description = one_round(rng, streams, ordered=ordered)
+        if faults and rng.random() < 0.5:
+            sim.inject_fault(rng.choice(FAULTABLE), 1, "cudaErrorLaunchFailure")
+        try:
+            fresh, description = one_round(rng, streams, ordered=ordered)
+        except handoff.DeviceError:
+            outcome["faulted"] += 1
+            continue
+        finally:
+            if faults:
+                sim.clear_faults()
         outcome["rounds"] += 1
         if not fresh:
             outcome["stale"].append(description)
@@ -196,6 +222,32 @@ def test_every_consumer_reads_the_final_value(seed):
     rounds = sum(outcome["rounds"] for outcome in outcomes)
     assert not stale, f"HANDOFF_STRESS_SEED={seed}: {len(stale)} of {rounds} rounds read stale data, first: {stale[0]}"
     assert rounds >= 10 * THREADS, f"only {rounds} rounds ran"
+
+
+def test_faults_armed_at_random_fail_calls_and_lose_nothing(seed):
+    # Every round either fails with a DeviceError or reads the final value; afterwards every
+    # producer has been released exactly once (no_leaks), and no call used a destroyed handle.
+    outcomes, errors = [None] * THREADS, []
+
+    def worker(index: int) -> None:
+        try:
+            outcomes[index] = run_for(SECONDS, random.Random(seed + 100 + index), ordered=True, faults=index == 0)
+        except BaseException as error:  # reported by the test, with the seed
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    sim.clear_faults()
+    if errors:
+        raise AssertionError(f"HANDOFF_STRESS_SEED={seed}: a thread failed") from errors[0]
+    stale = [description for outcome in outcomes for description in outcome["stale"]]
+    rounds = sum(outcome["rounds"] for outcome in outcomes)
+    faulted = sum(outcome["faulted"] for outcome in outcomes)
+    assert not stale, f"HANDOFF_STRESS_SEED={seed}: {len(stale)} of {rounds} rounds read stale data, first: {stale[0]}"
+    assert faulted > 0, f"HANDOFF_STRESS_SEED={seed}: no fault hit any of {rounds} rounds"
 
 
 def test_negative_control_with_no_ordering_reads_stale_data(seed):

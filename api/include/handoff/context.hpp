@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <utility>
+#include <vector>
 
 namespace handoff {
 
@@ -41,10 +42,8 @@ class context {
   context& operator=(const context&) = delete;
   context(context&&) = delete;
   context& operator=(context&&) = delete;
-  /// Waits for the streams that have releases pending (never for whole devices: that would create a
-  /// context on a device nothing used), then for the releases, at most `exit_drain_limit`; what is
-  /// still pending then (a stream that will never get there) is abandoned and logged. Then destroys
-  /// the pool's events.
+  /// drain_at_exit(exit_drain_limit), unless it ran and nothing was released after it; then
+  /// destroys the pool's events.
   ~context();
 
   /// How long the destructor waits for the pending releases.
@@ -54,23 +53,33 @@ class context {
   [[nodiscard]] event_pool& events() noexcept { return events_; }
 
   /// Runs `release` once the work enqueued so far on `stream` (of `device`) is done, without
-  /// blocking the caller: a host function enqueued on `stream` hands it to the executor (counted
-  /// in deferred_releases); no event is used. If that cannot be enqueued, the executor waits for
-  /// the whole stream instead: never early. While `stream` captures into a graph, no host function
-  /// goes into the graph (it would run at every launch, or never): the executor waits for the
-  /// capture to end, then enqueues it.
+  /// blocking the caller or the stream: an event from the pool is recorded on `stream` (counted in
+  /// deferred_releases) and the executor polls it, then runs `release`. Nothing is enqueued that
+  /// the stream must wait for (a host function would hold it until a host thread ran it). If the
+  /// event cannot be recorded, the executor waits for the whole stream instead: never early. While
+  /// `stream` captures into a graph, nothing goes into the graph (it would run at every launch, or
+  /// never): the executor waits for the capture to end, then records.
   void release_after(int device, device::stream_handle stream, std::function<void()> release) noexcept;
 
   /// Blocks until no deferred release is pending (each waits for its stream, then runs).
   void drain();
   /// drain(), for at most `limit`. @return true when nothing is pending.
   bool drain_for(std::chrono::nanoseconds limit);
+  /// At exit: waits, at most `limit`, for the pending releases whose streams can still get there.
+  /// Only the streams that have releases pending are looked at (never whole devices: that would
+  /// create a context on a device nothing used), through a polled event, never a blocking call; a
+  /// stream that fails (a sticky device error) will never get there, and its releases are
+  /// abandoned at once. What is abandoned is logged, by stream and why. @return true when nothing is pending.
+  bool drain_at_exit(std::chrono::nanoseconds limit) noexcept;
 
  private:
   using stream_key = std::pair<int, device::stream_handle>;  // (device, stream)
   struct pending_release;
   struct shared_state;
   void enqueue_release(pending_release* pending) noexcept;
+  void watch(pending_release* pending) noexcept;
+  void poll_later(std::chrono::nanoseconds interval) noexcept;
+  void poll_releases(std::chrono::nanoseconds interval) noexcept;
   void when_not_capturing(pending_release* pending) noexcept;
   void finished_one(stream_key where) noexcept;
 
@@ -80,6 +89,11 @@ class context {
   std::condition_variable none_pending_;
   std::size_t pending_{0};                       // deferred releases not yet run
   std::map<stream_key, std::size_t> by_stream_;  // the same, by the stream they wait for
+  std::mutex watch_mutex_;
+  std::vector<pending_release*> watched_;  // recorded; the executor polls their events
+  bool polling_{false};                    // a poll is scheduled (guarded by watch_mutex_)
+  bool exit_drained_{false};               // drain_at_exit ran
+  std::size_t abandoned_at_exit_{0};       // and left this many pending
   // What a host function still queued on a stream reaches: it outlives the context, so that a
   // release abandoned at exit touches nothing when its host function runs after all.
   std::shared_ptr<shared_state> shared_;

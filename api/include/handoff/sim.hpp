@@ -22,10 +22,31 @@ enum class sim_flavour {
   rocm,  ///< "sim-rocm": kDLROCM; default (null) stream 0; 1 and 2 are not stream handles
 };
 
+namespace sim_detail {
+struct captured_graph;
+}
+
+/// A graph captured from a simulated stream (cudaGraph_t after cudaStreamEndCapture). Each
+/// sim_backend::launch_graph submits a fresh copy of its operations, so it can be launched any
+/// number of times (the instantiation CUDA asks for is part of each launch). Copies share the graph.
+class sim_graph {
+ public:
+  /// How many operations the capture recorded (work, host functions, event records and waits).
+  [[nodiscard]] std::size_t size() const noexcept;
+
+ private:
+  friend class sim_backend;
+  std::shared_ptr<const sim_detail::captured_graph> graph_;
+};
+
 /// A simulated accelerator with `device_count` devices. Memory is host memory owned by a simulated
 /// device and answered for by an allocation table; streams are asynchronous in-order queues run by
 /// a pool of worker threads; events, waits, the legacy and per-thread default streams and graph
 /// capture follow CUDA's rules. Errors carry CUDA's names ("sim") or HIP's ("sim-rocm").
+///
+/// Strict where CUDA is: host functions run one at a time on a device's one host-function lane and
+/// may not call the backend (cudaErrorNotPermitted); a sticky error halts its device for good; a
+/// use of a destroyed stream or event, undefined in CUDA, is recorded as a violation (violations()).
 ///
 /// @note Every call is thread-safe. The destructor waits for all enqueued work to finish, then
 ///       frees every allocation still in the table; it never throws.
@@ -114,16 +135,33 @@ class sim_backend final : public backend {
   void set_copy_duration(std::chrono::nanoseconds duration);
 
   /// Starts capturing `stream` into a graph (cudaStreamBeginCapture, global mode). Work enqueued
-  /// on a capturing stream is recorded, not run; streams that wait on an event recorded in the
-  /// capture join it. While a blocking stream captures, any use of its device's legacy default
-  /// stream fails with cudaErrorStreamCaptureImplicit and invalidates the capture; synchronizing a
-  /// capturing stream or its device fails with cudaErrorStreamCaptureUnsupported.
+  /// on a capturing stream, host functions included, is recorded as a node of the graph, not run;
+  /// streams that wait on an event recorded in the capture join it. While a blocking stream
+  /// captures, any use of its device's legacy default stream fails with
+  /// cudaErrorStreamCaptureImplicit and invalidates the capture; synchronizing a capturing stream or
+  /// its device fails with cudaErrorStreamCaptureUnsupported.
   void begin_capture(stream_handle stream);
-  /// Ends the capture begun on `stream` for it and every stream that joined it; the captured work
-  /// is discarded (the simulation does not launch graphs).
-  /// @return how many operations were captured.
+  /// Ends the capture begun on `stream` for it and every stream that joined it.
+  /// @return the captured graph: its work runs only when it is launched, once per launch.
   /// @throws device_error cudaErrorStreamCaptureInvalidated when the capture was invalidated.
-  std::size_t end_capture(stream_handle stream);
+  [[nodiscard]] sim_graph end_capture(stream_handle stream);
+  /// Enqueues a run of `graph` on `stream` (cudaGraphLaunch): its operations start after the
+  /// stream's earlier work, in their captured order, and the stream's later work waits for all.
+  void launch_graph(const sim_graph& graph, stream_handle stream);
+
+  /// Poisons `device`'s context with a sticky error named `error_name` (e.g.
+  /// "cudaErrorIllegalAddress"), as a faulting kernel does: every later call that touches the
+  /// device fails with it, and work already queued there, host functions included, never runs.
+  /// @throws handoff::value_error for a device that does not exist or an empty name.
+  void inject_sticky_fault(int device, std::string error_name);
+  /// Makes `device` usable again. CUDA has no such thing short of a new process: for tests only.
+  void clear_sticky_fault(int device);
+
+  /// What the program did that CUDA leaves undefined or forbids without always saying so: a use of
+  /// a destroyed stream or event (which still fails with an invalid-handle error here), a second
+  /// destruction, a runtime call from inside a host function.
+  [[nodiscard]] std::vector<std::string> violations();
+  void clear_violations() noexcept;
 
   /// Page-locked host memory on the current device (memory_kind::pinned_host), as cudaMallocHost.
   [[nodiscard]] void* allocate_pinned_host(std::size_t bytes);

@@ -76,6 +76,38 @@ TEST_F(ArrayTest, ImportKeepsProducerUntilLastViewIsGone)
   EXPECT_EQ(p.deleted, 1);
 }
 
+int runner_calls = 0;
+bool runner_runs_deleters = true;
+
+TEST_F(ArrayTest, AnInstalledDeleterRunnerRunsEveryImportedDeleter)
+{
+  set_deleter_runner([](void (*invoke)(void*) noexcept, void* tensor) noexcept {
+    ++runner_calls;
+    if (runner_runs_deleters) { invoke(tensor); }
+  });
+  fake_producer p{{4}};
+  {
+    array view = import_dlpack(&p.versioned);
+  }
+  {
+    array view = import_dlpack(&p.legacy);
+  }
+  EXPECT_EQ(runner_calls, 2);
+  EXPECT_EQ(p.deleted, 2);
+  runner_runs_deleters = false;  // an embedding runtime may keep a deleter unrun (at interpreter exit)
+  {
+    array view = import_dlpack(&p.versioned);
+  }
+  EXPECT_EQ(runner_calls, 3);
+  EXPECT_EQ(p.deleted, 2);
+  set_deleter_runner(nullptr);
+  {
+    array view = import_dlpack(&p.versioned);
+  }
+  EXPECT_EQ(runner_calls, 3);
+  EXPECT_EQ(p.deleted, 3);
+}
+
 TEST_F(ArrayTest, ExportedTensorPinsTheProducer)
 {
   fake_producer p{{4}};

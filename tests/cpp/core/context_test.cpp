@@ -7,6 +7,8 @@
 #include "core/sim_fixture.hpp"
 
 #include <atomic>
+#include <chrono>
+#include <thread>
 
 namespace {
 
@@ -69,7 +71,7 @@ TEST_P(ContextTest, AReleaseDuringCapturePutsNothingIntoTheGraphAndRunsAfterIt)
     producer_ref owner{[&] { ++released; }};
     owner.release_after({.ctx = &ctx, .device = 0, .stream = consumer, .stream_owner = nullptr});
   }
-  ASSERT_EQ(sim.end_capture(consumer), 0U) << "the release's host function went into the graph";
+  ASSERT_EQ(sim.end_capture(consumer).size(), 0U) << "the release's host function went into the graph";
   ASSERT_TRUE(ctx.drain_for(std::chrono::seconds{10}));
   EXPECT_EQ(released.load(), 1);
 }
@@ -92,21 +94,74 @@ TEST_P(ContextTest, ExitWaitsOnlyForTheStreamsWithPendingReleases)
   sim.clear_faults();
 }
 
-TEST_P(ContextTest, ReleasesUseNoEvents)
+TEST_P(ContextTest, ExitAbandonsAtOnceTheReleasesOfADeviceWithAStickyError)
 {
   const auto consumer = stream_on(0);
-  const auto before = stats();
-  std::atomic<int> released{0};
-  for (int i = 0; i < 300; ++i) {
-    producer_ref owner{[&] { ++released; }};
-    owner.release_after({.ctx = &ctx, .device = 0, .stream = consumer, .stream_owner = nullptr});
-    sim.enqueue_sleep(consumer, std::chrono::microseconds{50});
+  std::atomic<bool> released{false};
+  const auto start = std::chrono::steady_clock::now();
+  {
+    context exiting{sim, std::make_unique<detail::service_thread>()};
+    producer_ref owner{[&] { released = true; }};
+    owner.release_after({.ctx = &exiting, .device = 0, .stream = consumer, .stream_owner = nullptr});
+    sim.enqueue_sleep(consumer, slow);
+    // The release's host function is queued behind the sleep and will never run.
+    sim.inject_sticky_fault(0, "cudaErrorIllegalAddress");
   }
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_FALSE(released.load()) << "released although the consumer stream never got there";
+  // Bounded by the device error, not by the exit limit (a hang before; 10 s after a bound alone).
+  EXPECT_LT(took, context::exit_drain_limit / 2);
+  sim.clear_sticky_fault(0);
+}
+
+TEST_P(ContextTest, ReleasesReuseTheirEvents)
+{
+  const auto consumer = stream_on(0);
+  std::atomic<int> released{0};
+  const auto release_many = [&] {
+    for (int i = 0; i < 300; ++i) {
+      producer_ref owner{[&] { ++released; }};
+      owner.release_after({.ctx = &ctx, .device = 0, .stream = consumer, .stream_owner = nullptr});
+      sim.enqueue_sleep(consumer, std::chrono::microseconds{50});
+    }
+    ctx.drain();
+  };
+  const auto before = stats();
+  release_many();
+  const auto first = stats().events_created - before.events_created;
+  EXPECT_LE(first, 300U);  // at most one per release pending at once
+  release_many();
+  EXPECT_EQ(released.load(), 600);
+  EXPECT_EQ(stats().events_created - before.events_created, first) << "the second round made new events";
+}
+
+TEST_P(ContextTest, AReleaseNeverStallsItsStream)
+{
+  // A host function per release would hold the stream until a host thread ran it; an event does not.
+  const auto consumer = stream_on(0);
+  float* data = allocate_on(0);  // before the device is kept busy: it synchronizes the device
+  std::atomic<bool> released{false};
+  // Occupies the device's one host-function thread: a release's host function would wait behind it.
+  const auto other = stream_on(0);
+  std::atomic<bool> unblock{false};
+  sim.launch_host_func(
+    other,
+    [](void* flag) {
+      while (!static_cast<std::atomic<bool>*>(flag)->load()) {
+        std::this_thread::sleep_for(std::chrono::milliseconds{1});
+      }
+    },
+    &unblock);
+  {
+    producer_ref owner{[&] { released = true; }};
+    owner.release_after({.ctx = &ctx, .device = 0, .stream = consumer, .stream_owner = nullptr});
+  }
+  sim.enqueue_fill(consumer, data, n, 3.0F);
+  EXPECT_EQ(read(data, consumer).front(), 3.0F) << "the consumer stream waited for the release";
+  unblock = true;
   ctx.drain();
-  sim.synchronize_stream(consumer);
-  ctx.drain();
-  EXPECT_EQ(released.load(), 300);
-  EXPECT_EQ(stats().events_created, before.events_created);
+  EXPECT_TRUE(released.load());
+  sim.synchronize_stream(other);
 }
 
 TEST_P(ContextTest, AnEnqueueFailureFallsBackToWaitingForTheStream)
@@ -115,7 +170,7 @@ TEST_P(ContextTest, AnEnqueueFailureFallsBackToWaitingForTheStream)
   const auto consumer = stream_on(0);
   std::atomic<float> seen_at_release{-1.0F};
   sim.enqueue_fill(consumer, data, n, 7.0F, slow);
-  sim.inject_fault("launch_host_func", 1, "cudaErrorLaunchFailure");
+  sim.inject_fault("record_event", 1, "cudaErrorLaunchFailure");
   {
     producer_ref owner{[&] { seen_at_release = data[0]; }};
     owner.release_after({.ctx = &ctx, .device = 0, .stream = consumer, .stream_owner = nullptr});

@@ -7,6 +7,8 @@
 
 #include "service/service_thread.hpp"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -42,6 +44,12 @@ class SimTest : public ::testing::TestWithParam<int> {
   static constexpr auto slow = 200ms;  // long enough that an unordered reader always wins
 
   device::sim_backend sim{GetParam(), device::sim_flavour::cuda};
+
+  void TearDown() override
+  {
+    const auto violations = sim.violations();
+    EXPECT_TRUE(violations.empty()) << "uses CUDA leaves undefined: " << fmt::format("{}", fmt::join(violations, "; "));
+  }
 
   float* allocate_on(int device)
   {

@@ -6,6 +6,8 @@
 
 #include <handoff/error.hpp>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -102,6 +104,11 @@ class DeviceTest : public ::testing::TestWithParam<backend_choice> {
     for (auto* p : allocations_) { backend_->deallocate(p, backend_->legacy_default_stream()); }
     for (auto s : streams_) { backend_->destroy_stream(s); }
     for (auto e : events_) { backend_->destroy_event(e); }
+    if (auto* simulated = sim()) {
+      const auto violations = simulated->violations();
+      EXPECT_TRUE(violations.empty()) << "uses CUDA leaves undefined: "
+                                      << fmt::format("{}", fmt::join(violations, "; "));
+    }
     backend_.reset();
   }
 
@@ -525,6 +532,11 @@ TEST_P(DeviceTest, InjectedFaultsFailEachOperationOnce)
        if (b().stream_capture_status(capturing) == capture_status::none) { s.begin_capture(capturing); }
        (void)s.end_capture(capturing);
      }},
+    {"launch_graph",
+     [&] {
+       s.begin_capture(capturing);
+       s.launch_graph(s.end_capture(capturing), blocking);
+     }},
     {"allocate_pinned_host", [&] { s.free_sync(s.allocate_pinned_host(64)); }},
     {"allocate_managed", [&] { s.free_sync(s.allocate_managed(64)); }},
     {"free_sync", [&] { s.free_sync(to_free); }},
@@ -595,7 +607,7 @@ TEST_P(DeviceTest, CaptureForbidsTheLegacyStream)
   s.begin_capture(non_blocking);
   EXPECT_NO_THROW(s.enqueue_fill(legacy, data, 16, 4.0f));
   EXPECT_NO_THROW(b().synchronize_stream(legacy));
-  EXPECT_EQ(s.end_capture(non_blocking), 0U);
+  EXPECT_EQ(s.end_capture(non_blocking).size(), 0U);
   EXPECT_TRUE(all_equal(read(legacy, data, 16), 4.0f));
 
   EXPECT_DEVICE_ERROR(s.begin_capture(legacy),
@@ -641,7 +653,7 @@ TEST_P(DeviceTest, CaptureForbidsSynchronizationAndDefersWork)
   b().launch_host_func(
     capturing, [](void* c) { static_cast<std::atomic<int>*>(c)->fetch_add(1); }, &calls);
   b().record_event(e, capturing);
-  EXPECT_EQ(s.end_capture(capturing), 2U);
+  EXPECT_EQ(s.end_capture(capturing).size(), 2U);
   b().synchronize_device();
   EXPECT_EQ(calls.load(), 0);
   b().record_event(e, capturing);  // recorded outside a capture again

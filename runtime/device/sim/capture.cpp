@@ -1,0 +1,88 @@
+// Stream capture: work enqueued on a capturing stream becomes a node of a graph instead of running;
+// launching the graph submits a fresh copy of its nodes, in their captured order, each time.
+#include "device/sim/state.hpp"
+
+#include <fmt/format.h>
+
+namespace handoff::device {
+
+using namespace sim_detail;
+
+namespace {
+
+std::uintptr_t raw(stream_handle h) noexcept
+{
+  return static_cast<std::uintptr_t>(h);
+}
+
+}  // namespace
+
+std::size_t sim_graph::size() const noexcept
+{
+  return graph_ ? graph_->ops.size() : 0;
+}
+
+void sim_backend::begin_capture(stream_handle stream)
+{
+  const auto c = impl_->open("begin_capture", fmt::format("{:#x}, cudaStreamCaptureModeGlobal", raw(stream)));
+  std::lock_guard lock(impl_->mutex);
+  auto& s = impl_->stream(c, stream);
+  if (s.kind == stream_kind::legacy) {
+    impl_->fail(c, sim_error::capture_unsupported, "the legacy stream cannot be captured");
+  }
+  if (s.capture) { impl_->fail(c, sim_error::illegal_state, "the stream is already capturing"); }
+  s.capture = std::make_shared<capture_info>();
+  s.capture->origin = &s;
+  s.capture_tail.reset();
+}
+
+sim_graph sim_backend::end_capture(stream_handle stream)
+{
+  const auto c = impl_->open("end_capture", fmt::format("{:#x}", raw(stream)));
+  std::lock_guard lock(impl_->mutex);
+  auto& s = impl_->stream(c, stream);
+  if (!s.capture) { impl_->fail(c, sim_error::illegal_state, "the stream is not capturing"); }
+  if (s.capture->origin != &s) {
+    s.capture->invalidated = true;
+    impl_->fail(c, sim_error::capture_unmatched);
+  }
+  const auto capture = s.capture;
+  // Streams of any device may have joined through events.
+  for (int d = 0; d < impl_->device_count; ++d) {
+    impl_->for_each_stream(d, [&](stream_state& other) {
+      if (other.capture == capture) {
+        other.capture.reset();
+        other.capture_tail.reset();
+      }
+    });
+  }
+  if (capture->invalidated) { impl_->fail(c, sim_error::capture_invalidated); }
+  sim_graph graph;
+  graph.graph_ = std::make_shared<const captured_graph>(std::move(capture->graph));
+  return graph;
+}
+
+void sim_backend::launch_graph(const sim_graph& graph, stream_handle stream)
+{
+  const auto c = impl_->open("launch_graph", fmt::format("graph of {}, {:#x}", graph.size(), raw(stream)));
+  if (!graph.graph_) { impl_->fail(c, sim_error::invalid_value, "an empty sim_graph (not from end_capture)"); }
+  std::lock_guard lock(impl_->mutex);
+  auto& s = impl_->stream(c, stream);
+  impl_->check_legacy_use(c, s);
+  if (s.capture) { impl_->fail(c, sim_error::capture_unsupported, "launching a graph into a capture"); }
+  for (const auto& op : graph.graph_->ops) { impl_->check_alive(c, op.device); }
+  // Every node of this launch comes after the stream's earlier work, and the stream's later work
+  // after every node.
+  const node_ptr start = impl_->enqueue_locked(s, {});
+  std::vector<node_ptr> nodes;
+  nodes.reserve(graph.graph_->ops.size());
+  for (const auto& op : graph.graph_->ops) {
+    std::vector<node_ptr> deps{start};
+    for (const auto dep : op.deps) { deps.push_back(nodes[dep]); }
+    nodes.push_back(impl_->pool.submit(impl_->submission(op.device, op.what), deps));
+  }
+  nodes.push_back(start);  // an empty graph still ends after the stream's earlier work
+  s.tail = impl_->pool.submit({}, nodes);
+}
+
+}  // namespace handoff::device

@@ -1,0 +1,331 @@
+#include "device/sim/state.hpp"
+
+#include "log/logger.hpp"
+
+#include <handoff/error.hpp>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <new>
+#include <utility>
+
+namespace handoff::device {
+
+using namespace sim_detail;
+
+namespace sim_detail {
+
+thread_key this_thread_key() noexcept
+{
+  static std::atomic<std::uint64_t> next{0};
+  thread_local const thread_key key{next.fetch_add(1, std::memory_order_relaxed)};
+  return key;
+}
+
+}  // namespace sim_detail
+
+namespace {
+
+constexpr std::align_val_t allocation_alignment{256};
+
+std::uintptr_t raw(stream_handle h) noexcept
+{
+  return static_cast<std::uintptr_t>(h);
+}
+std::uintptr_t raw(event_handle h) noexcept
+{
+  return static_cast<std::uintptr_t>(h);
+}
+
+}  // namespace
+
+sim_backend::impl::impl(int count, sim_flavour f)
+    : flavour(f),
+      device_count(count),
+      devices(static_cast<std::size_t>(count)),
+      has_context(static_cast<std::size_t>(count), false)
+{
+  for (int d = 0; d < count; ++d) {
+    auto& dev = devices[static_cast<std::size_t>(d)];
+    dev.legacy = std::make_unique<stream_state>();
+    dev.legacy->device = d;
+    dev.legacy->kind = stream_kind::legacy;
+    dev.legacy->blocking = true;
+    dev.host_functions = &pool.make_lane();
+  }
+}
+
+sim_backend::impl::~impl()
+{
+  pool.shutdown();  // pending frees need the table, so drain before anything is destroyed
+  for (auto& [base, info] : allocations) { ::operator delete(reinterpret_cast<void*>(base), allocation_alignment); }
+}
+
+// --- opening a call --------------------------------------------------------------------------------
+
+sim_backend::impl::call sim_backend::impl::open(std::string_view op, std::string args)
+{
+  call c{op, std::move(args)};
+  if (inside_host_function()) {
+    {
+      std::lock_guard lock(mutex);
+      record_violation(fmt::format("{}({}) called from inside a host function", call_name(op, flavour), c.args));
+    }
+    fail(c, sim_error::not_permitted);
+  }
+  std::string name;
+  {
+    std::lock_guard lock(fault_mutex);
+    if (faults.empty()) { return c; }
+    auto it = faults.find(std::string(op));
+    if (it == faults.end()) { return c; }
+    name = it->second.error_name;
+    if (--it->second.remaining <= 0) { faults.erase(it); }
+  }
+  throw make_error(c, name, fmt::format("{} (injected fault)", error_text(std::string_view{name})));
+}
+
+bool sim_backend::impl::open_quiet(std::string_view op, std::string_view args) noexcept
+{
+  if (!inside_host_function()) { return true; }
+  try {
+    const auto what = fmt::format("{}({}) called from inside a host function", call_name(op, flavour), args);
+    HANDOFF_LOG_ERROR("{}: {}: not permitted, ignored", backend_name(), what);
+    std::lock_guard lock(mutex);
+    record_violation(what);
+  } catch (...) {}
+  return false;
+}
+
+std::string_view sim_backend::impl::backend_name() const noexcept
+{
+  return flavour == sim_flavour::cuda ? "sim" : "sim-rocm";
+}
+
+device_error sim_backend::impl::make_error(const call& c, std::string_view error_name, std::string_view text) const
+{
+  return device_error(std::string(backend_name()), std::string(error_name),
+                      fmt::format("{}({}) failed: {}: {}", call_name(c.op, flavour), c.args, error_name, text));
+}
+
+void sim_backend::impl::fail(const call& c, sim_error code, std::string_view detail) const
+{
+  const auto name = error_name(code, flavour);
+  if (detail.empty()) { throw make_error(c, name, error_text(code)); }
+  throw make_error(c, name, fmt::format("{} ({})", error_text(code), detail));
+}
+
+void sim_backend::impl::check_alive(const call& c, int device) const
+{
+  const auto& dev = devices[static_cast<std::size_t>(device)];
+  if (!dev.halted.load(std::memory_order_acquire)) { return; }
+  throw make_error(c, dev.sticky_error,
+                   fmt::format("{} (sticky: device {}'s context is unusable until the process exits)",
+                               error_text(std::string_view{dev.sticky_error}), device));
+}
+
+void sim_backend::impl::record_violation(std::string what)
+{
+  HANDOFF_LOG_ERROR("{}: violation: {}", backend_name(), what);
+  violations.push_back(std::move(what));
+}
+
+// --- lookups ---------------------------------------------------------------------------------------
+
+int sim_backend::impl::current_locked() const
+{
+  auto it = current.find(this_thread_key());
+  return it == current.end() ? 0 : it->second;
+}
+
+int sim_backend::impl::using_current(const call& c)
+{
+  const int device = current_locked();
+  has_context[static_cast<std::size_t>(device)] = true;
+  check_alive(c, device);
+  return device;
+}
+
+void sim_backend::impl::make_current(std::string_view op, int device, bool push)
+{
+  const auto c = open(op, fmt::format("{}", device));
+  if (device < 0 || device >= device_count) { fail(c, sim_error::invalid_device); }
+  std::lock_guard lock(mutex);
+  check_alive(c, device);
+  const auto self = this_thread_key();
+  if (push) { pushed[self].push_back(current_locked()); }
+  current[self] = device;
+  has_context[static_cast<std::size_t>(device)] = true;
+}
+
+stream_state& sim_backend::impl::per_thread_stream(thread_key owner, int device)
+{
+  auto& slot = devices[static_cast<std::size_t>(device)].per_thread[owner];
+  if (!slot) {
+    slot = std::make_unique<stream_state>();
+    slot->device = device;
+    slot->kind = stream_kind::per_thread;
+    slot->blocking = true;
+  }
+  return *slot;
+}
+
+stream_state* sim_backend::impl::find_stream(std::uintptr_t h)
+{
+  // Default streams are the current device's.
+  const auto current_device = [this] {
+    const int device = current_locked();
+    has_context[static_cast<std::size_t>(device)] = true;
+    return device;
+  };
+  if (flavour == sim_flavour::cuda) {
+    if (h == 0 || h == 1) { return devices[static_cast<std::size_t>(current_device())].legacy.get(); }
+    if (h == 2) { return &per_thread_stream(this_thread_key(), current_device()); }
+  } else {
+    if (h == 0) { return devices[static_cast<std::size_t>(current_device())].legacy.get(); }
+    if (h == 1 || h == 2) { return nullptr; }
+    if (auto it = rocm_thread_stream_owner.find(h); it != rocm_thread_stream_owner.end()) {
+      return &per_thread_stream(it->second, current_device());
+    }
+  }
+  auto it = streams.find(h);
+  return it == streams.end() ? nullptr : it->second.get();
+}
+
+stream_state& sim_backend::impl::stream(const call& c, stream_handle h)
+{
+  auto* s = find_stream(raw(h));
+  if (s == nullptr) {
+    if (destroyed_streams.contains(raw(h))) {
+      record_violation(
+        fmt::format("{}({}) used stream {:#x} after it was destroyed", call_name(c.op, flavour), c.args, raw(h)));
+      fail(c, sim_error::invalid_handle, fmt::format("stream {:#x} was destroyed", raw(h)));
+    }
+    fail(c, sim_error::invalid_handle, fmt::format("no stream {:#x}", raw(h)));
+  }
+  check_alive(c, s->device);
+  return *s;
+}
+
+event_state& sim_backend::impl::event(const call& c, event_handle h)
+{
+  auto it = events.find(raw(h));
+  if (it == events.end()) {
+    if (destroyed_events.contains(raw(h))) {
+      record_violation(
+        fmt::format("{}({}) used event {:#x} after it was destroyed", call_name(c.op, flavour), c.args, raw(h)));
+      fail(c, sim_error::invalid_handle, fmt::format("event {:#x} was destroyed", raw(h)));
+    }
+    fail(c, sim_error::invalid_handle, fmt::format("no event {:#x}", raw(h)));
+  }
+  check_alive(c, it->second->device);
+  return *it->second;
+}
+
+std::uintptr_t sim_backend::impl::issue_handle() noexcept
+{
+  next_handle += 0x10;
+  return next_handle;
+}
+
+// --- work ------------------------------------------------------------------------------------------
+
+void sim_backend::impl::check_legacy_use(const call& c, const stream_state& s)
+{
+  if (s.kind != stream_kind::legacy) { return; }
+  bool conflict = false;
+  for_each_stream(s.device, [&](stream_state& other) {
+    if (other.kind != stream_kind::legacy && other.blocking && other.capture) {
+      other.capture->invalidated = true;
+      conflict = true;
+    }
+  });
+  if (conflict) { fail(c, sim_error::capture_implicit); }
+}
+
+work sim_backend::impl::submission(int device, stream_work w)
+{
+  auto& dev = devices[static_cast<std::size_t>(device)];
+  return work{.body = std::move(w.body),
+              .delay = w.delay,
+              .halted = &dev.halted,
+              .serial = w.host_function ? dev.host_functions : nullptr};
+}
+
+node_ptr sim_backend::impl::enqueue_locked(stream_state& s, stream_work w, node_ptr extra)
+{
+  std::vector<node_ptr> deps;
+  deps.push_back(s.tail);
+  if (extra) { deps.push_back(std::move(extra)); }
+  if (s.kind == stream_kind::legacy) {
+    for_each_stream(s.device, [&](stream_state& other) {
+      if (&other != &s && other.blocking && !is_done(other.tail)) { deps.push_back(other.tail); }
+    });
+  } else if (s.blocking) {
+    deps.push_back(devices[static_cast<std::size_t>(s.device)].legacy->tail);
+  }
+  s.tail = pool.submit(submission(s.device, std::move(w)), deps);
+  return s.tail;
+}
+
+std::size_t sim_backend::impl::capture_locked(stream_state& s, stream_work w, std::optional<std::size_t> extra)
+{
+  auto& ops = s.capture->graph.ops;
+  captured_op op{.what = std::move(w), .device = s.device, .deps = {}};
+  if (s.capture_tail) { op.deps.push_back(*s.capture_tail); }
+  if (extra && extra != s.capture_tail) { op.deps.push_back(*extra); }
+  ops.push_back(std::move(op));
+  s.capture_tail = ops.size() - 1;
+  return *s.capture_tail;
+}
+
+void sim_backend::impl::enqueue(const call& c, stream_handle h, stream_work w)
+{
+  std::lock_guard lock(mutex);
+  auto& s = stream(c, h);
+  check_legacy_use(c, s);
+  if (s.capture) {
+    (void)capture_locked(s, std::move(w));  // a node of the graph: runs at each launch, not now
+    return;
+  }
+  enqueue_locked(s, std::move(w));
+}
+
+std::vector<node_ptr> sim_backend::impl::device_tails_locked(int device)
+{
+  std::vector<node_ptr> tails;
+  for_each_stream(device, [&](stream_state& s) {
+    if (s.tail) { tails.push_back(s.tail); }
+  });
+  auto& retired = devices[static_cast<std::size_t>(device)].retired;
+  std::erase_if(retired, [](const node_ptr& n) { return is_done(n); });
+  tails.insert(tails.end(), retired.begin(), retired.end());
+  return tails;
+}
+
+void sim_backend::impl::wait_on_device(const call& c, int device, const std::vector<node_ptr>& targets)
+{
+  for (const auto& t : targets) { wait_for(t); }
+  std::lock_guard lock(mutex);
+  check_alive(c, device);
+}
+
+void* sim_backend::impl::allocate_locked(const call& c, std::size_t bytes, memory_kind kind)
+{
+  const int device = using_current(c);
+  if (bytes == 0) { return nullptr; }
+  void* p = ::operator new(bytes, allocation_alignment, std::nothrow);
+  if (p == nullptr) { fail(c, sim_error::memory_allocation); }
+  allocations.emplace(reinterpret_cast<std::uintptr_t>(p), allocation{bytes, kind, device, false});
+  HANDOFF_LOG_DEBUG("{}: {} bytes at {} on device {}", backend_name(), bytes, p, device);
+  return p;
+}
+
+void sim_backend::impl::release_allocation(std::uintptr_t base) noexcept
+{
+  std::lock_guard lock(mutex);
+  if (allocations.erase(base) != 0) { ::operator delete(reinterpret_cast<void*>(base), allocation_alignment); }
+}
+
+}  // namespace handoff::device

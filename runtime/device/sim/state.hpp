@@ -1,0 +1,212 @@
+// The simulated device's state: streams, events, allocations, captures and per-thread state, and
+// the steps every backend call opens with (host-function and fault checks, handle lookups that
+// record uses of destroyed handles, sticky errors). One mutex guards it.
+#pragma once
+
+#include "device/sim/names.hpp"
+#include "device/sim/work_queue.hpp"
+
+#include <handoff/error.hpp>
+#include <handoff/sim.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+namespace handoff::device {
+namespace sim_detail {
+
+/// Names the calling thread for per-thread state (its current device, its default stream). Unlike
+/// std::thread::id, never reused after a thread ends: a new thread starts with nothing current and
+/// its own default stream, as in CUDA, where that state is thread-local.
+enum class thread_key : std::uint64_t {};
+[[nodiscard]] thread_key this_thread_key() noexcept;
+
+/// One backend call as its errors and violations name it: the operation key and its arguments.
+struct call {
+  std::string_view op;
+  std::string args;
+};
+
+/// Work for a stream: what runs, after how long, and whether it is a host function.
+struct stream_work {
+  std::function<void()> body;  // empty for markers
+  std::chrono::nanoseconds delay{0};
+  bool host_function{false};
+};
+
+/// One operation recorded by a capture: a node of the graph.
+struct captured_op {
+  stream_work what;
+  int device{0};
+  std::vector<std::size_t> deps;  // earlier operations of the same capture
+};
+
+/// A graph: the operations a capture recorded and how they depend on each other.
+struct captured_graph {
+  std::vector<captured_op> ops;
+};
+
+struct capture_info {
+  const void* origin{nullptr};  // the stream that began the capture
+  bool invalidated{false};
+  captured_graph graph;
+};
+
+enum class stream_kind { created, legacy, per_thread };
+
+struct stream_state {
+  int device{0};
+  stream_kind kind{stream_kind::created};
+  bool blocking{true};
+  node_ptr tail;                            // the last work enqueued
+  std::shared_ptr<capture_info> capture;    // non-null while capturing
+  std::optional<std::size_t> capture_tail;  // its last operation in the capture
+};
+
+struct event_state {
+  int device{0};
+  node_ptr fence;                          // the most recent record; null: never recorded
+  std::shared_ptr<capture_info> capture;   // non-null when last recorded in a capture
+  std::optional<std::size_t> captured_at;  // the operation it was recorded after, in that capture
+};
+
+struct allocation {
+  std::size_t size{0};
+  memory_kind kind{memory_kind::device};
+  int device{0};
+  bool free_pending{false};
+};
+
+struct device_state {
+  std::unique_ptr<stream_state> legacy;
+  std::map<thread_key, std::unique_ptr<stream_state>> per_thread;
+  std::vector<node_ptr> retired;    // tails of destroyed streams whose work may still run
+  lane* host_functions{nullptr};    // the device's one host-function thread
+  std::atomic<bool> halted{false};  // a sticky error poisoned the context: nothing more runs
+  std::string sticky_error;         // its name, while halted
+};
+
+struct fault {
+  int remaining{0};
+  std::string error_name;
+};
+
+}  // namespace sim_detail
+
+struct sim_backend::impl {
+  using call = sim_detail::call;
+  using stream_state = sim_detail::stream_state;
+  using event_state = sim_detail::event_state;
+  using node_ptr = sim_detail::node_ptr;
+
+  impl(int count, sim_flavour f);
+  impl(const impl&) = delete;
+  impl& operator=(const impl&) = delete;
+  impl(impl&&) = delete;
+  impl& operator=(impl&&) = delete;
+  ~impl();
+
+  // --- opening a call ----------------------------------------------------------------------------
+
+  /// The checks every throwing call makes before it looks at any state: not from inside a host
+  /// function (cudaErrorNotPermitted, and a violation), then an injected fault.
+  call open(std::string_view op, std::string args);
+  /// The same for a noexcept call; false (after logging) when it must not go on.
+  bool open_quiet(std::string_view op, std::string_view args) noexcept;
+
+  [[nodiscard]] std::string_view backend_name() const noexcept;
+  [[nodiscard]] device_error make_error(const call& c, std::string_view error_name, std::string_view text) const;
+  [[noreturn]] void fail(const call& c, sim_detail::sim_error code, std::string_view detail = {}) const;
+  /// Throws the device's sticky error, if it has one. Mutex held.
+  void check_alive(const call& c, int device) const;
+  /// Records a use the runtime leaves undefined. Mutex held.
+  void record_violation(std::string what);
+
+  // --- lookups (mutex held) ----------------------------------------------------------------------
+
+  [[nodiscard]] int current_locked() const;
+  /// The current device for a call that works on it: as in CUDA, the call gives the device a
+  /// context (lazily, on first use) if it has none, and fails with its sticky error.
+  int using_current(const call& c);
+  /// set_current_device and push_current_device.
+  void make_current(std::string_view op, int device, bool push);
+  stream_state& per_thread_stream(sim_detail::thread_key owner, int device);
+  /// The stream behind a handle (default streams: the current device's), or nullptr.
+  stream_state* find_stream(std::uintptr_t h);
+  /// The stream behind `h`; fails (and records a violation if it was destroyed) when there is none.
+  stream_state& stream(const call& c, stream_handle h);
+  event_state& event(const call& c, event_handle h);
+  /// A fresh handle value, never reused, so that a destroyed handle is always recognized.
+  std::uintptr_t issue_handle() noexcept;
+
+  template <class F>
+  void for_each_stream(int device, F&& f)
+  {
+    auto& dev = devices[static_cast<std::size_t>(device)];
+    f(*dev.legacy);
+    for (auto& [owner, s] : dev.per_thread) { f(*s); }
+    for (auto& [h, s] : streams) {
+      if (s->device == device) { f(*s); }
+    }
+  }
+
+  // --- work (mutex held) -------------------------------------------------------------------------
+
+  /// CUDA's rule: while a blocking stream captures, touching its device's legacy stream is an
+  /// error that invalidates the capture (the legacy stream would depend on captured work).
+  void check_legacy_use(const call& c, const stream_state& s);
+  /// How work of `device` is submitted: skipped once the device is halted; host functions on its lane.
+  sim_detail::work submission(int device, sim_detail::stream_work w);
+  /// Appends work to `s` with CUDA's implicit legacy-stream dependencies.
+  node_ptr enqueue_locked(stream_state& s, sim_detail::stream_work w, node_ptr extra = nullptr);
+  /// Records work into the capture of `s`; returns its operation index.
+  std::size_t capture_locked(stream_state& s, sim_detail::stream_work w, std::optional<std::size_t> extra = {});
+  /// The public entry point for stream work: checks, then captures or enqueues.
+  void enqueue(const call& c, stream_handle h, sim_detail::stream_work w);
+  std::vector<node_ptr> device_tails_locked(int device);
+  /// Blocks (mutex not held) until `target` is done, then fails if the device halted meanwhile.
+  void wait_on_device(const call& c, int device, const std::vector<node_ptr>& targets);
+
+  void* allocate_locked(const call& c, std::size_t bytes, memory_kind kind);
+  void release_allocation(std::uintptr_t base) noexcept;
+
+  sim_flavour flavour;
+  int device_count;
+
+  mutable std::mutex mutex;  // guards everything below except the faults and the pool
+  std::vector<sim_detail::device_state> devices;
+  std::unordered_map<std::uintptr_t, std::unique_ptr<stream_state>> streams;
+  std::unordered_map<std::uintptr_t, std::unique_ptr<event_state>> events;
+  std::unordered_set<std::uintptr_t> destroyed_streams;
+  std::unordered_set<std::uintptr_t> destroyed_events;
+  std::uintptr_t next_handle{0x5100};
+  std::vector<std::string> violations;
+  std::map<std::uintptr_t, sim_detail::allocation> allocations;  // by base address
+  std::unordered_map<sim_detail::thread_key, int> current;
+  std::unordered_map<sim_detail::thread_key, std::vector<int>> pushed;  // each thread's devices before its pushes
+  std::vector<bool> has_context;  // per device: used, so CUDA would have made its primary context
+  // sim-rocm names each thread's default stream by a handle of its own (1 and 2 are not handles there).
+  std::unordered_map<sim_detail::thread_key, std::uintptr_t> rocm_thread_streams;
+  std::unordered_map<std::uintptr_t, sim_detail::thread_key> rocm_thread_stream_owner;
+
+  std::mutex fault_mutex;
+  std::unordered_map<std::string, sim_detail::fault> faults;
+
+  std::atomic<std::chrono::nanoseconds::rep> copy_duration{0};  // how long each copy_async occupies its stream
+
+  sim_detail::worker_pool pool;  // last: destroyed (drained) first
+};
+
+}  // namespace handoff::device

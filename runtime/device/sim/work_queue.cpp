@@ -1,0 +1,205 @@
+#if defined(__SANITIZE_THREAD__) && !defined(BOOST_ASIO_DISABLE_FENCED_BLOCK)
+// Asio's fenced blocks use std::atomic_thread_fence, which TSan does not model (-Wtsan). Handlers
+// reach the workers through the io_context's mutex-protected queue, which TSan does see. (Every
+// TU that includes Asio should agree on this; the build may define it for all of them.)
+#define BOOST_ASIO_DISABLE_FENCED_BLOCK 1
+#endif
+
+#include "device/sim/work_queue.hpp"
+
+#include "log/logger.hpp"
+
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/strand.hpp>
+
+#include <deque>
+#include <exception>
+#include <thread>
+#include <utility>
+
+namespace handoff::device::sim_detail {
+
+namespace asio = boost::asio;
+using std::chrono::nanoseconds;
+
+namespace {
+
+constexpr unsigned worker_threads = 8;  // host functions may block; keep a few spare workers
+
+thread_local bool in_host_function = false;
+
+}  // namespace
+
+struct node {
+  work what;
+  bool trivial{false};                  // no body and no delay: completes where it becomes ready
+  std::atomic<std::size_t> pending{1};  // unfinished dependencies, plus one held by submit()
+  std::mutex mutex;
+  std::condition_variable done_cv;
+  bool done{false};                  // guarded by mutex
+  std::vector<node_ptr> dependents;  // guarded by mutex; released when done
+};
+
+class lane {
+ public:
+  explicit lane(asio::io_context& io) : strand_(asio::make_strand(io)) {}
+  asio::strand<asio::io_context::executor_type>& strand() noexcept { return strand_; }
+
+ private:
+  asio::strand<asio::io_context::executor_type> strand_;
+};
+
+bool inside_host_function() noexcept
+{
+  return in_host_function;
+}
+
+bool is_done(const node_ptr& n)
+{
+  if (!n) { return true; }
+  std::lock_guard lock(n->mutex);
+  return n->done;
+}
+
+void wait_for(const node_ptr& n)
+{
+  if (!n) { return; }
+  std::unique_lock lock(n->mutex);
+  n->done_cv.wait(lock, [&] { return n->done; });
+}
+
+struct worker_pool::state {
+  state() : guard(asio::make_work_guard(io))
+  {
+    threads.reserve(worker_threads);
+    for (unsigned i = 0; i < worker_threads; ++i) {
+      threads.emplace_back([this] { io.run(); });
+    }
+  }
+
+  void start(const node_ptr& n)
+  {
+    if (n->trivial) {
+      complete(n);
+    } else if (n->what.delay > nanoseconds::zero()) {
+      auto timer = std::make_shared<asio::steady_timer>(io, n->what.delay);
+      timer->async_wait([this, n, timer](const boost::system::error_code&) { dispatch(n); });
+    } else {
+      dispatch(n);
+    }
+  }
+
+  void dispatch(const node_ptr& n)
+  {
+    if (n->what.serial != nullptr) {
+      asio::post(n->what.serial->strand(), [this, n] { run(n); });
+    } else {
+      asio::post(io, [this, n] { run(n); });
+    }
+  }
+
+  void run(const node_ptr& n) noexcept
+  {
+    const bool halted = n->what.halted != nullptr && n->what.halted->load(std::memory_order_acquire);
+    if (n->what.body && !halted) {
+      auto body = std::move(n->what.body);
+      in_host_function = n->what.serial != nullptr;
+      try {
+        body();
+      } catch (const std::exception& e) {
+        HANDOFF_LOG_ERROR("sim: stream work threw: {}", e.what());
+      } catch (...) {
+        HANDOFF_LOG_ERROR("sim: stream work threw a non-standard exception");
+      }
+      in_host_function = false;
+    }
+    n->what.body = nullptr;  // a skipped body's captures go now, not with the last reference
+    complete(n);
+  }
+
+  // Iterative so that a long chain of markers does not recurse.
+  void complete(const node_ptr& first) noexcept
+  {
+    std::vector<node_ptr> ready{first};
+    while (!ready.empty()) {
+      node_ptr n = std::move(ready.back());
+      ready.pop_back();
+      std::vector<node_ptr> dependents;
+      {
+        std::lock_guard lock(n->mutex);
+        n->done = true;
+        dependents.swap(n->dependents);
+        n->done_cv.notify_all();
+      }
+      for (auto& d : dependents) {
+        if (d->pending.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+          if (d->trivial) {
+            ready.push_back(std::move(d));
+          } else {
+            start(d);
+          }
+        }
+      }
+      std::lock_guard lock(count_mutex);
+      if (--outstanding == 0) { idle_cv.notify_all(); }
+    }
+  }
+
+  asio::io_context io;
+  asio::executor_work_guard<asio::io_context::executor_type> guard;
+  std::vector<std::thread> threads;
+  std::deque<lane> lanes;  // stable addresses
+  std::mutex count_mutex;
+  std::condition_variable idle_cv;
+  std::size_t outstanding{0};  // guarded by count_mutex
+};
+
+worker_pool::worker_pool() : state_(std::make_unique<state>()) {}
+
+worker_pool::~worker_pool()
+{
+  shutdown();
+}
+
+void worker_pool::shutdown() noexcept
+{
+  {
+    std::unique_lock lock(state_->count_mutex);
+    state_->idle_cv.wait(lock, [&] { return state_->outstanding == 0; });
+  }
+  state_->guard.reset();
+  for (auto& t : state_->threads) {
+    if (t.joinable()) { t.join(); }
+  }
+}
+
+lane& worker_pool::make_lane()
+{
+  return state_->lanes.emplace_back(state_->io);
+}
+
+node_ptr worker_pool::submit(work w, const std::vector<node_ptr>& deps)
+{
+  auto n = std::make_shared<node>();
+  n->trivial = !w.body && w.delay <= nanoseconds::zero();
+  n->what = std::move(w);
+  {
+    std::lock_guard lock(state_->count_mutex);
+    ++state_->outstanding;
+  }
+  for (const auto& dep : deps) {
+    if (!dep) { continue; }
+    std::lock_guard lock(dep->mutex);
+    if (!dep->done) {
+      dep->dependents.push_back(n);
+      n->pending.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+  if (n->pending.fetch_sub(1, std::memory_order_acq_rel) == 1) { state_->start(n); }
+  return n;
+}
+
+}  // namespace handoff::device::sim_detail

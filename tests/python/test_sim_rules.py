@@ -1,0 +1,147 @@
+"""The CUDA rules the simulator enforces where lifetime and teardown go wrong, seen from Python:
+captured work runs per graph launch (and a view dropped during a capture is released once, not at
+every launch), a sticky error halts a device (and exit does not wait for what it will never run),
+a destroyed stream used later is a violation."""
+
+from __future__ import annotations
+
+import time
+import os
+import textwrap
+
+import numpy as np
+import pytest
+
+import handoff
+from conftest import run_python, live_views
+
+BACKEND = handoff.runtime_info()["backend"]
+pytestmark = pytest.mark.skipif(
+    not BACKEND.startswith("sim"), reason=f"needs HANDOFF_BACKEND=sim or sim-rocm (backend is {BACKEND!r})"
+)
+if BACKEND.startswith("sim"):
+    from handoff import sim
+
+STICKY = "hipErrorIllegalAddress" if BACKEND == "sim-rocm" else "cudaErrorIllegalAddress"
+
+
+def test_captured_work_runs_once_per_launch_and_not_before():
+    stream = sim.Stream(non_blocking=True)
+    array = sim.zeros(64)
+    sim.begin_capture(stream)
+    sim.fill(array, 3.0, stream=stream)
+    graph = sim.end_capture(stream)
+    assert len(graph) == 1
+    sim.synchronize()
+    assert sim.to_numpy(array, stream=stream)[0] == 0.0, "captured work ran without a launch"
+    graph.launch(stream)
+    assert np.all(sim.to_numpy(array, stream=stream) == 3.0)
+
+
+def test_a_view_dropped_during_a_capture_is_released_once_whatever_the_launches(settled):
+    consumer = sim.Stream(non_blocking=False)
+    source = sim.zeros(64)
+    sim.fill(source, 2.0, stream=consumer)
+    sim.synchronize()
+    sim.begin_capture(consumer)
+    view = handoff.from_dlpack(source, stream=consumer)
+    sim.fill(source, 4.0, stream=consumer)  # captured work that reads nothing of the release
+    del view  # its release must not become a node of the graph
+    graph = sim.end_capture(consumer)
+    for _ in range(3):
+        graph.launch(consumer)
+    sim.synchronize()
+    sim.drain()
+    del source
+    sim.synchronize()
+    sim.drain()
+    assert live_views() == settled, "the producer was not released exactly once"
+
+
+def test_using_a_destroyed_stream_is_recorded_as_a_violation():
+    stream = sim.Stream(non_blocking=True)
+    handle = stream.handle
+    del stream  # destroyed with its object
+    with pytest.raises(handoff.DeviceError):
+        sim.fill(sim.zeros(4), 1.0, stream=handle)
+    found = sim.violations()
+    sim.clear_violations()  # the fixture would fail this test otherwise
+    assert len(found) == 1 and "after it was destroyed" in found[0], found
+
+
+def test_a_sticky_error_fails_every_later_call_on_its_device():
+    stream = sim.Stream(non_blocking=True)
+    array = sim.zeros(16)
+    sim.inject_sticky_fault(0, STICKY)
+    try:
+        with pytest.raises(handoff.DeviceError) as failure:
+            sim.fill(array, 1.0, stream=stream)
+        assert failure.value.error_name == STICKY
+        with pytest.raises(handoff.DeviceError):
+            handoff.from_dlpack(array, stream=stream)
+    finally:
+        sim.clear_sticky_fault(0)
+
+
+STICKY_AT_EXIT = textwrap.dedent(
+    """
+    import handoff
+    from handoff import sim
+    stream = sim.Stream(non_blocking=True)
+    source = sim.zeros(1024)
+    sim.fill(source, 1.0, stream=stream, delay=0.3)
+    view = handoff.from_dlpack(source, stream=stream)
+    del view  # its release is queued on the stream, behind the slow write
+    sim.inject_sticky_fault(0, "{error}")  # the stream will never get there
+    print("exiting", flush=True)
+    """
+)
+
+
+def test_exit_after_a_sticky_error_abandons_what_will_never_run_at_once_and_says_so():
+    start = time.monotonic()
+    result = run_python(STICKY_AT_EXIT.format(error=STICKY), HANDOFF_LOG_LEVEL="warn")
+    took = time.monotonic() - start
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "exiting\n"
+    assert "abandoned" in result.stderr and STICKY in result.stderr, result.stderr
+    # Bounded by the device error, not by the 10 s exit limit.
+    assert took < 5.0, f"exit took {took:.1f} s"
+
+
+FOREIGN_DELETER_AT_EXIT = textwrap.dedent(
+    """
+    import ctypes, sys
+    sys.path.insert(0, {tests!r})
+    import handoff
+    from handoff import sim
+    from conftest import HandMadeTensor, CUDA
+
+    source = sim.zeros(1024)
+    # A producer whose deleter takes the GIL, as CuPy's and PyTorch's do (a ctypes callback does).
+    tensor = HandMadeTensor(source.__cuda_array_interface__["data"][0], (1024,), device=(CUDA, 0))
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(tensor))  # its deleter's code outlives the interpreter
+
+    class Producer:
+        def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+            return tensor.capsule()
+
+        def __dlpack_device__(self):
+            return (CUDA, 0)
+
+    stream = sim.Stream(non_blocking=True)
+    sim.fill(source, 1.0, stream=stream, delay={delay})
+    view = handoff.from_dlpack(Producer(), stream=stream)  # dropped with the module's globals
+    print("exiting", flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(BACKEND != "sim", reason="the producer exports through the CUDA Array Interface's pointer")
+@pytest.mark.parametrize("delay", [0.0, 0.02, 0.2])
+def test_a_foreign_deleter_that_takes_the_gil_never_runs_once_python_is_finalizing(delay):
+    code = FOREIGN_DELETER_AT_EXIT.format(tests=os.path.dirname(os.path.abspath(__file__)), delay=delay)
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "exiting\n"
+    assert "terminate" not in result.stderr and "Fatal" not in result.stderr, result.stderr
