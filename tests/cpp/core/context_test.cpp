@@ -119,10 +119,10 @@ TEST_P(ContextTest, ReleasesReuseTheirEvents)
   const auto consumer = stream_on(0);
   std::atomic<int> released{0};
   const auto release_many = [&] {
+    sim.enqueue_sleep(consumer, slow);  // all 300 pending at once, whatever the machine's load
     for (int i = 0; i < 300; ++i) {
       producer_ref owner{[&] { ++released; }};
       owner.release_after({.ctx = &ctx, .device = 0, .stream = consumer, .stream_owner = nullptr});
-      sim.enqueue_sleep(consumer, std::chrono::microseconds{50});
     }
     ctx.drain();
   };
