@@ -5,6 +5,7 @@
 #include "log/logger.hpp"
 
 #include <algorithm>
+#include <list>
 #include <optional>
 #include <string>
 #include <unordered_set>
@@ -21,6 +22,10 @@ constexpr std::chrono::milliseconds exit_poll{5};
 // off to the longest interval while the streams are busy.
 constexpr std::chrono::microseconds min_release_poll{20};
 constexpr std::chrono::milliseconds max_release_poll{1};
+// How long, and for how many releases, a stream's newest release group takes more: bounded, so that
+// a stream that never idles still releases its producers in steps.
+constexpr std::chrono::milliseconds group_window{1};
+constexpr std::size_t max_group_size = 64;
 
 std::uintptr_t raw(device::stream_handle s) noexcept
 {
@@ -58,12 +63,20 @@ void keep_until_exit(const Releases& abandoned) noexcept
 
 }  // namespace
 
-// A release waiting for a consumer stream: for the event recorded there, which the executor polls.
+// Releases asked for on one stream within a short window share one event, re-recorded for each,
+// so that a burst of releases does not take an event each.
+struct context::release_group {
+  stream_key where;
+  pooled_event reached;
+  std::vector<pending_release*> releases;
+  std::chrono::steady_clock::time_point opened;
+};
+
+// A release waiting for a consumer stream: for the event of its group, which the executor polls.
 struct context::pending_release {
   std::shared_ptr<shared_state> shared;
   stream_key where;
   std::function<void()> release_producer;
-  std::optional<pooled_event> reached;  // recorded on the stream when the release was asked for
 
   // On the executor (or, failing that, where the stream reached it), while the context lives.
   void run(context& owner) noexcept
@@ -206,7 +219,7 @@ void context::release_after(int device, device::stream_handle stream, std::funct
 {
   pending_release* pending = nullptr;
   try {
-    pending = new pending_release{shared_, {device, stream}, std::move(release), std::nullopt};
+    pending = new pending_release{shared_, {device, stream}, std::move(release)};
     {
       std::lock_guard lock{shared_->mutex};
       shared_->outstanding.insert(pending);
@@ -246,13 +259,36 @@ void context::enqueue_release(pending_release* pending) noexcept
   const auto [device, stream] = pending->where;  // copied below: clang 14 cannot capture bindings
   try {
     device_guard on_owner{backend_, device};
-    pending->reached.emplace(events_.acquire(device));
-    backend_.record_event(pending->reached->get(), stream);
+    std::lock_guard lock{watch_mutex_};
+    const auto now = std::chrono::steady_clock::now();
+    release_group* open = nullptr;
+    for (auto it = watched_.rbegin(); it != watched_.rend(); ++it) {  // the stream's newest group
+      if (it->where != pending->where) { continue; }
+      if (it->releases.size() < max_group_size && now - it->opened < group_window) { open = &*it; }
+      break;
+    }
+    if (open != nullptr) {
+      // Re-recorded: the event now also covers the work this release waits for. The earlier
+      // releases of the group wait a little longer, never less.
+      open->releases.push_back(pending);
+      try {
+        backend_.record_event(open->reached.get(), stream);
+      } catch (...) {
+        open->releases.pop_back();
+        throw;
+      }
+    } else {
+      release_group group{pending->where, events_.acquire(device), {pending}, now};
+      backend_.record_event(group.reached.get(), stream);
+      watched_.push_back(std::move(group));
+      if (!polling_) {
+        polling_ = true;
+        poll_later(min_release_poll);
+      }
+    }
     count(counter::deferred_releases);
-    watch(pending);
     return;
   } catch (const std::exception& e) {
-    pending->reached.reset();
     HANDOFF_LOG_WARN("deferred release: cannot record an event on stream {:#x} ({}); waiting for the stream instead",
                      raw(stream), e.what());
   }
@@ -280,32 +316,6 @@ void context::enqueue_release(pending_release* pending) noexcept
   }
 }
 
-void context::watch(pending_release* pending) noexcept
-{
-  std::lock_guard lock{watch_mutex_};
-  try {
-    watched_.push_back(pending);
-  } catch (...) {  // out of memory: wait for the stream on the executor instead
-    pending->reached.reset();
-    deferred_->post([this, pending]() noexcept {
-      try {
-        device_guard on_owner{backend_, pending->where.first};
-        backend_.synchronize_stream(pending->where.second);
-      } catch (...) {
-        finished_one(pending->where);  // kept, never released early
-        return;
-      }
-      pending->run(*this);
-      pending_release::retire(pending);
-    });
-    return;
-  }
-  if (!polling_) {
-    polling_ = true;
-    poll_later(min_release_poll);
-  }
-}
-
 void context::poll_later(std::chrono::nanoseconds interval) noexcept
 {
   const auto poll = [this, shared = shared_, interval]() noexcept {
@@ -324,20 +334,20 @@ void context::poll_later(std::chrono::nanoseconds interval) noexcept
 
 void context::poll_releases(std::chrono::nanoseconds interval) noexcept
 {
-  std::vector<pending_release*> watched;
+  std::list<release_group> watched;
   {
     std::lock_guard lock{watch_mutex_};
-    watched.swap(watched_);
+    watched.splice(watched.end(), watched_);  // out of reach: no release joins a group being looked at
   }
   // Grouped by device, so that each device is made current once per look.
-  std::stable_sort(watched.begin(), watched.end(),
-                   [](const pending_release* a, const pending_release* b) { return a->where.first < b->where.first; });
+  watched.sort([](const release_group& a, const release_group& b) { return a.where.first < b.where.first; });
   std::vector<pending_release*> reached;
-  std::vector<pending_release*> waiting;
+  std::list<release_group> waiting;
   std::optional<device_guard> on_device;
   int current = -1;  // the device on_device made current
-  for (auto* pending : watched) {
-    const int device = pending->where.first;
+  while (!watched.empty()) {
+    auto group = watched.begin();
+    const auto [device, stream] = group->where;
     try {
       if (current != device) {
         current = -1;
@@ -345,24 +355,29 @@ void context::poll_releases(std::chrono::nanoseconds interval) noexcept
         on_device.emplace(backend_, device);
         current = device;
       }
-      (backend_.query_event(pending->reached->get()) ? reached : waiting).push_back(pending);
+      if (!backend_.query_event(group->reached.get())) {
+        waiting.splice(waiting.end(), watched, group);
+        continue;
+      }
+      reached.insert(reached.end(), group->releases.begin(), group->releases.end());
     } catch (const std::exception& e) {
-      // Nothing says when the consumer is done (a device error): the producer is kept, never
+      // Nothing says when the consumer is done (a device error): the producers are kept, never
       // released early.
-      HANDOFF_LOG_ERROR("deferred release: stream {:#x} of device {} cannot be waited for ({}); its producer is kept",
-                        raw(pending->where.second), device, e.what());
-      pending->reached.reset();
-      finished_one(pending->where);
+      HANDOFF_LOG_ERROR("deferred release: stream {:#x} of device {} cannot be waited for ({}); {} producer(s) kept",
+                        raw(stream), device, e.what(), group->releases.size());
+      for (auto* pending : group->releases) { finished_one(pending->where); }
+    } catch (...) {
+      for (auto* pending : group->releases) { finished_one(pending->where); }
     }
+    watched.erase(group);  // its event goes back to the pool first: a release may import again
   }
   on_device.reset();
   for (auto* pending : reached) {
-    pending->reached.reset();  // the event goes back to the pool first: a release may import again
     pending->run(*this);
     pending_release::retire(pending);
   }
   std::lock_guard lock{watch_mutex_};
-  watched_.insert(watched_.end(), waiting.begin(), waiting.end());
+  watched_.splice(watched_.begin(), waiting);  // older than what was added meanwhile
   if (watched_.empty()) {
     polling_ = false;
     return;

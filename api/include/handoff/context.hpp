@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <functional>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -75,9 +76,9 @@ class context {
  private:
   using stream_key = std::pair<int, device::stream_handle>;  // (device, stream)
   struct pending_release;
+  struct release_group;
   struct shared_state;
   void enqueue_release(pending_release* pending) noexcept;
-  void watch(pending_release* pending) noexcept;
   void poll_later(std::chrono::nanoseconds interval) noexcept;
   void poll_releases(std::chrono::nanoseconds interval) noexcept;
   void when_not_capturing(pending_release* pending) noexcept;
@@ -90,10 +91,10 @@ class context {
   std::size_t pending_{0};                       // deferred releases not yet run
   std::map<stream_key, std::size_t> by_stream_;  // the same, by the stream they wait for
   std::mutex watch_mutex_;
-  std::vector<pending_release*> watched_;  // recorded; the executor polls their events
-  bool polling_{false};                    // a poll is scheduled (guarded by watch_mutex_)
-  bool exit_drained_{false};               // drain_at_exit ran
-  std::size_t abandoned_at_exit_{0};       // and left this many pending
+  std::list<release_group> watched_;  // recorded; the executor polls their events
+  bool polling_{false};               // a poll is scheduled (guarded by watch_mutex_)
+  bool exit_drained_{false};          // drain_at_exit ran
+  std::size_t abandoned_at_exit_{0};  // and left this many pending
   // What a host function still queued on a stream reaches: it outlives the context, so that a
   // release abandoned at exit touches nothing when its host function runs after all.
   std::shared_ptr<shared_state> shared_;
