@@ -104,7 +104,8 @@ def test_exit_after_a_sticky_error_abandons_what_will_never_run_at_once_and_says
     took = time.monotonic() - start
     assert result.returncode == 0, result.stderr
     assert result.stdout == "exiting\n"
-    assert "abandoned" in result.stderr and STICKY in result.stderr, result.stderr
+    # Said once, by whichever looked first: the release's poller (kept) or the exit drain (abandoned).
+    assert STICKY in result.stderr and ("kept" in result.stderr or "abandoned" in result.stderr), result.stderr
     # Bounded by the device error, not by the 10 s exit limit.
     assert took < 5.0, f"exit took {took:.1f} s"
 
