@@ -49,6 +49,11 @@ void stream_view::wait(stream_view producer, int device, event_pool& events) con
                     fmt::format("cannot order stream {:#x} before stream {:#x}: only one of them is capturing into "
                                 "a graph",
                                 raw(producer.handle_), raw(handle_)));
+    // Asked before anything is recorded: a wait across two captures would invalidate both.
+    HANDOFF_EXPECTS(b.stream_capture_id(producer.handle_) == b.stream_capture_id(handle_), buffer_error,
+                    fmt::format("cannot order stream {:#x} before stream {:#x}: they are capturing into two "
+                                "different graphs",
+                                raw(producer.handle_), raw(handle_)));
   }
 
   const int producer_device = b.stream_device(producer.handle_);

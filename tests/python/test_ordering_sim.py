@@ -333,6 +333,21 @@ def test_graph_capture_never_touches_the_default_stream():
     assert sim.to_numpy(array, stream=outsider)[0] == 0.0  # captured work is not launched
 
 
+def test_two_captures_into_different_graphs_are_refused_before_either_is_invalidated():
+    producer = sim.Stream(non_blocking=True)
+    consumer = sim.Stream(non_blocking=True)
+    array = sim.zeros(N)
+    sim.begin_capture(producer)
+    sim.begin_capture(consumer)
+    try:
+        sim.fill(array, 1.0, stream=producer)  # captured: the array is ready on the capturing producer
+        with pytest.raises(BufferError, match="two different graphs"):
+            array.__dlpack__(stream=consumer.handle, max_version=(1, 1))
+    finally:
+        sim.end_capture(consumer)  # neither capture was invalidated: both end cleanly
+        sim.end_capture(producer)
+
+
 def test_copy_to_the_host_waits_for_the_pending_write(streams):
     producer, _ = streams
     source = pending_write(producer, value=2.5)

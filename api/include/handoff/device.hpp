@@ -75,6 +75,9 @@ class backend {
   /// False for streams created non-blocking, which do not synchronize with the legacy default.
   [[nodiscard]] virtual bool stream_is_blocking(stream_handle stream) = 0;
   [[nodiscard]] virtual capture_status stream_capture_status(stream_handle stream) = 0;
+  /// The id of the capture `stream` takes part in (cudaStreamGetCaptureInfo); 0 when it captures
+  /// nothing. Streams that joined one capture share its id.
+  [[nodiscard]] virtual std::uint64_t stream_capture_id(stream_handle stream) = 0;
   /// Blocks the calling thread until all work on `stream` is done.
   virtual void synchronize_stream(stream_handle stream) = 0;
   /// Blocks the calling thread until all work on the current device is done.

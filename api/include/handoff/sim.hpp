@@ -79,6 +79,7 @@ class sim_backend final : public backend {
   [[nodiscard]] int stream_device(stream_handle stream) override;
   [[nodiscard]] bool stream_is_blocking(stream_handle stream) override;
   [[nodiscard]] capture_status stream_capture_status(stream_handle stream) override;
+  [[nodiscard]] std::uint64_t stream_capture_id(stream_handle stream) override;
   void synchronize_stream(stream_handle stream) override;
   void synchronize_device() override;
   [[nodiscard]] event_handle create_event() override;

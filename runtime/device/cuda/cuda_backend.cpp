@@ -208,6 +208,14 @@ class cuda_backend final : public backend {
     }
   }
 
+  [[nodiscard]] std::uint64_t stream_capture_id(stream_handle stream) override
+  {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    unsigned long long id = 0;
+    HANDOFF_CUDA_TRY(cudaStreamGetCaptureInfo(to_native(stream), &status, &id));
+    return status == cudaStreamCaptureStatusNone ? 0 : static_cast<std::uint64_t>(id);
+  }
+
   void synchronize_stream(stream_handle stream) override { HANDOFF_CUDA_TRY(cudaStreamSynchronize(to_native(stream))); }
 
   void synchronize_device() override { HANDOFF_CUDA_TRY(cudaDeviceSynchronize()); }

@@ -32,6 +32,7 @@ void sim_backend::begin_capture(stream_handle stream)
   }
   if (s.capture) { impl_->fail(c, sim_error::illegal_state, "the stream is already capturing"); }
   s.capture = std::make_shared<capture_info>();
+  s.capture->id = ++impl_->next_capture_id;
   s.capture->origin = &s;
   s.capture_tail.reset();
 }

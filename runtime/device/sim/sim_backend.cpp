@@ -184,6 +184,18 @@ capture_status sim_backend::stream_capture_status(stream_handle stream)
   return s.capture->invalidated ? capture_status::invalidated : capture_status::active;
 }
 
+std::uint64_t sim_backend::stream_capture_id(stream_handle stream)
+{
+  const auto c = impl_->open("stream_capture_id", fmt::format("{:#x}", raw(stream)));
+  std::lock_guard lock(impl_->mutex);
+  auto& s = impl_->stream(c, stream);
+  if (s.kind == stream_kind::legacy) {
+    impl_->check_legacy_use(c, s);
+    return 0;
+  }
+  return s.capture ? s.capture->id : 0;
+}
+
 void sim_backend::synchronize_stream(stream_handle stream)
 {
   const auto c = impl_->open("synchronize_stream", fmt::format("{:#x}", raw(stream)));

@@ -59,6 +59,7 @@ struct captured_graph {
 };
 
 struct capture_info {
+  std::uint64_t id{0};
   const void* origin{nullptr};  // the stream that began the capture
   bool invalidated{false};
   captured_graph graph;
@@ -192,6 +193,7 @@ struct sim_backend::impl {
   std::unordered_set<std::uintptr_t> destroyed_streams;
   std::unordered_set<std::uintptr_t> destroyed_events;
   std::uintptr_t next_handle{0x5100};
+  std::uint64_t next_capture_id{0};
   std::vector<std::string> violations;
   std::map<std::uintptr_t, sim_detail::allocation> allocations;  // by base address
   std::unordered_map<sim_detail::thread_key, int> current;

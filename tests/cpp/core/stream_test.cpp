@@ -159,6 +159,35 @@ TEST_P(StreamWaitTest, CaptureNeverTouchesTheLegacyStream)
   (void)sim.end_capture(producer);  // not invalidated: the legacy stream was never used
 }
 
+TEST_P(StreamWaitTest, TwoCapturesIntoDifferentGraphsAreRefusedBeforeEitherIsInvalidated)
+{
+  const auto producer = stream_on(0);
+  const auto consumer = stream_on(0);
+  sim.begin_capture(producer);
+  sim.begin_capture(consumer);
+  EXPECT_NE(sim.stream_capture_id(producer), sim.stream_capture_id(consumer));
+  EXPECT_THROW(view(consumer).wait(view(producer), 0, events), buffer_error);
+  EXPECT_EQ(sim.stream_capture_status(producer), device::capture_status::active);
+  EXPECT_EQ(sim.stream_capture_status(consumer), device::capture_status::active);
+  (void)sim.end_capture(consumer);  // neither was invalidated
+  (void)sim.end_capture(producer);
+
+  // One capture that the consumer joined is ordered as usual.
+  sim.begin_capture(producer);
+  const auto fork = sim.create_event();
+  sim.record_event(fork, producer);
+  sim.stream_wait_event(consumer, fork);
+  EXPECT_EQ(sim.stream_capture_id(producer), sim.stream_capture_id(consumer));
+  EXPECT_NO_THROW(view(consumer).wait(view(producer), 0, events));
+  const auto join = sim.create_event();
+  sim.record_event(join, consumer);
+  sim.stream_wait_event(producer, join);
+  EXPECT_EQ(sim.end_capture(producer).size(), 6U);
+  EXPECT_EQ(sim.stream_capture_id(producer), 0U);
+  sim.destroy_event(fork);
+  sim.destroy_event(join);
+}
+
 TEST_P(StreamWaitTest, FaultsLeaveNoLeakAndRestoreTheDevice)
 {
   // With two devices the data is on device 1, so the switch to it (a push) is faulted too; with one,

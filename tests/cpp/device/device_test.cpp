@@ -505,6 +505,7 @@ TEST_P(DeviceTest, InjectedFaultsFailEachOperationOnce)
     {"stream_device", [&] { (void)b().stream_device(blocking); }},
     {"stream_is_blocking", [&] { (void)b().stream_is_blocking(blocking); }},
     {"stream_capture_status", [&] { (void)b().stream_capture_status(blocking); }},
+    {"stream_capture_id", [&] { (void)b().stream_capture_id(blocking); }},
     {"synchronize_stream", [&] { b().synchronize_stream(blocking); }},
     {"synchronize_device", [&] { b().synchronize_device(); }},
     {"create_event", [&] { b().destroy_event(b().create_event()); }},
