@@ -1,5 +1,6 @@
 #include <handoff/error.hpp>
 #include <handoff/runtime.hpp>
+#include <handoff/stream_value.hpp>
 
 #include "device/backend_factory.hpp"
 #include "log/logger.hpp"
@@ -22,6 +23,7 @@ struct started_backend {
   std::unique_ptr<context> exchange;  // after backend: destroyed first, draining deferred releases
   std::string error_name;             // set when a backend named explicitly failed to start
   std::string error;
+  std::string fallback_error_name;  // set when `auto` found no usable CUDA device and fell back to none
 };
 
 started_backend start()
@@ -33,6 +35,7 @@ started_backend start()
   if (requested == "auto") {
     if (!device::cuda_compiled_in()) {
       out.error = "the CUDA backend was not compiled in";
+      out.fallback_error_name = "handoffErrorNoBackend";
       return out;
     }
     try {
@@ -40,6 +43,7 @@ started_backend start()
       out.name = "cuda";
     } catch (const device_error& e) {
       out.error = e.what();  // no usable device: run without a backend
+      out.fallback_error_name = e.error_name();
       HANDOFF_LOG_INFO("HANDOFF_BACKEND=auto: no CUDA device ({}); backend is none", e.what());
     }
     return out;
@@ -102,6 +106,19 @@ device::backend& require_backend(const char* what)
   return *b;
 }
 
+void require_ordering(DLDeviceType type)
+{
+  if (!is_cuda_device(type) || active_backend() != nullptr) { return; }
+  const auto& s = started();
+  if (s.fallback_error_name.empty()) { return; }  // HANDOFF_BACKEND=none: exchanged as it comes
+  throw device_error(
+    "cuda", s.fallback_error_name,
+    fmt::format("{} data needs ordering, and HANDOFF_BACKEND=auto could not start the CUDA backend: {}. The "
+                "exchange is refused rather than made unordered: pass stream=-1 where the consumer orders its "
+                "work itself, or set HANDOFF_BACKEND=none to exchange device data with no ordering",
+                device_type_name(type), s.error));
+}
+
 const char* version() noexcept
 {
   return HANDOFF_VERSION;
@@ -133,6 +150,10 @@ runtime_description describe_runtime() noexcept
     d.version = HANDOFF_VERSION;
     d.dlpack_version = fmt::format("{}.{}", DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION);
     d.cuda_compiled = device::cuda_compiled_in();
+    if (const auto cuda = device::cuda_requirement()) {
+      d.cuda_runtime = cuda->runtime_version;
+      d.cuda_driver_minimum = cuda->minimum_driver_branch;
+    }
     d.backend_error = s.error;
     if (s.backend) { d.device_count = s.backend->device_count(); }
   } catch (const std::exception& e) {

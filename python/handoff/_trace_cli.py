@@ -27,8 +27,8 @@ def main(argv: list[str] | None = None) -> int:
         print()
         return 0
     print(f"handoff {handoff.__version__} (DLPack {info['dlpack_version']})")
-    for key in ("backend", "device_count", "cuda_compiled", "backend_error"):
-        print(f"  {key:>14}: {info[key]}")
+    for key in ("backend", "device_count", "cuda_compiled", "cuda_runtime", "cuda_driver_minimum", "backend_error"):
+        print(f"  {key:>19}: {info[key]}")
     return 0
 
 

@@ -40,6 +40,9 @@ py::dict runtime_info()
   out["version"] = d.version;
   out["dlpack_version"] = d.dlpack_version;
   out["cuda_compiled"] = d.cuda_compiled;
+  out["cuda_runtime"] = d.cuda_runtime.empty() ? py::object(py::none()) : py::object(py::str(d.cuda_runtime));
+  out["cuda_driver_minimum"] =
+    d.cuda_driver_minimum == 0 ? py::object(py::none()) : py::object(py::int_(d.cuda_driver_minimum));
   out["backend_error"] = d.backend_error.empty() ? py::object(py::none()) : py::object(py::str(d.backend_error));
   return out;
 }

@@ -98,8 +98,12 @@ std::optional<DLDevice> producer_device(py::handle x, bool required)
 {
   const py::object device = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(x.ptr(), cached.dlpack_device));
   if (!device) {
-    if (required || !PyErr_ExceptionMatches(PyExc_AttributeError)) { throw py::error_already_set(); }
-    PyErr_Clear();  // a producer older than __dlpack_device__: nothing to name
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) { throw py::error_already_set(); }
+    PyErr_Clear();  // a producer older than __dlpack_device__
+    HANDOFF_EXPECTS(!required, type_error,
+                    fmt::format("{} has no __dlpack_device__, so a consumer stream cannot be passed to its "
+                                "__dlpack__: what a stream value means depends on the device of the data",
+                                type_name(x)));
     return std::nullopt;
   }
   const bool pair = PyTuple_Check(device.ptr()) && PyTuple_GET_SIZE(device.ptr()) == 2;
@@ -208,11 +212,12 @@ void bind_to_consumer(const array& view, py::handle consumer, py::handle stream_
   if (!is_cuda_device(type) && !is_rocm_device(type)) { return; }
   // The stream value is checked against the device whether or not a backend orders its memory here.
   const stream_request request = classify_stream(type, stream_argument(consumer));
+  if (request.order == stream_order::none) { return; }  // stream=-1: the consumer orders its work itself
+  require_ordering(type);
   context* ctx = active_context();
   if (ctx == nullptr || !is_stream_ordered(*ctx, view)) { return; }  // memory no active backend orders
-  const auto stream = resolve_stream(ctx->backend(), request);
-  if (!stream) { return; }  // stream=-1: the consumer orders its work itself
-  bind_import(*ctx, view, owning_device(*ctx, view), *stream, stream_keep_alive(stream_object));
+  bind_import(*ctx, view, owning_device(*ctx, view), *resolve_stream(ctx->backend(), request),
+              stream_keep_alive(stream_object));
 }
 
 // The DLPack stream value of a consumer stream from consumer_stream() for data on `device`
@@ -328,7 +333,11 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
           capsule = call_dlpack(x, {});  // a producer older than DLPack 1.0
         }
         array view = consume_capsule(capsule);
-        if (claimed) { check_claimed_device(x, *claimed, view.device()); }
+        if (claimed) {
+          check_claimed_device(x, *claimed, view.device());
+        } else {
+          bind_to_consumer(view, py::none(), consumer);  // device data from a producer that hid its device
+        }
         count(counter::imports);
         return wrap(std::move(view));
       }

@@ -40,6 +40,15 @@ bool cuda_compiled_in() noexcept
 #endif
 }
 
+std::optional<cuda_runtime_requirement> cuda_requirement()
+{
+#if defined(HANDOFF_HAS_CUDA)
+  return cuda_runtime_requirement{cuda::runtime_version(), cuda::minimum_driver_branch()};
+#else
+  return std::nullopt;
+#endif
+}
+
 std::unique_ptr<backend> make_cuda_backend()
 {
 #if defined(HANDOFF_HAS_CUDA)

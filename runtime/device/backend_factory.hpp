@@ -4,6 +4,8 @@
 #include <handoff/device.hpp>
 
 #include <memory>
+#include <optional>
+#include <string>
 #include <string_view>
 
 namespace handoff::device {
@@ -16,6 +18,15 @@ namespace handoff::device {
 
 /// Whether this build contains the CUDA backend (the toolkit was found at configure time).
 [[nodiscard]] bool cuda_compiled_in() noexcept;
+
+/// What the CUDA runtime compiled in needs of the machine.
+struct cuda_runtime_requirement {
+  std::string runtime_version;  ///< "13.0"
+  int minimum_driver_branch{};  ///< the first NVIDIA driver branch that runs it, 580
+};
+
+/// The CUDA runtime's requirement; nullopt when the CUDA backend is not compiled in.
+[[nodiscard]] std::optional<cuda_runtime_requirement> cuda_requirement();
 
 /// The CUDA backend on the machine's driver.
 /// @throws handoff::device_error (backend "cuda") saying why when it is not compiled in or no

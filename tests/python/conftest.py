@@ -25,6 +25,13 @@ needs_two_devices = pytest.mark.skipif(
     DEVICE_COUNT < 2, reason=f"needs a second device (the backend has {DEVICE_COUNT}; see HANDOFF_SIM_DEVICES)"
 )
 
+# HANDOFF_BACKEND=auto without a usable CUDA device: CUDA data that needs ordering is refused with a
+# DeviceError rather than exchanged unordered (HANDOFF_BACKEND=none exchanges it as it comes).
+CUDA_ORDERING_REFUSED = handoff.runtime_info()["backend"] == "none" and os.environ.get("HANDOFF_BACKEND", "") in (
+    "",
+    "auto",
+)
+
 FLAG_READ_ONLY = 1 << 0
 FLAG_IS_COPIED = 1 << 1
 FLAG_IS_SUBBYTE_TYPE_PADDED = 1 << 2

@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import gc
 import json
+import os
 
 import numpy as np
 import pytest
 
 import handoff
-from conftest import HandMadeTensor, capsule_name, new_capsule, run_python
+from conftest import (
+    CUDA,
+    CUDA_HOST,
+    CUDA_MANAGED,
+    CUDA_ORDERING_REFUSED,
+    HandMadeTensor,
+    capsule_name,
+    new_capsule,
+    run_python,
+)
 
 parse_cai = handoff._handoff._parse_cuda_array_interface
 
@@ -310,6 +321,81 @@ def test_valid_cuda_array_interface_without_a_device_is_a_device_error(live):
     assert isinstance(caught.value, RuntimeError)
     assert caught.value.error_name == "handoffErrorNoBackend"
     assert caught.value.backend == "none"
+
+
+class CudaProducer:
+    """Hands out `tensor`, saying where it is, and records the stream values it was asked for."""
+
+    def __init__(self, tensor: HandMadeTensor) -> None:
+        self.tensor = tensor
+        self.streams: list = []
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        device = self.tensor.managed.dl_tensor.device
+        return (device.device_type, device.device_id)
+
+    def __dlpack__(self, *, stream=None, **_):
+        self.streams.append(stream)
+        return self.tensor.capsule()
+
+
+class DeviceHidingProducer:
+    """A producer older than __dlpack_device__: nothing says where its data is before the capsule."""
+
+    def __init__(self, tensor: HandMadeTensor) -> None:
+        self.tensor = tensor
+
+    def __dlpack__(self, **_):
+        return self.tensor.capsule()
+
+
+needs_auto_without_cuda = pytest.mark.skipif(
+    not CUDA_ORDERING_REFUSED, reason="needs HANDOFF_BACKEND=auto on a machine where CUDA cannot start"
+)
+
+
+@needs_auto_without_cuda
+@pytest.mark.parametrize("entry", [handoff.from_dlpack, handoff.asarray])
+@pytest.mark.parametrize("make_producer", [CudaProducer, DeviceHidingProducer, HandMadeTensor.capsule])
+@pytest.mark.parametrize("device_type", [CUDA, CUDA_HOST, CUDA_MANAGED])
+def test_cuda_data_nothing_can_order_is_refused_not_exchanged_unordered(entry, make_producer, device_type, live):
+    data = np.zeros(4, np.float32)
+    tensor = HandMadeTensor(data.ctypes.data, (4,), device=(device_type, 0))
+    with pytest.raises(handoff.DeviceError, match="HANDOFF_BACKEND=auto could not start the CUDA backend") as caught:
+        entry(make_producer(tensor))
+    info = handoff.runtime_info()
+    assert caught.value.backend == "cuda"
+    assert caught.value.error_name in ("cudaErrorInsufficientDriver", "cudaErrorNoDevice", "handoffErrorNoBackend")
+    assert info["backend_error"] in str(caught.value)
+    gc.collect()
+    assert tensor.deleted == 1, "the refused import must release the producer exactly once"
+
+
+@needs_auto_without_cuda
+def test_cuda_data_is_imported_where_the_consumer_orders_its_work_itself(live):
+    data = np.zeros(4, np.float32)
+    producer = CudaProducer(HandMadeTensor(data.ctypes.data, (4,), device=(CUDA, 0)))
+    view = handoff.from_dlpack(producer, stream=-1)
+    assert producer.streams == [-1]
+    assert view.device == (CUDA, 0) and view.data_ptr == data.ctypes.data
+    del view
+    gc.collect()
+    assert producer.tensor.deleted == 1
+
+
+def test_handoff_backend_none_exchanges_cuda_data_unordered_as_asked():
+    result = run_python(
+        "import sys, numpy as np, handoff\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "from conftest import HandMadeTensor\n"
+        "data = np.zeros(4, np.float32)\n"
+        "tensor = HandMadeTensor(data.ctypes.data, (4,), device=(2, 0))\n"
+        "view = handoff.from_dlpack(tensor.capsule())\n"
+        "print(handoff.runtime_info()['backend'], view.device)\n",
+        HANDOFF_BACKEND="none",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["none", "(2,", "0)"]
 
 
 # --- capsules --------------------------------------------------------------------------------

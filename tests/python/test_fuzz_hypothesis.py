@@ -23,6 +23,7 @@ from conftest import (
     CUDA,
     CUDA_HOST,
     CUDA_MANAGED,
+    CUDA_ORDERING_REFUSED,
     FLAG_IS_COPIED,
     FLAG_IS_SUBBYTE_TYPE_PADDED,
     FLAG_READ_ONLY,
@@ -331,6 +332,8 @@ def capsule_refusals(spec: dict, backing: Backing) -> tuple[set, set]:
                 must.add(ValueError)
         elif not pointer and not 0 <= device_id < DEVICE_COUNT:
             must.add(ValueError)
+    elif CUDA_ORDERING_REFUSED and device_type in CUDA_LIKE and spec["stream"] != -1 and not must:
+        must.add(handoff.DeviceError)  # nothing can order it, and it is not exchanged unordered
     return must, may
 
 
@@ -424,7 +427,7 @@ def test_forged_capsules_are_imported_as_described_or_refused_cleanly(spec):
     capsule = tensor.capsule(destructor=True)
     entry = handoff.from_dlpack if spec["entry"] == "from_dlpack" else handoff.asarray
     note(f"must={must} may={may} copy={copy} pointer={effective_pointer(spec, backing):#x}")
-    view, refused = attempt(lambda: entry(capsule, **arguments), BufferError, ValueError, TypeError)
+    view, refused = attempt(lambda: entry(capsule, **arguments), BufferError, ValueError, TypeError, handoff.DeviceError)
     check_outcome(refused, must, may)
     # handoff owns the tensor once it reads the capsule, which it does once its arguments are valid.
     consumed = capsule_name(capsule) == "used_" + tensor.name.decode()

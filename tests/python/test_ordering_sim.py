@@ -252,6 +252,39 @@ def test_release_waits_for_the_consumer_stream(streams):
     assert sim.live_allocations() == allocations
 
 
+class DeviceHidingProducer:
+    """A producer older than __dlpack_device__: nothing says where its data is before the capsule."""
+
+    def __init__(self, array) -> None:
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+
+@pytest.mark.parametrize("ordered", [True, False], ids=["default-stream", "unordered-control"])
+def test_data_from_a_producer_that_hides_its_device_is_bound_to_the_default_stream(ordered):
+    allocations = sim.live_allocations()
+    source = sim.zeros(N)
+    sim.synchronize()
+    # A capsule handed over directly is imported as it is (stream=-1 is the negative control).
+    x = DeviceHidingProducer(source) if ordered else source.__dlpack__(stream=-1)
+    view = handoff.from_dlpack(x) if ordered else handoff.from_dlpack(x, stream=-1)
+    with pytest.raises(TypeError, match="has no __dlpack_device__, so a consumer stream cannot be passed"):
+        handoff.from_dlpack(DeviceHidingProducer(source), stream=DEFAULT_STREAM)
+    del source, x
+    gc.collect()
+    sim.fill(view, 9.0, stream=DEFAULT_STREAM, delay=5 * SLOW)  # consumer work still using the memory
+    before = handoff.stats()["deferred_releases"]
+    del view
+    gc.collect()
+    assert handoff.stats()["deferred_releases"] == before + (1 if ordered else 0)
+    sim.synchronize()
+    sim.drain()
+    gc.collect()
+    assert sim.live_allocations() == allocations
+
+
 # create_event is covered in C++ (tests/cpp/core/stream_test.cpp), where the pool starts empty;
 # here earlier tests have left idle events in it, so no event is created. Data on device 1 (the
 # current device is 0) makes a switch run, which can fail too; on device 0 nothing is pushed.

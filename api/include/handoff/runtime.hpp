@@ -15,6 +15,8 @@ struct runtime_description {
   std::string version;         ///< handoff's version
   std::string dlpack_version;  ///< highest DLPack version produced, "1.1"
   bool cuda_compiled{false};   ///< whether the CUDA backend was built
+  std::string cuda_runtime;    ///< the CUDA runtime linked in, "13.0"; empty when not built
+  int cuda_driver_minimum{0};  ///< the first NVIDIA driver branch that runs it, 580; 0 when not built
   std::string backend_error;   ///< why the requested backend could not start; empty when it did
 };
 
@@ -33,6 +35,13 @@ struct runtime_description {
 /// Like active_backend(), but a missing backend is an error naming what needed one.
 /// @throws device_error when there is no backend.
 [[nodiscard]] device::backend& require_backend(const char* what);
+
+/// Refuses data of `type` that needs ordering when nothing can order it: CUDA data (device, host
+/// or managed memory) while HANDOFF_BACKEND=auto found no usable CUDA device, for which an
+/// unordered exchange would race with the producer's work. HANDOFF_BACKEND=none asks for unordered
+/// exchanges and is let through, as is every type the active backend orders.
+/// @throws device_error (backend "cuda", the error that stopped its start) saying why.
+void require_ordering(DLDeviceType type);
 
 /// The exchange context (event pool, deferred releases) of the active backend; nullptr for none.
 /// @throws device_error as active_backend() does.

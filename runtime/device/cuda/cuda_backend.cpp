@@ -98,8 +98,8 @@ class cuda_backend final : public backend {
     if (status != cudaSuccess) {
       (void)cudaGetLastError();
       throw device_error("cuda", cudaGetErrorName(status),
-                         fmt::format("no usable CUDA device: cudaGetDeviceCount failed: {}: {}",
-                                     cudaGetErrorName(status), cudaGetErrorString(status)));
+                         fmt::format("no usable CUDA device: cudaGetDeviceCount failed: {}: {} ({})",
+                                     cudaGetErrorName(status), cudaGetErrorString(status), driver_floor_report()));
     }
     if (count == 0) {
       throw device_error("cuda", "cudaErrorNoDevice", "no usable CUDA device: cudaGetDeviceCount found none");
@@ -372,6 +372,34 @@ class cuda_backend final : public backend {
 };
 
 }  // namespace
+
+std::string runtime_version()
+{
+  return fmt::format("{}.{}", CUDART_VERSION / 1000, CUDART_VERSION % 1000 / 10);
+}
+
+int minimum_driver_branch() noexcept
+{
+  // CUDA's minor version compatibility: a runtime of one major version runs on every driver from
+  // that major version's first branch on (the CUDA compatibility guide's table).
+  static_assert(CUDART_VERSION >= 12000, "the driver floors below start at CUDA 12");
+  return CUDART_VERSION >= 13000 ? 580 : 525;
+}
+
+std::string driver_floor_report()
+{
+  int driver = 0;  // the CUDA version the installed driver supports; 0 when no driver is installed
+  const bool known = cudaDriverGetVersion(&driver) == cudaSuccess;
+  (void)cudaGetLastError();
+  std::string installed = "the installed driver's version is unknown";
+  if (known) {
+    installed = driver == 0
+                  ? "no NVIDIA driver is installed"
+                  : fmt::format("the installed driver supports CUDA {}.{}", driver / 1000, driver % 1000 / 10);
+  }
+  return fmt::format("the CUDA {} runtime linked in needs an NVIDIA driver {} or later; {}", runtime_version(),
+                     minimum_driver_branch(), installed);
+}
 
 std::unique_ptr<backend> make_backend()
 {

@@ -5,6 +5,7 @@
 
 #include <handoff/error.hpp>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -77,6 +78,16 @@ TEST_F(DeviceFactoryTest, RejectsUnknownNamesListingTheAcceptedOnes)
   }
 }
 
+TEST_F(DeviceFactoryTest, CudaRequirementNamesTheRuntimeAndItsDriverFloor)
+{
+  const auto requirement = cuda_requirement();
+  ASSERT_EQ(requirement.has_value(), cuda_compiled_in());
+  if (!requirement) { GTEST_SKIP() << "the CUDA backend is not compiled in"; }
+  const int major = std::stoi(requirement->runtime_version);
+  EXPECT_GE(major, 12) << requirement->runtime_version;
+  EXPECT_EQ(requirement->minimum_driver_branch, major >= 13 ? 580 : 525);
+}
+
 TEST_F(DeviceFactoryTest, CudaSaysWhyItCannotStart)
 {
   std::unique_ptr<backend> cuda;
@@ -89,6 +100,9 @@ TEST_F(DeviceFactoryTest, CudaSaysWhyItCannotStart)
     if (cuda_compiled_in()) {
       EXPECT_EQ(what.rfind("no usable CUDA device: ", 0), 0U) << what;
       EXPECT_NE(what.find(e.error_name()), std::string::npos) << what;
+      const auto floor =
+        fmt::format("runtime linked in needs an NVIDIA driver {} or later", cuda_requirement()->minimum_driver_branch);
+      EXPECT_NE(what.find(floor), std::string::npos) << what;
     } else {
       EXPECT_NE(what.find("not compiled in"), std::string::npos) << what;
     }
