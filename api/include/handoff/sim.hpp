@@ -176,6 +176,9 @@ class sim_backend final : public backend {
   [[nodiscard]] std::vector<int> devices_with_context();
   /// How many allocations the table holds (deferred frees count until they have run).
   [[nodiscard]] std::size_t live_allocations();
+  /// How many threads the simulator keeps state for (a current device, pushed devices, per-thread
+  /// default streams). A thread's state is freed when it ends, as CUDA's is.
+  [[nodiscard]] std::size_t threads_with_state();
 
  private:
   struct impl;

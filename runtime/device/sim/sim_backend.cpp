@@ -8,7 +8,9 @@
 #include <handoff/error.hpp>
 
 #include <fmt/format.h>
+
 #include <fmt/ranges.h>
+#include <set>
 
 #include <algorithm>
 #include <cstring>
@@ -592,6 +594,19 @@ std::size_t sim_backend::live_allocations()
 {
   std::lock_guard lock(impl_->mutex);
   return impl_->allocations.size();
+}
+
+std::size_t sim_backend::threads_with_state()
+{
+  std::lock_guard lock(impl_->mutex);
+  std::set<thread_key> threads;
+  for (const auto& [owner, device] : impl_->current) { threads.insert(owner); }
+  for (const auto& [owner, devices] : impl_->pushed) { threads.insert(owner); }
+  for (const auto& [owner, handle] : impl_->rocm_thread_streams) { threads.insert(owner); }
+  for (const auto& dev : impl_->devices) {
+    for (const auto& [owner, stream] : dev.per_thread) { threads.insert(owner); }
+  }
+  return threads.size();
 }
 
 sim_backend* as_sim(backend& b) noexcept

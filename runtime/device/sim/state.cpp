@@ -7,7 +7,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
+#include <mutex>
 #include <new>
+#include <set>
 #include <utility>
 
 namespace handoff::device {
@@ -16,11 +19,63 @@ using namespace sim_detail;
 
 namespace sim_detail {
 
+namespace {
+
+// Every thread_state_owner alive, so that a thread's exit frees its state in each. Never destroyed:
+// threads may end during static destruction.
+struct owner_registry {
+  std::mutex mutex;
+  std::set<thread_state_owner*> live;
+};
+
+owner_registry& owners()
+{
+  static auto* registry = new owner_registry;
+  return *registry;
+}
+
+class thread_exit_hook {
+ public:
+  explicit thread_exit_hook(thread_key key) noexcept : key_(key) {}
+  thread_exit_hook(const thread_exit_hook&) = delete;
+  thread_exit_hook& operator=(const thread_exit_hook&) = delete;
+  thread_exit_hook(thread_exit_hook&&) = delete;
+  thread_exit_hook& operator=(thread_exit_hook&&) = delete;
+  ~thread_exit_hook()
+  {
+    std::lock_guard lock(owners().mutex);
+    for (auto* owner : owners().live) { owner->forget_thread(key_); }
+  }
+
+ private:
+  thread_key key_;
+};
+
+}  // namespace
+
+void watch_thread_exits(thread_state_owner& owner)
+{
+  std::lock_guard lock(owners().mutex);
+  owners().live.insert(&owner);
+}
+
+void unwatch_thread_exits(thread_state_owner& owner) noexcept
+{
+  std::lock_guard lock(owners().mutex);
+  owners().live.erase(&owner);
+}
+
 thread_key this_thread_key() noexcept
 {
-  static std::atomic<std::uint64_t> next{0};
-  thread_local const thread_key key{next.fetch_add(1, std::memory_order_relaxed)};
-  return key;
+  static std::atomic<std::uint64_t> next{1};
+  // Trivially destructible, so that it stays readable after the hook has run (the exit drain of
+  // the main thread runs among static destructors, after its thread-local objects are gone).
+  thread_local std::uint64_t key = 0;
+  if (key == 0) {
+    key = next.fetch_add(1, std::memory_order_relaxed);
+    thread_local const thread_exit_hook hook{thread_key{key}};
+  }
+  return thread_key{key};
 }
 
 }  // namespace sim_detail
@@ -54,11 +109,34 @@ sim_backend::impl::impl(int count, sim_flavour f)
     dev.legacy->blocking = true;
     dev.host_functions = &pool.make_lane();
   }
+  watch_thread_exits(*this);
+}
+
+void sim_backend::impl::forget_thread(thread_key owner) noexcept
+try {
+  std::lock_guard lock(mutex);
+  for (auto& dev : devices) {
+    auto it = dev.per_thread.find(owner);
+    if (it == dev.per_thread.end()) { continue; }
+    // As for a destroyed stream, work already enqueued still runs and is waited for.
+    if (!is_done(it->second->tail)) { dev.retired.push_back(it->second->tail); }
+    dev.per_thread.erase(it);
+  }
+  current.erase(owner);
+  pushed.erase(owner);
+  if (auto it = rocm_thread_streams.find(owner); it != rocm_thread_streams.end()) {
+    rocm_thread_stream_owner.erase(it->second);
+    destroyed_streams.insert(it->second);
+    rocm_thread_streams.erase(it);
+  }
+} catch (...) {
+  HANDOFF_LOG_ERROR("{}: the state of an ended thread could not be freed", backend_name());
 }
 
 sim_backend::impl::~impl()
 {
-  pool.shutdown();  // pending frees need the table, so drain before anything is destroyed
+  unwatch_thread_exits(*this);  // first: the pool's threads end below
+  pool.shutdown();              // pending frees need the table, so drain before anything is destroyed
   for (auto& [base, info] : allocations) { ::operator delete(reinterpret_cast<void*>(base), allocation_alignment); }
 }
 

@@ -33,6 +33,25 @@ namespace sim_detail {
 enum class thread_key : std::uint64_t {};
 [[nodiscard]] thread_key this_thread_key() noexcept;
 
+/// Keeps state per thread and frees it when the thread ends (CUDA destroys a thread's per-thread
+/// default stream with it).
+class thread_state_owner {
+ public:
+  thread_state_owner() = default;
+  thread_state_owner(const thread_state_owner&) = delete;
+  thread_state_owner& operator=(const thread_state_owner&) = delete;
+  thread_state_owner(thread_state_owner&&) = delete;
+  thread_state_owner& operator=(thread_state_owner&&) = delete;
+  virtual ~thread_state_owner() = default;
+
+  /// Called on the ending thread, from its exit, for each owner watched then.
+  virtual void forget_thread(thread_key owner) noexcept = 0;
+};
+
+/// Starts calling `owner.forget_thread` at every thread's exit; unwatch before `owner` is destroyed.
+void watch_thread_exits(thread_state_owner& owner);
+void unwatch_thread_exits(thread_state_owner& owner) noexcept;
+
 /// One backend call as its errors and violations name it: the operation key and its arguments.
 struct call {
   std::string_view op;
@@ -106,7 +125,7 @@ struct fault {
 
 }  // namespace sim_detail
 
-struct sim_backend::impl {
+struct sim_backend::impl final : sim_detail::thread_state_owner {
   using call = sim_detail::call;
   using stream_state = sim_detail::stream_state;
   using event_state = sim_detail::event_state;
@@ -117,7 +136,7 @@ struct sim_backend::impl {
   impl& operator=(const impl&) = delete;
   impl(impl&&) = delete;
   impl& operator=(impl&&) = delete;
-  ~impl();
+  ~impl() override;
 
   // --- opening a call ----------------------------------------------------------------------------
 
@@ -144,6 +163,8 @@ struct sim_backend::impl {
   /// set_current_device and push_current_device.
   void make_current(std::string_view op, int device, bool push);
   stream_state& per_thread_stream(sim_detail::thread_key owner, int device);
+  /// Frees what `owner` had (its current device, pushes, per-thread default streams) when it ends.
+  void forget_thread(sim_detail::thread_key owner) noexcept override;
   /// The stream behind a handle (default streams: the current device's), or nullptr.
   stream_state* find_stream(std::uintptr_t h);
   /// The stream behind `h`; fails (and records a violation if it was destroyed) when there is none.

@@ -204,6 +204,36 @@ TEST_P(SimRulesTest, UsingADestroyedStreamOrEventIsAViolation)
 
 // --- host functions ------------------------------------------------------------------------------
 
+TEST_P(SimRulesTest, AThreadsStateEndsWithItButItsEnqueuedWorkStillRuns)
+{
+  float* data = zeros();
+  const std::size_t before = sim.threads_with_state();
+  stream_handle its_default{};
+  std::size_t while_alive = 0;
+  std::thread worker{[&] {
+    sim.set_current_device(sim.device_count() - 1);
+    sim.set_current_device(0);
+    its_default = sim.per_thread_default_stream();
+    sim.enqueue_sleep(its_default, 50ms);  // still running when the thread has ended
+    sim.enqueue_fill(its_default, data, n, 3.0F);
+    while_alive = sim.threads_with_state();
+  }};
+  worker.join();
+  EXPECT_EQ(while_alive, before + 1);
+  EXPECT_EQ(sim.threads_with_state(), before) << "the ended thread's state was kept";
+  sim.synchronize_device();  // waits for the ended thread's work, as for a destroyed stream's
+  EXPECT_EQ(first(data, sim.legacy_default_stream()), 3.0F);
+  if (rocm()) {
+    // HIP's per-thread stream has a handle of its own, destroyed with its thread.
+    EXPECT_DEVICE_ERROR((void)sim.stream_device(its_default), "hipErrorInvalidHandle");
+    const auto violations = sim.violations();
+    ASSERT_EQ(violations.size(), 1U);
+    EXPECT_NE(violations[0].find("destroyed"), std::string::npos) << violations[0];
+    sim.clear_violations();
+  }
+  EXPECT_TRUE(sim.violations().empty());
+}
+
 TEST_P(SimRulesTest, AHostFunctionMayNotCallTheRuntime)
 {
   struct probe {
