@@ -11,7 +11,11 @@ import sys
 
 import pytest
 
-import handoff
+# A GPU JAX would otherwise take most of the GPU's memory on first use, starving PyTorch and CuPy
+# in the same process. Set before anything imports JAX.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import handoff  # noqa: E402
 
 # DLPack device types (dlpack.h).
 CPU, CUDA, CUDA_HOST, OPENCL, VULKAN, METAL, VPI, ROCM, ROCM_HOST, EXT_DEV, CUDA_MANAGED, ONEAPI, WEBGPU, HEXAGON, MAIA = (
@@ -213,6 +217,20 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
     """Runs `code` in a fresh interpreter with extra environment variables."""
     environment = {**os.environ, **env}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=120)
+
+
+def cuda_is_usable() -> bool:
+    """Whether the CUDA backend starts here (a driver and a device), asked of a fresh process so that
+    the backend of this one does not matter."""
+    global _cuda_usable
+    if _cuda_usable is None:
+        code = "import handoff; i = handoff.runtime_info(); print(not i.get('backend_error') and i['device_count'] > 0)"
+        result = run_python(code, HANDOFF_BACKEND="cuda")
+        _cuda_usable = result.returncode == 0 and result.stdout.strip() == "True"
+    return _cuda_usable
+
+
+_cuda_usable: bool | None = None
 
 
 @pytest.fixture(scope="session")
