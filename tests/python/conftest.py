@@ -4,6 +4,7 @@ inspection, and the live-producer gauge."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import os
 import subprocess
@@ -11,7 +12,11 @@ import sys
 
 import pytest
 
-import handoff
+# A GPU JAX would otherwise take most of the GPU's memory on first use, starving PyTorch and CuPy
+# in the same process. Set before anything imports JAX.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import handoff  # noqa: E402
 
 # DLPack device types (dlpack.h).
 CPU, CUDA, CUDA_HOST, OPENCL, VULKAN, METAL, VPI, ROCM, ROCM_HOST, EXT_DEV, CUDA_MANAGED, ONEAPI, WEBGPU, HEXAGON, MAIA = (
@@ -220,6 +225,15 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
     """Runs `code` in a fresh interpreter with extra environment variables."""
     environment = {**os.environ, **env}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=120)
+
+
+@functools.cache
+def cuda_is_usable() -> bool:
+    """Whether the CUDA backend starts here (a driver and a device), asked of a fresh process so that
+    the backend of this one does not matter."""
+    code = "import handoff; i = handoff.runtime_info(); print(not i.get('backend_error') and i['device_count'] > 0)"
+    result = run_python(code, HANDOFF_BACKEND="cuda")
+    return result.returncode == 0 and result.stdout.strip() == "True"
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ from conftest import (
     CUDA_ORDERING_REFUSED,
     HandMadeTensor,
     capsule_name,
+    cuda_is_usable,
     new_capsule,
     run_python,
 )
@@ -486,7 +487,7 @@ def test_accepted_tensor_runs_its_deleter_once_when_released(live):
 
 
 def test_cuda_backend_by_name_fails_at_first_use():
-    if handoff.runtime_info()["backend"] == "cuda":
+    if cuda_is_usable():
         pytest.skip("a CUDA device is usable here")
     code = """
 import json, numpy as np, handoff

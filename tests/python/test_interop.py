@@ -518,7 +518,11 @@ def test_torch_from_legacy_capsule(torch, live):
 
 @pytest.fixture
 def jax():
-    return pytest.importorskip("jax")
+    """JAX with its CPU device as the default: these tests exchange host memory, and a GPU JAX
+    would otherwise put its arrays on the GPU."""
+    jax = pytest.importorskip("jax")
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield jax
 
 
 def aligned(n, dtype, alignment=64):
