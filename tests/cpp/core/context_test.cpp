@@ -4,7 +4,7 @@
 #include <handoff/error.hpp>
 #include <handoff/stats.hpp>
 
-#include "core/sim_fixture.hpp"
+#include "core/backend_fixture.hpp"
 
 #include <atomic>
 #include <chrono>
@@ -13,28 +13,28 @@
 namespace {
 
 using namespace handoff;
-using handoff::testing::SimContextTest;
-
-using ContextTest = SimContextTest;
+using ContextTest = handoff::testing::BackendContextTest;
 
 TEST_P(ContextTest, ReleaseWaitsForTheConsumerStream)
 {
   float* data = allocate_on(0);
   const auto consumer = stream_on(0);
+  const auto reader = stream_on(0);
   std::atomic<bool> released{false};
   std::atomic<float> seen_at_release{-1.0F};
   const auto before = stats();
   {
     producer_ref owner{[&] {
-      seen_at_release = data[0];  // the consumer's write must be complete by now
+      // The consumer's write must be complete by now: any stream sees it.
+      seen_at_release = read(data, reader).front();
       released = true;
     }};
-    owner.release_after({.ctx = &ctx, .device = 0, .stream = consumer, .stream_owner = nullptr});
-    sim.enqueue_fill(consumer, data, n, 5.0F, slow);  // consumer work still using the memory
+    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+    fill(consumer, data, 5.0F, slow);  // consumer work still using the memory
   }
   EXPECT_FALSE(released.load()) << "released before the consumer stream was done";
   EXPECT_EQ(stats().deferred_releases, before.deferred_releases + 1);
-  ctx.drain();
+  ctx().drain();
   EXPECT_TRUE(released.load());
   EXPECT_EQ(seen_at_release.load(), 5.0F);
 }
@@ -52,11 +52,11 @@ TEST_P(ContextTest, TheConsumerStreamsOwnerOutlivesTheRelease)
     }};
     // The stream's owner (a Python stream object, say), held by nothing else.
     std::shared_ptr<const void> stream_owner{&owner_gone, [&](const void*) { owner_gone = true; }};
-    owner.release_after({.ctx = &ctx, .device = 0, .stream = consumer, .stream_owner = std::move(stream_owner)});
-    sim.enqueue_sleep(consumer, slow);
+    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = std::move(stream_owner)});
+    delay(consumer, slow);
   }
   EXPECT_FALSE(owner_gone.load()) << "the stream's owner went while a release was still to run on it";
-  ctx.drain();
+  ctx().drain();
   EXPECT_TRUE(released.load());
   EXPECT_FALSE(owner_gone_before_release.load());
   EXPECT_TRUE(owner_gone.load());
@@ -64,54 +64,57 @@ TEST_P(ContextTest, TheConsumerStreamsOwnerOutlivesTheRelease)
 
 TEST_P(ContextTest, AReleaseDuringCapturePutsNothingIntoTheGraphAndRunsAfterIt)
 {
+  HANDOFF_REQUIRE_SIM("the device interface cannot begin or end a capture");
   const auto consumer = stream_on(0, /*non_blocking=*/false);
   std::atomic<int> released{0};
-  sim.begin_capture(consumer);
+  sim().begin_capture(consumer);
   {
     producer_ref owner{[&] { ++released; }};
-    owner.release_after({.ctx = &ctx, .device = 0, .stream = consumer, .stream_owner = nullptr});
+    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
   }
-  ASSERT_EQ(sim.end_capture(consumer).size(), 0U) << "the release's host function went into the graph";
-  ASSERT_TRUE(ctx.drain_for(std::chrono::seconds{10}));
+  ASSERT_EQ(sim().end_capture(consumer).size(), 0U) << "the release's host function went into the graph";
+  ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
   EXPECT_EQ(released.load(), 1);
 }
 
 TEST_P(ContextTest, ExitWaitsOnlyForTheStreamsWithPendingReleases)
 {
-  const int device = sim.device_count() - 1;  // with two, a device other than the current one
+  HANDOFF_REQUIRE_SIM("fault injection");
+  const int device = b().device_count() - 1;  // with two, a device other than the current one
   const auto consumer = stream_on(device);
   std::atomic<bool> released{false};
   {
-    context exiting{sim, std::make_unique<detail::service_thread>()};
+    context exiting{b(), std::make_unique<detail::service_thread>()};
     producer_ref owner{[&] { released = true; }};
     owner.release_after({.ctx = &exiting, .device = device, .stream = consumer, .stream_owner = nullptr});
-    sim.enqueue_sleep(consumer, slow);
+    delay(consumer, slow);
     // Synchronizing a whole device would make a context on every device of a real GPU.
-    sim.inject_fault("synchronize_device", 1, "cudaErrorLaunchFailure");
+    sim().inject_fault("synchronize_device", 1, "cudaErrorLaunchFailure");
   }
   EXPECT_TRUE(released.load());
-  EXPECT_THROW(sim.synchronize_device(), device_error) << "exit synchronized a whole device";
-  sim.clear_faults();
+  EXPECT_THROW(b().synchronize_device(), device_error) << "exit synchronized a whole device";
+  sim().clear_faults();
 }
 
 TEST_P(ContextTest, ExitAbandonsAtOnceTheReleasesOfADeviceWithAStickyError)
 {
+  HANDOFF_REQUIRE_SIM("a sticky error cannot be cleared on a real device");
   const auto consumer = stream_on(0);
   std::atomic<bool> released{false};
   const auto start = std::chrono::steady_clock::now();
   {
-    context exiting{sim, std::make_unique<detail::service_thread>()};
+    context exiting{b(), std::make_unique<detail::service_thread>()};
     producer_ref owner{[&] { released = true; }};
     owner.release_after({.ctx = &exiting, .device = 0, .stream = consumer, .stream_owner = nullptr});
-    sim.enqueue_sleep(consumer, slow);
+    delay(consumer, slow);
     // The release's host function is queued behind the sleep and will never run.
-    sim.inject_sticky_fault(0, "cudaErrorIllegalAddress");
+    sim().inject_sticky_fault(0, "cudaErrorIllegalAddress");
   }
   const auto took = std::chrono::steady_clock::now() - start;
   EXPECT_FALSE(released.load()) << "released although the consumer stream never got there";
   // Bounded by the device error, not by the exit limit (a hang before; 10 s after a bound alone).
   EXPECT_LT(took, context::exit_drain_limit / 2);
-  sim.clear_sticky_fault(0);
+  sim().clear_sticky_fault(0);
 }
 
 TEST_P(ContextTest, ReleasesShareAndReuseTheirEvents)
@@ -120,18 +123,18 @@ TEST_P(ContextTest, ReleasesShareAndReuseTheirEvents)
   std::atomic<int> released{0};
   const auto release = [&] {
     producer_ref owner{[&] { ++released; }};
-    owner.release_after({.ctx = &ctx, .device = 0, .stream = consumer, .stream_owner = nullptr});
+    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
   };
   const auto before = stats();
-  sim.enqueue_sleep(consumer, slow);  // all 300 pending at once, whatever the machine's load
+  delay(consumer, slow);  // all 300 pending at once, whatever the machine's load
   for (int i = 0; i < 300; ++i) { release(); }
-  ctx.drain();
+  ctx().drain();
   const auto burst = stats().events_created - before.events_created;
   EXPECT_GE(burst, 1U);
   EXPECT_LT(burst, 150U) << "a burst of releases on one stream took an event each";
   for (int i = 0; i < 100; ++i) {  // one at a time: the pool's events serve them all
     release();
-    ctx.drain();
+    ctx().drain();
   }
   EXPECT_EQ(released.load(), 400);
   EXPECT_EQ(stats().events_created - before.events_created, burst) << "a release made a new event";
@@ -146,7 +149,7 @@ TEST_P(ContextTest, AReleaseNeverStallsItsStream)
   // Occupies the device's one host-function thread: a release's host function would wait behind it.
   const auto other = stream_on(0);
   std::atomic<bool> unblock{false};
-  sim.launch_host_func(
+  b().launch_host_func(
     other,
     [](void* flag) {
       while (!static_cast<std::atomic<bool>*>(flag)->load()) {
@@ -156,31 +159,34 @@ TEST_P(ContextTest, AReleaseNeverStallsItsStream)
     &unblock);
   {
     producer_ref owner{[&] { released = true; }};
-    owner.release_after({.ctx = &ctx, .device = 0, .stream = consumer, .stream_owner = nullptr});
+    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
   }
-  sim.enqueue_fill(consumer, data, n, 3.0F);
+  fill(consumer, data, 3.0F);
   EXPECT_EQ(read(data, consumer).front(), 3.0F) << "the consumer stream waited for the release";
   unblock = true;
-  ctx.drain();
+  ctx().drain();
   EXPECT_TRUE(released.load());
-  sim.synchronize_stream(other);
+  b().synchronize_stream(other);
 }
 
 TEST_P(ContextTest, AnEnqueueFailureFallsBackToWaitingForTheStream)
 {
+  HANDOFF_REQUIRE_SIM("fault injection");
   float* data = allocate_on(0);
   const auto consumer = stream_on(0);
+  const auto reader = stream_on(0);
   std::atomic<float> seen_at_release{-1.0F};
-  sim.enqueue_fill(consumer, data, n, 7.0F, slow);
-  sim.inject_fault("record_event", 1, "cudaErrorLaunchFailure");
+  fill(consumer, data, 7.0F, slow);
+  sim().inject_fault("record_event", 1, "cudaErrorLaunchFailure");
   {
-    producer_ref owner{[&] { seen_at_release = data[0]; }};
-    owner.release_after({.ctx = &ctx, .device = 0, .stream = consumer, .stream_owner = nullptr});
+    producer_ref owner{[&] { seen_at_release = read(data, reader).front(); }};
+    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
   }
-  ctx.drain();
+  ctx().drain();
   EXPECT_EQ(seen_at_release.load(), 7.0F);  // never early, even when the event path fails
 }
 
-INSTANTIATE_TEST_SUITE_P(Sim, ContextTest, handoff::testing::sim_device_counts(), handoff::testing::device_count_name);
+INSTANTIATE_TEST_SUITE_P(Backends, ContextTest, handoff::testing::sim_and_cuda(),
+                         handoff::testing::backend_choice_name);
 
 }  // namespace

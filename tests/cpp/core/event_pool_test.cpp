@@ -1,20 +1,20 @@
 #include <handoff/event_pool.hpp>
 #include <handoff/stats.hpp>
 
-#include "core/sim_fixture.hpp"
+#include "core/backend_fixture.hpp"
 
 #include <thread>
 
 namespace {
 
 using namespace handoff;
-using handoff::testing::SimTest;
+using handoff::testing::BackendTest;
 
-class EventPoolTest : public SimTest {};
+using EventPoolTest = BackendTest;
 
 TEST_P(EventPoolTest, ReturnedEventsAreReused)
 {
-  event_pool events{sim};
+  event_pool events{b()};
   const auto before = stats();
   device::event_handle first{};
   {
@@ -30,22 +30,22 @@ TEST_P(EventPoolTest, ReturnedEventsAreReused)
 TEST_P(EventPoolTest, PoolsArePerDevice)
 {
   HANDOFF_REQUIRE_TWO_DEVICES();
-  event_pool events{sim};
+  event_pool events{b()};
   {
     const pooled_event e = events.acquire(0);
   }
-  sim.set_current_device(1);
+  b().set_current_device(1);
   const auto before = stats();
   const pooled_event on_one = events.acquire(1);  // device 0's idle event must not be handed out
   EXPECT_EQ(stats().events_created - before.events_created, 1U);
-  const auto s = sim.create_stream(true);
-  sim.record_event(on_one.get(), s);  // the sim refuses a cross-device record: this proves its device
-  sim.set_current_device(0);
+  // Backends refuse to record an event on another device's stream: this proves its device.
+  b().record_event(on_one.get(), stream_on(1));
+  b().set_current_device(0);
 }
 
 TEST_P(EventPoolTest, ConcurrentBorrowersGetDistinctEvents)
 {
-  event_pool events{sim};
+  event_pool events{b()};
   std::vector<std::thread> threads;
   threads.reserve(8);
   for (int t = 0; t < 8; ++t) {
@@ -61,7 +61,7 @@ TEST_P(EventPoolTest, ConcurrentBorrowersGetDistinctEvents)
   EXPECT_LE(events.idle(), 16U);
 }
 
-INSTANTIATE_TEST_SUITE_P(Sim, EventPoolTest, handoff::testing::sim_device_counts(),
-                         handoff::testing::device_count_name);
+INSTANTIATE_TEST_SUITE_P(Backends, EventPoolTest, handoff::testing::sim_and_cuda(),
+                         handoff::testing::backend_choice_name);
 
 }  // namespace

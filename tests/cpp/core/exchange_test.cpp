@@ -1,11 +1,11 @@
-// The exchange rules on the simulated device: export ordering, import binding, device copies,
+// The exchange rules on every backend: export ordering, import binding, device copies,
 // and many threads exchanging at once (run under ThreadSanitizer by the test command).
 #include <handoff/device_guard.hpp>
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
 #include <handoff/stats.hpp>
 
-#include "core/sim_fixture.hpp"
+#include "core/backend_fixture.hpp"
 
 #include <atomic>
 #include <thread>
@@ -13,9 +13,9 @@
 namespace {
 
 using namespace handoff;
-using handoff::testing::SimContextTest;
+using handoff::testing::BackendContextTest;
 
-class ExchangeTest : public SimContextTest {
+class ExchangeTest : public BackendContextTest {
  protected:
   // A view of `data` (n floats on `device`) whose producer frees nothing: the fixture owns it.
   array view_of(float* data, int device)
@@ -38,9 +38,9 @@ TEST_P(ExchangeTest, ExportOrdersTheStreamTheDataIsReadyOn)
   const auto producer = stream_on(0);
   const auto consumer = stream_on(0);
   const array view = view_of(data, 0);
-  sim.enqueue_fill(producer, data, n, 1.0F, slow);
-  view.owner().set_ready_on({.ctx = &ctx, .device = 0, .stream = producer, .stream_owner = nullptr});
-  order_export(&ctx, view, on(consumer));
+  fill(producer, data, 1.0F, slow);
+  view.owner().set_ready_on({.ctx = &ctx(), .device = 0, .stream = producer, .stream_owner = nullptr});
+  order_export(&ctx(), view, on(consumer));
   EXPECT_EQ(read(data, consumer).front(), 1.0F);
 }
 
@@ -50,11 +50,11 @@ TEST_P(ExchangeTest, NegativeControlNoOrderingRequestedSeesStaleData)
   const auto producer = stream_on(0);
   const auto consumer = stream_on(0);
   const array view = view_of(data, 0);
-  sim.enqueue_fill(producer, data, n, 1.0F, slow);
-  view.owner().set_ready_on({.ctx = &ctx, .device = 0, .stream = producer, .stream_owner = nullptr});
-  order_export(&ctx, view, {stream_order::none, 0});
+  fill(producer, data, 1.0F, slow);
+  view.owner().set_ready_on({.ctx = &ctx(), .device = 0, .stream = producer, .stream_owner = nullptr});
+  order_export(&ctx(), view, {stream_order::none, 0});
   EXPECT_EQ(read(data, consumer).front(), 0.0F);
-  sim.synchronize_device();
+  b().synchronize_device();
 }
 
 TEST_P(ExchangeTest, WithoutAKnownProducerStreamTheDefaultStreamIsOrdered)
@@ -62,8 +62,8 @@ TEST_P(ExchangeTest, WithoutAKnownProducerStreamTheDefaultStreamIsOrdered)
   float* data = allocate_on(0);
   const auto consumer = stream_on(0);
   const array view = view_of(data, 0);
-  sim.enqueue_fill(sim.legacy_default_stream(), data, n, 4.0F, slow);
-  order_export(&ctx, view, on(consumer));
+  fill(b().legacy_default_stream(), data, 4.0F, slow);
+  order_export(&ctx(), view, on(consumer));
   EXPECT_EQ(read(data, consumer).front(), 4.0F);
 }
 
@@ -72,21 +72,21 @@ TEST_P(ExchangeTest, AViewClaimingAnotherDeviceIsRefused)
   HANDOFF_REQUIRE_TWO_DEVICES();
   float* data = allocate_on(1);
   const array lying = view_of(data, 0);  // the memory belongs to device 1
-  EXPECT_THROW((void)owning_device(ctx, lying), value_error);
-  EXPECT_THROW(order_export(&ctx, lying, on(stream_on(0))), value_error);
+  EXPECT_THROW((void)owning_device(ctx(), lying), value_error);
+  EXPECT_THROW(order_export(&ctx(), lying, on(stream_on(0))), value_error);
 }
 
 TEST_P(ExchangeTest, AnEmptyViewOnADeviceTheBackendDoesNotHaveIsRefused)
 {
   // Nothing to look up: the claimed device is taken, and its streams would take the release.
-  for (const int device : {-1, sim.device_count(), 7}) {
+  for (const int device : {-1, b().device_count(), 7}) {
     array_layout layout;
     layout.device = {kDLCUDA, device};
     layout.dtype = {kDLFloat, 32, 1};
     layout.shape = std::vector<std::int64_t>{0};
     layout.strides = std::vector<std::int64_t>{1};
     const array empty{std::move(layout), producer_ref{[] {}}};
-    EXPECT_THROW((void)owning_device(ctx, empty), value_error) << device;
+    EXPECT_THROW((void)owning_device(ctx(), empty), value_error) << device;
   }
 }
 
@@ -99,10 +99,10 @@ TEST_P(ExchangeTest, OrderingWithoutABackendIsADeviceError)
 
 TEST_P(ExchangeTest, ResolvesDlpackRequestsToStreams)
 {
-  EXPECT_EQ(resolve_stream(sim, {stream_order::none, 0}), std::nullopt);
-  EXPECT_EQ(resolve_stream(sim, {stream_order::legacy_default, 0}), sim.legacy_default_stream());
-  EXPECT_EQ(resolve_stream(sim, {stream_order::per_thread_default, 0}), sim.per_thread_default_stream());
-  EXPECT_EQ(resolve_stream(sim, {stream_order::handle, 77}), static_cast<device::stream_handle>(77));
+  EXPECT_EQ(resolve_stream(b(), {stream_order::none, 0}), std::nullopt);
+  EXPECT_EQ(resolve_stream(b(), {stream_order::legacy_default, 0}), b().legacy_default_stream());
+  EXPECT_EQ(resolve_stream(b(), {stream_order::per_thread_default, 0}), b().per_thread_default_stream());
+  EXPECT_EQ(resolve_stream(b(), {stream_order::handle, 77}), static_cast<device::stream_handle>(77));
 }
 
 TEST_P(ExchangeTest, BindImportMakesTheConsumerTheReadyStreamAndDefersRelease)
@@ -113,13 +113,13 @@ TEST_P(ExchangeTest, BindImportMakesTheConsumerTheReadyStreamAndDefersRelease)
   {
     array_layout layout = view_of(data, 0).layout();
     const array view{std::move(layout), producer_ref{[&] { released = true; }}};
-    bind_import(ctx, view, 0, consumer);
+    bind_import(ctx(), view, 0, consumer);
     ASSERT_TRUE(view.owner().ready_on().has_value());
     EXPECT_EQ(view.owner().ready_on()->stream, consumer);
-    sim.enqueue_sleep(consumer, slow);
+    delay(consumer, slow);
   }
   EXPECT_FALSE(released.load());
-  ctx.drain();
+  ctx().drain();
   EXPECT_TRUE(released.load());
 }
 
@@ -129,49 +129,49 @@ TEST_P(ExchangeTest, BindImportMakesTheConsumerTheReadyStreamAndDefersRelease)
 TEST_P(ExchangeTest, DeviceGuardRestoresWithoutSelectingTheDefaultDevice)
 {
   HANDOFF_REQUIRE_TWO_DEVICES();
+  HANDOFF_REQUIRE_SIM("which devices have a context is observable only there");
   std::thread fresh([&] {  // nothing current: device 0 by default, with no context
     {
-      const device_guard on_one{sim, 1};
-      EXPECT_EQ(sim.current_device(), 1);
+      const device_guard on_one{b(), 1};
+      EXPECT_EQ(b().current_device(), 1);
       {
-        const device_guard again{sim, 1};  // already current: no push
-        EXPECT_EQ(sim.current_device(), 1);
+        const device_guard again{b(), 1};  // already current: no push
+        EXPECT_EQ(b().current_device(), 1);
       }
-      EXPECT_EQ(sim.current_device(), 1);
+      EXPECT_EQ(b().current_device(), 1);
     }
-    EXPECT_EQ(sim.current_device(), 0);
+    EXPECT_EQ(b().current_device(), 0);
   });
   fresh.join();
-  EXPECT_EQ(sim.devices_with_context(), std::vector<int>{1});
+  EXPECT_EQ(sim().devices_with_context(), std::vector<int>{1});
 }
 
 TEST_P(ExchangeTest, OrderingDataOnAnotherDeviceCreatesNoContextOnTheCurrentOne)
 {
   HANDOFF_REQUIRE_TWO_DEVICES();
-  ASSERT_TRUE(sim.devices_with_context().empty()) << "the fixture used a device";
+  HANDOFF_REQUIRE_SIM("which devices have a context is observable only there");
+  ASSERT_TRUE(sim().devices_with_context().empty()) << "the fixture used a device";
   float* data = nullptr;
   device::stream_handle producer{};
   device::stream_handle consumer{};
   std::thread owner([&] {  // the producing library uses device 1 only
-    sim.set_current_device(1);
-    data = static_cast<float*>(sim.allocate(n * sizeof(float), sim.legacy_default_stream()));
-    sim.enqueue_fill(sim.legacy_default_stream(), data, n, 0.0F);
-    sim.synchronize_device();
-    producer = sim.create_stream(true);
-    consumer = sim.create_stream(true);
+    b().set_current_device(1);
+    data = allocate_on(1);
+    producer = stream_on(1);
+    consumer = stream_on(1);
   });
   owner.join();
   std::thread importer([&] {  // a thread that never chose a device
-    sim.enqueue_fill(producer, data, n, 2.0F, slow);
+    fill(producer, data, 2.0F, slow);
     const array view = view_of(data, 1);
-    view.owner().set_ready_on({.ctx = &ctx, .device = 1, .stream = producer, .stream_owner = nullptr});
-    order_export(&ctx, view, on(consumer));
-    bind_import(ctx, view, owning_device(ctx, view), consumer);
+    view.owner().set_ready_on({.ctx = &ctx(), .device = 1, .stream = producer, .stream_owner = nullptr});
+    order_export(&ctx(), view, on(consumer));
+    bind_import(ctx(), view, owning_device(ctx(), view), consumer);
     EXPECT_EQ(read(data, consumer).front(), 2.0F);
   });
   importer.join();
-  ctx.drain();
-  EXPECT_EQ(sim.devices_with_context(), std::vector<int>{1});
+  ctx().drain();
+  EXPECT_EQ(sim().devices_with_context(), std::vector<int>{1});
 }
 
 TEST_P(ExchangeTest, DeviceCopiesFollowThePendingWrite)
@@ -179,14 +179,14 @@ TEST_P(ExchangeTest, DeviceCopiesFollowThePendingWrite)
   float* data = allocate_on(0);
   const auto producer = stream_on(0);
   const array view = view_of(data, 0);
-  sim.enqueue_fill(producer, data, n, 8.0F, slow);
-  view.owner().set_ready_on({.ctx = &ctx, .device = 0, .stream = producer, .stream_owner = nullptr});
+  fill(producer, data, 8.0F, slow);
+  view.owner().set_ready_on({.ctx = &ctx(), .device = 0, .stream = producer, .stream_owner = nullptr});
 
-  const array host = copy_device_array(ctx, view, /*to_host=*/true);
+  const array host = copy_device_array(ctx(), view, /*to_host=*/true);
   EXPECT_EQ(host.device().device_type, kDLCPU);
   EXPECT_EQ(static_cast<const float*>(host.data())[n - 1], 8.0F);
 
-  const array copy = copy_device_array(ctx, view, /*to_host=*/false);
+  const array copy = copy_device_array(ctx(), view, /*to_host=*/false);
   EXPECT_NE(copy.data(), view.data());
   EXPECT_EQ(copy.owner().ready_on()->stream, producer);
   EXPECT_EQ(read(static_cast<const float*>(copy.data()), producer).front(), 8.0F);
@@ -198,30 +198,30 @@ TEST_P(ExchangeTest, ManyThreadsExchangeAtOnce)
   constexpr int rounds = 50;
   std::vector<float*> buffers;
   buffers.reserve(threads);
-  for (int t = 0; t < threads; ++t) { buffers.push_back(allocate_on(t % sim.device_count())); }
+  for (int t = 0; t < threads; ++t) { buffers.push_back(allocate_on(t % b().device_count())); }
   const auto before = stats();
   std::atomic<int> wrong{0};
   std::vector<std::thread> workers;
   workers.reserve(threads);
   for (int t = 0; t < threads; ++t) {
     workers.emplace_back([&, t] {
-      const int device = t % sim.device_count();
+      const int device = t % b().device_count();
       const auto producer = stream_on(device);
       const auto consumer = stream_on(device);
       for (int round = 0; round < rounds; ++round) {
         float* data = buffers[static_cast<std::size_t>(t)];
         const array view = view_of(data, device);
-        sim.enqueue_fill(producer, data, n, static_cast<float>(round));
-        view.owner().set_ready_on({.ctx = &ctx, .device = device, .stream = producer, .stream_owner = nullptr});
-        order_export(&ctx, view, on(consumer));  // from the data's device, whatever is current
-        bind_import(ctx, view, device, consumer);
+        fill(producer, data, static_cast<float>(round));
+        view.owner().set_ready_on({.ctx = &ctx(), .device = device, .stream = producer, .stream_owner = nullptr});
+        order_export(&ctx(), view, on(consumer));  // from the data's device, whatever is current
+        bind_import(ctx(), view, device, consumer);
         if (read(data, consumer).back() != static_cast<float>(round)) { ++wrong; }
       }
-      sim.synchronize_stream(producer);
+      b().synchronize_stream(producer);
     });
   }
   for (auto& w : workers) { w.join(); }
-  ctx.drain();
+  ctx().drain();
   EXPECT_EQ(wrong.load(), 0);
   EXPECT_EQ(stats().waits_inserted - before.waits_inserted, static_cast<std::uint64_t>(threads * rounds));
   // Pooled: at most one per release pending at once (however slow the machine makes the service
@@ -229,6 +229,7 @@ TEST_P(ExchangeTest, ManyThreadsExchangeAtOnce)
   EXPECT_LE(stats().events_created - before.events_created, static_cast<std::uint64_t>(threads * rounds + threads));
 }
 
-INSTANTIATE_TEST_SUITE_P(Sim, ExchangeTest, handoff::testing::sim_device_counts(), handoff::testing::device_count_name);
+INSTANTIATE_TEST_SUITE_P(Backends, ExchangeTest, handoff::testing::sim_and_cuda(),
+                         handoff::testing::backend_choice_name);
 
 }  // namespace

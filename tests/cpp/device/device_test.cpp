@@ -3,11 +3,10 @@
 // skip on "cuda"; tests that need a second device skip where there is one.
 #include "device/backend_factory.hpp"
 #include "device/sim/sim_backend.hpp"
+#include "support/test_device.hpp"
 
 #include <handoff/error.hpp>
 
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,10 +14,9 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
-#include <deque>
 #include <functional>
 #include <memory>
-#include <ostream>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -55,33 +53,14 @@ bool all_equal(const std::vector<float>& values, float expected)
   return std::all_of(values.begin(), values.end(), [&](float v) { return v == expected; });
 }
 
-// A backend the suite runs on: a simulated one with a chosen device count, or "cuda" with the
-// devices the machine has.
-struct backend_choice {
-  std::string name;
-  int sim_devices = 0;  // 0 for a real backend
-};
-
-std::ostream& operator<<(std::ostream& out, const backend_choice& choice)
-{
-  out << choice.name;
-  if (choice.sim_devices > 0) { out << " with " << choice.sim_devices << " device(s)"; }
-  return out;
-}
-
-std::unique_ptr<backend> make(const backend_choice& choice)
-{
-  if (choice.sim_devices == 0) { return make_backend(choice.name); }
-  return std::make_unique<sim_backend>(choice.sim_devices,
-                                       choice.name == "sim-rocm" ? sim_flavour::rocm : sim_flavour::cuda);
-}
+using handoff::testing::backend_choice;
 
 class DeviceTest : public ::testing::TestWithParam<backend_choice> {
  protected:
   void SetUp() override
   {
     try {
-      backend_ = make(GetParam());
+      device_.emplace(GetParam());
     } catch (const device_error& e) {
       if (backend_name() == "cuda") {
         GTEST_SKIP() << "no usable CUDA backend (" << e.error_name() << "): " << e.what();
@@ -92,40 +71,23 @@ class DeviceTest : public ::testing::TestWithParam<backend_choice> {
 
   void TearDown() override
   {
-    if (!backend_) { return; }
-    try {
-      for (int d = 0; d < backend_->device_count(); ++d) {
-        backend_->set_current_device(d);
-        backend_->synchronize_device();
-      }
-    } catch (const device_error&) {
-      // a test left a capture behind; the backend's destructor still drains
-    }
-    for (auto* p : allocations_) { backend_->deallocate(p, backend_->legacy_default_stream()); }
-    for (auto s : streams_) { backend_->destroy_stream(s); }
-    for (auto e : events_) { backend_->destroy_event(e); }
-    if (auto* simulated = sim()) {
-      const auto violations = simulated->violations();
-      EXPECT_TRUE(violations.empty()) << "uses CUDA leaves undefined: "
-                                      << fmt::format("{}", fmt::join(violations, "; "));
-    }
-    backend_.reset();
+    if (!device_) { return; }
+    device_->synchronize();
+    for (auto* p : allocations_) { b().deallocate(p, b().legacy_default_stream()); }
+    for (auto e : events_) { b().destroy_event(e); }
+    device_.reset();
   }
 
-  backend& b() { return *backend_; }
+  backend& b() { return device_->backend(); }
   const std::string& backend_name() { return GetParam().name; }
-  sim_backend* sim() { return as_sim(*backend_); }
-  bool rocm() { return backend_->device_type() == kDLROCM; }
+  sim_backend* sim() { return device_->sim(); }
+  bool rocm() { return b().device_type() == kDLROCM; }
   std::string err(std::string_view cuda_name, std::string_view hip_name)
   {
     return std::string(rocm() ? hip_name : cuda_name);
   }
 
-  stream_handle stream(bool non_blocking)
-  {
-    streams_.push_back(b().create_stream(non_blocking));
-    return streams_.back();
-  }
+  stream_handle stream(bool non_blocking) { return device_->stream(b().current_device(), non_blocking); }
 
   event_handle event()
   {
@@ -134,47 +96,20 @@ class DeviceTest : public ::testing::TestWithParam<backend_choice> {
   }
 
   /// `n` floats of device memory on the current device, set to `value` before this returns.
-  float* floats(std::size_t n, float value)
-  {
-    auto s = b().create_stream(true);
-    auto* p = static_cast<float*>(b().allocate(n * sizeof(float), s));
-    allocations_.push_back(p);
-    delayed_fill(s, p, n, value, 0ms);
-    b().synchronize_stream(s);
-    b().destroy_stream(s);
-    return p;
-  }
+  float* floats(std::size_t n, float value) { return device_->allocate(n, b().current_device(), value); }
 
-  /// Enqueues on `s`: wait `wait`, then set `n` floats at `dst` to `value`. The sim has a fill;
-  /// elsewhere a sleeping host function and a copy from a staging buffer do the same.
+  /// Enqueues on `s`: wait `wait`, then set `n` floats at `dst` to `value`.
   void delayed_fill(stream_handle s, float* dst, std::size_t n, float value, std::chrono::milliseconds wait)
   {
-    if (auto* simulated = sim()) {
-      simulated->enqueue_fill(s, dst, n, value, wait);
-      return;
-    }
-    sleeps_.push_back(wait);
-    b().launch_host_func(
-      s, [](void* d) { std::this_thread::sleep_for(*static_cast<std::chrono::milliseconds*>(d)); }, &sleeps_.back());
-    staging_.emplace_back(n, value);
-    b().copy_async(dst, staging_.back().data(), n * sizeof(float), s);
+    device_->delayed_fill(s, dst, n, value, wait);
   }
 
   /// Enqueues a copy of `n` floats to the host on `s` and waits for it.
-  std::vector<float> read(stream_handle s, const float* src, std::size_t n)
-  {
-    std::vector<float> out(n, -1.0f);
-    b().copy_async(out.data(), src, n * sizeof(float), s);
-    b().synchronize_stream(s);
-    return out;
-  }
+  std::vector<float> read(stream_handle s, const float* src, std::size_t n) { return device_->read(s, src, n); }
 
-  std::unique_ptr<backend> backend_;
-  std::vector<stream_handle> streams_;
+  std::optional<handoff::testing::test_device> device_;
   std::vector<event_handle> events_;
-  std::vector<void*> allocations_;
-  std::deque<std::vector<float>> staging_;
-  std::deque<std::chrono::milliseconds> sleeps_;
+  std::vector<void*> allocations_;  // made by the tests themselves
 };
 
 #define REQUIRE_SIM()                                                        \
@@ -677,7 +612,7 @@ TEST_P(DeviceTest, DestroyingStreamsAndTheBackendDrainsPendingWork)
   b().synchronize_device();
   EXPECT_EQ(calls.load(), 1);
 
-  auto fresh = make(GetParam());
+  auto fresh = handoff::testing::make_backend(GetParam());
   const auto t = fresh->create_stream(true);
   as_sim(*fresh)->enqueue_sleep(t, 50ms);
   fresh->launch_host_func(t, bump, &calls);
@@ -731,15 +666,7 @@ INSTANTIATE_TEST_SUITE_P(Device, DeviceTest,
                          ::testing::Values(backend_choice{"sim", 1}, backend_choice{"sim", 2},
                                            backend_choice{"sim-rocm", 1}, backend_choice{"sim-rocm", 2},
                                            backend_choice{"cuda"}),
-                         [](const ::testing::TestParamInfo<backend_choice>& param_info) {
-                           std::string name = param_info.param.name;
-                           std::replace(name.begin(), name.end(), '-', '_');
-                           if (param_info.param.sim_devices == 1) { name += "_1_device"; }
-                           if (param_info.param.sim_devices > 1) {
-                             name += "_" + std::to_string(param_info.param.sim_devices) + "_devices";
-                           }
-                           return name;
-                         });
+                         handoff::testing::backend_choice_name);
 
 }  // namespace
 }  // namespace handoff::device

@@ -1,0 +1,92 @@
+// The core suites' fixture: each test on a fresh backend (the parameter: the simulator with one
+// device or two, or CUDA), with helpers for `n` floats of device memory on it.
+#pragma once
+
+#include <handoff/context.hpp>
+#include <handoff/error.hpp>
+
+#include "service/service_thread.hpp"
+#include "support/test_device.hpp"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <optional>
+#include <stdexcept>
+#include <vector>
+
+// Skips a test that needs a second device where the backend has one.
+#define HANDOFF_REQUIRE_TWO_DEVICES()                                                              \
+  do {                                                                                             \
+    if (b().device_count() < 2) { GTEST_SKIP() << "needs a second device (the backend has one)"; } \
+  } while (false)
+
+// Skips, on a real device, a test of what only the simulator can do or show (`why`).
+#define HANDOFF_REQUIRE_SIM(why)                                                    \
+  do {                                                                              \
+    if (device_->sim() == nullptr) { GTEST_SKIP() << "simulator only: " << (why); } \
+  } while (false)
+
+namespace handoff::testing {
+
+using namespace std::chrono_literals;
+
+class BackendTest : public ::testing::TestWithParam<backend_choice> {
+ protected:
+  static constexpr std::size_t n = 1024;
+  // Long enough that an unordered reader always wins, under sanitizers and on a GPU alike.
+  static constexpr auto slow = 200ms;
+
+  void SetUp() override
+  {
+    try {
+      device_.emplace(GetParam());
+    } catch (const device_error& e) {
+      if (GetParam().name == "cuda") {
+        GTEST_SKIP() << "no usable CUDA backend (" << e.error_name() << "): " << e.what();
+      }
+      throw;
+    }
+  }
+
+  device::backend& b() { return device_->backend(); }
+  /// The simulator's extras, for tests that begin with HANDOFF_REQUIRE_SIM.
+  device::sim_backend& sim()
+  {
+    if (auto* simulated = device_->sim()) { return *simulated; }
+    throw std::logic_error("a simulator-only test did not begin with HANDOFF_REQUIRE_SIM");
+  }
+
+  float* allocate_on(int device) { return device_->allocate(n, device); }
+  device::stream_handle stream_on(int device, bool non_blocking = true)
+  {
+    return device_->stream(device, non_blocking);
+  }
+  /// Sets the n floats at `data` to `value` on `stream`, after `delay`.
+  void fill(device::stream_handle stream, float* data, float value, std::chrono::nanoseconds delay = {})
+  {
+    device_->delayed_fill(stream, data, n, value, delay);
+  }
+  void delay(device::stream_handle stream, std::chrono::nanoseconds duration) { device_->delay(stream, duration); }
+  /// Copies the n floats at `data` to the host on `stream` and waits for that copy only.
+  std::vector<float> read(const float* data, device::stream_handle stream) { return device_->read(stream, data, n); }
+
+  std::optional<test_device> device_;
+};
+
+/// BackendTest with the exchange context (event pool, deferred releases) of its backend.
+class BackendContextTest : public BackendTest {
+ protected:
+  void SetUp() override
+  {
+    BackendTest::SetUp();
+    if (IsSkipped()) { return; }
+    ctx_.emplace(b(), std::make_unique<detail::service_thread>());
+  }
+
+  context& ctx() { return *ctx_; }
+
+  std::optional<context> ctx_;
+};
+
+}  // namespace handoff::testing
