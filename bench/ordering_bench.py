@@ -3,8 +3,7 @@ consumer's) against unordered and same-stream ones, and events created in steady
 
     HANDOFF_BACKEND=sim .venv/bin/python bench/ordering_bench.py [--quick]
 
-On a machine with a CUDA GPU and a CUDA build of PyTorch (and CuPy, if installed), it also times
-their own ``__dlpack__(stream=...)`` on the same streams, side by side, as ratios.
+handoff next to PyTorch's and CuPy's own ordered exchanges on a GPU: bench/ordered_exchange_bench.py.
 """
 
 from __future__ import annotations
@@ -51,36 +50,6 @@ def simulated_rows(number, repeat):
     return results, ordered_export
 
 
-def cuda_peer_rows(number, repeat):
-    """handoff next to PyTorch and CuPy on a real GPU, when there is one."""
-    try:
-        import torch
-    except ImportError:
-        return []
-    if not torch.cuda.is_available():
-        return []
-    producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
-    with torch.cuda.stream(producer):
-        tensor = torch.ones((256, 256), device="cuda")
-    view = handoff.from_dlpack(tensor, stream=producer)
-    rows = [
-        ("torch __dlpack__(stream=s)", lambda: tensor.__dlpack__(stream=consumer.cuda_stream),
-         lambda: view.__dlpack__(stream=consumer.cuda_stream, max_version=(1, 1))),
-    ]
-    try:
-        import cupy
-
-        cp_producer, cp_consumer = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
-        with cp_producer:
-            cp_array = cupy.ones((256, 256), dtype=cupy.float32)
-        cp_view = handoff.from_dlpack(cp_array, stream=cp_producer.ptr)
-        rows.append(("cupy __dlpack__(stream=s)", lambda: cp_array.__dlpack__(stream=cp_consumer.ptr),
-                     lambda: cp_view.__dlpack__(stream=cp_consumer.ptr, max_version=(1, 1))))
-    except ImportError:
-        pass
-    return [(what, best_ns(ours, number, repeat), best_ns(peer, number, repeat)) for what, peer, ours in rows]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
@@ -106,14 +75,7 @@ def main() -> None:
     else:
         print("(the simulated rows need HANDOFF_BACKEND=sim or sim-rocm)")
 
-    peers = cuda_peer_rows(number, repeat) if info["backend"] == "cuda" else []
-    if peers:
-        print(f"\n| {'ordered export on CUDA':<28} | {'handoff ns':>10} | {'peer ns':>8} | {'ratio':>5} |")
-        print(f"|{'-' * 30}|{'-' * 11}:|{'-' * 9}:|{'-' * 6}:|")
-        for what, ours, peer in peers:
-            print(f"| {what:<28} | {ours:>10.0f} | {peer:>8.0f} | {ours / peer:>5.2f} |")
-    else:
-        print("\nCUDA peers (PyTorch, CuPy): not measured here (needs HANDOFF_BACKEND=cuda and a GPU)")
+    print("\nNext to PyTorch's and CuPy's own __dlpack__(stream=...) on a GPU: bench/ordered_exchange_bench.py")
 
 
 if __name__ == "__main__":
