@@ -23,10 +23,9 @@ from conftest import CUDA, CUDA_MANAGED, live_views, run_python
 
 INFO = handoff.runtime_info()
 CUDA_USABLE = INFO["backend"] == "cuda" and not INFO.get("backend_error") and INFO["device_count"] > 0
+BACKEND_STATE = INFO["backend"] + (f": {INFO['backend_error'].split(':')[0]}" if INFO.get("backend_error") else "")
 pytestmark = pytest.mark.skipif(
-    not CUDA_USABLE,
-    reason=f"needs HANDOFF_BACKEND=cuda on a machine with a GPU (backend is {INFO['backend']!r}"
-    + (f": {INFO['backend_error']})" if INFO.get("backend_error") else ")"),
+    not CUDA_USABLE, reason=f"needs HANDOFF_BACKEND=cuda on a machine with a GPU (backend {BACKEND_STATE})"
 )
 
 N = 1 << 20
