@@ -248,10 +248,11 @@ std::optional<std::int64_t> consumer_value(py::handle consumer, DLDeviceType dev
 // that the caller uses __dlpack__; a tensor already made is then released with its view.
 std::optional<array> import_through_exchange_api(const DLPackExchangeAPI& api, py::handle x, py::handle consumer)
 {
-  if (is_lazy_conjugate(x.ptr())) { return std::nullopt; }  // __dlpack__ refuses it with a reason
   DLManagedTensorVersioned* tensor = managed_tensor_of(api, x.ptr());
   if (tensor == nullptr) { return std::nullopt; }
   array view = import_dlpack(tensor);  // its deleter runs exactly once from here on
+  // Only complex data can be lazily conjugated; __dlpack__ refuses such data with a reason.
+  if (view.dtype().code == kDLComplex && is_lazy_conjugate(x.ptr())) { return std::nullopt; }
   const DLDeviceType type = view.device().device_type;
   const py::object consumer_arg =
     consumer.is_none() ? py::object(py::none()) : producer_stream_argument(consumer, type);
