@@ -15,16 +15,19 @@ import sys
 import tempfile
 
 N = 20_000
-CASES = {
-    "handoff.from_dlpack(ndarray)": "import handoff; f = handoff.from_dlpack",
-    "np.from_dlpack(ndarray)": "f = np.from_dlpack",
-    "torch.from_dlpack(ndarray)": "import torch; f = torch.from_dlpack",
+NDARRAY = "np.ones((64, 64), dtype=np.float32)"
+TENSOR = "torch.ones((64, 64), dtype=torch.float32)"
+CASES = {  # name: (set-up, the argument)
+    "handoff.from_dlpack(ndarray)": ("import handoff; f = handoff.from_dlpack", NDARRAY),
+    "np.from_dlpack(ndarray)": ("f = np.from_dlpack", NDARRAY),
+    "torch.from_dlpack(ndarray)": ("import torch; f = torch.from_dlpack", NDARRAY),
+    # Through PyTorch's DLPack C exchange API.
+    "handoff.from_dlpack(tensor)": ("import handoff, torch; f = handoff.from_dlpack", TENSOR),
 }
 
 
-def instructions(setup: str, calls: int) -> int:
-    program = (f"import numpy as np\n{setup}\na = np.ones((64, 64), dtype=np.float32)\n"
-               f"for _ in range({calls}): f(a)\n")
+def instructions(setup: str, argument: str, calls: int) -> int:
+    program = f"import numpy as np\n{setup}\na = {argument}\nfor _ in range({calls}): f(a)\n"
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "callgrind.out")
         run = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-c", program],
@@ -39,7 +42,8 @@ def main() -> None:
     print(f"instructions per call (callgrind), (Ir({2 * N}) - Ir({N})) / {N}\n")
     print(f"| {'import':<30} | {'instructions':>12} | {'vs np.from_dlpack':>17} |")
     print(f"|{'-' * 32}|{'-' * 13}:|{'-' * 18}:|")
-    counts = {name: (instructions(setup, 2 * N) - instructions(setup, N)) / N for name, setup in CASES.items()}
+    counts = {name: (instructions(setup, argument, 2 * N) - instructions(setup, argument, N)) / N
+              for name, (setup, argument) in CASES.items()}
     reference = counts["np.from_dlpack(ndarray)"]
     for name, count in counts.items():
         print(f"| {name:<30} | {count:>12.0f} | {count / reference:>17.2f} |")

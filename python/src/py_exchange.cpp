@@ -4,12 +4,14 @@
 #include "py_exchange.hpp"
 
 #include "py_array.hpp"
+#include "py_exchange_api.hpp"
 #include "py_interfaces.hpp"
 
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
 #include <handoff/runtime.hpp>
 #include <handoff/stats.hpp>
+#include <handoff/stream.hpp>
 
 #include <fmt/format.h>
 
@@ -203,21 +205,34 @@ void settle(array& view, std::optional<DLDevice> device, std::optional<bool> cop
   if (copy == true && !producer_honoured) { view = copy_of(view, /*to_host=*/false); }
 }
 
-// A device view imported for `consumer` (a DLPack stream value; None for the default stream): its
-// data is ready there, and its producer outlives the work the consumer then enqueues there.
-// `stream_object` (what consumer_stream() resolved) is kept alive with the binding.
-void bind_to_consumer(const array& view, py::handle consumer, py::handle stream_object)
+// Where a device view imported for `consumer` (a DLPack stream value; None for the default stream)
+// is bound: nullopt when nothing orders it (host data, stream=-1, memory no active backend orders).
+struct consumer_binding {
+  context* ctx;
+  int device;
+  device::stream_handle stream;
+};
+std::optional<consumer_binding> consumer_binding_of(const array& view, py::handle consumer)
 {
   const DLDeviceType type = view.device().device_type;
-  if (!is_cuda_device(type) && !is_rocm_device(type)) { return; }
+  if (!is_cuda_device(type) && !is_rocm_device(type)) { return std::nullopt; }
   // The stream value is checked against the device whether or not a backend orders its memory here.
   const stream_request request = classify_stream(type, stream_argument(consumer));
-  if (request.order == stream_order::none) { return; }  // stream=-1: the consumer orders its work itself
+  if (request.order == stream_order::none) { return std::nullopt; }  // the consumer orders its work itself
   require_ordering(type);
   context* ctx = active_context();
-  if (ctx == nullptr || !is_stream_ordered(*ctx, view)) { return; }  // memory no active backend orders
-  bind_import(*ctx, view, owning_device(*ctx, view), *resolve_stream(ctx->backend(), request),
-              stream_keep_alive(stream_object));
+  if (ctx == nullptr || !is_stream_ordered(*ctx, view)) { return std::nullopt; }
+  return consumer_binding{ctx, owning_device(*ctx, view), *resolve_stream(ctx->backend(), request)};
+}
+
+// A device view imported for `consumer` (see consumer_binding_of): its data is ready there, and its
+// producer outlives the work the consumer then enqueues there. `stream_object` (what
+// consumer_stream() resolved) is kept alive with the binding.
+void bind_to_consumer(const array& view, py::handle consumer, py::handle stream_object)
+{
+  if (const auto binding = consumer_binding_of(view, consumer)) {
+    bind_import(*binding->ctx, view, binding->device, binding->stream, stream_keep_alive(stream_object));
+  }
 }
 
 // The DLPack stream value of a consumer stream from consumer_stream() for data on `device`
@@ -225,6 +240,33 @@ void bind_to_consumer(const array& view, py::handle consumer, py::handle stream_
 std::optional<std::int64_t> consumer_value(py::handle consumer, DLDeviceType device)
 {
   return consumer.is_none() ? std::nullopt : stream_argument(producer_stream_argument(consumer, device));
+}
+
+// Imports `x` through its type's DLPack C exchange API for `consumer` (from consumer_stream()). The
+// `no_sync` call leaves ordering to us: the consumer stream waits for the stream the producer's
+// work is on, as for a CUDA Array Interface v3 stream. nullopt when a call of the table failed, so
+// that the caller uses __dlpack__; a tensor already made is then released with its view.
+std::optional<array> import_through_exchange_api(const DLPackExchangeAPI& api, py::handle x, py::handle consumer)
+{
+  DLManagedTensorVersioned* tensor = managed_tensor_of(api, x.ptr());
+  if (tensor == nullptr) { return std::nullopt; }
+  array view = import_dlpack(tensor);  // its deleter runs exactly once from here on
+  // Only complex data can be lazily conjugated; __dlpack__ refuses such data with a reason.
+  if (view.dtype().code == kDLComplex && is_lazy_conjugate(x.ptr())) { return std::nullopt; }
+  const DLDeviceType type = view.device().device_type;
+  const py::object consumer_arg =
+    consumer.is_none() ? py::object(py::none()) : producer_stream_argument(consumer, type);
+  const auto binding = consumer_binding_of(view, consumer_arg);
+  if (!binding) { return view; }
+  std::optional<std::int64_t> producer;
+  if (!current_work_stream(api, view.device(), producer)) { return std::nullopt; }
+  device::backend& backend = binding->ctx->backend();
+  if (const auto producer_stream = resolve_stream(backend, classify_stream(type, producer))) {
+    stream_view{backend, binding->stream}.wait(stream_view{backend, *producer_stream}, binding->device,
+                                               binding->ctx->events());
+  }
+  bind_import(*binding->ctx, view, binding->device, binding->stream, stream_keep_alive(consumer));
+  return view;
 }
 
 // The attribute `name` of `x`, or a null object when `x` has none. Only AttributeError means that:
@@ -300,6 +342,7 @@ void init_exchange(py::module_& m)
       cached.kw_max_version == nullptr || cached.stream_var == nullptr) {
     throw py::error_already_set();
   }
+  init_exchange_api();
   m.attr("_stream_var") = py::reinterpret_borrow<py::object>(cached.stream_var);
   m.def("_set_as_stream", [](py::object fn) { cached.as_stream = fn.release().ptr(); });
   from_dlpack_signature = new signature("from_dlpack", 1, {"device", "copy", "stream"});
@@ -309,6 +352,17 @@ void init_exchange(py::module_& m)
 
 py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::handle stream)
 {
+  // The C exchange API has no dl_device or copy: calls with them go through __dlpack__, whose
+  // producer may honour them itself (a copy made by the producer, in its own stream order).
+  if (device.is_none() && copy.is_none() && !is_numpy_array(x.ptr())) {
+    if (const DLPackExchangeAPI* api = exchange_api_of(Py_TYPE(x.ptr()))) {
+      const py::object consumer = consumer_stream(stream);
+      if (auto view = import_through_exchange_api(*api, x, consumer)) {
+        count(counter::imports);
+        return wrap(std::move(*view));
+      }
+    }
+  }
   std::optional<DLDevice> claimed;  // what x.__dlpack_device__() says, once asked
   bool asked_device = false;
   if (device.is_none() && copy.is_none() && stream.is_none()) {

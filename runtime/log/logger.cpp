@@ -1,5 +1,7 @@
 #include "log/logger.hpp"
 
+#include <handoff/log.hpp>
+
 #include <spdlog/sinks/basic_file_sink.h>
 #include <spdlog/sinks/stdout_sinks.h>
 
@@ -50,3 +52,15 @@ spdlog::logger& logger() noexcept
 }
 
 }  // namespace handoff::detail
+
+namespace handoff {
+
+void log_debug(std::string_view message) noexcept
+{
+  try {
+    HANDOFF_LOG_DEBUG("{}", message);
+  } catch (...) {  // a failing sink must not fail the caller
+  }
+}
+
+}  // namespace handoff

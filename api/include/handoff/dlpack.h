@@ -1,4 +1,5 @@
-/* DLPack 1.1 ABI: the exchange structures handoff produces and consumes, C-compatible. */
+/* DLPack ABI: the exchange structures handoff produces and consumes (1.1) and the C exchange API
+ * (1.2), C-compatible. */
 #ifndef HANDOFF_DLPACK_H
 #define HANDOFF_DLPACK_H
 
@@ -107,6 +108,33 @@ typedef struct DLManagedTensorVersioned {
   uint64_t flags;
   DLTensor dl_tensor;
 } DLManagedTensorVersioned;
+
+/* DLPack 1.2's C exchange API: a table of functions a producer's type publishes as
+ * `__dlpack_c_exchange_api__` (a capsule named "dlpack_exchange_api"), so a consumer can exchange
+ * tensors without calling Python. Each function returns 0 on success and -1 with a Python error set;
+ * the `_no_sync` ones leave stream ordering to the consumer (current_work_stream says where the
+ * producer's work is). A consumer checks header.version.major before using anything else. */
+typedef int (*DLPackManagedTensorAllocator)(DLTensor* prototype, DLManagedTensorVersioned** out, void* error_ctx,
+                                            void (*SetError)(void* error_ctx, const char* kind, const char* message));
+typedef int (*DLPackManagedTensorFromPyObjectNoSync)(void* py_object, DLManagedTensorVersioned** out);
+typedef int (*DLPackManagedTensorToPyObjectNoSync)(DLManagedTensorVersioned* tensor, void** out_py_object);
+typedef int (*DLPackDLTensorFromPyObjectNoSync)(void* py_object, DLTensor* out);
+/* The stream the producer's current work on the device is enqueued on; NULL for its default. */
+typedef int (*DLPackCurrentWorkStream)(DLDeviceType device_type, int32_t device_id, void** out_current_stream);
+
+typedef struct DLPackExchangeAPIHeader {
+  DLPackVersion version;
+  struct DLPackExchangeAPIHeader* prev_api; /* an older table of the same producer, or NULL */
+} DLPackExchangeAPIHeader;
+
+typedef struct DLPackExchangeAPI {
+  DLPackExchangeAPIHeader header;
+  DLPackManagedTensorAllocator managed_tensor_allocator;
+  DLPackManagedTensorFromPyObjectNoSync managed_tensor_from_py_object_no_sync;
+  DLPackManagedTensorToPyObjectNoSync managed_tensor_to_py_object_no_sync;
+  DLPackDLTensorFromPyObjectNoSync dltensor_from_py_object_no_sync;
+  DLPackCurrentWorkStream current_work_stream;
+} DLPackExchangeAPI;
 
 #ifdef __cplusplus
 } /* extern "C" */

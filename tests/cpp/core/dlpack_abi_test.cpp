@@ -94,4 +94,21 @@ TEST(DlpackAbiTest, VersionedLayoutIsDlpack11)
   EXPECT_EQ(DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED, 4UL);
 }
 
+// The C exchange API is newer than Debian's header too: check it against DLPack 1.2's layout
+// (the version header, then the five functions in order).
+TEST(DlpackAbiTest, ExchangeApiLayoutIsDlpack12)
+{
+  EXPECT_EQ(offsetof(DLPackExchangeAPIHeader, version), 0U);
+  EXPECT_EQ(offsetof(DLPackExchangeAPIHeader, prev_api), 8U);
+  EXPECT_EQ(sizeof(DLPackExchangeAPIHeader), 8U + sizeof(void*));
+  EXPECT_EQ(offsetof(DLPackExchangeAPI, header), 0U);
+  const std::size_t first = sizeof(DLPackExchangeAPIHeader);
+  EXPECT_EQ(offsetof(DLPackExchangeAPI, managed_tensor_allocator), first);
+  EXPECT_EQ(offsetof(DLPackExchangeAPI, managed_tensor_from_py_object_no_sync), first + sizeof(void*));
+  EXPECT_EQ(offsetof(DLPackExchangeAPI, managed_tensor_to_py_object_no_sync), first + 2 * sizeof(void*));
+  EXPECT_EQ(offsetof(DLPackExchangeAPI, dltensor_from_py_object_no_sync), first + 3 * sizeof(void*));
+  EXPECT_EQ(offsetof(DLPackExchangeAPI, current_work_stream), first + 4 * sizeof(void*));
+  EXPECT_EQ(sizeof(DLPackExchangeAPI), first + 5 * sizeof(void*));
+}
+
 }  // namespace
