@@ -389,7 +389,7 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
         array view = consume_capsule(capsule);
         if (claimed) {
           check_claimed_device(x, *claimed, view.device());
-        } else {
+        } else if (view.device().device_type != kDLCPU) {
           bind_to_consumer(view, py::none(), consumer);  // device data from a producer that hid its device
         }
         count(counter::imports);

@@ -86,7 +86,8 @@ const DLPackExchangeAPI* exchange_api_of(PyTypeObject* type)
   }
   cached_table& slot = cached_tables[next_slot++ % cached_tables.size()];
   PyObject* evicted = slot.capsule;
-  slot = {Py_NewRef(capsule), usable_table(capsule)};
+  Py_INCREF(capsule);  // not Py_NewRef: Python 3.9 has none
+  slot = {capsule, usable_table(capsule)};
   Py_XDECREF(evicted);  // last: its destructor may run Python code
   return slot.api;
 }
