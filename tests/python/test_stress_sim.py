@@ -201,14 +201,15 @@ def run_for(seconds: float, rng: random.Random, *, ordered: bool, stop_when_stal
     return outcome
 
 
-def test_every_consumer_reads_the_final_value(seed):
-    sim.set_copy_delay(random.Random(seed).choice([0.0, 0.0005, 0.002]))
+def run_in_threads(seed: int, rounds_of) -> list[dict]:
+    """The outcomes of rounds_of(index) run on THREADS threads at once; once all have ended, the
+    first failure is raised with the seed that replays it."""
     outcomes, errors = [None] * THREADS, []
 
     def worker(index: int) -> None:
         try:
-            outcomes[index] = run_for(SECONDS, random.Random(seed + index), ordered=True)
-        except BaseException as error:  # reported by the test, with the seed
+            outcomes[index] = rounds_of(index)
+        except BaseException as error:  # reported below, with the seed
             errors.append(error)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(THREADS)]
@@ -218,6 +219,12 @@ def test_every_consumer_reads_the_final_value(seed):
         thread.join()
     if errors:
         raise AssertionError(f"HANDOFF_STRESS_SEED={seed}: a thread failed") from errors[0]
+    return outcomes
+
+
+def test_every_consumer_reads_the_final_value(seed):
+    sim.set_copy_delay(random.Random(seed).choice([0.0, 0.0005, 0.002]))
+    outcomes = run_in_threads(seed, lambda index: run_for(SECONDS, random.Random(seed + index), ordered=True))
     stale = [description for outcome in outcomes for description in outcome["stale"]]
     rounds = sum(outcome["rounds"] for outcome in outcomes)
     assert not stale, f"HANDOFF_STRESS_SEED={seed}: {len(stale)} of {rounds} rounds read stale data, first: {stale[0]}"
@@ -227,22 +234,12 @@ def test_every_consumer_reads_the_final_value(seed):
 def test_faults_armed_at_random_fail_calls_and_lose_nothing(seed):
     # Every round either fails with a DeviceError or reads the final value; afterwards every
     # producer has been released exactly once (no_leaks), and no call used a destroyed handle.
-    outcomes, errors = [None] * THREADS, []
-
-    def worker(index: int) -> None:
-        try:
-            outcomes[index] = run_for(SECONDS, random.Random(seed + 100 + index), ordered=True, faults=index == 0)
-        except BaseException as error:  # reported by the test, with the seed
-            errors.append(error)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(THREADS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    sim.clear_faults()
-    if errors:
-        raise AssertionError(f"HANDOFF_STRESS_SEED={seed}: a thread failed") from errors[0]
+    try:
+        outcomes = run_in_threads(
+            seed, lambda index: run_for(SECONDS, random.Random(seed + 100 + index), ordered=True, faults=index == 0)
+        )
+    finally:
+        sim.clear_faults()
     stale = [description for outcome in outcomes for description in outcome["stale"]]
     rounds = sum(outcome["rounds"] for outcome in outcomes)
     faulted = sum(outcome["faulted"] for outcome in outcomes)
