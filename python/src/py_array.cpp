@@ -2,6 +2,7 @@
 // object allocation) with its properties, and the producer side of DLPack and the array interfaces.
 #include "py_array.hpp"
 
+#include "py_array_exchange_api.hpp"
 #include "py_gil.hpp"
 #include "py_support.hpp"
 
@@ -396,13 +397,18 @@ void bind_array(py::module_& m)
 #ifdef Py_TPFLAGS_DISALLOW_INSTANTIATION
   flags |= Py_TPFLAGS_DISALLOW_INSTANTIATION;  // made only by from_dlpack, asarray and handoff.sim
 #endif
-#ifdef Py_TPFLAGS_IMMUTABLETYPE
-  flags |= Py_TPFLAGS_IMMUTABLETYPE;
-#endif
   PyType_Spec spec{"handoff.Array", static_cast<int>(sizeof(array_object)), 0, flags, slots};
   PyObject* type = PyType_FromSpec(&spec);
   if (type == nullptr) { throw py::error_already_set(); }
   array_type = reinterpret_cast<PyTypeObject*>(type);
+  // A class attribute that no slot can hold: set while the type is still mutable.
+  if (PyObject_SetAttrString(type, "__dlpack_c_exchange_api__", array_exchange_api_capsule().ptr()) != 0) {
+    throw py::error_already_set();
+  }
+#ifdef Py_TPFLAGS_IMMUTABLETYPE
+  array_type->tp_flags |= Py_TPFLAGS_IMMUTABLETYPE;
+  PyType_Modified(array_type);
+#endif
 #ifndef Py_TPFLAGS_DISALLOW_INSTANTIATION
   array_type->tp_new = nullptr;
 #endif

@@ -35,6 +35,47 @@ struct cached_objects {
 };
 cached_objects cached;
 
+}  // namespace
+
+py::object enclosing_stream()
+{
+  PyObject* value = nullptr;
+  if (PyContextVar_Get(cached.stream_var, nullptr, &value) != 0) { throw py::error_already_set(); }
+  if (value == nullptr) { return py::none(); }
+  return py::reinterpret_steal<py::object>(value);  // the block stored a handoff.Stream
+}
+
+py::object producer_stream_argument(py::handle stream, DLDeviceType device)
+{
+  if (stream.is_none() || (!is_cuda_device(device) && !is_rocm_device(device))) { return py::none(); }
+  if (PyLong_Check(stream.ptr())) { return py::reinterpret_borrow<py::object>(stream); }
+  // A handoff.Stream: its raw handle, with CUDA's legacy default (handle 0) spelled 1 as DLPack asks.
+  const auto handle = stream.attr("handle").cast<long long>();
+  return py::int_(is_cuda_device(device) && handle == 0 ? 1 : handle);
+}
+
+std::optional<consumer_binding> consumer_binding_of(const array& view, py::handle consumer)
+{
+  const DLDeviceType type = view.device().device_type;
+  if (!is_cuda_device(type) && !is_rocm_device(type)) { return std::nullopt; }
+  // The stream value is checked against the device whether or not a backend orders its memory here.
+  const stream_request request = classify_stream(type, stream_argument(consumer));
+  if (request.order == stream_order::none) { return std::nullopt; }  // the consumer orders its work itself
+  require_ordering(type);
+  context* ctx = active_context();
+  if (ctx == nullptr || !is_stream_ordered(*ctx, view)) { return std::nullopt; }
+  return consumer_binding{ctx, owning_device(*ctx, view), *resolve_stream(ctx->backend(), request)};
+}
+
+void bind_to_consumer(const array& view, py::handle consumer, py::handle stream_object)
+{
+  if (const auto binding = consumer_binding_of(view, consumer)) {
+    bind_import(*binding->ctx, view, binding->device, binding->stream, stream_keep_alive(stream_object));
+  }
+}
+
+namespace {
+
 // True for NumPy's arrays (not subclasses), which live on the host: their device need not be asked.
 bool is_numpy_array(PyObject* x) noexcept
 {
@@ -70,28 +111,13 @@ PyObject* plain_dlpack_method(PyObject* x)
 // other object goes through handoff.as_stream (TypeError for non-streams).
 py::object consumer_stream(py::handle stream)
 {
-  if (stream.is_none()) {
-    PyObject* value = nullptr;
-    if (PyContextVar_Get(cached.stream_var, nullptr, &value) != 0) { throw py::error_already_set(); }
-    if (value == nullptr) { return py::none(); }
-    return py::reinterpret_steal<py::object>(value);  // the block stored a handoff.Stream
-  }
+  if (stream.is_none()) { return enclosing_stream(); }
   if (PyLong_Check(stream.ptr()) != 0) {
     (void)stream_argument(stream);  // bool and range checks
     return py::reinterpret_borrow<py::object>(stream);
   }
   HANDOFF_EXPECTS(cached.as_stream != nullptr, type_error, "stream objects need the handoff package");
   return py::reinterpret_borrow<py::object>(cached.as_stream)(stream);  // TypeError for non-streams
-}
-
-// The `stream` value to hand to a producer on `device` for a consumer stream from consumer_stream().
-py::object producer_stream_argument(py::handle stream, DLDeviceType device)
-{
-  if (stream.is_none() || (!is_cuda_device(device) && !is_rocm_device(device))) { return py::none(); }
-  if (PyLong_Check(stream.ptr())) { return py::reinterpret_borrow<py::object>(stream); }
-  // A handoff.Stream: its raw handle, with CUDA's legacy default (handle 0) spelled 1 as DLPack asks.
-  const auto handle = stream.attr("handle").cast<long long>();
-  return py::int_(is_cuda_device(device) && handle == 0 ? 1 : handle);
 }
 
 // What x.__dlpack_device__() says; nullopt when `x` has none and it is not `required`.
@@ -203,36 +229,6 @@ void settle(array& view, std::optional<DLDevice> device, std::optional<bool> cop
     return;
   }
   if (copy == true && !producer_honoured) { view = copy_of(view, /*to_host=*/false); }
-}
-
-// Where a device view imported for `consumer` (a DLPack stream value; None for the default stream)
-// is bound: nullopt when nothing orders it (host data, stream=-1, memory no active backend orders).
-struct consumer_binding {
-  context* ctx;
-  int device;
-  device::stream_handle stream;
-};
-std::optional<consumer_binding> consumer_binding_of(const array& view, py::handle consumer)
-{
-  const DLDeviceType type = view.device().device_type;
-  if (!is_cuda_device(type) && !is_rocm_device(type)) { return std::nullopt; }
-  // The stream value is checked against the device whether or not a backend orders its memory here.
-  const stream_request request = classify_stream(type, stream_argument(consumer));
-  if (request.order == stream_order::none) { return std::nullopt; }  // the consumer orders its work itself
-  require_ordering(type);
-  context* ctx = active_context();
-  if (ctx == nullptr || !is_stream_ordered(*ctx, view)) { return std::nullopt; }
-  return consumer_binding{ctx, owning_device(*ctx, view), *resolve_stream(ctx->backend(), request)};
-}
-
-// A device view imported for `consumer` (see consumer_binding_of): its data is ready there, and its
-// producer outlives the work the consumer then enqueues there. `stream_object` (what
-// consumer_stream() resolved) is kept alive with the binding.
-void bind_to_consumer(const array& view, py::handle consumer, py::handle stream_object)
-{
-  if (const auto binding = consumer_binding_of(view, consumer)) {
-    bind_import(*binding->ctx, view, binding->device, binding->stream, stream_keep_alive(stream_object));
-  }
 }
 
 // The DLPack stream value of a consumer stream from consumer_stream() for data on `device`

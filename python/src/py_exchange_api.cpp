@@ -2,6 +2,8 @@
 // __dlpack__ instead", so errors are cleared and logged rather than raised.
 #include "py_exchange_api.hpp"
 
+#include "py_array_exchange_api.hpp"
+
 #include <handoff/log.hpp>
 
 #include <fmt/format.h>
@@ -56,6 +58,9 @@ const DLPackExchangeAPI* usable_table(PyObject* capsule) noexcept
     return nullptr;
   }
   const auto* api = static_cast<const DLPackExchangeAPI*>(PyCapsule_GetPointer(capsule, capsule_name));
+  if (api == &array_exchange_api()) {
+    return nullptr;  // handoff's own arrays: __dlpack__ orders onto the consumer stream directly
+  }
   if (api->header.version.major != DLPACK_MAJOR_VERSION) {
     log_debug(fmt::format("DLPack C exchange API: version {}.{} is not understood; using __dlpack__",
                           api->header.version.major, api->header.version.minor));

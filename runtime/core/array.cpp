@@ -28,23 +28,51 @@ struct producer_ref::state {
   {
     detail::live_view_released();
     if (!release_) { return; }
-    if (release_after_ && release_after_->ctx != nullptr) {
-      stream_binding& consumer = *release_after_;
-      if (!consumer.stream_owner) {
-        consumer.ctx->release_after(consumer.device, consumer.stream, std::move(release_));
-        return;
+    if (release_after_.empty()) {
+      try {
+        release_();
+      } catch (...) {
+        HANDOFF_LOG_ERROR("a producer's release function threw; the exception was dropped");
       }
-      // The stream's owner goes once the release has run, after the last use of the stream.
-      consumer.ctx->release_after(
-        consumer.device, consumer.stream,
-        [release = std::move(release_), owner = std::move(consumer.stream_owner)]() noexcept { release(); });
       return;
     }
-    try {
-      release_();
-    } catch (...) {
-      HANDOFF_LOG_ERROR("a producer's release function threw; the exception was dropped");
+    if (release_after_.size() == 1) {
+      defer(release_after_.front(), std::move(release_));
+      return;
     }
+    // Several consumer streams: each is watched from now, and the last to get there releases.
+    struct countdown {
+      countdown(std::size_t streams, std::function<void()> then) noexcept : remaining(streams), release(std::move(then))
+      {}
+      std::atomic<std::size_t> remaining;
+      std::function<void()> release;
+    };
+    std::shared_ptr<countdown> all;
+    try {
+      all = std::make_shared<countdown>(release_after_.size(), std::move(release_));
+    } catch (...) {
+      HANDOFF_LOG_ERROR("out of memory ordering a release after {} streams; the producer is kept",
+                        release_after_.size());
+      return;
+    }
+    for (stream_binding& consumer : release_after_) {
+      defer(consumer, [all]() noexcept {
+        if (all->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) { all->release(); }
+      });
+    }
+  }
+
+  // Runs `release` once the work enqueued on `consumer` by now is done.
+  static void defer(stream_binding& consumer, std::function<void()> release) noexcept
+  {
+    if (!consumer.stream_owner) {
+      consumer.ctx->release_after(consumer.device, consumer.stream, std::move(release));
+      return;
+    }
+    // The stream's owner goes once the release has run, after the last use of the stream.
+    consumer.ctx->release_after(
+      consumer.device, consumer.stream,
+      [release = std::move(release), owner = std::move(consumer.stream_owner)]() noexcept { release(); });
   }
 
   static void acquire(state* s) noexcept
@@ -64,9 +92,9 @@ struct producer_ref::state {
 
   std::atomic<long> references_{1};
   std::function<void()> release_;
-  mutable std::mutex mutex_;  // guards the two bindings
+  mutable std::mutex mutex_;  // guards the bindings
   std::optional<stream_binding> ready_on_;
-  std::optional<stream_binding> release_after_;
+  std::vector<stream_binding> release_after_;  // one per consumer stream, usually one
 };
 
 producer_ref::producer_ref(std::function<void()> release)
@@ -144,10 +172,15 @@ void producer_ref::set_ready_on(const stream_binding& where) const
 
 void producer_ref::release_after(const stream_binding& consumer) const
 {
-  if (!state_) { return; }
+  if (!state_ || consumer.ctx == nullptr) { return; }
   stream_binding bound = thread_independent(consumer);
   std::lock_guard lock{state_->mutex_};
-  state_->release_after_ = std::move(bound);
+  const auto same = [&](const stream_binding& b) {
+    return b.ctx == bound.ctx && b.device == bound.device && b.stream == bound.stream;
+  };
+  if (std::none_of(state_->release_after_.begin(), state_->release_after_.end(), same)) {
+    state_->release_after_.push_back(std::move(bound));
+  }
 }
 
 namespace {
@@ -184,7 +217,10 @@ std::optional<byte_range> range_of(const array_layout& layout, std::int64_t item
 
 }  // namespace
 
-void validate_layout(const array_layout& layout)
+namespace {
+
+// The checks of validate_layout that need no data pointer; returns the size in bytes.
+std::int64_t checked_nbytes(const array_layout& layout)
 {
   HANDOFF_EXPECTS(
     layout.shape.size() == layout.strides.size(), value_error,
@@ -199,15 +235,21 @@ void validate_layout(const array_layout& layout)
       checked_multiply(elements, layout.shape[i], elements), value_error,
       fmt::format("shape {} overflows: its element count does not fit in 64 bits", fmt::join(layout.shape, "x")));
   }
-  const auto item = static_cast<std::int64_t>(itemsize(layout.dtype));
   std::int64_t bytes = 0;
   HANDOFF_EXPECTS(
-    checked_multiply(elements, item, bytes), value_error,
+    checked_multiply(elements, static_cast<std::int64_t>(itemsize(layout.dtype)), bytes), value_error,
     fmt::format("shape {} overflows: its size in bytes does not fit in 64 bits", fmt::join(layout.shape, "x")));
-  HANDOFF_EXPECTS(elements == 0 || layout.data != nullptr, value_error,
-                  "data is a null pointer but the array has elements");
+  return bytes;
+}
+
+}  // namespace
+
+void validate_layout(const array_layout& layout)
+{
+  if (checked_nbytes(layout) == 0) { return; }
+  HANDOFF_EXPECTS(layout.data != nullptr, value_error, "data is a null pointer but the array has elements");
   // Every consumer computes element addresses from the strides: they must not overflow.
-  HANDOFF_EXPECTS(elements == 0 || range_of(layout, item).has_value(), value_error,
+  HANDOFF_EXPECTS(range_of(layout, static_cast<std::int64_t>(itemsize(layout.dtype))).has_value(), value_error,
                   fmt::format("strides ({}, in elements) overflow: an element's byte offset does not fit in 64 bits",
                               fmt::join(layout.strides, ", ")));
 }
@@ -271,6 +313,32 @@ std::vector<std::int64_t> contiguous_strides(std::span<const std::int64_t> shape
   std::vector<std::int64_t> strides(shape.size());
   fill_contiguous_strides(shape, strides.data());
   return strides;
+}
+
+std::pair<array_layout, std::size_t> row_major_layout(DLDevice device, DLDataType dtype,
+                                                      std::span<const std::int64_t> shape)
+{
+  (void)dtype_name(dtype);  // a dtype DLPack defines
+  array_layout layout;
+  layout.device = device;
+  layout.dtype = dtype;
+  layout.shape.assign(shape.begin(), shape.end());
+  layout.strides.resize(shape.size());
+  fill_contiguous_strides(layout.shape, layout.strides.data());
+  const std::int64_t bytes = checked_nbytes(layout);
+  return {std::move(layout), static_cast<std::size_t>(bytes)};
+}
+
+array allocate_host_array(DLDataType dtype, std::span<const std::int64_t> shape)
+{
+  auto [layout, bytes] = row_major_layout({kDLCPU, 0}, dtype, shape);
+  if (bytes == 0) {
+    return array{std::move(layout), producer_ref{[] {}}};
+  }
+  auto storage = std::make_unique_for_overwrite<std::byte[]>(bytes);
+  layout.data = storage.get();
+  std::byte* raw = storage.release();
+  return array{std::move(layout), producer_ref{[raw]() noexcept { delete[] raw; }}};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -488,25 +556,17 @@ array copy_to_host(const array& view)
   HANDOFF_EXPECTS(
     view.device().device_type == kDLCPU, buffer_error,
     fmt::format("a host copy of {} memory needs a device backend", static_cast<int>(view.device().device_type)));
-  const auto bytes = static_cast<std::size_t>(view.nbytes());
-  auto storage = std::make_unique<std::byte[]>(bytes > 0 ? bytes : 1);
-  if (bytes > 0) {
+  array copy = allocate_host_array(view.dtype(), view.shape());
+  auto* destination = static_cast<std::byte*>(copy.data());
+  if (destination != nullptr) {
     if (view.is_c_contiguous()) {
-      std::memcpy(storage.get(), view.data(), bytes);
+      std::memcpy(destination, view.data(), static_cast<std::size_t>(view.nbytes()));
     } else {
       std::int64_t written = 0;
-      copy_strided(storage.get(), static_cast<const std::byte*>(view.data()), view, 0, written);
+      copy_strided(destination, static_cast<const std::byte*>(view.data()), view, 0, written);
     }
   }
-  array_layout layout;
-  layout.data = storage.get();
-  layout.device = {kDLCPU, 0};
-  layout.dtype = view.dtype();
-  layout.shape.assign(view.shape().begin(), view.shape().end());
-  layout.strides.resize(layout.shape.size());
-  fill_contiguous_strides(layout.shape, layout.strides.data());
-  std::byte* raw = storage.release();
-  return array{std::move(layout), producer_ref{[raw]() noexcept { delete[] raw; }}};
+  return copy;
 }
 
 }  // namespace handoff

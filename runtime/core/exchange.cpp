@@ -172,31 +172,38 @@ array copy_device_array(context& ctx, const array& view, bool to_host)
   }
   HANDOFF_EXPECTS(view.is_c_contiguous(), buffer_error,
                   "a copy of non-contiguous device memory on the device is not supported; copy it to the host");
-  void* copy = backend.allocate(span, stream);
-  try {
-    backend.copy_async(copy, source, span, stream);
-  } catch (...) {
-    backend.deallocate(copy, stream);
-    throw;
-  }
-  device::backend* owner = &backend;
-  array_layout layout = view.layout();
-  layout.data = copy;
-  layout.readonly = false;
   // The copy lives on its source's stream: it frees there, so it keeps that stream alive too.
-  std::shared_ptr<const void> stream_owner = ready ? ready->stream_owner : nullptr;
+  array copy = allocate_device_array(
+    {.ctx = &ctx, .device = device, .stream = stream, .stream_owner = ready ? ready->stream_owner : nullptr},
+    view.dtype(), view.shape());
+  backend.copy_async(copy.data(), source, span, stream);  // on failure, `copy` frees in stream order
+  return copy;
+}
+
+array allocate_device_array(const stream_binding& on, DLDataType dtype, std::span<const std::int64_t> shape)
+{
+  device::backend& backend = on.ctx->backend();
+  auto [layout, bytes] = row_major_layout({backend.device_type(), on.device}, dtype, shape);
+  HANDOFF_EXPECTS(on.device >= 0 && on.device < backend.device_count(), value_error,
+                  fmt::format("device {} is not one of the {} device(s) of the {} backend", on.device,
+                              backend.device_count(), backend.name()));
+  device_guard on_device{backend, on.device};
+  if (bytes > 0) { layout.data = backend.allocate(bytes, on.stream); }
+  device::backend* owner = &backend;
   // Released on any thread, whatever device is current there: a default stream's handle names the
-  // current device's stream, so the copy's device is made current for the free.
-  const auto release = [owner, copy, stream, device, stream_owner]() noexcept {
+  // current device's stream, so the allocation's device is made current for the free.
+  const auto release = [owner, data = layout.data, stream = on.stream, device = on.device,
+                        stream_owner = on.stream_owner]() noexcept {
+    if (data == nullptr) { return; }
     try {
-      device_guard on_copy{*owner, device};
-      owner->deallocate(copy, stream);
+      device_guard on_data{*owner, device};
+      owner->deallocate(data, stream);
     } catch (const std::exception& e) {
-      HANDOFF_LOG_ERROR("a device copy could not be freed on device {} ({}); its memory is kept", device, e.what());
+      HANDOFF_LOG_ERROR("device memory could not be freed on device {} ({}); it is kept", device, e.what());
     }
   };
   array out{std::move(layout), producer_ref{release}};
-  out.owner().set_ready_on({.ctx = &ctx, .device = device, .stream = stream, .stream_owner = std::move(stream_owner)});
+  out.owner().set_ready_on(on);
   return out;
 }
 

@@ -59,8 +59,10 @@ class producer_ref {
   /// Records the stream of a new write to the data. Thread-safe. The calling thread's per-thread
   /// default stream is recorded as the legacy default stream, which any thread can name.
   void set_ready_on(const stream_binding& where) const;
-  /// Makes the release wait for the work enqueued on `consumer` by the time the last reference
-  /// goes (see context::release_after). Set once, at import; a per-thread default stream as above.
+  /// Makes the release wait for the work enqueued on `consumer` by the time the last reference goes
+  /// (see context::release_after), as well as for every stream added before: each stream the data
+  /// was handed to (an import's consumer stream; a C consumer's work stream) is added once. A
+  /// per-thread default stream as above. Thread-safe.
   void release_after(const stream_binding& consumer) const;
 
  private:
@@ -261,6 +263,16 @@ struct byte_range {
 
 /// Row-major strides, in elements, for `shape`.
 [[nodiscard]] std::vector<std::int64_t> contiguous_strides(std::span<const std::int64_t> shape);
+
+/// The row-major layout of `shape` and `dtype` on `device`, with no data yet, and its size in bytes.
+/// @throws value_error for a negative or overflowing shape, buffer_error for a dtype DLPack does
+///         not define.
+[[nodiscard]] std::pair<array_layout, std::size_t> row_major_layout(DLDevice device, DLDataType dtype,
+                                                                    std::span<const std::int64_t> shape);
+
+/// A new row-major array of `shape` and `dtype` in host memory handoff owns; its contents are
+/// unspecified. @throws as row_major_layout, and std::bad_alloc.
+[[nodiscard]] array allocate_host_array(DLDataType dtype, std::span<const std::int64_t> shape);
 
 /// The highest DLPack version handoff produces and understands.
 inline constexpr DLPackVersion dlpack_version{DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION};

@@ -6,6 +6,7 @@
 #include <handoff/stream_value.hpp>
 
 #include <optional>
+#include <span>
 
 namespace handoff {
 
@@ -35,6 +36,15 @@ void bind_import(context& ctx, const array& view, int device, device::stream_han
 /// the same device (stream-ordered: the copy is ready on that stream and returns at once).
 /// @throws device_error when a device call fails; nothing is leaked.
 [[nodiscard]] array copy_device_array(context& ctx, const array& view, bool to_host);
+
+/// A new row-major array of `shape` and `dtype` in device memory handoff owns, allocated in stream
+/// order on `on.stream` of device `on.device` of `on.ctx`'s backend: ready on that stream, and freed
+/// there once its last view (and the work bound to it) is gone; `on.stream_owner` is kept until then.
+/// Its contents are unspecified.
+/// @throws value_error for a negative or overflowing shape or a device the backend does not have;
+///         buffer_error for a dtype DLPack does not define; device_error when the allocation fails.
+[[nodiscard]] array allocate_device_array(const stream_binding& on, DLDataType dtype,
+                                          std::span<const std::int64_t> shape);
 
 /// The same host-accessible memory (pinned or managed) as a CPU array, once the work pending on
 /// the stream it is ready on is done (waited for: a CPU consumer has no stream to order).

@@ -62,6 +62,30 @@ TEST_P(ContextTest, TheConsumerStreamsOwnerOutlivesTheRelease)
   EXPECT_TRUE(owner_gone.load());
 }
 
+TEST_P(ContextTest, AReleaseWaitsForEveryStreamTheDataWasHandedTo)
+{
+  float* data = allocate_on(0);
+  const auto first = stream_on(0);
+  const auto second = stream_on(0);
+  const auto reader = stream_on(0);
+  std::atomic<int> releases{0};
+  std::atomic<float> seen_at_release{-1.0F};
+  {
+    producer_ref owner{[&] {
+      seen_at_release = read(data, reader).front();
+      ++releases;
+    }};
+    owner.release_after({.ctx = &ctx(), .device = 0, .stream = first, .stream_owner = nullptr});
+    owner.release_after({.ctx = &ctx(), .device = 0, .stream = second, .stream_owner = nullptr});
+    owner.release_after({.ctx = &ctx(), .device = 0, .stream = first, .stream_owner = nullptr});  // added once
+    delay(first, slow / 4);
+    fill(second, data, 6.0F, slow);  // the slower consumer still uses the memory
+  }
+  EXPECT_EQ(releases.load(), 0) << "released before both consumer streams were done";
+  ctx().drain();
+  EXPECT_EQ(releases.load(), 1);
+  EXPECT_EQ(seen_at_release.load(), 6.0F);
+}
 TEST_P(ContextTest, AReleaseDuringCapturePutsNothingIntoTheGraphAndRunsAfterIt)
 {
   HANDOFF_REQUIRE_SIM("the device interface cannot begin or end a capture");

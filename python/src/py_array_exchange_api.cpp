@@ -1,0 +1,257 @@
+// handoff.Array's DLPack C exchange API. The API's promise to a consumer is that work it launches
+// on current_work_stream() may use the tensors it is handed. A handoff array may be ready on another
+// stream (its producer's), so handing one out makes the current work stream wait for that stream (an
+// event wait: the host is never blocked), and its producer is released only once the work then
+// enqueued on the current work stream is done, as for an import onto that stream.
+#include "py_array_exchange_api.hpp"
+
+#include "py_array.hpp"
+#include "py_exchange.hpp"
+#include "py_gil.hpp"
+
+#include <handoff/error.hpp>
+#include <handoff/exchange.hpp>
+#include <handoff/runtime.hpp>
+#include <handoff/stats.hpp>
+
+#include <fmt/format.h>
+
+#include <new>
+#include <span>
+#include <stdexcept>
+#include <string>
+
+namespace handoff::python {
+namespace {
+
+constexpr const char* capsule_name = "dlpack_exchange_api";
+
+// The enclosing handoff.stream block's stream when it serves `device`, else None (the default stream).
+py::object work_stream_object(DLDevice device)
+{
+  if (!is_cuda_device(device.device_type) && !is_rocm_device(device.device_type)) { return py::none(); }
+  py::object block = enclosing_stream();
+  if (block.is_none()) { return block; }
+  const py::object on = block.attr("device");
+  return on.is_none() || on.cast<long long>() == device.device_id ? block : py::object(py::none());
+}
+
+// Hands device data to a consumer working on the current work stream of its device (see above).
+void hand_to_work_stream(const array& view)
+{
+  const DLDeviceType type = view.device().device_type;
+  if (!is_cuda_device(type) && !is_rocm_device(type)) { return; }
+  const py::object block = work_stream_object(view.device());
+  const py::object consumer = producer_stream_argument(block, type);  // None: the device's default
+  order_export(active_context(), view, classify_stream(type, stream_argument(consumer)));
+  if (const auto binding = consumer_binding_of(view, consumer)) {
+    view.owner().release_after({.ctx = binding->ctx,
+                                .device = binding->device,
+                                .stream = binding->stream,
+                                .stream_owner = stream_keep_alive(block)});
+  }
+}
+
+// The handoff.Array a table function was given. @throws type_error for anything else.
+const array& array_argument(void* py_object, const char* function)
+{
+  const py::handle object{static_cast<PyObject*>(py_object)};
+  const array* view = py_object != nullptr ? as_array(object) : nullptr;
+  HANDOFF_EXPECTS(view != nullptr, type_error,
+                  fmt::format("{}: expected a handoff.Array, got {}", function,
+                              py_object != nullptr ? type_name(object) : std::string{"NULL"}));
+  return *view;
+}
+
+template <typename Pointer>
+void expect_output(Pointer* out, const char* function)
+{
+  HANDOFF_EXPECTS(out != nullptr, value_error, fmt::format("{}: the output pointer is NULL", function));
+}
+
+// Runs a table function's body: 0, or -1 with the Python error its exception maps to.
+template <typename Body>
+int c_call(Body&& body) noexcept
+{
+  try {
+    body();
+    return 0;
+  } catch (...) {
+    raise_current_exception();
+    return -1;
+  }
+}
+
+int managed_tensor_from_py_object(void* py_object, DLManagedTensorVersioned** out) noexcept
+{
+  return c_call([&] {
+    constexpr const char* function = "managed_tensor_from_py_object_no_sync";
+    expect_output(out, function);
+    *out = nullptr;
+    const array& view = array_argument(py_object, function);
+    hand_to_work_stream(view);
+    *out = export_versioned(view);  // holds the producer until its deleter runs
+    count(counter::exports);
+  });
+}
+
+int dltensor_from_py_object(void* py_object, DLTensor* out) noexcept
+{
+  return c_call([&] {
+    constexpr const char* function = "dltensor_from_py_object_no_sync";
+    expect_output(out, function);
+    const array& view = array_argument(py_object, function);
+    HANDOFF_EXPECTS(!view.readonly(), buffer_error,
+                    fmt::format("{}: the array is read-only and a DLTensor cannot say so; use "
+                                "managed_tensor_from_py_object_no_sync",
+                                function));
+    hand_to_work_stream(view);
+    // Shape and strides point into the array object: valid while the caller holds it.
+    *out = DLTensor{.data = view.data(),
+                    .device = view.device(),
+                    .ndim = view.ndim(),
+                    .dtype = view.dtype(),
+                    .shape = const_cast<std::int64_t*>(view.shape().data()),
+                    .strides = const_cast<std::int64_t*>(view.strides().data()),
+                    .byte_offset = 0};
+    count(counter::exports);
+  });
+}
+
+// Takes the tensor whatever happens, as the API asks: on failure its deleter has run.
+int managed_tensor_to_py_object(DLManagedTensorVersioned* tensor, void** out) noexcept
+{
+  return c_call([&] {
+    constexpr const char* function = "managed_tensor_to_py_object_no_sync";
+    HANDOFF_EXPECTS(tensor != nullptr, value_error, fmt::format("{}: the tensor is NULL", function));
+    array view = import_dlpack(tensor);  // its deleter runs exactly once from here on
+    expect_output(out, function);
+    *out = nullptr;
+    // The consumer made the data on its work stream: the view is ready there, and released after it.
+    const py::object block = work_stream_object(view.device());
+    bind_to_consumer(view, producer_stream_argument(block, view.device().device_type), block);
+    count(counter::imports);
+    *out = wrap(std::move(view)).release().ptr();
+  });
+}
+
+int current_work_stream(DLDeviceType device_type, std::int32_t device_id, void** out_current_stream) noexcept
+{
+  return c_call([&] {
+    expect_output(out_current_stream, "current_work_stream");
+    const py::object block = work_stream_object({device_type, device_id});
+    *out_current_stream =
+      block.is_none() ? nullptr : reinterpret_cast<void*>(block.attr("handle").cast<std::uintptr_t>());
+  });
+}
+
+// The stream a new device allocation is made on: the current work stream, read holding the GIL
+// (the allocator may be called without it).
+stream_binding allocation_stream(context& ctx, DLDevice device)
+{
+  PyGILState_STATE gil{};
+  if (!ensure_gil(gil)) { throw std::runtime_error("the interpreter is shutting down"); }
+  try {
+    const py::object block = work_stream_object(device);
+    const py::object value = producer_stream_argument(block, device.device_type);
+    const auto stream = resolve_stream(ctx.backend(), classify_stream(device.device_type, stream_argument(value)));
+    stream_binding on{
+      .ctx = &ctx, .device = device.device_id, .stream = *stream, .stream_owner = stream_keep_alive(block)};
+    PyGILState_Release(gil);
+    return on;
+  } catch (...) {
+    PyGILState_Release(gil);
+    throw;
+  }
+}
+
+array allocate_like(const DLTensor& prototype)
+{
+  HANDOFF_EXPECTS(prototype.ndim >= 0 && (prototype.ndim == 0 || prototype.shape != nullptr), value_error,
+                  fmt::format("the prototype's shape is missing or its ndim ({}) is negative", prototype.ndim));
+  const std::span<const std::int64_t> shape{prototype.shape, static_cast<std::size_t>(prototype.ndim)};
+  const DLDevice device = prototype.device;
+  if (device.device_type == kDLCPU) { return allocate_host_array(prototype.dtype, shape); }
+  context* ctx = active_context();
+  HANDOFF_EXPECTS(
+    ctx != nullptr && ctx->backend().device_type() == device.device_type, buffer_error,
+    fmt::format("cannot allocate on device ({}, {}): the {} backend serves {}", static_cast<int>(device.device_type),
+                device.device_id, ctx != nullptr ? ctx->backend().name() : "none",
+                ctx != nullptr ? device_type_name(ctx->backend().device_type()) : "no device"));
+  HANDOFF_EXPECTS(device.device_id >= 0, value_error, fmt::format("device id {} is negative", device.device_id));
+  return allocate_device_array(allocation_stream(*ctx, device), prototype.dtype, shape);
+}
+
+// The Python exception type name for the exception being handled, as SetError's `kind`.
+const char* error_kind() noexcept
+{
+  try {
+    throw;
+  } catch (const value_error&) {
+    return "ValueError";
+  } catch (const buffer_error&) {
+    return "BufferError";
+  } catch (const type_error&) {
+    return "TypeError";
+  } catch (const std::bad_alloc&) {
+    return "MemoryError";
+  } catch (...) {
+    return "RuntimeError";
+  }
+}
+
+// Reports the exception being handled through the allocator's SetError.
+void report_allocation_failure(void* error_ctx, void (*set_error)(void*, const char*, const char*)) noexcept
+{
+  const char* kind = error_kind();
+  const char* text = "managed_tensor_allocator failed";
+  std::string message;
+  try {
+    try {
+      throw;
+    } catch (const std::exception& e) {
+      message = fmt::format("managed_tensor_allocator: {}", e.what());
+      text = message.c_str();
+    }
+  } catch (...) {}  // out of memory for the message: the plain text says enough
+  if (set_error != nullptr) { set_error(error_ctx, kind, text); }
+}
+
+// Called with or without the GIL; reports failures through `set_error`, never as a Python error.
+int managed_tensor_allocator(DLTensor* prototype, DLManagedTensorVersioned** out, void* error_ctx,
+                             void (*set_error)(void* error_ctx, const char* kind, const char* message)) noexcept
+{
+  try {
+    expect_output(out, "managed_tensor_allocator");
+    *out = nullptr;
+    HANDOFF_EXPECTS(prototype != nullptr, value_error, "the prototype is NULL");
+    *out = export_versioned(allocate_like(*prototype));
+    return 0;
+  } catch (...) {
+    report_allocation_failure(error_ctx, set_error);
+    return -1;
+  }
+}
+
+const DLPackExchangeAPI table{
+  .header = {.version = exchange_api_version, .prev_api = nullptr},
+  .managed_tensor_allocator = managed_tensor_allocator,
+  .managed_tensor_from_py_object_no_sync = managed_tensor_from_py_object,
+  .managed_tensor_to_py_object_no_sync = managed_tensor_to_py_object,
+  .dltensor_from_py_object_no_sync = dltensor_from_py_object,
+  .current_work_stream = current_work_stream,
+};
+
+}  // namespace
+
+const DLPackExchangeAPI& array_exchange_api() noexcept
+{
+  return table;
+}
+
+py::capsule array_exchange_api_capsule()
+{
+  return py::capsule(const_cast<DLPackExchangeAPI*>(&table), capsule_name);
+}
+
+}  // namespace handoff::python

@@ -1,0 +1,350 @@
+"""handoff.Array's own DLPack C exchange API (`__dlpack_c_exchange_api__`), called through ctypes as a
+C consumer would call it.
+
+The table's functions that take Python objects are called holding the GIL (PYFUNCTYPE: a -1 return
+raises the Python error the function set); the allocator is called without it (CFUNCTYPE) and
+reports failures through its SetError callback. On sim and sim-rocm a handed-out array is ordered
+onto the current work stream, with negative controls that show the race without it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+
+import numpy as np
+import pytest
+
+import handoff
+from conftest import (
+    CUDA_ORDERING_REFUSED,
+    FLAG_READ_ONLY,
+    DLDataType,
+    DLDevice,
+    DLManagedTensorVersioned,
+    DLPackVersion,
+    DLTensor,
+    HandMadeTensor,
+    capsule_name,
+)
+
+BACKEND = handoff.runtime_info()["backend"]
+SIM = BACKEND.startswith("sim")
+if SIM:
+    from handoff import sim
+DEVICE_TYPE = 10 if BACKEND == "sim-rocm" else 2
+CPU = 1
+
+TENSOR_OUT = ctypes.POINTER(ctypes.POINTER(DLManagedTensorVersioned))
+SET_ERROR = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p)
+ALLOCATOR = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(DLTensor), TENSOR_OUT, ctypes.c_void_p, SET_ERROR)
+FROM_PY_OBJECT = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, TENSOR_OUT)
+TO_PY_OBJECT = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.POINTER(DLManagedTensorVersioned), ctypes.POINTER(ctypes.c_void_p))
+DLTENSOR_FROM_PY_OBJECT = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.POINTER(DLTensor))
+CURRENT_WORK_STREAM = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p))
+
+
+class DLPackExchangeAPI(ctypes.Structure):
+    _fields_ = [
+        ("version", DLPackVersion),
+        ("prev_api", ctypes.c_void_p),
+        ("managed_tensor_allocator", ALLOCATOR),
+        ("managed_tensor_from_py_object_no_sync", FROM_PY_OBJECT),
+        ("managed_tensor_to_py_object_no_sync", TO_PY_OBJECT),
+        ("dltensor_from_py_object_no_sync", DLTENSOR_FROM_PY_OBJECT),
+        ("current_work_stream", CURRENT_WORK_STREAM),
+    ]
+
+
+_get_pointer = ctypes.pythonapi["PyCapsule_GetPointer"]
+_get_pointer.restype = ctypes.c_void_p
+_get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_dec_ref = ctypes.pythonapi["Py_DecRef"]
+_dec_ref.argtypes = [ctypes.c_void_p]
+
+CAPSULE = handoff.Array.__dlpack_c_exchange_api__
+API = DLPackExchangeAPI.from_address(_get_pointer(CAPSULE, b"dlpack_exchange_api"))
+
+
+def export(x: object) -> ctypes._Pointer:
+    """managed_tensor_from_py_object_no_sync(x): the tensor, whose deleter the test must run."""
+    out = ctypes.POINTER(DLManagedTensorVersioned)()
+    assert API.managed_tensor_from_py_object_no_sync(x, ctypes.byref(out)) == 0
+    return out
+
+
+def delete(tensor: ctypes._Pointer) -> None:
+    tensor.contents.deleter(tensor)
+
+
+def to_array(tensor: ctypes._Pointer) -> handoff.Array:
+    """managed_tensor_to_py_object_no_sync(tensor), which takes the tensor."""
+    out = ctypes.c_void_p()
+    assert API.managed_tensor_to_py_object_no_sync(tensor, ctypes.byref(out)) == 0
+    wrapped = ctypes.cast(out, ctypes.py_object).value
+    _dec_ref(out)  # the call's new reference; `wrapped` holds its own
+    return wrapped
+
+
+class Allocation:
+    """One managed_tensor_allocator call and what its SetError was told."""
+
+    def __init__(self, shape: tuple[int, ...], *, device: tuple[int, int] = (CPU, 0), code: int = 2, bits: int = 32,
+                 ndim: int | None = None) -> None:
+        self.errors: list[tuple[str, str]] = []
+        self._set_error = SET_ERROR(lambda _ctx, kind, message: self.errors.append((kind.decode(), message.decode())))
+        self._shape = (ctypes.c_int64 * max(len(shape), 1))(*shape)
+        prototype = DLTensor()
+        prototype.device = DLDevice(*device)
+        prototype.ndim = len(shape) if ndim is None else ndim
+        prototype.dtype = DLDataType(code, bits, 1)
+        prototype.shape = self._shape
+        self.tensor = ctypes.POINTER(DLManagedTensorVersioned)()
+        self.status = API.managed_tensor_allocator(ctypes.byref(prototype), ctypes.byref(self.tensor), None,
+                                                   self._set_error)
+
+
+def dltensor(x: object) -> DLTensor:
+    out = DLTensor()
+    assert API.dltensor_from_py_object_no_sync(x, ctypes.byref(out)) == 0
+    return out
+
+
+def work_stream(device_type: int, device_id: int = 0) -> int | None:
+    out = ctypes.c_void_p()
+    assert API.current_work_stream(device_type, device_id, ctypes.byref(out)) == 0
+    return out.value
+
+
+# ------------------------------------------------------------------------------------------------
+# The table
+
+
+def test_the_type_publishes_a_complete_versioned_table():
+    assert capsule_name(CAPSULE) == "dlpack_exchange_api"
+    assert (API.version.major, API.version.minor) == (1, 2)
+    assert API.prev_api is None
+    for name, _ in DLPackExchangeAPI._fields_[2:]:
+        assert ctypes.cast(getattr(API, name), ctypes.c_void_p).value, f"{name} is NULL"
+    # One table for the life of the process, found on the type as the API asks.
+    assert handoff.from_dlpack(np.zeros(1)).__dlpack_c_exchange_api__ is CAPSULE
+
+
+# ------------------------------------------------------------------------------------------------
+# Host arrays
+
+
+def test_a_managed_tensor_describes_the_array_and_keeps_its_producer(settled):
+    source = np.arange(24, dtype=np.float32).reshape(4, 6)[:, ::2]
+    view = handoff.from_dlpack(source)
+    exports = handoff.stats()["exports"]
+    tensor = export(view)
+    assert handoff.stats()["exports"] == exports + 1
+    t = tensor.contents
+    assert (t.version.major, t.version.minor) == (1, 1)
+    assert t.flags & FLAG_READ_ONLY == 0
+    d = t.dl_tensor
+    assert (d.data, d.ndim, d.device.device_type) == (view.data_ptr, 2, CPU)
+    assert (d.dtype.code, d.dtype.bits, d.dtype.lanes) == (2, 32, 1)
+    assert (d.shape[0], d.shape[1], d.strides[0], d.strides[1]) == (4, 3, 6, 2)
+    del view, source
+    assert handoff.stats()["live_views"] == settled + 1, "the tensor holds the producer"
+    delete(tensor)
+    assert handoff.stats()["live_views"] == settled
+
+
+def test_a_read_only_array_is_flagged_and_refused_as_a_bare_dltensor(settled):
+    source = np.arange(3.0)
+    source.flags.writeable = False
+    view = handoff.asarray(source)
+    tensor = export(view)
+    assert tensor.contents.flags & FLAG_READ_ONLY
+    delete(tensor)
+    with pytest.raises(BufferError, match="read-only"):
+        dltensor(view)
+
+
+def test_a_dltensor_views_the_array_while_it_lives():
+    source = np.arange(12, dtype=np.int16).reshape(3, 4).T
+    view = handoff.from_dlpack(source)
+    exports = handoff.stats()["exports"]
+    d = dltensor(view)
+    assert handoff.stats()["exports"] == exports + 1
+    assert (d.data, d.ndim, d.byte_offset) == (view.data_ptr, 2, 0)
+    assert (d.dtype.code, d.dtype.bits) == (0, 16)
+    assert [d.shape[i] for i in range(2)] == [4, 3]
+    assert [d.strides[i] * 2 for i in range(2)] == list(view.strides)
+
+
+@pytest.mark.parametrize("call", [export, dltensor], ids=["managed", "dltensor"])
+def test_only_handoff_arrays_are_taken(call):
+    with pytest.raises(TypeError, match="expected a handoff.Array, got ndarray"):
+        call(np.zeros(3))
+
+
+def test_to_py_object_wraps_a_tensor_zero_copy_and_deletes_it_once(settled):
+    source = np.arange(6, dtype=np.float32)
+    made = HandMadeTensor(source.ctypes.data, (2, 3))
+    imports = handoff.stats()["imports"]
+    array = to_array(ctypes.pointer(made.managed))
+    assert handoff.stats()["imports"] == imports + 1
+    assert isinstance(array, handoff.Array)
+    assert (array.shape, array.data_ptr) == ((2, 3), source.ctypes.data)
+    assert np.from_dlpack(array).tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert made.deleted == 0
+    del array
+    gc.collect()
+    assert made.deleted == 1
+
+
+def test_to_py_object_takes_a_tensor_it_refuses():
+    made = HandMadeTensor(0x1000, (-2,))
+    out = ctypes.c_void_p()
+    with pytest.raises(ValueError, match="negative"):
+        API.managed_tensor_to_py_object_no_sync(ctypes.pointer(made.managed), ctypes.byref(out))
+    assert (made.deleted, out.value) == (1, None), "the refused tensor is deleted exactly once"
+
+
+def test_the_allocator_makes_host_tensors_that_round_trip(settled):
+    made = Allocation((2, 3))
+    assert (made.status, made.errors) == (0, [])
+    d = made.tensor.contents.dl_tensor
+    assert (d.device.device_type, [d.shape[0], d.shape[1]], [d.strides[0], d.strides[1]]) == (CPU, [2, 3], [3, 1])
+    array = to_array(made.tensor)
+    np.from_dlpack(array)[...] = 7.0  # writable memory of the whole size
+    assert np.from_dlpack(array).sum() == 42.0
+    del array
+
+
+@pytest.mark.parametrize(("kwargs", "kind", "text"), [
+    ({"shape": (2, -1)}, "ValueError", "shape[1] is negative"),
+    ({"shape": (1 << 62, 8)}, "ValueError", "overflows"),
+    ({"shape": (2,), "code": 99}, "BufferError", "dtype"),
+    ({"shape": (2,), "ndim": -1}, "ValueError", "ndim"),
+    ({"shape": (2,), "device": (7, 0)}, "BufferError", "cannot allocate on device (7, 0)"),
+], ids=["negative", "overflow", "dtype", "ndim", "device"])
+def test_the_allocator_reports_bad_prototypes_through_set_error(kwargs, kind, text, settled):
+    made = Allocation(**kwargs)
+    assert made.status == -1
+    assert not made.tensor, "no tensor on failure"
+    assert len(made.errors) == 1, "SetError is called exactly once"
+    assert made.errors[0][0] == kind
+    assert text in made.errors[0][1]
+
+
+def test_current_work_stream_is_null_for_the_host():
+    assert work_stream(CPU) is None
+
+
+# ------------------------------------------------------------------------------------------------
+# Device arrays on the simulator
+
+needs_sim = pytest.mark.skipif(not SIM, reason=f"needs HANDOFF_BACKEND=sim or sim-rocm (backend is {BACKEND!r})")
+N = 4096
+
+
+@pytest.fixture
+def streams():
+    producer, consumer = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)
+    yield producer, consumer
+    sim.synchronize()
+
+
+def pending(stream: object) -> handoff.Array:
+    """A sim array whose write of 1.0 is still running on `stream`."""
+    array = sim.zeros(N, "float32")
+    sim.synchronize()
+    sim.fill(array, 1.0, stream=stream, delay=0.2)
+    return array
+
+
+@needs_sim
+def test_current_work_stream_is_the_stream_block_on_its_device(streams):
+    _, consumer = streams
+    assert work_stream(DEVICE_TYPE) is None, "outside a block: the default stream"
+    with handoff.stream(consumer):
+        assert work_stream(DEVICE_TYPE) == consumer.handle
+    with handoff.stream(handoff.Stream(consumer.handle, device=1)):
+        assert work_stream(DEVICE_TYPE, 0) is None, "the block's stream is another device's"
+
+
+@needs_sim
+@pytest.mark.parametrize("call", [export, dltensor], ids=["managed", "dltensor"])
+def test_handing_out_orders_the_work_stream_after_the_producer(streams, call):
+    producer, consumer = streams
+    array = pending(producer)
+    with handoff.stream(consumer):
+        handed = call(array)
+    assert sim.to_numpy(array, stream=consumer)[[0, -1]].tolist() == [1.0, 1.0]
+    if call is export:
+        delete(handed)
+
+
+@needs_sim
+def test_negative_control_the_work_stream_races_without_the_table(streams):
+    producer, consumer = streams
+    array = pending(producer)
+    assert sim.to_numpy(array, stream=consumer)[0] == 0.0, "expected stale data without ordering"
+
+
+@needs_sim
+def test_the_producer_outlives_the_work_stream(streams):
+    _, consumer = streams
+    array = sim.zeros(N, "float32")
+    sim.synchronize()
+    with handoff.stream(consumer):
+        tensor = export(array)
+    sim.fill(array, 2.0, stream=consumer, delay=0.2)  # the C consumer's kernel on the work stream
+    deferred = handoff.stats()["deferred_releases"]
+    del array
+    delete(tensor)
+    gc.collect()
+    assert handoff.stats()["deferred_releases"] == deferred + 1, "released before the work stream was done"
+    sim.synchronize()
+    sim.drain()
+
+
+@needs_sim
+def test_negative_control_without_the_table_the_release_is_immediate(streams):
+    _, consumer = streams
+    array = sim.zeros(N, "float32")
+    sim.synchronize()
+    sim.fill(array, 2.0, stream=consumer, delay=0.2)
+    deferred = handoff.stats()["deferred_releases"]
+    del array
+    gc.collect()
+    assert handoff.stats()["deferred_releases"] == deferred, "nothing bound the producer to the stream"
+
+
+@needs_sim
+def test_device_allocations_are_made_on_the_work_stream(streams):
+    _, consumer = streams
+    with handoff.stream(consumer):
+        made = Allocation((N,), device=(DEVICE_TYPE, 0))
+        assert (made.status, made.errors) == (0, [])
+        array = to_array(made.tensor)
+    assert array.device == (DEVICE_TYPE, 0)
+    if DEVICE_TYPE == 2:
+        assert array.__cuda_array_interface__["stream"] == consumer.handle, "ready on the work stream"
+    sim.fill(array, 3.0, stream=consumer)
+    assert sim.to_numpy(array, stream=consumer)[[0, -1]].tolist() == [3.0, 3.0]
+    del array
+    sim.synchronize()
+    gc.collect()
+    sim.drain()
+
+
+@needs_sim
+def test_the_allocator_refuses_a_device_the_backend_does_not_have():
+    made = Allocation((4,), device=(DEVICE_TYPE, 99))
+    assert (made.status, made.errors[0][0]) == (-1, "ValueError")
+    assert "device 99" in made.errors[0][1]
+
+
+@pytest.mark.skipif(not CUDA_ORDERING_REFUSED, reason="HANDOFF_BACKEND=auto without a usable CUDA device")
+def test_device_tensors_need_a_backend():
+    made = HandMadeTensor(0x10000, (4,), device=(2, 0))
+    out = ctypes.c_void_p()
+    with pytest.raises(handoff.DeviceError):
+        API.managed_tensor_to_py_object_no_sync(ctypes.pointer(made.managed), ctypes.byref(out))
+    assert made.deleted == 1
