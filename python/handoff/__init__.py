@@ -14,7 +14,9 @@ from ._handoff import (
     reset_stats,
     runtime_info,
     stats,
+    view,
 )
+from ._exporter import Exporter
 from ._streams import Stream, as_stream, current_stream, stream
 
 import atexit as _atexit
@@ -28,6 +30,7 @@ _atexit.register(_at_exit)
 __all__ = [
     "Array",
     "DeviceError",
+    "Exporter",
     "Stream",
     "__version__",
     "as_stream",
@@ -38,4 +41,5 @@ __all__ = [
     "runtime_info",
     "stats",
     "stream",
+    "view",
 ]

@@ -4,6 +4,7 @@
 #include "py_gil.hpp"
 #include "py_interfaces.hpp"
 #include "py_sim.hpp"
+#include "py_view.hpp"
 
 #include <handoff/error.hpp>
 #include <handoff/runtime.hpp>
@@ -82,6 +83,7 @@ PYBIND11_MODULE(_handoff, m)
   set_deleter_runner(&run_deleter_with_gil);
   bind_array(m);
   init_exchange(m);
+  bind_view(m);
   bind_sim(m);
 
   m.def("stats", &stats_dict, "Exchange counters since the last reset_stats().");

@@ -156,34 +156,6 @@ export_copy copy_needed(const array& view, py::handle dl_device, py::handle copy
   return want_copy == true ? export_copy::same_device : export_copy::none;
 }
 
-// Array.__dlpack__: validates the stream for the array's device, makes the copy asked for, then
-// orders the consumer stream after the stream the exported data is ready on (the copy's, when one
-// was made: it is enqueued after the producer's pending work) and exports a capsule. Ordering only
-// enqueues device work, so the GIL is kept.
-py::capsule export_dlpack(const array& view, py::handle stream, py::handle max_version, py::handle dl_device,
-                          py::handle copy)
-{
-  const stream_request request = classify_stream(view.device().device_type, stream_argument(stream));
-  const auto version = requested_version(max_version);
-  const export_copy copying =
-    (!dl_device.is_none() || !copy.is_none()) ? copy_needed(view, dl_device, copy) : export_copy::none;
-  std::optional<array> made;
-  if (copying == export_copy::host_view) {
-    context& ctx = require_context("exporting host-accessible device memory to the CPU");
-    made = without_gil([&] { return host_view(ctx, view); });
-  } else if (copying != export_copy::none) {
-    made = copy_of(view, copying == export_copy::to_host);
-  }
-  const array& exported = made ? *made : view;
-  if (copying == export_copy::none || copying == export_copy::same_device) {
-    order_export(active_context(), exported, request);
-  }
-  const bool copied = copying == export_copy::same_device || copying == export_copy::to_host;
-  py::capsule capsule = export_capsule(exported, version, copied);
-  count(counter::exports);
-  return capsule;
-}
-
 // ---------------------------------------------------------------------------------------------
 // The type
 
@@ -362,6 +334,32 @@ constexpr const char* array_doc =
   "(and every capsule exported from it) is gone, the producer is released.";
 
 }  // namespace
+
+// A copy is enqueued after the producer's pending work, so the consumer is ordered after the copy.
+// Ordering only enqueues device work, so the GIL is kept.
+py::capsule export_dlpack(const array& view, py::handle stream, py::handle max_version, py::handle dl_device,
+                          py::handle copy)
+{
+  const stream_request request = classify_stream(view.device().device_type, stream_argument(stream));
+  const auto version = requested_version(max_version);
+  const export_copy copying =
+    (!dl_device.is_none() || !copy.is_none()) ? copy_needed(view, dl_device, copy) : export_copy::none;
+  std::optional<array> made;
+  if (copying == export_copy::host_view) {
+    context& ctx = require_context("exporting host-accessible device memory to the CPU");
+    made = without_gil([&] { return host_view(ctx, view); });
+  } else if (copying != export_copy::none) {
+    made = copy_of(view, copying == export_copy::to_host);
+  }
+  const array& exported = made ? *made : view;
+  if (copying == export_copy::none || copying == export_copy::same_device) {
+    order_export(active_context(), exported, request);
+  }
+  const bool copied = copying == export_copy::same_device || copying == export_copy::to_host;
+  py::capsule capsule = export_capsule(exported, version, copied);
+  count(counter::exports);
+  return capsule;
+}
 
 py::object wrap(array&& view)
 {

@@ -8,6 +8,12 @@ namespace handoff::python {
 /// Creates the `handoff.Array` type and adds it to `m`.
 void bind_array(py::module_& m);
 
+/// `handoff.Array.__dlpack__` of `view`: validates the stream for the array's device, makes the copy
+/// asked for, then orders the consumer stream after the stream the exported data is ready on (the
+/// copy's, when one was made) and exports a capsule (versioned when max_version >= (1, 0)).
+[[nodiscard]] py::capsule export_dlpack(const array& view, py::handle stream, py::handle max_version,
+                                        py::handle dl_device, py::handle copy);
+
 /// Wraps a view as a new `handoff.Array`. @throws py::error_already_set when out of memory.
 [[nodiscard]] py::object wrap(array&& view);
 

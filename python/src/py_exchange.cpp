@@ -67,6 +67,17 @@ std::optional<consumer_binding> consumer_binding_of(const array& view, py::handl
   return consumer_binding{ctx, owning_device(*ctx, view), *resolve_stream(ctx->backend(), request)};
 }
 
+py::object consumer_stream(py::handle stream)
+{
+  if (stream.is_none()) { return enclosing_stream(); }
+  if (PyLong_Check(stream.ptr()) != 0) {
+    (void)stream_argument(stream);  // bool and range checks
+    return py::reinterpret_borrow<py::object>(stream);
+  }
+  HANDOFF_EXPECTS(cached.as_stream != nullptr, type_error, "stream objects need the handoff package");
+  return py::reinterpret_borrow<py::object>(cached.as_stream)(stream);  // TypeError for non-streams
+}
+
 void bind_to_consumer(const array& view, py::handle consumer, py::handle stream_object)
 {
   if (const auto binding = consumer_binding_of(view, consumer)) {
@@ -104,20 +115,6 @@ PyObject* plain_dlpack_method(PyObject* x)
   if (type->tp_getattro != PyObject_GenericGetAttr || type->tp_dictoffset != 0) { return nullptr; }
   PyObject* method = _PyType_Lookup(type, cached.dlpack);
   return method != nullptr && PyType_HasFeature(Py_TYPE(method), Py_TPFLAGS_METHOD_DESCRIPTOR) ? method : nullptr;
-}
-
-// The consumer stream for this import, resolved once: the argument, else the enclosing
-// handoff.stream block. None, an int in DLPack's convention (checked), or a handoff.Stream; any
-// other object goes through handoff.as_stream (TypeError for non-streams).
-py::object consumer_stream(py::handle stream)
-{
-  if (stream.is_none()) { return enclosing_stream(); }
-  if (PyLong_Check(stream.ptr()) != 0) {
-    (void)stream_argument(stream);  // bool and range checks
-    return py::reinterpret_borrow<py::object>(stream);
-  }
-  HANDOFF_EXPECTS(cached.as_stream != nullptr, type_error, "stream objects need the handoff package");
-  return py::reinterpret_borrow<py::object>(cached.as_stream)(stream);  // TypeError for non-streams
 }
 
 // What x.__dlpack_device__() says; nullopt when `x` has none and it is not `required`.

@@ -61,7 +61,32 @@ int claimed_device(context& ctx, DLDevice claimed)
   return claimed.device_id;
 }
 
+// @throws device_error when `ctx`'s backend is of another device family than `view`'s memory.
+void require_stream_ordered(const context& ctx, const array& view)
+{
+  if (!is_stream_ordered(ctx, view)) {
+    throw device_error(std::string{ctx.backend().name()}, "handoffErrorWrongBackend",
+                       fmt::format("a {} array cannot be ordered by the {} backend",
+                                   device_type_name(view.device().device_type), ctx.backend().name()));
+  }
+}
+
 }  // namespace
+
+array make_view(context* ctx, array_layout layout, producer_ref owner, stream_request ready,
+                std::shared_ptr<const void> ready_owner)
+{
+  array view{std::move(layout), std::move(owner)};
+  const DLDeviceType type = view.device().device_type;
+  if (ctx == nullptr || (!is_cuda_device(type) && !is_rocm_device(type))) { return view; }
+  require_stream_ordered(*ctx, view);
+  const int device = owning_device(*ctx, view);  // memory of the device it claims, on a device that exists
+  if (const auto stream = resolve_stream(ctx->backend(), ready)) {
+    view.owner().set_ready_on(
+      {.ctx = ctx, .device = device, .stream = *stream, .stream_owner = std::move(ready_owner)});
+  }
+  return view;
+}
 
 int owning_device(context& ctx, const array& view)
 {
@@ -96,11 +121,7 @@ void order_export(context* ctx, const array& view, stream_request consumer)
       fmt::format("ordering {} memory for a consumer stream needs a device backend, and none is active",
                   device_type_name(view.device().device_type)));
   }
-  if (!is_stream_ordered(*ctx, view)) {
-    throw device_error(std::string{ctx->backend().name()}, "handoffErrorWrongBackend",
-                       fmt::format("a {} array cannot be ordered by the {} backend",
-                                   device_type_name(view.device().device_type), ctx->backend().name()));
-  }
+  require_stream_ordered(*ctx, view);
   device::backend& backend = ctx->backend();
   const int device = owning_device(*ctx, view);
   const auto ready = view.owner().ready_on();

@@ -240,3 +240,23 @@ def cuda_is_usable() -> bool:
 def torch():
     """PyTorch, or a skip where it is not installed."""
     return pytest.importorskip("torch")
+
+
+@pytest.fixture
+def sim_streams():
+    """A producer and a consumer stream of the simulator (non-blocking), synchronized at the end."""
+    from handoff import sim
+
+    producer, consumer = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)
+    yield producer, consumer
+    sim.synchronize()
+
+
+def pending_write(stream: object, n: int = 4096) -> handoff.Array:
+    """Simulator memory of `n` float32 zeros whose write of 1.0 is still running on `stream`."""
+    from handoff import sim
+
+    memory = sim.zeros(n, "float32")
+    sim.synchronize()
+    sim.fill(memory, 1.0, stream=stream, delay=0.2)
+    return memory

@@ -26,6 +26,7 @@ from conftest import (
     DLTensor,
     HandMadeTensor,
     capsule_name,
+    pending_write,
 )
 
 BACKEND = handoff.runtime_info()["backend"]
@@ -243,24 +244,9 @@ needs_sim = pytest.mark.skipif(not SIM, reason=f"needs HANDOFF_BACKEND=sim or si
 N = 4096
 
 
-@pytest.fixture
-def streams():
-    producer, consumer = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)
-    yield producer, consumer
-    sim.synchronize()
-
-
-def pending(stream: object) -> handoff.Array:
-    """A sim array whose write of 1.0 is still running on `stream`."""
-    array = sim.zeros(N, "float32")
-    sim.synchronize()
-    sim.fill(array, 1.0, stream=stream, delay=0.2)
-    return array
-
-
 @needs_sim
-def test_current_work_stream_is_the_stream_block_on_its_device(streams):
-    _, consumer = streams
+def test_current_work_stream_is_the_stream_block_on_its_device(sim_streams):
+    _, consumer = sim_streams
     assert work_stream(DEVICE_TYPE) is None, "outside a block: the default stream"
     with handoff.stream(consumer):
         assert work_stream(DEVICE_TYPE) == consumer.handle
@@ -270,9 +256,9 @@ def test_current_work_stream_is_the_stream_block_on_its_device(streams):
 
 @needs_sim
 @pytest.mark.parametrize("call", [export, dltensor], ids=["managed", "dltensor"])
-def test_handing_out_orders_the_work_stream_after_the_producer(streams, call):
-    producer, consumer = streams
-    array = pending(producer)
+def test_handing_out_orders_the_work_stream_after_the_producer(sim_streams, call):
+    producer, consumer = sim_streams
+    array = pending_write(producer)
     with handoff.stream(consumer):
         handed = call(array)
     assert sim.to_numpy(array, stream=consumer)[[0, -1]].tolist() == [1.0, 1.0]
@@ -281,15 +267,15 @@ def test_handing_out_orders_the_work_stream_after_the_producer(streams, call):
 
 
 @needs_sim
-def test_negative_control_the_work_stream_races_without_the_table(streams):
-    producer, consumer = streams
-    array = pending(producer)
+def test_negative_control_the_work_stream_races_without_the_table(sim_streams):
+    producer, consumer = sim_streams
+    array = pending_write(producer)
     assert sim.to_numpy(array, stream=consumer)[0] == 0.0, "expected stale data without ordering"
 
 
 @needs_sim
-def test_the_producer_outlives_the_work_stream(streams):
-    _, consumer = streams
+def test_the_producer_outlives_the_work_stream(sim_streams):
+    _, consumer = sim_streams
     array = sim.zeros(N, "float32")
     sim.synchronize()
     with handoff.stream(consumer):
@@ -305,8 +291,8 @@ def test_the_producer_outlives_the_work_stream(streams):
 
 
 @needs_sim
-def test_negative_control_without_the_table_the_release_is_immediate(streams):
-    _, consumer = streams
+def test_negative_control_without_the_table_the_release_is_immediate(sim_streams):
+    _, consumer = sim_streams
     array = sim.zeros(N, "float32")
     sim.synchronize()
     sim.fill(array, 2.0, stream=consumer, delay=0.2)
@@ -317,8 +303,8 @@ def test_negative_control_without_the_table_the_release_is_immediate(streams):
 
 
 @needs_sim
-def test_device_allocations_are_made_on_the_work_stream(streams):
-    _, consumer = streams
+def test_device_allocations_are_made_on_the_work_stream(sim_streams):
+    _, consumer = sim_streams
     with handoff.stream(consumer):
         made = Allocation((N,), device=(DEVICE_TYPE, 0))
         assert (made.status, made.errors) == (0, [])

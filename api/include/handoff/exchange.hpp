@@ -5,6 +5,7 @@
 #include <handoff/context.hpp>
 #include <handoff/stream_value.hpp>
 
+#include <memory>
 #include <optional>
 #include <span>
 
@@ -17,6 +18,16 @@ namespace handoff {
 /// @throws value_error when the view claims another device than the one its memory belongs to, or
 ///         device memory that the backend does not know.
 [[nodiscard]] int owning_device(context& ctx, const array& view);
+
+/// A view of memory a library describes itself (to export its own arrays): `layout` checked as an
+/// array's; for CUDA or ROCm memory with an active backend, the memory checked against the device it
+/// claims, and the data recorded as ready on `ready` (the producer's stream, kept alive by
+/// `ready_owner`; order none: unknown, so exports order after the device's legacy default stream).
+/// Without a backend (`ctx` null) device memory is exchanged as it comes.
+/// @throws value_error for a bad layout, or memory that is not the claimed device's; device_error
+///         when the backend is of the other device family (CUDA memory with a ROCm backend).
+[[nodiscard]] array make_view(context* ctx, array_layout layout, producer_ref owner, stream_request ready,
+                              std::shared_ptr<const void> ready_owner = {});
 
 /// Export half: orders the work pending on the stream `view` is ready on (its producer's last
 /// write; the device's legacy default stream when unknown) before the work the consumer will

@@ -1,0 +1,47 @@
+"""handoff.Exporter: every array protocol of handoff.Array for a class that describes its data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import _handoff
+
+
+class Exporter:
+    """A mixin for array classes: define ``__handoff_array__(self) -> handoff.Array`` (usually a
+    :func:`handoff.view` of the instance's memory with ``owner=self``) and the class gets
+    ``__dlpack__``, ``__dlpack_device__``, ``__cuda_array_interface__`` (CUDA memory only; otherwise
+    ``hasattr`` is False) and ``__array_interface__`` (CPU only), with exactly the semantics of
+    :class:`handoff.Array`'s: the stream table, ordering after the stream the data is ready on,
+    ``max_version``, ``dl_device``, ``copy`` and the same errors. An exported capsule keeps the
+    instance alive.
+    """
+
+    __slots__ = ()
+
+    def __handoff_array__(self) -> _handoff.Array:
+        raise NotImplementedError(f"{type(self).__name__} must define __handoff_array__() to export its data")
+
+    def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None,
+                   dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:
+        return _handoff._exporter_dlpack(self, self.__handoff_array__(), stream, max_version, dl_device, copy)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return _array_of(self).__dlpack_device__()
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return _array_of(self).__cuda_array_interface__
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]:
+        return _array_of(self).__array_interface__
+
+
+def _array_of(instance: Exporter) -> _handoff.Array:
+    exported = instance.__handoff_array__()
+    if not isinstance(exported, _handoff.Array):
+        raise TypeError(
+            f"{type(instance).__name__}.__handoff_array__() must return a handoff.Array, not {type(exported).__name__}"
+        )
+    return exported

@@ -1,0 +1,143 @@
+// For library authors: handoff.view, which wraps memory a library describes itself, and the export
+// behind handoff.Exporter. Arguments are converted here; the checks and the stream they are ready on
+// are the runtime's (make_view).
+#include "py_view.hpp"
+
+#include "py_array.hpp"
+#include "py_exchange.hpp"
+
+#include <handoff/dtype.hpp>
+#include <handoff/error.hpp>
+#include <handoff/exchange.hpp>
+#include <handoff/interface.hpp>
+#include <handoff/runtime.hpp>
+
+#include <fmt/format.h>
+
+#include <climits>
+
+namespace handoff::python {
+namespace {
+
+std::int64_t int64_of(py::handle value, const char* field)
+{
+  HANDOFF_EXPECTS(PyLong_Check(value.ptr()) && !PyBool_Check(value.ptr()), type_error,
+                  fmt::format("{} must hold ints, not {}", field, type_name(value)));
+  int overflow = 0;
+  const long long out = PyLong_AsLongLongAndOverflow(value.ptr(), &overflow);
+  HANDOFF_EXPECTS(overflow == 0, value_error,
+                  fmt::format("{} holds {}, which does not fit in 64 bits", field, py::str(value).cast<std::string>()));
+  return out;
+}
+
+// An int (one axis) or a sequence of ints.
+extents int_sequence(py::handle value, const char* field)
+{
+  extents out;
+  if (PyLong_Check(value.ptr()) && !PyBool_Check(value.ptr())) {
+    out.push_back(int64_of(value, field));
+    return out;
+  }
+  HANDOFF_EXPECTS(PySequence_Check(value.ptr()) && !PyUnicode_Check(value.ptr()), type_error,
+                  fmt::format("{} must be an int or a sequence of ints, not {}", field, type_name(value)));
+  for (const py::handle item : py::reinterpret_borrow<py::sequence>(value)) { out.push_back(int64_of(item, field)); }
+  return out;
+}
+
+void* data_pointer(py::handle value)
+{
+  HANDOFF_EXPECTS(PyLong_Check(value.ptr()) && !PyBool_Check(value.ptr()), type_error,
+                  fmt::format("data_ptr must be an int, not {}", type_name(value)));
+  const unsigned long long address = PyLong_AsUnsignedLongLong(value.ptr());
+  if (address == static_cast<unsigned long long>(-1) && PyErr_Occurred() != nullptr) {
+    PyErr_Clear();
+    throw value_error(fmt::format("data_ptr {} is not an address", py::str(value).cast<std::string>()));
+  }
+  return reinterpret_cast<void*>(static_cast<std::uintptr_t>(address));
+}
+
+// A dtype name ('float32') or an object naming one in its `name` (a NumPy dtype).
+DLDataType dtype_argument(py::handle value)
+{
+  py::object name = py::reinterpret_borrow<py::object>(value);
+  if (!PyUnicode_Check(value.ptr()) && py::hasattr(value, "name")) { name = value.attr("name"); }
+  HANDOFF_EXPECTS(PyUnicode_Check(name.ptr()), type_error,
+                  fmt::format("dtype must be a name such as 'float32' or a NumPy dtype, not {}", type_name(value)));
+  const auto text = name.cast<std::string>();
+  const auto dtype = dtype_from_name(text);
+  HANDOFF_EXPECTS(dtype.has_value(), value_error,
+                  fmt::format("dtype '{}' is not a dtype handoff knows (NumPy-style names: 'float32', 'int8', "
+                              "'bool', 'bfloat16', 'complex64', ...)",
+                              text));
+  return *dtype;
+}
+
+// The `stream` of handoff.view as a DLPack stream value for data on `device` (None: unknown).
+std::optional<std::int64_t> ready_stream_value(py::handle stream, DLDeviceType device)
+{
+  if (PyLong_Check(stream.ptr()) != 0) { return stream_argument(stream); }  // checked by the stream table
+  HANDOFF_EXPECTS(is_cuda_device(device) || is_rocm_device(device), value_error,
+                  fmt::format("stream: {} data has no streams", device_type_name(device)));
+  return stream_argument(producer_stream_argument(stream, device));
+}
+
+py::object view(py::handle data_ptr, py::handle shape, py::handle dtype, py::handle device, py::handle strides,
+                py::handle owner, py::handle stream, bool readonly)
+{
+  array_layout layout;
+  layout.data = data_pointer(data_ptr);
+  layout.shape = int_sequence(shape, "shape");
+  layout.dtype = dtype_argument(dtype);
+  HANDOFF_EXPECTS(!device.is_none(), type_error, "device is required: a (device_type, device_id) tuple or 'cpu'");
+  layout.device = *device_argument(device, "device");
+  layout.readonly = readonly;
+  if (strides.is_none()) {
+    layout.strides = contiguous_strides(layout.shape);
+  } else {
+    const extents bytes = int_sequence(strides, "strides");
+    layout.strides = element_strides(layout.shape, bytes, itemsize(layout.dtype), "strides");
+  }
+  // None: the stream is unknown, which is not DLPack's None (the default stream).
+  stream_request ready{};
+  py::object stream_object = py::none();
+  if (!stream.is_none()) {
+    const DLDeviceType type = layout.device.device_type;
+    stream_object = consumer_stream(stream);
+    ready = classify_stream(type, ready_stream_value(stream_object, type));
+    if (ready.order != stream_order::none) { require_ordering(type); }
+  }
+  producer_ref keep = owner.is_none() ? producer_ref{[] {}} : python_owner(owner);
+  return wrap(make_view(active_context(), std::move(layout), std::move(keep), ready, stream_keep_alive(stream_object)));
+}
+
+// Exporter.__dlpack__: the array's export, holding `instance` as well as the array's producer.
+py::capsule exporter_dlpack(py::handle instance, py::handle exported, py::handle stream, py::handle max_version,
+                            py::handle dl_device, py::handle copy)
+{
+  const array* view = as_array(exported);
+  HANDOFF_EXPECTS(view != nullptr, type_error,
+                  fmt::format("{}.__handoff_array__() must return a handoff.Array, not {}", type_name(instance),
+                              type_name(exported)));
+  array holding{view->layout(), producer_ref{[inner = view->owner(), outer = python_owner(instance)]() noexcept {}}};
+  if (const auto ready = view->owner().ready_on()) { holding.owner().set_ready_on(*ready); }
+  return export_dlpack(holding, stream, max_version, dl_device, copy);
+}
+
+}  // namespace
+
+void bind_view(py::module_& m)
+{
+  m.def("view", &view, py::arg("data_ptr"), py::arg("shape"), py::arg("dtype"), py::kw_only(), py::arg("device"),
+        py::arg("strides") = py::none(), py::arg("owner") = py::none(), py::arg("stream") = py::none(),
+        py::arg("readonly") = false,
+        "Wraps memory that `owner` keeps alive as a handoff.Array, without copying.\n\n"
+        "`device` is (device_type, device_id) with DLPack's codes, or 'cpu'; `strides` are in bytes (None: C\n"
+        "order); `stream` is the stream the data is ready on (an int in DLPack's convention or any stream\n"
+        "object; None: unknown, so exports order after the device's default stream). `owner` is held until the\n"
+        "last view, capsule and consumer stream using the memory are done.");
+  m.def("_exporter_dlpack", &exporter_dlpack, py::arg("instance"), py::arg("exported"), py::arg("stream"),
+        py::arg("max_version"), py::arg("dl_device"), py::arg("copy"),
+        "handoff.Exporter.__dlpack__: exports `exported` holding `instance` too.");
+}
+
+}  // namespace handoff::python
