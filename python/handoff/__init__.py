@@ -20,12 +20,25 @@ from ._exporter import Exporter
 from ._streams import Stream, as_stream, current_stream, stream
 
 import atexit as _atexit
+from pathlib import Path as _Path
 
 from ._handoff import _at_exit
 
 # Threads still inside handoff's device calls must not take the GIL back while Python finalizes,
 # and releases waiting for a consumer stream run producers' deleters: both while Python is alive.
 _atexit.register(_at_exit)
+
+
+def get_include() -> str:
+    """The folder of the headers pybind11 extensions include: ``<handoff/pybind11.hpp>`` and the C
+    table it calls, ``<handoff/python_c_api.h>`` (an installed handoff package)."""
+    return str(_Path(__file__).with_name("include"))
+
+
+def get_cmake_dir() -> str:
+    """The folder where ``find_package(handoff)`` finds the target ``handoff::pybind11`` (pass it as
+    ``handoff_DIR``); it links nothing of handoff's."""
+    return str(_Path(__file__).parent / "share" / "cmake" / "handoff")
 
 __all__ = [
     "Array",
@@ -37,6 +50,8 @@ __all__ = [
     "asarray",
     "current_stream",
     "from_dlpack",
+    "get_cmake_dir",
+    "get_include",
     "reset_stats",
     "runtime_info",
     "stats",

@@ -1,5 +1,6 @@
 // handoff._handoff: the extension module. It only binds; the logic lives in the runtime.
 #include "py_array.hpp"
+#include "py_c_api.hpp"
 #include "py_exchange.hpp"
 #include "py_gil.hpp"
 #include "py_interfaces.hpp"
@@ -84,6 +85,7 @@ PYBIND11_MODULE(_handoff, m)
   bind_array(m);
   init_exchange(m);
   bind_view(m);
+  bind_c_api(m);
   bind_sim(m);
 
   m.def("stats", &stats_dict, "Exchange counters since the last reset_stats().");

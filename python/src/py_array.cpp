@@ -173,19 +173,6 @@ array& view_of(PyObject* self) noexcept
   return *std::launder(reinterpret_cast<array*>(reinterpret_cast<array_object*>(self)->storage));
 }
 
-// Runs `body` (returning a py::object) as a CPython entry point: a new reference, or nullptr
-// with the Python error its exception maps to.
-template <typename Body>
-PyObject* entry(Body&& body) noexcept
-{
-  try {
-    return body().release().ptr();
-  } catch (...) {
-    raise_current_exception();
-    return nullptr;
-  }
-}
-
 void array_dealloc(PyObject* self) noexcept
 {
   auto* object = reinterpret_cast<array_object*>(self);
@@ -198,7 +185,7 @@ void array_dealloc(PyObject* self) noexcept
 
 PyObject* array_repr(PyObject* self) noexcept
 {
-  return entry([self] {
+  return python_entry([self] {
     const array& view = view_of(self);
     const std::string text =
       fmt::format("handoff.Array(shape=({}{}), dtype={}, device=({}, {}))", fmt::join(view.shape(), ", "),
@@ -223,17 +210,17 @@ py::object device_tuple(const array& view)
 
 PyObject* get_shape(PyObject* self, void* /*closure*/) noexcept
 {
-  return entry([self] { return py::object(int_tuple(view_of(self).shape())); });
+  return python_entry([self] { return py::object(int_tuple(view_of(self).shape())); });
 }
 
 PyObject* get_strides(PyObject* self, void* /*closure*/) noexcept
 {
-  return entry([self] { return py::object(byte_strides(view_of(self))); });
+  return python_entry([self] { return py::object(byte_strides(view_of(self))); });
 }
 
 PyObject* get_dtype(PyObject* self, void* /*closure*/) noexcept
 {
-  return entry([self] {
+  return python_entry([self] {
     const std::string_view name = dtype_name(view_of(self).dtype());
     return checked(PyUnicode_FromStringAndSize(name.data(), static_cast<Py_ssize_t>(name.size())));
   });
@@ -241,7 +228,7 @@ PyObject* get_dtype(PyObject* self, void* /*closure*/) noexcept
 
 PyObject* get_device(PyObject* self, void* /*closure*/) noexcept
 {
-  return entry([self] { return device_tuple(view_of(self)); });
+  return python_entry([self] { return device_tuple(view_of(self)); });
 }
 
 PyObject* get_data_ptr(PyObject* self, void* /*closure*/) noexcept
@@ -271,25 +258,25 @@ PyObject* get_nbytes(PyObject* self, void* /*closure*/) noexcept
 
 PyObject* get_array_interface(PyObject* self, void* /*closure*/) noexcept
 {
-  return entry([self] { return py::object(array_interface(view_of(self))); });
+  return python_entry([self] { return py::object(array_interface(view_of(self))); });
 }
 
 PyObject* get_cuda_array_interface(PyObject* self, void* /*closure*/) noexcept
 {
-  return entry([self] { return py::object(cuda_array_interface(view_of(self))); });
+  return python_entry([self] { return py::object(cuda_array_interface(view_of(self))); });
 }
 
 PyObject* method_dlpack(PyObject* self, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames) noexcept
 {
   PyObject* arguments[4];  // stream, max_version, dl_device, copy
   if (!dlpack_signature->parse(args, nargsf, kwnames, arguments)) { return nullptr; }
-  return entry(
+  return python_entry(
     [&] { return py::object(export_dlpack(view_of(self), arguments[0], arguments[1], arguments[2], arguments[3])); });
 }
 
 PyObject* method_dlpack_device(PyObject* self, PyObject* /*unused*/) noexcept
 {
-  return entry([self] { return device_tuple(view_of(self)); });
+  return python_entry([self] { return device_tuple(view_of(self)); });
 }
 
 // PyMethodDef stores every calling convention as a PyCFunction.

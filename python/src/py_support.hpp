@@ -98,6 +98,19 @@ void set_device_error_type(PyObject* type) noexcept;
 /// pybind11 (which would otherwise translate the exception itself).
 void raise_current_exception() noexcept;
 
+/// Runs `body` (returning a py::object) as a CPython entry point: a new reference, or nullptr with
+/// the Python error its exception maps to.
+template <typename Body>
+PyObject* python_entry(Body&& body) noexcept
+{
+  try {
+    return body().release().ptr();
+  } catch (...) {
+    raise_current_exception();
+    return nullptr;
+  }
+}
+
 /// Rethrows `thrown` unless it is a handoff exception, which it turns into its Python error (the
 /// exception translator pybind11 uses for the functions it binds).
 void translate_exception(std::exception_ptr thrown);

@@ -97,6 +97,13 @@ py::object view(py::handle data_ptr, py::handle shape, py::handle dtype, py::han
     const extents bytes = int_sequence(strides, "strides");
     layout.strides = element_strides(layout.shape, bytes, itemsize(layout.dtype), "strides");
   }
+  return make_array(std::move(layout), owner, stream);
+}
+
+}  // namespace
+
+py::object make_array(array_layout layout, py::handle owner, py::handle stream)
+{
   // None: the stream is unknown, which is not DLPack's None (the default stream).
   stream_request ready{};
   py::object stream_object = py::none();
@@ -110,7 +117,6 @@ py::object view(py::handle data_ptr, py::handle shape, py::handle dtype, py::han
   return wrap(make_view(active_context(), std::move(layout), std::move(keep), ready, stream_keep_alive(stream_object)));
 }
 
-// Exporter.__dlpack__: the array's export, holding `instance` as well as the array's producer.
 py::capsule exporter_dlpack(py::handle instance, py::handle exported, py::handle stream, py::handle max_version,
                             py::handle dl_device, py::handle copy)
 {
@@ -122,8 +128,6 @@ py::capsule exporter_dlpack(py::handle instance, py::handle exported, py::handle
   if (const auto ready = view->owner().ready_on()) { holding.owner().set_ready_on(*ready); }
   return export_dlpack(holding, stream, max_version, dl_device, copy);
 }
-
-}  // namespace
 
 void bind_view(py::module_& m)
 {
