@@ -30,14 +30,22 @@ struct producer_ref::state {
     if (!release_) { return; }
     if (release_after_ && release_after_->ctx != nullptr) {
       stream_binding& consumer = *release_after_;
-      if (!consumer.stream_owner) {
-        consumer.ctx->release_after(consumer.device, consumer.stream, std::move(release_));
+      std::optional<device::stream_handle> producer;
+      std::shared_ptr<const void> producer_owner;
+      if (hold_back_) {
+        producer = hold_back_->stream;
+        producer_owner = std::move(hold_back_->stream_owner);
+      }
+      if (!consumer.stream_owner && !producer_owner) {
+        consumer.ctx->release_after(consumer.device, consumer.stream, std::move(release_), producer);
         return;
       }
-      // The stream's owner goes once the release has run, after the last use of the stream.
+      // The streams' owners go once the release has run, after the last use of the streams.
       consumer.ctx->release_after(
         consumer.device, consumer.stream,
-        [release = std::move(release_), owner = std::move(consumer.stream_owner)]() noexcept { release(); });
+        [release = std::move(release_), owner = std::move(consumer.stream_owner),
+         held = std::move(producer_owner)]() noexcept { release(); },
+        producer);
       return;
     }
     try {
@@ -67,6 +75,7 @@ struct producer_ref::state {
   mutable std::mutex mutex_;  // guards the two bindings
   std::optional<stream_binding> ready_on_;
   std::optional<stream_binding> release_after_;
+  std::optional<stream_binding> hold_back_;  // the producer stream that waits for the consumer's work
 };
 
 producer_ref::producer_ref(std::function<void()> release)
@@ -142,12 +151,15 @@ void producer_ref::set_ready_on(const stream_binding& where) const
   state_->ready_on_ = std::move(bound);
 }
 
-void producer_ref::release_after(const stream_binding& consumer) const
+void producer_ref::release_after(const stream_binding& consumer, const std::optional<stream_binding>& producer) const
 {
   if (!state_) { return; }
   stream_binding bound = thread_independent(consumer);
+  std::optional<stream_binding> held;
+  if (producer) { held = thread_independent(*producer); }
   std::lock_guard lock{state_->mutex_};
   state_->release_after_ = std::move(bound);
+  state_->hold_back_ = std::move(held);
 }
 
 namespace {

@@ -61,7 +61,10 @@ class producer_ref {
   void set_ready_on(const stream_binding& where) const;
   /// Makes the release wait for the work enqueued on `consumer` by the time the last reference
   /// goes (see context::release_after). Set once, at import; a per-thread default stream as above.
-  void release_after(const stream_binding& consumer) const;
+  /// `producer` (same context and device), when given, is made to wait for that same work when the
+  /// last reference goes, and its `stream_owner` is kept until the release has run: the CUDA Array
+  /// Interface asks that the producer's stream run no later work until the consumer's is done.
+  void release_after(const stream_binding& consumer, const std::optional<stream_binding>& producer = {}) const;
 
  private:
   struct state;
