@@ -6,7 +6,6 @@
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
 #include <handoff/runtime.hpp>
-#include <handoff/stream.hpp>
 
 #include <fmt/format.h>
 
@@ -145,6 +144,16 @@ void place_on_device(device::backend& backend, array_layout& layout)
   if (where.device_pointer != nullptr) { layout.data = where.device_pointer; }
 }
 
+// What keeps the producer's stream `producer` alive until the view's release: the stream object the
+// producer holds as its `stream` attribute, when that is the stream its interface names (Numba's
+// device arrays hold theirs so). Empty when nothing proves the stream alive then.
+std::shared_ptr<const void> held_stream(py::handle object, stream_request producer)
+{
+  if (producer.order != stream_order::handle) { return {}; }
+  const py::object held = py::module_::import("handoff._streams").attr("_held_stream")(object, producer.handle);
+  return held.is_none() ? nullptr : stream_keep_alive(held);
+}
+
 }  // namespace
 
 array import_buffer(py::handle object)
@@ -220,14 +229,12 @@ array import_cuda_array_interface(py::handle object, py::handle interface, std::
   const auto consumer_stream = resolve_stream(backend, classify_stream(type, consumer));
   if (!consumer_stream) { return view; }  // the consumer orders its work itself
   const int device = owning_device(ctx, view);
-  if (parsed.stream) {  // v3: the producer's work on `stream` must finish before the consumer's
-    // The interface numbers streams as CUDA does (1: legacy default, 2: per-thread default) on every
-    // platform; the backend resolves those to its own default streams.
-    if (const auto producer = resolve_stream(backend, classify_stream(kDLCUDA, parsed.stream))) {
-      stream_view{backend, *consumer_stream}.wait(stream_view{backend, *producer}, device, ctx.events());
-    }
-  }
-  bind_import(ctx, view, device, *consumer_stream, std::move(consumer_owner));
+  // v3: the producer's work on `stream` must finish before the consumer's, and its later work there
+  // must wait for the consumer's. The interface numbers streams as CUDA does (1: legacy default,
+  // 2: per-thread default) on every platform; the backend resolves those to its own default streams.
+  const stream_request producer = parsed.stream ? classify_stream(kDLCUDA, parsed.stream) : stream_request{};
+  bind_interface_import(ctx, view, device, *consumer_stream, std::move(consumer_owner), producer,
+                        held_stream(object, producer));
   return view;
 }
 

@@ -23,7 +23,10 @@ namespace handoff::python {
 /// Imports `object` through its `__cuda_array_interface__`: parses it, resolves the pointer with
 /// the active backend, makes the consumer stream (a DLPack value; nullopt for the default) wait on
 /// the interface's `stream` with an event (never a host synchronize), and binds the view to it,
-/// keeping `consumer_owner` (may be empty) alive with the binding.
+/// keeping `consumer_owner` (may be empty) alive with the binding. When the view is released, the
+/// interface's stream waits for the consumer's work in turn where it is certainly alive then
+/// (handoff::bind_interface_import), a stream handle only when `object` holds it as its `stream`
+/// attribute (as Numba's arrays do), which is then kept until the release has run.
 /// @throws device_error when there is no backend.
 [[nodiscard]] array import_cuda_array_interface(py::handle object, py::handle interface,
                                                 std::optional<std::int64_t> consumer,

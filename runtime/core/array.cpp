@@ -62,17 +62,26 @@ struct producer_ref::state {
     }
   }
 
-  // Runs `release` once the work enqueued on `consumer` by now is done.
-  static void defer(stream_binding& consumer, std::function<void()> release) noexcept
+  // Runs `release` once the work enqueued on `consumer` by now is done; a held-back producer stream
+  // of the same device waits for that work too.
+  void defer(stream_binding& consumer, std::function<void()> release) noexcept
   {
-    if (!consumer.stream_owner) {
-      consumer.ctx->release_after(consumer.device, consumer.stream, std::move(release));
+    std::optional<device::stream_handle> producer;
+    std::shared_ptr<const void> producer_owner;
+    if (hold_back_ && hold_back_->ctx == consumer.ctx && hold_back_->device == consumer.device) {
+      producer = hold_back_->stream;
+      producer_owner = hold_back_->stream_owner;  // shared by every consumer stream's release
+    }
+    if (!consumer.stream_owner && !producer_owner) {
+      consumer.ctx->release_after(consumer.device, consumer.stream, std::move(release), producer);
       return;
     }
-    // The stream's owner goes once the release has run, after the last use of the stream.
+    // The streams' owners go once the release has run, after the last use of the streams.
     consumer.ctx->release_after(
       consumer.device, consumer.stream,
-      [release = std::move(release), owner = std::move(consumer.stream_owner)]() noexcept { release(); });
+      [release = std::move(release), owner = std::move(consumer.stream_owner),
+       held = std::move(producer_owner)]() noexcept { release(); },
+      producer);
   }
 
   static void acquire(state* s) noexcept
@@ -95,6 +104,7 @@ struct producer_ref::state {
   mutable std::mutex mutex_;  // guards the bindings
   std::optional<stream_binding> ready_on_;
   std::vector<stream_binding> release_after_;  // one per consumer stream, usually one
+  std::optional<stream_binding> hold_back_;     // the producer stream that waits for the consumers' work
 };
 
 producer_ref::producer_ref(std::function<void()> release)
@@ -170,10 +180,12 @@ void producer_ref::set_ready_on(const stream_binding& where) const
   state_->ready_on_ = std::move(bound);
 }
 
-void producer_ref::release_after(const stream_binding& consumer) const
+void producer_ref::release_after(const stream_binding& consumer, const std::optional<stream_binding>& producer) const
 {
   if (!state_ || consumer.ctx == nullptr) { return; }
   stream_binding bound = thread_independent(consumer);
+  std::optional<stream_binding> held;
+  if (producer) { held = thread_independent(*producer); }
   std::lock_guard lock{state_->mutex_};
   const auto same = [&](const stream_binding& b) {
     return b.ctx == bound.ctx && b.device == bound.device && b.stream == bound.stream;
@@ -181,6 +193,7 @@ void producer_ref::release_after(const stream_binding& consumer) const
   if (std::none_of(state_->release_after_.begin(), state_->release_after_.end(), same)) {
     state_->release_after_.push_back(std::move(bound));
   }
+  if (held) { state_->hold_back_ = std::move(held); }
 }
 
 namespace {

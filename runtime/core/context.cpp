@@ -77,6 +77,7 @@ struct context::pending_release {
   std::shared_ptr<shared_state> shared;
   stream_key where;
   std::function<void()> release_producer;
+  std::optional<device::stream_handle> producer;  // made to wait for the same work, once recorded
 
   // On the executor (or, failing that, where the stream reached it), while the context lives.
   void run(context& owner) noexcept
@@ -215,11 +216,12 @@ bool context::drain_at_exit(std::chrono::nanoseconds limit) noexcept
   return abandoned == 0;
 }
 
-void context::release_after(int device, device::stream_handle stream, std::function<void()> release) noexcept
+void context::release_after(int device, device::stream_handle stream, std::function<void()> release,
+                            std::optional<device::stream_handle> producer) noexcept
 {
   pending_release* pending = nullptr;
   try {
-    pending = new pending_release{shared_, {device, stream}, std::move(release)};
+    pending = new pending_release{shared_, {device, stream}, std::move(release), producer};
     {
       std::lock_guard lock{shared_->mutex};
       shared_->outstanding.insert(pending);
@@ -281,16 +283,26 @@ void context::enqueue_release(pending_release* pending) noexcept
       release_group group{pending->where, events_.acquire(device), {pending}, now};
       backend_.record_event(group.reached.get(), stream);
       watched_.push_back(std::move(group));
+      open = &watched_.back();
       if (!polling_) {
         polling_ = true;
         poll_later(min_release_poll);
       }
     }
     count(counter::deferred_releases);
+    // Still under watch_mutex_: the group's event is not given back (and re-recorded elsewhere)
+    // before the producer's wait has captured this record.
+    if (pending->producer) { hold_back(*pending->producer, stream, open->reached.get()); }
     return;
   } catch (const std::exception& e) {
     HANDOFF_LOG_WARN("deferred release: cannot record an event on stream {:#x} ({}); waiting for the stream instead",
                      raw(stream), e.what());
+    if (pending->producer) {
+      HANDOFF_LOG_WARN(
+        "deferred release: so producer stream {:#x} cannot wait for it; its later work is not ordered "
+        "after the consumer's",
+        raw(*pending->producer));
+    }
   }
   // Fall back to waiting for the whole stream on the executor. If even that fails, nothing says
   // when the consumer is done: the producer is kept (leaked), never released early.
@@ -313,6 +325,31 @@ void context::enqueue_release(pending_release* pending) noexcept
     deferred_->post(wait_then_release);
   } catch (...) {
     wait_then_release();  // cannot defer at all: wait here
+  }
+}
+
+void context::hold_back(device::stream_handle producer, device::stream_handle consumer,
+                        device::event_handle reached) noexcept
+{
+  try {
+    // Asked first: a wait would go into a capturing producer's graph, and a wait on the legacy
+    // default stream while a blocking stream of its device captures would invalidate that capture,
+    // where asking only fails (cudaErrorStreamCaptureImplicit).
+    if (backend_.stream_capture_status(producer) != device::capture_status::none) {
+      HANDOFF_LOG_WARN(
+        "deferred release: producer stream {:#x} is capturing into a graph; its later work is not "
+        "ordered after the consumer's on stream {:#x}",
+        raw(producer), raw(consumer));
+      return;
+    }
+    backend_.stream_wait_event(producer, reached);
+    count(counter::waits_inserted);
+    HANDOFF_LOG_TRACE("producer stream {:#x} waits for consumer stream {:#x}", raw(producer), raw(consumer));
+  } catch (const std::exception& e) {
+    HANDOFF_LOG_WARN(
+      "deferred release: producer stream {:#x} cannot wait for consumer stream {:#x} ({}); its later "
+      "work is not ordered after the consumer's",
+      raw(producer), raw(consumer), e.what());
   }
 }
 

@@ -1,6 +1,7 @@
 #include <handoff/device_guard.hpp>
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
+#include <handoff/stats.hpp>
 #include <handoff/stream.hpp>
 
 #include "log/logger.hpp"
@@ -129,13 +130,75 @@ void order_export(context* ctx, const array& view, stream_request consumer)
   stream_view{backend, *resolve_stream(backend, consumer)}.wait(stream_view{backend, producer}, device, ctx->events());
 }
 
-void bind_import(context& ctx, const array& view, int device, device::stream_handle consumer,
-                 std::shared_ptr<const void> consumer_owner)
+namespace {
+
+void bind_to(context& ctx, const array& view, int device, device::stream_handle consumer,
+             std::shared_ptr<const void> consumer_owner, const std::optional<stream_binding>& producer)
 {
   const stream_binding on_consumer{
     .ctx = &ctx, .device = device, .stream = consumer, .stream_owner = std::move(consumer_owner)};
   view.owner().set_ready_on(on_consumer);
-  view.owner().release_after(on_consumer);
+  view.owner().release_after(on_consumer, producer);
+}
+
+// The producer stream of an interface import that the release makes wait for the consumer's work:
+// only one that cannot be destroyed by then, and only where the device's rules do not already
+// order it (see bind_interface_import). The same stream as the consumer's needs nothing, as at import.
+std::optional<stream_binding> stream_to_hold_back(context& ctx, int device, device::stream_handle consumer,
+                                                  stream_request producer, std::shared_ptr<const void> owner)
+{
+  device::backend& b = ctx.backend();
+  const device_guard on_owner{b, device};  // default streams resolve on the data's device
+  const auto legacy = b.legacy_default_stream();
+  std::optional<device::stream_handle> stream;
+  bool ordered_by_the_device = false;
+  switch (producer.order) {
+    case stream_order::legacy_default:
+    case stream_order::default_stream:
+      stream = legacy;
+      ordered_by_the_device = consumer != legacy && b.stream_is_blocking(consumer);
+      break;
+    case stream_order::per_thread_default:
+      // Named through the legacy default stream, which is right from any thread; the importing
+      // thread's per-thread stream is blocking, so it follows a legacy default consumer anyway.
+      if (consumer == b.per_thread_default_stream()) { return std::nullopt; }
+      stream = legacy;
+      ordered_by_the_device = consumer == legacy;
+      break;
+    case stream_order::handle:
+      if (!owner) { return std::nullopt; }  // nothing keeps it alive until the release
+      stream = static_cast<device::stream_handle>(producer.handle);
+      ordered_by_the_device = consumer == legacy && *stream != legacy && b.stream_is_blocking(*stream);
+      break;
+    case stream_order::none:
+      break;
+  }
+  if (ordered_by_the_device) {
+    count(counter::waits_elided);
+    return std::nullopt;
+  }
+  if (!stream || *stream == consumer) { return std::nullopt; }
+  return stream_binding{.ctx = &ctx, .device = device, .stream = *stream, .stream_owner = std::move(owner)};
+}
+
+}  // namespace
+
+void bind_import(context& ctx, const array& view, int device, device::stream_handle consumer,
+                 std::shared_ptr<const void> consumer_owner)
+{
+  bind_to(ctx, view, device, consumer, std::move(consumer_owner), std::nullopt);
+}
+
+void bind_interface_import(context& ctx, const array& view, int device, device::stream_handle consumer,
+                           std::shared_ptr<const void> consumer_owner, stream_request producer,
+                           std::shared_ptr<const void> producer_owner)
+{
+  device::backend& backend = ctx.backend();
+  if (const auto producer_stream = resolve_stream(backend, producer)) {
+    stream_view{backend, consumer}.wait(stream_view{backend, *producer_stream}, device, ctx.events());
+  }
+  bind_to(ctx, view, device, consumer, std::move(consumer_owner),
+          stream_to_hold_back(ctx, device, consumer, producer, std::move(producer_owner)));
 }
 
 namespace {

@@ -230,6 +230,202 @@ def test_cuda_array_interface_without_stream_is_the_negative_control(streams):
     assert sim.to_numpy(view, stream=consumer)[0] == 0.0
 
 
+# --- CUDA Array Interface v3: the producer's stream runs no later work until the consumer is done ---
+#
+# consumer_read() is the race: the consumer reads the data on its stream behind a stall (a copy,
+# enqueued at once), the view is released, then the producer writes again on its stream. Ordered,
+# the consumer reads the old value; unordered, the write lands first.
+
+OLD, NEW = 1.0, 7.0
+LEGACY, PER_THREAD = 1, 2  # the interface numbers streams as CUDA does, on every platform
+
+
+def interface_of(array, stream):
+    """A v3 interface of a sim array naming `stream`, made by hand (ROCm memory exports none)."""
+    return {"shape": (N,), "typestr": "<f4", "data": (array.data_ptr, False), "version": 3, "stream": stream}
+
+
+class StreamHoldingProducer(CudaArrayInterfaceProducer):
+    """A producer that holds the stream its interface names, as Numba's device arrays do."""
+
+    def __init__(self, interface, owner, stream):
+        super().__init__(interface, owner)
+        self.stream = stream
+
+
+def ready_source():
+    source = sim.zeros(N)
+    sim.fill(source, OLD, stream=DEFAULT_STREAM)
+    sim.synchronize()
+    return source
+
+
+def consumer_read(producer, consumer, write_on, release=lambda views: views.clear()):
+    """What the consumer reads of `producer`'s data when the producer writes on `write_on` once the
+    view is released (by `release`, given the list that holds the view's only reference)."""
+    source = producer.owner
+    views = [handoff.asarray(producer, stream=consumer)]
+    del producer
+    stall = sim.zeros(1)
+    sim.fill(stall, 0.0, stream=consumer, delay=SLOW)
+    read = handoff.from_dlpack(views[0], stream=consumer, copy=True)  # enqueued behind the stall
+    # All of the consumer's work on the data is enqueued. The view's last reference goes now (no
+    # gc.collect(): with PyTorch loaded it can outlast the stall, and hide the negative control's race).
+    release(views)
+    sim.fill(source, NEW, stream=write_on)  # the producer's next write
+    value = sim.to_numpy(read, stream=consumer)[0]
+    sim.synchronize()
+    return value
+
+
+def release_on_another_thread(views):
+    thread = threading.Thread(target=views.clear)
+    thread.start()
+    thread.join()
+
+
+def test_interface_legacy_default_producer_waits_for_the_consumer_at_release(streams):
+    _, consumer = streams
+    source = ready_source()
+    before = handoff.stats()["waits_inserted"]
+    producer = CudaArrayInterfaceProducer(interface_of(source, LEGACY), source)
+    assert consumer_read(producer, consumer, write_on=DEFAULT_STREAM) == OLD
+    assert handoff.stats()["waits_inserted"] == before + 2  # at import, and at release
+
+
+def test_interface_legacy_default_producer_after_a_blocking_consumer_is_ordered_by_the_device():
+    consumer = sim.Stream(non_blocking=False)  # the legacy stream's later work waits for its work
+    source = ready_source()
+    before = handoff.stats()
+    producer = CudaArrayInterfaceProducer(interface_of(source, LEGACY), source)
+    assert consumer_read(producer, consumer, write_on=DEFAULT_STREAM) == OLD
+    after = handoff.stats()
+    assert after["waits_inserted"] == before["waits_inserted"] + 1  # at import only
+    assert after["waits_elided"] == before["waits_elided"] + 2  # at release, and the same-stream copy
+
+
+@pytest.mark.skipif(ROCM, reason="a ROCm per-thread stream has no number the test can write on")
+@pytest.mark.parametrize("release", [lambda views: views.clear(), release_on_another_thread],
+                         ids=["released-here", "released-on-another-thread"])
+def test_interface_per_thread_producer_waits_for_the_consumer_at_release(streams, release):
+    _, consumer = streams
+    source = ready_source()
+    producer = CudaArrayInterfaceProducer(interface_of(source, PER_THREAD), source)
+    assert consumer_read(producer, consumer, write_on=PER_THREAD, release=release) == OLD
+
+
+def test_interface_stream_the_producer_holds_waits_for_the_consumer_at_release(streams):
+    stream, consumer = streams
+    source = ready_source()
+    producer = StreamHoldingProducer(interface_of(source, stream.handle), source, stream)
+    assert consumer_read(producer, consumer, write_on=stream) == OLD
+
+
+HOLDERS = {
+    "bare-handle": lambda stream: None,
+    "holds-another-stream": lambda stream: sim.Stream(non_blocking=True),
+    "holds-a-handle-only": lambda stream: handoff.Stream(stream.handle),
+}
+
+
+@pytest.mark.parametrize("holder", HOLDERS)
+def test_interface_stream_nothing_keeps_alive_is_not_touched_the_negative_control(streams, holder):
+    # Nothing proves the stream alive at the release, so it gets no wait: the race shows.
+    stream, consumer = streams
+    source = ready_source()
+    held = HOLDERS[holder](stream)
+    interface = interface_of(source, stream.handle)
+    producer = (CudaArrayInterfaceProducer(interface, source) if held is None
+                else StreamHoldingProducer(interface, source, held))
+    assert consumer_read(producer, consumer, write_on=stream) == NEW, "expected the race without a wait"
+
+
+def test_interface_stream_the_producer_holds_is_kept_until_the_wait_is_enqueued(streams):
+    _, consumer = streams
+    stream = sim.Stream(non_blocking=True)
+    gone = weakref.ref(stream)
+    source = ready_source()
+    producer = StreamHoldingProducer(interface_of(source, stream.handle), source, stream)
+    view = handoff.asarray(producer, stream=consumer)
+    producer.stream = None  # the producer lets go of its stream: handoff's reference remains
+    del producer, stream
+    gc.collect()
+    assert gone() is not None, "the producer's stream must outlive the wait at release"
+    sim.fill(view, 2.0, stream=consumer, delay=SLOW)
+    del view  # the wait on the stream (a use of it) is enqueued now; the fixture fails on a dead one
+    consumer.synchronize()
+    sim.drain()
+    gc.collect()
+    assert gone() is None, "kept after the release ran"
+
+
+def test_interface_release_never_breaks_a_capture_on_another_stream(streams):
+    # While a blocking stream captures, the legacy default stream cannot be used without invalidating
+    # that capture: the release leaves it alone (and logs why).
+    _, consumer = streams
+    source = ready_source()
+    view = handoff.asarray(CudaArrayInterfaceProducer(interface_of(source, LEGACY), source), stream=consumer)
+    capturing = sim.Stream(non_blocking=False)
+    scratch = sim.zeros(1)
+    before = handoff.stats()["waits_inserted"]
+    sim.begin_capture(capturing)
+    try:
+        sim.fill(scratch, 1.0, stream=capturing)
+        del view
+        gc.collect()
+    finally:
+        graph = sim.end_capture(capturing)  # raises if the capture was invalidated
+    assert len(graph) == 1
+    assert handoff.stats()["waits_inserted"] == before
+
+
+def test_interface_release_puts_no_wait_into_a_capturing_producer_stream(streams):
+    stream, consumer = streams
+    source = ready_source()
+    view = handoff.asarray(StreamHoldingProducer(interface_of(source, stream.handle), source, stream),
+                           stream=consumer)
+    sim.begin_capture(stream)
+    try:
+        del view
+        gc.collect()
+    finally:
+        graph = sim.end_capture(stream)
+    assert len(graph) == 0, "the release's wait went into the producer's graph"
+
+
+def test_interface_release_while_the_consumer_captures_orders_the_producer_after_the_capture(streams):
+    _, consumer = streams
+    source = ready_source()
+    view = handoff.asarray(CudaArrayInterfaceProducer(interface_of(source, LEGACY), source), stream=consumer)
+    before = handoff.stats()["waits_inserted"]
+    sim.begin_capture(consumer)
+    try:
+        del view  # held back until the capture ends, like the release itself
+        gc.collect()
+        assert handoff.stats()["waits_inserted"] == before
+    finally:
+        assert len(sim.end_capture(consumer)) == 0
+    sim.drain()
+    assert handoff.stats()["waits_inserted"] == before + 1
+
+
+def test_interface_release_whose_wait_fails_still_releases_the_producer(streams):
+    stream, consumer = streams
+    source = ready_source()
+    live = handoff.stats()["live_views"]
+    view = handoff.asarray(StreamHoldingProducer(interface_of(source, stream.handle), source, stream),
+                           stream=consumer)
+    sim.inject_fault("stream_wait_event", 1, "hipErrorLaunchFailure" if ROCM else "cudaErrorLaunchFailure")
+    try:
+        del view  # the wait fails and is logged; the release is not affected
+        gc.collect()
+    finally:
+        sim.clear_faults()
+    sim.drain()
+    gc.collect()
+    assert handoff.stats()["live_views"] == live
+
+
 def test_release_waits_for_the_consumer_stream(streams):
     _, consumer = streams
     allocations = sim.live_allocations()

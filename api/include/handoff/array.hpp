@@ -62,8 +62,11 @@ class producer_ref {
   /// Makes the release wait for the work enqueued on `consumer` by the time the last reference goes
   /// (see context::release_after), as well as for every stream added before: each stream the data
   /// was handed to (an import's consumer stream; a C consumer's work stream) is added once. A
-  /// per-thread default stream as above. Thread-safe.
-  void release_after(const stream_binding& consumer) const;
+  /// per-thread default stream as above. `producer` (same context and device), when given, is made
+  /// to wait for that same work when the last reference goes, and its `stream_owner` is kept until
+  /// the release has run: the CUDA Array Interface asks that the producer's stream run no later work
+  /// until the consumer's is done. Thread-safe.
+  void release_after(const stream_binding& consumer, const std::optional<stream_binding>& producer = {}) const;
 
  private:
   struct state;

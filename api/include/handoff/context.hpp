@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -60,7 +61,15 @@ class context {
   /// event cannot be recorded, the executor waits for the whole stream instead: never early. While
   /// `stream` captures into a graph, nothing goes into the graph (it would run at every launch, or
   /// never): the executor waits for the capture to end, then records.
-  void release_after(int device, device::stream_handle stream, std::function<void()> release) noexcept;
+  ///
+  /// `producer`, when given, must run no later work until that same work on `stream` is done: it
+  /// waits on the event where it is recorded (counted in waits_inserted), so it must be alive then
+  /// (the caller keeps it so until `release` has run). A producer stream that is capturing, or that
+  /// cannot be used (the legacy default stream while a blocking stream of its device captures: a
+  /// wait would invalidate that capture), is left alone and the log says so; so is every producer
+  /// when no event could be recorded.
+  void release_after(int device, device::stream_handle stream, std::function<void()> release,
+                     std::optional<device::stream_handle> producer = std::nullopt) noexcept;
 
   /// Blocks until no deferred release is pending (each waits for its stream, then runs).
   void drain();
@@ -82,6 +91,7 @@ class context {
   void poll_later(std::chrono::nanoseconds interval) noexcept;
   void poll_releases(std::chrono::nanoseconds interval) noexcept;
   void when_not_capturing(pending_release* pending) noexcept;
+  void hold_back(device::stream_handle producer, device::stream_handle consumer, device::event_handle reached) noexcept;
   void finished_one(stream_key where) noexcept;
 
   device::backend& backend_;

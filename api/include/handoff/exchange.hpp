@@ -42,6 +42,28 @@ void order_export(context* ctx, const array& view, stream_request consumer);
 void bind_import(context& ctx, const array& view, int device, device::stream_handle consumer,
                  std::shared_ptr<const void> consumer_owner = {});
 
+/// Import half of a CUDA Array Interface v3 exchange, whose producer may have work in progress on
+/// `producer` (its `stream` as classify_stream reads it for CUDA; none when absent): orders that
+/// work before `consumer`'s (stream_view::wait), binds the view as bind_import does, and keeps the
+/// interface's other promise: the producer's stream runs no later work until the consumer's work on
+/// the data is done. That work is known when the view is released: the producer's stream then waits
+/// on the event the release records on `consumer` (context::release_after), provided it cannot be
+/// destroyed by then (using a destroyed stream is undefined):
+/// - the legacy default stream (1), except after a blocking consumer stream, whose earlier work the
+///   legacy stream's later work waits for anyway (counted in waits_elided);
+/// - the importing thread's per-thread default stream (2), through the legacy default stream, which
+///   every thread can name: a wait there holds back the later work of every blocking stream of the
+///   device, that per-thread stream included (none needed after a legacy default consumer);
+/// - a stream handle that `producer_owner` keeps alive (the stream object the producer holds);
+///   when the producer is blocking and the consumer the legacy default stream, none is needed.
+/// Any other handle may be destroyed before the release (an interface's `stream` is a bare int, and
+/// libraries destroy a stream with its object): it is not touched; only the producer is kept alive
+/// until the consumer's work is done.
+/// @throws what stream_view::wait throws.
+void bind_interface_import(context& ctx, const array& view, int device, device::stream_handle consumer,
+                           std::shared_ptr<const void> consumer_owner, stream_request producer,
+                           std::shared_ptr<const void> producer_owner = {});
+
 /// A compact copy of device-resident `view`, made in order after the work pending on the stream it
 /// is ready on: on the host (`to_host`, waited for, so the copy is usable when this returns) or on
 /// the same device (stream-ordered: the copy is ready on that stream and returns at once).

@@ -9,7 +9,8 @@ namespace handoff {
 struct stats_snapshot {
   std::uint64_t exports{0};            ///< tensors exported (__dlpack__)
   std::uint64_t imports{0};            ///< producers imported (from_dlpack, asarray)
-  std::uint64_t waits_inserted{0};     ///< consumer streams made to wait on a producer event
+  std::uint64_t waits_inserted{0};     ///< streams made to wait on another's event: a consumer on its
+                                       ///< producer's; at a CUDA Array Interface release, the reverse
   std::uint64_t waits_elided{0};       ///< orderings skipped: same stream, or already ordered
   std::uint64_t events_created{0};     ///< events created by the event pool
   std::uint64_t events_reused{0};      ///< events taken from the pool instead of created

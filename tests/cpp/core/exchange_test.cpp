@@ -8,6 +8,9 @@
 #include "core/backend_fixture.hpp"
 
 #include <atomic>
+#include <functional>
+#include <memory>
+#include <optional>
 #include <thread>
 
 namespace {
@@ -30,6 +33,28 @@ class ExchangeTest : public BackendContextTest {
   }
 
   static stream_request on(device::stream_handle s) { return {stream_order::handle, static_cast<std::uintptr_t>(s)}; }
+
+  // A CUDA Array Interface import from `producer` onto `consumer`, whose work reads the data (zeros)
+  // behind a delay; the view is then released (by `release`, given the view's only reference) and
+  // the producer writes 7 on `write_on`. Returns what the consumer read: 0 when ordered.
+  float read_after_release(stream_request producer, device::stream_handle consumer, device::stream_handle write_on,
+                           std::shared_ptr<const void> producer_owner = {},
+                           const std::function<void(std::optional<array>&)>& release = {})
+  {
+    float* data = allocate_on(0);
+    float* seen = allocate_on(0);
+    std::optional<array> view{view_of(data, 0)};
+    bind_interface_import(ctx(), *view, 0, consumer, nullptr, producer, std::move(producer_owner));
+    delay(consumer, slow);
+    b().copy_async(seen, data, n * sizeof(float), consumer);
+    if (release) {
+      release(view);
+    } else {
+      view.reset();  // all of the consumer's work on the data is enqueued
+    }
+    fill(write_on, data, 7.0F);
+    return read(seen, consumer).front();
+  }
 };
 
 TEST_P(ExchangeTest, ExportOrdersTheStreamTheDataIsReadyOn)
@@ -121,6 +146,43 @@ TEST_P(ExchangeTest, BindImportMakesTheConsumerTheReadyStreamAndDefersRelease)
   EXPECT_FALSE(released.load());
   ctx().drain();
   EXPECT_TRUE(released.load());
+}
+
+TEST_P(ExchangeTest, InterfaceImportMakesTheLegacyDefaultProducerWaitForTheConsumerAtRelease)
+{
+  const auto before = stats().waits_inserted;
+  EXPECT_EQ(read_after_release({stream_order::legacy_default, 0}, stream_on(0), b().legacy_default_stream()), 0.0F);
+  EXPECT_EQ(stats().waits_inserted - before, 2U);  // at import, and at release
+}
+
+TEST_P(ExchangeTest, InterfaceImportLeavesTheLegacyDefaultProducerOfABlockingConsumerToTheDevice)
+{
+  const auto before = stats();
+  const auto consumer = stream_on(0, /*non_blocking=*/false);
+  EXPECT_EQ(read_after_release({stream_order::legacy_default, 0}, consumer, b().legacy_default_stream()), 0.0F);
+  EXPECT_EQ(stats().waits_inserted - before.waits_inserted, 1U);  // at import only
+  EXPECT_EQ(stats().waits_elided - before.waits_elided, 1U);
+}
+
+TEST_P(ExchangeTest, InterfaceImportMakesThePerThreadProducerWaitWhereverTheViewIsReleased)
+{
+  const auto elsewhere = [](std::optional<array>& view) { std::thread{[&] { view.reset(); }}.join(); };
+  EXPECT_EQ(read_after_release({stream_order::per_thread_default, 0}, stream_on(0), b().per_thread_default_stream(),
+                               nullptr, elsewhere),
+            0.0F);
+}
+
+TEST_P(ExchangeTest, InterfaceImportMakesAProducerStreamKeptAliveWaitForTheConsumerAtRelease)
+{
+  const auto producer = stream_on(0);
+  EXPECT_EQ(read_after_release(on(producer), stream_on(0), producer, std::make_shared<int>(0)), 0.0F);
+}
+
+TEST_P(ExchangeTest, NegativeControlInterfaceImportLeavesAProducerStreamNothingKeepsAliveAlone)
+{
+  const auto producer = stream_on(0);
+  EXPECT_EQ(read_after_release(on(producer), stream_on(0), producer), 7.0F);
+  b().synchronize_device();
 }
 
 // CUDA creates a device's primary context when a thread uses the device (or selects it with
