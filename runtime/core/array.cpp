@@ -104,7 +104,7 @@ struct producer_ref::state {
   mutable std::mutex mutex_;  // guards the bindings
   std::optional<stream_binding> ready_on_;
   std::vector<stream_binding> release_after_;  // one per consumer stream, usually one
-  std::optional<stream_binding> hold_back_;     // the producer stream that waits for the consumers' work
+  std::optional<stream_binding> hold_back_;    // the producer stream that waits for the consumers' work
 };
 
 producer_ref::producer_ref(std::function<void()> release)
