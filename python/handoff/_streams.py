@@ -48,16 +48,20 @@ class Stream:
 
     @property
     def handle(self) -> int:
+        """The native stream handle (or DLPack's special value), an int."""
         return self._handle
 
     @property
     def device(self) -> int | None:
+        """The device ordinal the stream is on, or None when not known."""
         return self._device
 
     def __cuda_stream__(self) -> tuple[int, int]:
+        """The CUDA stream protocol: ``(0, handle)``."""
         return (0, self._handle)
 
     def __int__(self) -> int:
+        """The handle."""
         return self._handle
 
     def __eq__(self, other: object) -> bool:
