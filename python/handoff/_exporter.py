@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _handoff
+
+if TYPE_CHECKING:
+    from typing_extensions import CapsuleType
 
 
 class Exporter:
@@ -23,8 +26,8 @@ class Exporter:
         """The instance's data as a :class:`handoff.Array`; subclasses must define it."""
         raise NotImplementedError(f"{type(self).__name__} must define __handoff_array__() to export its data")
 
-    def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None,
-                   dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:
+    def __dlpack__(self, *, stream: int | None = None, max_version: tuple[int, int] | None = None,
+                   dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> CapsuleType:
         """Exports the data as a DLPack capsule, as :meth:`handoff.Array.__dlpack__` does; the capsule keeps
         the instance alive."""
         return _handoff._exporter_dlpack(self, self.__handoff_array__(), stream, max_version, dl_device, copy)
