@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from contextvars import ContextVar, Token
+from typing import TYPE_CHECKING, Any
 
 from . import _handoff
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeGuard
 
 __all__ = ["Stream", "as_stream", "current_stream", "stream"]
 
@@ -14,7 +18,7 @@ _current = _handoff._stream_var
 # The reset tokens of the blocks entered in this context, innermost last. They live in the context,
 # not in the block object, so that one block object may be entered by several threads or tasks at
 # once: each leaves with the token it made.
-_tokens: ContextVar[tuple[Token, ...]] = ContextVar("handoff.stream_tokens", default=())
+_tokens: ContextVar[tuple[Token[Stream | None], ...]] = ContextVar("handoff.stream_tokens", default=())
 
 
 # Native handles travel as DLPack's signed 64-bit stream values.
@@ -44,20 +48,24 @@ class Stream:
             raise ValueError(f"Stream device must be None or a non-negative int, got {device!r}")
         self._handle = handle
         self._device = device
-        self._source = None
+        self._source: object = None
 
     @property
     def handle(self) -> int:
+        """The native stream handle (or DLPack's special value), an int."""
         return self._handle
 
     @property
     def device(self) -> int | None:
+        """The device ordinal the stream is on, or None when not known."""
         return self._device
 
     def __cuda_stream__(self) -> tuple[int, int]:
+        """The CUDA stream protocol: ``(0, handle)``."""
         return (0, self._handle)
 
     def __int__(self) -> int:
+        """The handle."""
         return self._handle
 
     def __eq__(self, other: object) -> bool:
@@ -127,12 +135,12 @@ def _held_stream(producer: object, handle: int) -> object | None:
     return held
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _device_of(obj: object) -> int | None:
-    device = getattr(obj, "device", None)
+    device: Any = getattr(obj, "device", None)
     index = getattr(device, "index", device)  # torch.device has .index; CuPy's Device is int-like
     if hasattr(device, "id"):
         index = device.id

@@ -88,7 +88,9 @@ PYBIND11_MODULE(_handoff, m)
   bind_c_api(m);
   bind_sim(m);
 
-  m.def("stats", &stats_dict, "Exchange counters since the last reset_stats().");
+  m.def("stats", &stats_dict,
+        "Exchange counters since the last reset_stats(), a dict of ints: exports, imports, waits_inserted, "
+        "waits_elided, events_created, events_reused, deferred_releases and live_views.");
   m.def("reset_stats", &reset_stats, "Zeroes the counters (live_views keeps counting what is alive).");
   m.def(
     "_at_exit",
@@ -100,13 +102,17 @@ PYBIND11_MODULE(_handoff, m)
     },
     "Run at exit while Python is alive: waits for the stream-ordered releases still pending, then stops "
     "other threads from taking the GIL back.");
-  m.def("runtime_info", &runtime_info, "Backend, device count and versions.");
+  m.def("runtime_info", &runtime_info,
+        "The runtime, a dict: backend (its name), device_count, version, dlpack_version ('1.1'), cuda_compiled, "
+        "cuda_runtime and cuda_driver_minimum (None without CUDA), and backend_error (why the backend could not "
+        "start, else None).");
   m.def(
     "_classify_stream",
     [](int device_type, py::handle stream) {
       const stream_request r = classify_stream(static_cast<DLDeviceType>(device_type), stream_argument(stream));
       return py::make_tuple(stream_order_name(r.order), r.handle);
     },
+    py::arg("device_type"), py::arg("stream"),
     "The producer's action for a DLPack stream value on a device type (the contract's table).");
   m.def(
     "_parse_cuda_array_interface",
@@ -116,6 +122,6 @@ PYBIND11_MODULE(_handoff, m)
       for (std::size_t i = 0; i < parsed.layout.shape.size(); ++i) { shape[i] = py::int_(parsed.layout.shape[i]); }
       return py::make_tuple(shape, parsed.stream ? py::object(py::int_(*parsed.stream)) : py::object(py::none()));
     },
-    "Validates a __cuda_array_interface__ dict without touching a device.");
+    py::arg("interface"), "Validates a __cuda_array_interface__ dict without touching a device.");
   m.attr("__version__") = handoff::version();
 }

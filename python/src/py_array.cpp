@@ -287,25 +287,31 @@ PyCFunction as_cfunction(Function* function) noexcept
 }
 
 PyGetSetDef array_getset[] = {
-  {"shape", get_shape, nullptr, nullptr, nullptr},
+  {"shape", get_shape, nullptr, "The extent of each axis, a tuple of ints.", nullptr},
   {"strides", get_strides, nullptr, "Strides in bytes, as NumPy reports them.", nullptr},
-  {"dtype", get_dtype, nullptr, nullptr, nullptr},
+  {"dtype", get_dtype, nullptr, "The element type's NumPy-style name: 'float32', 'int8', 'bool', 'bfloat16', ...",
+   nullptr},
   {"device", get_device, nullptr, "(device_type, device_id) with DLPack's codes.", nullptr},
-  {"data_ptr", get_data_ptr, nullptr, nullptr, nullptr},
-  {"readonly", get_readonly, nullptr, nullptr, nullptr},
-  {"ndim", get_ndim, nullptr, nullptr, nullptr},
-  {"size", get_size, nullptr, nullptr, nullptr},
-  {"nbytes", get_nbytes, nullptr, nullptr, nullptr},
-  {"__array_interface__", get_array_interface, nullptr, "NumPy's array interface v3 (CPU arrays only).", nullptr},
+  {"data_ptr", get_data_ptr, nullptr, "The address of the data (device memory for device arrays), an int.", nullptr},
+  {"readonly", get_readonly, nullptr, "True when the producer exported the data read-only.", nullptr},
+  {"ndim", get_ndim, nullptr, "The number of axes.", nullptr},
+  {"size", get_size, nullptr, "The number of elements.", nullptr},
+  {"nbytes", get_nbytes, nullptr, "The size of the elements in bytes (size times the item size).", nullptr},
+  {"__array_interface__", get_array_interface, nullptr,
+   "NumPy's array interface v3 of CPU arrays (elsewhere AttributeError: hasattr() is False).", nullptr},
   {"__cuda_array_interface__", get_cuda_array_interface, nullptr,
-   "CUDA Array Interface v3, with `stream` naming the stream the data is ready on.", nullptr},
+   "CUDA Array Interface v3 of CUDA memory, with `stream` naming the stream the data is ready on (elsewhere "
+   "AttributeError: hasattr() is False).",
+   nullptr},
   {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 
 PyMethodDef array_methods[] = {
   {"__dlpack__", as_cfunction(method_dlpack), METH_FASTCALL | METH_KEYWORDS,
    "__dlpack__($self, /, *, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
-   "Exports the array as a DLPack capsule (versioned when max_version >= (1, 0))."},
+   "Exports the array as a DLPack capsule (versioned when max_version >= (1, 0)), ordered after the data's stream "
+   "for the consumer's `stream`. ValueError for a stream the device does not take; BufferError when the export "
+   "cannot be made as asked (`dl_device`, `copy`)."},
   {"__dlpack_device__", as_cfunction(method_dlpack_device), METH_NOARGS,
    "__dlpack_device__($self, /)\n--\n\nThe (device_type, device_id) of the data, with DLPack's codes."},
   {nullptr, nullptr, 0, nullptr},

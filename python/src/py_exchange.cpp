@@ -314,10 +314,16 @@ PyCFunction as_cfunction(Function* function) noexcept
 PyMethodDef import_functions[] = {
   {"from_dlpack", as_cfunction(import_entry<from_dlpack, &from_dlpack_signature>), METH_FASTCALL | METH_KEYWORDS,
    "from_dlpack(x, /, *, device=None, copy=None, stream=None)\n--\n\n"
-   "Imports an object with __dlpack__ (or a DLPack capsule) as a handoff.Array, zero-copy."},
+   "Imports an object with __dlpack__ (or a DLPack capsule) as a handoff.Array, zero-copy.\n\n"
+   "`stream` is the consumer's stream (an int in DLPack's convention or a stream object; None: the enclosing\n"
+   "handoff.stream block's, else the default stream); the producer's pending work is ordered before it.\n"
+   "`device` ((device_type, device_id) or 'cpu') and `copy` are the array API's. TypeError without\n"
+   "__dlpack__, ValueError for an invalid stream, BufferError for data that cannot be exchanged as asked,\n"
+   "handoff.DeviceError when the device fails."},
   {"asarray", as_cfunction(import_entry<asarray, &asarray_signature>), METH_FASTCALL | METH_KEYWORDS,
    "asarray(x, /, *, device=None, copy=None, stream=None)\n--\n\n"
-   "Imports through DLPack, the CUDA Array Interface, __array_interface__ or the buffer protocol."},
+   "Imports through DLPack, the CUDA Array Interface, __array_interface__ or the buffer protocol, zero-copy.\n\n"
+   "The arguments and errors are from_dlpack's; TypeError when `x` supports none of these protocols."},
   {nullptr, nullptr, 0, nullptr},
 };
 
@@ -337,7 +343,9 @@ void init_exchange(py::module_& m)
   }
   init_exchange_api();
   m.attr("_stream_var") = py::reinterpret_borrow<py::object>(cached.stream_var);
-  m.def("_set_as_stream", [](py::object fn) { cached.as_stream = fn.release().ptr(); });
+  m.def(
+    "_set_as_stream", [](py::object fn) { cached.as_stream = fn.release().ptr(); }, py::arg("as_stream"),
+    "Installs handoff.as_stream, which the consumer functions call on stream objects other than ints.");
   from_dlpack_signature = new signature("from_dlpack", 1, {"device", "copy", "stream"});
   asarray_signature = new signature("asarray", 1, {"device", "copy", "stream"});
   if (PyModule_AddFunctions(m.ptr(), import_functions) != 0) { throw py::error_already_set(); }

@@ -279,11 +279,16 @@ void bind_sim(py::module_& parent)
 {
   py::module_ m = parent.def_submodule("_sim", "The simulated accelerator (HANDOFF_BACKEND=sim or sim-rocm).");
   py::class_<sim_stream>(m, "Stream", "An owning stream of the simulated device.")
-    .def(py::init<int, bool>(), py::arg("device") = 0, py::kw_only(), py::arg("non_blocking") = false)
-    .def_property_readonly("handle", &sim_stream::handle)
-    .def_property_readonly("device", &sim_stream::device)
-    .def_property_readonly("non_blocking", &sim_stream::non_blocking)
-    .def("__cuda_stream__", [](const sim_stream& s) { return py::make_tuple(0, s.handle()); })
+    .def(py::init<int, bool>(), py::arg("device") = 0, py::kw_only(), py::arg("non_blocking") = false,
+         "Creates a stream on simulated device `device`; destroyed when the object goes, its pending work still "
+         "running. A non-blocking stream does not synchronize with the legacy default stream.")
+    .def_property_readonly("handle", &sim_stream::handle, "The native stream handle, an int.")
+    .def_property_readonly("device", &sim_stream::device, "The simulated device the stream is on.")
+    .def_property_readonly("non_blocking", &sim_stream::non_blocking,
+                           "True when the stream does not synchronize with the legacy default stream.")
+    .def(
+      "__cuda_stream__", [](const sim_stream& s) { return py::make_tuple(0, s.handle()); },
+      "The CUDA stream protocol: (0, handle).")
     .def("synchronize", &sim_stream::synchronize, "Blocks until the stream's work is done (GIL released).")
     .def("__repr__", [](const sim_stream& s) {
       return fmt::format("handoff.sim.Stream({:#x}, device={}{})", s.handle(), s.device(),
@@ -295,7 +300,7 @@ void bind_sim(py::module_& parent)
   m.def("fill", &fill, py::arg("array"), py::arg("value"), py::kw_only(), py::arg("stream"), py::arg("delay") = 0.0,
         "Enqueues on `stream`: wait `delay` seconds, then write `value` everywhere. Returns at once.");
   m.def("to_numpy", &to_numpy, py::arg("array"), py::kw_only(), py::arg("stream"),
-        "Enqueues a copy to a new NumPy array on `stream` and waits for the stream.");
+        "Enqueues a copy to a new NumPy array on `stream`, waits for the stream and returns the NumPy array.");
   m.def("synchronize", &synchronize, py::arg("device") = py::none(), "Waits for all work on a device (or all).");
   m.def(
     "inject_fault",
@@ -304,7 +309,8 @@ void bind_sim(py::module_& parent)
     },
     py::arg("operation"), py::arg("count") = 1, py::arg("error") = "cudaErrorLaunchFailure",
     "Makes the next `count` calls of a device operation fail with `error` (a DeviceError).");
-  m.def("clear_faults", [] { require_sim().sim.clear_faults(); });
+  m.def(
+    "clear_faults", [] { require_sim().sim.clear_faults(); }, "Removes every fault inject_fault set.");
   m.def(
     "inject_sticky_fault",
     [](long long device, const std::string& error) {
@@ -330,9 +336,11 @@ void bind_sim(py::module_& parent)
     },
     "What the process did that CUDA leaves undefined or forbids: uses of destroyed streams or events, "
     "runtime calls from host functions.");
-  m.def("clear_violations", [] { require_sim().sim.clear_violations(); });
+  m.def(
+    "clear_violations", [] { require_sim().sim.clear_violations(); }, "Forgets the violations recorded so far.");
   py::class_<device::sim_graph>(m, "Graph", "A graph captured from a stream (sim.end_capture).")
-    .def("__len__", &device::sim_graph::size)
+    .def("__len__", &device::sim_graph::size,
+         "How many operations the capture recorded (work, host functions, event records and waits).")
     .def(
       "launch",
       [](const device::sim_graph& graph, py::handle stream) {
@@ -340,7 +348,9 @@ void bind_sim(py::module_& parent)
       },
       py::arg("stream"), "Enqueues a run of the graph on `stream`; each launch runs its work once.");
   m.def(
-    "begin_capture", [](py::handle stream) { require_sim().sim.begin_capture(stream_of(stream)); }, py::arg("stream"));
+    "begin_capture", [](py::handle stream) { require_sim().sim.begin_capture(stream_of(stream)); }, py::arg("stream"),
+    "Starts capturing the work enqueued on `stream` (and on streams that join it) into a Graph; end_capture "
+    "returns it.");
   m.def(
     "end_capture", [](py::handle stream) { return require_sim().sim.end_capture(stream_of(stream)); },
     py::arg("stream"),
@@ -348,7 +358,9 @@ void bind_sim(py::module_& parent)
   m.def(
     "set_copy_delay", [](double delay) { require_sim().sim.set_copy_duration(seconds(delay)); }, py::arg("delay"),
     "Makes every later device copy take `delay` seconds on its stream (default 0), as a real copy takes time.");
-  m.def("live_allocations", [] { return require_sim().sim.live_allocations(); });
+  m.def(
+    "live_allocations", [] { return require_sim().sim.live_allocations(); },
+    "How many simulated allocations are not freed yet (deferred frees count until they have run).");
   m.def(
     "drain",
     [] {

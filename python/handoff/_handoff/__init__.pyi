@@ -1,0 +1,189 @@
+# Type information for the native extension handoff._handoff (python/src). The stubs form a package
+# so that its submodule _sim has one too; at run time the extension module is imported, since a
+# directory without __init__.py never takes precedence over an extension module beside it.
+
+from collections.abc import Callable, Mapping, Sequence
+from contextvars import ContextVar
+from typing import Any, ClassVar, Literal, Protocol, TypedDict, final, type_check_only
+
+from typing_extensions import Buffer, CapsuleType, TypeAlias
+
+from handoff._streams import Stream
+
+from . import _sim as _sim
+
+__version__: str
+
+# --- what the functions accept ---------------------------------------------------------------
+
+# A DLPack device: (device_type, device_id) with DLPack's codes (1: CPU, 2: CUDA, 10: ROCm, ...).
+_DLDevice: TypeAlias = tuple[int, int]
+# A device argument: a DLPack device or 'cpu'.
+_DeviceArgument: TypeAlias = _DLDevice | Literal["cpu"]
+
+@type_check_only
+class _SupportsDLPack(Protocol):
+    # DLPack's arguments are optional keywords, which some producers' stubs leave out (JAX's).
+    def __dlpack__(self) -> object: ...
+
+@type_check_only
+class _SupportsCudaArrayInterface(Protocol):
+    @property
+    def __cuda_array_interface__(self) -> Mapping[str, Any]: ...
+
+@type_check_only
+class _SupportsArrayInterface(Protocol):
+    @property
+    def __array_interface__(self) -> Mapping[str, Any]: ...
+
+@type_check_only
+class _SupportsCudaStream(Protocol):
+    def __cuda_stream__(self) -> tuple[int, int]: ...
+
+@type_check_only
+class _HasCudaStream(Protocol):  # PyTorch's streams
+    @property
+    def cuda_stream(self) -> int: ...
+
+@type_check_only
+class _HasPtr(Protocol):  # CuPy's streams
+    @property
+    def ptr(self) -> int: ...
+
+# A stream, as handoff.as_stream accepts it: an int (a DLPack stream value), a handoff.Stream, or an
+# object with __cuda_stream__(), .cuda_stream or .ptr.
+_StreamLike: TypeAlias = int | Stream | _SupportsCudaStream | _HasCudaStream | _HasPtr
+
+# What asarray imports.
+_ArrayLike: TypeAlias = (
+    _SupportsDLPack | CapsuleType | _SupportsCudaArrayInterface | _SupportsArrayInterface | Buffer
+)
+
+# A dtype for view(): a name such as 'float32', or an object naming one in `name` (a NumPy dtype).
+@type_check_only
+class _HasDTypeName(Protocol):
+    @property
+    def name(self) -> str: ...
+
+# --- what they return ------------------------------------------------------------------------
+
+@type_check_only
+class _Stats(TypedDict):
+    exports: int
+    imports: int
+    waits_inserted: int
+    waits_elided: int
+    events_created: int
+    events_reused: int
+    deferred_releases: int
+    live_views: int
+
+# The backends HANDOFF_BACKEND chooses from ('auto' reports the one it started); a name handoff does
+# not know is reported as given, with backend_error saying so.
+_BackendName: TypeAlias = Literal["cuda", "sim", "sim-rocm", "none"]
+
+@type_check_only
+class _RuntimeInfo(TypedDict):
+    backend: _BackendName | str
+    device_count: int
+    version: str
+    dlpack_version: str
+    cuda_compiled: bool
+    cuda_runtime: str | None
+    cuda_driver_minimum: int | None
+    backend_error: str | None
+
+_StreamOrder: TypeAlias = Literal["none", "legacy_default", "per_thread_default", "default_stream", "handle"]
+
+# --- the extension ---------------------------------------------------------------------------
+
+class DeviceError(RuntimeError):
+    backend: str
+    error_name: str
+
+@final
+class Array:
+    # The C exchange API table (a "dlpack_exchange_api" capsule).
+    __dlpack_c_exchange_api__: ClassVar[CapsuleType]
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def strides(self) -> tuple[int, ...]: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def device(self) -> _DLDevice: ...
+    @property
+    def data_ptr(self) -> int: ...
+    @property
+    def readonly(self) -> bool: ...
+    @property
+    def ndim(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def __array_interface__(self) -> dict[str, Any]: ...
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]: ...
+    def __dlpack__(
+        self,
+        /,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: _DeviceArgument | None = None,
+        copy: bool | None = None,
+    ) -> CapsuleType: ...
+    def __dlpack_device__(self, /) -> _DLDevice: ...
+
+def from_dlpack(
+    x: _SupportsDLPack | CapsuleType,
+    /,
+    *,
+    device: _DeviceArgument | None = None,
+    copy: bool | None = None,
+    stream: _StreamLike | None = None,
+) -> Array: ...
+def asarray(
+    x: _ArrayLike,
+    /,
+    *,
+    device: _DeviceArgument | None = None,
+    copy: bool | None = None,
+    stream: _StreamLike | None = None,
+) -> Array: ...
+def view(
+    data_ptr: int,
+    shape: int | Sequence[int],
+    dtype: str | _HasDTypeName,
+    *,
+    device: _DeviceArgument,
+    strides: int | Sequence[int] | None = None,
+    owner: object = None,
+    stream: _StreamLike | None = None,
+    readonly: bool = False,
+) -> Array: ...
+def stats() -> _Stats: ...
+def reset_stats() -> None: ...
+def runtime_info() -> _RuntimeInfo: ...
+
+# --- for the handoff package -----------------------------------------------------------------
+
+_stream_var: ContextVar[Stream | None]
+# The C functions extensions call (<handoff/python_c_api.h>, through <handoff/pybind11.hpp>).
+_C_API: CapsuleType
+
+def _set_as_stream(as_stream: Callable[[object], Stream]) -> None: ...
+def _at_exit() -> None: ...
+def _classify_stream(device_type: int, stream: int | None) -> tuple[_StreamOrder, int]: ...
+def _parse_cuda_array_interface(interface: object) -> tuple[tuple[int, ...], int | None]: ...
+def _exporter_dlpack(
+    instance: object,
+    exported: Array,
+    stream: int | None,
+    max_version: tuple[int, int] | None,
+    dl_device: _DeviceArgument | None,
+    copy: bool | None,
+) -> CapsuleType: ...
