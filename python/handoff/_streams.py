@@ -123,7 +123,7 @@ def _held_stream(producer: object, handle: int) -> object | None:
     stream wait when a view is released, with no risk of using a destroyed stream. None when nothing
     says so: no such attribute, not a stream object, a bare handle, or another stream.
     """
-    held = getattr(producer, "stream", None)
+    held: object = getattr(producer, "stream", None)
     if held is None:
         return None
     try:
