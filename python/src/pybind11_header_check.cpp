@@ -12,5 +12,4 @@ template class array<std::int8_t, ndim<2>, device::cuda, f_contig>;
 template class array<bool, device::rocm>;
 template class array<std::uint16_t, shape<2, -1>>;
 
-
 }  // namespace handoff::py
