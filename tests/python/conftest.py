@@ -9,6 +9,7 @@ import gc
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -240,6 +241,34 @@ def cuda_is_usable() -> bool:
 def torch():
     """PyTorch, or a skip where it is not installed."""
     return pytest.importorskip("torch")
+
+
+def settle_sim() -> None:
+    """Lets every deferred release of the simulator run: the releases wait for their streams, and
+    the frees they enqueue for theirs."""
+    from handoff import sim
+
+    sim.synchronize()
+    gc.collect()
+    sim.drain()
+    sim.synchronize()
+
+
+def sim_leak_check() -> Iterator[None]:
+    """The body of a sim suite's autouse fixture: fails the test that leaves more live producers or
+    simulated allocations than it found. Faults and copy delays a test set are cleared first."""
+    from handoff import sim
+
+    sim.clear_faults()
+    settle_sim()
+    live = handoff.stats()["live_views"]
+    allocations = sim.live_allocations()
+    yield
+    sim.clear_faults()
+    sim.set_copy_delay(0.0)
+    settle_sim()
+    assert handoff.stats()["live_views"] == live, "a producer was leaked"
+    assert sim.live_allocations() == allocations, "a device allocation was leaked"
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ from conftest import (
     VULKAN,
     HandMadeTensor,
     capsule_name,
+    settle_sim,
 )
 
 BACKEND = handoff.runtime_info()["backend"]
@@ -146,9 +147,7 @@ def check_outcome(outcome, must: set, may: set) -> None:
 def settle() -> None:
     """Lets deferred releases run: stream-ordered releases wait for their stream."""
     if SIM:
-        sim.synchronize()
-        gc.collect()
-        sim.drain()
+        settle_sim()
     else:
         gc.collect()
 

@@ -17,7 +17,7 @@ import time
 import pytest
 
 import handoff
-from conftest import HandMadeTensor, needs_two_devices
+from conftest import HandMadeTensor, needs_two_devices, sim_leak_check
 
 BACKEND = handoff.runtime_info()["backend"]
 pytestmark = pytest.mark.skipif(
@@ -37,18 +37,7 @@ VALUES = itertools.count(start=10)
 
 @pytest.fixture(autouse=True)
 def no_leaks():
-    sim.clear_faults()
-    gc.collect()
-    sim.drain()
-    live = handoff.stats()["live_views"]
-    allocations = sim.live_allocations()
-    yield
-    sim.clear_faults()
-    sim.synchronize()
-    gc.collect()
-    sim.drain()
-    assert handoff.stats()["live_views"] == live, "a producer was leaked"
-    assert sim.live_allocations() == allocations, "a device allocation was leaked"
+    yield from sim_leak_check()
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import weakref
 import pytest
 
 import handoff
-from conftest import needs_two_devices
+from conftest import needs_two_devices, sim_leak_check
 
 BACKEND = handoff.runtime_info()["backend"]
 pytestmark = pytest.mark.skipif(
@@ -39,18 +39,7 @@ def streams():
 
 @pytest.fixture(autouse=True)
 def no_leaks():
-    sim.clear_faults()
-    gc.collect()
-    sim.drain()
-    live = handoff.stats()["live_views"]
-    allocations = sim.live_allocations()
-    yield
-    sim.clear_faults()
-    sim.synchronize()
-    gc.collect()
-    sim.drain()
-    assert handoff.stats()["live_views"] == live, "a producer was leaked"
-    assert sim.live_allocations() == allocations, "a device allocation was leaked"
+    yield from sim_leak_check()
 
 
 def pending_write(stream, value=1.0, device=0):

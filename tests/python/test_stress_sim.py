@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import handoff
+from conftest import sim_leak_check
 
 BACKEND = handoff.runtime_info()["backend"]
 pytestmark = pytest.mark.skipif(
@@ -60,19 +61,7 @@ def seed():
 
 @pytest.fixture(autouse=True)
 def no_leaks():
-    sim.clear_faults()
-    gc.collect()
-    sim.drain()
-    live = handoff.stats()["live_views"]
-    allocations = sim.live_allocations()
-    yield
-    sim.set_copy_delay(0.0)
-    sim.synchronize()
-    gc.collect()
-    sim.drain()
-    assert handoff.stats()["live_views"] == live, "a producer was leaked"
-    sim.synchronize()  # the frees the last releases enqueued
-    assert sim.live_allocations() == allocations, "a device allocation was leaked"
+    yield from sim_leak_check()
 
 
 class CaiHolder:
