@@ -149,20 +149,12 @@ int current_work_stream(DLDeviceType device_type, std::int32_t device_id, void**
 // (the allocator may be called without it).
 stream_binding allocation_stream(context& ctx, DLDevice device)
 {
-  PyGILState_STATE gil{};
-  if (!ensure_gil(gil)) { throw std::runtime_error("the interpreter is shutting down"); }
-  try {
-    const py::object block = work_stream_object(device);
-    const py::object value = producer_stream_argument(block, device.device_type);
-    const auto stream = resolve_stream(ctx.backend(), classify_stream(device.device_type, stream_argument(value)));
-    stream_binding on{
-      .ctx = &ctx, .device = device.device_id, .stream = *stream, .stream_owner = stream_keep_alive(block)};
-    PyGILState_Release(gil);
-    return on;
-  } catch (...) {
-    PyGILState_Release(gil);
-    throw;
-  }
+  const gil_scope gil;  // declared first: the objects below are released while it is held
+  if (!gil.held()) { throw std::runtime_error("the interpreter is shutting down"); }
+  const py::object block = work_stream_object(device);
+  const py::object value = producer_stream_argument(block, device.device_type);
+  const auto stream = resolve_stream(ctx.backend(), classify_stream(device.device_type, stream_argument(value)));
+  return {.ctx = &ctx, .device = device.device_id, .stream = *stream, .stream_owner = stream_keep_alive(block)};
 }
 
 array allocate_like(const DLTensor& prototype)

@@ -25,6 +25,26 @@ void close_python_gate() noexcept;
 /// returns false without it once the gate is closed: the caller must then not touch Python.
 [[nodiscard]] bool ensure_gil(PyGILState_STATE& state) noexcept;
 
+/// The GIL for a scope on a thread that may or may not hold it (PyGILState_Ensure), released when
+/// the scope ends. Declare it before the scope's Python objects, so that they go while it is held.
+class gil_scope {
+ public:
+  gil_scope() noexcept : held_(ensure_gil(state_)) {}
+  ~gil_scope()
+  {
+    if (held_) { PyGILState_Release(state_); }
+  }
+  gil_scope(const gil_scope&) = delete;
+  gil_scope& operator=(const gil_scope&) = delete;
+
+  /// False once the gate is closed: the scope must then not touch Python.
+  [[nodiscard]] bool held() const noexcept { return held_; }
+
+ private:
+  PyGILState_STATE state_{};
+  bool held_;
+};
+
 /// Takes the GIL back after PyEval_SaveThread. Once the gate is closed, a thread other than the
 /// finalizing one is parked here until the process exits (what CPython 3.14 does itself).
 void take_gil_back(PyThreadState* state) noexcept;

@@ -109,7 +109,11 @@ void def_dlpack(Class& cls, Describe describe)
     "The (device_type, device_id) of the data, with DLPack's codes.");
   cls.def_property_readonly(
     "__cuda_array_interface__",
-    [describe](pyb::handle self) { return detail::view_of<T>(self, describe).attr("__cuda_array_interface__"); },
+    [describe](pyb::handle self) -> pyb::object {
+      // A named object, not an accessor of a temporary: the accessor would outlive the view.
+      const pyb::object exported = detail::view_of<T>(self, describe);
+      return exported.attr("__cuda_array_interface__");
+    },
     "CUDA Array Interface v3 of CUDA memory, with the stream the data is ready on.");
 }
 
