@@ -36,6 +36,8 @@ class gil_scope {
   }
   gil_scope(const gil_scope&) = delete;
   gil_scope& operator=(const gil_scope&) = delete;
+  gil_scope(gil_scope&&) = delete;
+  gil_scope& operator=(gil_scope&&) = delete;
 
   /// False once the gate is closed: the scope must then not touch Python.
   [[nodiscard]] bool held() const noexcept { return held_; }
