@@ -24,7 +24,8 @@ std::size_t sim_graph::size() const noexcept
 
 void sim_backend::begin_capture(stream_handle stream)
 {
-  const auto c = impl_->open("begin_capture", fmt::format("{:#x}, cudaStreamCaptureModeGlobal", raw(stream)));
+  const call_with c{"begin_capture", "{:#x}, cudaStreamCaptureModeGlobal", raw(stream)};
+  impl_->open(c);
   std::lock_guard lock(impl_->mutex);
   auto& s = impl_->stream(c, stream);
   if (s.kind == stream_kind::legacy) {
@@ -39,7 +40,8 @@ void sim_backend::begin_capture(stream_handle stream)
 
 sim_graph sim_backend::end_capture(stream_handle stream)
 {
-  const auto c = impl_->open("end_capture", fmt::format("{:#x}", raw(stream)));
+  const call_with c{"end_capture", "{:#x}", raw(stream)};
+  impl_->open(c);
   std::lock_guard lock(impl_->mutex);
   auto& s = impl_->stream(c, stream);
   if (!s.capture) { impl_->fail(c, sim_error::illegal_state, "the stream is not capturing"); }
@@ -65,7 +67,8 @@ sim_graph sim_backend::end_capture(stream_handle stream)
 
 void sim_backend::launch_graph(const sim_graph& graph, stream_handle stream)
 {
-  const auto c = impl_->open("launch_graph", fmt::format("graph of {}, {:#x}", graph.size(), raw(stream)));
+  const call_with c{"launch_graph", "graph of {}, {:#x}", graph.size(), raw(stream)};
+  impl_->open(c);
   if (!graph.graph_) { impl_->fail(c, sim_error::invalid_value, "an empty sim_graph (not from end_capture)"); }
   std::lock_guard lock(impl_->mutex);
   auto& s = impl_->stream(c, stream);

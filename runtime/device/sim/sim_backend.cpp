@@ -59,13 +59,15 @@ DLDeviceType sim_backend::device_type() const noexcept
 
 int sim_backend::device_count()
 {
-  (void)impl_->open("device_count", "");
+  const call_with c{"device_count", ""};
+  impl_->open(c);
   return impl_->device_count;
 }
 
 int sim_backend::current_device()
 {
-  (void)impl_->open("current_device", "");
+  const call_with c{"current_device", ""};
+  impl_->open(c);
   std::lock_guard lock(impl_->mutex);
   return impl_->current_locked();
 }
@@ -82,7 +84,7 @@ void sim_backend::push_current_device(int device)
 
 void sim_backend::pop_current_device() noexcept
 {
-  if (!impl_->open_quiet("pop_current_device", "")) { return; }
+  if (!impl_->open_quiet(call_with{"pop_current_device", ""})) { return; }
   std::lock_guard lock(impl_->mutex);
   const auto self = this_thread_key();
   auto it = impl_->pushed.find(self);
@@ -115,7 +117,8 @@ stream_handle sim_backend::per_thread_default_stream() const noexcept
 
 stream_handle sim_backend::create_stream(bool non_blocking)
 {
-  const auto c = impl_->open("create_stream", fmt::format("flags={}", non_blocking ? "NonBlocking" : "Default"));
+  const call_with c{"create_stream", "flags={}", non_blocking ? "NonBlocking" : "Default"};
+  impl_->open(c);
   std::lock_guard lock(impl_->mutex);
   auto s = std::make_unique<stream_state>();
   s->device = impl_->using_current(c);
@@ -130,16 +133,16 @@ stream_handle sim_backend::create_stream(bool non_blocking)
 void sim_backend::destroy_stream(stream_handle stream) noexcept
 {
   try {
-    const auto args = fmt::format("{:#x}", raw(stream));
-    if (!impl_->open_quiet("destroy_stream", args)) { return; }
+    const call_with c{"destroy_stream", "{:#x}", raw(stream)};
+    if (!impl_->open_quiet(c)) { return; }
     std::lock_guard lock(impl_->mutex);
     auto it = impl_->streams.find(raw(stream));
     if (it == impl_->streams.end()) {
       if (impl_->destroyed_streams.contains(raw(stream))) {
         impl_->record_violation(
-          fmt::format("{}({}): the stream was already destroyed", call_name("destroy_stream", impl_->flavour), args));
+          fmt::format("{}({}): the stream was already destroyed", call_name(c.op, impl_->flavour), c.args()));
       } else {
-        HANDOFF_LOG_ERROR("{}({}) failed: not a created stream", call_name("destroy_stream", impl_->flavour), args);
+        HANDOFF_LOG_ERROR("{}({}) failed: not a created stream", call_name(c.op, impl_->flavour), c.args());
       }
       return;
     }
@@ -149,7 +152,7 @@ void sim_backend::destroy_stream(stream_handle stream) noexcept
     std::erase_if(dev.retired, [](const node_ptr& n) { return is_done(n); });
     impl_->streams.erase(it);
     impl_->destroyed_streams.insert(raw(stream));
-    HANDOFF_LOG_DEBUG("{}: stream {} destroyed", name(), args);
+    HANDOFF_LOG_DEBUG("{}: stream {:#x} destroyed", name(), raw(stream));
   } catch (...) {
     HANDOFF_LOG_ERROR("{}: destroy_stream failed", name());
   }
@@ -157,21 +160,24 @@ void sim_backend::destroy_stream(stream_handle stream) noexcept
 
 int sim_backend::stream_device(stream_handle stream)
 {
-  const auto c = impl_->open("stream_device", fmt::format("{:#x}", raw(stream)));
+  const call_with c{"stream_device", "{:#x}", raw(stream)};
+  impl_->open(c);
   std::lock_guard lock(impl_->mutex);
   return impl_->stream(c, stream).device;
 }
 
 bool sim_backend::stream_is_blocking(stream_handle stream)
 {
-  const auto c = impl_->open("stream_is_blocking", fmt::format("{:#x}", raw(stream)));
+  const call_with c{"stream_is_blocking", "{:#x}", raw(stream)};
+  impl_->open(c);
   std::lock_guard lock(impl_->mutex);
   return impl_->stream(c, stream).blocking;
 }
 
 capture_status sim_backend::stream_capture_status(stream_handle stream)
 {
-  const auto c = impl_->open("stream_capture_status", fmt::format("{:#x}", raw(stream)));
+  const call_with c{"stream_capture_status", "{:#x}", raw(stream)};
+  impl_->open(c);
   std::lock_guard lock(impl_->mutex);
   auto& s = impl_->stream(c, stream);
   if (s.kind == stream_kind::legacy) {
@@ -188,7 +194,8 @@ capture_status sim_backend::stream_capture_status(stream_handle stream)
 
 std::uint64_t sim_backend::stream_capture_id(stream_handle stream)
 {
-  const auto c = impl_->open("stream_capture_id", fmt::format("{:#x}", raw(stream)));
+  const call_with c{"stream_capture_id", "{:#x}", raw(stream)};
+  impl_->open(c);
   std::lock_guard lock(impl_->mutex);
   auto& s = impl_->stream(c, stream);
   if (s.kind == stream_kind::legacy) {
@@ -200,7 +207,8 @@ std::uint64_t sim_backend::stream_capture_id(stream_handle stream)
 
 void sim_backend::synchronize_stream(stream_handle stream)
 {
-  const auto c = impl_->open("synchronize_stream", fmt::format("{:#x}", raw(stream)));
+  const call_with c{"synchronize_stream", "{:#x}", raw(stream)};
+  impl_->open(c);
   node_ptr target;
   int device = 0;
   {
@@ -221,7 +229,8 @@ void sim_backend::synchronize_stream(stream_handle stream)
 
 void sim_backend::synchronize_device()
 {
-  const auto c = impl_->open("synchronize_device", "");
+  const call_with c{"synchronize_device", ""};
+  impl_->open(c);
   std::vector<node_ptr> tails;
   int device = 0;
   {
@@ -242,7 +251,8 @@ void sim_backend::synchronize_device()
 
 event_handle sim_backend::create_event()
 {
-  const auto c = impl_->open("create_event", "flags=DisableTiming");
+  const call_with c{"create_event", "flags=DisableTiming"};
+  impl_->open(c);
   std::lock_guard lock(impl_->mutex);
   auto e = std::make_unique<event_state>();
   e->device = impl_->using_current(c);
@@ -254,16 +264,16 @@ event_handle sim_backend::create_event()
 void sim_backend::destroy_event(event_handle event) noexcept
 {
   try {
-    const auto args = fmt::format("{:#x}", raw(event));
-    if (!impl_->open_quiet("destroy_event", args)) { return; }
+    const call_with c{"destroy_event", "{:#x}", raw(event)};
+    if (!impl_->open_quiet(c)) { return; }
     std::lock_guard lock(impl_->mutex);
     if (impl_->events.erase(raw(event)) != 0) {
       impl_->destroyed_events.insert(raw(event));
     } else if (impl_->destroyed_events.contains(raw(event))) {
       impl_->record_violation(
-        fmt::format("{}({}): the event was already destroyed", call_name("destroy_event", impl_->flavour), args));
+        fmt::format("{}({}): the event was already destroyed", call_name(c.op, impl_->flavour), c.args()));
     } else {
-      HANDOFF_LOG_ERROR("{}({}) failed: not an event", call_name("destroy_event", impl_->flavour), args);
+      HANDOFF_LOG_ERROR("{}({}) failed: not an event", call_name(c.op, impl_->flavour), c.args());
     }
   } catch (...) {
     HANDOFF_LOG_ERROR("{}: destroy_event failed", name());
@@ -272,7 +282,8 @@ void sim_backend::destroy_event(event_handle event) noexcept
 
 void sim_backend::record_event(event_handle event, stream_handle stream)
 {
-  const auto c = impl_->open("record_event", fmt::format("{:#x}, {:#x}", raw(event), raw(stream)));
+  const call_with c{"record_event", "{:#x}, {:#x}", raw(event), raw(stream)};
+  impl_->open(c);
   std::lock_guard lock(impl_->mutex);
   auto& e = impl_->event(c, event);
   auto& s = impl_->stream(c, stream);
@@ -294,7 +305,8 @@ void sim_backend::record_event(event_handle event, stream_handle stream)
 
 bool sim_backend::query_event(event_handle event)
 {
-  const auto c = impl_->open("query_event", fmt::format("{:#x}", raw(event)));
+  const call_with c{"query_event", "{:#x}", raw(event)};
+  impl_->open(c);
   std::lock_guard lock(impl_->mutex);
   auto& e = impl_->event(c, event);
   if (e.capture) { impl_->fail(c, sim_error::captured_event); }
@@ -303,7 +315,8 @@ bool sim_backend::query_event(event_handle event)
 
 void sim_backend::synchronize_event(event_handle event)
 {
-  const auto c = impl_->open("synchronize_event", fmt::format("{:#x}", raw(event)));
+  const call_with c{"synchronize_event", "{:#x}", raw(event)};
+  impl_->open(c);
   node_ptr fence;
   int device = 0;
   {
@@ -318,7 +331,8 @@ void sim_backend::synchronize_event(event_handle event)
 
 void sim_backend::stream_wait_event(stream_handle stream, event_handle event)
 {
-  const auto c = impl_->open("stream_wait_event", fmt::format("{:#x}, {:#x}, 0", raw(stream), raw(event)));
+  const call_with c{"stream_wait_event", "{:#x}, {:#x}, 0", raw(stream), raw(event)};
+  impl_->open(c);
   std::lock_guard lock(impl_->mutex);
   auto& s = impl_->stream(c, stream);
   auto& e = impl_->event(c, event);
@@ -344,7 +358,8 @@ void sim_backend::stream_wait_event(stream_handle stream, event_handle event)
 
 pointer_attributes sim_backend::attributes(const void* ptr)
 {
-  const auto c = impl_->open("attributes", fmt::format("{}", fmt::ptr(ptr)));
+  const call_with c{"attributes", "{}", fmt::ptr(ptr)};
+  impl_->open(c);
   std::lock_guard lock(impl_->mutex);
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   auto it = impl_->allocations.upper_bound(addr);
@@ -363,7 +378,8 @@ pointer_attributes sim_backend::attributes(const void* ptr)
 
 void* sim_backend::allocate(std::size_t bytes, stream_handle stream)
 {
-  const auto c = impl_->open("allocate", fmt::format("{}, {:#x}", bytes, raw(stream)));
+  const call_with c{"allocate", "{}, {:#x}", bytes, raw(stream)};
+  impl_->open(c);
   std::lock_guard lock(impl_->mutex);
   auto& s = impl_->stream(c, stream);
   impl_->check_legacy_use(c, s);
@@ -374,23 +390,23 @@ void sim_backend::deallocate(void* ptr, stream_handle stream) noexcept
 {
   if (ptr == nullptr) { return; }
   try {
-    const auto args = fmt::format("{}, {:#x}", ptr, raw(stream));
-    if (!impl_->open_quiet("deallocate", args)) { return; }
+    const call_with c{"deallocate", "{}, {:#x}", ptr, raw(stream)};
+    if (!impl_->open_quiet(c)) { return; }
     std::lock_guard lock(impl_->mutex);
-    const auto call = call_name("deallocate", impl_->flavour);
+    const auto call = call_name(c.op, impl_->flavour);
     auto it = impl_->allocations.find(reinterpret_cast<std::uintptr_t>(ptr));
     if (it == impl_->allocations.end() || it->second.free_pending) {
-      HANDOFF_LOG_ERROR("{}({}) failed: not a live allocation", call, args);
+      HANDOFF_LOG_ERROR("{}({}) failed: not a live allocation", call, c.args());
       return;
     }
     auto* s = impl_->find_stream(raw(stream));
     if (s == nullptr) {
       if (impl_->destroyed_streams.contains(raw(stream))) {
         impl_->record_violation(
-          fmt::format("{}({}) used stream {:#x} after it was destroyed", call, args, raw(stream)));
+          fmt::format("{}({}) used stream {:#x} after it was destroyed", call, c.args(), raw(stream)));
       }
       // Kept in the table (freed with the backend) rather than freed under running work.
-      HANDOFF_LOG_ERROR("{}({}) failed: invalid stream; the memory is kept", call, args);
+      HANDOFF_LOG_ERROR("{}({}) failed: invalid stream; the memory is kept", call, c.args());
       return;
     }
     it->second.free_pending = true;
@@ -405,8 +421,8 @@ void sim_backend::deallocate(void* ptr, stream_handle stream) noexcept
 
 void sim_backend::copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream)
 {
-  const auto c =
-    impl_->open("copy_async", fmt::format("{}, {}, {}, cudaMemcpyDefault, {:#x}", dst, src, bytes, raw(stream)));
+  const call_with c{"copy_async", "{}, {}, {}, cudaMemcpyDefault, {:#x}", dst, src, bytes, raw(stream)};
+  impl_->open(c);
   if (bytes != 0 && (dst == nullptr || src == nullptr)) { impl_->fail(c, sim_error::invalid_value); }
   const nanoseconds duration{impl_->copy_duration.load(std::memory_order_relaxed)};
   if (duration == nanoseconds::zero() || bytes == 0) {
@@ -433,8 +449,8 @@ void sim_backend::copy_async(void* dst, const void* src, std::size_t bytes, stre
 
 void sim_backend::launch_host_func(stream_handle stream, void (*fn)(void*), void* user_data)
 {
-  const auto c =
-    impl_->open("launch_host_func", fmt::format("{:#x}, {}, {}", raw(stream), reinterpret_cast<void*>(fn), user_data));
+  const call_with c{"launch_host_func", "{:#x}, {}, {}", raw(stream), reinterpret_cast<void*>(fn), user_data};
+  impl_->open(c);
   if (fn == nullptr) { impl_->fail(c, sim_error::invalid_value); }
   impl_->enqueue(c, stream, {.body = [fn, user_data] { fn(user_data); }, .delay = {}, .host_function = true});
 }
@@ -513,8 +529,10 @@ void sim_backend::clear_violations() noexcept
 void sim_backend::enqueue_fill_bytes(stream_handle stream, void* dst, std::size_t bytes,
                                      std::span<const std::byte> pattern, nanoseconds delay)
 {
-  const auto c = impl_->open("enqueue_fill", fmt::format("{:#x}, {}, {}, pattern of {} bytes, delay {}ns", raw(stream),
-                                                         dst, bytes, pattern.size(), delay.count()));
+  const call_with c{
+    "enqueue_fill", "{:#x}, {}, {}, pattern of {} bytes, delay {}ns", raw(stream), dst, bytes, pattern.size(),
+    delay.count()};
+  impl_->open(c);
   if (pattern.empty() || bytes % pattern.size() != 0 || (bytes != 0 && dst == nullptr) || delay < nanoseconds::zero()) {
     impl_->fail(c, sim_error::invalid_value,
                 "bytes must be a multiple of a non-empty pattern, dst non-null, delay >= 0");
@@ -534,7 +552,8 @@ void sim_backend::enqueue_fill_bytes(stream_handle stream, void* dst, std::size_
 
 void sim_backend::enqueue_sleep(stream_handle stream, nanoseconds duration)
 {
-  const auto c = impl_->open("enqueue_sleep", fmt::format("{:#x}, {}ns", raw(stream), duration.count()));
+  const call_with c{"enqueue_sleep", "{:#x}, {}ns", raw(stream), duration.count()};
+  impl_->open(c);
   if (duration < nanoseconds::zero()) { impl_->fail(c, sim_error::invalid_value, "negative duration"); }
   impl_->enqueue(c, stream, {.body = {}, .delay = duration, .host_function = false});
 }
@@ -547,21 +566,24 @@ void sim_backend::set_copy_duration(nanoseconds duration)
 
 void* sim_backend::allocate_pinned_host(std::size_t bytes)
 {
-  const auto c = impl_->open("allocate_pinned_host", fmt::format("{}", bytes));
+  const call_with c{"allocate_pinned_host", "{}", bytes};
+  impl_->open(c);
   std::lock_guard lock(impl_->mutex);
   return impl_->allocate_locked(c, bytes, memory_kind::pinned_host);
 }
 
 void* sim_backend::allocate_managed(std::size_t bytes)
 {
-  const auto c = impl_->open("allocate_managed", fmt::format("{}, cudaMemAttachGlobal", bytes));
+  const call_with c{"allocate_managed", "{}, cudaMemAttachGlobal", bytes};
+  impl_->open(c);
   std::lock_guard lock(impl_->mutex);
   return impl_->allocate_locked(c, bytes, memory_kind::managed);
 }
 
 void sim_backend::free_sync(void* ptr)
 {
-  const auto c = impl_->open("free_sync", fmt::format("{}", ptr));
+  const call_with c{"free_sync", "{}", ptr};
+  impl_->open(c);
   if (ptr == nullptr) { return; }
   std::vector<node_ptr> tails;
   int device = 0;

@@ -142,33 +142,32 @@ sim_backend::impl::~impl()
 
 // --- opening a call --------------------------------------------------------------------------------
 
-sim_backend::impl::call sim_backend::impl::open(std::string_view op, std::string args)
+void sim_backend::impl::open(const call& c)
 {
-  call c{op, std::move(args)};
   if (inside_host_function()) {
     {
       std::lock_guard lock(mutex);
-      record_violation(fmt::format("{}({}) called from inside a host function", call_name(op, flavour), c.args));
+      record_violation(fmt::format("{}({}) called from inside a host function", call_name(c.op, flavour), c.args()));
     }
     fail(c, sim_error::not_permitted);
   }
   std::string name;
   {
     std::lock_guard lock(fault_mutex);
-    if (faults.empty()) { return c; }
-    auto it = faults.find(std::string(op));
-    if (it == faults.end()) { return c; }
+    if (faults.empty()) { return; }
+    auto it = faults.find(std::string(c.op));
+    if (it == faults.end()) { return; }
     name = it->second.error_name;
     if (--it->second.remaining <= 0) { faults.erase(it); }
   }
   throw make_error(c, name, fmt::format("{} (injected fault)", error_text(std::string_view{name})));
 }
 
-bool sim_backend::impl::open_quiet(std::string_view op, std::string_view args) noexcept
+bool sim_backend::impl::open_quiet(const call& c) noexcept
 {
   if (!inside_host_function()) { return true; }
   try {
-    const auto what = fmt::format("{}({}) called from inside a host function", call_name(op, flavour), args);
+    const auto what = fmt::format("{}({}) called from inside a host function", call_name(c.op, flavour), c.args());
     HANDOFF_LOG_ERROR("{}: {}: not permitted, ignored", backend_name(), what);
     std::lock_guard lock(mutex);
     record_violation(what);
@@ -184,7 +183,7 @@ std::string_view sim_backend::impl::backend_name() const noexcept
 device_error sim_backend::impl::make_error(const call& c, std::string_view error_name, std::string_view text) const
 {
   return device_error(std::string(backend_name()), std::string(error_name),
-                      fmt::format("{}({}) failed: {}: {}", call_name(c.op, flavour), c.args, error_name, text));
+                      fmt::format("{}({}) failed: {}: {}", call_name(c.op, flavour), c.args(), error_name, text));
 }
 
 void sim_backend::impl::fail(const call& c, sim_error code, std::string_view detail) const
@@ -227,7 +226,8 @@ int sim_backend::impl::using_current(const call& c)
 
 void sim_backend::impl::make_current(std::string_view op, int device, bool push)
 {
-  const auto c = open(op, fmt::format("{}", device));
+  const call_with c{op, "{}", device};
+  open(c);
   if (device < 0 || device >= device_count) { fail(c, sim_error::invalid_device); }
   std::lock_guard lock(mutex);
   check_alive(c, device);
@@ -277,7 +277,7 @@ stream_state& sim_backend::impl::stream(const call& c, stream_handle h)
   if (s == nullptr) {
     if (destroyed_streams.contains(raw(h))) {
       record_violation(
-        fmt::format("{}({}) used stream {:#x} after it was destroyed", call_name(c.op, flavour), c.args, raw(h)));
+        fmt::format("{}({}) used stream {:#x} after it was destroyed", call_name(c.op, flavour), c.args(), raw(h)));
       fail(c, sim_error::invalid_handle, fmt::format("stream {:#x} was destroyed", raw(h)));
     }
     fail(c, sim_error::invalid_handle, fmt::format("no stream {:#x}", raw(h)));
@@ -292,7 +292,7 @@ event_state& sim_backend::impl::event(const call& c, event_handle h)
   if (it == events.end()) {
     if (destroyed_events.contains(raw(h))) {
       record_violation(
-        fmt::format("{}({}) used event {:#x} after it was destroyed", call_name(c.op, flavour), c.args, raw(h)));
+        fmt::format("{}({}) used event {:#x} after it was destroyed", call_name(c.op, flavour), c.args(), raw(h)));
       fail(c, sim_error::invalid_handle, fmt::format("event {:#x} was destroyed", raw(h)));
     }
     fail(c, sim_error::invalid_handle, fmt::format("no event {:#x}", raw(h)));

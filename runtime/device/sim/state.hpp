@@ -9,6 +9,8 @@
 #include <handoff/error.hpp>
 #include <handoff/sim.hpp>
 
+#include <fmt/format.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -20,6 +22,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -52,10 +55,41 @@ class thread_state_owner {
 void watch_thread_exits(thread_state_owner& owner);
 void unwatch_thread_exits(thread_state_owner& owner) noexcept;
 
-/// One backend call as its errors and violations name it: the operation key and its arguments.
-struct call {
+/// One backend call as its errors and violations name it: the operation key and its arguments,
+/// formatted only when a message names them (formatting them costs more than most calls do).
+class call {
+ public:
+  call(const call&) = delete;
+  call& operator=(const call&) = delete;
+  call(call&&) = delete;
+  call& operator=(call&&) = delete;
+  virtual ~call() = default;
+
+  [[nodiscard]] virtual std::string args() const = 0;
+
   std::string_view op;
-  std::string args;
+
+ protected:
+  explicit call(std::string_view operation) noexcept : op(operation) {}
+};
+
+/// A call with the arguments of `format`.
+template <typename... Args>
+class call_with final : public call {
+ public:
+  call_with(std::string_view operation, fmt::format_string<Args...> format, Args... args)
+      : call(operation), format_(format), args_(args...)
+  {}
+
+  [[nodiscard]] std::string args() const override
+  {
+    return std::apply([this](const Args&... values) { return fmt::vformat(format_, fmt::make_format_args(values...)); },
+                      args_);
+  }
+
+ private:
+  fmt::string_view format_;  // checked against Args where the call is made
+  std::tuple<Args...> args_;
 };
 
 /// Work for a stream: what runs, after how long, and whether it is a host function.
@@ -142,9 +176,9 @@ struct sim_backend::impl final : sim_detail::thread_state_owner {
 
   /// The checks every throwing call makes before it looks at any state: not from inside a host
   /// function (cudaErrorNotPermitted, and a violation), then an injected fault.
-  call open(std::string_view op, std::string args);
+  void open(const call& c);
   /// The same for a noexcept call; false (after logging) when it must not go on.
-  bool open_quiet(std::string_view op, std::string_view args) noexcept;
+  bool open_quiet(const call& c) noexcept;
 
   [[nodiscard]] std::string_view backend_name() const noexcept;
   [[nodiscard]] device_error make_error(const call& c, std::string_view error_name, std::string_view text) const;
