@@ -32,6 +32,12 @@ struct cached_objects {
   PyObject* stream_var = nullptr;      // ContextVar of handoff.stream(...) blocks
   PyObject* as_stream = nullptr;       // handoff.as_stream, set by the package
   PyTypeObject* ndarray = nullptr;     // numpy.ndarray, once one was seen
+  // The keyword names of __dlpack__, interned: producers' argument parsers match them by identity
+  // before comparing text.
+  PyObject* max_version_name = nullptr;
+  PyObject* stream_name = nullptr;
+  PyObject* dl_device_name = nullptr;
+  PyObject* copy_name = nullptr;
 };
 cached_objects cached;
 
@@ -165,14 +171,21 @@ void check_claimed_device(py::handle x, DLDevice expected, DLDevice actual)
                               actual.device_id, static_cast<int>(actual.device_type)));
 }
 
-// Calls x.__dlpack__ with keyword arguments only.
-py::object call_dlpack(py::handle x, std::span<const std::pair<const char*, py::handle>> kwargs)
+// A keyword argument of __dlpack__: its interned name (from `cached`) and its value.
+struct keyword {
+  PyObject* name{nullptr};
+  py::handle value;
+};
+
+// Calls x.__dlpack__ with keyword arguments only (at most the four it has).
+py::object call_dlpack(py::handle x, std::span<const keyword> kwargs)
 {
   std::array<PyObject*, 5> args{x.ptr()};
   py::tuple names(kwargs.size());
   for (std::size_t i = 0; i < kwargs.size(); ++i) {
-    args[i + 1] = kwargs[i].second.ptr();
-    PyTuple_SET_ITEM(names.ptr(), static_cast<Py_ssize_t>(i), PyUnicode_InternFromString(kwargs[i].first));
+    args[i + 1] = kwargs[i].value.ptr();
+    Py_INCREF(kwargs[i].name);
+    PyTuple_SET_ITEM(names.ptr(), static_cast<Py_ssize_t>(i), kwargs[i].name);
   }
   PyObject* result = PyObject_VectorcallMethod(cached.dlpack, args.data(), 1 | PY_VECTORCALL_ARGUMENTS_OFFSET,
                                                kwargs.empty() ? nullptr : names.ptr());
@@ -194,12 +207,13 @@ dlpack_result request_capsule(py::handle x, py::handle stream, py::handle device
       PyObject_VectorcallMethod(cached.dlpack, args.data(), 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, cached.kw_max_version);
     if (result != nullptr) { return {py::reinterpret_steal<py::object>(result), false}; }
   } else {
-    std::vector<std::pair<const char*, py::handle>> kwargs{{"max_version", cached.max_version}};
-    if (!stream.is_none()) { kwargs.emplace_back("stream", stream); }
-    if (!device.is_none()) { kwargs.emplace_back("dl_device", device); }
-    if (!copy.is_none()) { kwargs.emplace_back("copy", copy); }
+    std::array<keyword, 4> kwargs{keyword{cached.max_version_name, cached.max_version}};
+    std::size_t given = 1;
+    if (!stream.is_none()) { kwargs[given++] = {cached.stream_name, stream}; }
+    if (!device.is_none()) { kwargs[given++] = {cached.dl_device_name, device}; }
+    if (!copy.is_none()) { kwargs[given++] = {cached.copy_name, copy}; }
     try {
-      return {call_dlpack(x, kwargs), false};
+      return {call_dlpack(x, std::span{kwargs}.first(given)), false};
     } catch (py::error_already_set& e) {
       if (!e.matches(PyExc_TypeError)) { throw; }
     }
@@ -208,7 +222,7 @@ dlpack_result request_capsule(py::handle x, py::handle stream, py::handle device
   PyErr_Clear();
   // A producer older than DLPack 1.0: no max_version, dl_device or copy.
   if (stream.is_none()) { return {call_dlpack(x, {}), true}; }
-  const std::array<std::pair<const char*, py::handle>, 1> legacy_args{{{"stream", stream}}};
+  const std::array<keyword, 1> legacy_args{keyword{cached.stream_name, stream}};
   return {call_dlpack(x, legacy_args), true};
 }
 
@@ -334,11 +348,15 @@ void init_exchange(py::module_& m)
   cached.dlpack = PyUnicode_InternFromString("__dlpack__");
   cached.dlpack_device = PyUnicode_InternFromString("__dlpack_device__");
   cached.max_version = Py_BuildValue("(ii)", DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION);
-  // Interned keyword names: producers' argument parsers match them by identity before comparing text.
-  cached.kw_max_version = Py_BuildValue("(N)", PyUnicode_InternFromString("max_version"));
+  cached.max_version_name = PyUnicode_InternFromString("max_version");
+  cached.stream_name = PyUnicode_InternFromString("stream");
+  cached.dl_device_name = PyUnicode_InternFromString("dl_device");
+  cached.copy_name = PyUnicode_InternFromString("copy");
+  cached.kw_max_version = Py_BuildValue("(O)", cached.max_version_name);
   cached.stream_var = PyContextVar_New("handoff.stream", nullptr);
   if (cached.dlpack == nullptr || cached.dlpack_device == nullptr || cached.max_version == nullptr ||
-      cached.kw_max_version == nullptr || cached.stream_var == nullptr) {
+      cached.max_version_name == nullptr || cached.stream_name == nullptr || cached.dl_device_name == nullptr ||
+      cached.copy_name == nullptr || cached.kw_max_version == nullptr || cached.stream_var == nullptr) {
     throw py::error_already_set();
   }
   init_exchange_api();
