@@ -51,9 +51,30 @@ void close_python_gate() noexcept
   }
 }
 
+bool interpreter_finalizing() noexcept
+{
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+bool holds_gil() noexcept
+{
+  // What PyGILState_Check asks, without its shortcut that answers yes for every thread once a
+  // sub-interpreter exists: is this thread's own thread state the one holding the GIL?
+#if PY_VERSION_HEX >= 0x030D0000
+  PyThreadState* holder = PyThreadState_GetUnchecked();
+#else
+  PyThreadState* holder = _PyThreadState_UncheckedGet();
+#endif
+  return holder != nullptr && holder == PyGILState_GetThisThreadState();
+}
+
 bool ensure_gil(PyGILState_STATE& state) noexcept
 {
-  if (PyGILState_Check() != 0) {  // already held: nothing to wait for
+  if (holds_gil()) {  // already held: nothing to wait for
     state = PyGILState_Ensure();
     return true;
   }

@@ -21,6 +21,12 @@ void set_finalizing_thread(unsigned long ident) noexcept;
 /// runs C++ destructors that touch Python without the GIL.
 void close_python_gate() noexcept;
 
+/// True when the interpreter is shutting down and Python objects must not be touched.
+[[nodiscard]] bool interpreter_finalizing() noexcept;
+
+/// True when the calling thread holds the GIL.
+[[nodiscard]] bool holds_gil() noexcept;
+
 /// Takes the GIL on a thread that does not hold it (PyGILState_Ensure) and returns true, or
 /// returns false without it once the gate is closed: the caller must then not touch Python.
 [[nodiscard]] bool ensure_gil(PyGILState_STATE& state) noexcept;
@@ -46,6 +52,24 @@ class gil_scope {
   PyGILState_STATE state_{};
   bool held_;
 };
+
+/// Runs `body` (it touches Python objects, and must not throw) holding the GIL, from any thread: at
+/// once where the thread holds it (as a consumer dropping what it imported usually does), else once
+/// taken. Not at all while the interpreter finalizes or once the gate is closed: the process then
+/// keeps what `body` would have released.
+template <typename Body>
+void with_gil(Body&& body) noexcept
+{
+  if (interpreter_finalizing()) { return; }
+  if (holds_gil()) {
+    body();
+    return;
+  }
+  PyGILState_STATE state{};
+  if (!ensure_gil(state)) { return; }
+  body();
+  PyGILState_Release(state);
+}
 
 /// Takes the GIL back after PyEval_SaveThread. Once the gate is closed, a thread other than the
 /// finalizing one is parked here until the process exits (what CPython 3.14 does itself).

@@ -109,11 +109,10 @@ producer_ref buffer_owner(std::unique_ptr<Py_buffer> buffer)
 {
   Py_buffer* raw = buffer.release();
   return producer_ref{[raw]() noexcept {
-    PyGILState_STATE state{};
-    if (interpreter_finalizing() || !ensure_gil(state)) { return; }  // exiting: the process keeps it
-    PyBuffer_Release(raw);
-    PyGILState_Release(state);
-    delete raw;
+    with_gil([raw] {
+      PyBuffer_Release(raw);
+      delete raw;
+    });
   }};
 }
 

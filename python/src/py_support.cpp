@@ -63,20 +63,14 @@ py::capsule wrap_capsule(Managed* tensor, const char* name, PyCapsule_Destructor
 
 void release_reference(PyObject* object) noexcept
 {
-  PyGILState_STATE state{};
-  if (interpreter_finalizing() || !ensure_gil(state)) { return; }  // exiting: the process keeps it
-  Py_DECREF(object);
-  PyGILState_Release(state);
+  with_gil([object] { Py_DECREF(object); });
 }
 
 }  // namespace
 
 void run_deleter_with_gil(void (*invoke)(void*) noexcept, void* tensor) noexcept
 {
-  PyGILState_STATE state{};
-  if (interpreter_finalizing() || !ensure_gil(state)) { return; }  // exiting: the process keeps it
-  invoke(tensor);
-  PyGILState_Release(state);
+  with_gil([invoke, tensor] { invoke(tensor); });
 }
 
 array copy_of(const array& view, bool to_host)
@@ -101,15 +95,6 @@ void keep_alive_until_done(context& ctx, int device, device::stream_handle strea
 {
   PyObject* raw = object.inc_ref().ptr();
   ctx.release_after(device, stream, [raw]() noexcept { release_reference(raw); });
-}
-
-bool interpreter_finalizing() noexcept
-{
-#if PY_VERSION_HEX >= 0x030D0000
-  return Py_IsFinalizing() != 0;
-#else
-  return _Py_IsFinalizing() != 0;
-#endif
 }
 
 producer_ref python_owner(py::handle object)

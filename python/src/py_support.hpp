@@ -83,9 +83,6 @@ void keep_alive_until_done(context& ctx, int device, device::stream_handle strea
 /// threads may no longer enter it, the deleter is not run and the process keeps the memory.
 void run_deleter_with_gil(void (*invoke)(void*) noexcept, void* tensor) noexcept;
 
-/// True when the interpreter is shutting down and Python objects must not be touched.
-[[nodiscard]] bool interpreter_finalizing() noexcept;
-
 /// The `__name__` of `object`'s type, for messages.
 [[nodiscard]] std::string type_name(py::handle object);
 
