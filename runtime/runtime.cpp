@@ -71,25 +71,35 @@ started_backend start_with_context()
 
 std::atomic<bool> backend_started{false};
 
+// Out of line, so that started(), on every exchange's path, is a guard check and a return.
+[[gnu::noinline]] started_backend start_once()
+{
+  started_backend s = start_with_context();
+  backend_started.store(true, std::memory_order_release);
+  return s;
+}
+
 const started_backend& started()
 {
-  static const started_backend instance = [] {
-    started_backend s = start_with_context();
-    backend_started.store(true, std::memory_order_release);
-    return s;
-  }();
+  static const started_backend instance = start_once();
   return instance;
+}
+
+// What started; throws when the backend HANDOFF_BACKEND names could not start.
+const started_backend& usable()
+{
+  const auto& s = started();
+  if (!s.error_name.empty()) {
+    throw device_error(s.name, s.error_name, fmt::format("HANDOFF_BACKEND={} cannot start: {}", s.name, s.error));
+  }
+  return s;
 }
 
 }  // namespace
 
 device::backend* active_backend()
 {
-  const auto& s = started();
-  if (!s.error_name.empty()) {
-    throw device_error(s.name, s.error_name, fmt::format("HANDOFF_BACKEND={} cannot start: {}", s.name, s.error));
-  }
-  return s.backend.get();
+  return usable().backend.get();
 }
 
 device::backend& require_backend(const char* what)
@@ -126,8 +136,7 @@ const char* version() noexcept
 
 context* active_context()
 {
-  (void)active_backend();  // throws when a named backend failed to start
-  return started().exchange.get();
+  return usable().exchange.get();
 }
 
 context* started_context() noexcept

@@ -132,9 +132,13 @@ py::dict array_interface(const array& view)
   return out;
 }
 
-py::capsule export_capsule(const array& view, std::optional<DLPackVersion> version, bool copied)
+// The capsule an export hands out, counted.
+py::capsule counted_capsule(const array& exported, std::optional<DLPackVersion> version, bool copied)
 {
-  return version ? make_capsule(export_versioned(view, {*version, copied})) : make_capsule(export_legacy(view));
+  py::capsule capsule =
+    version ? make_capsule(export_versioned(exported, {*version, copied})) : make_capsule(export_legacy(exported));
+  count(counter::exports);
+  return capsule;
 }
 
 // What an export to `dl_device` with `copy` must make: nothing, a copy on the same device or on the
@@ -337,21 +341,18 @@ py::capsule export_dlpack(const array& view, py::handle stream, py::handle max_v
   const auto version = requested_version(max_version);
   const export_copy copying =
     (!dl_device.is_none() || !copy.is_none()) ? copy_needed(view, dl_device, copy) : export_copy::none;
-  std::optional<array> made;
+  if (copying == export_copy::none) {
+    // Nothing to order (host data, stream=-1) needs no device runtime, as a host import needs none.
+    if (request.order != stream_order::none) { order_export(active_context(), view, request); }
+    return counted_capsule(view, version, false);
+  }
   if (copying == export_copy::host_view) {
     context& ctx = require_context("exporting host-accessible device memory to the CPU");
-    made = without_gil([&] { return host_view(ctx, view); });
-  } else if (copying != export_copy::none) {
-    made = copy_of(view, copying == export_copy::to_host);
+    return counted_capsule(without_gil([&] { return host_view(ctx, view); }), version, false);
   }
-  const array& exported = made ? *made : view;
-  if (copying == export_copy::none || copying == export_copy::same_device) {
-    order_export(active_context(), exported, request);
-  }
-  const bool copied = copying == export_copy::same_device || copying == export_copy::to_host;
-  py::capsule capsule = export_capsule(exported, version, copied);
-  count(counter::exports);
-  return capsule;
+  const array copied = copy_of(view, copying == export_copy::to_host);
+  if (copying == export_copy::same_device) { order_export(active_context(), copied, request); }
+  return counted_capsule(copied, version, true);
 }
 
 py::object wrap(array&& view)

@@ -24,15 +24,13 @@ constexpr const char* legacy_name = "dltensor";
 constexpr const char* used_legacy_name = "used_dltensor";
 
 // Capsule destructors run with the GIL held, possibly while an exception is being raised: keep it.
+// A consumer that took the tensor renamed the capsule ("used_..."): its deleter is no longer ours.
 template <typename Managed>
 void capsule_destructor(PyObject* capsule, const char* live_name) noexcept
 {
-  if (interpreter_finalizing()) { return; }
-  const char* name = PyCapsule_GetName(capsule);
-  if (name == nullptr || std::strcmp(name, live_name) != 0) {  // consumed: renamed "used_..."
-    PyErr_Clear();
-    return;
-  }
+  const char* name = PyCapsule_GetName(capsule);  // cannot fail: the capsule is valid until it is freed
+  const bool consumed = name != live_name && (name == nullptr || std::strcmp(name, live_name) != 0);
+  if (consumed || interpreter_finalizing()) { return; }
   PyObject *type = nullptr, *value = nullptr, *traceback = nullptr;
   PyErr_Fetch(&type, &value, &traceback);
   auto* tensor = static_cast<Managed*>(PyCapsule_GetPointer(capsule, name));
