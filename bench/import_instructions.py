@@ -1,13 +1,15 @@
-"""Instructions per import, counted by callgrind: repeatable where wall-clock timings are noisy.
+"""Instructions per exchange, counted by callgrind: repeatable where wall-clock timings are noisy.
 
     .venv/bin/python bench/import_instructions.py
 
-Runs each import in a loop of N and 2N calls under `valgrind --tool=callgrind` and reports
-(Ir(2N) - Ir(N)) / N: the instructions of one call, start-up and loop set-up cancelled out.
+Runs each call in a loop of N and 2N calls under `valgrind --tool=callgrind` and reports
+(Ir(2N) - Ir(N)) / N: the instructions of one call on the calling thread, start-up and loop set-up
+cancelled out. Each call's result is dropped at once, so an export's count includes its deleter.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -17,36 +19,82 @@ import tempfile
 N = 20_000
 NDARRAY = "np.ones((64, 64), dtype=np.float32)"
 TENSOR = "torch.ones((64, 64), dtype=torch.float32)"
-CASES = {  # name: (set-up, the argument)
-    "handoff.from_dlpack(ndarray)": ("import handoff; f = handoff.from_dlpack", NDARRAY),
-    "np.from_dlpack(ndarray)": ("f = np.from_dlpack", NDARRAY),
-    "torch.from_dlpack(ndarray)": ("import torch; f = torch.from_dlpack", NDARRAY),
+HANDOFF_ARRAY = f"handoff.from_dlpack({NDARRAY})"
+IMPORTS = {  # name: (set-up, the argument f is called with, the row it is compared with)
+    "handoff.from_dlpack(ndarray)": ("import handoff; f = handoff.from_dlpack", NDARRAY, "np.from_dlpack(ndarray)"),
+    "np.from_dlpack(ndarray)": ("f = np.from_dlpack", NDARRAY, "np.from_dlpack(ndarray)"),
+    "torch.from_dlpack(ndarray)": ("import torch; f = torch.from_dlpack", NDARRAY, "np.from_dlpack(ndarray)"),
     # Through PyTorch's DLPack C exchange API.
-    "handoff.from_dlpack(tensor)": ("import handoff, torch; f = handoff.from_dlpack", TENSOR),
+    "handoff.from_dlpack(tensor)": ("import handoff, torch; f = handoff.from_dlpack", TENSOR, "np.from_dlpack(ndarray)"),
+}
+EXPORTS = {  # each next to NumPy exporting its own array
+    "np.from_dlpack(handoff_array)": ("import handoff; f = np.from_dlpack", HANDOFF_ARRAY, "np.from_dlpack(ndarray)"),
+    "np.from_dlpack(ndarray)": ("f = np.from_dlpack", NDARRAY, "np.from_dlpack(ndarray)"),
+    "handoff_array.__dlpack__()": ("import handoff; f = handoff.Array.__dlpack__", HANDOFF_ARRAY, "ndarray.__dlpack__()"),
+    "ndarray.__dlpack__()": ("f = np.ndarray.__dlpack__", NDARRAY, "ndarray.__dlpack__()"),
+}
+
+# Imports of a simulated device's array (HANDOFF_BACKEND=sim), its data ready on stream p, onto
+# stream s; the view is dropped at once, its release deferred until s is done.
+SIM_SETUP = ("import handoff; from handoff import sim; p = sim.Stream(non_blocking=True); "
+             "s = sim.Stream(non_blocking=True); x = sim.zeros((256, 256)); sim.fill(x, 1.0, stream=p); "
+             "sim.synchronize(); ")
+ORDERED = {  # name: (set-up, the argument)
+    "stream=-1 (unordered)": (SIM_SETUP + "f = lambda a: handoff.from_dlpack(a, stream=-1)", "x"),
+    "stream=int, ordered": (SIM_SETUP + "f = lambda a: handoff.from_dlpack(a, stream=s.handle)", "x"),
+    "stream=sim.Stream, ordered": (SIM_SETUP + "f = lambda a: handoff.from_dlpack(a, stream=s)", "x"),
 }
 
 
-def instructions(setup: str, argument: str, calls: int) -> int:
+def instructions(setup: str, argument: str, calls: int, backend: str = "auto") -> tuple[int, int]:
+    """Instructions of the calling thread, and of all other threads together."""
     program = f"import numpy as np\n{setup}\na = {argument}\nfor _ in range({calls}): f(a)\n"
+    # A fixed hash seed: the type attribute cache's hits and misses depend on the strings' hashes.
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "HANDOFF_BACKEND": backend}
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "callgrind.out")
-        run = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-c", program],
-                             capture_output=True, text=True, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
-        match = re.search(r"Collected : (\d+)", run.stderr)
-        if run.returncode != 0 or match is None:
+        run = subprocess.run(["valgrind", "--tool=callgrind", "--separate-threads=yes", f"--callgrind-out-file={out}",
+                              sys.executable, "-c", program], capture_output=True, text=True, env=env)
+        if run.returncode != 0:
             raise RuntimeError(run.stderr[-2000:])
-        return int(match.group(1))
+        threads = []  # one profile per thread: callgrind.out-01 is the thread that ran the program
+        for name in sorted(name for name in os.listdir(tmp) if re.fullmatch(r"callgrind\.out-\d+", name)):
+            with open(os.path.join(tmp, name)) as profile:
+                threads.append(int(re.search(r"^totals: (\d+)", profile.read(), re.MULTILINE).group(1)))
+        return threads[0], sum(threads[1:])
+
+
+@functools.cache  # NumPy's own import is the reference of both tables
+def per_call(setup: str, argument: str, backend: str = "auto") -> tuple[float, float]:
+    once, twice = instructions(setup, argument, N, backend), instructions(setup, argument, 2 * N, backend)
+    return (twice[0] - once[0]) / N, (twice[1] - once[1]) / N
+
+
+def table(what: str, cases: dict[str, tuple[str, str, str]]) -> None:
+    counts = {name: per_call(setup, argument)[0] for name, (setup, argument, _) in cases.items()}
+    print(f"| {what:<30} | {'instructions':>12} | {'vs':<24} | {'ratio':>5} |")
+    print(f"|{'-' * 32}|{'-' * 13}:|{'-' * 26}|{'-' * 6}:|")
+    for name, (_, _, reference) in cases.items():
+        print(f"| {name:<30} | {counts[name]:>12.0f} | {reference:<24} | {counts[name] / counts[reference]:>5.2f} |")
+    print()
+
+
+def ordered_table() -> None:
+    print("handoff.from_dlpack(sim array, ...) on HANDOFF_BACKEND=sim; other threads: the deferred releases")
+    print("on the service thread and the simulator's own threads (timing-dependent: about 1% run to run)\n")
+    print(f"| {'import':<26} | {'calling thread':>14} | {'other threads':>13} |")
+    print(f"|{'-' * 28}|{'-' * 15}:|{'-' * 14}:|")
+    for name, (setup, argument) in ORDERED.items():
+        calling, other = per_call(setup, argument, backend="sim")
+        print(f"| {name:<26} | {calling:>14.0f} | {other:>13.0f} |")
+    print()
 
 
 def main() -> None:
     print(f"instructions per call (callgrind), (Ir({2 * N}) - Ir({N})) / {N}\n")
-    print(f"| {'import':<30} | {'instructions':>12} | {'vs np.from_dlpack':>17} |")
-    print(f"|{'-' * 32}|{'-' * 13}:|{'-' * 18}:|")
-    counts = {name: (instructions(setup, argument, 2 * N) - instructions(setup, argument, N)) / N
-              for name, (setup, argument) in CASES.items()}
-    reference = counts["np.from_dlpack(ndarray)"]
-    for name, count in counts.items():
-        print(f"| {name:<30} | {count:>12.0f} | {count / reference:>17.2f} |")
+    table("import", IMPORTS)
+    table("export", EXPORTS)
+    ordered_table()
 
 
 if __name__ == "__main__":
