@@ -242,25 +242,36 @@ void context::release_after(int device, device::stream_handle stream, std::funct
     release();
     return;
   }
+  enqueue_unless_capturing(pending);
+}
+
+void context::enqueue_unless_capturing(pending_release* pending) noexcept
+{
+  const auto [device, stream] = pending->where;
   bool capturing = false;
-  if (stream != backend_.legacy_default_stream()) {  // the legacy stream never captures; asking could break a capture
-    try {
-      device_guard on_owner{backend_, device};
-      capturing = backend_.stream_capture_status(stream) != device::capture_status::none;
-    } catch (...) {}  // enqueue_release finds out what is wrong with the stream
-  }
+  try {
+    device_guard on_owner{backend_, device};  // made current once, for the query and the record
+    // The legacy stream never captures; asking could break a capture.
+    capturing = stream != backend_.legacy_default_stream() &&
+                backend_.stream_capture_status(stream) != device::capture_status::none;
+    if (!capturing) {
+      enqueue_release(pending, /*device_is_current=*/true);
+      return;
+    }
+  } catch (...) {}  // enqueue_release finds out what is wrong with the stream
   if (capturing) {
     when_not_capturing(pending);
   } else {
-    enqueue_release(pending);
+    enqueue_release(pending, /*device_is_current=*/false);
   }
 }
 
-void context::enqueue_release(pending_release* pending) noexcept
+void context::enqueue_release(pending_release* pending, bool device_is_current) noexcept
 {
   const auto [device, stream] = pending->where;  // copied below: clang 14 cannot capture bindings
   try {
-    device_guard on_owner{backend_, device};
+    std::optional<device_guard> on_owner;
+    if (!device_is_current) { on_owner.emplace(backend_, device); }
     std::lock_guard lock{watch_mutex_};
     const auto now = std::chrono::steady_clock::now();
     release_group* open = nullptr;
@@ -432,17 +443,7 @@ void context::when_not_capturing(pending_release* pending) noexcept
     context* owner = pending->live_owner();
     if (owner == nullptr) { return; }  // abandoned at exit
     lock.unlock();
-    const auto [device, stream] = pending->where;
-    bool capturing = false;
-    try {
-      device_guard on_owner{owner->backend_, device};
-      capturing = owner->backend_.stream_capture_status(stream) != device::capture_status::none;
-    } catch (...) {}  // enqueue_release finds out what is wrong with the stream
-    if (capturing) {
-      owner->when_not_capturing(pending);
-    } else {
-      owner->enqueue_release(pending);
-    }
+    owner->enqueue_unless_capturing(pending);
   };
   try {
     deferred_->post_after(capture_poll, look_again);

@@ -87,7 +87,8 @@ class context {
   struct pending_release;
   struct release_group;
   struct shared_state;
-  void enqueue_release(pending_release* pending) noexcept;
+  void enqueue_unless_capturing(pending_release* pending) noexcept;
+  void enqueue_release(pending_release* pending, bool device_is_current) noexcept;
   void poll_later(std::chrono::nanoseconds interval) noexcept;
   void poll_releases(std::chrono::nanoseconds interval) noexcept;
   void when_not_capturing(pending_release* pending) noexcept;
