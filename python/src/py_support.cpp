@@ -31,11 +31,13 @@ void capsule_destructor(PyObject* capsule, const char* live_name) noexcept
   const char* name = PyCapsule_GetName(capsule);  // cannot fail: the capsule is valid until it is freed
   const bool consumed = name != live_name && (name == nullptr || std::strcmp(name, live_name) != 0);
   if (consumed || interpreter_finalizing()) { return; }
+  // An exception being raised is set aside while the deleter runs: it may run Python code.
   PyObject *type = nullptr, *value = nullptr, *traceback = nullptr;
-  PyErr_Fetch(&type, &value, &traceback);
+  const bool raising = PyErr_Occurred() != nullptr;
+  if (raising) { PyErr_Fetch(&type, &value, &traceback); }
   auto* tensor = static_cast<Managed*>(PyCapsule_GetPointer(capsule, name));
   if (tensor != nullptr && tensor->deleter != nullptr) { tensor->deleter(tensor); }
-  PyErr_Restore(type, value, traceback);
+  if (raising) { PyErr_Restore(type, value, traceback); }
 }
 
 void versioned_destructor(PyObject* capsule) noexcept
@@ -309,7 +311,7 @@ bool signature::parse(PyObject* const* args, Py_ssize_t nargsf, PyObject* kwname
     return false;
   }
   for (std::size_t i = 0; i < positional_; ++i) { out[i] = args[i]; }
-  for (std::size_t i = positional_; i < size(); ++i) { out[i] = Py_None; }
+  std::fill_n(out + positional_, names_.size(), Py_None);
   if (kwnames == nullptr) { return true; }
   const Py_ssize_t count = PyTuple_GET_SIZE(kwnames);
   if (kwnames == last_kwnames_) {
