@@ -137,7 +137,7 @@ py::capsule counted_capsule(const array& exported, std::optional<DLPackVersion> 
 {
   py::capsule capsule =
     version ? make_capsule(export_versioned(exported, {*version, copied})) : make_capsule(export_legacy(exported));
-  count(counter::exports);
+  count_serialized(counter::exports);  // under the GIL
   return capsule;
 }
 

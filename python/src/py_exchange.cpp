@@ -293,7 +293,7 @@ py::object protocol_attribute(py::handle x, const char* name)
 py::object finish(array&& view, std::optional<DLDevice> device, std::optional<bool> copy, bool producer_honoured)
 {
   if (device || copy) { settle(view, device, copy, producer_honoured); }
-  count(counter::imports);
+  count_serialized(counter::imports);  // under the GIL
   return wrap(std::move(view));
 }
 
@@ -377,7 +377,7 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
     if (const DLPackExchangeAPI* api = exchange_api_of(Py_TYPE(x.ptr()))) {
       const py::object consumer = consumer_stream(stream);
       if (auto view = import_through_exchange_api(*api, x, consumer)) {
-        count(counter::imports);
+        count_serialized(counter::imports);  // under the GIL
         return wrap(std::move(*view));
       }
     }
@@ -411,7 +411,7 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
         } else if (view.device().device_type != kDLCPU) {
           bind_to_consumer(view, py::none(), consumer);  // device data from a producer that hid its device
         }
-        count(counter::imports);
+        count_serialized(counter::imports);  // under the GIL
         return wrap(std::move(view));
       }
     }

@@ -27,6 +27,12 @@ void count(counter which, std::uint64_t n) noexcept
   counters[static_cast<std::size_t>(which)].fetch_add(n, std::memory_order_relaxed);
 }
 
+void count_serialized(counter which, std::uint64_t n) noexcept
+{
+  auto& value = counters[static_cast<std::size_t>(which)];
+  value.store(value.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
+}
+
 stats_snapshot stats() noexcept
 {
   return {load(counter::exports),           load(counter::imports),

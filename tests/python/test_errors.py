@@ -7,6 +7,8 @@ import datetime
 import gc
 import json
 import os
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -561,3 +563,30 @@ def test_stats_keys_and_reset(live):
     s = handoff.stats()
     assert (s["imports"], s["exports"]) == (1, 0)
     del h, h2, capsule
+
+
+def test_stats_count_every_exchange_of_concurrent_threads():
+    # Imports and exports are counted with no atomic update: the GIL orders them.
+    threads, rounds = 8, 2000
+    source = np.arange(4.0)
+    barrier = threading.Barrier(threads)
+
+    def exchange():
+        barrier.wait()
+        for _ in range(rounds):
+            handoff.from_dlpack(source).__dlpack__()
+
+    before = handoff.stats()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads take turns as often as they can
+    try:
+        workers = [threading.Thread(target=exchange) for _ in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    finally:
+        sys.setswitchinterval(interval)
+    after = handoff.stats()
+    assert after["imports"] - before["imports"] == threads * rounds
+    assert after["exports"] - before["exports"] == threads * rounds
