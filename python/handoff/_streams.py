@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 from contextvars import ContextVar, Token
-from typing import TYPE_CHECKING, Any
 
 from . import _handoff
-
-if TYPE_CHECKING:
-    from typing_extensions import TypeGuard
 
 __all__ = ["Stream", "as_stream", "current_stream", "stream"]
 
@@ -19,10 +15,6 @@ _current = _handoff._stream_var
 # not in the block object, so that one block object may be entered by several threads or tasks at
 # once: each leaves with the token it made.
 _tokens: ContextVar[tuple[Token[Stream | None], ...]] = ContextVar("handoff.stream_tokens", default=())
-
-
-# Native handles travel as DLPack's signed 64-bit stream values.
-_HANDLE_LIMIT = 1 << 63
 
 
 class Stream:
@@ -40,12 +32,7 @@ class Stream:
     __slots__ = ("_handle", "_device", "_source")
 
     def __init__(self, handle: int, *, device: int | None = None) -> None:
-        if isinstance(handle, bool) or not isinstance(handle, int):
-            raise TypeError(f"Stream handle must be an int, not {type(handle).__name__}")
-        if not 0 <= handle < _HANDLE_LIMIT:
-            raise ValueError(f"Stream handle {handle} is outside the native range [0, 2**63)")
-        if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
-            raise ValueError(f"Stream device must be None or a non-negative int, got {device!r}")
+        _handoff._check_stream(handle, device)  # an int in [0, 2**63); None or an int >= 0
         self._handle = handle
         self._device = device
         self._source: object = None
@@ -89,29 +76,10 @@ def as_stream(obj: object) -> Stream:
     """
     if isinstance(obj, Stream):
         return obj
-    if isinstance(obj, bool):
-        raise TypeError("a bool is not a stream")
-    if isinstance(obj, int):
-        return Stream(obj)
-    protocol = getattr(obj, "__cuda_stream__", None)
-    if protocol is not None:
-        value = protocol() if callable(protocol) else protocol
-        if not (isinstance(value, tuple) and len(value) == 2 and all(_is_int(v) for v in value)):
-            raise TypeError(f"{type(obj).__name__}.__cuda_stream__() must return (version, handle), two ints")
-        return _from_object(obj, value[1])
-    for attribute in ("cuda_stream", "ptr"):
-        handle = getattr(obj, attribute, None)
-        if _is_int(handle):
-            return _from_object(obj, handle)
-    raise TypeError(
-        f"{type(obj).__name__} is not a stream: expected an int, handoff.Stream, or an object with "
-        "__cuda_stream__(), .cuda_stream or .ptr"
-    )
-
-
-def _from_object(obj: object, handle: int) -> Stream:
-    made = Stream(handle, device=_device_of(obj))
-    made._source = obj
+    handle, device = _handoff._resolve_stream(obj)  # the protocols are read in C++, as imports read them
+    made = Stream(handle, device=device)
+    if not isinstance(obj, int):
+        made._source = obj
     return made
 
 
@@ -133,21 +101,6 @@ def _held_stream(producer: object, handle: int) -> object | None:
     if made._source is None or made.handle != handle:  # a bare handle holds no stream
         return None
     return held
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _device_of(obj: object) -> int | None:
-    device: Any = getattr(obj, "device", None)
-    index = getattr(device, "index", device)  # torch.device has .index; CuPy's Device is int-like
-    if hasattr(device, "id"):
-        index = device.id
-    try:
-        return None if index is None else int(index)
-    except (TypeError, ValueError):
-        return None
 
 
 def current_stream() -> Stream | None:
@@ -178,4 +131,4 @@ class stream:  # noqa: N801 - used as `with handoff.stream(s):`
         _current.reset(token)
 
 
-_handoff._set_as_stream(as_stream)
+_handoff._set_stream_type(Stream)

@@ -5,6 +5,7 @@
 #include "py_gil.hpp"
 #include "py_interfaces.hpp"
 #include "py_sim.hpp"
+#include "py_streams.hpp"
 #include "py_view.hpp"
 
 #include <handoff/error.hpp>
@@ -83,6 +84,7 @@ PYBIND11_MODULE(_handoff, m)
   set_finalizing_thread(py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>());
   set_deleter_runner(&run_deleter_with_gil);
   bind_array(m);
+  bind_streams(m);
   init_exchange(m);
   bind_view(m);
   bind_c_api(m);

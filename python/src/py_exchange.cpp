@@ -6,6 +6,7 @@
 #include "py_array.hpp"
 #include "py_exchange_api.hpp"
 #include "py_interfaces.hpp"
+#include "py_streams.hpp"
 
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
@@ -30,7 +31,6 @@ struct cached_objects {
   PyObject* max_version = nullptr;     // (1, 1)
   PyObject* kw_max_version = nullptr;  // ("max_version",)
   PyObject* stream_var = nullptr;      // ContextVar of handoff.stream(...) blocks
-  PyObject* as_stream = nullptr;       // handoff.as_stream, set by the package
   PyTypeObject* ndarray = nullptr;     // numpy.ndarray, once one was seen
   // The keyword names of __dlpack__, interned: producers' argument parsers match them by identity
   // before comparing text.
@@ -55,8 +55,8 @@ py::object producer_stream_argument(py::handle stream, DLDeviceType device)
 {
   if (stream.is_none() || (!is_cuda_device(device) && !is_rocm_device(device))) { return py::none(); }
   if (PyLong_Check(stream.ptr())) { return py::reinterpret_borrow<py::object>(stream); }
-  // A handoff.Stream: its raw handle, with CUDA's legacy default (handle 0) spelled 1 as DLPack asks.
-  const auto handle = stream.attr("handle").cast<long long>();
+  // A stream object: its native handle, with CUDA's legacy default (handle 0) spelled 1 as DLPack asks.
+  const std::uint64_t handle = stream_handle(stream);
   return py::int_(is_cuda_device(device) && handle == 0 ? 1 : handle);
 }
 
@@ -80,8 +80,8 @@ py::object consumer_stream(py::handle stream)
     (void)stream_argument(stream);  // bool and range checks
     return py::reinterpret_borrow<py::object>(stream);
   }
-  HANDOFF_EXPECTS(cached.as_stream != nullptr, type_error, "stream objects need the handoff package");
-  return py::reinterpret_borrow<py::object>(cached.as_stream)(stream);  // TypeError for non-streams
+  (void)stream_handle(stream);                        // TypeError for what is no stream, as handoff.as_stream raises
+  return py::reinterpret_borrow<py::object>(stream);  // kept itself: it may own the stream
 }
 
 void bind_to_consumer(const array& view, py::handle consumer, py::handle stream_object)
@@ -361,9 +361,6 @@ void init_exchange(py::module_& m)
   }
   init_exchange_api();
   m.attr("_stream_var") = py::reinterpret_borrow<py::object>(cached.stream_var);
-  m.def(
-    "_set_as_stream", [](py::object fn) { cached.as_stream = fn.release().ptr(); }, py::arg("as_stream"),
-    "Installs handoff.as_stream, which the consumer functions call on stream objects other than ints.");
   from_dlpack_signature = new signature("from_dlpack", 1, {"device", "copy", "stream"});
   asarray_signature = new signature("asarray", 1, {"device", "copy", "stream"});
   if (PyModule_AddFunctions(m.ptr(), import_functions) != 0) { throw py::error_already_set(); }

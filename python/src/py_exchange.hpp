@@ -18,11 +18,12 @@ void init_exchange(py::module_& m);
 [[nodiscard]] py::object enclosing_stream();
 
 /// A `stream` argument resolved once: the argument, else the enclosing handoff.stream block. None,
-/// an int in DLPack's convention (checked), or a handoff.Stream; any other object goes through
-/// handoff.as_stream. @throws type_error for objects that are no stream, value_error for bad ints.
+/// an int in DLPack's convention (checked), or a stream object handoff.as_stream accepts, returned
+/// itself (it may own its stream). @throws type_error for objects that are no stream, value_error
+/// for bad ints or handles.
 [[nodiscard]] py::object consumer_stream(py::handle stream);
 
-/// The DLPack `stream` value naming `stream` (None, an int, or a handoff.Stream) for data on
+/// The DLPack `stream` value naming `stream` (None, an int, or a stream object) for data on
 /// `device`: None for devices without streams; CUDA's legacy default handle 0 is spelled 1.
 [[nodiscard]] py::object producer_stream_argument(py::handle stream, DLDeviceType device);
 

@@ -3,6 +3,7 @@
 
 #include "py_array.hpp"
 #include "py_gil.hpp"
+#include "py_streams.hpp"
 #include "py_support.hpp"
 
 #include <handoff/device_guard.hpp>
@@ -97,8 +98,7 @@ device::stream_handle stream_of(py::handle stream)
   if (py::isinstance<sim_stream>(stream)) {
     return static_cast<device::stream_handle>(stream.cast<sim_stream&>().handle());
   }
-  const py::object resolved = py::module_::import("handoff").attr("as_stream")(stream);
-  return static_cast<device::stream_handle>(resolved.attr("handle").cast<std::uintptr_t>());
+  return static_cast<device::stream_handle>(stream_handle(stream));
 }
 
 array& sim_array(py::handle object, active_sim& s)

@@ -1,0 +1,185 @@
+#include "py_streams.hpp"
+
+#include "py_support.hpp"
+
+#include <handoff/error.hpp>
+
+#include <fmt/format.h>
+
+#include <array>
+#include <string>
+
+namespace handoff::python {
+namespace {
+
+// Interned attribute names, and handoff.Stream once the package registered it.
+struct stream_names {
+  PyObject* cuda_stream_protocol = nullptr;  // "__cuda_stream__"
+  PyObject* cuda_stream = nullptr;           // PyTorch's
+  PyObject* ptr = nullptr;                   // CuPy's
+  PyObject* device = nullptr;
+  PyObject* index = nullptr;
+  PyObject* id = nullptr;
+  PyObject* handle = nullptr;
+  PyTypeObject* stream_type = nullptr;  // handoff.Stream
+};
+stream_names names;
+
+PyObject* interned(const char* text)
+{
+  PyObject* name = PyUnicode_InternFromString(text);
+  if (name == nullptr) { throw py::error_already_set(); }
+  return name;
+}
+
+// An int that is no bool.
+bool is_int(PyObject* value) noexcept
+{
+  return PyLong_Check(value) && !PyBool_Check(value);
+}
+
+// getattr(object, name, None), null where the attribute is missing: only AttributeError means that.
+py::object optional_attribute(py::handle object, PyObject* name)
+{
+  PyObject* value = nullptr;
+#if PY_VERSION_HEX >= 0x030D0000
+  if (PyObject_GetOptionalAttr(object.ptr(), name, &value) < 0) { throw py::error_already_set(); }
+#else
+  if (_PyObject_LookupAttr(object.ptr(), name, &value) < 0) { throw py::error_already_set(); }
+#endif
+  return py::reinterpret_steal<py::object>(value);
+}
+
+// A handoff.Stream handle: an int in [0, 2**63).
+std::uint64_t checked_handle(py::handle handle)
+{
+  HANDOFF_EXPECTS(is_int(handle.ptr()), type_error,
+                  fmt::format("Stream handle must be an int, not {}", type_name(handle)));
+  int overflow = 0;
+  const long long value = PyLong_AsLongLongAndOverflow(handle.ptr(), &overflow);
+  HANDOFF_EXPECTS(
+    overflow == 0 && value >= 0, value_error,
+    fmt::format("Stream handle {} is outside the native range [0, 2**63)", py::str(handle).cast<std::string>()));
+  return static_cast<std::uint64_t>(value);
+}
+
+// A handoff.Stream device: None or an int >= 0.
+void check_device(py::handle device)
+{
+  bool valid = device.is_none();
+  if (!valid && is_int(device.ptr())) {
+    int overflow = 0;
+    const long long value = PyLong_AsLongLongAndOverflow(device.ptr(), &overflow);
+    valid = overflow > 0 || (overflow == 0 && value >= 0);
+  }
+  HANDOFF_EXPECTS(
+    valid, value_error,
+    fmt::format("Stream device must be None or a non-negative int, got {}", py::repr(device).cast<std::string>()));
+}
+
+// The device a stream object names: its `.device`, that device's `.index` (PyTorch) or `.id`
+// (CuPy) if it has one, as an int; None when there is none or it is not int-like.
+py::object device_of(py::handle stream)
+{
+  py::object device = optional_attribute(stream, names.device);
+  if (!device) { device = py::none(); }
+  py::object index = optional_attribute(device, names.index);
+  if (!index) { index = device; }
+  if (optional_attribute(device, names.id)) { index = device.attr(names.id); }
+  if (index.is_none()) { return index; }
+  PyObject* number = PyNumber_Long(index.ptr());  // int(index)
+  if (number == nullptr) {
+    if (!PyErr_ExceptionMatches(PyExc_TypeError) && !PyErr_ExceptionMatches(PyExc_ValueError)) {
+      throw py::error_already_set();
+    }
+    PyErr_Clear();
+    return py::none();
+  }
+  return py::reinterpret_steal<py::object>(number);
+}
+
+// A stream object's native handle and the device it names (None, or an int >= 0).
+struct resolved_stream {
+  std::uint64_t handle{0};
+  py::object device;
+};
+
+// The stream a stream object names by `handle`, on the device it names. The device is read first,
+// as as_stream always did (it made Stream(handle, device=...), its arguments evaluated first).
+resolved_stream named_stream(py::handle stream, py::handle handle)
+{
+  py::object device = device_of(stream);
+  const std::uint64_t native = checked_handle(handle);
+  check_device(device);
+  return {native, std::move(device)};
+}
+
+// What handoff.as_stream makes a handoff.Stream of, from anything but a handoff.Stream.
+resolved_stream resolve_stream_object(py::handle stream)
+{
+  PyObject* raw = stream.ptr();
+  HANDOFF_EXPECTS(!PyBool_Check(raw), type_error, "a bool is not a stream");
+  if (PyLong_Check(raw)) { return {checked_handle(stream), py::none()}; }
+  if (const py::object protocol = optional_attribute(stream, names.cuda_stream_protocol);
+      protocol && !protocol.is_none()) {
+    const py::object value = PyCallable_Check(protocol.ptr()) != 0 ? protocol() : protocol;
+    PyObject* pair = value.ptr();
+    HANDOFF_EXPECTS(PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2 && is_int(PyTuple_GET_ITEM(pair, 0)) &&
+                      is_int(PyTuple_GET_ITEM(pair, 1)),
+                    type_error,
+                    fmt::format("{}.__cuda_stream__() must return (version, handle), two ints", type_name(stream)));
+    return named_stream(stream, PyTuple_GET_ITEM(pair, 1));
+  }
+  for (PyObject* name : std::array{names.cuda_stream, names.ptr}) {
+    if (const py::object handle = optional_attribute(stream, name); handle && is_int(handle.ptr())) {
+      return named_stream(stream, handle);
+    }
+  }
+  throw type_error(
+    fmt::format("{} is not a stream: expected an int, handoff.Stream, or an object with "
+                "__cuda_stream__(), .cuda_stream or .ptr",
+                type_name(stream)));
+}
+
+}  // namespace
+
+std::uint64_t stream_handle(py::handle stream)
+{
+  if (names.stream_type != nullptr && PyObject_TypeCheck(stream.ptr(), names.stream_type)) {
+    return checked_handle(stream.attr(names.handle));
+  }
+  return resolve_stream_object(stream).handle;
+}
+
+void bind_streams(py::module_& m)
+{
+  names.cuda_stream_protocol = interned("__cuda_stream__");
+  names.cuda_stream = interned("cuda_stream");
+  names.ptr = interned("ptr");
+  names.device = interned("device");
+  names.index = interned("index");
+  names.id = interned("id");
+  names.handle = interned("handle");
+  m.def(
+    "_set_stream_type",
+    [](py::type stream_type) {
+      names.stream_type = reinterpret_cast<PyTypeObject*>(stream_type.release().ptr());  // kept for the process
+    },
+    py::arg("stream_type"), "Registers handoff.Stream, whose handle stream objects are read without a lookup.");
+  m.def(
+    "_resolve_stream",
+    [](py::handle stream) {
+      resolved_stream resolved = resolve_stream_object(stream);
+      return py::make_tuple(resolved.handle, std::move(resolved.device));
+    },
+    py::arg("stream"), "(handle, device) of a stream object, as handoff.as_stream resolves it.");
+  m.def(
+    "_check_stream",
+    [](py::handle handle, py::handle device) {
+      (void)checked_handle(handle);
+      check_device(device);
+    },
+    py::arg("handle"), py::arg("device"), "Checks the handle and device of a handoff.Stream.");
+}
+
+}  // namespace handoff::python
