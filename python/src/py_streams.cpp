@@ -120,9 +120,16 @@ resolved_stream resolve_stream_object(py::handle stream)
   PyObject* raw = stream.ptr();
   HANDOFF_EXPECTS(!PyBool_Check(raw), type_error, "a bool is not a stream");
   if (PyLong_Check(raw)) { return {checked_handle(stream), py::none()}; }
-  if (const py::object protocol = optional_attribute(stream, names.cuda_stream_protocol);
-      protocol && !protocol.is_none()) {
-    const py::object value = PyCallable_Check(protocol.ptr()) != 0 ? protocol() : protocol;
+  py::object value = optional_attribute(stream, names.cuda_stream_protocol);
+  if (value && !value.is_none()) {
+    if (PyCallable_Check(value.ptr()) != 0) {
+      // Called with no new object of ours alive in this frame: Python code may run, and a daemon thread
+      // that finalization ends there (pthread_exit) unwinds through it, dropping what it holds
+      // without the GIL. A method call makes no bound method to hold.
+      value = py::object();
+      value = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(raw, names.cuda_stream_protocol));
+      if (!value) { throw py::error_already_set(); }
+    }
     PyObject* pair = value.ptr();
     HANDOFF_EXPECTS(PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2 && is_int(PyTuple_GET_ITEM(pair, 0)) &&
                       is_int(PyTuple_GET_ITEM(pair, 1)),
