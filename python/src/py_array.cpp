@@ -57,7 +57,7 @@ long long saturated(PyObject* value) noexcept
   return overflow > 0 ? LLONG_MAX : overflow < 0 ? LLONG_MIN : out;
 }
 
-// The DLPack version a consumer asked for; nullopt selects the legacy capsule.
+// The DLPack version of an export for the consumer's `max_version`; nullopt selects the legacy capsule.
 std::optional<DLPackVersion> requested_version(py::handle max_version)
 {
   if (max_version.is_none()) { return std::nullopt; }
@@ -65,23 +65,10 @@ std::optional<DLPackVersion> requested_version(py::handle max_version)
   const bool pair = PyTuple_Check(raw) && PyTuple_GET_SIZE(raw) == 2 && PyLong_Check(PyTuple_GET_ITEM(raw, 0)) &&
                     PyLong_Check(PyTuple_GET_ITEM(raw, 1));
   HANDOFF_EXPECTS(pair, type_error, "max_version must be None or a (major, minor) tuple of ints");
-  const long long major = saturated(PyTuple_GET_ITEM(raw, 0));
-  const long long minor = saturated(PyTuple_GET_ITEM(raw, 1));
-  if (major < 1) { return std::nullopt; }
-  // Same major: stamp the consumer's minor if older than ours, so it can read every field we set.
-  const auto stamped_minor = major == 1 ? std::clamp<long long>(minor, 0, DLPACK_MINOR_VERSION) : DLPACK_MINOR_VERSION;
-  return DLPackVersion{DLPACK_MAJOR_VERSION, static_cast<std::uint32_t>(stamped_minor)};
-}
-
-bool same_device(DLDevice a, DLDevice b) noexcept
-{
-  return a.device_type == b.device_type && a.device_id == b.device_id;
-}
-
-std::string device_text(DLDevice device)
-{
-  return fmt::format("{} device {} (({}, {}))", device_type_name(device.device_type), device.device_id,
-                     static_cast<int>(device.device_type), device.device_id);
+  const auto field = [](PyObject* value) {
+    return static_cast<std::uint32_t>(std::clamp<long long>(saturated(value), 0, UINT32_MAX));
+  };
+  return export_version(DLPackVersion{field(PyTuple_GET_ITEM(raw, 0)), field(PyTuple_GET_ITEM(raw, 1))});
 }
 
 // CUDA Array Interface v3 of CUDA-resident data; `stream` is where the data is ready, so that the
@@ -109,8 +96,7 @@ py::dict cuda_array_interface(const array& view)
   out["version"] = 3;
   const auto ready = view.owner().ready_on();
   if (ready) {
-    const auto handle = static_cast<std::uintptr_t>(ready->stream);
-    out["stream"] = handle == 0 ? 1 : handle;  // CUDA's legacy default stream is 0 as a handle, 1 here
+    out["stream"] = stream_value_of(view.device().device_type, static_cast<std::uint64_t>(ready->stream));
   } else {
     out["stream"] = py::none();
   }
@@ -139,25 +125,6 @@ py::capsule counted_capsule(const array& exported, std::optional<DLPackVersion> 
     version ? make_capsule(export_versioned(exported, {*version, copied})) : make_capsule(export_legacy(exported));
   count_serialized(counter::exports);  // under the GIL
   return capsule;
-}
-
-// What an export to `dl_device` with `copy` must make: nothing, a copy on the same device or on the
-// host, or a host view of host-accessible memory (pinned, managed: reused, as the array API asks).
-enum class export_copy { none, same_device, to_host, host_view };
-
-export_copy copy_needed(const array& view, py::handle dl_device, py::handle copy)
-{
-  const auto target = device_argument(dl_device, "dl_device", unknown_device_type::unreachable);
-  const auto want_copy = copy_argument(copy);
-  const bool moves = target.has_value() && !same_device(*target, view.device());
-  HANDOFF_EXPECTS(!moves || target->device_type == kDLCPU, buffer_error,
-                  fmt::format("cannot export an array on {} to {}: the device is unreachable from there",
-                              device_text(view.device()), device_text(*target)));
-  if (moves && is_host_accessible(view.device().device_type) && want_copy != true) { return export_copy::host_view; }
-  HANDOFF_EXPECTS(!(moves && want_copy == false), buffer_error,
-                  fmt::format("exporting to {} needs a copy, but copy=False", device_text(*target)));
-  if (moves) { return export_copy::to_host; }
-  return want_copy == true ? export_copy::same_device : export_copy::none;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -339,19 +306,22 @@ py::capsule export_dlpack(const array& view, py::handle stream, py::handle max_v
 {
   const stream_request request = classify_stream(view.device().device_type, stream_argument(stream));
   const auto version = requested_version(max_version);
-  const export_copy copying =
-    (!dl_device.is_none() || !copy.is_none()) ? copy_needed(view, dl_device, copy) : export_copy::none;
-  if (copying == export_copy::none) {
+  const transfer copying =
+    (!dl_device.is_none() || !copy.is_none())
+      ? plan_export(view, device_argument(dl_device, "dl_device", unknown_device_type::unreachable),
+                    copy_argument(copy))
+      : transfer::none;
+  if (copying == transfer::none) {
     // Nothing to order (host data, stream=-1) needs no device runtime, as a host import needs none.
     if (request.order != stream_order::none) { order_export(active_context(), view, request); }
     return counted_capsule(view, version, false);
   }
-  if (copying == export_copy::host_view) {
+  if (copying == transfer::host_view) {
     context& ctx = require_context("exporting host-accessible device memory to the CPU");
     return counted_capsule(without_gil([&] { return host_view(ctx, view); }), version, false);
   }
-  const array copied = copy_of(view, copying == export_copy::to_host);
-  if (copying == export_copy::same_device) { order_export(active_context(), copied, request); }
+  const array copied = copy_of(view, copying == transfer::to_host);
+  if (copying == transfer::same_device) { order_export(active_context(), copied, request); }
   return counted_capsule(copied, version, true);
 }
 

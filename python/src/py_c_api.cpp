@@ -9,6 +9,7 @@
 
 #include <handoff/python_c_api.h>
 #include <handoff/error.hpp>
+#include <handoff/stream_value.hpp>
 
 #include <fmt/format.h>
 
@@ -71,10 +72,8 @@ int describe(PyObject* object, handoff_array_info* out) noexcept
     return -1;
   }
   const auto ready = view->owner().ready_on();
-  auto stream = ready ? static_cast<std::intptr_t>(static_cast<std::uintptr_t>(ready->stream)) : 0;
-  if (ready && stream == 0 && is_cuda_device(view->device().device_type)) {
-    stream = 1;  // CUDA's legacy default stream: handle 0 names it, and cudaStreamLegacy is 1
-  }
+  const std::intptr_t stream =
+    ready ? stream_value_of(view->device().device_type, static_cast<std::uint64_t>(ready->stream)) : 0;
   *out = handoff_array_info{
     .data = view->data(),
     .ndim = view->ndim(),

@@ -55,9 +55,7 @@ py::object producer_stream_argument(py::handle stream, DLDeviceType device)
 {
   if (stream.is_none() || (!is_cuda_device(device) && !is_rocm_device(device))) { return py::none(); }
   if (PyLong_Check(stream.ptr())) { return py::reinterpret_borrow<py::object>(stream); }
-  // A stream object: its native handle, with CUDA's legacy default (handle 0) spelled 1 as DLPack asks.
-  const std::uint64_t handle = stream_handle(stream);
-  return py::int_(is_cuda_device(device) && handle == 0 ? 1 : handle);
+  return py::int_(stream_value_of(device, stream_handle(stream)));
 }
 
 std::optional<consumer_binding> consumer_binding_of(const array& view, py::handle consumer)
@@ -230,16 +228,17 @@ dlpack_result request_capsule(py::handle x, py::handle stream, py::handle device
 // by a copy when one is needed.
 void settle(array& view, std::optional<DLDevice> device, std::optional<bool> copy, bool producer_honoured)
 {
-  if (device && (device->device_type != view.device().device_type || device->device_id != view.device().device_id)) {
-    HANDOFF_EXPECTS(
-      device->device_type == kDLCPU && copy != false, buffer_error,
-      fmt::format("the data is on device ({}, {}) and cannot be imported to ({}, {}){}",
-                  static_cast<int>(view.device().device_type), view.device().device_id,
-                  static_cast<int>(device->device_type), device->device_id, copy == false ? " with copy=False" : ""));
-    view = copy_of(view, /*to_host=*/true);
-    return;
+  switch (plan_import(view, device, copy, producer_honoured)) {
+    case transfer::to_host:
+      view = copy_of(view, /*to_host=*/true);
+      break;
+    case transfer::same_device:
+      view = copy_of(view, /*to_host=*/false);
+      break;
+    case transfer::none:
+    case transfer::host_view:
+      break;
   }
-  if (copy == true && !producer_honoured) { view = copy_of(view, /*to_host=*/false); }
 }
 
 // The DLPack stream value of a consumer stream from consumer_stream() for data on `device`

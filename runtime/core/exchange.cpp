@@ -9,9 +9,55 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <memory>
+#include <string>
 
 namespace handoff {
+
+namespace {
+
+bool same_device(DLDevice a, DLDevice b) noexcept
+{
+  return a.device_type == b.device_type && a.device_id == b.device_id;
+}
+
+}  // namespace
+
+std::optional<DLPackVersion> export_version(std::optional<DLPackVersion> consumer_max) noexcept
+{
+  if (!consumer_max || consumer_max->major < 1) { return std::nullopt; }
+  const std::uint32_t minor = consumer_max->major == DLPACK_MAJOR_VERSION
+                                ? std::min<std::uint32_t>(consumer_max->minor, DLPACK_MINOR_VERSION)
+                                : DLPACK_MINOR_VERSION;
+  return DLPackVersion{DLPACK_MAJOR_VERSION, minor};
+}
+
+transfer plan_export(const array& view, std::optional<DLDevice> target, std::optional<bool> copy)
+{
+  const bool moves = target.has_value() && !same_device(*target, view.device());
+  HANDOFF_EXPECTS(!moves || target->device_type == kDLCPU, buffer_error,
+                  fmt::format("cannot export an array on {} to {}: the device is unreachable from there",
+                              device_text(view.device()), device_text(*target)));
+  if (moves && is_host_accessible(view.device().device_type) && copy != true) { return transfer::host_view; }
+  HANDOFF_EXPECTS(!(moves && copy == false), buffer_error,
+                  fmt::format("exporting to {} needs a copy, but copy=False", device_text(*target)));
+  if (moves) { return transfer::to_host; }
+  return copy == true ? transfer::same_device : transfer::none;
+}
+
+transfer plan_import(const array& view, std::optional<DLDevice> target, std::optional<bool> copy, bool producer_copied)
+{
+  if (target && !same_device(*target, view.device())) {
+    HANDOFF_EXPECTS(
+      target->device_type == kDLCPU && copy != false, buffer_error,
+      fmt::format("the data is on device ({}, {}) and cannot be imported to ({}, {}){}",
+                  static_cast<int>(view.device().device_type), view.device().device_id,
+                  static_cast<int>(target->device_type), target->device_id, copy == false ? " with copy=False" : ""));
+    return transfer::to_host;
+  }
+  return copy == true && !producer_copied ? transfer::same_device : transfer::none;
+}
 
 std::optional<device::stream_handle> resolve_stream(device::backend& backend, stream_request request)
 {

@@ -102,4 +102,10 @@ stream_request classify_stream(DLDeviceType device, std::optional<std::int64_t> 
   throw invalid("arrays on this device are not stream-ordered; pass stream=None");
 }
 
+std::string device_text(DLDevice device)
+{
+  return fmt::format("{} device {} (({}, {}))", device_type_name(device.device_type), device.device_id,
+                     static_cast<int>(device.device_type), device.device_id);
+}
+
 }  // namespace handoff

@@ -11,6 +11,32 @@
 
 namespace handoff {
 
+/// The DLPack version an export stamps for a consumer that reads at most `consumer_max`: nullopt
+/// (the legacy, unversioned capsule) when it gave none or a major version below 1; ours otherwise,
+/// with the consumer's minor when it is older, so that it can read every field set.
+[[nodiscard]] std::optional<DLPackVersion> export_version(std::optional<DLPackVersion> consumer_max) noexcept;
+
+/// What handing `view` over to `target` with the array API's `copy` makes.
+enum class transfer {
+  none,         ///< the view itself
+  same_device,  ///< a copy on the view's device
+  to_host,      ///< a copy in host memory
+  host_view,    ///< the view's host-accessible memory (pinned, managed) as CPU data, not copied
+};
+
+/// The export of `view` to `target` (nullopt: its own device) with `copy` (nullopt: only if needed):
+/// host-accessible memory moves to the CPU as a host view unless a copy is asked for, other device
+/// memory by a copy.
+/// @throws buffer_error when `target` is neither the view's device nor the CPU, or a copy is needed
+///         and `copy` is false.
+[[nodiscard]] transfer plan_export(const array& view, std::optional<DLDevice> target, std::optional<bool> copy);
+
+/// The import of `view`, as its producer handed it over, for a consumer asking for `target` and
+/// `copy`; `producer_copied` when the producer made a copy already (it honoured copy=True).
+/// @throws buffer_error as plan_export.
+[[nodiscard]] transfer plan_import(const array& view, std::optional<DLDevice> target, std::optional<bool> copy,
+                                   bool producer_copied);
+
 /// The stream a validated DLPack request names on `backend`; nullopt when it asks for no ordering.
 [[nodiscard]] std::optional<device::stream_handle> resolve_stream(device::backend& backend, stream_request request);
 

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 
 namespace handoff {
 
@@ -52,6 +53,14 @@ struct stream_request {
   return std::nullopt;
 }
 
+/// The DLPack stream value naming native stream `handle` for `device`'s memory: the handle itself,
+/// but CUDA's legacy default stream, handle 0, is 1 (cudaStreamLegacy), as DLPack and the CUDA Array
+/// Interface spell it; 0 would be ambiguous there.
+[[nodiscard]] constexpr std::int64_t stream_value_of(DLDeviceType device, std::uint64_t handle) noexcept
+{
+  return is_cuda_device(device) && handle == 0 ? 1 : static_cast<std::int64_t>(handle);
+}
+
 /// True for device types whose memory the host can read and write directly (pinned, managed).
 [[nodiscard]] constexpr bool is_host_accessible(DLDeviceType device) noexcept
 {
@@ -63,5 +72,8 @@ struct stream_request {
 
 /// Name of a device type for messages ("CUDA", "ROCm host", ...).
 [[nodiscard]] const char* device_type_name(DLDeviceType device) noexcept;
+
+/// A device for messages: "CUDA device 0 ((2, 0))".
+[[nodiscard]] std::string device_text(DLDevice device);
 
 }  // namespace handoff

@@ -75,3 +75,13 @@ TEST(StreamValueMessageTest, NamesTheValueAndDevice)
 }
 
 }  // namespace
+
+TEST(StreamValueOfTest, OnlyCudasLegacyHandleIsRespelled)
+{
+  using handoff::stream_value_of;
+  static_assert(stream_value_of(kDLCUDA, 0) == 1);  // cudaStreamLegacy
+  static_assert(stream_value_of(kDLCUDAManaged, 0) == 1);
+  static_assert(stream_value_of(kDLROCM, 0) == 0);  // ROCm's default stream is 0 in DLPack
+  static_assert(stream_value_of(kDLCUDA, 0x1234) == 0x1234);
+  EXPECT_EQ(handoff::device_text({kDLCUDA, 1}), "CUDA device 1 ((2, 1))");
+}
