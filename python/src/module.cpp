@@ -1,6 +1,8 @@
 // handoff._handoff: the extension module. It only binds; the logic lives in the runtime.
+#include "py_arguments.hpp"
 #include "py_array.hpp"
 #include "py_c_api.hpp"
+#include "py_errors.hpp"
 #include "py_exchange.hpp"
 #include "py_gil.hpp"
 #include "py_interfaces.hpp"
@@ -9,6 +11,7 @@
 #include "py_view.hpp"
 
 #include <handoff/error.hpp>
+#include <handoff/exchange.hpp>
 #include <handoff/runtime.hpp>
 #include <handoff/stats.hpp>
 #include <handoff/stream_value.hpp>
@@ -83,6 +86,7 @@ PYBIND11_MODULE(_handoff, m)
 
   set_finalizing_thread(py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>());
   set_deleter_runner(&run_deleter_with_gil);
+  set_blocking_section(&run_without_gil);
   bind_array(m);
   bind_streams(m);
   init_exchange(m);

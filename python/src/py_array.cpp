@@ -2,9 +2,11 @@
 // object allocation) with its properties, and the producer side of DLPack and the array interfaces.
 #include "py_array.hpp"
 
+#include "py_arguments.hpp"
 #include "py_array_exchange_api.hpp"
+#include "py_capsule.hpp"
+#include "py_errors.hpp"
 #include "py_gil.hpp"
-#include "py_support.hpp"
 
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
@@ -299,30 +301,18 @@ constexpr const char* array_doc =
 
 }  // namespace
 
-// A copy is enqueued after the producer's pending work, so the consumer is ordered after the copy.
-// Ordering only enqueues device work, so the GIL is kept.
 py::capsule export_dlpack(const array& view, py::handle stream, py::handle max_version, py::handle dl_device,
                           py::handle copy)
 {
   const stream_request request = classify_stream(view.device().device_type, stream_argument(stream));
   const auto version = requested_version(max_version);
-  const transfer copying =
-    (!dl_device.is_none() || !copy.is_none())
-      ? plan_export(view, device_argument(dl_device, "dl_device", unknown_device_type::unreachable),
-                    copy_argument(copy))
-      : transfer::none;
-  if (copying == transfer::none) {
-    // Nothing to order (host data, stream=-1) needs no device runtime, as a host import needs none.
-    if (request.order != stream_order::none) { order_export(active_context(), view, request); }
-    return counted_capsule(view, version, false);
-  }
-  if (copying == transfer::host_view) {
-    context& ctx = require_context("exporting host-accessible device memory to the CPU");
-    return counted_capsule(without_gil([&] { return host_view(ctx, view); }), version, false);
-  }
-  const array copied = copy_of(view, copying == transfer::to_host);
-  if (copying == transfer::same_device) { order_export(active_context(), copied, request); }
-  return counted_capsule(copied, version, true);
+  const transfer how = dl_device.is_none() && copy.is_none()
+                         ? transfer::none
+                         : plan_export(view, device_argument(dl_device, "dl_device", unknown_device_type::unreachable),
+                                       copy_argument(copy));
+  const std::unique_ptr<const array> made = prepare_export(view, request, how);
+  const bool copied = how == transfer::to_host || how == transfer::same_device;
+  return counted_capsule(made ? *made : view, version, copied);
 }
 
 py::object wrap(array&& view)

@@ -1,9 +1,13 @@
 // handoff.Array: a plain CPython type holding a handoff::array, and the producer side of DLPack.
 #pragma once
 
-#include "py_support.hpp"
+#include <handoff/array.hpp>
+
+#include <pybind11/pybind11.h>
 
 namespace handoff::python {
+
+namespace py = pybind11;
 
 /// Creates the `handoff.Array` type and adds it to `m`.
 void bind_array(py::module_& m);

@@ -6,8 +6,10 @@
 #include "py_array_exchange_api.hpp"
 
 #include "py_array.hpp"
+#include "py_errors.hpp"
 #include "py_exchange.hpp"
 #include "py_gil.hpp"
+#include "py_streams.hpp"
 
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
@@ -41,15 +43,9 @@ void hand_to_work_stream(const array& view)
 {
   const DLDeviceType type = view.device().device_type;
   if (!is_cuda_device(type) && !is_rocm_device(type)) { return; }
-  const py::object block = work_stream_object(view.device());
-  const py::object consumer = producer_stream_argument(block, type);  // None: the device's default
-  order_export(active_context(), view, classify_stream(type, stream_argument(consumer)));
-  if (const auto binding = consumer_binding_of(view, consumer)) {
-    view.owner().release_after({.ctx = binding->ctx,
-                                .device = binding->device,
-                                .stream = binding->stream,
-                                .stream_owner = stream_keep_alive(block)});
-  }
+  const named_stream consumer = stream_named_by(work_stream_object(view.device()));
+  order_export(active_context(), view, request_for(consumer, type));
+  if (const auto binding = consumer_binding(view, consumer)) { view.owner().release_after(*binding); }
 }
 
 // The handoff.Array a table function was given. @throws type_error for anything else.
@@ -128,8 +124,7 @@ int managed_tensor_to_py_object(DLManagedTensorVersioned* tensor, void** out) no
     expect_output(out, function);
     *out = nullptr;
     // The consumer made the data on its work stream: the view is ready there, and released after it.
-    const py::object block = work_stream_object(view.device());
-    bind_to_consumer(view, producer_stream_argument(block, view.device().device_type), block);
+    bind_to_consumer(view, stream_named_by(work_stream_object(view.device())));
     count(counter::imports);
     *out = wrap(std::move(view)).release().ptr();
   });
@@ -151,10 +146,9 @@ stream_binding allocation_stream(context& ctx, DLDevice device)
 {
   const gil_scope gil;  // declared first: the objects below are released while it is held
   if (!gil.held()) { throw std::runtime_error("the interpreter is shutting down"); }
-  const py::object block = work_stream_object(device);
-  const py::object value = producer_stream_argument(block, device.device_type);
-  const auto stream = resolve_stream(ctx.backend(), classify_stream(device.device_type, stream_argument(value)));
-  return {.ctx = &ctx, .device = device.device_id, .stream = *stream, .stream_owner = stream_keep_alive(block)};
+  named_stream on = stream_named_by(work_stream_object(device));
+  const auto stream = resolve_stream(ctx.backend(), request_for(on, device.device_type));
+  return {.ctx = &ctx, .device = device.device_id, .stream = *stream, .stream_owner = std::move(on.owner)};
 }
 
 array allocate_like(const DLTensor& prototype)

@@ -2,11 +2,13 @@
 // arrays without calling Python.
 #pragma once
 
-#include "py_support.hpp"
+#include <pybind11/pybind11.h>
 
 #include <handoff/dlpack.h>
 
 namespace handoff::python {
+
+namespace py = pybind11;
 
 /// The DLPack version whose exchange API the table implements.
 inline constexpr DLPackVersion exchange_api_version{1, 2};

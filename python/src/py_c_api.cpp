@@ -4,6 +4,7 @@
 #include "py_c_api.hpp"
 
 #include "py_array.hpp"
+#include "py_errors.hpp"
 #include "py_exchange.hpp"
 #include "py_view.hpp"
 

@@ -3,7 +3,11 @@
 // on the type without creating a bound method.
 #include "py_exchange.hpp"
 
+#include "py_arguments.hpp"
 #include "py_array.hpp"
+#include "py_capsule.hpp"
+#include "py_cpython.hpp"
+#include "py_errors.hpp"
 #include "py_exchange_api.hpp"
 #include "py_interfaces.hpp"
 #include "py_streams.hpp"
@@ -26,12 +30,14 @@ namespace {
 
 // Interned names and constant arguments, made once: the import path is hot.
 struct cached_objects {
-  PyObject* dlpack = nullptr;          // "__dlpack__"
-  PyObject* dlpack_device = nullptr;   // "__dlpack_device__"
-  PyObject* max_version = nullptr;     // (1, 1)
-  PyObject* kw_max_version = nullptr;  // ("max_version",)
-  PyObject* stream_var = nullptr;      // ContextVar of handoff.stream(...) blocks
-  PyTypeObject* ndarray = nullptr;     // numpy.ndarray, once one was seen
+  PyObject* dlpack = nullptr;                // "__dlpack__"
+  PyObject* dlpack_device = nullptr;         // "__dlpack_device__"
+  PyObject* cuda_array_interface = nullptr;  // "__cuda_array_interface__"
+  PyObject* array_interface = nullptr;       // "__array_interface__"
+  PyObject* max_version = nullptr;           // (1, 1)
+  PyObject* kw_max_version = nullptr;        // ("max_version",)
+  PyObject* stream_var = nullptr;            // ContextVar of handoff.stream(...) blocks
+  PyTypeObject* ndarray = nullptr;           // numpy.ndarray, once one was seen
   // The keyword names of __dlpack__, interned: producers' argument parsers match them by identity
   // before comparing text.
   PyObject* max_version_name = nullptr;
@@ -51,42 +57,13 @@ py::object enclosing_stream()
   return py::reinterpret_steal<py::object>(value);  // the block stored a handoff.Stream
 }
 
-py::object producer_stream_argument(py::handle stream, DLDeviceType device)
+named_stream consumer_stream(py::handle stream)
 {
-  if (stream.is_none() || (!is_cuda_device(device) && !is_rocm_device(device))) { return py::none(); }
-  if (PyLong_Check(stream.ptr())) { return py::reinterpret_borrow<py::object>(stream); }
-  return py::int_(stream_value_of(device, stream_handle(stream)));
-}
-
-std::optional<consumer_binding> consumer_binding_of(const array& view, py::handle consumer)
-{
-  const DLDeviceType type = view.device().device_type;
-  if (!is_cuda_device(type) && !is_rocm_device(type)) { return std::nullopt; }
-  // The stream value is checked against the device whether or not a backend orders its memory here.
-  const stream_request request = classify_stream(type, stream_argument(consumer));
-  if (request.order == stream_order::none) { return std::nullopt; }  // the consumer orders its work itself
-  require_ordering(type);
-  context* ctx = active_context();
-  if (ctx == nullptr || !is_stream_ordered(*ctx, view)) { return std::nullopt; }
-  return consumer_binding{ctx, owning_device(*ctx, view), *resolve_stream(ctx->backend(), request)};
-}
-
-py::object consumer_stream(py::handle stream)
-{
-  if (stream.is_none()) { return enclosing_stream(); }
-  if (PyLong_Check(stream.ptr()) != 0) {
-    (void)stream_argument(stream);  // bool and range checks
-    return py::reinterpret_borrow<py::object>(stream);
-  }
-  (void)stream_handle(stream);                        // TypeError for what is no stream, as handoff.as_stream raises
-  return py::reinterpret_borrow<py::object>(stream);  // kept itself: it may own the stream
-}
-
-void bind_to_consumer(const array& view, py::handle consumer, py::handle stream_object)
-{
-  if (const auto binding = consumer_binding_of(view, consumer)) {
-    bind_import(*binding->ctx, view, binding->device, binding->stream, stream_keep_alive(stream_object));
-  }
+  if (!stream.is_none()) { return stream_named_by(stream); }
+  PyObject* block = nullptr;
+  if (PyContextVar_Get(cached.stream_var, nullptr, &block) != 0) { throw py::error_already_set(); }
+  if (block == nullptr) { return {}; }  // the default stream
+  return stream_named_by(py::reinterpret_steal<py::object>(block));
 }
 
 namespace {
@@ -224,74 +201,36 @@ dlpack_result request_capsule(py::handle x, py::handle stream, py::handle device
   return {call_dlpack(x, legacy_args), true};
 }
 
-// Applies `device` and `copy` to an imported view where the producer could not: replaces `view`
-// by a copy when one is needed.
-void settle(array& view, std::optional<DLDevice> device, std::optional<bool> copy, bool producer_honoured)
-{
-  switch (plan_import(view, device, copy, producer_honoured)) {
-    case transfer::to_host:
-      view = copy_of(view, /*to_host=*/true);
-      break;
-    case transfer::same_device:
-      view = copy_of(view, /*to_host=*/false);
-      break;
-    case transfer::none:
-    case transfer::host_view:
-      break;
-  }
-}
-
-// The DLPack stream value of a consumer stream from consumer_stream() for data on `device`
-// (nullopt: the default).
-std::optional<std::int64_t> consumer_value(py::handle consumer, DLDeviceType device)
-{
-  return consumer.is_none() ? std::nullopt : stream_argument(producer_stream_argument(consumer, device));
-}
-
 // Imports `x` through its type's DLPack C exchange API for `consumer` (from consumer_stream()). The
 // `no_sync` call leaves ordering to us: the consumer stream waits for the stream the producer's
 // work is on, as for a CUDA Array Interface v3 stream. nullopt when a call of the table failed, so
 // that the caller uses __dlpack__; a tensor already made is then released with its view.
-std::optional<array> import_through_exchange_api(const DLPackExchangeAPI& api, py::handle x, py::handle consumer)
+std::optional<array> import_through_exchange_api(const DLPackExchangeAPI& api, py::handle x,
+                                                 const named_stream& consumer)
 {
   DLManagedTensorVersioned* tensor = managed_tensor_of(api, x.ptr());
   if (tensor == nullptr) { return std::nullopt; }
   array view = import_dlpack(tensor);  // its deleter runs exactly once from here on
   // Only complex data can be lazily conjugated; __dlpack__ refuses such data with a reason.
   if (view.dtype().code == kDLComplex && is_lazy_conjugate(x.ptr())) { return std::nullopt; }
-  const DLDeviceType type = view.device().device_type;
-  const py::object consumer_arg =
-    consumer.is_none() ? py::object(py::none()) : producer_stream_argument(consumer, type);
-  const auto binding = consumer_binding_of(view, consumer_arg);
+  auto binding = consumer_binding(view, consumer);
   if (!binding) { return view; }
   std::optional<std::int64_t> producer;
   if (!current_work_stream(api, view.device(), producer)) { return std::nullopt; }
   device::backend& backend = binding->ctx->backend();
-  if (const auto producer_stream = resolve_stream(backend, classify_stream(type, producer))) {
+  if (const auto producer_stream = resolve_stream(backend, classify_stream(view.device().device_type, producer))) {
     stream_view{backend, binding->stream}.wait(stream_view{backend, *producer_stream}, binding->device,
                                                binding->ctx->events());
   }
-  bind_import(*binding->ctx, view, binding->device, binding->stream, stream_keep_alive(consumer));
+  bind_import(*binding->ctx, view, binding->device, binding->stream, std::move(binding->stream_owner));
   return view;
 }
 
-// The attribute `name` of `x`, or a null object when `x` has none. Only AttributeError means that:
-// any other exception a property raises propagates, as NumPy lets it.
-py::object protocol_attribute(py::handle x, const char* name)
-{
-  PyObject* value = PyObject_GetAttrString(x.ptr(), name);
-  if (value == nullptr) {
-    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) { throw py::error_already_set(); }
-    PyErr_Clear();
-    return {};
-  }
-  return py::reinterpret_steal<py::object>(value);
-}
-
-// Settles `view` (see settle), counts the import and wraps it as a handoff.Array.
+// Applies `device` and `copy` to an imported view where the producer could not (a copy when one is
+// needed), counts the import and wraps it as a handoff.Array.
 py::object finish(array&& view, std::optional<DLDevice> device, std::optional<bool> copy, bool producer_honoured)
 {
-  if (device || copy) { settle(view, device, copy, producer_honoured); }
+  if (device || copy) { view = transfer_array(view, plan_import(view, device, copy, producer_honoured)); }
   count_serialized(counter::imports);  // under the GIL
   return wrap(std::move(view));
 }
@@ -346,6 +285,8 @@ void init_exchange(py::module_& m)
 {
   cached.dlpack = PyUnicode_InternFromString("__dlpack__");
   cached.dlpack_device = PyUnicode_InternFromString("__dlpack_device__");
+  cached.cuda_array_interface = PyUnicode_InternFromString("__cuda_array_interface__");
+  cached.array_interface = PyUnicode_InternFromString("__array_interface__");
   cached.max_version = Py_BuildValue("(ii)", DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION);
   cached.max_version_name = PyUnicode_InternFromString("max_version");
   cached.stream_name = PyUnicode_InternFromString("stream");
@@ -353,9 +294,10 @@ void init_exchange(py::module_& m)
   cached.copy_name = PyUnicode_InternFromString("copy");
   cached.kw_max_version = Py_BuildValue("(O)", cached.max_version_name);
   cached.stream_var = PyContextVar_New("handoff.stream", nullptr);
-  if (cached.dlpack == nullptr || cached.dlpack_device == nullptr || cached.max_version == nullptr ||
-      cached.max_version_name == nullptr || cached.stream_name == nullptr || cached.dl_device_name == nullptr ||
-      cached.copy_name == nullptr || cached.kw_max_version == nullptr || cached.stream_var == nullptr) {
+  if (cached.dlpack == nullptr || cached.dlpack_device == nullptr || cached.cuda_array_interface == nullptr ||
+      cached.array_interface == nullptr || cached.max_version == nullptr || cached.max_version_name == nullptr ||
+      cached.stream_name == nullptr || cached.dl_device_name == nullptr || cached.copy_name == nullptr ||
+      cached.kw_max_version == nullptr || cached.stream_var == nullptr) {
     throw py::error_already_set();
   }
   init_exchange_api();
@@ -367,11 +309,11 @@ void init_exchange(py::module_& m)
 
 py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::handle stream)
 {
+  const named_stream consumer = consumer_stream(stream);
   // The C exchange API has no dl_device or copy: calls with them go through __dlpack__, whose
   // producer may honour them itself (a copy made by the producer, in its own stream order).
   if (device.is_none() && copy.is_none() && !is_numpy_array(x.ptr())) {
     if (const DLPackExchangeAPI* api = exchange_api_of(Py_TYPE(x.ptr()))) {
-      const py::object consumer = consumer_stream(stream);
       if (auto view = import_through_exchange_api(*api, x, consumer)) {
         count_serialized(counter::imports);  // under the GIL
         return wrap(std::move(*view));
@@ -380,14 +322,12 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
   }
   std::optional<DLDevice> claimed;  // what x.__dlpack_device__() says, once asked
   bool asked_device = false;
-  if (device.is_none() && copy.is_none() && stream.is_none()) {
+  if (device.is_none() && copy.is_none() && consumer.is_default()) {
     // The common call, from_dlpack(x), outside any handoff.stream block, for data without streams:
     // the general path below with nothing to check, settle or resolve, and a producer whose
     // __dlpack__ is a plain method. Device data goes the general way, which names the default
     // stream: an omitted `stream` is "no synchronization" to some producers (PyTorch).
-    PyObject* method = plain_dlpack_method(x.ptr());
-    const py::object consumer = method != nullptr ? consumer_stream(stream) : py::object{};
-    if (method != nullptr && consumer.is_none()) {
+    if (PyObject* method = plain_dlpack_method(x.ptr())) {
       if (!is_numpy_array(x.ptr())) {
         claimed = producer_device(x, /*required=*/false);
         asked_device = true;
@@ -405,21 +345,18 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
         if (claimed) {
           check_claimed_device(x, *claimed, view.device());
         } else if (view.device().device_type != kDLCPU) {
-          bind_to_consumer(view, py::none(), consumer);  // device data from a producer that hid its device
+          bind_to_consumer(view, consumer);  // device data from a producer that hid its device
         }
         count_serialized(counter::imports);  // under the GIL
         return wrap(std::move(view));
       }
     }
   }
-  const py::object consumer = consumer_stream(stream);
   const auto target = device_argument(device, "device");
   const auto want_copy = copy_argument(copy);
   if (PyCapsule_CheckExact(x.ptr())) {
     array view = consume_capsule(x);
-    bind_to_consumer(
-      view, consumer.is_none() ? py::object(py::none()) : producer_stream_argument(consumer, view.device().device_type),
-      consumer);
+    bind_to_consumer(view, consumer);
     return finish(std::move(view), target, want_copy, false);
   }
   HANDOFF_EXPECTS(
@@ -427,14 +364,9 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
     fmt::format("from_dlpack: {} object has no __dlpack__ method and is not a DLPack capsule", type_name(x)));
   // The stream value the producer gets depends on the device it says its data is on; for device
   // data the default stream is named explicitly, never left to the producer's reading of "omitted".
-  if (!asked_device) { claimed = producer_device(x, /*required=*/!consumer.is_none()); }
-  py::object producer_arg = py::none();
-  if (claimed && !consumer.is_none()) {
-    producer_arg = producer_stream_argument(consumer, claimed->device_type);
-  } else if (claimed) {
-    if (const auto value = default_stream_value(claimed->device_type)) { producer_arg = py::int_(*value); }
-  }
-  if (PyLong_Check(producer_arg.ptr())) { (void)stream_argument(producer_arg); }  // bool/range checks
+  if (!asked_device) { claimed = producer_device(x, /*required=*/!consumer.is_default()); }
+  const py::object producer_arg =
+    claimed ? stream_argument_for(consumer, claimed->device_type) : py::object(py::none());
   // The producer gets the device as DLPack spells it, a (device_type, device_id) tuple, whatever
   // spelling the caller used ("cpu").
   const py::object dl_device = target
@@ -443,7 +375,7 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
   const auto [capsule, legacy] = request_capsule(x, producer_arg, dl_device, copy);
   array view = consume_capsule(capsule);
   if (claimed) { check_claimed_device(x, target && !legacy ? *target : *claimed, view.device()); }
-  bind_to_consumer(view, producer_arg, consumer);
+  bind_to_consumer(view, consumer);
   return finish(std::move(view), target, want_copy, !legacy);
 }
 
@@ -461,19 +393,12 @@ py::object asarray(py::handle x, py::handle device, py::handle copy, py::handle 
       dlpack_refused = std::current_exception();
     }
   }
-  const py::object consumer = consumer_stream(stream);
   const auto target = device_argument(device, "device");
   const auto want_copy = copy_argument(copy);
-  if (const py::object cai = protocol_attribute(x, "__cuda_array_interface__"); cai && !cai.is_none()) {
-    // The data is on the active backend's device (ROCm's, for HIP builds of CUDA libraries): a
-    // consumer stream object is spelled as a stream value in that device's numbering.
-    const context* ctx = active_context();
-    const DLDeviceType cai_device = ctx != nullptr && ctx->backend().device_type() == kDLROCM ? kDLROCM : kDLCUDA;
-    return finish(
-      import_cuda_array_interface(x, cai, consumer_value(consumer, cai_device), stream_keep_alive(consumer)), target,
-      want_copy, false);
+  if (const py::object cai = optional_attribute(x, cached.cuda_array_interface); cai && !cai.is_none()) {
+    return finish(import_cuda_array_interface(x, cai, consumer_stream(stream)), target, want_copy, false);
   }
-  if (const py::object ai = protocol_attribute(x, "__array_interface__"); ai && !ai.is_none()) {
+  if (const py::object ai = optional_attribute(x, cached.array_interface); ai && !ai.is_none()) {
     return finish(import_array_interface(x, ai), target, want_copy, false);
   }
   if (PyObject_CheckBuffer(x.ptr()) != 0) { return finish(import_buffer(x), target, want_copy, false); }

@@ -3,6 +3,7 @@
 #include "py_exchange_api.hpp"
 
 #include "py_array_exchange_api.hpp"
+#include "py_errors.hpp"
 
 #include <handoff/log.hpp>
 

@@ -1,7 +1,7 @@
 // The consumer's calls into a producer's DLPack C exchange API (`__dlpack_c_exchange_api__`).
 #pragma once
 
-#include "py_support.hpp"
+#include <pybind11/pybind11.h>
 
 #include <handoff/dlpack.h>
 
@@ -9,6 +9,8 @@
 #include <optional>
 
 namespace handoff::python {
+
+namespace py = pybind11;
 
 /// Interns the attribute names; called once at module initialization.
 void init_exchange_api();

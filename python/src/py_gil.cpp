@@ -88,4 +88,14 @@ void take_gil_back(PyThreadState* state) noexcept
   }
 }
 
+void run_deleter_with_gil(void (*invoke)(void*) noexcept, void* tensor) noexcept
+{
+  with_gil([invoke, tensor] { invoke(tensor); });
+}
+
+void run_without_gil(void (*body)(void*), void* state)
+{
+  without_gil([body, state] { body(state); });
+}
+
 }  // namespace handoff::python

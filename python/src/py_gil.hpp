@@ -104,4 +104,13 @@ std::invoke_result_t<Work&> without_gil(Work&& work)
   }
 }
 
+/// The deleter runner handoff uses in Python (set_deleter_runner): a producer's deleter runs holding
+/// the GIL, since producers' deleters may take it; once the interpreter is finalizing, or other
+/// threads may no longer enter it, the deleter is not run and the process keeps the memory.
+void run_deleter_with_gil(void (*invoke)(void*) noexcept, void* tensor) noexcept;
+
+/// The blocking section handoff uses in Python (set_blocking_section): the host waits with the GIL
+/// released, so that other threads run meanwhile.
+void run_without_gil(void (*body)(void*), void* state);
+
 }  // namespace handoff::python

@@ -1,6 +1,9 @@
 #include "py_interfaces.hpp"
 
+#include "py_cpython.hpp"
+#include "py_errors.hpp"
 #include "py_gil.hpp"
+#include "py_owners.hpp"
 
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
@@ -40,7 +43,7 @@ class interface_reader {
 
   [[nodiscard]] std::int64_t integer(py::handle value, const char* what) const
   {
-    HANDOFF_EXPECTS(PyLong_Check(value.ptr()) && !PyBool_Check(value.ptr()), value_error,
+    HANDOFF_EXPECTS(is_int(value.ptr()), value_error,
                     fmt::format("{} '{}' must be an int, not {}", protocol_, what, type_name(value)));
     int overflow = 0;
     const long long out = PyLong_AsLongLongAndOverflow(value.ptr(), &overflow);
@@ -215,8 +218,7 @@ cuda_interface parse_cuda_array_interface(py::handle interface)
   return validate_cuda_array_interface(dict);
 }
 
-array import_cuda_array_interface(py::handle object, py::handle interface, std::optional<std::int64_t> consumer,
-                                  std::shared_ptr<const void> consumer_owner)
+array import_cuda_array_interface(py::handle object, py::handle interface, const named_stream& consumer)
 {
   cuda_interface parsed = parse_cuda_array_interface(interface);
   context& ctx = require_context("importing __cuda_array_interface__ data");
@@ -225,15 +227,14 @@ array import_cuda_array_interface(py::handle object, py::handle interface, std::
   const DLDeviceType type = parsed.layout.device.device_type;
   array view{std::move(parsed.layout), python_owner(object)};
 
-  const auto consumer_stream = resolve_stream(backend, classify_stream(type, consumer));
+  const auto consumer_stream = resolve_stream(backend, request_for(consumer, type));
   if (!consumer_stream) { return view; }  // the consumer orders its work itself
   const int device = owning_device(ctx, view);
   // v3: the producer's work on `stream` must finish before the consumer's, and its later work there
   // must wait for the consumer's. The interface numbers streams as CUDA does (1: legacy default,
   // 2: per-thread default) on every platform; the backend resolves those to its own default streams.
   const stream_request producer = parsed.stream ? classify_stream(kDLCUDA, parsed.stream) : stream_request{};
-  bind_interface_import(ctx, view, device, *consumer_stream, std::move(consumer_owner), producer,
-                        held_stream(object, producer));
+  bind_interface_import(ctx, view, device, *consumer_stream, consumer.owner, producer, held_stream(object, producer));
   return view;
 }
 

@@ -2,9 +2,11 @@
 #include "py_sim.hpp"
 
 #include "py_array.hpp"
+#include "py_cpython.hpp"
+#include "py_errors.hpp"
 #include "py_gil.hpp"
+#include "py_owners.hpp"
 #include "py_streams.hpp"
-#include "py_support.hpp"
 
 #include <handoff/device_guard.hpp>
 #include <handoff/dtype.hpp>
@@ -260,7 +262,7 @@ py::object to_numpy(py::handle source, py::handle stream)
 void synchronize(py::handle device)
 {
   auto s = require_sim();
-  const bool an_int = PyLong_Check(device.ptr()) && !PyBool_Check(device.ptr());
+  const bool an_int = is_int(device.ptr());
   HANDOFF_EXPECTS(device.is_none() || an_int, type_error,
                   fmt::format("device must be None or an int, not {}", type_name(device)));
   const int first = device.is_none() ? 0 : checked_device(s.sim, device.cast<long long>());  // with the GIL

@@ -1,6 +1,9 @@
 #include "py_streams.hpp"
 
-#include "py_support.hpp"
+#include "py_arguments.hpp"
+#include "py_cpython.hpp"
+#include "py_errors.hpp"
+#include "py_owners.hpp"
 
 #include <handoff/error.hpp>
 
@@ -30,24 +33,6 @@ PyObject* interned(const char* text)
   PyObject* name = PyUnicode_InternFromString(text);
   if (name == nullptr) { throw py::error_already_set(); }
   return name;
-}
-
-// An int that is no bool.
-bool is_int(PyObject* value) noexcept
-{
-  return PyLong_Check(value) && !PyBool_Check(value);
-}
-
-// getattr(object, name, None), null where the attribute is missing: only AttributeError means that.
-py::object optional_attribute(py::handle object, PyObject* name)
-{
-  PyObject* value = nullptr;
-#if PY_VERSION_HEX >= 0x030D0000
-  if (PyObject_GetOptionalAttr(object.ptr(), name, &value) < 0) { throw py::error_already_set(); }
-#else
-  if (_PyObject_LookupAttr(object.ptr(), name, &value) < 0) { throw py::error_already_set(); }
-#endif
-  return py::reinterpret_steal<py::object>(value);
 }
 
 // A handoff.Stream handle: an int in [0, 2**63).
@@ -106,7 +91,7 @@ struct resolved_stream {
 
 // The stream a stream object names by `handle`, on the device it names. The device is read first,
 // as as_stream always did (it made Stream(handle, device=...), its arguments evaluated first).
-resolved_stream named_stream(py::handle stream, py::handle handle)
+resolved_stream stream_named_by_handle(py::handle stream, py::handle handle)
 {
   py::object device = device_of(stream);
   const std::uint64_t native = checked_handle(handle);
@@ -135,11 +120,11 @@ resolved_stream resolve_stream_object(py::handle stream)
                       is_int(PyTuple_GET_ITEM(pair, 1)),
                     type_error,
                     fmt::format("{}.__cuda_stream__() must return (version, handle), two ints", type_name(stream)));
-    return named_stream(stream, PyTuple_GET_ITEM(pair, 1));
+    return stream_named_by_handle(stream, PyTuple_GET_ITEM(pair, 1));
   }
   for (PyObject* name : std::array{names.cuda_stream, names.ptr}) {
     if (const py::object handle = optional_attribute(stream, name); handle && is_int(handle.ptr())) {
-      return named_stream(stream, handle);
+      return stream_named_by_handle(stream, handle);
     }
   }
   throw type_error(
@@ -156,6 +141,19 @@ std::uint64_t stream_handle(py::handle stream)
     return checked_handle(stream.attr(names.handle));
   }
   return resolve_stream_object(stream).handle;
+}
+
+named_stream stream_named_by(py::handle stream)
+{
+  if (stream.is_none()) { return {}; }
+  if (is_int(stream.ptr())) { return named_stream::dlpack(*stream_argument(stream)); }
+  return named_stream::native(stream_handle(stream), stream_keep_alive(stream));  // TypeError for what is no stream
+}
+
+py::object stream_argument_for(const named_stream& stream, DLDeviceType device)
+{
+  const auto value = dlpack_stream_value(stream, device);
+  return value ? py::object(py::int_(*value)) : py::object(py::none());
 }
 
 void bind_streams(py::module_& m)

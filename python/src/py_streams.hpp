@@ -3,6 +3,8 @@
 // object calls no Python code of handoff's and makes no handoff.Stream.
 #pragma once
 
+#include <handoff/stream_value.hpp>
+
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -16,6 +18,16 @@ namespace py = pybind11;
 /// @throws type_error for a bool or what is no stream, value_error for a handle outside
 ///         [0, 2**63) or a negative device; what the object's own attributes raise propagates.
 [[nodiscard]] std::uint64_t stream_handle(py::handle stream);
+
+/// A `stream` argument as a named_stream, read once: None is the default stream, an int a DLPack
+/// stream value (checked: no bool, within int64), anything else a stream object's native handle,
+/// the object kept as its owner (it may own the stream).
+/// @throws what stream_handle throws for what is no stream; value_error for an int out of range.
+[[nodiscard]] named_stream stream_named_by(py::handle stream);
+
+/// The `stream` argument that names `stream` to the `__dlpack__` of data on `device`: None or an
+/// int (dlpack_stream_value).
+[[nodiscard]] py::object stream_argument_for(const named_stream& stream, DLDeviceType device);
 
 /// Binds `_resolve_stream`, `_check_stream` and `_set_stream_type`, which handoff._streams uses.
 void bind_streams(py::module_& m);

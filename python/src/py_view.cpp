@@ -3,8 +3,13 @@
 // are the runtime's (make_view).
 #include "py_view.hpp"
 
+#include "py_arguments.hpp"
 #include "py_array.hpp"
+#include "py_cpython.hpp"
+#include "py_errors.hpp"
 #include "py_exchange.hpp"
+#include "py_owners.hpp"
+#include "py_streams.hpp"
 
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
@@ -21,8 +26,7 @@ namespace {
 
 std::int64_t int64_of(py::handle value, const char* field)
 {
-  HANDOFF_EXPECTS(PyLong_Check(value.ptr()) && !PyBool_Check(value.ptr()), type_error,
-                  fmt::format("{} must hold ints, not {}", field, type_name(value)));
+  HANDOFF_EXPECTS(is_int(value.ptr()), type_error, fmt::format("{} must hold ints, not {}", field, type_name(value)));
   int overflow = 0;
   const long long out = PyLong_AsLongLongAndOverflow(value.ptr(), &overflow);
   HANDOFF_EXPECTS(overflow == 0, value_error,
@@ -34,7 +38,7 @@ std::int64_t int64_of(py::handle value, const char* field)
 extents int_sequence(py::handle value, const char* field)
 {
   extents out;
-  if (PyLong_Check(value.ptr()) && !PyBool_Check(value.ptr())) {
+  if (is_int(value.ptr())) {
     out.push_back(int64_of(value, field));
     return out;
   }
@@ -46,8 +50,7 @@ extents int_sequence(py::handle value, const char* field)
 
 void* data_pointer(py::handle value)
 {
-  HANDOFF_EXPECTS(PyLong_Check(value.ptr()) && !PyBool_Check(value.ptr()), type_error,
-                  fmt::format("data_ptr must be an int, not {}", type_name(value)));
+  HANDOFF_EXPECTS(is_int(value.ptr()), type_error, fmt::format("data_ptr must be an int, not {}", type_name(value)));
   const unsigned long long address = PyLong_AsUnsignedLongLong(value.ptr());
   if (address == static_cast<unsigned long long>(-1) && PyErr_Occurred() != nullptr) {
     PyErr_Clear();
@@ -70,15 +73,6 @@ DLDataType dtype_argument(py::handle value)
                               "'bool', 'bfloat16', 'complex64', ...)",
                               text));
   return *dtype;
-}
-
-// The `stream` of handoff.view as a DLPack stream value for data on `device` (None: unknown).
-std::optional<std::int64_t> ready_stream_value(py::handle stream, DLDeviceType device)
-{
-  if (PyLong_Check(stream.ptr()) != 0) { return stream_argument(stream); }  // checked by the stream table
-  HANDOFF_EXPECTS(is_cuda_device(device) || is_rocm_device(device), value_error,
-                  fmt::format("stream: {} data has no streams", device_type_name(device)));
-  return stream_argument(producer_stream_argument(stream, device));
 }
 
 py::object view(py::handle data_ptr, py::handle shape, py::handle dtype, py::handle device, py::handle strides,
@@ -106,15 +100,15 @@ py::object make_array(array_layout layout, py::handle owner, py::handle stream)
 {
   // None: the stream is unknown, which is not DLPack's None (the default stream).
   stream_request ready{};
-  py::object stream_object = py::none();
+  named_stream named;
   if (!stream.is_none()) {
     const DLDeviceType type = layout.device.device_type;
-    stream_object = consumer_stream(stream);
-    ready = classify_stream(type, ready_stream_value(stream_object, type));
+    named = stream_named_by(stream);
+    ready = request_for(named, type);
     if (ready.order != stream_order::none) { require_ordering(type); }
   }
   producer_ref keep = owner.is_none() ? producer_ref{[] {}} : python_owner(owner);
-  return wrap(make_view(active_context(), std::move(layout), std::move(keep), ready, stream_keep_alive(stream_object)));
+  return wrap(make_view(active_context(), std::move(layout), std::move(keep), ready, std::move(named.owner)));
 }
 
 py::capsule exporter_dlpack(py::handle instance, py::handle exported, py::handle stream, py::handle max_version,

@@ -1,11 +1,15 @@
 // For library authors: handoff.view and the export behind handoff.Exporter.
 #pragma once
 
-#include "py_support.hpp"
+#include <handoff/array.hpp>
+
+#include <pybind11/pybind11.h>
 
 #include <handoff/array.hpp>
 
 namespace handoff::python {
+
+namespace py = pybind11;
 
 /// handoff.view of a checked `layout`: `owner` (None or any object) is held until the last view,
 /// capsule and consumer stream using the memory are done; `stream` is the stream the data is ready

@@ -1,6 +1,7 @@
 #include <handoff/device_guard.hpp>
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
+#include <handoff/runtime.hpp>
 #include <handoff/stats.hpp>
 #include <handoff/stream.hpp>
 
@@ -9,8 +10,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace handoff {
@@ -87,6 +90,71 @@ array host_view(context& ctx, const array& view)
   array_layout layout = view.layout();
   layout.device = {kDLCPU, 0};
   return array{std::move(layout), view.owner()};
+}
+
+namespace {
+
+std::atomic<blocking_section> installed_section{nullptr};
+
+// Runs `wait` (returning an array) in the installed blocking section.
+template <typename Wait>
+array blocking(Wait&& wait)
+{
+  const blocking_section section = installed_section.load(std::memory_order_acquire);
+  if (section == nullptr) { return wait(); }
+  struct state_type {
+    Wait& wait;
+    std::optional<array> result;
+  } state{wait, std::nullopt};
+  section([](void* raw) { static_cast<state_type*>(raw)->result.emplace(static_cast<state_type*>(raw)->wait()); },
+          &state);
+  return std::move(*state.result);
+}
+
+}  // namespace
+
+void set_blocking_section(blocking_section section) noexcept
+{
+  installed_section.store(section, std::memory_order_release);
+}
+
+array transfer_array(const array& view, transfer how)
+{
+  if (how == transfer::none) { return view; }
+  if (view.device().device_type == kDLCPU) { return copy_to_host(view); }
+  context& ctx = require_context(how == transfer::host_view ? "exporting host-accessible device memory to the CPU"
+                                                            : "copying device memory");
+  if (how == transfer::host_view) {
+    return blocking([&] { return host_view(ctx, view); });
+  }
+  HANDOFF_EXPECTS(is_stream_ordered(ctx, view), buffer_error,
+                  fmt::format("the {} backend cannot copy {} memory", ctx.backend().name(),
+                              device_type_name(view.device().device_type)));
+  if (how == transfer::same_device) { return copy_device_array(ctx, view, false); }  // only enqueues
+  return blocking([&] { return copy_device_array(ctx, view, true); });
+}
+
+namespace {
+
+// prepare_export with a transfer, kept out of line: the common export (the view itself) stays a few
+// instructions.
+[[gnu::noinline]] std::unique_ptr<const array> transferred_export(const array& view, stream_request consumer,
+                                                                  transfer how)
+{
+  auto made = std::make_unique<const array>(transfer_array(view, how));
+  if (how == transfer::same_device && consumer.order != stream_order::none) {
+    order_export(active_context(), *made, consumer);
+  }
+  return made;
+}
+
+}  // namespace
+
+std::unique_ptr<const array> prepare_export(const array& view, stream_request consumer, transfer how)
+{
+  if (how != transfer::none) { return transferred_export(view, consumer, how); }
+  if (consumer.order != stream_order::none) { order_export(active_context(), view, consumer); }
+  return nullptr;
 }
 
 bool is_stream_ordered(const context& ctx, const array& view) noexcept
@@ -233,6 +301,28 @@ void bind_import(context& ctx, const array& view, int device, device::stream_han
                  std::shared_ptr<const void> consumer_owner)
 {
   bind_to(ctx, view, device, consumer, std::move(consumer_owner), std::nullopt);
+}
+
+std::optional<stream_binding> consumer_binding(const array& view, const named_stream& consumer)
+{
+  const DLDeviceType type = view.device().device_type;
+  if (!is_cuda_device(type) && !is_rocm_device(type)) { return std::nullopt; }
+  const stream_request request = request_for(consumer, type);
+  if (request.order == stream_order::none) { return std::nullopt; }  // the consumer orders its work itself
+  require_ordering(type);
+  context* ctx = active_context();
+  if (ctx == nullptr || !is_stream_ordered(*ctx, view)) { return std::nullopt; }
+  return stream_binding{.ctx = ctx,
+                        .device = owning_device(*ctx, view),
+                        .stream = *resolve_stream(ctx->backend(), request),
+                        .stream_owner = consumer.owner};
+}
+
+void bind_to_consumer(const array& view, const named_stream& consumer)
+{
+  if (auto binding = consumer_binding(view, consumer)) {
+    bind_import(*binding->ctx, view, binding->device, binding->stream, std::move(binding->stream_owner));
+  }
 }
 
 void bind_interface_import(context& ctx, const array& view, int device, device::stream_handle consumer,

@@ -102,6 +102,36 @@ stream_request classify_stream(DLDeviceType device, std::optional<std::int64_t> 
   throw invalid("arrays on this device are not stream-ordered; pass stream=None");
 }
 
+std::optional<std::int64_t> dlpack_stream_value(const named_stream& stream, DLDeviceType device) noexcept
+{
+  if (!is_cuda_device(device) && !is_rocm_device(device)) { return std::nullopt; }
+  switch (stream.how) {
+    case named_stream::form::default_stream:
+      return default_stream_value(device);
+    case named_stream::form::dlpack_value:
+      return stream.value;
+    case named_stream::form::native_handle:
+      return stream_value_of(device, static_cast<std::uint64_t>(stream.value));
+  }
+  return std::nullopt;
+}
+
+stream_request request_for(const named_stream& stream, DLDeviceType device)
+{
+  switch (stream.how) {
+    case named_stream::form::default_stream:
+      return classify_stream(device, std::nullopt);
+    case named_stream::form::dlpack_value:
+      return classify_stream(device, stream.value);
+    case named_stream::form::native_handle:
+      HANDOFF_EXPECTS(is_cuda_device(device) || is_rocm_device(device), value_error,
+                      fmt::format("a stream object names no stream of {} data, which has no streams",
+                                  device_type_name(device)));
+      return classify_stream(device, stream_value_of(device, static_cast<std::uint64_t>(stream.value)));
+  }
+  return {};
+}
+
 std::string device_text(DLDevice device)
 {
   return fmt::format("{} device {} (({}, {}))", device_type_name(device.device_type), device.device_id,

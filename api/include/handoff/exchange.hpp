@@ -37,6 +37,29 @@ enum class transfer {
 [[nodiscard]] transfer plan_import(const array& view, std::optional<DLDevice> target, std::optional<bool> copy,
                                    bool producer_copied);
 
+/// How the host waits where an exchange must block it (a copy to the host, a host view): `body(state)`
+/// runs on the calling thread and may throw, which must propagate. The Python module releases the
+/// GIL around it, so that other threads run while this one waits.
+using blocking_section = void (*)(void (*body)(void* state), void* state);
+/// Installs `section` for every later transfer_array (nullptr: the body runs as it is).
+void set_blocking_section(blocking_section section) noexcept;
+
+/// What an exchange hands over for `how` (plan_export, plan_import): the view itself; a compact copy
+/// (host data copied on the host; device data through the active backend, in stream order, a copy
+/// to the host waited for); or the host view of host-accessible memory (waited for). Waits run in
+/// the installed blocking section.
+/// @throws device_error when device data needs a backend and none is active, or a device call
+///         fails; buffer_error when the backend does not order that memory.
+[[nodiscard]] array transfer_array(const array& view, transfer how);
+
+/// Prepares the export of `view` to a consumer asking for `consumer` (its `stream` as classify_stream
+/// reads it for the view's device), `how` as plan_export chose: the array to hand over instead of
+/// the view (transfer_array's), or null for the view itself (the common export, which allocates
+/// nothing); either is ordered for the consumer where it stays on the device. Needs no device
+/// runtime when nothing is to be ordered or copied (host data, stream=-1).
+/// @throws what transfer_array and order_export throw.
+[[nodiscard]] std::unique_ptr<const array> prepare_export(const array& view, stream_request consumer, transfer how);
+
 /// The stream a validated DLPack request names on `backend`; nullopt when it asks for no ordering.
 [[nodiscard]] std::optional<device::stream_handle> resolve_stream(device::backend& backend, stream_request request);
 
@@ -67,6 +90,17 @@ void order_export(context* ctx, const array& view, stream_request consumer);
 /// (may be empty) keeps the consumer stream alive until then.
 void bind_import(context& ctx, const array& view, int device, device::stream_handle consumer,
                  std::shared_ptr<const void> consumer_owner = {});
+
+/// Where a device view imported for `consumer` is bound: nullopt when nothing orders it (data
+/// without streams, stream=-1, memory no active backend orders). The binding holds `consumer.owner`.
+/// @throws value_error for a stream the data's device does not take (checked whether or not a
+///         backend orders the memory here); device_error when the data needs ordering and nothing
+///         can give it (require_ordering).
+[[nodiscard]] std::optional<stream_binding> consumer_binding(const array& view, const named_stream& consumer);
+
+/// A device view imported for `consumer`: bind_import at its consumer_binding, when it has one. Its
+/// data is then ready there, and its producer outlives the work the consumer enqueues there.
+void bind_to_consumer(const array& view, const named_stream& consumer);
 
 /// Import half of a CUDA Array Interface v3 exchange, whose producer may have work in progress on
 /// `producer` (its `stream` as classify_stream reads it for CUDA; none when absent): orders that

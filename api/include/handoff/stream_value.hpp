@@ -4,6 +4,7 @@
 #include <handoff/dlpack.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -60,6 +61,40 @@ struct stream_request {
 {
   return is_cuda_device(device) && handle == 0 ? 1 : static_cast<std::int64_t>(handle);
 }
+
+/// A stream as the caller of an exchange names it, before the data's device type is known: the
+/// device's default stream, a DLPack stream value (whose meaning depends on the device type: 0 is
+/// ROCm's default stream and invalid for CUDA), or a native handle (a stream object's). Resolved once
+/// per call, so that a stream object's protocol is read once.
+struct named_stream {
+  enum class form : std::uint8_t {
+    default_stream,  ///< nothing named: the device's default stream
+    dlpack_value,    ///< `value` is a DLPack stream value, read by the stream table
+    native_handle,   ///< `value` is a native stream handle
+  };
+  form how{form::default_stream};
+  std::int64_t value{0};
+  /// Keeps the stream alive while it is used (a stream object: CuPy, cuda.core and Numba destroy
+  /// their stream with it); empty when the caller owns the stream.
+  std::shared_ptr<const void> owner;
+
+  [[nodiscard]] static named_stream dlpack(std::int64_t value) { return {form::dlpack_value, value, {}}; }
+  [[nodiscard]] static named_stream native(std::uint64_t handle, std::shared_ptr<const void> owner)
+  {
+    return {form::native_handle, static_cast<std::int64_t>(handle), std::move(owner)};
+  }
+  [[nodiscard]] bool is_default() const noexcept { return how == form::default_stream; }
+};
+
+/// The DLPack stream value that names `stream` to a producer of data on `device`: the device's
+/// default stream value for the default stream, the value itself, or the handle's value
+/// (stream_value_of); nullopt for devices without streams, whose producers take only None.
+[[nodiscard]] std::optional<std::int64_t> dlpack_stream_value(const named_stream& stream, DLDeviceType device) noexcept;
+
+/// What `stream` asks of data on `device` (classify_stream of its value; a native handle only
+/// names a stream of a device with streams).
+/// @throws value_error as classify_stream does, or for a native handle and a device without streams.
+[[nodiscard]] stream_request request_for(const named_stream& stream, DLDeviceType device);
 
 /// True for device types whose memory the host can read and write directly (pinned, managed).
 [[nodiscard]] constexpr bool is_host_accessible(DLDeviceType device) noexcept

@@ -85,3 +85,42 @@ TEST(StreamValueOfTest, OnlyCudasLegacyHandleIsRespelled)
   static_assert(stream_value_of(kDLCUDA, 0x1234) == 0x1234);
   EXPECT_EQ(handoff::device_text({kDLCUDA, 1}), "CUDA device 1 ((2, 1))");
 }
+
+namespace {
+
+using handoff::named_stream;
+
+TEST(NamedStreamTest, EachFormIsSpelledInTheNumberingOfTheDataDevice)
+{
+  using handoff::dlpack_stream_value;
+  const named_stream default_stream{};
+  EXPECT_EQ(dlpack_stream_value(default_stream, kDLCUDA), 1);
+  EXPECT_EQ(dlpack_stream_value(default_stream, kDLROCM), 0);
+  EXPECT_EQ(dlpack_stream_value(named_stream::dlpack(2), kDLCUDAManaged), 2);
+  EXPECT_EQ(dlpack_stream_value(named_stream::native(0, nullptr), kDLCUDA), 1);  // cudaStreamLegacy
+  EXPECT_EQ(dlpack_stream_value(named_stream::native(0, nullptr), kDLROCMHost), 0);
+  EXPECT_EQ(dlpack_stream_value(named_stream::native(0x1234, nullptr), kDLCUDAHost), 0x1234);
+  // Producers of data without streams take only None.
+  EXPECT_EQ(dlpack_stream_value(default_stream, kDLCPU), none);
+  EXPECT_EQ(dlpack_stream_value(named_stream::dlpack(5), kDLCPU), none);
+  EXPECT_EQ(dlpack_stream_value(named_stream::native(0x1234, nullptr), kDLCPU), none);
+}
+
+TEST(NamedStreamTest, RequestsFollowTheStreamTable)
+{
+  using handoff::request_for;
+  EXPECT_EQ(request_for({}, kDLCUDA), (stream_request{stream_order::legacy_default, 0}));
+  EXPECT_EQ(request_for({}, kDLROCM), (stream_request{stream_order::default_stream, 0}));
+  EXPECT_EQ(request_for({}, kDLCPU), (stream_request{stream_order::none, 0}));
+  EXPECT_EQ(request_for(named_stream::dlpack(-1), kDLCUDA), (stream_request{stream_order::none, 0}));
+  EXPECT_EQ(request_for(named_stream::dlpack(0), kDLROCM), (stream_request{stream_order::default_stream, 0}));
+  EXPECT_THROW((void)request_for(named_stream::dlpack(0), kDLCUDA), handoff::value_error);
+  EXPECT_THROW((void)request_for(named_stream::dlpack(3), kDLCPU), handoff::value_error);
+  EXPECT_EQ(request_for(named_stream::native(0, nullptr), kDLCUDA), (stream_request{stream_order::legacy_default, 0}));
+  EXPECT_EQ(request_for(named_stream::native(2, nullptr), kDLCUDA),
+            (stream_request{stream_order::per_thread_default, 0}));
+  EXPECT_EQ(request_for(named_stream::native(0x1234, nullptr), kDLROCM), (stream_request{stream_order::handle, 0x1234}));
+  EXPECT_THROW((void)request_for(named_stream::native(0x1234, nullptr), kDLCPU), handoff::value_error);
+}
+
+}  // namespace

@@ -1,0 +1,20 @@
+// DLPack capsules: the names the protocol gives them, and a deleter that runs exactly once.
+#pragma once
+
+#include <handoff/array.hpp>
+
+#include <pybind11/pybind11.h>
+
+namespace handoff::python {
+
+namespace py = pybind11;
+
+/// Consumes a "dltensor_versioned" or "dltensor" capsule: renames it "used_..." and imports it.
+/// @throws value_error if it was consumed already, type_error if it is not a DLPack capsule.
+[[nodiscard]] array consume_capsule(py::handle capsule);
+
+/// Wraps an exported tensor in a capsule whose destructor runs the deleter unless consumed.
+[[nodiscard]] py::capsule make_capsule(DLManagedTensorVersioned* tensor);
+[[nodiscard]] py::capsule make_capsule(DLManagedTensor* tensor);
+
+}  // namespace handoff::python
