@@ -41,11 +41,7 @@ py::object work_stream_object(DLDevice device)
 // Hands device data to a consumer working on the current work stream of its device (see above).
 void hand_to_work_stream(const array& view)
 {
-  const DLDeviceType type = view.device().device_type;
-  if (!is_cuda_device(type) && !is_rocm_device(type)) { return; }
-  const named_stream consumer = stream_named_by(work_stream_object(view.device()));
-  order_export(active_context(), view, request_for(consumer, type));
-  if (const auto binding = consumer_binding(view, consumer)) { view.owner().release_after(*binding); }
+  hand_over(view, stream_named_by(work_stream_object(view.device())));
 }
 
 // The handoff.Array a table function was given. @throws type_error for anything else.
@@ -146,9 +142,7 @@ stream_binding allocation_stream(context& ctx, DLDevice device)
 {
   const gil_scope gil;  // declared first: the objects below are released while it is held
   if (!gil.held()) { throw std::runtime_error("the interpreter is shutting down"); }
-  named_stream on = stream_named_by(work_stream_object(device));
-  const auto stream = resolve_stream(ctx.backend(), request_for(on, device.device_type));
-  return {.ctx = &ctx, .device = device.device_id, .stream = *stream, .stream_owner = std::move(on.owner)};
+  return binding_on(ctx, device, stream_named_by(work_stream_object(device)));
 }
 
 array allocate_like(const DLTensor& prototype)

@@ -213,16 +213,11 @@ std::optional<array> import_through_exchange_api(const DLPackExchangeAPI& api, p
   array view = import_dlpack(tensor);  // its deleter runs exactly once from here on
   // Only complex data can be lazily conjugated; __dlpack__ refuses such data with a reason.
   if (view.dtype().code == kDLComplex && is_lazy_conjugate(x.ptr())) { return std::nullopt; }
-  auto binding = consumer_binding(view, consumer);
+  const auto binding = consumer_binding(view, consumer);
   if (!binding) { return view; }
   std::optional<std::int64_t> producer;
   if (!current_work_stream(api, view.device(), producer)) { return std::nullopt; }
-  device::backend& backend = binding->ctx->backend();
-  if (const auto producer_stream = resolve_stream(backend, classify_stream(view.device().device_type, producer))) {
-    stream_view{backend, binding->stream}.wait(stream_view{backend, *producer_stream}, binding->device,
-                                               binding->ctx->events());
-  }
-  bind_import(*binding->ctx, view, binding->device, binding->stream, std::move(binding->stream_owner));
+  bind_after_producer(view, *binding, classify_stream(view.device().device_type, producer));
   return view;
 }
 

@@ -119,38 +119,13 @@ producer_ref buffer_owner(std::unique_ptr<Py_buffer> buffer)
   }};
 }
 
-// Sets the device of CUDA Array Interface data from what the backend knows of its pointer. An empty
-// array may have a null pointer (the interface asks for 0 then): it is on the current device.
-void place_on_device(device::backend& backend, array_layout& layout)
+// What keeps the producer's stream, named by the interface's `stream`, alive until the view's
+// release: the stream object the producer holds as its `stream` attribute, when that is the stream
+// its interface names (Numba's device arrays hold theirs so). Empty when nothing proves the stream
+// alive then.
+std::shared_ptr<const void> held_stream(py::handle object, std::optional<std::int64_t> stream)
 {
-  if (layout.data == nullptr) {
-    layout.device = {backend.device_type(), backend.current_device()};
-    return;
-  }
-  const device::pointer_attributes where = backend.attributes(layout.data);
-  const bool rocm = backend.device_type() == kDLROCM;
-  switch (where.kind) {
-    case device::memory_kind::device:
-      layout.device = {backend.device_type(), where.device};
-      break;
-    case device::memory_kind::managed:
-      HANDOFF_EXPECTS(!rocm, buffer_error, "managed memory on ROCm has no DLPack device type");
-      layout.device = {kDLCUDAManaged, 0};
-      break;
-    case device::memory_kind::pinned_host:
-      layout.device = {rocm ? kDLROCMHost : kDLCUDAHost, 0};
-      break;
-    case device::memory_kind::unregistered:
-      throw buffer_error("__cuda_array_interface__ 'data' points to memory the device does not know");
-  }
-  if (where.device_pointer != nullptr) { layout.data = where.device_pointer; }
-}
-
-// What keeps the producer's stream `producer` alive until the view's release: the stream object the
-// producer holds as its `stream` attribute, when that is the stream its interface names (Numba's
-// device arrays hold theirs so). Empty when nothing proves the stream alive then.
-std::shared_ptr<const void> held_stream(py::handle object, stream_request producer)
-{
+  const stream_request producer = classify_stream(kDLCUDA, stream);
   if (producer.order != stream_order::handle) { return {}; }
   const py::object held = py::module_::import("handoff._streams").attr("_held_stream")(object, producer.handle);
   return held.is_none() ? nullptr : stream_keep_alive(held);
@@ -221,21 +196,8 @@ cuda_interface parse_cuda_array_interface(py::handle interface)
 array import_cuda_array_interface(py::handle object, py::handle interface, const named_stream& consumer)
 {
   cuda_interface parsed = parse_cuda_array_interface(interface);
-  context& ctx = require_context("importing __cuda_array_interface__ data");
-  device::backend& backend = ctx.backend();
-  place_on_device(backend, parsed.layout);
-  const DLDeviceType type = parsed.layout.device.device_type;
-  array view{std::move(parsed.layout), python_owner(object)};
-
-  const auto consumer_stream = resolve_stream(backend, request_for(consumer, type));
-  if (!consumer_stream) { return view; }  // the consumer orders its work itself
-  const int device = owning_device(ctx, view);
-  // v3: the producer's work on `stream` must finish before the consumer's, and its later work there
-  // must wait for the consumer's. The interface numbers streams as CUDA does (1: legacy default,
-  // 2: per-thread default) on every platform; the backend resolves those to its own default streams.
-  const stream_request producer = parsed.stream ? classify_stream(kDLCUDA, parsed.stream) : stream_request{};
-  bind_interface_import(ctx, view, device, *consumer_stream, consumer.owner, producer, held_stream(object, producer));
-  return view;
+  std::shared_ptr<const void> stream_owner = held_stream(object, parsed.stream);
+  return import_cuda_interface(std::move(parsed), python_owner(object), consumer, std::move(stream_owner));
 }
 
 }  // namespace handoff::python

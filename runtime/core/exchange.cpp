@@ -318,6 +318,21 @@ std::optional<stream_binding> consumer_binding(const array& view, const named_st
                         .stream_owner = consumer.owner};
 }
 
+void hand_over(const array& view, const named_stream& consumer)
+{
+  const DLDeviceType type = view.device().device_type;
+  if (!is_cuda_device(type) && !is_rocm_device(type)) { return; }
+  order_export(active_context(), view, request_for(consumer, type));
+  if (const auto binding = consumer_binding(view, consumer)) { view.owner().release_after(*binding); }
+}
+
+stream_binding binding_on(context& ctx, DLDevice device, named_stream stream)
+{
+  const auto handle = resolve_stream(ctx.backend(), request_for(stream, device.device_type));
+  HANDOFF_EXPECTS(handle.has_value(), value_error, "stream=-1 names no stream to work on");
+  return {.ctx = &ctx, .device = device.device_id, .stream = *handle, .stream_owner = std::move(stream.owner)};
+}
+
 void bind_to_consumer(const array& view, const named_stream& consumer)
 {
   if (auto binding = consumer_binding(view, consumer)) {
@@ -335,6 +350,61 @@ void bind_interface_import(context& ctx, const array& view, int device, device::
   }
   bind_to(ctx, view, device, consumer, std::move(consumer_owner),
           stream_to_hold_back(ctx, device, consumer, producer, std::move(producer_owner)));
+}
+
+std::optional<DLDevice> dlpack_device_of(const device::pointer_attributes& where, DLDeviceType backend_type)
+{
+  const bool rocm = backend_type == kDLROCM;
+  switch (where.kind) {
+    case device::memory_kind::device:
+      return DLDevice{backend_type, where.device};
+    case device::memory_kind::managed:
+      HANDOFF_EXPECTS(!rocm, buffer_error, "managed memory on ROCm has no DLPack device type");
+      return DLDevice{kDLCUDAManaged, 0};
+    case device::memory_kind::pinned_host:
+      return DLDevice{rocm ? kDLROCMHost : kDLCUDAHost, 0};
+    case device::memory_kind::unregistered:
+      return std::nullopt;
+  }
+  return std::nullopt;
+}
+
+array import_cuda_interface(cuda_interface interface, producer_ref owner, const named_stream& consumer,
+                            std::shared_ptr<const void> producer_stream_owner)
+{
+  context& ctx = require_context("importing __cuda_array_interface__ data");
+  device::backend& backend = ctx.backend();
+  array_layout& layout = interface.layout;
+  if (layout.data == nullptr) {  // an empty array (the interface asks for 0 then): on the current device
+    layout.device = {backend.device_type(), backend.current_device()};
+  } else {
+    const device::pointer_attributes where = backend.attributes(layout.data);
+    const auto device = dlpack_device_of(where, backend.device_type());
+    HANDOFF_EXPECTS(device.has_value(), buffer_error,
+                    "__cuda_array_interface__ 'data' points to memory the device does not know");
+    layout.device = *device;
+    if (where.device_pointer != nullptr) { layout.data = where.device_pointer; }
+  }
+  const DLDeviceType type = layout.device.device_type;
+  array view{std::move(layout), std::move(owner)};
+  const auto consumer_stream = resolve_stream(backend, request_for(consumer, type));
+  if (!consumer_stream) { return view; }  // the consumer orders its work itself
+  // The interface numbers streams as CUDA does (1: legacy default, 2: per-thread default) on every
+  // platform; the backend resolves those to its own default streams.
+  const stream_request producer = interface.stream ? classify_stream(kDLCUDA, interface.stream) : stream_request{};
+  bind_interface_import(ctx, view, owning_device(ctx, view), *consumer_stream, consumer.owner, producer,
+                        std::move(producer_stream_owner));
+  return view;
+}
+
+void bind_after_producer(const array& view, const stream_binding& consumer, stream_request producer)
+{
+  device::backend& backend = consumer.ctx->backend();
+  if (const auto producer_stream = resolve_stream(backend, producer)) {
+    stream_view{backend, consumer.stream}.wait(stream_view{backend, *producer_stream}, consumer.device,
+                                               consumer.ctx->events());
+  }
+  bind_import(*consumer.ctx, view, consumer.device, consumer.stream, consumer.stream_owner);
 }
 
 namespace {

@@ -3,6 +3,7 @@
 
 #include <handoff/array.hpp>
 #include <handoff/context.hpp>
+#include <handoff/interface.hpp>
 #include <handoff/stream_value.hpp>
 
 #include <memory>
@@ -98,6 +99,18 @@ void bind_import(context& ctx, const array& view, int device, device::stream_han
 ///         can give it (require_ordering).
 [[nodiscard]] std::optional<stream_binding> consumer_binding(const array& view, const named_stream& consumer);
 
+/// Export half for a consumer that works on `consumer` and holds nothing of its own (the DLPack C
+/// exchange API's no-sync calls): orders the data's pending work before it (order_export), and keeps
+/// the producer until the work enqueued on `consumer` by the view's release is done. Nothing for data
+/// without streams.
+/// @throws what order_export and consumer_binding throw.
+void hand_over(const array& view, const named_stream& consumer);
+
+/// Work on `device` of `ctx`'s backend bound to `stream` (resolved by the stream table of the
+/// device's type), which `stream.owner` keeps alive with the binding.
+/// @throws value_error for a stream the device type does not take, or stream=-1, which names none.
+[[nodiscard]] stream_binding binding_on(context& ctx, DLDevice device, named_stream stream);
+
 /// A device view imported for `consumer`: bind_import at its consumer_binding, when it has one. Its
 /// data is then ready there, and its producer outlives the work the consumer enqueues there.
 void bind_to_consumer(const array& view, const named_stream& consumer);
@@ -123,6 +136,30 @@ void bind_to_consumer(const array& view, const named_stream& consumer);
 void bind_interface_import(context& ctx, const array& view, int device, device::stream_handle consumer,
                            std::shared_ptr<const void> consumer_owner, stream_request producer,
                            std::shared_ptr<const void> producer_owner = {});
+
+/// The DLPack device of memory the active backend (of `backend_type`, kDLCUDA or kDLROCM) describes by
+/// `where`: the backend's type and device for device memory, kDLCUDAManaged (device 0) for managed
+/// memory, kDLCUDAHost or kDLROCMHost (device 0) for pinned host memory; nullopt for memory the
+/// backend does not know.
+/// @throws buffer_error for managed memory on ROCm, which DLPack has no device type for.
+[[nodiscard]] std::optional<DLDevice> dlpack_device_of(const device::pointer_attributes& where,
+                                                       DLDeviceType backend_type);
+
+/// Imports validated CUDA Array Interface data owned by `owner` for `consumer`: the device is what
+/// the active backend knows of the pointer (dlpack_device_of; an empty array's null pointer is on
+/// the current device), and the exchange is bind_interface_import's, with `producer_stream_owner`
+/// (may be empty) keeping the interface's `stream` alive when something proves it (the stream
+/// object the producer holds).
+/// @throws device_error when there is no backend; buffer_error for memory the backend does not know.
+[[nodiscard]] array import_cuda_interface(cuda_interface interface, producer_ref owner, const named_stream& consumer,
+                                          std::shared_ptr<const void> producer_stream_owner);
+
+/// Import half of an exchange whose producer's work is on `producer` (a request as classify_stream
+/// reads the producer's stream for the view's device; none: nothing pending): orders that work
+/// before the work enqueued on `consumer` from now on (stream_view::wait), then binds the view
+/// there (bind_import), keeping `consumer.stream_owner`.
+/// @throws what stream_view::wait throws.
+void bind_after_producer(const array& view, const stream_binding& consumer, stream_request producer);
 
 /// A compact copy of device-resident `view`, made in order after the work pending on the stream it
 /// is ready on: on the host (`to_host`, waited for, so the copy is usable when this returns) or on

@@ -363,3 +363,44 @@ TEST(PlanTransferTest, ImportsCopyOnlyWhatTheProducerDidNot)
   EXPECT_THROW((void)plan_import(device, cpu, false, false), handoff::buffer_error);
   EXPECT_THROW((void)plan_import(device, DLDevice{kDLCUDA, 1}, std::nullopt, false), handoff::buffer_error);
 }
+
+TEST(DlpackDeviceOfTest, EachMemoryKindHasOneDeviceTypePerBackendFamily)
+{
+  using handoff::device::memory_kind;
+  using handoff::dlpack_device_of;
+  const auto at = [](memory_kind kind, int device) {
+    handoff::device::pointer_attributes where;
+    where.kind = kind;
+    where.device = device;
+    return where;
+  };
+  const auto same = [](std::optional<DLDevice> a, DLDevice b) {
+    return a && a->device_type == b.device_type && a->device_id == b.device_id;
+  };
+  EXPECT_TRUE(same(dlpack_device_of(at(memory_kind::device, 1), kDLCUDA), {kDLCUDA, 1}));
+  EXPECT_TRUE(same(dlpack_device_of(at(memory_kind::device, 1), kDLROCM), {kDLROCM, 1}));
+  EXPECT_TRUE(same(dlpack_device_of(at(memory_kind::managed, 1), kDLCUDA), {kDLCUDAManaged, 0}));
+  EXPECT_TRUE(same(dlpack_device_of(at(memory_kind::pinned_host, 1), kDLCUDA), {kDLCUDAHost, 0}));
+  EXPECT_TRUE(same(dlpack_device_of(at(memory_kind::pinned_host, 1), kDLROCM), {kDLROCMHost, 0}));
+  EXPECT_FALSE(dlpack_device_of(at(memory_kind::unregistered, 0), kDLCUDA).has_value());
+  EXPECT_THROW((void)dlpack_device_of(at(memory_kind::managed, 0), kDLROCM), handoff::buffer_error);
+}
+
+namespace {
+
+TEST_P(ExchangeTest, BindingOnANamedStreamResolvesItByTheDevicesStreamTable)
+{
+  const auto stream = stream_on(0);
+  const auto owner = std::make_shared<int>(0);
+  const stream_binding on = binding_on(ctx(), {kDLCUDA, 0}, named_stream::native(static_cast<std::uint64_t>(stream), owner));
+  EXPECT_EQ(on.ctx, &ctx());
+  EXPECT_EQ(on.device, 0);
+  EXPECT_EQ(on.stream, stream);
+  EXPECT_EQ(on.stream_owner, owner);
+  EXPECT_EQ(binding_on(ctx(), {kDLCUDA, 0}, {}).stream, b().legacy_default_stream());
+  EXPECT_EQ(binding_on(ctx(), {kDLCUDA, 0}, named_stream::dlpack(2)).stream, b().per_thread_default_stream());
+  EXPECT_THROW((void)binding_on(ctx(), {kDLCUDA, 0}, named_stream::dlpack(-1)), value_error);
+  EXPECT_THROW((void)binding_on(ctx(), {kDLCUDA, 0}, named_stream::dlpack(0)), value_error);
+}
+
+}  // namespace
