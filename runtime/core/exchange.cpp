@@ -36,30 +36,36 @@ std::optional<DLPackVersion> export_version(std::optional<DLPackVersion> consume
   return DLPackVersion{DLPACK_MAJOR_VERSION, minor};
 }
 
-transfer plan_export(const array& view, std::optional<DLDevice> target, std::optional<bool> copy)
+namespace {
+
+// The array API's rules for handing `view` over to `target` with `copy`, one for both directions;
+// `verb` ("export", "import") names the direction in messages.
+transfer plan_transfer(const array& view, std::optional<DLDevice> target, std::optional<bool> copy, const char* verb)
 {
   const bool moves = target.has_value() && !same_device(*target, view.device());
   HANDOFF_EXPECTS(!moves || target->device_type == kDLCPU, buffer_error,
-                  fmt::format("cannot export an array on {} to {}: the device is unreachable from there",
+                  fmt::format("cannot {} an array on {} to {}: the device is unreachable from there", verb,
                               device_text(view.device()), device_text(*target)));
+  // Host-accessible memory (pinned, managed) is reused, as the array API asks of copy=None.
   if (moves && is_host_accessible(view.device().device_type) && copy != true) { return transfer::host_view; }
   HANDOFF_EXPECTS(!(moves && copy == false), buffer_error,
-                  fmt::format("exporting to {} needs a copy, but copy=False", device_text(*target)));
+                  fmt::format("to {} an array on {} to {} needs a copy, but copy=False", verb,
+                              device_text(view.device()), device_text(*target)));
   if (moves) { return transfer::to_host; }
   return copy == true ? transfer::same_device : transfer::none;
 }
 
+}  // namespace
+
+transfer plan_export(const array& view, std::optional<DLDevice> target, std::optional<bool> copy)
+{
+  return plan_transfer(view, target, copy, "export");
+}
+
 transfer plan_import(const array& view, std::optional<DLDevice> target, std::optional<bool> copy, bool producer_copied)
 {
-  if (target && !same_device(*target, view.device())) {
-    HANDOFF_EXPECTS(
-      target->device_type == kDLCPU && copy != false, buffer_error,
-      fmt::format("the data is on device ({}, {}) and cannot be imported to ({}, {}){}",
-                  static_cast<int>(view.device().device_type), view.device().device_id,
-                  static_cast<int>(target->device_type), target->device_id, copy == false ? " with copy=False" : ""));
-    return transfer::to_host;
-  }
-  return copy == true && !producer_copied ? transfer::same_device : transfer::none;
+  const transfer how = plan_transfer(view, target, copy, "import");
+  return how == transfer::same_device && producer_copied ? transfer::none : how;
 }
 
 std::optional<device::stream_handle> resolve_stream(device::backend& backend, stream_request request)

@@ -33,7 +33,8 @@ enum class transfer {
 [[nodiscard]] transfer plan_export(const array& view, std::optional<DLDevice> target, std::optional<bool> copy);
 
 /// The import of `view`, as its producer handed it over, for a consumer asking for `target` and
-/// `copy`; `producer_copied` when the producer made a copy already (it honoured copy=True).
+/// `copy` where the producer could not honour them: plan_export's rules, but nothing more when
+/// `producer_copied` (it honoured copy=True already).
 /// @throws buffer_error as plan_export.
 [[nodiscard]] transfer plan_import(const array& view, std::optional<DLDevice> target, std::optional<bool> copy,
                                    bool producer_copied);

@@ -362,12 +362,17 @@ TEST(PlanTransferTest, ImportsCopyOnlyWhatTheProducerDidNot)
   EXPECT_EQ(plan_import(device, cpu, std::nullopt, false), transfer::to_host);
   EXPECT_THROW((void)plan_import(device, cpu, false, false), handoff::buffer_error);
   EXPECT_THROW((void)plan_import(device, DLDevice{kDLCUDA, 1}, std::nullopt, false), handoff::buffer_error);
+  // Host-accessible memory a producer could not move is reused, as an export reuses it.
+  const auto pinned = host_described({kDLCUDAHost, 0});
+  EXPECT_EQ(plan_import(pinned, cpu, std::nullopt, false), transfer::host_view);
+  EXPECT_EQ(plan_import(pinned, cpu, false, false), transfer::host_view);
+  EXPECT_EQ(plan_import(pinned, cpu, true, false), transfer::to_host);
 }
 
 TEST(DlpackDeviceOfTest, EachMemoryKindHasOneDeviceTypePerBackendFamily)
 {
-  using handoff::device::memory_kind;
   using handoff::dlpack_device_of;
+  using handoff::device::memory_kind;
   const auto at = [](memory_kind kind, int device) {
     handoff::device::pointer_attributes where;
     where.kind = kind;
@@ -392,7 +397,8 @@ TEST_P(ExchangeTest, BindingOnANamedStreamResolvesItByTheDevicesStreamTable)
 {
   const auto stream = stream_on(0);
   const auto owner = std::make_shared<int>(0);
-  const stream_binding on = binding_on(ctx(), {kDLCUDA, 0}, named_stream::native(static_cast<std::uint64_t>(stream), owner));
+  const stream_binding on =
+    binding_on(ctx(), {kDLCUDA, 0}, named_stream::native(static_cast<std::uint64_t>(stream), owner));
   EXPECT_EQ(on.ctx, &ctx());
   EXPECT_EQ(on.device, 0);
   EXPECT_EQ(on.stream, stream);
