@@ -124,9 +124,9 @@ stream_request request_for(const named_stream& stream, DLDeviceType device)
     case named_stream::form::dlpack_value:
       return classify_stream(device, stream.value);
     case named_stream::form::native_handle:
-      HANDOFF_EXPECTS(is_cuda_device(device) || is_rocm_device(device), value_error,
-                      fmt::format("a stream object names no stream of {} data, which has no streams",
-                                  device_type_name(device)));
+      HANDOFF_EXPECTS(
+        is_cuda_device(device) || is_rocm_device(device), value_error,
+        fmt::format("a stream object names no stream of {} data, which has no streams", device_type_name(device)));
       return classify_stream(device, stream_value_of(device, static_cast<std::uint64_t>(stream.value)));
   }
   return {};

@@ -119,7 +119,8 @@ TEST(NamedStreamTest, RequestsFollowTheStreamTable)
   EXPECT_EQ(request_for(named_stream::native(0, nullptr), kDLCUDA), (stream_request{stream_order::legacy_default, 0}));
   EXPECT_EQ(request_for(named_stream::native(2, nullptr), kDLCUDA),
             (stream_request{stream_order::per_thread_default, 0}));
-  EXPECT_EQ(request_for(named_stream::native(0x1234, nullptr), kDLROCM), (stream_request{stream_order::handle, 0x1234}));
+  EXPECT_EQ(request_for(named_stream::native(0x1234, nullptr), kDLROCM),
+            (stream_request{stream_order::handle, 0x1234}));
   EXPECT_THROW((void)request_for(named_stream::native(0x1234, nullptr), kDLCPU), handoff::value_error);
 }
 
