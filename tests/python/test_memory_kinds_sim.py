@@ -53,39 +53,31 @@ def test_managed_memory_exported_as_device_memory_is_accepted_and_ordered():
     assert tensor.deleted == 1
 
 
+def _exported_to_the_cpu(source, copy):
+    return handoff.from_dlpack(source.__dlpack__(dl_device=(CPU, 0), copy=copy, max_version=(1, 1)))
+
+
+def _imported_to_the_cpu(source, copy):
+    # A capsule: no producer is left to honour `device`, so the consumer moves the data.
+    return handoff.from_dlpack(source.__dlpack__(max_version=(1, 1)), device="cpu", copy=copy)
+
+
+@pytest.mark.parametrize("to_cpu", [_exported_to_the_cpu, _imported_to_the_cpu], ids=["export", "import"])
 @pytest.mark.parametrize("memory", ["pinned", "managed"])
-def test_host_accessible_memory_goes_to_the_cpu_without_a_copy(memory):
+def test_host_accessible_memory_goes_to_the_cpu_without_a_copy(memory, to_cpu):
     if ROCM and memory == "managed":
         pytest.skip("managed memory has no DLPack device type on ROCm")
     source = sim.zeros(N, memory=memory)
     producer = sim.Stream(non_blocking=True)
     sim.fill(source, 8.0, stream=producer, delay=0.05)
     for copy in (None, False):
-        view = handoff.from_dlpack(source.__dlpack__(dl_device=(CPU, 0), copy=copy, max_version=(1, 1)))
+        view = to_cpu(source, copy)
         assert view.device == (CPU, 0)
         assert view.data_ptr == source.data_ptr, "host-accessible memory must be reused, not copied"
         assert np.from_dlpack(view)[0] == 8.0, "the CPU consumer must see the producer's finished write"
-    copied = handoff.from_dlpack(source, device="cpu", copy=True)
+    copied = to_cpu(source, True)
     assert copied.data_ptr != source.data_ptr
     assert np.from_dlpack(copied)[-1] == 8.0
-
-
-@pytest.mark.parametrize("memory", ["pinned", "managed"])
-def test_host_accessible_memory_a_producer_did_not_move_is_imported_to_the_cpu_without_a_copy(memory):
-    if ROCM and memory == "managed":
-        pytest.skip("managed memory has no DLPack device type on ROCm")
-    source = sim.zeros(N, memory=memory)
-    producer = sim.Stream(non_blocking=True)
-    sim.fill(source, 5.0, stream=producer, delay=0.05)
-    for copy in (None, False):
-        capsule = source.__dlpack__(max_version=(1, 1))  # a capsule: no producer left to honour `device`
-        view = handoff.from_dlpack(capsule, device="cpu", copy=copy)
-        assert view.device == (CPU, 0)
-        assert view.data_ptr == source.data_ptr, "host-accessible memory must be reused, as an export reuses it"
-        assert np.from_dlpack(view)[0] == 5.0, "the CPU consumer must see the producer's finished write"
-    copied = handoff.from_dlpack(source.__dlpack__(max_version=(1, 1)), device="cpu", copy=True)
-    assert copied.data_ptr != source.data_ptr
-    assert np.from_dlpack(copied)[-1] == 5.0
 
 
 def test_device_memory_to_the_cpu_with_copy_false_is_still_refused():
