@@ -8,6 +8,7 @@
 #include "py_interfaces.hpp"
 #include "py_sim.hpp"
 #include "py_streams.hpp"
+#include "py_trace.hpp"
 #include "py_view.hpp"
 
 #include <handoff/error.hpp>
@@ -93,6 +94,7 @@ PYBIND11_MODULE(_handoff, m)
   bind_view(m);
   bind_c_api(m);
   bind_sim(m);
+  bind_trace(m);
 
   m.def("stats", &stats_dict,
         "Exchange counters since the last reset_stats(), a dict of ints: exports, imports, waits_inserted, "

@@ -11,8 +11,10 @@
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
+#include <handoff/ownership.hpp>
 #include <handoff/runtime.hpp>
 #include <handoff/stats.hpp>
+#include <handoff/trace.hpp>
 
 #include <fmt/format.h>
 
@@ -136,6 +138,7 @@ py::capsule counted_capsule(const array& exported, std::optional<DLPackVersion> 
 struct array_object {
   PyObject_HEAD PyObject* weakrefs;
   alignas(array) std::byte storage[sizeof(array)];
+  alignas(tracked_view) std::byte node[sizeof(tracked_view)];  // the view's place in the ownership graph
 };
 
 PyTypeObject* array_type = nullptr;
@@ -150,6 +153,7 @@ void array_dealloc(PyObject* self) noexcept
 {
   auto* object = reinterpret_cast<array_object*>(self);
   if (object->weakrefs != nullptr) { PyObject_ClearWeakRefs(self); }
+  std::launder(reinterpret_cast<tracked_view*>(object->node))->~tracked_view();
   view_of(self).~array();  // may release the producer, running its deleter here
   PyTypeObject* type = Py_TYPE(self);
   PyObject_Free(self);
@@ -304,6 +308,8 @@ constexpr const char* array_doc =
 py::capsule export_dlpack(const array& view, py::handle stream, py::handle max_version, py::handle dl_device,
                           py::handle copy)
 {
+  trace::exchange_scope scope{trace::event_kind::export_data, "dlpack"};
+  if (scope.active()) { scope.set_view(view); }  // a refused export is traced too
   const stream_request request = classify_stream(view.device().device_type, stream_argument(stream));
   const auto version = requested_version(max_version);
   const transfer how = dl_device.is_none() && copy.is_none()
@@ -324,7 +330,14 @@ py::object wrap(array&& view)
   }
   PyObject* self = PyObject_Init(reinterpret_cast<PyObject*>(object), array_type);  // holds the type
   object->weakrefs = nullptr;
-  new (object->storage) array(std::move(view));
+  const array* held = new (object->storage) array(std::move(view));
+  const auto* node = new (object->node) tracked_view(*held, "handoff.Array");
+  if (trace::enabled()) {
+    if (trace::exchange_scope* scope = trace::exchange_scope::current();
+        scope != nullptr && scope->event().kind == trace::event_kind::import_data) {
+      scope->set_view(*held, node->id());
+    }
+  }
   return py::reinterpret_steal<py::object>(self);
 }
 

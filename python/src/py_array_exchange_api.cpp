@@ -15,6 +15,7 @@
 #include <handoff/exchange.hpp>
 #include <handoff/runtime.hpp>
 #include <handoff/stats.hpp>
+#include <handoff/trace.hpp>
 
 #include <fmt/format.h>
 
@@ -78,6 +79,7 @@ int managed_tensor_from_py_object(void* py_object, DLManagedTensorVersioned** ou
 {
   return c_call([&] {
     constexpr const char* function = "managed_tensor_from_py_object_no_sync";
+    const trace::exchange_scope scope{trace::event_kind::export_data, "dlpack-c-api"};
     expect_output(out, function);
     *out = nullptr;
     const array& view = array_argument(py_object, function);
@@ -91,8 +93,10 @@ int dltensor_from_py_object(void* py_object, DLTensor* out) noexcept
 {
   return c_call([&] {
     constexpr const char* function = "dltensor_from_py_object_no_sync";
+    trace::exchange_scope scope{trace::event_kind::export_data, "dlpack-c-api"};
     expect_output(out, function);
     const array& view = array_argument(py_object, function);
+    scope.set_view(view);  // no tensor of its own to track: the caller borrows the array's
     HANDOFF_EXPECTS(!view.readonly(), buffer_error,
                     fmt::format("{}: the array is read-only and a DLTensor cannot say so; use "
                                 "managed_tensor_from_py_object_no_sync",
@@ -115,6 +119,7 @@ int managed_tensor_to_py_object(DLManagedTensorVersioned* tensor, void** out) no
 {
   return c_call([&] {
     constexpr const char* function = "managed_tensor_to_py_object_no_sync";
+    const trace::exchange_scope scope{trace::event_kind::import_data, "dlpack-c-api"};
     HANDOFF_EXPECTS(tensor != nullptr, value_error, fmt::format("{}: the tensor is NULL", function));
     array view = import_dlpack(tensor);  // its deleter runs exactly once from here on
     expect_output(out, function);

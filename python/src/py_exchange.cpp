@@ -11,6 +11,7 @@
 #include "py_exchange_api.hpp"
 #include "py_interfaces.hpp"
 #include "py_streams.hpp"
+#include "py_trace.hpp"
 
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
@@ -243,7 +244,11 @@ PyObject* import_entry(PyObject* /*module*/, PyObject* const* args, Py_ssize_t n
   PyObject* arguments[4];  // x, device, copy, stream
   if (!(*Signature)->parse(args, nargsf, kwnames, arguments)) { return nullptr; }
   try {
-    return Import(arguments[0], arguments[1], arguments[2], arguments[3]).release().ptr();
+    trace::exchange_scope scope{trace::event_kind::import_data, "dlpack"};
+    if (scope.active()) { scope.event().consumer = "handoff"; }
+    py::object imported = Import(arguments[0], arguments[1], arguments[2], arguments[3]);
+    if (const array* view = as_array(imported)) { name_producer(*view, arguments[0]); }
+    return imported.release().ptr();
   } catch (abi::__forced_unwind&) {
     throw;
   } catch (...) {
@@ -309,10 +314,12 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
   // producer may honour them itself (a copy made by the producer, in its own stream order).
   if (device.is_none() && copy.is_none() && !is_numpy_array(x.ptr())) {
     if (const DLPackExchangeAPI* api = exchange_api_of(Py_TYPE(x.ptr()))) {
+      trace_protocol("dlpack-c-api");
       if (auto view = import_through_exchange_api(*api, x, consumer)) {
         count_serialized(counter::imports);  // under the GIL
         return wrap(std::move(*view));
       }
+      trace_protocol("dlpack");  // the table failed: __dlpack__ is asked instead
     }
   }
   std::optional<DLDevice> claimed;  // what x.__dlpack_device__() says, once asked
@@ -368,6 +375,9 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
                                  ? py::object(py::make_tuple(static_cast<int>(target->device_type), target->device_id))
                                  : py::object(py::none());
   const auto [capsule, legacy] = request_capsule(x, producer_arg, dl_device, copy);
+  if (trace::exchange_scope* scope = traced(); scope != nullptr && !producer_arg.is_none()) {
+    scope->note_ordered_by_producer();
+  }
   array view = consume_capsule(capsule);
   if (claimed) { check_claimed_device(x, target && !legacy ? *target : *claimed, view.device()); }
   bind_to_consumer(view, consumer);
@@ -391,12 +401,17 @@ py::object asarray(py::handle x, py::handle device, py::handle copy, py::handle 
   const auto target = device_argument(device, "device");
   const auto want_copy = copy_argument(copy);
   if (const py::object cai = optional_attribute(x, cached.cuda_array_interface); cai && !cai.is_none()) {
+    trace_protocol("cuda-array-interface");
     return finish(import_cuda_array_interface(x, cai, consumer_stream(stream)), target, want_copy, false);
   }
   if (const py::object ai = optional_attribute(x, cached.array_interface); ai && !ai.is_none()) {
+    trace_protocol("array-interface");
     return finish(import_array_interface(x, ai), target, want_copy, false);
   }
-  if (PyObject_CheckBuffer(x.ptr()) != 0) { return finish(import_buffer(x), target, want_copy, false); }
+  if (PyObject_CheckBuffer(x.ptr()) != 0) {
+    trace_protocol("buffer");
+    return finish(import_buffer(x), target, want_copy, false);
+  }
   if (dlpack_refused) { std::rethrow_exception(dlpack_refused); }
   throw type_error(
     fmt::format("asarray: {} object supports no array protocol (DLPack, CUDA Array Interface, "

@@ -2,8 +2,11 @@
 #include <handoff/context.hpp>
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
+#include <handoff/ownership.hpp>
+#include <handoff/trace.hpp>
 
 #include "core/live_views.hpp"
+#include "core/producer_state.hpp"
 #include "log/logger.hpp"
 
 #include <fmt/format.h>
@@ -18,94 +21,90 @@
 
 namespace handoff {
 
-struct producer_ref::state {
-  explicit state(std::function<void()> release) noexcept : release_(std::move(release)) { detail::live_view_added(); }
-  state(const state&) = delete;
-  state& operator=(const state&) = delete;
-  state(state&&) = delete;
-  state& operator=(state&&) = delete;
-  ~state()
-  {
-    detail::live_view_released();
-    if (!release_) { return; }
-    if (release_after_.empty()) {
-      try {
-        release_();
-      } catch (...) {
-        HANDOFF_LOG_ERROR("a producer's release function threw; the exception was dropped");
-      }
-      return;
-    }
-    if (release_after_.size() == 1) {
-      defer(release_after_.front(), std::move(release_));
-      return;
-    }
-    // Several consumer streams: each is watched from now, and the last to get there releases.
-    struct countdown {
-      countdown(std::size_t streams, std::function<void()> then) noexcept : remaining(streams), release(std::move(then))
-      {}
-      std::atomic<std::size_t> remaining;
-      std::function<void()> release;
-    };
-    std::shared_ptr<countdown> all;
+namespace {
+
+// The release event of a producer: deferred ("wait") when consumer streams must finish first.
+void trace_release(producer_ref::state& s) noexcept
+{
+  trace::exchange_scope scope{trace::event_kind::release, "release"};
+  if (!scope.active()) { return; }
+  trace::event& e = scope.event();
+  e.buffer = s.id();
+  e.producer = s.library_.load(std::memory_order_relaxed);
+  std::lock_guard lock{s.mutex_};  // no other reference is left; other threads may still read for the graph
+  if (s.ready_on_) { scope.set_producer_stream(*s.ready_on_); }
+  if (!s.release_after_.empty()) { scope.set_consumer_stream(s.release_after_.front()); }
+}
+
+}  // namespace
+
+std::uint64_t producer_ref::state::id() noexcept
+{
+  std::uint64_t current = id_.load(std::memory_order_relaxed);
+  if (current != 0) { return current; }
+  const std::uint64_t fresh = detail::next_node_id();
+  return id_.compare_exchange_strong(current, fresh, std::memory_order_relaxed) ? fresh : current;
+}
+
+producer_ref::state::~state()
+{
+  detail::live_view_released();
+  if (trace::enabled()) { trace_release(*this); }
+  if (!release_) { return; }
+  if (release_after_.empty()) {
     try {
-      all = std::make_shared<countdown>(release_after_.size(), std::move(release_));
+      release_();
     } catch (...) {
-      HANDOFF_LOG_ERROR("out of memory ordering a release after {} streams; the producer is kept",
-                        release_after_.size());
-      return;
+      HANDOFF_LOG_ERROR("a producer's release function threw; the exception was dropped");
     }
-    for (stream_binding& consumer : release_after_) {
-      defer(consumer, [all]() noexcept {
-        if (all->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) { all->release(); }
-      });
-    }
+    return;
   }
+  if (release_after_.size() == 1) {
+    defer(release_after_.front(), std::move(release_));
+    return;
+  }
+  // Several consumer streams: each is watched from now, and the last to get there releases.
+  struct countdown {
+    countdown(std::size_t streams, std::function<void()> then) noexcept : remaining(streams), release(std::move(then))
+    {}
+    std::atomic<std::size_t> remaining;
+    std::function<void()> release;
+  };
+  std::shared_ptr<countdown> all;
+  try {
+    all = std::make_shared<countdown>(release_after_.size(), std::move(release_));
+  } catch (...) {
+    HANDOFF_LOG_ERROR("out of memory ordering a release after {} streams; the producer is kept", release_after_.size());
+    return;
+  }
+  for (stream_binding& consumer : release_after_) {
+    defer(consumer, [all]() noexcept {
+      if (all->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) { all->release(); }
+    });
+  }
+}
 
-  // Runs `release` once the work enqueued on `consumer` by now is done; a held-back producer stream
-  // of the same device waits for that work too.
-  void defer(stream_binding& consumer, std::function<void()> release) noexcept
-  {
-    std::optional<device::stream_handle> producer;
-    std::shared_ptr<const void> producer_owner;
-    if (hold_back_ && hold_back_->ctx == consumer.ctx && hold_back_->device == consumer.device) {
-      producer = hold_back_->stream;
-      producer_owner = hold_back_->stream_owner;  // shared by every consumer stream's release
-    }
-    if (!consumer.stream_owner && !producer_owner) {
-      consumer.ctx->release_after(consumer.device, consumer.stream, std::move(release), producer);
-      return;
-    }
-    // The streams' owners go once the release has run, after the last use of the streams.
-    consumer.ctx->release_after(
-      consumer.device, consumer.stream,
-      [release = std::move(release), owner = std::move(consumer.stream_owner),
-       held = std::move(producer_owner)]() noexcept { release(); },
-      producer);
+// Runs `release` once the work enqueued on `consumer` by now is done; a held-back producer stream
+// of the same device waits for that work too.
+void producer_ref::state::defer(stream_binding& consumer, std::function<void()> release) noexcept
+{
+  std::optional<device::stream_handle> producer;
+  std::shared_ptr<const void> producer_owner;
+  if (hold_back_ && hold_back_->ctx == consumer.ctx && hold_back_->device == consumer.device) {
+    producer = hold_back_->stream;
+    producer_owner = hold_back_->stream_owner;  // shared by every consumer stream's release
   }
-
-  static void acquire(state* s) noexcept
-  {
-    if (s != nullptr) { s->references_.fetch_add(1, std::memory_order_relaxed); }
+  if (!consumer.stream_owner && !producer_owner) {
+    consumer.ctx->release_after(consumer.device, consumer.stream, std::move(release), producer);
+    return;
   }
-  static void release(state* s) noexcept
-  {
-    if (s == nullptr) { return; }
-    // The only reference (the usual case: one view) cannot be copied concurrently, so it needs no
-    // atomic read-modify-write; acquire orders every use through other, gone references before.
-    if (s->references_.load(std::memory_order_acquire) == 1 ||
-        s->references_.fetch_sub(1, std::memory_order_acq_rel) == 1) {  // acq_rel: as above
-      delete s;
-    }
-  }
-
-  std::atomic<long> references_{1};
-  std::function<void()> release_;
-  mutable std::mutex mutex_;  // guards the bindings
-  std::optional<stream_binding> ready_on_;
-  std::vector<stream_binding> release_after_;  // one per consumer stream, usually one
-  std::optional<stream_binding> hold_back_;    // the producer stream that waits for the consumers' work
-};
+  // The streams' owners go once the release has run, after the last use of the streams.
+  consumer.ctx->release_after(
+    consumer.device, consumer.stream,
+    [release = std::move(release), owner = std::move(consumer.stream_owner),
+     held = std::move(producer_owner)]() noexcept { release(); },
+    producer);
+}
 
 producer_ref::producer_ref(std::function<void()> release)
 {
@@ -141,6 +140,21 @@ producer_ref& producer_ref::operator=(producer_ref&& other) noexcept
 producer_ref::~producer_ref()
 {
   state::release(state_);
+}
+
+std::uint64_t producer_ref::id() const noexcept
+{
+  return state_ == nullptr ? 0 : state_->id();
+}
+
+void producer_ref::set_library(const char* library) const noexcept
+{
+  if (state_ != nullptr) { state_->library_.store(library, std::memory_order_relaxed); }
+}
+
+const char* producer_ref::library() const noexcept
+{
+  return state_ == nullptr ? nullptr : state_->library_.load(std::memory_order_relaxed);
 }
 
 long producer_ref::use_count() const noexcept
@@ -467,12 +481,20 @@ namespace {
 // and strides (2 * ndim values; at least one, so that a 0-d tensor's pointers are never NULL).
 template <typename Managed>
 struct exported {
-  Managed managed{};
-  producer_ref owner;
-
-  static std::int64_t* trailing(exported* self) noexcept
+  exported(const array& view, std::int64_t* dims) noexcept
+      : managed{describe(view, dims)}, owner{view.owner()}, tracked{managed.dl_tensor, owner, "dlpack"}
   {
-    return reinterpret_cast<std::int64_t*>(reinterpret_cast<std::byte*>(self) + header_size());
+    managed.manager_ctx = this;
+    managed.deleter = &exported::deleter;
+  }
+
+  Managed managed;
+  producer_ref owner;
+  tracked_view tracked;  // registered once `managed` describes the data
+
+  static std::int64_t* trailing(void* self) noexcept
+  {
+    return reinterpret_cast<std::int64_t*>(static_cast<std::byte*>(self) + header_size());
   }
   static constexpr std::size_t header_size() noexcept
   {
@@ -483,16 +505,14 @@ struct exported {
     return header_size() + sizeof(std::int64_t) * std::max<std::size_t>(2 * ndim, 1);
   }
 
-  static exported* make(const array& view)
+  static Managed describe(const array& view, std::int64_t* dims) noexcept
   {
     const auto ndim = static_cast<std::size_t>(view.ndim());
-    void* memory = ::operator new(bytes(ndim));
-    auto* out = new (memory) exported{Managed{}, view.owner()};  // noexcept from here on
-    std::int64_t* dims = trailing(out);
     dims[0] = 0;
     std::copy(view.shape().begin(), view.shape().end(), dims);
     std::copy(view.strides().begin(), view.strides().end(), dims + ndim);
-    DLTensor& t = out->managed.dl_tensor;
+    Managed out{};
+    DLTensor& t = out.dl_tensor;
     t.data = view.data();
     t.device = view.device();
     t.ndim = view.ndim();
@@ -500,8 +520,19 @@ struct exported {
     t.shape = dims;
     t.strides = dims + ndim;  // never NULL (DLPack 1.2); for 0-d both point at one zero
     t.byte_offset = 0;
-    out->managed.manager_ctx = out;
-    out->managed.deleter = &exported::deleter;
+    return out;
+  }
+
+  static exported* make(const array& view)
+  {
+    void* memory = ::operator new(bytes(static_cast<std::size_t>(view.ndim())));
+    auto* out = new (memory) exported{view, trailing(memory)};  // noexcept from here on
+    if (trace::enabled()) {
+      if (trace::exchange_scope* scope = trace::exchange_scope::current();
+          scope != nullptr && scope->event().kind == trace::event_kind::export_data) {
+        scope->set_view(view, out->tracked.id());
+      }
+    }
     return out;
   }
 

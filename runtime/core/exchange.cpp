@@ -4,6 +4,7 @@
 #include <handoff/runtime.hpp>
 #include <handoff/stats.hpp>
 #include <handoff/stream.hpp>
+#include <handoff/trace.hpp>
 
 #include "log/logger.hpp"
 
@@ -142,14 +143,33 @@ array transfer_array(const array& view, transfer how)
 
 namespace {
 
+// The exchange being traced on this thread, if any.
+trace::exchange_scope* traced() noexcept
+{
+  return trace::enabled() ? trace::exchange_scope::current() : nullptr;
+}
+
+// An export handed over with no ordering: the trace asks the producer's stream whether it is idle.
+void note_unordered_export(const array& view)
+{
+  trace::exchange_scope* scope = traced();
+  if (scope == nullptr || view.device().device_type == kDLCPU) { return; }
+  scope->note_unordered();
+  if (const auto ready = view.owner().ready_on()) { scope->set_producer_stream(*ready); }
+}
+
 // prepare_export with a transfer, kept out of line: the common export (the view itself) stays a few
 // instructions.
 [[gnu::noinline]] std::unique_ptr<const array> transferred_export(const array& view, stream_request consumer,
                                                                   transfer how)
 {
   auto made = std::make_unique<const array>(transfer_array(view, how));
-  if (how == transfer::same_device && consumer.order != stream_order::none) {
-    order_export(active_context(), *made, consumer);
+  if (how == transfer::same_device) {
+    if (consumer.order != stream_order::none) {
+      order_export(active_context(), *made, consumer);
+    } else if (trace::enabled()) {
+      note_unordered_export(*made);
+    }
   }
   return made;
 }
@@ -159,7 +179,11 @@ namespace {
 std::unique_ptr<const array> prepare_export(const array& view, stream_request consumer, transfer how)
 {
   if (how != transfer::none) { return transferred_export(view, consumer, how); }
-  if (consumer.order != stream_order::none) { order_export(active_context(), view, consumer); }
+  if (consumer.order != stream_order::none) {
+    order_export(active_context(), view, consumer);
+  } else if (trace::enabled()) {
+    note_unordered_export(view);
+  }
   return nullptr;
 }
 
@@ -235,7 +259,10 @@ int owning_device(context& ctx, const array& view)
 
 void order_export(context* ctx, const array& view, stream_request consumer)
 {
-  if (consumer.order == stream_order::none) { return; }
+  if (consumer.order == stream_order::none) {
+    note_unordered_export(view);
+    return;
+  }
   if (ctx == nullptr) {
     throw device_error(
       "none", "handoffErrorNoBackend",
@@ -257,6 +284,7 @@ void bind_to(context& ctx, const array& view, int device, device::stream_handle 
 {
   const stream_binding on_consumer{
     .ctx = &ctx, .device = device, .stream = consumer, .stream_owner = std::move(consumer_owner)};
+  if (trace::exchange_scope* scope = traced()) { scope->set_consumer_stream(on_consumer); }
   view.owner().set_ready_on(on_consumer);
   view.owner().release_after(on_consumer, producer);
 }
@@ -314,7 +342,10 @@ std::optional<stream_binding> consumer_binding(const array& view, const named_st
   const DLDeviceType type = view.device().device_type;
   if (!is_cuda_device(type) && !is_rocm_device(type)) { return std::nullopt; }
   const stream_request request = request_for(consumer, type);
-  if (request.order == stream_order::none) { return std::nullopt; }  // the consumer orders its work itself
+  if (request.order == stream_order::none) {  // the consumer orders its work itself
+    if (trace::exchange_scope* scope = traced()) { scope->note_unordered(); }
+    return std::nullopt;
+  }
   require_ordering(type);
   context* ctx = active_context();
   if (ctx == nullptr || !is_stream_ordered(*ctx, view)) { return std::nullopt; }
@@ -394,7 +425,10 @@ array import_cuda_interface(cuda_interface interface, producer_ref owner, const 
   const DLDeviceType type = layout.device.device_type;
   array view{std::move(layout), std::move(owner)};
   const auto consumer_stream = resolve_stream(backend, request_for(consumer, type));
-  if (!consumer_stream) { return view; }  // the consumer orders its work itself
+  if (!consumer_stream || !interface.stream) {  // no ordering asked for, or none possible
+    if (trace::exchange_scope* scope = traced()) { scope->note_unordered(); }
+    if (!consumer_stream) { return view; }  // the consumer orders its work itself
+  }
   // The interface numbers streams as CUDA does (1: legacy default, 2: per-thread default) on every
   // platform; the backend resolves those to its own default streams.
   const stream_request producer = interface.stream ? classify_stream(kDLCUDA, interface.stream) : stream_request{};

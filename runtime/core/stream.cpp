@@ -3,6 +3,7 @@
 #include <handoff/event_pool.hpp>
 #include <handoff/stats.hpp>
 #include <handoff/stream.hpp>
+#include <handoff/trace.hpp>
 
 #include "log/logger.hpp"
 
@@ -23,12 +24,22 @@ bool capturing(device::backend& backend, device::stream_handle s)
 
 }  // namespace
 
+void stream_view::note_wait(int device, stream_view producer, bool inserted) const noexcept
+{
+  if (!trace::enabled()) { return; }
+  if (trace::exchange_scope* scope = trace::exchange_scope::current()) {
+    scope->note_wait(*backend_, device, static_cast<std::uint64_t>(producer.handle_),
+                     static_cast<std::uint64_t>(handle_), inserted);
+  }
+}
+
 void stream_view::wait(stream_view producer, int device, event_pool& events) const
 {
   HANDOFF_EXPECTS(producer.backend_ == backend_, value_error, "cannot order streams of two different backends");
   device::backend& b = *backend_;
   if (producer.handle_ == handle_) {
     count(counter::waits_elided);
+    note_wait(device, producer, false);
     return;
   }
   device_guard on_owner{b, device};  // default streams now resolve on the data's device
@@ -65,6 +76,7 @@ void stream_view::wait(stream_view producer, int device, event_pool& events) con
   b.record_event(event.get(), producer.handle_);
   b.stream_wait_event(handle_, event.get());
   count(counter::waits_inserted);
+  note_wait(device, producer, true);
   HANDOFF_LOG_TRACE("stream {:#x} waits for stream {:#x} on device {}", raw(handle_), raw(producer.handle_), device);
 }
 

@@ -68,8 +68,19 @@ class producer_ref {
   /// until the consumer's is done. Thread-safe.
   void release_after(const stream_binding& consumer, const std::optional<stream_binding>& producer = {}) const;
 
+  /// The producer's node id in the ownership graph and the trace; unique in the process, assigned
+  /// on first use. 0 for an empty reference. Thread-safe.
+  [[nodiscard]] std::uint64_t id() const noexcept;
+  /// Names the producer's library (its top-level package: "torch", "numpy"), for the ownership graph
+  /// and the trace. `library` must live as long as the process (a literal or an interned name).
+  void set_library(const char* library) const noexcept;
+  /// The library named by set_library, or null.
+  [[nodiscard]] const char* library() const noexcept;
+
+  struct state;  // opaque: the runtime's
+
  private:
-  struct state;
+  friend struct ownership_registry;
   state* state_{nullptr};
 };
 

@@ -78,6 +78,8 @@ class backend {
   /// The id of the capture `stream` takes part in (cudaStreamGetCaptureInfo); 0 when it captures
   /// nothing. Streams that joined one capture share its id.
   [[nodiscard]] virtual std::uint64_t stream_capture_id(stream_handle stream) = 0;
+  /// True when all work enqueued on `stream` is done (cudaStreamQuery). Never blocks.
+  [[nodiscard]] virtual bool query_stream(stream_handle stream) = 0;
   /// Blocks the calling thread until all work on `stream` is done.
   virtual void synchronize_stream(stream_handle stream) = 0;
   /// Blocks the calling thread until all work on the current device is done.

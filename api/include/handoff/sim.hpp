@@ -78,6 +78,7 @@ class sim_backend final : public backend {
   void destroy_stream(stream_handle stream) noexcept override;
   [[nodiscard]] int stream_device(stream_handle stream) override;
   [[nodiscard]] bool stream_is_blocking(stream_handle stream) override;
+  [[nodiscard]] bool query_stream(stream_handle stream) override;
   [[nodiscard]] capture_status stream_capture_status(stream_handle stream) override;
   [[nodiscard]] std::uint64_t stream_capture_id(stream_handle stream) override;
   void synchronize_stream(stream_handle stream) override;

@@ -37,6 +37,9 @@ class stream_view {
   void wait(stream_view producer, int device, event_pool& events) const;
 
  private:
+  // Tells the exchange being traced on this thread, if any, about the wait.
+  void note_wait(int device, stream_view producer, bool inserted) const noexcept;
+
   device::backend* backend_;
   device::stream_handle handle_;
 };

@@ -216,6 +216,14 @@ class cuda_backend final : public backend {
     return status == cudaStreamCaptureStatusNone ? 0 : static_cast<std::uint64_t>(id);
   }
 
+  [[nodiscard]] bool query_stream(stream_handle stream) override
+  {
+    const cudaError_t status = cudaStreamQuery(to_native(stream));
+    if (status == cudaErrorNotReady) { return false; }
+    HANDOFF_CUDA_TRY(status);
+    return true;
+  }
+
   void synchronize_stream(stream_handle stream) override { HANDOFF_CUDA_TRY(cudaStreamSynchronize(to_native(stream))); }
 
   void synchronize_device() override { HANDOFF_CUDA_TRY(cudaDeviceSynchronize()); }

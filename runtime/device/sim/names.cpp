@@ -59,6 +59,7 @@ constexpr std::array operation_table{
   operation_info{"stream_is_blocking", "cudaStreamGetFlags", "hipStreamGetFlags"},
   operation_info{"stream_capture_status", "cudaStreamIsCapturing", "hipStreamIsCapturing"},
   operation_info{"stream_capture_id", "cudaStreamGetCaptureInfo", "hipStreamGetCaptureInfo"},
+  operation_info{"query_stream", "cudaStreamQuery", "hipStreamQuery"},
   operation_info{"synchronize_stream", "cudaStreamSynchronize", "hipStreamSynchronize"},
   operation_info{"synchronize_device", "cudaDeviceSynchronize", "hipDeviceSynchronize"},
   operation_info{"create_event", "cudaEventCreateWithFlags", "hipEventCreateWithFlags"},

@@ -205,6 +205,19 @@ std::uint64_t sim_backend::stream_capture_id(stream_handle stream)
   return s.capture ? s.capture->id : 0;
 }
 
+bool sim_backend::query_stream(stream_handle stream)
+{
+  const call_with c{"query_stream", "{:#x}", raw(stream)};
+  impl_->open(c);
+  std::lock_guard lock(impl_->mutex);
+  auto& s = impl_->stream(c, stream);
+  if (s.capture) { impl_->fail(c, sim_error::capture_unsupported); }
+  impl_->check_legacy_use(c, s);
+  // The work enqueued on the stream itself, as cudaStreamQuery: the legacy stream's implicit
+  // synchronization applies to work enqueued on it, not to the question.
+  return is_done(s.tail);
+}
+
 void sim_backend::synchronize_stream(stream_handle stream)
 {
   const call_with c{"synchronize_stream", "{:#x}", raw(stream)};

@@ -233,6 +233,23 @@ TEST_P(DeviceTest, SynchronizeEventBlocksUntilTheRecordedWorkIsDone)
   if (sim() != nullptr) { EXPECT_TRUE(all_equal(out, 3.0f)); }
 }
 
+TEST_P(DeviceTest, QueryStreamSaysWhetherItsWorkIsDone)
+{
+  const auto s = stream(true);
+  const auto blocking = stream(false);
+  float* data = floats(count, 0.0f);
+  EXPECT_TRUE(b().query_stream(s)) << "a new stream is idle";
+  delayed_fill(s, data, count, 3.0f, delay);
+  EXPECT_FALSE(b().query_stream(s));
+  EXPECT_TRUE(b().query_stream(blocking)) << "another stream's work is not this one's";
+  b().synchronize_stream(s);
+  EXPECT_TRUE(b().query_stream(s));
+  delayed_fill(b().legacy_default_stream(), data, count, 4.0f, delay);
+  EXPECT_FALSE(b().query_stream(b().legacy_default_stream()));
+  b().synchronize_stream(b().legacy_default_stream());
+  EXPECT_TRUE(b().query_stream(b().legacy_default_stream()));
+}
+
 // --- the default streams -------------------------------------------------------------------------
 
 TEST_P(DeviceTest, LegacyStreamWaitsForBlockingStreams)
@@ -441,6 +458,7 @@ TEST_P(DeviceTest, InjectedFaultsFailEachOperationOnce)
     {"stream_is_blocking", [&] { (void)b().stream_is_blocking(blocking); }},
     {"stream_capture_status", [&] { (void)b().stream_capture_status(blocking); }},
     {"stream_capture_id", [&] { (void)b().stream_capture_id(blocking); }},
+    {"query_stream", [&] { (void)b().query_stream(blocking); }},
     {"synchronize_stream", [&] { b().synchronize_stream(blocking); }},
     {"synchronize_device", [&] { b().synchronize_device(); }},
     {"create_event", [&] { b().destroy_event(b().create_event()); }},

@@ -1,0 +1,290 @@
+#include "py_trace.hpp"
+
+#include "py_array.hpp"
+
+#include <handoff/dtype.hpp>
+#include <handoff/ownership.hpp>
+
+#include <fmt/format.h>
+
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+namespace handoff::python {
+namespace {
+
+// Library names are kept for the life of the process: events and graph nodes point at them.
+// Only touched holding the GIL.
+const char* intern(std::string_view name)
+{
+  static auto* names = new std::unordered_set<std::string>;  // NOLINT(cppcoreguidelines-owning-memory): leaked
+  return names->emplace(name).first->c_str();
+}
+
+// The top-level package of `type`'s module: "torch" for torch.Tensor; null for builtins. A type
+// freed and another made at its address would keep the old name: a label, never a use.
+const char* library_of_type(PyTypeObject* type) noexcept
+{
+  static PyTypeObject* last_type = nullptr;  // the common case: the same producer type again
+  static const char* last_library = nullptr;
+  if (type == last_type) { return last_library; }
+  static auto* known = new std::unordered_map<PyTypeObject*, const char*>;  // NOLINT: leaked, as above
+  const char* library = nullptr;
+  try {
+    if (const auto found = known->find(type); found != known->end()) {
+      library = found->second;
+    } else {
+      PyObject* module = PyObject_GetAttrString(reinterpret_cast<PyObject*>(type), "__module__");
+      Py_ssize_t size = 0;
+      const char* text =
+        module != nullptr && PyUnicode_Check(module) ? PyUnicode_AsUTF8AndSize(module, &size) : nullptr;
+      if (text != nullptr) {
+        const std::string_view name{text, static_cast<std::size_t>(size)};
+        const std::string_view package = name.substr(0, name.find('.'));
+        if (package != "builtins") { library = intern(package); }
+      }
+      Py_XDECREF(module);
+      PyErr_Clear();
+      known->emplace(type, library);
+    }
+  } catch (const std::bad_alloc&) {
+    return nullptr;
+  }
+  last_type = type;
+  last_library = library;
+  return library;
+}
+
+// handoff._trace.library_of_file(filename), remembered per file name: the library a source file
+// belongs to, or None for user code.
+PyObject* library_of_file(PyObject* filename) noexcept
+{
+  static PyObject* cache = PyDict_New();
+  static PyObject* classify = nullptr;
+  if (cache == nullptr) { return Py_None; }
+  if (PyObject* known = PyDict_GetItemWithError(cache, filename)) { return known; }
+  if (classify == nullptr) {
+    PyObject* module = PyImport_ImportModule("handoff._trace");
+    classify = module != nullptr ? PyObject_GetAttrString(module, "library_of_file") : nullptr;
+    Py_XDECREF(module);
+    if (classify == nullptr) {
+      PyErr_Clear();
+      return Py_None;
+    }
+  }
+  PyObject* library = PyObject_CallOneArg(classify, filename);
+  if (library == nullptr) {
+    PyErr_Clear();
+    return Py_None;
+  }
+  const int stored = PyDict_SetItem(cache, filename, library);
+  Py_DECREF(library);  // the cache holds it
+  if (stored != 0) {
+    PyErr_Clear();
+    return Py_None;
+  }
+  return library;
+}
+
+// Fills `where` (the first frame of user code) and, for an export, the consumer (the library whose
+// code asked for it, when it is not user code). Only on a thread that holds the GIL: a release on a
+// consumer's thread has no Python caller.
+void annotate(trace::event& e) noexcept
+{
+  if (Py_IsInitialized() == 0 || PyGILState_Check() == 0) { return; }
+  PyObject* type = nullptr;
+  PyObject* value = nullptr;
+  PyObject* traceback = nullptr;
+  PyErr_Fetch(&type, &value, &traceback);  // a refused exchange is annotated while its error is set
+  PyFrameObject* frame = PyEval_GetFrame();
+  Py_XINCREF(frame);
+  bool caller_seen = false;
+  try {
+    while (frame != nullptr) {
+      PyCodeObject* code = PyFrame_GetCode(frame);
+      PyObject* filename = code->co_filename;
+      PyObject* library = library_of_file(filename);
+      if (library == Py_None) {
+        Py_ssize_t size = 0;
+        const char* text = PyUnicode_AsUTF8AndSize(filename, &size);
+        if (text != nullptr) {
+          e.where =
+            fmt::format("{}:{}", std::string_view{text, static_cast<std::size_t>(size)}, PyFrame_GetLineNumber(frame));
+        }
+        Py_DECREF(code);
+        break;
+      }
+      Py_DECREF(code);
+      const char* name = PyUnicode_AsUTF8(library);
+      if (!caller_seen && name != nullptr && std::string_view{name} != "handoff") {
+        caller_seen = true;
+        if (e.kind == trace::event_kind::export_data && e.consumer == nullptr) { e.consumer = intern(name); }
+      }
+      PyFrameObject* back = PyFrame_GetBack(frame);
+      Py_DECREF(frame);
+      frame = back;
+    }
+  } catch (const std::exception&) {
+    e.where.clear();
+  }
+  Py_XDECREF(frame);
+  PyErr_Clear();
+  PyErr_Restore(type, value, traceback);
+}
+
+py::object name_or_none(const char* name)
+{
+  return name != nullptr ? py::object(py::str(name)) : py::object(py::none());
+}
+
+py::object device_tuple(DLDevice device)
+{
+  return py::make_tuple(static_cast<int>(device.device_type), device.device_id);
+}
+
+py::object stream_or_none(const std::optional<trace::stream_id>& stream)
+{
+  return stream ? py::object(py::int_(stream->handle)) : py::object(py::none());
+}
+
+py::object dtype_text(DLDataType dtype)
+{
+  try {
+    return py::str(std::string{dtype_name(dtype)});
+  } catch (const std::exception&) {
+    return py::none();
+  }
+}
+
+py::dict event_dict(const trace::event& e)
+{
+  py::dict out;
+  out["kind"] = std::string{trace::name(e.kind)};
+  out["protocol"] = std::string{e.protocol};
+  out["time_ns"] = e.time_ns;
+  out["thread"] = e.thread;
+  out["device"] = device_tuple(e.device);
+  py::list shape;
+  for (const auto extent : e.shape) { shape.append(extent); }
+  out["shape"] = shape;
+  out["dtype"] = dtype_text(e.dtype);
+  out["nbytes"] = e.nbytes;
+  out["producer"] = name_or_none(e.producer);
+  out["consumer"] = name_or_none(e.consumer);
+  out["producer_stream"] = stream_or_none(e.producer_stream);
+  out["consumer_stream"] = stream_or_none(e.consumer_stream);
+  out["action"] = std::string{trace::name(e.action)};
+  out["hazard"] = name_or_none(e.hazard);
+  out["detail"] = e.detail.empty() ? py::object(py::none()) : py::object(py::str(e.detail));
+  out["where"] = e.where.empty() ? py::object(py::none()) : py::object(py::str(e.where));
+  out["buffer"] = fmt::format("buffer:{}", e.buffer);
+  out["view"] = e.view != 0 ? py::object(py::str(fmt::format("view:{}", e.view))) : py::object(py::none());
+  return out;
+}
+
+py::list event_list(const std::vector<trace::event>& events)
+{
+  py::list out;
+  for (const trace::event& e : events) { out.append(event_dict(e)); }
+  return out;
+}
+
+std::string stream_node_id(const stream_node& s)
+{
+  return fmt::format("stream:{}:{}:{:#x}", static_cast<int>(s.device.device_type), s.device.device_id, s.handle);
+}
+
+py::dict graph_dict()
+{
+  const ownership_graph graph = ownership_snapshot();
+  py::list nodes;
+  py::list edges;
+  std::unordered_set<std::string> streams;
+  const auto add_stream = [&](const stream_node& s, const std::string& buffer, const char* kind) {
+    std::string id = stream_node_id(s);
+    if (streams.insert(id).second) {
+      py::dict node;
+      node["id"] = id;
+      node["kind"] = "stream";
+      node["device"] = device_tuple(s.device);
+      node["handle"] = s.handle;
+      nodes.append(node);
+    }
+    py::dict edge;
+    edge["src"] = buffer;
+    edge["dst"] = id;
+    edge["kind"] = kind;
+    edges.append(edge);
+  };
+  for (const buffer_node& b : graph.buffers) {
+    const std::string id = fmt::format("buffer:{}", b.id);
+    py::dict node;
+    node["id"] = id;
+    node["kind"] = "buffer";
+    node["library"] = name_or_none(b.library);
+    node["device"] = b.device ? device_tuple(*b.device) : py::object(py::none());
+    py::list shape;
+    for (const auto extent : b.shape) { shape.append(extent); }
+    node["shape"] = shape;
+    node["dtype"] = b.dtype ? dtype_text(*b.dtype) : py::object(py::none());
+    node["nbytes"] = b.nbytes;
+    node["holders"] = b.holders;
+    nodes.append(node);
+    if (b.ready_on) { add_stream(*b.ready_on, id, "ready-on"); }
+    for (const stream_node& after : b.released_after) { add_stream(after, id, "released-after"); }
+  }
+  for (const view_node& v : graph.views) {
+    py::dict node;
+    node["id"] = fmt::format("view:{}", v.id);
+    node["kind"] = "view";
+    node["holder"] = name_or_none(v.holder);
+    nodes.append(node);
+    py::dict edge;
+    edge["src"] = fmt::format("view:{}", v.id);
+    edge["dst"] = fmt::format("buffer:{}", v.buffer);
+    edge["kind"] = "view-of";
+    edges.append(edge);
+  }
+  py::dict out;
+  out["nodes"] = nodes;
+  out["edges"] = edges;
+  return out;
+}
+
+}  // namespace
+
+void name_producer(const array& view, py::handle producer) noexcept
+{
+  const array* source = as_array(producer);
+  const char* library = source != nullptr ? source->owner().library() : library_of_type(Py_TYPE(producer.ptr()));
+  if (source != nullptr && library == nullptr) { library = "handoff"; }
+  view.owner().set_library(library);
+  if (trace::exchange_scope* scope = traced(); scope != nullptr && scope->event().producer == nullptr) {
+    scope->event().producer = library;
+  }
+}
+
+void bind_trace(py::module_& m)
+{
+  trace::set_annotator(&annotate);
+  m.def("_trace_begin", &trace::begin_session, "Starts recording exchanges; returns the session's token.");
+  m.def(
+    "_trace_events", [](std::uint64_t token) { return event_list(trace::session_events(token)); }, py::arg("token"),
+    "The events of an open session so far.");
+  m.def(
+    "_trace_end", [](std::uint64_t token) { return event_list(trace::end_session(token)); }, py::arg("token"),
+    "Ends a session and returns its events.");
+  m.def("_ownership_graph", &graph_dict, "A snapshot of the ownership graph as a dict of nodes and edges.");
+  m.def(
+    "_live_view_ids",
+    [] {
+      py::list ids;
+      for (const auto id : tracked_view_ids()) { ids.append(fmt::format("view:{}", id)); }
+      return ids;
+    },
+    "The node ids of the views alive now.");
+}
+
+}  // namespace handoff::python

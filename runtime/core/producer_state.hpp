@@ -1,0 +1,61 @@
+// Private: the shared state behind producer_ref, read by the ownership graph.
+#pragma once
+
+#include <handoff/array.hpp>
+
+#include "core/live_views.hpp"
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+namespace handoff {
+namespace detail {
+/// A fresh ownership graph node id (buffers and views share one sequence, from 1).
+std::uint64_t next_node_id() noexcept;
+}  // namespace detail
+
+struct producer_ref::state {
+  explicit state(std::function<void()> release) noexcept : release_(std::move(release)) { detail::live_view_added(); }
+  state(const state&) = delete;
+  state& operator=(const state&) = delete;
+  state(state&&) = delete;
+  state& operator=(state&&) = delete;
+  ~state();
+
+  // Runs `release` once the work enqueued on `consumer` by now is done; a held-back producer stream
+  // of the same device waits for that work too.
+  void defer(stream_binding& consumer, std::function<void()> release) noexcept;
+
+  static void acquire(state* s) noexcept
+  {
+    if (s != nullptr) { s->references_.fetch_add(1, std::memory_order_relaxed); }
+  }
+  static void release(state* s) noexcept
+  {
+    if (s == nullptr) { return; }
+    // The only reference (the usual case: one view) cannot be copied concurrently, so it needs no
+    // atomic read-modify-write; acquire orders every use through other, gone references before.
+    if (s->references_.load(std::memory_order_acquire) == 1 ||
+        s->references_.fetch_sub(1, std::memory_order_acq_rel) == 1) {  // acq_rel: as above
+      delete s;
+    }
+  }
+
+  // The buffer's node id in the ownership graph and the trace, assigned on first use.
+  std::uint64_t id() noexcept;
+
+  std::atomic<long> references_{1};
+  std::function<void()> release_;
+  std::atomic<std::uint64_t> id_{0};
+  std::atomic<const char*> library_{nullptr};  // the producer's package, for the graph and the trace
+  mutable std::mutex mutex_;                   // guards the bindings
+  std::optional<stream_binding> ready_on_;
+  std::vector<stream_binding> release_after_;  // one per consumer stream, usually one
+  std::optional<stream_binding> hold_back_;    // the producer stream that waits for the consumers' work
+};
+
+}  // namespace handoff

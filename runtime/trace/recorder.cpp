@@ -1,0 +1,512 @@
+#include <handoff/array.hpp>
+#include <handoff/context.hpp>
+#include <handoff/device_guard.hpp>
+#include <handoff/dtype.hpp>
+#include <handoff/error.hpp>
+#include <handoff/stream_value.hpp>
+#include <handoff/trace.hpp>
+
+#include "log/logger.hpp"
+
+#include <fmt/format.h>
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <exception>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+
+namespace handoff::trace {
+
+namespace detail {
+std::atomic<bool> active{false};
+}  // namespace detail
+
+std::string_view name(event_kind kind) noexcept
+{
+  switch (kind) {
+    case event_kind::import_data:
+      return "import";
+    case event_kind::export_data:
+      return "export";
+    case event_kind::release:
+      return "release";
+  }
+  return "?";
+}
+
+std::string_view name(action what) noexcept
+{
+  switch (what) {
+    case action::none:
+      return "none";
+    case action::wait:
+      return "wait";
+    case action::elided:
+      return "elided";
+    case action::unordered:
+      return "unordered";
+    case action::refused:
+      return "refused";
+  }
+  return "?";
+}
+
+namespace {
+
+// Where events go: the open sessions share one log, each reading from where it began; listeners
+// see each event as it is recorded. Leaked on purpose, as producers may be released at exit.
+struct recorder {
+  std::mutex mutex;
+  std::vector<event> log;                           // events since the oldest open session began
+  std::uint64_t log_start{0};                       // the sequence number of log.front()
+  std::map<std::uint64_t, std::uint64_t> sessions;  // token -> first sequence number
+  std::uint64_t next_token{1};
+  std::map<std::uint64_t, std::function<void(const event&)>> listeners;
+  std::uint64_t next_listener{1};
+  // What a buffer looked like when last exchanged: a release knows only the producer.
+  struct layout {
+    DLDevice device;
+    std::vector<std::int64_t> shape;
+    DLDataType dtype;
+    std::int64_t nbytes;
+  };
+  std::unordered_map<std::uint64_t, layout> buffers;
+  std::atomic<annotator> annotate{nullptr};
+  bool debug_log{false};
+
+  static recorder& get()
+  {
+    static auto* instance = [] {
+      auto* r = new recorder;  // NOLINT(cppcoreguidelines-owning-memory): leaked, see above
+      r->debug_log = handoff::detail::logger().should_log(spdlog::level::debug);
+      r->update_active();
+      return r;
+    }();
+    return *instance;
+  }
+
+  // Under `mutex`.
+  void update_active() noexcept
+  {
+    detail::active.store(debug_log || !sessions.empty() || !listeners.empty(), std::memory_order_relaxed);
+  }
+};
+
+// Events are wanted from the first exchange when the log level asks for them.
+bool check_debug_logging() noexcept
+{
+  try {
+    (void)recorder::get();
+  } catch (...) {  // out of memory at load: no debug lines
+  }
+  return true;
+}
+const bool debug_logging_checked = check_debug_logging();
+
+std::string stream_text(const std::optional<stream_id>& s)
+{
+  return s ? fmt::format("{}:{} stream {:#x}", device_type_name(s->device.device_type), s->device.device_id, s->handle)
+           : std::string{"-"};
+}
+
+void log_event(const event& e)
+{
+  const char* producer = e.producer != nullptr ? e.producer : "?";
+  const char* consumer = e.consumer != nullptr ? e.consumer : "?";
+  std::string data = e.shape.empty() && e.nbytes == 0 && e.kind == event_kind::release
+                       ? std::string{}
+                       : fmt::format(" {}[{}] on {}:{} ({} B)", dtype_name(e.dtype), fmt::join(e.shape, ", "),
+                                     device_type_name(e.device.device_type), e.device.device_id, e.nbytes);
+  std::string change;
+  switch (e.kind) {
+    case event_kind::import_data:
+    case event_kind::export_data:
+      change = fmt::format("+view:{} view-of buffer:{}", e.view, e.buffer);
+      if (e.consumer_stream) {
+        change += fmt::format(", buffer:{} ready-on {}", e.buffer, stream_text(e.consumer_stream));
+      }
+      break;
+    case event_kind::release:
+      change = e.consumer_stream ? fmt::format("-buffer:{} released-after {}", e.buffer, stream_text(e.consumer_stream))
+                                 : fmt::format("-buffer:{}", e.buffer);
+      break;
+  }
+  HANDOFF_LOG_DEBUG("{} {} -> {} ({}){}: {}; {} after {}{}{}{}", name(e.kind), producer, consumer, e.protocol, data,
+                    change, name(e.action), stream_text(e.producer_stream), e.hazard != nullptr ? "; HAZARD " : "",
+                    e.hazard != nullptr ? e.hazard : "", e.where.empty() ? std::string{} : " at " + e.where);
+}
+
+void append_json_string(std::string& out, std::string_view text)
+{
+  out += '"';
+  for (const char c : text) {
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          out += fmt::format("\\u{:04x}", static_cast<unsigned>(c));
+        } else {
+          out += c;
+        }
+    }
+  }
+  out += '"';
+}
+
+void append_json_name(std::string& out, const char* text)
+{
+  if (text == nullptr) {
+    out += "null";
+  } else {
+    append_json_string(out, text);
+  }
+}
+
+void append_json_stream(std::string& out, const std::optional<stream_id>& s)
+{
+  out += s ? fmt::format("{}", s->handle) : std::string{"null"};
+}
+
+std::uint64_t native_thread_id() noexcept
+{
+  return static_cast<std::uint64_t>(::syscall(SYS_gettid));
+}
+
+thread_local exchange_scope* innermost = nullptr;
+
+}  // namespace
+
+void set_annotator(annotator fill) noexcept
+{
+  recorder::get().annotate.store(fill, std::memory_order_release);
+}
+
+std::uint64_t begin_session()
+{
+  recorder& r = recorder::get();
+  std::lock_guard lock{r.mutex};
+  if (r.sessions.empty()) {
+    r.log_start += r.log.size();
+    r.log.clear();
+    r.buffers.clear();
+  }
+  const std::uint64_t token = r.next_token++;
+  r.sessions.emplace(token, r.log_start + r.log.size());
+  r.update_active();
+  return token;
+}
+
+std::vector<event> session_events(std::uint64_t token)
+{
+  recorder& r = recorder::get();
+  std::lock_guard lock{r.mutex};
+  const auto session = r.sessions.find(token);
+  HANDOFF_EXPECTS(session != r.sessions.end(), value_error, fmt::format("no open trace session {}", token));
+  const auto first = static_cast<std::ptrdiff_t>(session->second - r.log_start);
+  return {r.log.begin() + first, r.log.end()};
+}
+
+std::vector<event> end_session(std::uint64_t token)
+{
+  std::vector<event> events = session_events(token);
+  recorder& r = recorder::get();
+  std::lock_guard lock{r.mutex};
+  r.sessions.erase(token);
+  if (r.sessions.empty()) {
+    r.log_start += r.log.size();
+    r.log.clear();
+    r.buffers.clear();
+  } else {  // drop what no open session can read any more
+    const std::uint64_t oldest = r.sessions.begin()->second;
+    std::uint64_t keep_from = oldest;
+    for (const auto& [_, start] : r.sessions) { keep_from = std::min(keep_from, start); }
+    const auto drop = static_cast<std::ptrdiff_t>(keep_from - r.log_start);
+    r.log.erase(r.log.begin(), r.log.begin() + drop);
+    r.log_start = keep_from;
+  }
+  r.update_active();
+  return events;
+}
+
+std::uint64_t add_listener(std::function<void(const event&)> listener)
+{
+  recorder& r = recorder::get();
+  std::lock_guard lock{r.mutex};
+  const std::uint64_t id = r.next_listener++;
+  r.listeners.emplace(id, std::move(listener));
+  r.update_active();
+  return id;
+}
+
+void remove_listener(std::uint64_t id) noexcept
+{
+  recorder& r = recorder::get();
+  std::lock_guard lock{r.mutex};
+  r.listeners.erase(id);
+  r.update_active();
+}
+
+std::string to_json(const event& e)
+{
+  std::string out;
+  out.reserve(512);
+  out += fmt::format(R"({{"kind":"{}","protocol":"{}","time_ns":{},"thread":{},"device":[{},{}],"shape":[{}],)",
+                     name(e.kind), e.protocol, e.time_ns, e.thread, static_cast<int>(e.device.device_type),
+                     e.device.device_id, fmt::join(e.shape, ","));
+  out += R"("dtype":)";
+  try {
+    append_json_string(out, dtype_name(e.dtype));
+  } catch (const std::exception&) {
+    out += "null";
+  }
+  out += fmt::format(R"(,"nbytes":{},"producer":)", e.nbytes);
+  append_json_name(out, e.producer);
+  out += R"(,"consumer":)";
+  append_json_name(out, e.consumer);
+  out += R"(,"producer_stream":)";
+  append_json_stream(out, e.producer_stream);
+  out += R"(,"consumer_stream":)";
+  append_json_stream(out, e.consumer_stream);
+  out += fmt::format(R"(,"action":"{}","hazard":)", name(e.action));
+  append_json_name(out, e.hazard);
+  out += R"(,"detail":)";
+  if (e.detail.empty()) {
+    out += "null";
+  } else {
+    append_json_string(out, e.detail);
+  }
+  out += R"(,"where":)";
+  if (e.where.empty()) {
+    out += "null";
+  } else {
+    append_json_string(out, e.where);
+  }
+  out += fmt::format(R"(,"buffer":"buffer:{}","view":)", e.buffer);
+  out += e.view != 0 ? fmt::format(R"("view:{}")", e.view) : std::string{"null"};
+  out += '}';
+  return out;
+}
+
+void record(event&& e) noexcept
+{
+  recorder& r = recorder::get();
+  try {
+    if (const annotator fill = r.annotate.load(std::memory_order_acquire)) { fill(e); }
+    std::lock_guard lock{r.mutex};
+    if (!r.sessions.empty()) {
+      if (e.kind == event_kind::release) {
+        if (const auto known = r.buffers.find(e.buffer); known != r.buffers.end()) {
+          e.device = known->second.device;
+          e.shape = known->second.shape;
+          e.dtype = known->second.dtype;
+          e.nbytes = known->second.nbytes;
+          r.buffers.erase(known);
+        }
+      } else if (e.buffer != 0) {
+        r.buffers.insert_or_assign(e.buffer, recorder::layout{e.device, e.shape, e.dtype, e.nbytes});
+      }
+    }
+    if (r.debug_log) { log_event(e); }
+    for (const auto& [_, listener] : r.listeners) { listener(e); }
+    if (!r.sessions.empty()) { r.log.push_back(std::move(e)); }
+  } catch (const std::exception& error) {
+    HANDOFF_LOG_WARN("a trace event was lost ({})", error.what());
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// exchange_scope
+
+struct exchange_scope::collected {
+  trace::event event;
+  exchange_scope* outer{nullptr};
+  device::backend* backend{nullptr};  // of the streams, when any was named
+  int uncaught{0};
+  bool unordered{false};
+  bool ordered_by_producer{false};
+  bool waited{false};
+  bool elided{false};
+};
+
+void exchange_scope::begin(event_kind kind, std::string_view protocol) noexcept
+{
+  try {
+    state_ = new collected;  // NOLINT(cppcoreguidelines-owning-memory): owned until end()
+  } catch (const std::bad_alloc&) {
+    return;  // this exchange goes untraced
+  }
+  collected& s = *state_;
+  s.outer = innermost;
+  innermost = this;
+  s.uncaught = std::uncaught_exceptions();
+  s.event.kind = kind;
+  s.event.protocol = protocol;
+  // A producer's export inside an import: the importer is its consumer.
+  if (s.outer != nullptr && kind == event_kind::export_data && s.outer->event().kind == event_kind::import_data) {
+    s.event.consumer = s.outer->event().consumer;
+  }
+  s.event.time_ns =
+    std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  s.event.thread = native_thread_id();
+}
+
+void exchange_scope::end() noexcept
+{
+  collected& s = *state_;
+  innermost = s.outer;
+  try {
+    classify();
+  } catch (const std::exception& error) {
+    HANDOFF_LOG_DEBUG("a trace hazard check failed ({})", error.what());
+  }
+  // The import of what this export handed over learns where the data was ready.
+  if (s.outer != nullptr && s.event.kind == event_kind::export_data &&
+      s.outer->event().kind == event_kind::import_data && !s.outer->event().producer_stream) {
+    s.outer->event().producer_stream = s.event.producer_stream;
+  }
+  record(std::move(s.event));
+  delete state_;  // NOLINT(cppcoreguidelines-owning-memory): made by begin()
+  state_ = nullptr;
+}
+
+trace::event& exchange_scope::event() noexcept
+{
+  return state_->event;
+}
+
+void exchange_scope::set_protocol(std::string_view protocol) noexcept
+{
+  if (state_ != nullptr) { state_->event.protocol = protocol; }
+}
+
+void exchange_scope::note_unordered() noexcept
+{
+  if (state_ != nullptr) { state_->unordered = true; }
+}
+
+void exchange_scope::note_ordered_by_producer() noexcept
+{
+  if (state_ != nullptr) { state_->ordered_by_producer = true; }
+}
+
+exchange_scope* exchange_scope::current() noexcept
+{
+  return innermost;
+}
+
+void exchange_scope::set_view(const array& view, std::uint64_t view_id) noexcept
+{
+  if (state_ == nullptr) { return; }
+  state_->event.device = view.device();
+  state_->event.dtype = view.dtype();
+  state_->event.nbytes = view.nbytes();
+  state_->event.buffer = view.owner().id();
+  if (view_id != 0) { state_->event.view = view_id; }
+  if (state_->event.producer == nullptr) { state_->event.producer = view.owner().library(); }
+  try {
+    state_->event.shape.assign(view.shape().begin(), view.shape().end());
+  } catch (const std::bad_alloc&) {
+    state_->event.shape.clear();
+  }
+}
+
+namespace {
+
+stream_id id_of(const stream_binding& binding) noexcept
+{
+  const DLDeviceType type = binding.ctx != nullptr ? binding.ctx->backend().device_type() : kDLCUDA;
+  return {.device = {type, binding.device}, .handle = static_cast<std::uint64_t>(binding.stream)};
+}
+
+}  // namespace
+
+void exchange_scope::set_producer_stream(const stream_binding& producer) noexcept
+{
+  if (state_ == nullptr) { return; }
+  state_->event.producer_stream = id_of(producer);
+  if (producer.ctx != nullptr) { state_->backend = &producer.ctx->backend(); }
+}
+
+void exchange_scope::set_consumer_stream(const stream_binding& consumer) noexcept
+{
+  if (state_ == nullptr) { return; }
+  state_->event.consumer_stream = id_of(consumer);
+  if (consumer.ctx != nullptr) { state_->backend = &consumer.ctx->backend(); }
+}
+
+void exchange_scope::note_wait(device::backend& backend, int device, std::uint64_t producer, std::uint64_t consumer,
+                               bool inserted) noexcept
+{
+  if (state_ == nullptr) { return; }
+  const DLDeviceType type = backend.device_type();
+  state_->backend = &backend;
+  state_->event.producer_stream = stream_id{.device = {type, device}, .handle = producer};
+  state_->event.consumer_stream = stream_id{.device = {type, device}, .handle = consumer};
+  (inserted ? state_->waited : state_->elided) = true;
+}
+
+void exchange_scope::classify()
+{
+  collected& s = *state_;
+  trace::event& e = s.event;
+  if (std::uncaught_exceptions() > s.uncaught) {
+    e.action = action::refused;
+    e.detail = "the exchange raised an error";
+  } else if (e.kind == event_kind::release) {
+    e.action = e.consumer_stream ? action::wait : action::none;
+  } else if (e.device.device_type == kDLCPU) {
+    e.action = action::none;
+  } else if (!s.waited && s.elided) {
+    e.action = action::elided;
+  } else if (!s.waited && s.unordered) {
+    e.action = action::unordered;
+  } else if (s.waited || s.ordered_by_producer) {  // by handoff, or by the producer given the stream
+    e.action = action::wait;
+  }
+  if (s.backend == nullptr || e.kind == event_kind::release) { return; }
+  device::backend& backend = *s.backend;
+  // Unordered is a hazard only while the producer still works on the data: ask its stream.
+  if (e.action == action::unordered && e.producer_stream) {
+    const device_guard on_device{backend, e.producer_stream->device.device_id};
+    if (!backend.query_stream(static_cast<device::stream_handle>(e.producer_stream->handle))) {
+      e.hazard = "unordered";
+      e.detail = fmt::format(
+        "handed over with no ordering while its producer stream {:#x} still had work pending: the consumer may "
+        "read the data before it is written",
+        e.producer_stream->handle);
+      return;
+    }
+  }
+  // A default stream names the current device's: only a created stream belongs to one device.
+  const auto consumer =
+    e.consumer_stream ? static_cast<device::stream_handle>(e.consumer_stream->handle) : backend.legacy_default_stream();
+  if (e.device.device_type == backend.device_type() && consumer != backend.legacy_default_stream() &&
+      consumer != backend.per_thread_default_stream()) {
+    const int consumer_device = backend.stream_device(consumer);
+    if (consumer_device != e.device.device_id) {
+      e.hazard = "cross-device";
+      e.detail = fmt::format("data of device {} is consumed on stream {:#x} of device {}", e.device.device_id,
+                             e.consumer_stream->handle, consumer_device);
+    }
+  }
+}
+
+}  // namespace handoff::trace

@@ -1,0 +1,266 @@
+// Exchange tracing on every backend: the action and hazards of each exchange, sessions and
+// listeners, with a negative control for each hazard.
+#include <handoff/exchange.hpp>
+#include <handoff/ownership.hpp>
+#include <handoff/trace.hpp>
+
+#include "core/backend_fixture.hpp"
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace handoff;
+using handoff::testing::BackendContextTest;
+
+class TraceTest : public BackendContextTest {
+ protected:
+  void SetUp() override
+  {
+    BackendContextTest::SetUp();
+    if (IsSkipped()) { return; }
+    session_ = trace::begin_session();
+  }
+  void TearDown() override
+  {
+    if (session_ != 0) { (void)trace::end_session(session_); }
+  }
+
+  array view_on(float* data, int device)
+  {
+    array_layout layout;
+    layout.data = data;
+    layout.device = {b().device_type(), device};
+    layout.dtype = {kDLFloat, 32, 1};
+    layout.shape = std::vector<std::int64_t>{static_cast<std::int64_t>(n)};
+    layout.strides = std::vector<std::int64_t>{1};
+    return array{std::move(layout), producer_ref{[] {}}};
+  }
+
+  std::vector<trace::event> finish()
+  {
+    auto events = trace::end_session(std::exchange(session_, 0));
+    return events;
+  }
+
+  // Exports `view` to `consumer` (DLPack's request) inside a traced export.
+  void traced_export(const array& view, stream_request consumer)
+  {
+    trace::exchange_scope scope{trace::event_kind::export_data, "dlpack"};
+    scope.set_view(view);
+    if (consumer.order == stream_order::none) {
+      (void)prepare_export(view, consumer, transfer::none);  // needs no context
+    } else {
+      order_export(&ctx(), view, consumer);
+    }
+  }
+
+  static stream_request on(device::stream_handle s) { return {stream_order::handle, static_cast<std::uintptr_t>(s)}; }
+
+  std::uint64_t session_{0};
+};
+
+TEST_P(TraceTest, AnOrderedExportRecordsItsWaitAndBothStreams)
+{
+  float* data = allocate_on(0);
+  const auto producer = stream_on(0);
+  const auto consumer = stream_on(0);
+  const array view = view_on(data, 0);
+  view.owner().set_ready_on({.ctx = &ctx(), .device = 0, .stream = producer, .stream_owner = nullptr});
+  traced_export(view, on(consumer));
+  const auto events = finish();
+  ASSERT_EQ(events.size(), 1U);
+  const trace::event& e = events[0];
+  EXPECT_EQ(e.kind, trace::event_kind::export_data);
+  EXPECT_EQ(e.action, trace::action::wait);
+  EXPECT_EQ(e.hazard, nullptr);
+  ASSERT_TRUE(e.producer_stream && e.consumer_stream);
+  EXPECT_EQ(e.producer_stream->handle, static_cast<std::uint64_t>(producer));
+  EXPECT_EQ(e.consumer_stream->handle, static_cast<std::uint64_t>(consumer));
+  EXPECT_EQ(e.buffer, view.owner().id());
+  EXPECT_EQ(e.nbytes, static_cast<std::int64_t>(n * sizeof(float)));
+  EXPECT_EQ(e.shape, (std::vector<std::int64_t>{static_cast<std::int64_t>(n)}));
+}
+
+TEST_P(TraceTest, TheSameStreamIsElided)
+{
+  float* data = allocate_on(0);
+  const auto stream = stream_on(0);
+  const array view = view_on(data, 0);
+  view.owner().set_ready_on({.ctx = &ctx(), .device = 0, .stream = stream, .stream_owner = nullptr});
+  traced_export(view, on(stream));
+  const auto events = finish();
+  ASSERT_EQ(events.size(), 1U);
+  EXPECT_EQ(events[0].action, trace::action::elided);
+}
+
+TEST_P(TraceTest, AnUnorderedHandOverWhileTheProducerWorksIsAHazard)
+{
+  float* data = allocate_on(0);
+  const auto producer = stream_on(0);
+  const array view = view_on(data, 0);
+  fill(producer, data, 1.0F, slow);
+  view.owner().set_ready_on({.ctx = &ctx(), .device = 0, .stream = producer, .stream_owner = nullptr});
+  traced_export(view, {stream_order::none, 0});
+  const auto events = finish();
+  ASSERT_EQ(events.size(), 1U);
+  EXPECT_EQ(events[0].action, trace::action::unordered);
+  ASSERT_NE(events[0].hazard, nullptr);
+  EXPECT_STREQ(events[0].hazard, "unordered");
+  EXPECT_NE(events[0].detail.find("pending"), std::string::npos) << events[0].detail;
+  b().synchronize_device();
+}
+
+TEST_P(TraceTest, NegativeControlAnUnorderedHandOverOfFinishedWorkIsNoHazard)
+{
+  float* data = allocate_on(0);
+  const auto producer = stream_on(0);
+  const array view = view_on(data, 0);
+  fill(producer, data, 1.0F);
+  b().synchronize_stream(producer);
+  view.owner().set_ready_on({.ctx = &ctx(), .device = 0, .stream = producer, .stream_owner = nullptr});
+  traced_export(view, {stream_order::none, 0});
+  const auto events = finish();
+  ASSERT_EQ(events.size(), 1U);
+  EXPECT_EQ(events[0].action, trace::action::unordered);
+  EXPECT_EQ(events[0].hazard, nullptr);
+}
+
+TEST_P(TraceTest, AConsumerStreamOfAnotherDeviceIsACrossDeviceHazard)
+{
+  HANDOFF_REQUIRE_TWO_DEVICES();
+  float* data = allocate_on(0);
+  const auto other_device = stream_on(1);
+  const array view = view_on(data, 0);
+  {
+    trace::exchange_scope scope{trace::event_kind::import_data, "cuda-array-interface"};
+    scope.set_view(view);
+    bind_import(ctx(), view, 0, other_device, nullptr);
+  }
+  {  // negative control: a stream of the data's device
+    trace::exchange_scope scope{trace::event_kind::import_data, "cuda-array-interface"};
+    scope.set_view(view);
+    bind_import(ctx(), view, 0, stream_on(0), nullptr);
+  }
+  const auto events = finish();
+  ASSERT_EQ(events.size(), 2U);
+  ASSERT_NE(events[0].hazard, nullptr);
+  EXPECT_STREQ(events[0].hazard, "cross-device");
+  EXPECT_EQ(events[1].hazard, nullptr);
+}
+
+TEST_P(TraceTest, ADeferredReleaseIsTracedAsAWaitOnTheConsumerStream)
+{
+  float* data = allocate_on(0);
+  const auto consumer = stream_on(0);
+  std::optional<array> view{view_on(data, 0)};
+  const std::uint64_t buffer = view->owner().id();
+  bind_import(ctx(), *view, 0, consumer, nullptr);
+  view.reset();
+  ctx().drain();
+  const auto events = finish();
+  const auto release = std::find_if(events.begin(), events.end(),
+                                    [](const trace::event& e) { return e.kind == trace::event_kind::release; });
+  ASSERT_NE(release, events.end());
+  EXPECT_EQ(release->buffer, buffer);
+  EXPECT_EQ(release->action, trace::action::wait);
+  ASSERT_TRUE(release->consumer_stream.has_value());
+  EXPECT_EQ(release->consumer_stream->handle, static_cast<std::uint64_t>(consumer));
+}
+
+TEST_P(TraceTest, AnExchangeThatThrowsIsRefused)
+{
+  float* data = allocate_on(0);
+  const array view = view_on(data, 0);
+  try {
+    trace::exchange_scope scope{trace::event_kind::export_data, "dlpack"};
+    scope.set_view(view);
+    throw std::runtime_error("refused");
+  } catch (const std::runtime_error&) {  // expected
+  }
+  const auto events = finish();
+  ASSERT_EQ(events.size(), 1U);
+  EXPECT_EQ(events[0].action, trace::action::refused);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, TraceTest, handoff::testing::sim_and_cuda(), handoff::testing::backend_choice_name);
+
+// --- Sessions and listeners: no backend involved --------------------------------------------
+
+class TraceSessionTest : public ::testing::Test {
+ protected:
+  static void host_exchange(std::int64_t items)
+  {
+    std::vector<float> data(static_cast<std::size_t>(items));
+    array_layout layout;
+    layout.data = data.data();
+    layout.shape = std::vector<std::int64_t>{items};
+    layout.strides = std::vector<std::int64_t>{1};
+    const array view{std::move(layout), producer_ref{[] {}}};
+    trace::exchange_scope scope{trace::event_kind::import_data, "buffer"};
+    scope.set_view(view);
+  }
+};
+
+TEST_F(TraceSessionTest, NothingIsRecordedWithoutASessionOrListener)
+{
+  if (trace::enabled()) { GTEST_SKIP() << "HANDOFF_LOG_LEVEL=debug records every exchange"; }
+  trace::exchange_scope scope{trace::event_kind::import_data, "buffer"};
+  EXPECT_FALSE(scope.active());
+}
+
+TEST_F(TraceSessionTest, EachSessionSeesTheEventsSinceItBegan)
+{
+  const auto outer = trace::begin_session();
+  host_exchange(1);
+  const auto inner = trace::begin_session();
+  host_exchange(2);
+  EXPECT_EQ(trace::session_events(inner).size(), 2U) << "the import and the release of its producer";
+  const auto inner_events = trace::end_session(inner);
+  host_exchange(3);
+  const auto outer_events = trace::end_session(outer);
+  EXPECT_EQ(inner_events.size(), 2U);
+  ASSERT_EQ(outer_events.size(), 6U);
+  EXPECT_EQ(outer_events[4].shape, (std::vector<std::int64_t>{3}));
+  EXPECT_THROW((void)trace::end_session(inner), value_error);
+}
+
+TEST_F(TraceSessionTest, AReleaseCarriesTheLayoutItsBufferWasExchangedWith)
+{
+  const auto session = trace::begin_session();
+  host_exchange(5);
+  const auto events = trace::end_session(session);
+  ASSERT_EQ(events.size(), 2U);
+  EXPECT_EQ(events[1].kind, trace::event_kind::release);
+  EXPECT_EQ(events[1].buffer, events[0].buffer);
+  EXPECT_EQ(events[1].shape, (std::vector<std::int64_t>{5}));
+  EXPECT_EQ(events[1].action, trace::action::none);
+}
+
+TEST_F(TraceSessionTest, AListenerSeesEveryEventAsJson)
+{
+  std::vector<std::string> lines;
+  const auto listener = trace::add_listener([&](const trace::event& e) { lines.push_back(trace::to_json(e)); });
+  host_exchange(4);
+  trace::remove_listener(listener);
+  host_exchange(4);
+  ASSERT_EQ(lines.size(), 2U);
+  EXPECT_NE(lines[0].find(R"("kind":"import")"), std::string::npos) << lines[0];
+  EXPECT_NE(lines[0].find(R"("shape":[4])"), std::string::npos) << lines[0];
+  EXPECT_NE(lines[1].find(R"("kind":"release")"), std::string::npos) << lines[1];
+}
+
+TEST_F(TraceSessionTest, JsonEscapesWhatTheEmbeddingWrote)
+{
+  trace::event e;
+  e.where = "dir \"a\"\\b\n.py:3";
+  e.detail = std::string{"\x01"};
+  const std::string json = trace::to_json(e);
+  EXPECT_NE(json.find(R"("where":"dir \"a\"\\b\n.py:3")"), std::string::npos) << json;
+  EXPECT_NE(json.find(R"("detail":"\u0001")"), std::string::npos) << json;
+  EXPECT_NE(json.find(R"("hazard":null)"), std::string::npos) << json;
+}
+
+}  // namespace
