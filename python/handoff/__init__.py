@@ -17,7 +17,10 @@ from ._handoff import (
     view,
 )
 from ._exporter import Exporter
+from ._graph import ownership_graph
+from ._process_trace import serve_trace, start_from_environment as _start_tracing
 from ._streams import Stream, as_stream, current_stream, stream
+from ._trace import trace
 
 import atexit as _atexit
 from pathlib import Path as _Path
@@ -27,6 +30,7 @@ from ._handoff import _at_exit
 # Threads still inside handoff's device calls must not take the GIL back while Python finalizes,
 # and releases waiting for a consumer stream run producers' deleters: both while Python is alive.
 _atexit.register(_at_exit)
+_start_tracing()  # HANDOFF_TRACE, HANDOFF_TRACE_SOCKET: after _at_exit, whose handler must run last
 
 
 def get_include() -> str:
@@ -52,9 +56,12 @@ __all__ = [
     "from_dlpack",
     "get_cmake_dir",
     "get_include",
+    "ownership_graph",
     "reset_stats",
     "runtime_info",
+    "serve_trace",
     "stats",
     "stream",
+    "trace",
     "view",
 ]

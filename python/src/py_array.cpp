@@ -7,6 +7,7 @@
 #include "py_capsule.hpp"
 #include "py_errors.hpp"
 #include "py_gil.hpp"
+#include "py_trace.hpp"
 
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
@@ -321,7 +322,7 @@ py::capsule export_dlpack(const array& view, py::handle stream, py::handle max_v
   return counted_capsule(made ? *made : view, version, copied);
 }
 
-py::object wrap(array&& view)
+py::object wrap(array&& view, const char* library)
 {
   auto* object = static_cast<array_object*>(PyObject_Malloc(sizeof(array_object)));
   if (object == nullptr) {
@@ -331,11 +332,12 @@ py::object wrap(array&& view)
   PyObject* self = PyObject_Init(reinterpret_cast<PyObject*>(object), array_type);  // holds the type
   object->weakrefs = nullptr;
   const array* held = new (object->storage) array(std::move(view));
-  const auto* node = new (object->node) tracked_view(*held, "handoff.Array");
+  if (library == nullptr) { library = producer_naming::current(); }
+  const auto* node = new (object->node) tracked_view(*held, "handoff.Array", library);
   if (trace::enabled()) {
     if (trace::exchange_scope* scope = trace::exchange_scope::current();
         scope != nullptr && scope->event().kind == trace::event_kind::import_data) {
-      scope->set_view(*held, node->id());
+      scope->set_view(*held, node->id(), library);
     }
   }
   return py::reinterpret_steal<py::object>(self);
@@ -344,6 +346,12 @@ py::object wrap(array&& view)
 array* as_array(py::handle object) noexcept
 {
   return object && Py_TYPE(object.ptr()) == array_type ? &view_of(object.ptr()) : nullptr;
+}
+
+const char* library_of_array(py::handle object) noexcept
+{
+  if (!object || Py_TYPE(object.ptr()) != array_type) { return nullptr; }
+  return std::launder(reinterpret_cast<tracked_view*>(reinterpret_cast<array_object*>(object.ptr())->node))->library();
 }
 
 void bind_array(py::module_& m)

@@ -18,11 +18,16 @@ void bind_array(py::module_& m);
 [[nodiscard]] py::capsule export_dlpack(const array& view, py::handle stream, py::handle max_version,
                                         py::handle dl_device, py::handle copy);
 
-/// Wraps a view as a new `handoff.Array`. @throws py::error_already_set when out of memory.
-[[nodiscard]] py::object wrap(array&& view);
+/// Wraps a view as a new `handoff.Array`, a view in the ownership graph of data made by `library`
+/// (null: the library of the import in progress, if any). @throws py::error_already_set when out
+/// of memory.
+[[nodiscard]] py::object wrap(array&& view, const char* library = nullptr);
 
 /// The view held by `object` when it is a `handoff.Array`, else nullptr. Borrowed: valid while
 /// `object` is alive.
 [[nodiscard]] array* as_array(py::handle object) noexcept;
+
+/// The library `object`'s data was made by, when it is a `handoff.Array` that knows it, else null.
+[[nodiscard]] const char* library_of_array(py::handle object) noexcept;
 
 }  // namespace handoff::python

@@ -244,11 +244,10 @@ PyObject* import_entry(PyObject* /*module*/, PyObject* const* args, Py_ssize_t n
   PyObject* arguments[4];  // x, device, copy, stream
   if (!(*Signature)->parse(args, nargsf, kwnames, arguments)) { return nullptr; }
   try {
+    const producer_naming naming{arguments[0]};
     trace::exchange_scope scope{trace::event_kind::import_data, "dlpack"};
     if (scope.active()) { scope.event().consumer = "handoff"; }
-    py::object imported = Import(arguments[0], arguments[1], arguments[2], arguments[3]);
-    if (const array* view = as_array(imported)) { name_producer(*view, arguments[0]); }
-    return imported.release().ptr();
+    return Import(arguments[0], arguments[1], arguments[2], arguments[3]).release().ptr();
   } catch (abi::__forced_unwind&) {
     throw;
   } catch (...) {

@@ -210,8 +210,7 @@ py::object zeros(py::handle shape_arg, const std::string& dtype_text, int device
   layout.data = data;
   array view{std::move(layout), std::move(owner)};
   view.owner().set_ready_on({.ctx = &s.ctx, .device = device, .stream = stream, .stream_owner = nullptr});
-  view.owner().set_library("handoff.sim");
-  return wrap(std::move(view));
+  return wrap(std::move(view), "handoff.sim");
 }
 
 void fill(py::handle target, py::handle value, py::handle stream, double delay)

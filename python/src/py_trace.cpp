@@ -27,9 +27,6 @@ const char* intern(std::string_view name)
 // freed and another made at its address would keep the old name: a label, never a use.
 const char* library_of_type(PyTypeObject* type) noexcept
 {
-  static PyTypeObject* last_type = nullptr;  // the common case: the same producer type again
-  static const char* last_library = nullptr;
-  if (type == last_type) { return last_library; }
   static auto* known = new std::unordered_map<PyTypeObject*, const char*>;  // NOLINT: leaked, as above
   const char* library = nullptr;
   try {
@@ -52,8 +49,6 @@ const char* library_of_type(PyTypeObject* type) noexcept
   } catch (const std::bad_alloc&) {
     return nullptr;
   }
-  last_type = type;
-  last_library = library;
   return library;
 }
 
@@ -255,15 +250,16 @@ py::dict graph_dict()
 
 }  // namespace
 
-void name_producer(const array& view, py::handle producer) noexcept
+const char* producer_naming::library_of(PyObject* producer) noexcept
 {
-  const array* source = as_array(producer);
-  const char* library = source != nullptr ? source->owner().library() : library_of_type(Py_TYPE(producer.ptr()));
-  if (source != nullptr && library == nullptr) { library = "handoff"; }
-  view.owner().set_library(library);
-  if (trace::exchange_scope* scope = traced(); scope != nullptr && scope->event().producer == nullptr) {
-    scope->event().producer = library;
+  if (as_array(producer) != nullptr) {  // handoff's own array: its producer's library
+    const char* library = library_of_array(producer);
+    return library != nullptr ? library : "handoff";
   }
+  PyTypeObject* type = Py_TYPE(producer);
+  last_type_ = type;
+  last_library_ = library_of_type(type);
+  return last_library_;
 }
 
 void bind_trace(py::module_& m)

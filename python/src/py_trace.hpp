@@ -16,9 +16,33 @@ namespace py = pybind11;
 /// Adds the private tracing functions to `m` and installs the annotator that fills `where`.
 void bind_trace(py::module_& m);
 
-/// Names `view`'s producer after `producer`'s library (its type's top-level package; a handoff.Array
-/// passes its own producer's on). Cheap: the last type seen is remembered. Holds the GIL.
-void name_producer(const array& view, py::handle producer) noexcept;
+/// While an import runs, names the producer of each view wrap() makes after the imported object's
+/// library (its type's top-level package; a handoff.Array passes its own producer's on), for the
+/// ownership graph and the trace. A few instructions: the last type seen is remembered. Holds the GIL.
+class producer_naming {
+ public:
+  explicit producer_naming(PyObject* producer) noexcept : outer_(current_)
+  {
+    PyTypeObject* type = Py_TYPE(producer);
+    current_ = type == last_type_ ? last_library_ : library_of(producer);
+  }
+  producer_naming(const producer_naming&) = delete;
+  producer_naming& operator=(const producer_naming&) = delete;
+  producer_naming(producer_naming&&) = delete;
+  producer_naming& operator=(producer_naming&&) = delete;
+  ~producer_naming() { current_ = outer_; }
+
+  /// The library of the import in progress, or null.
+  [[nodiscard]] static const char* current() noexcept { return current_; }
+
+ private:
+  static const char* library_of(PyObject* producer) noexcept;  // and remembers a plain type's
+
+  const char* outer_;
+  static inline const char* current_ = nullptr;
+  static inline PyTypeObject* last_type_ = nullptr;
+  static inline const char* last_library_ = nullptr;
+};
 
 /// The exchange traced on this thread, or null: a handful of instructions when tracing is off.
 [[nodiscard]] inline trace::exchange_scope* traced() noexcept

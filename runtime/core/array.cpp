@@ -30,7 +30,6 @@ void trace_release(producer_ref::state& s) noexcept
   if (!scope.active()) { return; }
   trace::event& e = scope.event();
   e.buffer = s.id();
-  e.producer = s.library_.load(std::memory_order_relaxed);
   std::lock_guard lock{s.mutex_};  // no other reference is left; other threads may still read for the graph
   if (s.ready_on_) { scope.set_producer_stream(*s.ready_on_); }
   if (!s.release_after_.empty()) { scope.set_consumer_stream(s.release_after_.front()); }
@@ -145,16 +144,6 @@ producer_ref::~producer_ref()
 std::uint64_t producer_ref::id() const noexcept
 {
   return state_ == nullptr ? 0 : state_->id();
-}
-
-void producer_ref::set_library(const char* library) const noexcept
-{
-  if (state_ != nullptr) { state_->library_.store(library, std::memory_order_relaxed); }
-}
-
-const char* producer_ref::library() const noexcept
-{
-  return state_ == nullptr ? nullptr : state_->library_.load(std::memory_order_relaxed);
 }
 
 long producer_ref::use_count() const noexcept

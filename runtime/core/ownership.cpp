@@ -19,27 +19,14 @@ std::uint64_t next_node_id() noexcept
   return last.fetch_add(1, std::memory_order_relaxed) + 1;
 }
 
+constinit view_list tracked_views;  // usable before and after static construction and destruction
+
+void view_list::wait() noexcept
+{
+  while (locked.load(std::memory_order_relaxed)) { std::this_thread::yield(); }
+}
+
 }  // namespace detail
-
-namespace {
-
-// A test-and-set lock: registering a view is a handful of stores, shorter than a mutex's own
-// bookkeeping; a snapshot, the one long holder, is rare, and waiters yield to it.
-class spin_lock {
- public:
-  void lock() noexcept
-  {
-    while (locked_.exchange(true, std::memory_order_acquire)) {
-      while (locked_.load(std::memory_order_relaxed)) { std::this_thread::yield(); }
-    }
-  }
-  void unlock() noexcept { locked_.store(false, std::memory_order_release); }
-
- private:
-  std::atomic<bool> locked_{false};
-};
-
-}  // namespace
 
 namespace {
 
@@ -69,45 +56,16 @@ void describe(buffer_node& buffer, const array& view)
 
 }  // namespace
 
-// The intrusive list of tracked views. Trivially destructible, so that views may leave it after
-// static destruction (a consumer releasing an exported tensor at exit).
+// Reads the list of tracked views for the graph.
 struct ownership_registry {
-  spin_lock lock;
-  tracked_view* head{nullptr};
-
-  static ownership_registry& get() noexcept
-  {
-    static constinit ownership_registry registry;
-    return registry;
-  }
-
-  void link(tracked_view& v) noexcept
-  {
-    std::lock_guard guard{lock};
-    v.next_ = head;
-    if (head != nullptr) { head->prev_ = &v; }
-    head = &v;
-  }
-
-  void unlink(tracked_view& v) noexcept
-  {
-    std::lock_guard guard{lock};
-    if (v.prev_ != nullptr) {
-      v.prev_->next_ = v.next_;
-    } else {
-      head = v.next_;
-    }
-    if (v.next_ != nullptr) { v.next_->prev_ = v.prev_; }
-  }
-
-  ownership_graph snapshot()
+  static ownership_graph snapshot()
   {
     ownership_graph graph;
     std::unordered_map<const producer_ref::state*, std::size_t> buffer_index;
-    std::lock_guard guard{lock};
+    std::lock_guard guard{detail::tracked_views};
     // Oldest first: the list is newest first.
     std::vector<const tracked_view*> views;
-    for (const tracked_view* v = head; v != nullptr; v = v->next_) { views.push_back(v); }
+    for (const tracked_view* v = detail::tracked_views.head; v != nullptr; v = v->next_) { views.push_back(v); }
     std::reverse(views.begin(), views.end());
     for (const tracked_view* v : views) {
       producer_ref::state* state = v->owner_->state_;
@@ -116,7 +74,6 @@ struct ownership_registry {
       if (added) {
         buffer_node& buffer = graph.buffers.emplace_back();
         buffer.id = state->id();
-        buffer.library = state->library_.load(std::memory_order_relaxed);
         buffer.holders = state->references_.load(std::memory_order_relaxed);
         if (v->array_ != nullptr) {
           describe(buffer, *v->array_);
@@ -127,36 +84,30 @@ struct ownership_registry {
         if (state->ready_on_) { buffer.ready_on = node_of(*state->ready_on_); }
         for (const stream_binding& after : state->release_after_) { buffer.released_after.push_back(node_of(after)); }
       }
-      graph.views.push_back({.id = v->id(), .buffer = graph.buffers[at->second].id, .holder = v->holder_});
+      buffer_node& held = graph.buffers[at->second];
+      if (held.library == nullptr) { held.library = v->library_; }
+      graph.views.push_back({.id = v->id(), .buffer = held.id, .holder = v->holder_});
     }
     return graph;
   }
 
-  std::vector<std::uint64_t> ids()
+  static const char* library_of(const producer_ref::state* state) noexcept
+  {
+    std::lock_guard guard{detail::tracked_views};
+    for (const tracked_view* v = detail::tracked_views.head; v != nullptr; v = v->next_) {
+      if (v->library_ != nullptr && v->owner_->state_ == state) { return v->library_; }
+    }
+    return nullptr;
+  }
+
+  static std::vector<std::uint64_t> ids()
   {
     std::vector<std::uint64_t> ids;
-    std::lock_guard guard{lock};
-    for (const tracked_view* v = head; v != nullptr; v = v->next_) { ids.push_back(v->id()); }
+    std::lock_guard guard{detail::tracked_views};
+    for (const tracked_view* v = detail::tracked_views.head; v != nullptr; v = v->next_) { ids.push_back(v->id()); }
     return ids;
   }
 };
-
-tracked_view::tracked_view(const array& view, const char* holder) noexcept
-    : array_(&view), owner_(&view.owner()), holder_(holder)
-{
-  ownership_registry::get().link(*this);
-}
-
-tracked_view::tracked_view(const DLTensor& tensor, const producer_ref& owner, const char* holder) noexcept
-    : tensor_(&tensor), owner_(&owner), holder_(holder)
-{
-  ownership_registry::get().link(*this);
-}
-
-tracked_view::~tracked_view()
-{
-  ownership_registry::get().unlink(*this);
-}
 
 std::uint64_t tracked_view::id() const noexcept
 {
@@ -166,14 +117,19 @@ std::uint64_t tracked_view::id() const noexcept
   return id_.compare_exchange_strong(current, fresh, std::memory_order_relaxed) ? fresh : current;
 }
 
+const char* producer_ref::library() const noexcept
+{
+  return state_ == nullptr ? nullptr : ownership_registry::library_of(state_);
+}
+
 ownership_graph ownership_snapshot()
 {
-  return ownership_registry::get().snapshot();
+  return ownership_registry::snapshot();
 }
 
 std::vector<std::uint64_t> tracked_view_ids()
 {
-  return ownership_registry::get().ids();
+  return ownership_registry::ids();
 }
 
 }  // namespace handoff

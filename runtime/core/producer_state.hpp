@@ -51,8 +51,7 @@ struct producer_ref::state {
   std::atomic<long> references_{1};
   std::function<void()> release_;
   std::atomic<std::uint64_t> id_{0};
-  std::atomic<const char*> library_{nullptr};  // the producer's package, for the graph and the trace
-  mutable std::mutex mutex_;                   // guards the bindings
+  mutable std::mutex mutex_;  // guards the bindings
   std::optional<stream_binding> ready_on_;
   std::vector<stream_binding> release_after_;  // one per consumer stream, usually one
   std::optional<stream_binding> hold_back_;    // the producer stream that waits for the consumers' work

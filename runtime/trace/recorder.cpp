@@ -73,6 +73,7 @@ struct recorder {
     std::vector<std::int64_t> shape;
     DLDataType dtype;
     std::int64_t nbytes;
+    const char* library;
   };
   std::unordered_map<std::uint64_t, layout> buffers;
   std::atomic<annotator> annotate{nullptr};
@@ -318,10 +319,11 @@ void record(event&& e) noexcept
           e.shape = known->second.shape;
           e.dtype = known->second.dtype;
           e.nbytes = known->second.nbytes;
+          if (e.producer == nullptr) { e.producer = known->second.library; }
           r.buffers.erase(known);
         }
       } else if (e.buffer != 0) {
-        r.buffers.insert_or_assign(e.buffer, recorder::layout{e.device, e.shape, e.dtype, e.nbytes});
+        r.buffers.insert_or_assign(e.buffer, recorder::layout{e.device, e.shape, e.dtype, e.nbytes, e.producer});
       }
     }
     if (r.debug_log) { log_event(e); }
@@ -412,7 +414,7 @@ exchange_scope* exchange_scope::current() noexcept
   return innermost;
 }
 
-void exchange_scope::set_view(const array& view, std::uint64_t view_id) noexcept
+void exchange_scope::set_view(const array& view, std::uint64_t view_id, const char* library) noexcept
 {
   if (state_ == nullptr) { return; }
   state_->event.device = view.device();
@@ -420,7 +422,11 @@ void exchange_scope::set_view(const array& view, std::uint64_t view_id) noexcept
   state_->event.nbytes = view.nbytes();
   state_->event.buffer = view.owner().id();
   if (view_id != 0) { state_->event.view = view_id; }
-  if (state_->event.producer == nullptr) { state_->event.producer = view.owner().library(); }
+  if (library != nullptr) {
+    state_->event.producer = library;
+  } else if (state_->event.producer == nullptr) {
+    state_->event.producer = view.owner().library();
+  }
   try {
     state_->event.shape.assign(view.shape().begin(), view.shape().end());
   } catch (const std::bad_alloc&) {

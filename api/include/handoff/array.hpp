@@ -71,10 +71,8 @@ class producer_ref {
   /// The producer's node id in the ownership graph and the trace; unique in the process, assigned
   /// on first use. 0 for an empty reference. Thread-safe.
   [[nodiscard]] std::uint64_t id() const noexcept;
-  /// Names the producer's library (its top-level package: "torch", "numpy"), for the ownership graph
-  /// and the trace. `library` must live as long as the process (a literal or an interned name).
-  void set_library(const char* library) const noexcept;
-  /// The library named by set_library, or null.
+  /// The producer's library (its top-level package: "torch", "numpy") as a tracked view of it names
+  /// it (see tracked_view), or null. Searches the tracked views: for the graph and the trace only.
   [[nodiscard]] const char* library() const noexcept;
 
   struct state;  // opaque: the runtime's

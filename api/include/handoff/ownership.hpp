@@ -3,6 +3,7 @@
 
 #include <handoff/dlpack.h>
 #include <handoff/array.hpp>
+#include <handoff/detail/view_list.hpp>
 
 #include <atomic>
 #include <cstdint>
@@ -12,32 +13,63 @@
 namespace handoff {
 
 /// A view's node in the ownership graph for as long as it lives: each holder of a producer that the
-/// graph shows (a `handoff.Array`, an exported DLPack tensor) embeds one. Registering and leaving
-/// take a short spin lock, so that the graph is always kept. The described view must outlive this
-/// object and stay at its address.
+/// graph shows (a `handoff.Array`, an exported DLPack tensor) embeds one. Joining and leaving the
+/// list of views take a short spin lock, so that the graph is always kept. The described view must
+/// outlive this object and stay at its address.
 class tracked_view {
  public:
-  /// Registers `view`, held by `holder` (a static string, e.g. "handoff.Array").
-  tracked_view(const array& view, const char* holder) noexcept;
+  /// Registers `view`, held by `holder` (a static string, e.g. "handoff.Array"), of data made by
+  /// `library` (its producer's top-level package, when known; a string that lives as long as the
+  /// process).
+  tracked_view(const array& view, const char* holder, const char* library = nullptr) noexcept
+      : array_(&view), owner_(&view.owner()), holder_(holder), library_(library)
+  {
+    join();
+  }
   /// Registers an exported `tensor` of `owner`'s data, held by `holder`.
-  tracked_view(const DLTensor& tensor, const producer_ref& owner, const char* holder) noexcept;
+  tracked_view(const DLTensor& tensor, const producer_ref& owner, const char* holder) noexcept
+      : tensor_(&tensor), owner_(&owner), holder_(holder)
+  {
+    join();
+  }
   tracked_view(const tracked_view&) = delete;
   tracked_view& operator=(const tracked_view&) = delete;
   tracked_view(tracked_view&&) = delete;
   tracked_view& operator=(tracked_view&&) = delete;
-  ~tracked_view();
+  ~tracked_view()
+  {
+    detail::view_list& list = detail::tracked_views;
+    list.lock();
+    (prev_ != nullptr ? prev_->next_ : list.head) = next_;
+    if (next_ != nullptr) { next_->prev_ = prev_; }
+    list.unlock();
+  }
 
   /// The view's node id, assigned on first use; unique in the process. Thread-safe.
   [[nodiscard]] std::uint64_t id() const noexcept;
+  /// The library of the data, as registered, or null.
+  [[nodiscard]] const char* library() const noexcept { return library_; }
 
  private:
   friend struct ownership_registry;
+
+  void join() noexcept
+  {
+    detail::view_list& list = detail::tracked_views;
+    list.lock();
+    next_ = list.head;
+    if (next_ != nullptr) { next_->prev_ = this; }
+    list.head = this;
+    list.unlock();
+  }
+
   tracked_view* prev_{nullptr};
   tracked_view* next_{nullptr};
   const array* array_{nullptr};
   const DLTensor* tensor_{nullptr};
   const producer_ref* owner_{nullptr};
   const char* holder_{nullptr};
+  const char* library_{nullptr};
   mutable std::atomic<std::uint64_t> id_{0};
 };
 

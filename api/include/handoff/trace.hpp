@@ -120,8 +120,9 @@ class exchange_scope {
   /// The event being collected. Only while active().
   [[nodiscard]] trace::event& event() noexcept;
   void set_protocol(std::string_view protocol) noexcept;
-  /// The data exchanged and, when one is tracked, the view that holds it.
-  void set_view(const array& view, std::uint64_t view_id = 0) noexcept;
+  /// The data exchanged, the view that holds it when one is tracked, and its producer's library
+  /// when the caller knows it (else the tracked views are asked).
+  void set_view(const array& view, std::uint64_t view_id = 0, const char* library = nullptr) noexcept;
   /// The producer's stream (its data is ready there): unordered hand-overs ask it whether it is idle.
   void set_producer_stream(const stream_binding& producer) noexcept;
   void set_consumer_stream(const stream_binding& consumer) noexcept;

@@ -45,8 +45,7 @@ TEST_F(OwnershipTest, ATrackedViewShowsItsBufferWithTheLayoutAndLibrary)
 {
   std::vector<float> data(6);
   const array view = host_view(data);
-  view.owner().set_library("numpy");
-  const tracked_view node{view, "handoff.Array"};
+  const tracked_view node{view, "handoff.Array", "numpy"};
 
   const ownership_graph graph = ownership_snapshot();
   const buffer_node* buffer = find_buffer(graph, view.owner().id());

@@ -1,0 +1,75 @@
+"""The process-wide trace and the live socket, asked for by the environment or by a call.
+
+``HANDOFF_TRACE=path`` traces the whole process and saves the trace to ``path`` at exit, with a
+``leak`` hazard for each view still alive then. ``HANDOFF_TRACE_SOCKET=1`` serves the exchanges live
+from the start (``handoff-trace attach PID``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import time
+from typing import Any
+
+from ._trace import trace
+
+_process_trace: trace | None = None
+_socket_path: str | None = None
+
+
+def serve_trace() -> str:
+    """Serves this process's exchanges live on a Unix socket, for ``handoff-trace attach PID``.
+
+    The socket is made in a directory only this user can enter (``$XDG_RUNTIME_DIR/handoff``, else
+    ``<tmp>/handoff-<uid>``), mode 0600, and a client of another uid is refused. Serving starts once;
+    later calls return the same path. Returns the socket's path.
+    """
+    global _socket_path
+    if _socket_path is None:
+        from . import _handoff
+
+        _socket_path = _handoff._serve_trace()
+    return _socket_path
+
+
+def leak_events(events: list[dict[str, Any]], live_views: list[str]) -> list[dict[str, Any]]:
+    """One ``leak`` event per view still alive, a copy of the exchange that made it (its `where`)."""
+    made = {e["view"]: e for e in events if e["kind"] in ("import", "export") and e["view"] is not None}
+    now = time.time_ns()
+    leaks = []
+    for view in live_views:
+        origin = made.get(view)
+        if origin is None:
+            continue  # made before the trace began: not this trace's to report
+        leaks.append({**origin, "time_ns": now, "action": "none", "hazard": "leak",
+                      "detail": f"{view} of {origin['buffer']} was still alive at exit"})
+    return leaks
+
+
+def _finish(path: str) -> None:
+    global _process_trace
+    recording, _process_trace = _process_trace, None
+    if recording is None:
+        return
+    from . import _handoff
+
+    recording.__exit__(None, None, None)
+    recording._events.extend(leak_events(recording._events, _handoff._live_view_ids()))
+    try:
+        recording.save(path)
+    except OSError as error:
+        print(f"handoff: could not save the trace to {path}: {error}", flush=True)
+
+
+def start_from_environment() -> None:
+    """Starts what HANDOFF_TRACE and HANDOFF_TRACE_SOCKET ask for (at `import handoff`)."""
+    global _process_trace
+    path = os.environ.get("HANDOFF_TRACE")
+    if path and _process_trace is None:
+        _process_trace = trace()
+        _process_trace.__enter__()
+        # Registered after handoff's own exit handler, so it runs first: views are still alive.
+        atexit.register(_finish, path)
+    if os.environ.get("HANDOFF_TRACE_SOCKET", "") not in ("", "0"):
+        serve_trace()

@@ -1,0 +1,564 @@
+"""Exchange tracing in Python: the ``with handoff.trace()`` block, a trace's text summary, its Chrome
+trace JSON (Perfetto, chrome://tracing), the ownership graph as Graphviz DOT, and the classification
+of source files into libraries that the runtime uses to find the user code behind an exchange.
+
+The runtime records the events (see ``_handoff._trace_begin``); everything here only reads them, so
+it also works on events loaded from a saved trace file.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import site
+import sysconfig
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Dict, Union
+
+__all__ = [
+    "chrome_trace",
+    "device_name",
+    "format_event",
+    "graph_to_dot",
+    "library_of_file",
+    "summary",
+    "trace",
+]
+
+Event = Dict[str, Any]
+Graph = Dict[str, Any]
+PathLike = Union[str, "os.PathLike[str]"]
+
+# DLPack device type codes (dlpack.h) of the devices handoff exchanges.
+_DEVICE_NAMES = {1: "cpu", 2: "cuda", 3: "cuda_host", 10: "rocm", 11: "rocm_host", 13: "cuda_managed"}
+
+# Shown for a library that is None: an export asked for by user code, or a producer not known.
+_NO_LIBRARY = "-"
+
+
+def _runtime_function(*names: str) -> Callable[..., Any]:
+    """The first of `names` that the extension module defines. Looked up at call time, so that this
+    module imports (and saved traces can be read) with a runtime that does not record traces."""
+    from . import _handoff
+
+    for name in names:
+        function: object = getattr(_handoff, name, None)
+        if callable(function):
+            return function
+    raise RuntimeError(f"this build of handoff's runtime does not record traces (no _handoff.{names[0]})")
+
+
+def _snapshot_graph() -> Graph | None:
+    """The ownership graph now, or None when the runtime has no graph to show."""
+    try:
+        graph = _runtime_function("_ownership_graph", "ownership_graph")()
+    except RuntimeError:
+        return None
+    return dict(graph)
+
+
+def _version() -> str:
+    try:
+        from . import _handoff
+
+        return str(_handoff.__version__)
+    except (ImportError, AttributeError):
+        return "unknown"
+
+
+class trace:
+    """Records the exchanges made while the block runs, on every thread.
+
+    Used as ``with handoff.trace() as t: ...``; afterwards ``t.events`` holds one dict per import,
+    export and release, ``t.hazards()`` those with a hazard, ``t.summary()`` a text report, and
+    ``t.graph`` the ownership graph as it was when the block ended.
+
+    Args:
+        path: Where to save the trace as Chrome trace JSON when the block ends (open it in
+            https://ui.perfetto.dev or chrome://tracing, or with ``handoff-trace show``).
+    """
+
+    def __init__(self, path: PathLike | None = None) -> None:
+        self._path: str | None = os.fspath(path) if path is not None else None
+        self._token: int | None = None
+        self._events: list[Event] = []
+        self._used = False
+        #: The ownership graph when the block ended (None before, or when the runtime has none).
+        self.graph: Graph | None = None
+
+    def __enter__(self) -> trace:
+        if self._used:
+            raise RuntimeError(
+                "this handoff.trace was already used: each `with` block needs a new handoff.trace()"
+            )
+        self._token = int(_runtime_function("_trace_begin")())
+        self._used = True
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        token, self._token = self._token, None
+        if token is None:
+            return
+        self._events = list(_runtime_function("_trace_end")(token))
+        self.graph = _snapshot_graph()
+        if self._path is not None:
+            self.save(self._path)
+
+    def __repr__(self) -> str:
+        state = "recording" if self.active else ("finished" if self._used else "not started")
+        return f"<handoff.trace {state}, {len(self.events)} events>"
+
+    @property
+    def active(self) -> bool:
+        """Whether the block is running (events are still being recorded)."""
+        return self._token is not None
+
+    @property
+    def events(self) -> list[Event]:
+        """The events recorded so far while the block runs; all of them once it has ended."""
+        if self._token is not None:
+            return list(_runtime_function("_trace_events")(self._token))
+        return list(self._events)
+
+    def hazards(self) -> list[Event]:
+        """The events that the runtime flagged with a hazard (``event["hazard"]`` is not None)."""
+        return [e for e in self.events if e.get("hazard") is not None]
+
+    def summary(self) -> str:
+        """A text report: the hazards first, then the exchanges per producer and consumer."""
+        return summary(self.events, title="handoff trace")
+
+    def save(self, path: PathLike) -> None:
+        """Writes the trace as Chrome trace JSON, with the raw events and graph under ``"handoff"``."""
+        graph = self.graph if not self.active else _snapshot_graph()
+        data = chrome_trace(self.events, graph=graph, pid=os.getpid())
+        Path(path).write_text(dumps(data), encoding="utf-8")
+
+
+def dumps(data: Any) -> str:
+    """Strict JSON text (no NaN or Infinity, which Perfetto rejects); tuples become lists."""
+    return json.dumps(data, allow_nan=False, ensure_ascii=False, default=str)
+
+
+# --- reading events -------------------------------------------------------------------------------
+
+
+def device_name(device: Any) -> str:
+    """``"cuda:0"`` for the DLPack device ``(2, 0)``; ``"?"`` when the device is not a pair."""
+    try:
+        device_type, device_id = int(device[0]), int(device[1])
+    except (TypeError, ValueError, IndexError, KeyError):
+        return "?"
+    return f"{_DEVICE_NAMES.get(device_type, f'device{device_type}')}:{device_id}"
+
+
+def _library(name: Any) -> str:
+    return _NO_LIBRARY if name is None else str(name)
+
+
+def _pair(event: Mapping[str, Any]) -> str:
+    return f"{_library(event.get('producer'))} -> {_library(event.get('consumer'))}"
+
+
+def _stream(handle: Any) -> str:
+    if handle is None:
+        return "host"
+    try:
+        return hex(int(handle))
+    except (TypeError, ValueError):
+        return str(handle)
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _human_bytes(count: int) -> str:
+    size = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{count} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _shape(event: Mapping[str, Any]) -> str:
+    shape = event.get("shape")
+    dims = ", ".join(str(d) for d in shape) if isinstance(shape, (list, tuple)) else "?"
+    return f"{event.get('dtype', '?')}[{dims}]"
+
+
+def format_event(event: Mapping[str, Any]) -> str:
+    """One line for an event: time, kind, producer -> consumer, array, streams, action, hazard, where."""
+    time_ns = _int(event.get("time_ns"))
+    stamp = time.strftime("%H:%M:%S", time.localtime(time_ns // 1_000_000_000))
+    parts = [
+        f"{stamp}.{time_ns % 1_000_000_000 // 1000:06d}",
+        f"{event.get('kind', '?'):<7}",
+        _pair(event),
+        f"{_shape(event)} {_human_bytes(_int(event.get('nbytes')))}",
+        device_name(event.get("device")),
+        f"stream {_stream(event.get('producer_stream'))} -> {_stream(event.get('consumer_stream'))}",
+        str(event.get("action", "?")),
+    ]
+    if event.get("hazard") is not None:
+        parts.append(f"HAZARD {event['hazard']}")
+    if event.get("where"):
+        parts.append(f"at {event['where']}")
+    return "  ".join(parts)
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}" if count == 1 else f"{count} {word}s"
+
+
+def _own_actions(events: Sequence[Mapping[str, Any]]) -> list[bool]:
+    """Per event, whether its action is its own to count. An import from an exporter that handoff
+    runs itself (handoff.Exporter, handoff.sim) records two events, the export to "handoff" and the
+    import, with one action between them: the import's counts, and the matching export's does not."""
+    def key(event: Mapping[str, Any]) -> str:
+        return dumps([event.get(k) for k in ("thread", "where", "producer_stream", "consumer_stream", "action")])
+
+    imports = Counter(key(e) for e in events if e.get("kind") == "import")
+    own = []
+    for event in events:
+        if event.get("kind") == "export" and event.get("consumer") == "handoff" and imports[key(event)] > 0:
+            imports[key(event)] -= 1
+            own.append(False)
+        else:
+            own.append(True)
+    return own
+
+
+# --- the text summary -----------------------------------------------------------------------------
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[str]], *, right: Iterable[int] = (),
+           indent: str = "  ") -> list[str]:
+    """Rows aligned under the header; the columns in `right` (numbers) are aligned to the right."""
+    cells_of = [list(header), *([str(cell) for cell in row] for row in rows)]
+    widths = [max(len(row[i]) for row in cells_of) for i in range(len(header))]
+    numeric = set(right)
+    lines = []
+    for row in cells_of:
+        cells = [cell.rjust(w) if i in numeric else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))]
+        lines.append((indent + "  ".join(cells)).rstrip())
+    return lines
+
+
+def summary(events: Sequence[Mapping[str, Any]], *, title: str | None = None) -> str:
+    """A human-readable report of `events`: hazards first (grouped by hazard and source line), then
+    the exchanges per producer -> consumer pair, then the totals.
+
+    A library shown as ``-`` is not known: for a consumer, the export was asked for by user code.
+    The waits, elided and unordered hand-offs count each hand-off once, though an import from an
+    exporter that handoff runs records both halves.
+    """
+    lines = [title, "=" * len(title)] if title else []
+    if not events:
+        lines.append("no exchanges recorded")
+        return "\n".join(lines)
+
+    # Hazards, grouped by (hazard, where) in the order they first happened.
+    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    for event in events:
+        if event.get("hazard") is not None:
+            key = (str(event["hazard"]), str(event.get("where") or _NO_LIBRARY))
+            groups.setdefault(key, []).append(event)
+    hazard_count = sum(len(group) for group in groups.values())
+    if groups:
+        lines.append(f"HAZARDS ({hazard_count})")
+        rows = []
+        details = []
+        for (hazard, where), group in groups.items():
+            first = group[0]
+            rows.append([f"{len(group)}x", hazard, where, str(first.get("kind", "?")), _pair(first)])
+            details.append(str(first.get("detail") or ""))
+        table = _table(["count", "hazard", "where", "kind", "producer -> consumer"], rows, right=[0])
+        lines.append(table[0])
+        for row, detail in zip(table[1:], details):
+            lines.append(row)
+            if detail:
+                lines.append(f"        {detail}")
+    else:
+        lines.append("no hazards")
+    lines.append("")
+
+    # Exchanges per (producer, consumer), in the order the pairs first appear.
+    columns = ("import", "export", "release", "wait", "elided", "unordered", "refused")
+    pairs: dict[tuple[str, str], dict[str, int]] = {}
+    # A release names no consumer: it is counted with the hand-off it ends, found by its view's id
+    # or else its buffer's latest import or export.
+    pair_of: dict[Any, tuple[str, str]] = {}
+    # An exchange makes one view: a later event of the same kind and view (a hazard reported at
+    # exit, such as a leak, repeats the exchange's fields) is not another exchange.
+    exchanges: set[tuple[str, str]] = set()
+    for event, own_action in zip(events, _own_actions(events)):
+        kind, view = str(event.get("kind")), event.get("view")
+        if kind in ("import", "export") and view is not None:
+            if (kind, str(view)) in exchanges:
+                continue
+            exchanges.add((kind, str(view)))
+        key = (_library(event.get("producer")), _library(event.get("consumer")))
+        ids = [i for i in (event.get("view"), event.get("buffer")) if i is not None]
+        if event.get("kind") == "release" and event.get("consumer") is None:
+            key = next((pair_of[i] for i in ids if i in pair_of), key)
+        elif event.get("kind") in ("import", "export"):
+            pair_of.update(dict.fromkeys(ids, key))
+        counts = pairs.setdefault(key, dict.fromkeys((*columns, "bytes"), 0))
+        action = event.get("action")
+        if kind in ("import", "export", "release"):
+            counts[kind] += 1
+            if kind != "release" and own_action:  # a release hands nothing over
+                counts["bytes"] += _int(event.get("nbytes"))
+        if own_action and action in ("wait", "elided", "unordered", "refused"):
+            counts[str(action)] += 1
+    totals = {name: sum(c[name] for c in pairs.values()) for name in (*columns, "bytes")}
+    rows = [[producer, consumer, *(str(c[n]) for n in columns), _human_bytes(c["bytes"])]
+            for (producer, consumer), c in pairs.items()]
+    if len(pairs) > 1:
+        rows.append(["total", "", *(str(totals[n]) for n in columns), _human_bytes(totals["bytes"])])
+    lines.append("EXCHANGES")
+    lines += _table(
+        ["producer", "consumer", "imports", "exports", "releases", "waits", "elided", "unordered", "refused",
+         "bytes"],
+        rows,
+        right=range(2, 10),
+    )
+    lines.append("")
+    lines.append(
+        f"{_plural(len(events), 'event')}, {_plural(totals['wait'], 'wait')} inserted, {totals['elided']} elided, "
+        f"{_plural(hazard_count, 'hazard')}"
+    )
+    return "\n".join(lines)
+
+
+# --- Chrome trace JSON ----------------------------------------------------------------------------
+
+
+def _json_event(event: Mapping[str, Any]) -> Event:
+    """A copy of `event` as JSON reads it back (the device as a list), for a round trip to compare."""
+    out: Event = json.loads(dumps(dict(event)))
+    return out
+
+
+def _track_name(key: tuple[Any, ...]) -> str:
+    if key == ("host",):
+        return "host"
+    device, handle = key
+    name = f"{device_name(device)} stream {_stream(handle)}"
+    return name + " (default)" if handle == 0 else name
+
+
+def chrome_trace(events: Sequence[Mapping[str, Any]], *, graph: Mapping[str, Any] | None = None,
+                 pid: int | None = None) -> dict[str, Any]:
+    """The events as a Chrome trace JSON object (Perfetto, chrome://tracing): one track per stream,
+    one slice per exchange on the consumer's stream (hazards flagged), and an arrow from the
+    producer's stream to the consumer's for each wait that handoff inserted. The raw events and the
+    graph are kept under the ``"handoff"`` key, which ``handoff-trace show`` and ``graph`` read.
+    """
+    pid = 1 if pid is None else int(pid)
+    raw = [_json_event(e) for e in events]
+    start = min((_int(e.get("time_ns")) for e in raw), default=0)
+    tracks: dict[tuple[Any, ...], int] = {}
+
+    def track(device: Any, handle: Any) -> int:
+        key: tuple[Any, ...] = ("host",) if handle is None else (tuple(device or ()), _int(handle))
+        return tracks.setdefault(key, len(tracks) + 1)
+
+    slices: list[Event] = []
+    flow_id = 0
+    for event, own_action in zip(raw, _own_actions(raw)):
+        ts = (_int(event.get("time_ns")) - start) / 1000.0
+        device = event.get("device")
+        consumer_stream, producer_stream = event.get("consumer_stream"), event.get("producer_stream")
+        tid = track(device, consumer_stream if consumer_stream is not None else producer_stream)
+        producer, consumer = event.get("producer") or "?", event.get("consumer") or "?"
+        name = f"{event.get('kind', '?')} {producer}" + (f"\u2192{consumer}" if consumer != "?" else "")
+        slice_: Event = {"name": name, "cat": "handoff", "ph": "X", "ts": ts, "dur": 1.0, "pid": pid, "tid": tid,
+                         "args": event}
+        if event.get("hazard") is not None:
+            slice_["name"] = f"\u26a0 {event['hazard']}: {name}"
+            slice_["cname"] = "terrible"
+        elif event.get("action") == "refused":
+            slice_["cname"] = "bad"
+        slices.append(slice_)
+        if own_action and event.get("action") == "wait" and producer_stream is not None and consumer_stream is not None:
+            # The arrow starts in a slice on the producer's track (a flow binds to enclosing slices).
+            flow_id += 1
+            source = track(device, producer_stream)
+            slices.append({"name": f"ready for {consumer}", "cat": "handoff.wait", "ph": "X", "ts": ts,
+                           "dur": 1.0, "pid": pid, "tid": source, "args": {"buffer": event.get("buffer")}})
+            slices.append({"name": "wait", "cat": "handoff.wait", "ph": "s", "id": flow_id, "ts": ts, "pid": pid,
+                           "tid": source})
+            slices.append({"name": "wait", "cat": "handoff.wait", "ph": "f", "bp": "e", "id": flow_id, "ts": ts,
+                           "pid": pid, "tid": tid})
+
+    metadata: list[Event] = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+                              "args": {"name": f"handoff (pid {pid})"}}]
+    for key, tid in tracks.items():
+        metadata.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": _track_name(key)}})
+        metadata.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
+    return {
+        "traceEvents": metadata + slices,
+        "displayTimeUnit": "ns",
+        "handoff": {
+            "version": _version(),
+            "events": raw,
+            "graph": None if graph is None else json.loads(dumps(dict(graph))),
+        },
+    }
+
+
+# --- the ownership graph as DOT -------------------------------------------------------------------
+
+
+def _quote(text: Any) -> str:
+    """A DOT quoted string: backslashes and quotes escaped, line breaks as DOT's centred ``\\n``."""
+    escaped = str(text).replace("\\", "\\\\").replace('"', '\\"')
+    return '"' + escaped.replace("\r\n", "\\n").replace("\n", "\\n").replace("\r", "\\n") + '"'
+
+
+def _label(*lines: Any) -> str:
+    """A DOT label of several lines, each escaped (a literal backslash stays one)."""
+    return _quote("\n".join(str(line) for line in lines if line not in (None, "")))
+
+
+_NODE_STYLES = {
+    "buffer": 'shape=box, style="rounded,filled", fillcolor="#e8f0fe"',
+    "view": 'shape=ellipse, style=filled, fillcolor="#fef7e0"',
+    "stream": 'shape=hexagon, style=filled, fillcolor="#e6f4ea"',
+}
+_EDGE_STYLES = {
+    "view-of": "style=solid",
+    "ready-on": 'style=dashed, color="#1a73e8"',
+    "released-after": 'style=dotted, color="#d93025"',
+}
+
+
+def _node_label(node: Mapping[str, Any]) -> str:
+    kind = node.get("kind")
+    if kind == "buffer":
+        shape = node.get("shape")
+        dims = "x".join(str(d) for d in shape) if isinstance(shape, (list, tuple)) else "?"
+        holders = node.get("holders")
+        return _label(
+            f"{node.get('library') or '?'} buffer",
+            f"{node.get('dtype', '?')} [{dims}]",
+            device_name(node.get("device")),
+            _human_bytes(_int(node.get("nbytes"))) if "nbytes" in node else None,
+            None if holders is None else f"{holders} holder{'s' if holders != 1 else ''}",
+            node.get("id"),
+        )
+    if kind == "view":
+        return _label(node.get("holder") or "view", node.get("where"), node.get("id"))
+    if kind == "stream":
+        return _label(device_name(node.get("device")), f"stream {_stream(node.get('handle'))}")
+    return _label(node.get("id"), kind)
+
+
+def graph_to_dot(graph: Mapping[str, Any]) -> str:
+    """The ownership graph as Graphviz DOT: buffers as boxes, views as ellipses, streams as hexagons;
+    ``view-of`` edges solid, ``ready-on`` dashed, ``released-after`` dotted."""
+    lines = [
+        "digraph handoff {",
+        "  rankdir=LR;",
+        '  node [fontname="Helvetica", fontsize=10];',
+        '  edge [fontname="Helvetica", fontsize=9];',
+    ]
+    for node in graph.get("nodes") or ():
+        style = _NODE_STYLES.get(str(node.get("kind")), "shape=note")
+        lines.append(f"  {_quote(node.get('id', '?'))} [{style}, label={_node_label(node)}];")
+    for edge in graph.get("edges") or ():
+        kind = edge.get("kind", "")
+        style = _EDGE_STYLES.get(str(kind), 'style=solid, color="#5f6368"')
+        lines.append(f"  {_quote(edge.get('src', '?'))} -> {_quote(edge.get('dst', '?'))} "
+                     f"[label={_quote(kind)}, {style}];")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+
+# --- which library a source file belongs to -------------------------------------------------------
+
+
+def _normalized(path: str) -> str:
+    return os.path.normcase(os.path.abspath(path))
+
+
+@functools.lru_cache(maxsize=1)
+def _library_roots() -> tuple[list[str], list[str], list[str]]:
+    """(site directories, standard library directories, handoff's package directories)."""
+    sites: list[str] = []
+    for key in ("purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            sites.append(path)
+    try:
+        sites += site.getsitepackages()
+    except AttributeError:  # virtualenv's old site.py lacks it
+        pass
+    user = site.getusersitepackages() if hasattr(site, "getusersitepackages") else None
+    if user:
+        sites.append(user)
+    stdlib = [p for p in (sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib")) if p]
+    here = Path(__file__)
+    # The package's folder as imported and, for a folder of links to the sources, the sources'.
+    package = {str(here.parent), str(here.resolve().parent)}
+    return ([_normalized(p) for p in sites], [_normalized(p) for p in stdlib],
+            sorted(_normalized(p) for p in package))
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+@functools.lru_cache(maxsize=4096)
+def library_of_file(filename: str) -> str | None:
+    """The library a source file belongs to, or None for user code.
+
+    ``"handoff"`` for handoff's own files; for a file under a site directory (site-packages), its
+    top-level package or module (``.../site-packages/numpy/core/x.py`` -> ``"numpy"``); ``"python"``
+    for the standard library and frozen modules (``<frozen importlib._bootstrap>``). Other
+    ``<...>`` names (``<string>``, ``<stdin>``, notebook cells) are user code.
+    """
+    if filename.startswith("<"):
+        return "python" if filename.startswith("<frozen ") else None
+    sites, stdlib, package = _library_roots()
+    path = _normalized(filename)
+    candidates = {path}
+    try:
+        candidates.add(_normalized(os.path.realpath(filename)))
+    except (OSError, ValueError):
+        pass
+    if any(_under(p, root) for p in candidates for root in package):
+        return "handoff"
+    # The longest root that holds the file wins: site-packages lies inside the standard library's
+    # folder in many layouts (a venv's platstdlib, /usr/lib/python3.x/site-packages).
+    best: tuple[int, str, str] | None = None
+    for kind, roots in (("site", sites), ("stdlib", stdlib)):
+        for root in roots:
+            if _under(path, root) and (best is None or len(root) > best[0]):
+                best = (len(root), kind, root)
+    if best is None:
+        return None
+    _, kind, root = best
+    if kind == "stdlib":
+        return "python"
+    relative = path[len(root.rstrip(os.sep)) + 1:]
+    top = relative.split(os.sep, 1)[0]
+    return top.split(".", 1)[0] or None
+

@@ -1,0 +1,353 @@
+"""The ownership graph and exchange tracing through the real import and export paths: the graph's
+nodes and edges, each event's fields, the hazards (each with a negative control), the process-wide
+trace, debug logging and the live socket."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import handoff
+from conftest import needs_two_devices, pending_write, run_python
+
+BACKEND = handoff.runtime_info()["backend"]
+SIM = BACKEND.startswith("sim")
+needs_sim = pytest.mark.skipif(not SIM, reason=f"needs HANDOFF_BACKEND=sim or sim-rocm (backend is {BACKEND!r})")
+THIS_FILE = Path(__file__).resolve()
+
+
+def line_of(marker: str) -> str:
+    """`file:line` of the line of this file that holds `marker` (after the one that names it)."""
+    for number, text in enumerate(THIS_FILE.read_text().splitlines(), start=1):
+        if marker in text and "line_of(" not in text:
+            return f"{THIS_FILE}:{number}"
+    raise AssertionError(f"no line holds {marker!r}")
+
+
+def nodes(graph: dict, kind: str) -> dict[str, dict]:
+    return {n["id"]: n for n in graph["nodes"] if n["kind"] == kind}
+
+
+def edges(graph: dict, kind: str) -> set[tuple[str, str]]:
+    return {(e["src"], e["dst"]) for e in graph["edges"] if e["kind"] == kind}
+
+
+# --- the ownership graph -------------------------------------------------------------------------
+
+
+def test_an_imported_array_is_a_view_of_a_buffer_of_its_library():
+    source = np.arange(6, dtype=np.float32).reshape(2, 3)
+    view = handoff.from_dlpack(source)
+    graph = handoff.ownership_graph()
+    buffers = nodes(graph, "buffer")
+    mine = [b for b in buffers.values() if b["library"] == "numpy" and b["shape"] == [2, 3]]
+    assert len(mine) == 1, buffers
+    buffer = mine[0]
+    assert buffer["dtype"] == "float32" and buffer["nbytes"] == 24 and tuple(buffer["device"]) == (1, 0)
+    holders = {src for src, dst in edges(graph, "view-of") if dst == buffer["id"]}
+    assert len(holders) == 1
+    assert nodes(graph, "view")[holders.pop()]["holder"] == "handoff.Array"
+    del view
+    gc.collect()
+    assert buffer["id"] not in nodes(handoff.ownership_graph(), "buffer")
+
+
+def test_an_export_to_another_library_is_a_second_view_of_the_same_buffer(torch):
+    view = handoff.from_dlpack(torch.arange(4, dtype=torch.float32))
+    tensor = torch.from_dlpack(view)
+    graph = handoff.ownership_graph()
+    (buffer,) = [b for b in nodes(graph, "buffer").values() if b["library"] == "torch" and b["shape"] == [4]]
+    holders = sorted(nodes(graph, "view")[src]["holder"] for src, dst in edges(graph, "view-of") if dst == buffer["id"])
+    assert holders == ["dlpack", "handoff.Array"]
+    assert buffer["holders"] == 2
+    del tensor
+
+
+def test_the_graph_as_json_and_dot():
+    view = handoff.from_dlpack(np.zeros(3, dtype=np.int16))
+    as_json = json.loads(handoff.ownership_graph(format="json"))
+    assert {"nodes", "edges"} <= as_json.keys()
+    dot = handoff.ownership_graph(format="dot")
+    assert dot.startswith("digraph") and "view-of" in dot and "int16" in dot
+    with pytest.raises(ValueError, match="format"):
+        handoff.ownership_graph(format="yaml")
+    del view
+
+
+@needs_sim
+def test_a_buffer_is_ready_on_and_released_after_its_consumer_stream(sim_streams):
+    from handoff import sim
+
+    producer, consumer = sim_streams
+    data = sim.zeros(8, "float32")
+    view = handoff.from_dlpack(data, stream=consumer)
+    graph = handoff.ownership_graph()
+    streams = nodes(graph, "stream")
+
+    def handles(kind: str, buffer: str) -> list[int]:
+        return [streams[dst]["handle"] for src, dst in edges(graph, kind) if src == buffer]
+
+    mine = [b for b in nodes(graph, "buffer").values() if b["shape"] == [8]]
+    assert len(mine) == 2, "the simulator's allocation, and the import of its export"
+    imported = [b["id"] for b in mine if handles("ready-on", b["id"]) == [consumer.handle]]
+    assert len(imported) == 1
+    assert handles("released-after", imported[0]) == [consumer.handle]
+    del view, data
+
+
+# --- tracing -------------------------------------------------------------------------------------
+
+
+def test_each_exchange_is_an_event_with_the_contracts_fields(torch):
+    with handoff.trace() as t:
+        view = handoff.from_dlpack(np.ones(4, dtype=np.float64))  # marker: numpy import
+        tensor = torch.from_dlpack(view)  # marker: torch export
+        del tensor, view
+        gc.collect()
+    kinds = [e["kind"] for e in t.events]
+    assert kinds.count("import") == 1 and kinds.count("export") == 1 and kinds.count("release") >= 1
+    required = {"kind", "time_ns", "thread", "device", "shape", "dtype", "nbytes", "producer", "consumer",
+                "producer_stream", "consumer_stream", "action", "hazard", "where"}
+    for event in t.events:
+        assert required <= event.keys()
+    imported = next(e for e in t.events if e["kind"] == "import")
+    assert (imported["producer"], imported["consumer"]) == ("numpy", "handoff")
+    assert imported["shape"] == [4] and imported["dtype"] == "float64" and imported["nbytes"] == 32
+    assert imported["action"] == "none" and imported["hazard"] is None
+    assert imported["where"] == line_of("# marker: numpy import")
+    assert imported["thread"] == __import__("threading").get_native_id()
+    exported = next(e for e in t.events if e["kind"] == "export")
+    assert (exported["producer"], exported["consumer"]) == ("numpy", "torch")
+    assert exported["where"] == line_of("# marker: torch export")
+    assert not t.hazards()
+
+
+def test_a_refused_exchange_is_traced():
+    frozen = np.broadcast_to(np.arange(3), (2, 3))
+    view = handoff.from_dlpack(frozen)
+    with handoff.trace() as t:
+        with pytest.raises(BufferError):
+            view.__dlpack__()  # a legacy consumer cannot be told "read-only"
+    (event,) = [e for e in t.events if e["kind"] == "export"]
+    assert event["action"] == "refused"
+
+
+def test_a_trace_sees_only_its_own_block():
+    handoff.from_dlpack(np.zeros(2))
+    with handoff.trace() as t:
+        pass
+    handoff.from_dlpack(np.zeros(2))
+    assert t.events == []
+
+
+def test_save_writes_chrome_trace_json(tmp_path):
+    path = tmp_path / "trace.json"
+    with handoff.trace(path=path):
+        handoff.from_dlpack(np.zeros(2))
+    saved = json.loads(path.read_text())
+    assert isinstance(saved["traceEvents"], list) and saved["traceEvents"]
+
+
+@needs_sim
+def test_an_unordered_hand_off_of_pending_work_is_flagged_where_it_happened(sim_streams):
+    from handoff import sim
+
+    producer, consumer = sim_streams
+    data = pending_write(producer)
+    with handoff.trace() as t:
+        stale = handoff.from_dlpack(data, stream=-1)  # marker: unordered hand-off
+        seen = sim.to_numpy(stale, stream=consumer)
+    assert seen[0] == 0.0, "the negative control of the trace: the consumer did read stale data"
+    (hazard,) = t.hazards()
+    assert hazard["hazard"] == "unordered" and hazard["action"] == "unordered"
+    assert hazard["where"] == line_of("# marker: unordered hand-off")
+    assert hazard["producer_stream"] == producer.handle
+    assert "unordered" in t.summary() and line_of("# marker: unordered hand-off") in t.summary()
+
+
+@needs_sim
+def test_negative_controls_an_ordered_hand_off_or_finished_work_is_no_hazard(sim_streams):
+    from handoff import sim
+
+    producer, consumer = sim_streams
+    with handoff.trace() as t:
+        ordered = handoff.from_dlpack(pending_write(producer), stream=consumer)
+        assert sim.to_numpy(ordered, stream=consumer)[0] == 1.0
+        finished = pending_write(producer)
+        sim.synchronize()
+        handoff.from_dlpack(finished, stream=-1)
+    assert t.hazards() == []
+    actions = [e["action"] for e in t.events if e["kind"] == "export"]
+    assert actions == ["wait", "unordered"]
+
+
+@needs_sim
+@needs_two_devices
+def test_a_consumer_stream_of_another_device_is_flagged(sim_streams):
+    from handoff import sim
+
+    data = sim.zeros(4, "float32", device=0)
+    with handoff.trace() as t:
+        handoff.from_dlpack(data, stream=sim.Stream(device=1))
+        handoff.from_dlpack(data, stream=sim.Stream(device=0))  # negative control
+    assert [e["hazard"] for e in t.events if e["kind"] == "export"] == ["cross-device", None]
+
+
+# --- the process-wide trace, the log, the command ------------------------------------------------
+
+LEAKY_SCRIPT = """
+import numpy as np, handoff
+kept = handoff.from_dlpack(np.zeros(3))  # never released: a leak at exit
+handoff.from_dlpack(np.ones(2))
+"""
+
+
+def test_handoff_trace_env_traces_the_whole_process_and_reports_leaks(tmp_path):
+    script = tmp_path / "leaky.py"
+    script.write_text(LEAKY_SCRIPT)
+    path = tmp_path / "process.json"
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "HANDOFF_TRACE": str(path)})
+    assert result.returncode == 0, result.stderr
+    saved = json.loads(path.read_text())
+    events = saved["handoff"]["events"]
+    assert [e["kind"] for e in events if e["hazard"] is None].count("import") == 2
+    leaks = [e for e in events if e["hazard"] == "leak"]
+    assert len(leaks) == 1 and leaks[0]["where"] == f"{script}:3"
+
+
+def test_debug_logging_writes_one_line_per_exchange():
+    result = run_python("import numpy as np, handoff; v = handoff.from_dlpack(np.zeros(2)); del v",
+                        HANDOFF_LOG_LEVEL="debug")
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "numpy -> handoff" in line or "-buffer:" in line]
+    assert any("import numpy -> handoff" in line and "view-of buffer:" in line for line in lines), result.stderr
+    assert any("release" in line and "-buffer:" in line for line in lines), result.stderr
+
+
+@needs_sim
+def test_handoff_trace_run_prints_the_hazard_with_the_scripts_line_and_keeps_its_status(tmp_path):
+    script = tmp_path / "racy.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        import handoff
+        from handoff import sim
+        producer = sim.Stream()
+        data = sim.zeros(16, "float32")
+        sim.fill(data, 1.0, stream=producer, delay=0.2)
+        stale = handoff.from_dlpack(data, stream=-1)
+        sim.synchronize()
+        sys.exit(3)
+    """))
+    cli = Path(sys.executable).with_name("handoff-trace")
+    command = [str(cli)] if cli.exists() else [sys.executable, "-m", "handoff._trace_cli"]
+    result = subprocess.run([*command, "run", "--", sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 3, result.stderr
+    report = result.stdout + result.stderr
+    assert "unordered" in report and f"{script}:8" in report, report
+
+
+# --- the live socket -----------------------------------------------------------------------------
+
+
+def socket_path(pid: int) -> Path:
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if runtime and os.path.isdir(runtime):
+        return Path(runtime) / "handoff" / f"trace-{pid}.sock"
+    return Path(os.environ.get("TMPDIR") or "/tmp") / f"handoff-{os.geteuid()}" / f"trace-{pid}.sock"
+
+
+SERVING_SCRIPT = """
+import sys, time, numpy as np, handoff
+print(handoff.serve_trace(), flush=True)
+sys.stdin.readline()  # the client is attached
+for _ in range(3):
+    handoff.from_dlpack(np.zeros(5))
+sys.stdin.readline()
+"""
+
+
+def test_a_served_trace_streams_each_exchange_to_an_attached_client(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", SERVING_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)})
+    try:
+        path = child.stdout.readline().strip()
+        assert path == str(tmp_path / "handoff" / f"trace-{child.pid}.sock")
+        assert (os.stat(tmp_path / "handoff").st_mode & 0o777) == 0o700
+        assert (os.stat(path).st_mode & 0o777) == 0o600
+        client = socket.socket(socket.AF_UNIX)
+        client.settimeout(30)
+        client.connect(path)
+        reader = client.makefile("r")
+        hello = json.loads(reader.readline())
+        assert hello["hello"] == "handoff" and hello["pid"] == child.pid
+        time.sleep(0.2)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        events = [json.loads(reader.readline()) for _ in range(6)]
+        assert [e["kind"] for e in events].count("import") == 3
+        assert all(e["shape"] == [5] for e in events)
+        client.close()
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.wait(timeout=60) == 0
+    finally:
+        child.kill()
+    assert not Path(path).exists(), "the socket is removed at exit"
+
+
+def test_garbage_and_a_vanishing_client_do_not_disturb_the_traced_process(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", SERVING_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)})
+    try:
+        path = child.stdout.readline().strip()
+        rude = socket.socket(socket.AF_UNIX)
+        rude.connect(path)
+        rude.sendall(os.urandom(1 << 20) + b"x" * (1 << 20))  # garbage, and one huge line
+        rude.close()
+        child.stdin.write("\n\n")
+        child.stdin.flush()
+        assert child.wait(timeout=60) == 0
+    finally:
+        child.kill()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another uid")
+def test_a_client_of_another_uid_is_refused(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", SERVING_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)})
+    try:
+        path = child.stdout.readline().strip()
+        os.chmod(tmp_path, 0o755)
+        stranger = ("import socket, sys\n"
+                    "s = socket.socket(socket.AF_UNIX)\n"
+                    "try:\n"
+                    f"    s.connect({path!r})\n"
+                    "except PermissionError:\n"
+                    "    print('denied'); sys.exit(0)\n"
+                    "print(s.makefile('r').readline().strip())\n")
+        as_nobody = subprocess.run([sys.executable, "-c", stranger], capture_output=True, text=True, timeout=60,
+                                   user=65534, group=65534)
+        assert as_nobody.stdout.strip() == "denied", "the 0700 directory and 0600 socket keep other users out"
+        # Past the file modes (opened up here on purpose), the peer's credentials refuse it.
+        os.chmod(tmp_path / "handoff", 0o711)
+        os.chmod(path, 0o666)
+        as_nobody = subprocess.run([sys.executable, "-c", stranger], capture_output=True, text=True, timeout=60,
+                                   user=65534, group=65534)
+        assert as_nobody.stdout.strip().startswith('{"error":"refused'), as_nobody
+        child.stdin.write("\n\n")
+        child.stdin.flush()
+        assert child.wait(timeout=60) == 0
+    finally:
+        child.kill()
