@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Dict, Union
+from typing import Any, Dict, Union, cast
 
 __all__ = [
     "chrome_trace",
@@ -47,9 +47,9 @@ def _runtime_function(*names: str) -> Callable[..., Any]:
     from . import _handoff
 
     for name in names:
-        function: object = getattr(_handoff, name, None)
+        function = getattr(_handoff, name, None)
         if callable(function):
-            return function
+            return cast("Callable[..., Any]", function)
     raise RuntimeError(f"this build of handoff's runtime does not record traces (no _handoff.{names[0]})")
 
 
@@ -499,8 +499,7 @@ def _normalized(path: str) -> str:
     return os.path.normcase(os.path.abspath(path))
 
 
-@functools.lru_cache(maxsize=1)
-def _library_roots() -> tuple[list[str], list[str], list[str]]:
+def _find_library_roots() -> tuple[list[str], list[str], list[str]]:
     """(site directories, standard library directories, handoff's package directories)."""
     sites: list[str] = []
     for key in ("purelib", "platlib"):
@@ -522,19 +521,27 @@ def _library_roots() -> tuple[list[str], list[str], list[str]]:
             sorted(_normalized(p) for p in package))
 
 
+# Cached by assignment, not as decorators, so that stubtest sees the functions' own signatures.
+_library_roots = functools.lru_cache(maxsize=1)(_find_library_roots)
+
+
 def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
-@functools.lru_cache(maxsize=4096)
 def library_of_file(filename: str) -> str | None:
     """The library a source file belongs to, or None for user code.
 
     ``"handoff"`` for handoff's own files; for a file under a site directory (site-packages), its
     top-level package or module (``.../site-packages/numpy/core/x.py`` -> ``"numpy"``); ``"python"``
     for the standard library and frozen modules (``<frozen importlib._bootstrap>``). Other
-    ``<...>`` names (``<string>``, ``<stdin>``, notebook cells) are user code.
+    ``<...>`` names (``<string>``, ``<stdin>``, notebook cells) are user code. Results are cached
+    per file name.
     """
+    return _classify(filename)
+
+
+def _classify_file(filename: str) -> str | None:
     if filename.startswith("<"):
         return "python" if filename.startswith("<frozen ") else None
     sites, stdlib, package = _library_roots()
@@ -562,3 +569,5 @@ def library_of_file(filename: str) -> str | None:
     top = relative.split(os.sep, 1)[0]
     return top.split(".", 1)[0] or None
 
+
+_classify = functools.lru_cache(maxsize=4096)(_classify_file)

@@ -1,35 +1,459 @@
-"""handoff-trace: inspect handoff's exchanges. For now it reports the version and the runtime."""
+"""handoff-trace: record, read and follow handoff's exchange traces.
+
+    handoff-trace run [-o FILE] [--json] -- CMD ARGS...    trace a program; its summary on stderr
+    handoff-trace show FILE [--json]                       the summary of a saved trace
+    handoff-trace graph FILE [--format dot|json|svg|png]   the ownership graph saved in a trace
+    handoff-trace attach PID [--count N] [--json]          follow a running process's exchanges
+    handoff-trace info [--json]                            the runtime: backend, devices, versions
+
+With no command it prints the runtime, as ``info`` does. Exit status: 0 on success, 1 when a command
+fails (a process that refuses a client, Graphviz failing), 2 for bad arguments or input files, 130
+on Ctrl-C; ``run`` exits with the status of the program it ran (128 + N for signal N).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
+import shutil
+import socket
+import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO, Any, Dict
+
+from ._trace import dumps, format_event, graph_to_dot, summary
+
+Trace = Dict[str, Any]
+
+PERFETTO = "https://ui.perfetto.dev"
+
+# `run` puts this first on the program's PYTHONPATH as sitecustomize.py, which Python's `site` module
+# imports at start-up: the program is traced without importing handoff itself.
+SITECUSTOMIZE = '''\
+"""Written by handoff-trace run: imports handoff, which traces this process to $HANDOFF_TRACE, after
+running the sitecustomize module that this one hides, if there is one."""
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="handoff-trace",
-        description="Show handoff's runtime: backend, devices, versions (exchange tracing is coming).",
-    )
-    parser.add_argument("--version", action="store_true", help="print the version and exit")
-    parser.add_argument("--json", action="store_true", help="print the runtime information as JSON")
-    args = parser.parse_args(argv)
+def _run_hidden_sitecustomize():
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
 
+    here = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
+    rest = [p for p in sys.path if os.path.realpath(os.path.abspath(p or os.curdir)) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sitecustomize"] = module
+    spec.loader.exec_module(module)
+
+
+try:
+    _run_hidden_sitecustomize()
+finally:
+    try:
+        import handoff  # noqa: F401
+    except ImportError:
+        pass  # not a Python that has handoff: the program runs untraced
+    except Exception as error:  # handoff is there but broken: say so, and let the program run
+        import sys
+
+        print(f"handoff-trace: handoff failed to import: {error!r}", file=sys.stderr)
+'''
+
+
+class CommandError(Exception):
+    """A failure reported as one line on stderr, with the exit status `status`."""
+
+    def __init__(self, message: str, status: int = 2) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+# --- trace files ----------------------------------------------------------------------------------
+
+
+def load_trace(file: str) -> Trace:
+    """The ``"handoff"`` section of a trace file (``-``: stdin): ``version``, ``events``, ``graph``."""
+    name = "stdin" if file == "-" else file
+    try:
+        text = sys.stdin.read() if file == "-" else Path(file).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CommandError(f"{name}: no such file") from None
+    except UnicodeDecodeError:
+        raise CommandError(f"{name}: not JSON (not UTF-8 text)") from None
+    except OSError as error:
+        raise CommandError(f"{name}: cannot read it: {error.strerror or error}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise CommandError(f"{name}: not JSON ({error.msg} at line {error.lineno}, column {error.colno})") from None
+    section = data.get("handoff") if isinstance(data, dict) else None
+    if (not isinstance(section, dict) or not isinstance(section.get("events"), list)
+            or not all(isinstance(e, dict) for e in section["events"])):
+        raise CommandError(
+            f"{name}: not a handoff trace (no \"handoff\" section with the events; handoff writes one with "
+            "handoff.trace(path=...), HANDOFF_TRACE=FILE or handoff-trace run -o FILE)"
+        )
+    return section
+
+
+def print_json(data: Any, file: IO[str] | None = None) -> None:
+    print(json.dumps(data, indent=2, allow_nan=False, default=str), file=file or sys.stdout)
+
+
+# --- run ------------------------------------------------------------------------------------------
+
+
+def _fingerprint(path: Path) -> tuple[int, int, int] | None:
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+def _wait(command: list[str], env: dict[str, str]) -> int:
+    """Runs `command` with the terminal (stdio inherited); its exit status, 128 + N for signal N."""
+    try:
+        child = subprocess.Popen(command, env=env)
+    except FileNotFoundError:
+        raise CommandError(f"{command[0]}: command not found", 127) from None
+    except PermissionError:
+        raise CommandError(f"{command[0]}: permission denied", 126) from None
+    while True:
+        try:
+            status = child.wait()
+            break
+        except KeyboardInterrupt:
+            # The terminal sent Ctrl-C to the program too: it decides whether to end, and its
+            # status says what happened.
+            continue
+    return 128 - status if status < 0 else status
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    command = list(args.command_line)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        raise CommandError("run: no command given (handoff-trace run [-o FILE] -- CMD ARGS...)")
+    with tempfile.TemporaryDirectory(prefix="handoff-trace-") as scratch:
+        shim = Path(scratch, "site")
+        shim.mkdir()
+        (shim / "sitecustomize.py").write_text(SITECUSTOMIZE, encoding="utf-8")
+        # Absolute: the program may change its working directory.
+        output = Path(args.output).absolute() if args.output else Path(scratch, "trace.json")
+        before = _fingerprint(output)
+        env = dict(os.environ)
+        env["HANDOFF_TRACE"] = str(output)
+        env["PYTHONPATH"] = os.pathsep.join([str(shim), *filter(None, [env.get("PYTHONPATH")])])
+        status = _wait(command, env)
+
+        after = _fingerprint(output)
+        if after is None or after == before:
+            print(
+                f"handoff-trace: no trace was written: {command[0]} made no exchange through handoff, or is not a "
+                "Python program with handoff importable (a Python run with -S or -I skips the sitecustomize "
+                "module that imports it)",
+                file=sys.stderr,
+            )
+            return status
+        try:
+            trace = load_trace(str(output))
+        except CommandError as error:
+            print(f"handoff-trace: {error}", file=sys.stderr)
+            return status
+    if args.json:
+        print_json(trace["events"])
+    else:
+        print(summary(trace["events"], title=f"handoff trace of {shlex.join(command)}"), file=sys.stderr)
+        if args.output:
+            print(f"\ntrace saved to {args.output}: open it in {PERFETTO}, or run handoff-trace show {args.output}",
+                  file=sys.stderr)
+    return status
+
+
+# --- show, graph ----------------------------------------------------------------------------------
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    trace = load_trace(args.file)
+    if args.json:
+        print_json(trace["events"])
+    else:
+        title = "handoff trace" + ("" if args.file == "-" else f" {args.file}")
+        print(summary(trace["events"], title=title))
+    return 0
+
+
+def cmd_graph(args: argparse.Namespace) -> int:
+    trace = load_trace(args.file)
+    graph = trace.get("graph")
+    if not isinstance(graph, dict):
+        raise CommandError(f"{args.file}: the trace holds no ownership graph")
+    if args.format in ("dot", "json"):
+        text = graph_to_dot(graph) if args.format == "dot" else json.dumps(graph, indent=2) + "\n"
+        if args.output:
+            Path(args.output).write_text(text, encoding="utf-8")
+            print(f"wrote {args.output}", file=sys.stderr)
+        else:
+            sys.stdout.write(text)
+        return 0
+    dot = shutil.which("dot")
+    if dot is None:
+        raise CommandError(
+            f"--format {args.format} needs Graphviz's `dot`, which is not on PATH: install Graphviz "
+            "(apt-get install graphviz, brew install graphviz or conda install graphviz), or print DOT text "
+            "with --format dot, which needs nothing"
+        )
+    if args.output:
+        output = Path(args.output)
+    elif args.file == "-":
+        raise CommandError(f"--format {args.format} of a trace read from stdin needs -o OUT")
+    else:
+        output = Path(args.file).with_suffix(f".{args.format}")
+    result = subprocess.run([dot, f"-T{args.format}", "-o", str(output)], input=graph_to_dot(graph), text=True,
+                            capture_output=True, check=False)
+    if result.returncode != 0:
+        raise CommandError(f"dot failed (status {result.returncode}): {result.stderr.strip()}", 1)
+    print(f"wrote {output}")
+    return 0
+
+
+# --- attach ---------------------------------------------------------------------------------------
+
+
+def socket_paths(pid: int) -> list[Path]:
+    """Where process `pid` serves its trace: under $XDG_RUNTIME_DIR when that is a folder, else (and
+    also tried) under $TMPDIR or /tmp, in a folder per user."""
+    paths = []
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if runtime and os.path.isdir(runtime):
+        paths.append(Path(runtime, "handoff", f"trace-{pid}.sock"))
+    tmp = os.environ.get("TMPDIR") or "/tmp"
+    paths.append(Path(tmp, f"handoff-{os.geteuid()}", f"trace-{pid}.sock"))
+    return paths
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
+
+
+def _connect(pid: int) -> tuple[socket.socket, Path]:
+    paths = socket_paths(pid)
+    path = next((p for p in paths if p.exists()), None)
+    if path is None:
+        if not _process_exists(pid):
+            raise CommandError(f"no process with id {pid}", 1)
+        raise CommandError(
+            f"process {pid} is not serving its trace (no socket at {' or '.join(map(str, paths))}): start it with "
+            "HANDOFF_TRACE_SOCKET=1 in its environment, or call handoff.serve_trace() in it",
+            1,
+        )
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.settimeout(10)
+    try:
+        client.connect(str(path))
+    except PermissionError:
+        client.close()
+        raise CommandError(f"permission denied: {path} (attach as the user that runs process {pid})", 1) from None
+    except (ConnectionRefusedError, FileNotFoundError):
+        client.close()
+        state = "is not accepting clients" if _process_exists(pid) else "has ended"
+        raise CommandError(f"process {pid} {state} (stale socket {path})", 1) from None
+    except OSError as error:
+        client.close()
+        raise CommandError(f"cannot connect to {path}: {error.strerror or error}", 1) from None
+    return client, path
+
+
+def cmd_attach(args: argparse.Namespace) -> int:
+    if args.pid <= 0:
+        raise CommandError(f"attach: {args.pid} is not a process id")
+    if args.count is not None and args.count < 1:
+        raise CommandError("attach: --count must be at least 1")
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    client, path = _connect(args.pid)
+    with client, client.makefile("rb") as reader:
+
+        def read_line() -> bytes | None:
+            """The next line; None once the --timeout has passed."""
+            if deadline is None:
+                client.settimeout(None)
+            else:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                client.settimeout(remaining)
+            try:
+                return reader.readline()
+            except socket.timeout:
+                return None
+
+        def message(line: bytes) -> Any:
+            try:
+                return json.loads(line)
+            except ValueError:
+                return None
+
+        first = read_line()
+        if first is None:
+            print(f"handoff-trace: process {args.pid} said nothing within {args.timeout} s", file=sys.stderr)
+            return 1
+        hello = message(first)
+        if isinstance(hello, dict) and "error" in hello:
+            raise CommandError(f"process {args.pid}: {hello['error']}", 1)
+        if not isinstance(hello, dict) or hello.get("hello") != "handoff":
+            raise CommandError(f"{path} is not a handoff trace socket", 1)
+        print(f"attached to process {hello.get('pid', args.pid)} (handoff {hello.get('version', '?')}); "
+              "Ctrl-C to stop", file=sys.stderr)
+
+        seen = 0
+        while args.count is None or seen < args.count:
+            line = read_line()
+            if line is None:
+                print(f"handoff-trace: stopped after {args.timeout} s", file=sys.stderr)
+                return 0
+            if not line:
+                print(f"handoff-trace: process {args.pid} closed its trace (it has ended)", file=sys.stderr)
+                return 0
+            item = message(line)
+            if not isinstance(item, dict):
+                print(f"handoff-trace: skipped a line that is not a JSON object: {line[:80]!r}", file=sys.stderr)
+                continue
+            if "error" in item:
+                raise CommandError(f"process {args.pid}: {item['error']}", 1)
+            if "dropped" in item:
+                print(f"... {item['dropped']} events dropped (client too slow)", file=sys.stderr, flush=True)
+                continue
+            seen += 1
+            if args.json:
+                print(line.decode("utf-8", "replace").rstrip("\r\n"), flush=True)
+            else:
+                print(format_event(item), flush=True)
+    return 0
+
+
+# --- info -----------------------------------------------------------------------------------------
+
+
+def cmd_info(args: argparse.Namespace) -> int:
     import handoff
 
-    if args.version:
-        print(f"handoff-trace {handoff.__version__}")
-        return 0
     info = handoff.runtime_info()
     if args.json:
-        json.dump(info, sys.stdout, indent=2)
-        print()
+        print_json(info)
         return 0
     print(f"handoff {handoff.__version__} (DLPack {info['dlpack_version']})")
     for key in ("backend", "device_count", "cuda_compiled", "cuda_runtime", "cuda_driver_minimum", "backend_error"):
         print(f"  {key:>19}: {info[key]}")
     return 0
+
+
+# --- the command line -----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="handoff-trace",
+        description="Record, read and follow handoff's exchange traces. With no command: the runtime (info).",
+        epilog="Exit status: 0 ok, 1 a command failed, 2 bad arguments or input, 130 Ctrl-C; "
+               "run: the program's status.",
+    )
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    parser.add_argument("--json", dest="info_json", action="store_true",
+                        help="with no command: print the runtime information as JSON")
+    commands = parser.add_subparsers(dest="subcommand", metavar="COMMAND")
+
+    run = commands.add_parser(
+        "run", help="run a program with tracing on and summarize its exchanges",
+        description="Runs CMD with HANDOFF_TRACE set, and a sitecustomize.py on its PYTHONPATH that imports "
+                    "handoff (so a Python program is traced without changes; an existing sitecustomize still "
+                    "runs). When CMD ends, prints the trace's summary on stderr (CMD's stdout stays its own) "
+                    "and exits with CMD's status. Every Python process that CMD starts writes the same file: "
+                    "the last one to end wins.",
+    )
+    run.add_argument("-o", "--output", metavar="FILE",
+                     help=f"keep the trace there (Chrome trace JSON: {PERFETTO}); default: a temporary file")
+    run.add_argument("--json", action="store_true", help="print the events as JSON on stdout instead of the summary")
+    run.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...", help="the program to run")
+    run.set_defaults(handler=cmd_run)
+
+    show = commands.add_parser("show", help="summarize a saved trace",
+                               description="Prints the summary of a trace file: hazards first, then the "
+                                           "exchanges per producer and consumer.")
+    show.add_argument("file", metavar="FILE", help="a trace file (handoff.trace(path=...), HANDOFF_TRACE); - for stdin")
+    show.add_argument("--json", action="store_true", help="print the events as JSON instead")
+    show.set_defaults(handler=cmd_show)
+
+    graph = commands.add_parser("graph", help="the ownership graph saved in a trace",
+                                description="Prints or draws the ownership graph of a trace file (buffers, "
+                                            "views, streams) as it was when the trace ended.")
+    graph.add_argument("file", metavar="FILE", help="a trace file; - for stdin")
+    graph.add_argument("--format", choices=("dot", "json", "svg", "png"), default="dot",
+                       help="dot (default) or json text, or an svg or png image drawn by Graphviz's dot")
+    graph.add_argument("-o", "--output", metavar="OUT",
+                       help="where to write; default: stdout for dot and json, FILE.svg or FILE.png for images")
+    graph.set_defaults(handler=cmd_graph)
+
+    attach = commands.add_parser(
+        "attach", help="follow the exchanges of a running process",
+        description="Connects to the trace socket of a process that serves one (HANDOFF_TRACE_SOCKET=1 or "
+                    "handoff.serve_trace()) and prints each exchange as it happens, until the process ends.",
+    )
+    attach.add_argument("pid", type=int, metavar="PID", help="the process id")
+    attach.add_argument("--count", type=int, metavar="N", help="stop after N events")
+    attach.add_argument("--json", action="store_true", help="print each event as its JSON line")
+    attach.add_argument("--timeout", type=float, metavar="SECONDS", help="stop after SECONDS")
+    attach.set_defaults(handler=cmd_attach)
+
+    info = commands.add_parser("info", help="the runtime: version, backend, devices",
+                               description="Prints handoff's runtime: backend, devices and versions.")
+    info.add_argument("--json", action="store_true", help="print it as JSON")
+    info.set_defaults(handler=cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``handoff-trace`` command; returns its exit status."""
+    args = build_parser().parse_args(argv)
+    if args.version:
+        import handoff
+
+        print(f"handoff-trace {handoff.__version__}")
+        return 0
+    if args.subcommand is None:
+        args.json = args.info_json
+        args.handler = cmd_info
+    try:
+        status: int = args.handler(args)
+    except CommandError as error:
+        print(f"handoff-trace: {error}", file=sys.stderr)
+        return error.status
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # Output piped to a program that stopped reading (| head): not an error worth a traceback.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 0
+    return status
 
 
 if __name__ == "__main__":
