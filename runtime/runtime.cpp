@@ -1,10 +1,12 @@
 #include <handoff/error.hpp>
 #include <handoff/runtime.hpp>
 #include <handoff/stream_value.hpp>
+#include <handoff/trace.hpp>
 
 #include "device/backend_factory.hpp"
 #include "log/logger.hpp"
 #include "service/service_thread.hpp"
+#include "service/trace_socket.hpp"
 
 #include <fmt/format.h>
 
@@ -20,8 +22,9 @@ namespace {
 struct started_backend {
   std::string name{"none"};
   std::unique_ptr<device::backend> backend;
-  std::unique_ptr<context> exchange;  // after backend: destroyed first, draining deferred releases
-  std::string error_name;             // set when a backend named explicitly failed to start
+  std::unique_ptr<context> exchange;         // after backend: destroyed first, draining deferred releases
+  detail::service_thread* service{nullptr};  // the exchange context's
+  std::string error_name;                    // set when a backend named explicitly failed to start
   std::string error;
   std::string fallback_error_name;  // set when `auto` found no usable CUDA device and fell back to none
 };
@@ -65,7 +68,11 @@ started_backend start()
 started_backend start_with_context()
 {
   started_backend s = start();
-  if (s.backend) { s.exchange = std::make_unique<context>(*s.backend, std::make_unique<detail::service_thread>()); }
+  if (s.backend) {
+    auto service = std::make_unique<detail::service_thread>();
+    s.service = service.get();
+    s.exchange = std::make_unique<context>(*s.backend, std::move(service));
+  }
   return s;
 }
 
@@ -148,6 +155,57 @@ context& require_context(const char* what)
 {
   (void)require_backend(what);
   return *started().exchange;
+}
+
+namespace {
+
+// The live trace: its socket, and the service thread that serves it when no exchange context runs
+// one (no backend). Leaked: exchanges may be recorded during static destruction.
+struct trace_serving {
+  std::mutex mutex;
+  std::unique_ptr<detail::service_thread> own_service;
+  std::unique_ptr<detail::trace_socket> socket;  // after own_service: closed on its thread first
+  std::uint64_t listener{0};
+
+  static trace_serving& get()
+  {
+    static auto* instance = new trace_serving;  // NOLINT(cppcoreguidelines-owning-memory): see above
+    return *instance;
+  }
+};
+
+}  // namespace
+
+std::string serve_trace()
+{
+  trace_serving& serving = trace_serving::get();
+  std::lock_guard lock{serving.mutex};
+  if (serving.socket) { return serving.socket->path().string(); }
+  detail::service_thread* service = nullptr;
+  try {
+    service = started().service;
+  } catch (const std::exception&) {  // no backend: the trace still has host exchanges to show
+  }
+  if (service == nullptr) {
+    serving.own_service = std::make_unique<detail::service_thread>();
+    service = serving.own_service.get();
+  }
+  serving.socket = std::make_unique<detail::trace_socket>(service->io());
+  detail::trace_socket* socket = serving.socket.get();
+  serving.listener = trace::add_listener([socket](const trace::event& e) {
+    if (socket->has_clients()) { socket->publish(trace::to_json(e)); }
+  });
+  return serving.socket->path().string();
+}
+
+void stop_serving_trace() noexcept
+{
+  trace_serving& serving = trace_serving::get();
+  std::lock_guard lock{serving.mutex};
+  if (!serving.socket) { return; }
+  trace::remove_listener(serving.listener);
+  serving.socket.reset();
+  serving.own_service.reset();
 }
 
 runtime_description describe_runtime() noexcept

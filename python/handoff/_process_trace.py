@@ -30,6 +30,7 @@ def serve_trace() -> str:
         from . import _handoff
 
         _socket_path = _handoff._serve_trace()
+        atexit.register(_handoff._stop_serving_trace)  # removes the socket; runs before _at_exit
     return _socket_path
 
 

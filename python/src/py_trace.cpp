@@ -4,6 +4,7 @@
 
 #include <handoff/dtype.hpp>
 #include <handoff/ownership.hpp>
+#include <handoff/runtime.hpp>
 
 #include <fmt/format.h>
 
@@ -272,6 +273,8 @@ void bind_trace(py::module_& m)
   m.def(
     "_trace_end", [](std::uint64_t token) { return event_list(trace::end_session(token)); }, py::arg("token"),
     "Ends a session and returns its events.");
+  m.def("_serve_trace", &serve_trace, "Serves the trace live on a Unix socket; returns its path.");
+  m.def("_stop_serving_trace", &stop_serving_trace, "Stops serving the trace live and removes the socket.");
   m.def("_ownership_graph", &graph_dict, "A snapshot of the ownership graph as a dict of nodes and edges.");
   m.def(
     "_live_view_ids",

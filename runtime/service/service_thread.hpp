@@ -24,6 +24,9 @@ class service_thread final : public executor {
   void post_after(std::chrono::nanoseconds delay, std::function<void()> work) override;
   void drain() override;
 
+  /// The io_context the thread runs, for services of its own (the trace socket).
+  [[nodiscard]] boost::asio::io_context& io() noexcept { return io_; }
+
  private:
   boost::asio::io_context io_;
   boost::asio::executor_work_guard<boost::asio::io_context::executor_type> guard_;

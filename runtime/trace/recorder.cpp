@@ -207,7 +207,7 @@ std::uint64_t begin_session()
   if (r.sessions.empty()) {
     r.log_start += r.log.size();
     r.log.clear();
-    r.buffers.clear();
+    if (r.listeners.empty()) { r.buffers.clear(); }
   }
   const std::uint64_t token = r.next_token++;
   r.sessions.emplace(token, r.log_start + r.log.size());
@@ -234,7 +234,7 @@ std::vector<event> end_session(std::uint64_t token)
   if (r.sessions.empty()) {
     r.log_start += r.log.size();
     r.log.clear();
-    r.buffers.clear();
+    if (r.listeners.empty()) { r.buffers.clear(); }
   } else {  // drop what no open session can read any more
     const std::uint64_t oldest = r.sessions.begin()->second;
     std::uint64_t keep_from = oldest;
@@ -312,7 +312,7 @@ void record(event&& e) noexcept
   try {
     if (const annotator fill = r.annotate.load(std::memory_order_acquire)) { fill(e); }
     std::lock_guard lock{r.mutex};
-    if (!r.sessions.empty()) {
+    if (!r.sessions.empty() || !r.listeners.empty()) {
       if (e.kind == event_kind::release) {
         if (const auto known = r.buffers.find(e.buffer); known != r.buffers.end()) {
           e.device = known->second.device;

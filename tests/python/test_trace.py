@@ -4,14 +4,17 @@ trace, debug logging and the live socket."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -269,7 +272,7 @@ def socket_path(pid: int) -> Path:
 
 
 SERVING_SCRIPT = """
-import sys, time, numpy as np, handoff
+import sys, numpy as np, handoff
 print(handoff.serve_trace(), flush=True)
 sys.stdin.readline()  # the client is attached
 for _ in range(3):
@@ -278,76 +281,102 @@ sys.stdin.readline()
 """
 
 
+@contextlib.contextmanager
+def serving_child(runtime_dir: Path) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A process that serves its trace, with XDG_RUNTIME_DIR at `runtime_dir`; each line written to
+    its stdin lets it go on (first: make three imports; second: exit)."""
+    with subprocess.Popen([sys.executable, "-c", SERVING_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True, env={**os.environ, "XDG_RUNTIME_DIR": str(runtime_dir)}) as child:
+        try:
+            yield child, child.stdout.readline().strip()
+        finally:
+            if child.poll() is None:
+                child.kill()
+
+
+def go_on(child: subprocess.Popen, steps: int = 1) -> None:
+    child.stdin.write("\n" * steps)
+    child.stdin.flush()
+
+
 def test_a_served_trace_streams_each_exchange_to_an_attached_client(tmp_path):
-    child = subprocess.Popen([sys.executable, "-c", SERVING_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True, env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)})
-    try:
-        path = child.stdout.readline().strip()
+    with serving_child(tmp_path) as (child, path):
         assert path == str(tmp_path / "handoff" / f"trace-{child.pid}.sock")
         assert (os.stat(tmp_path / "handoff").st_mode & 0o777) == 0o700
         assert (os.stat(path).st_mode & 0o777) == 0o600
-        client = socket.socket(socket.AF_UNIX)
-        client.settimeout(30)
-        client.connect(path)
-        reader = client.makefile("r")
-        hello = json.loads(reader.readline())
-        assert hello["hello"] == "handoff" and hello["pid"] == child.pid
-        time.sleep(0.2)
-        child.stdin.write("\n")
-        child.stdin.flush()
-        events = [json.loads(reader.readline()) for _ in range(6)]
-        assert [e["kind"] for e in events].count("import") == 3
-        assert all(e["shape"] == [5] for e in events)
-        client.close()
-        child.stdin.write("\n")
-        child.stdin.flush()
+        with socket.socket(socket.AF_UNIX) as client:
+            client.settimeout(30)
+            client.connect(path)
+            with client.makefile("r") as reader:
+                hello = json.loads(reader.readline())
+                assert hello["hello"] == "handoff" and hello["pid"] == child.pid
+                time.sleep(0.2)  # the server has admitted the client before the imports begin
+                go_on(child)
+                events = [json.loads(reader.readline()) for _ in range(6)]
+        assert sorted(e["kind"] for e in events) == ["import"] * 3 + ["release"] * 3
+        assert all(e["shape"] == [5] and e["producer"] == "numpy" for e in events)
+        go_on(child)
         assert child.wait(timeout=60) == 0
-    finally:
-        child.kill()
     assert not Path(path).exists(), "the socket is removed at exit"
 
 
 def test_garbage_and_a_vanishing_client_do_not_disturb_the_traced_process(tmp_path):
-    child = subprocess.Popen([sys.executable, "-c", SERVING_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True, env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)})
-    try:
-        path = child.stdout.readline().strip()
-        rude = socket.socket(socket.AF_UNIX)
-        rude.connect(path)
-        rude.sendall(os.urandom(1 << 20) + b"x" * (1 << 20))  # garbage, and one huge line
-        rude.close()
-        child.stdin.write("\n\n")
-        child.stdin.flush()
+    with serving_child(tmp_path) as (child, path):
+        with socket.socket(socket.AF_UNIX) as rude:
+            rude.connect(path)
+            rude.sendall(os.urandom(1 << 20) + b"x" * (1 << 20))  # garbage, and one huge line
+        with socket.socket(socket.AF_UNIX) as polite:
+            polite.settimeout(30)
+            polite.connect(path)
+            with polite.makefile("r") as reader:
+                assert json.loads(reader.readline())["hello"] == "handoff"
+                time.sleep(0.2)
+                go_on(child)
+                assert json.loads(reader.readline())["kind"] in ("import", "release")
+        go_on(child)
         assert child.wait(timeout=60) == 0
-    finally:
-        child.kill()
+
+
+def connect_as_nobody(path: str) -> str:
+    """What a process of uid 65534 gets from the socket: "denied" when the file modes keep it out,
+    else the first line the server sends it."""
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no interpreter state beyond what these calls need
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            with socket.socket(socket.AF_UNIX) as s:
+                s.settimeout(30)
+                try:
+                    s.connect(path)
+                    answer = s.recv(4096).split(b"\n")[0]
+                except PermissionError:
+                    answer = b"denied"
+            os.write(writer, answer)
+        finally:
+            os._exit(0)
+    os.close(writer)
+    with os.fdopen(reader, "rb") as answer:
+        text = answer.read().decode()
+    os.waitpid(pid, 0)
+    return text
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another uid")
-def test_a_client_of_another_uid_is_refused(tmp_path):
-    child = subprocess.Popen([sys.executable, "-c", SERVING_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True, env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)})
-    try:
-        path = child.stdout.readline().strip()
-        os.chmod(tmp_path, 0o755)
-        stranger = ("import socket, sys\n"
-                    "s = socket.socket(socket.AF_UNIX)\n"
-                    "try:\n"
-                    f"    s.connect({path!r})\n"
-                    "except PermissionError:\n"
-                    "    print('denied'); sys.exit(0)\n"
-                    "print(s.makefile('r').readline().strip())\n")
-        as_nobody = subprocess.run([sys.executable, "-c", stranger], capture_output=True, text=True, timeout=60,
-                                   user=65534, group=65534)
-        assert as_nobody.stdout.strip() == "denied", "the 0700 directory and 0600 socket keep other users out"
+def test_a_client_of_another_uid_is_refused():
+    # Outside pytest's private temporary folder, so that another user can reach the directory.
+    with tempfile.TemporaryDirectory(dir="/tmp") as runtime_dir:
+        os.chmod(runtime_dir, 0o755)
+        refused_by_peer_credentials(Path(runtime_dir))
+
+
+def refused_by_peer_credentials(runtime_dir: Path) -> None:
+    with serving_child(runtime_dir) as (child, path):
+        assert connect_as_nobody(path) == "denied", "the 0700 directory and 0600 socket keep other users out"
         # Past the file modes (opened up here on purpose), the peer's credentials refuse it.
-        os.chmod(tmp_path / "handoff", 0o711)
+        os.chmod(runtime_dir / "handoff", 0o711)
         os.chmod(path, 0o666)
-        as_nobody = subprocess.run([sys.executable, "-c", stranger], capture_output=True, text=True, timeout=60,
-                                   user=65534, group=65534)
-        assert as_nobody.stdout.strip().startswith('{"error":"refused'), as_nobody
-        child.stdin.write("\n\n")
-        child.stdin.flush()
+        assert connect_as_nobody(path).startswith('{"error":"refused: peer uid 65534')
+        go_on(child, 2)
         assert child.wait(timeout=60) == 0
-    finally:
-        child.kill()

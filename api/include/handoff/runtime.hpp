@@ -53,4 +53,12 @@ void require_ordering(DLDeviceType type);
 /// Like active_context(), but a missing backend is an error naming what needed one.
 [[nodiscard]] context& require_context(const char* what);
 
+/// Serves every exchange live on a Unix socket, one JSON object per line, from the runtime's service
+/// thread (see `handoff-trace attach`): in `$XDG_RUNTIME_DIR/handoff` (else `<tmp>/handoff-<uid>`),
+/// mode 0700, the socket `trace-<pid>.sock` mode 0600, clients of another uid refused. Starts once;
+/// returns the socket's path. Thread-safe. @throws std::system_error when the socket cannot be made.
+[[nodiscard]] std::string serve_trace();
+/// Stops serving (closes the clients, removes the socket). Thread-safe; nothing when not serving.
+void stop_serving_trace() noexcept;
+
 }  // namespace handoff

@@ -1,0 +1,278 @@
+#include "service/trace_socket.hpp"
+
+#include "log/logger.hpp"
+
+#include <boost/asio/local/stream_protocol.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/write.hpp>
+
+#include <fmt/format.h>
+
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <array>
+#include <cerrno>
+#include <cstdlib>
+#include <deque>
+#include <future>
+#include <set>
+#include <system_error>
+#include <thread>
+
+namespace handoff::detail {
+
+namespace {
+
+using boost::asio::local::stream_protocol;
+
+[[noreturn]] void fail(int error, const std::string& what)
+{
+  throw std::system_error(error, std::generic_category(), what);
+}
+
+// Makes `dir` a directory only this user can enter, or refuses one it cannot trust.
+void make_private_directory(const std::filesystem::path& dir)
+{
+  if (::mkdir(dir.c_str(), 0700) == 0) { return; }
+  if (errno != EEXIST) { fail(errno, fmt::format("cannot make the trace directory {}", dir.string())); }
+  struct stat info {};
+  if (::lstat(dir.c_str(), &info) != 0) { fail(errno, fmt::format("cannot inspect {}", dir.string())); }
+  if (!S_ISDIR(info.st_mode)) {
+    fail(ENOTDIR, fmt::format("{} is not a directory (a symbolic link or a file); refusing to serve the trace there",
+                              dir.string()));
+  }
+  if (info.st_uid != ::geteuid()) {
+    fail(EPERM, fmt::format("{} belongs to uid {}, not to this process's uid {}; refusing to serve the trace there",
+                            dir.string(), info.st_uid, ::geteuid()));
+  }
+  if ((info.st_mode & 077) != 0 && ::chmod(dir.c_str(), 0700) != 0) {
+    fail(errno, fmt::format("cannot make {} private (mode 0700)", dir.string()));
+  }
+}
+
+}  // namespace
+
+std::filesystem::path trace_socket_directory()
+{
+  const char* runtime = std::getenv("XDG_RUNTIME_DIR");  // NOLINT(concurrency-mt-unsafe): read once at start
+  std::error_code ignored;
+  if (runtime != nullptr && *runtime != '\0' && std::filesystem::is_directory(runtime, ignored)) {
+    return std::filesystem::path{runtime} / "handoff";
+  }
+  const char* tmp = std::getenv("TMPDIR");  // NOLINT(concurrency-mt-unsafe): as above
+  return std::filesystem::path{tmp != nullptr && *tmp != '\0' ? tmp : "/tmp"} / fmt::format("handoff-{}", ::geteuid());
+}
+
+std::filesystem::path trace_socket_path(int pid)
+{
+  return trace_socket_directory() / fmt::format("trace-{}.sock", pid);
+}
+
+struct trace_socket::server : std::enable_shared_from_this<server> {
+  struct client {
+    explicit client(stream_protocol::socket s) : socket(std::move(s)) {}
+    stream_protocol::socket socket;
+    std::deque<std::string> queue;  // lines with their newline; the front one is being written
+    std::size_t queued_bytes{0};
+    std::uint64_t dropped{0};  // since the last {"dropped":N}
+    std::array<char, 4096> input{};
+  };
+
+  server(boost::asio::io_context& context, std::size_t limit)
+      : io(context), acceptor(context), queue_bytes(limit), path(trace_socket_path(::getpid()))
+  {}
+
+  void open()
+  {
+    make_private_directory(path.parent_path());
+    if (path.string().size() >= sizeof(sockaddr_un::sun_path)) {
+      fail(ENAMETOOLONG, fmt::format("the trace socket path {} is too long for a Unix socket", path.string()));
+    }
+    ::unlink(path.c_str());  // a stale socket of an earlier process with this pid
+    boost::system::error_code error;
+    acceptor.open(stream_protocol{}, error);
+    if (!error) { acceptor.bind(stream_protocol::endpoint{path.string()}, error); }
+    if (!error && ::chmod(path.c_str(), 0600) != 0) { error.assign(errno, boost::system::generic_category()); }
+    if (!error) { acceptor.listen(boost::asio::socket_base::max_listen_connections, error); }
+    if (error) {
+      ::unlink(path.c_str());
+      fail(error.value(), fmt::format("cannot serve the trace on {}", path.string()));
+    }
+    HANDOFF_LOG_INFO("serving the trace on {}", path.string());
+  }
+
+  void accept()
+  {
+    acceptor.async_accept(
+      [self = shared_from_this()](const boost::system::error_code& error, stream_protocol::socket socket) {
+        if (error == boost::asio::error::operation_aborted || !self->acceptor.is_open()) { return; }
+        if (!error) { self->admit(std::move(socket)); }
+        self->accept();
+      });
+  }
+
+  void admit(stream_protocol::socket socket)
+  {
+    auto c = std::make_shared<client>(std::move(socket));
+    ucred peer{};
+    socklen_t size = sizeof(peer);
+    if (::getsockopt(c->socket.native_handle(), SOL_SOCKET, SO_PEERCRED, &peer, &size) != 0 ||
+        peer.uid != ::geteuid()) {
+      refused_count.fetch_add(1, std::memory_order_relaxed);
+      HANDOFF_LOG_WARN("refused a trace client of uid {} (this process runs as uid {})", peer.uid, ::geteuid());
+      auto line =
+        std::make_shared<std::string>(fmt::format(R"({{"error":"refused: peer uid {} is not the server's uid {}"}})"
+                                                  "\n",
+                                                  peer.uid, ::geteuid()));
+      boost::asio::async_write(c->socket, boost::asio::buffer(*line),
+                               [c, line](const boost::system::error_code&, std::size_t) {
+                                 boost::system::error_code ignored;
+                                 c->socket.close(ignored);
+                               });
+      return;
+    }
+    clients.insert(c);
+    client_count.store(clients.size(), std::memory_order_relaxed);
+    enqueue(c, fmt::format(R"({{"hello":"handoff","version":"{}","pid":{}}})", HANDOFF_VERSION, ::getpid()));
+    drain_input(c);
+  }
+
+  // Reads what the client sends, to notice when it goes; the bytes themselves are ignored.
+  void drain_input(const std::shared_ptr<client>& c)
+  {
+    c->socket.async_read_some(boost::asio::buffer(c->input),
+                              [self = shared_from_this(), c](const boost::system::error_code& error, std::size_t) {
+                                if (error) {
+                                  self->drop(c);
+                                  return;
+                                }
+                                self->drain_input(c);
+                              });
+  }
+
+  void enqueue(const std::shared_ptr<client>& c, std::string line)
+  {
+    if (c->queued_bytes + line.size() + 1 > queue_bytes) {
+      ++c->dropped;
+      dropped_count.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    const bool idle = c->queue.empty();
+    if (c->dropped != 0) {  // the gap is announced where it is
+      c->queue.push_back(fmt::format(R"({{"dropped":{}}})"
+                                     "\n",
+                                     std::exchange(c->dropped, 0)));
+      c->queued_bytes += c->queue.back().size();
+    }
+    line += '\n';
+    c->queued_bytes += line.size();
+    c->queue.push_back(std::move(line));
+    if (idle) { write_front(c); }
+  }
+
+  void write_front(const std::shared_ptr<client>& c)
+  {
+    boost::asio::async_write(c->socket, boost::asio::buffer(c->queue.front()),
+                             [self = shared_from_this(), c](const boost::system::error_code& error, std::size_t) {
+                               if (error) {
+                                 self->drop(c);
+                                 return;
+                               }
+                               c->queued_bytes -= c->queue.front().size();
+                               c->queue.pop_front();
+                               if (!c->queue.empty()) { self->write_front(c); }
+                             });
+  }
+
+  void drop(const std::shared_ptr<client>& c)
+  {
+    if (clients.erase(c) == 0) { return; }
+    client_count.store(clients.size(), std::memory_order_relaxed);
+    boost::system::error_code ignored;
+    c->socket.close(ignored);
+    c->queue.clear();
+  }
+
+  void broadcast(const std::string& line)
+  {
+    for (const auto& c : clients) { enqueue(c, line); }
+  }
+
+  void close()
+  {
+    boost::system::error_code ignored;
+    acceptor.close(ignored);
+    for (const auto& c : clients) { c->socket.close(ignored); }
+    clients.clear();
+    client_count.store(0, std::memory_order_relaxed);
+    ::unlink(path.c_str());
+  }
+
+  boost::asio::io_context& io;
+  stream_protocol::acceptor acceptor;
+  std::size_t queue_bytes;
+  std::filesystem::path path;
+  std::set<std::shared_ptr<client>> clients;  // the io thread's
+  std::atomic<std::size_t> client_count{0};
+  std::atomic<std::uint64_t> refused_count{0};
+  std::atomic<std::uint64_t> dropped_count{0};
+};
+
+trace_socket::trace_socket(boost::asio::io_context& io, std::size_t queue_bytes)
+    : server_(std::make_shared<server>(io, queue_bytes))
+{
+  server_->open();
+  boost::asio::post(io, [s = server_] { s->accept(); });
+}
+
+trace_socket::~trace_socket()
+{
+  if (server_->io.stopped()) {
+    server_->close();
+    return;
+  }
+  auto closed = std::make_shared<std::promise<void>>();
+  auto done = closed->get_future();
+  boost::asio::post(server_->io, [s = server_, closed] {
+    s->close();
+    closed->set_value();
+  });
+  // Bounded: a service thread that no longer runs (the process is exiting) must not hang the exit.
+  if (done.wait_for(std::chrono::seconds(5)) != std::future_status::ready) { ::unlink(server_->path.c_str()); }
+}
+
+const std::filesystem::path& trace_socket::path() const noexcept
+{
+  return server_->path;
+}
+
+void trace_socket::publish(std::string line)
+{
+  if (!has_clients()) { return; }
+  boost::asio::post(server_->io, [s = server_, line = std::move(line)] { s->broadcast(line); });
+}
+
+bool trace_socket::has_clients() const noexcept
+{
+  return server_->client_count.load(std::memory_order_relaxed) != 0;
+}
+
+std::size_t trace_socket::clients() const noexcept
+{
+  return server_->client_count.load(std::memory_order_relaxed);
+}
+
+std::uint64_t trace_socket::refused() const noexcept
+{
+  return server_->refused_count.load(std::memory_order_relaxed);
+}
+
+std::uint64_t trace_socket::dropped() const noexcept
+{
+  return server_->dropped_count.load(std::memory_order_relaxed);
+}
+
+}  // namespace handoff::detail

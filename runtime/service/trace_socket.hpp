@@ -1,0 +1,62 @@
+// Private: the live trace, served on a Unix socket from a service thread to `handoff-trace attach`.
+#pragma once
+
+#include <boost/asio/io_context.hpp>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+
+namespace handoff::detail {
+
+/// Where a process serves its trace: `$XDG_RUNTIME_DIR/handoff` when that names a directory, else
+/// `<$TMPDIR or /tmp>/handoff-<euid>`; the socket is `trace-<pid>.sock` there. The client computes
+/// the same path.
+[[nodiscard]] std::filesystem::path trace_socket_directory();
+[[nodiscard]] std::filesystem::path trace_socket_path(int pid);
+
+/// A Unix socket that sends every published line to each client, newline-delimited JSON: first
+/// `{"hello":"handoff","version":...,"pid":...}`, then the lines as published. Serves from the
+/// thread running `io` (one thread: every handler runs there, so the clients need no lock).
+///
+/// Only the process's user gets in: the directory is made mode 0700 (refused when it exists and
+/// belongs to another user or is a symbolic link), the socket mode 0600, and a client whose peer
+/// credentials name another uid is sent `{"error":"refused: ..."}` and closed. A slow client never
+/// blocks: past `queue_bytes` of pending lines its new lines are dropped and counted, and it is
+/// sent `{"dropped":N}` before the next line that fits. What a client sends is read and discarded.
+class trace_socket {
+ public:
+  static constexpr std::size_t default_queue_bytes = std::size_t{1} << 20;
+
+  /// Makes the directory and the socket and starts accepting. @throws std::system_error naming the
+  /// path and the reason.
+  explicit trace_socket(boost::asio::io_context& io, std::size_t queue_bytes = default_queue_bytes);
+  trace_socket(const trace_socket&) = delete;
+  trace_socket& operator=(const trace_socket&) = delete;
+  trace_socket(trace_socket&&) = delete;
+  trace_socket& operator=(trace_socket&&) = delete;
+  /// Closes the clients and the socket, and removes the socket file. Call from a thread other than
+  /// the io thread while it runs (it waits for the io thread to close them), or after it stopped.
+  ~trace_socket();
+
+  [[nodiscard]] const std::filesystem::path& path() const noexcept;
+
+  /// Sends `line` (a JSON object, no newline) to every client. Any thread; one relaxed load when no
+  /// client is connected.
+  void publish(std::string line);
+  [[nodiscard]] bool has_clients() const noexcept;
+
+  /// Counters, for tests and diagnostics. Any thread.
+  [[nodiscard]] std::size_t clients() const noexcept;
+  [[nodiscard]] std::uint64_t refused() const noexcept;
+  [[nodiscard]] std::uint64_t dropped() const noexcept;
+
+ private:
+  struct server;
+  std::shared_ptr<server> server_;  // shared with the handlers in flight
+};
+
+}  // namespace handoff::detail
