@@ -90,11 +90,31 @@ def ordered_table() -> None:
     print()
 
 
+TRACE_ON = "t = handoff.trace(); t.__enter__(); "  # open for the whole loop: every call is recorded
+TRACED = {  # name: (set-up, the argument, the backend)
+    "from_dlpack(ndarray)": ("import handoff; f = handoff.from_dlpack", NDARRAY, "auto"),
+    "from_dlpack(ndarray), traced": ("import handoff; " + TRACE_ON + "f = handoff.from_dlpack", NDARRAY, "auto"),
+    "sim stream=int, ordered": (SIM_SETUP + "f = lambda a: handoff.from_dlpack(a, stream=s.handle)", "x", "sim"),
+    "sim stream=int, ordered, traced": (
+        SIM_SETUP + TRACE_ON + "f = lambda a: handoff.from_dlpack(a, stream=s.handle)", "x", "sim"),
+}
+
+
+def traced_table() -> None:
+    print("the cost of tracing: the same import with a handoff.trace() open (events kept in memory)\n")
+    print(f"| {'import':<34} | {'calling thread':>14} |")
+    print(f"|{'-' * 36}|{'-' * 15}:|")
+    for name, (setup, argument, backend) in TRACED.items():
+        print(f"| {name:<34} | {per_call(setup, argument, backend=backend)[0]:>14.0f} |")
+    print()
+
+
 def main() -> None:
     print(f"instructions per call (callgrind), (Ir({2 * N}) - Ir({N})) / {N}\n")
     table("import", IMPORTS)
     table("export", EXPORTS)
     ordered_table()
+    traced_table()
 
 
 if __name__ == "__main__":

@@ -36,7 +36,9 @@ def serve_trace() -> str:
 
 def leak_events(events: list[dict[str, Any]], live_views: list[str]) -> list[dict[str, Any]]:
     """One ``leak`` event per view still alive, a copy of the exchange that made it (its `where`)."""
-    made = {e["view"]: e for e in events if e["kind"] in ("import", "export") and e["view"] is not None}
+    # An export to handoff itself is held by the import that asked for it: that import is the leak.
+    made = {e["view"]: e for e in events
+            if e["view"] is not None and (e["kind"] == "import" or (e["kind"] == "export" and e["consumer"] != "handoff"))}
     now = time.time_ns()
     leaks = []
     for view in live_views:

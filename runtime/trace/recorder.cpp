@@ -90,6 +90,9 @@ struct recorder {
     return *instance;
   }
 
+  // Under `mutex`: whether anyone reads releases, which need the layout their buffer had.
+  [[nodiscard]] bool keeps_layouts() const noexcept { return debug_log || !sessions.empty() || !listeners.empty(); }
+
   // Under `mutex`.
   void update_active() noexcept
   {
@@ -136,9 +139,14 @@ void log_event(const event& e)
                                  : fmt::format("-buffer:{}", e.buffer);
       break;
   }
-  HANDOFF_LOG_DEBUG("{} {} -> {} ({}){}: {}; {} after {}{}{}{}", name(e.kind), producer, consumer, e.protocol, data,
-                    change, name(e.action), stream_text(e.producer_stream), e.hazard != nullptr ? "; HAZARD " : "",
-                    e.hazard != nullptr ? e.hazard : "", e.where.empty() ? std::string{} : " at " + e.where);
+  const std::string hazard = e.hazard != nullptr ? fmt::format("; HAZARD {}: {}", e.hazard, e.detail) : std::string{};
+  const std::string where = e.where.empty() ? std::string{} : " at " + e.where;
+  if (e.kind == event_kind::release) {
+    HANDOFF_LOG_DEBUG("release of {}{}: {}{}", producer, data, change, where);
+    return;
+  }
+  HANDOFF_LOG_DEBUG("{} {} -> {} ({}){}: {}; {} after {}{}{}", name(e.kind), producer, consumer, e.protocol, data,
+                    change, name(e.action), stream_text(e.producer_stream), hazard, where);
 }
 
 void append_json_string(std::string& out, std::string_view text)
@@ -207,7 +215,7 @@ std::uint64_t begin_session()
   if (r.sessions.empty()) {
     r.log_start += r.log.size();
     r.log.clear();
-    if (r.listeners.empty()) { r.buffers.clear(); }
+    if (!r.keeps_layouts()) { r.buffers.clear(); }
   }
   const std::uint64_t token = r.next_token++;
   r.sessions.emplace(token, r.log_start + r.log.size());
@@ -234,7 +242,7 @@ std::vector<event> end_session(std::uint64_t token)
   if (r.sessions.empty()) {
     r.log_start += r.log.size();
     r.log.clear();
-    if (r.listeners.empty()) { r.buffers.clear(); }
+    if (!r.keeps_layouts()) { r.buffers.clear(); }
   } else {  // drop what no open session can read any more
     const std::uint64_t oldest = r.sessions.begin()->second;
     std::uint64_t keep_from = oldest;
@@ -312,7 +320,7 @@ void record(event&& e) noexcept
   try {
     if (const annotator fill = r.annotate.load(std::memory_order_acquire)) { fill(e); }
     std::lock_guard lock{r.mutex};
-    if (!r.sessions.empty() || !r.listeners.empty()) {
+    if (r.keeps_layouts()) {
       if (e.kind == event_kind::release) {
         if (const auto known = r.buffers.find(e.buffer); known != r.buffers.end()) {
           e.device = known->second.device;

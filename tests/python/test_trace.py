@@ -8,6 +8,7 @@ import contextlib
 import gc
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -337,33 +338,33 @@ def test_garbage_and_a_vanishing_client_do_not_disturb_the_traced_process(tmp_pa
         assert child.wait(timeout=60) == 0
 
 
+# A Python that uid 65534 can run (the suite's own may live under /root): the system's.
+SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")
+
+STRANGER = """
+import socket, sys
+with socket.socket(socket.AF_UNIX) as s:
+    s.settimeout(30)
+    try:
+        s.connect(sys.argv[1])
+    except PermissionError:
+        print("denied")
+    else:
+        print(s.makefile("r").readline().strip())
+"""
+
+
 def connect_as_nobody(path: str) -> str:
     """What a process of uid 65534 gets from the socket: "denied" when the file modes keep it out,
     else the first line the server sends it."""
-    reader, writer = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: no interpreter state beyond what these calls need
-        try:
-            os.setgid(65534)
-            os.setuid(65534)
-            with socket.socket(socket.AF_UNIX) as s:
-                s.settimeout(30)
-                try:
-                    s.connect(path)
-                    answer = s.recv(4096).split(b"\n")[0]
-                except PermissionError:
-                    answer = b"denied"
-            os.write(writer, answer)
-        finally:
-            os._exit(0)
-    os.close(writer)
-    with os.fdopen(reader, "rb") as answer:
-        text = answer.read().decode()
-    os.waitpid(pid, 0)
-    return text
+    result = subprocess.run([SYSTEM_PYTHON, "-c", STRANGER, path], capture_output=True, text=True, timeout=60,
+                            user=65534, group=65534, extra_groups=[], cwd="/")
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another uid")
+@pytest.mark.skipif(SYSTEM_PYTHON is None, reason="needs a system python3 that another uid can run")
 def test_a_client_of_another_uid_is_refused():
     # Outside pytest's private temporary folder, so that another user can reach the directory.
     with tempfile.TemporaryDirectory(dir="/tmp") as runtime_dir:
@@ -380,3 +381,32 @@ def refused_by_peer_credentials(runtime_dir: Path) -> None:
         assert connect_as_nobody(path).startswith('{"error":"refused: peer uid 65534')
         go_on(child, 2)
         assert child.wait(timeout=60) == 0
+
+
+def test_handoff_trace_attach_prints_a_live_process_exchanges(tmp_path):
+    with serving_child(tmp_path) as (child, path):
+        cli = Path(sys.executable).with_name("handoff-trace")
+        command = [str(cli)] if cli.exists() else [sys.executable, "-m", "handoff._trace_cli"]
+        with subprocess.Popen([*command, "attach", str(child.pid), "--count", "3", "--json"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}) as attach:
+            assert wait_for_clients(child.pid, tmp_path), "the client attached"
+            go_on(child)
+            out, err = attach.communicate(timeout=60)
+        assert attach.returncode == 0, err
+        events = [json.loads(line) for line in out.splitlines()]
+        assert len(events) == 3 and all(e["shape"] == [5] for e in events)
+        go_on(child)
+        assert child.wait(timeout=60) == 0
+
+
+def wait_for_clients(pid: int, runtime_dir: Path) -> bool:
+    """Waits (10 s at most) until the serving process has a client: its socket shows a connection."""
+    deadline = time.monotonic() + 10
+    path = str(runtime_dir / "handoff" / f"trace-{pid}.sock")
+    while time.monotonic() < deadline:
+        with open("/proc/net/unix") as table:
+            if sum(path in line for line in table) >= 2:  # the listening socket and an accepted one
+                return True
+        time.sleep(0.05)
+    return False
