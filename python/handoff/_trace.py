@@ -20,6 +20,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Dict, Union, cast
 
+from . import _handoff
+
 __all__ = [
     "chrome_trace",
     "device_name",
@@ -41,34 +43,13 @@ _DEVICE_NAMES = {1: "cpu", 2: "cuda", 3: "cuda_host", 10: "rocm", 11: "rocm_host
 _NO_LIBRARY = "-"
 
 
-def _runtime_function(*names: str) -> Callable[..., Any]:
-    """The first of `names` that the extension module defines. Looked up at call time, so that this
-    module imports (and saved traces can be read) with a runtime that does not record traces."""
-    from . import _handoff
-
-    for name in names:
-        function = getattr(_handoff, name, None)
-        if callable(function):
-            return cast("Callable[..., Any]", function)
-    raise RuntimeError(f"this build of handoff's runtime does not record traces (no _handoff.{names[0]})")
-
-
-def _snapshot_graph() -> Graph | None:
-    """The ownership graph now, or None when the runtime has no graph to show."""
-    try:
-        graph = _runtime_function("_ownership_graph", "ownership_graph")()
-    except RuntimeError:
-        return None
-    return dict(graph)
+def _snapshot_graph() -> Graph:
+    """The ownership graph now."""
+    return dict(_handoff._ownership_graph())
 
 
 def _version() -> str:
-    try:
-        from . import _handoff
-
-        return str(_handoff.__version__)
-    except (ImportError, AttributeError):
-        return "unknown"
+    return str(_handoff.__version__)
 
 
 class trace:
@@ -96,7 +77,7 @@ class trace:
             raise RuntimeError(
                 "this handoff.trace was already used: each `with` block needs a new handoff.trace()"
             )
-        self._token = int(_runtime_function("_trace_begin")())
+        self._token = int(_handoff._trace_begin())
         self._used = True
         return self
 
@@ -109,7 +90,7 @@ class trace:
         token, self._token = self._token, None
         if token is None:
             return
-        self._events = list(_runtime_function("_trace_end")(token))
+        self._events = list(_handoff._trace_end(token))
         self.graph = _snapshot_graph()
         if self._path is not None:
             self.save(self._path)
@@ -127,7 +108,7 @@ class trace:
     def events(self) -> list[Event]:
         """The events recorded so far while the block runs; all of them once it has ended."""
         if self._token is not None:
-            return list(_runtime_function("_trace_events")(self._token))
+            return list(_handoff._trace_events(self._token))
         return list(self._events)
 
     def hazards(self) -> list[Event]:
