@@ -84,6 +84,33 @@ PyObject* library_of_file(PyObject* filename) noexcept
   return library;
 }
 
+// The line a frame is at. CPython finds it by scanning the code's line table from the start, which
+// costs more than the rest of an event in a long function: lines are remembered per (code, offset).
+// The cache holds its code objects, so it is bounded.
+int line_of(PyFrameObject* frame, PyCodeObject* code) noexcept
+{
+  static PyObject* lines = PyDict_New();
+  constexpr Py_ssize_t most_remembered = 4096;
+  PyObject* key = lines != nullptr ? Py_BuildValue("(Oi)", code, PyFrame_GetLasti(frame)) : nullptr;
+  if (key == nullptr) {
+    PyErr_Clear();
+    return PyFrame_GetLineNumber(frame);
+  }
+  if (PyObject* known = PyDict_GetItemWithError(lines, key)) {
+    Py_DECREF(key);
+    return static_cast<int>(PyLong_AsLong(known));
+  }
+  const int line = PyFrame_GetLineNumber(frame);
+  if (PyDict_Size(lines) >= most_remembered) { PyDict_Clear(lines); }
+  if (PyObject* value = PyLong_FromLong(line)) {
+    (void)PyDict_SetItem(lines, key, value);
+    Py_DECREF(value);
+  }
+  PyErr_Clear();
+  Py_DECREF(key);
+  return line;
+}
+
 // Fills `where` (the first frame of user code) and, for an export, the consumer (the library whose
 // code asked for it, when it is not user code). Only on a thread that holds the GIL: a release on a
 // consumer's thread has no Python caller.
@@ -106,8 +133,7 @@ void annotate(trace::event& e) noexcept
         Py_ssize_t size = 0;
         const char* text = PyUnicode_AsUTF8AndSize(filename, &size);
         if (text != nullptr) {
-          e.where =
-            fmt::format("{}:{}", std::string_view{text, static_cast<std::size_t>(size)}, PyFrame_GetLineNumber(frame));
+          e.where = fmt::format("{}:{}", std::string_view{text, static_cast<std::size_t>(size)}, line_of(frame, code));
         }
         Py_DECREF(code);
         break;
@@ -258,9 +284,9 @@ const char* producer_naming::library_of(PyObject* producer) noexcept
     return library != nullptr ? library : "handoff";
   }
   PyTypeObject* type = Py_TYPE(producer);
-  last_type_ = type;
-  last_library_ = library_of_type(type);
-  return last_library_;
+  last_type = type;
+  last_library = library_of_type(type);
+  return last_library;
 }
 
 void bind_trace(py::module_& m)

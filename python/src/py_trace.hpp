@@ -21,27 +21,27 @@ void bind_trace(py::module_& m);
 /// ownership graph and the trace. A few instructions: the last type seen is remembered. Holds the GIL.
 class producer_naming {
  public:
-  explicit producer_naming(PyObject* producer) noexcept : outer_(current_)
+  explicit producer_naming(PyObject* producer) noexcept : outer_(current_library)
   {
     PyTypeObject* type = Py_TYPE(producer);
-    current_ = type == last_type_ ? last_library_ : library_of(producer);
+    current_library = type == last_type ? last_library : library_of(producer);
   }
   producer_naming(const producer_naming&) = delete;
   producer_naming& operator=(const producer_naming&) = delete;
   producer_naming(producer_naming&&) = delete;
   producer_naming& operator=(producer_naming&&) = delete;
-  ~producer_naming() { current_ = outer_; }
+  ~producer_naming() { current_library = outer_; }
 
   /// The library of the import in progress, or null.
-  [[nodiscard]] static const char* current() noexcept { return current_; }
+  [[nodiscard]] static const char* current() noexcept { return current_library; }
 
  private:
   static const char* library_of(PyObject* producer) noexcept;  // and remembers a plain type's
 
   const char* outer_;
-  static inline const char* current_ = nullptr;
-  static inline PyTypeObject* last_type_ = nullptr;
-  static inline const char* last_library_ = nullptr;
+  static inline const char* current_library = nullptr;
+  static inline PyTypeObject* last_type = nullptr;
+  static inline const char* last_library = nullptr;
 };
 
 /// The exchange traced on this thread, or null: a handful of instructions when tracing is off.
