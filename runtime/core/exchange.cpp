@@ -425,13 +425,19 @@ array import_cuda_interface(cuda_interface interface, producer_ref owner, const 
   const DLDeviceType type = layout.device.device_type;
   array view{std::move(layout), std::move(owner)};
   const auto consumer_stream = resolve_stream(backend, request_for(consumer, type));
-  if (!consumer_stream || !interface.stream) {  // no ordering asked for, or none possible
-    if (trace::exchange_scope* scope = traced()) { scope->note_unordered(); }
-    if (!consumer_stream) { return view; }  // the consumer orders its work itself
-  }
   // The interface numbers streams as CUDA does (1: legacy default, 2: per-thread default) on every
   // platform; the backend resolves those to its own default streams.
   const stream_request producer = interface.stream ? classify_stream(kDLCUDA, interface.stream) : stream_request{};
+  if (!consumer_stream || !interface.stream) {  // no ordering asked for, or none possible
+    if (trace::exchange_scope* scope = traced()) {
+      scope->note_unordered();
+      if (const auto written_on = resolve_stream(backend, producer)) {  // the trace asks it whether it is idle
+        scope->set_producer_stream(
+          {.ctx = &ctx, .device = owning_device(ctx, view), .stream = *written_on, .stream_owner = nullptr});
+      }
+    }
+    if (!consumer_stream) { return view; }  // the consumer orders its work itself
+  }
   bind_interface_import(ctx, view, owning_device(ctx, view), *consumer_stream, consumer.owner, producer,
                         std::move(producer_stream_owner));
   return view;

@@ -179,6 +179,34 @@ def test_an_unordered_hand_off_of_pending_work_is_flagged_where_it_happened(sim_
     assert "unordered" in t.summary() and line_of("# marker: unordered hand-off") in t.summary()
 
 
+class InterfaceOnly:
+    """Exposes only another array's __cuda_array_interface__ (v3: with the stream it is ready on)."""
+
+    def __init__(self, array: handoff.Array) -> None:
+        self.array = array
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return self.array.__cuda_array_interface__
+
+
+@needs_sim
+@pytest.mark.skipif(BACKEND == "sim-rocm", reason="the CUDA Array Interface is for CUDA memory")
+def test_an_unordered_interface_import_of_pending_work_is_flagged(sim_streams):
+    from handoff import sim
+
+    producer, _ = sim_streams
+    pending = pending_write(producer)
+    with handoff.trace() as t:
+        handoff.asarray(InterfaceOnly(pending), stream=-1)  # marker: unordered interface import
+        sim.synchronize()
+        handoff.asarray(InterfaceOnly(pending), stream=-1)  # negative control: the write is done
+    imports = [e for e in t.events if e["kind"] == "import"]
+    assert [e["protocol"] for e in imports] == ["cuda-array-interface"] * 2
+    assert [e["hazard"] for e in imports] == ["unordered", None]
+    assert imports[0]["where"] == line_of("# marker: unordered interface import")
+
+
 @needs_sim
 def test_negative_controls_an_ordered_hand_off_or_finished_work_is_no_hazard(sim_streams):
     from handoff import sim
