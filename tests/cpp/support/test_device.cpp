@@ -52,7 +52,7 @@ std::string backend_choice_name(const ::testing::TestParamInfo<backend_choice>& 
   std::string name = info.param.name;
   std::replace(name.begin(), name.end(), '-', '_');
   if (info.param.sim_devices == 1) { name += "_1_device"; }
-  if (info.param.sim_devices > 1) { name += "_" + std::to_string(info.param.sim_devices) + "_devices"; }
+  if (info.param.sim_devices > 1) { name += fmt::format("_{}_devices", info.param.sim_devices); }
   return name;
 }
 
