@@ -162,9 +162,7 @@ bool context::drain_at_exit(std::chrono::nanoseconds limit) noexcept
       if (record) {
         // A capturing stream gets no probe (it would go into the graph): its releases wait for the
         // capture to end on the executor.
-        const bool capturing = p.where.second != backend_.legacy_default_stream() &&
-                               backend_.stream_capture_status(p.where.second) != device::capture_status::none;
-        if (capturing) { return; }
+        if (backend_.stream_capture_status(p.where.second) != device::capture_status::none) { return; }
         p.event.emplace(events_.acquire(p.where.first));
         backend_.record_event(p.event->get(), p.where.second);
       } else if (backend_.query_event(p.event->get())) {
@@ -175,6 +173,7 @@ bool context::drain_at_exit(std::chrono::nanoseconds limit) noexcept
       p.failure = e.what();
     }
   };
+  const relaxed_capture_mode relaxed{backend_};  // the probes' queries must not break a capture
   for (auto& p : probes) { look(p, /*record=*/true); }
 
   std::unique_lock lock{pending_mutex_};
@@ -251,9 +250,8 @@ void context::enqueue_unless_capturing(pending_release* pending) noexcept
   bool capturing = false;
   try {
     device_guard on_owner{backend_, device};  // made current once, for the query and the record
-    // The legacy stream never captures; asking could break a capture.
-    capturing = stream != backend_.legacy_default_stream() &&
-                backend_.stream_capture_status(stream) != device::capture_status::none;
+    // The legacy stream reports a capture of a blocking stream, which a record on it would break.
+    capturing = backend_.stream_capture_status(stream) != device::capture_status::none;
     if (!capturing) {
       enqueue_release(pending, /*device_is_current=*/true);
       return;
@@ -319,6 +317,7 @@ void context::enqueue_release(pending_release* pending, bool device_is_current) 
   // when the consumer is done: the producer is kept (leaked), never released early.
   const auto wait_then_release = [this, pending, device = device, stream = stream]() noexcept {
     try {
+      const relaxed_capture_mode relaxed{backend_};
       device_guard on_owner{backend_, device};
       backend_.synchronize_stream(stream);
     } catch (const std::exception& e) {
@@ -391,6 +390,7 @@ void context::poll_releases(std::chrono::nanoseconds interval) noexcept
   watched.sort([](const release_group& a, const release_group& b) { return a.where.first < b.where.first; });
   std::vector<pending_release*> reached;
   std::list<release_group> waiting;
+  const relaxed_capture_mode relaxed{backend_};  // a capture on another thread must not fail the queries
   std::optional<device_guard> on_device;
   int current = -1;  // the device on_device made current
   while (!watched.empty()) {

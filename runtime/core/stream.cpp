@@ -47,14 +47,16 @@ void stream_view::wait(stream_view producer, int device, event_pool& events) con
   const bool producer_legacy = producer.handle_ == legacy;
   const bool consumer_legacy = handle_ == legacy;
 
-  // Graph capture: the legacy default stream must not be touched, and a capture can only be
-  // ordered with another capture (an event recorded in one is not waitable from outside).
-  const bool producer_captures = !producer_legacy && capturing(b, producer.handle_);
-  const bool consumer_captures = !consumer_legacy && capturing(b, handle_);
+  // Graph capture: the legacy default stream must not be touched (it reports a capture while a
+  // blocking stream of its device captures), and a capture can only be ordered with another
+  // capture (an event recorded in one is not waitable from outside).
+  const bool producer_captures = capturing(b, producer.handle_);
+  const bool consumer_captures = capturing(b, handle_);
   if (producer_captures || consumer_captures) {
     HANDOFF_EXPECTS(!producer_legacy && !consumer_legacy, buffer_error,
-                    fmt::format("cannot order stream {:#x} before stream {:#x}: one is capturing into a graph and "
-                                "the other is the legacy default stream, which a capture must not touch",
+                    fmt::format("cannot order stream {:#x} before stream {:#x}: one is the legacy default stream, "
+                                "which a capture under way (on the other stream, or on a blocking stream of its "
+                                "device) must not touch",
                                 raw(producer.handle_), raw(handle_)));
     HANDOFF_EXPECTS(producer_captures && consumer_captures, buffer_error,
                     fmt::format("cannot order stream {:#x} before stream {:#x}: only one of them is capturing into "

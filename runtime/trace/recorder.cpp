@@ -497,10 +497,14 @@ void exchange_scope::classify()
   }
   if (s.backend == nullptr || e.kind == event_kind::release) { return; }
   device::backend& backend = *s.backend;
-  // Unordered is a hazard only while the producer still works on the data: ask its stream.
+  // Unordered is a hazard only while the producer still works on the data: ask its stream, unless
+  // it captures (its work runs when the graph is launched; asking would invalidate the capture).
+  // Relaxed, so that a capture under way on another thread neither fails nor loses the question.
   if (e.action == action::unordered && e.producer_stream) {
     const device_guard on_device{backend, e.producer_stream->device.device_id};
-    if (!backend.query_stream(static_cast<device::stream_handle>(e.producer_stream->handle))) {
+    const relaxed_capture_mode relaxed{backend};
+    const auto producer = static_cast<device::stream_handle>(e.producer_stream->handle);
+    if (backend.stream_capture_status(producer) == device::capture_status::none && !backend.query_stream(producer)) {
       e.hazard = "unordered";
       e.detail = fmt::format(
         "handed over with no ordering while its producer stream {:#x} still had work pending: the consumer may "

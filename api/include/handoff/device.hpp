@@ -35,6 +35,15 @@ struct pointer_attributes {
 /// Whether a stream is capturing into a graph.
 enum class capture_status { none, active, invalidated };
 
+/// Which captures forbid the calling thread the calls that could wait on captured work (querying
+/// or synchronizing a stream, an event or a device); such a call fails and invalidates the capture.
+/// CUDA's cudaStreamCaptureMode, with its values.
+enum class capture_mode {
+  global = 0,             ///< any capture under way in global mode, on any thread (the default)
+  thread_local_only = 1,  ///< the calling thread's own captures
+  relaxed = 2,            ///< none
+};
+
 /// An accelerator runtime. Every call is checked: a failure throws `handoff::device_error` naming
 /// the call, the backend's error name and its text. Calls are thread-safe. Streams, events and
 /// allocations belong to the device that was current when they were created.
@@ -52,8 +61,11 @@ class backend {
   /// The DLPack device type of this backend's device memory (kDLCUDA or kDLROCM).
   [[nodiscard]] virtual DLDeviceType device_type() const noexcept = 0;
   [[nodiscard]] virtual int device_count() = 0;
-  /// The calling thread's current device.
+  /// The calling thread's current device: its current context's, or with none current, the one
+  /// the runtime would use (and would make a context current on, at the next call).
   [[nodiscard]] virtual int current_device() = 0;
+  /// Whether a context of `device` is current on the calling thread; false while none is.
+  [[nodiscard]] virtual bool device_is_current(int device) = 0;
   /// Selects `device` for the calling thread, as cudaSetDevice does (binding its primary context).
   virtual void set_current_device(int device) = 0;
   /// Makes `device` current on top of what was current, as the driver's context stack does: the
@@ -74,6 +86,8 @@ class backend {
   [[nodiscard]] virtual int stream_device(stream_handle stream) = 0;
   /// False for streams created non-blocking, which do not synchronize with the legacy default.
   [[nodiscard]] virtual bool stream_is_blocking(stream_handle stream) = 0;
+  /// A capture under way. The legacy default stream reports `active` while a blocking stream of
+  /// its device captures: work on it would join, and invalidate, that capture.
   [[nodiscard]] virtual capture_status stream_capture_status(stream_handle stream) = 0;
   /// The id of the capture `stream` takes part in (cudaStreamGetCaptureInfo); 0 when it captures
   /// nothing. Streams that joined one capture share its id.
@@ -84,6 +98,9 @@ class backend {
   virtual void synchronize_stream(stream_handle stream) = 0;
   /// Blocks the calling thread until all work on the current device is done.
   virtual void synchronize_device() = 0;
+  /// Sets the calling thread's capture mode (cudaThreadExchangeStreamCaptureMode); returns the
+  /// mode it replaces. capture_mode_guard pairs the two calls.
+  virtual capture_mode exchange_capture_mode(capture_mode mode) = 0;
 
   /// Creates an event on the current device, timing disabled.
   [[nodiscard]] virtual event_handle create_event() = 0;

@@ -3,6 +3,8 @@
 
 #include <handoff/device.hpp>
 
+#include <optional>
+
 namespace handoff {
 
 /// Makes `device` current on the calling thread for the guard's scope (a no-op when it already is),
@@ -13,7 +15,7 @@ class device_guard {
   /// @throws device_error when the device cannot be made current.
   device_guard(device::backend& backend, int device) : backend_(backend)
   {
-    if (backend_.current_device() == device) { return; }
+    if (backend_.device_is_current(device)) { return; }
     backend_.push_current_device(device);
     pushed_ = true;
   }
@@ -29,6 +31,35 @@ class device_guard {
  private:
   device::backend& backend_;
   bool pushed_{false};
+};
+
+/// Puts the calling thread in relaxed capture mode for the guard's scope, then restores its mode.
+/// For a thread that watches streams (the service thread polling releases): in global mode its
+/// queries would fail, and invalidate the capture, while any thread captures in global mode
+/// (torch.cuda.graph's default). Where the mode cannot be set, the scope changes nothing.
+class relaxed_capture_mode {
+ public:
+  explicit relaxed_capture_mode(device::backend& backend) noexcept : backend_(backend)
+  {
+    try {
+      previous_ = backend_.exchange_capture_mode(device::capture_mode::relaxed);
+    } catch (...) {}  // the queries then fail as they would have, and say why
+  }
+  relaxed_capture_mode(const relaxed_capture_mode&) = delete;
+  relaxed_capture_mode& operator=(const relaxed_capture_mode&) = delete;
+  relaxed_capture_mode(relaxed_capture_mode&&) = delete;
+  relaxed_capture_mode& operator=(relaxed_capture_mode&&) = delete;
+  ~relaxed_capture_mode()
+  {
+    if (!previous_ || *previous_ == device::capture_mode::relaxed) { return; }
+    try {
+      (void)backend_.exchange_capture_mode(*previous_);
+    } catch (...) {}
+  }
+
+ private:
+  device::backend& backend_;
+  std::optional<device::capture_mode> previous_;
 };
 
 }  // namespace handoff

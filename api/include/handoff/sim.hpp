@@ -68,6 +68,7 @@ class sim_backend final : public backend {
   [[nodiscard]] DLDeviceType device_type() const noexcept override;
   [[nodiscard]] int device_count() override;
   [[nodiscard]] int current_device() override;
+  [[nodiscard]] bool device_is_current(int device) override;
   void set_current_device(int device) override;
   void push_current_device(int device) override;
   void pop_current_device() noexcept override;
@@ -83,6 +84,7 @@ class sim_backend final : public backend {
   [[nodiscard]] std::uint64_t stream_capture_id(stream_handle stream) override;
   void synchronize_stream(stream_handle stream) override;
   void synchronize_device() override;
+  capture_mode exchange_capture_mode(capture_mode mode) override;
   [[nodiscard]] event_handle create_event() override;
   void destroy_event(event_handle event) noexcept override;
   void record_event(event_handle event, stream_handle stream) override;
@@ -141,7 +143,9 @@ class sim_backend final : public backend {
   /// streams that wait on an event recorded in the capture join it. While a blocking stream
   /// captures, any use of its device's legacy default stream fails with
   /// cudaErrorStreamCaptureImplicit and invalidates the capture; synchronizing a capturing stream or
-  /// its device fails with cudaErrorStreamCaptureUnsupported.
+  /// its device fails with cudaErrorStreamCaptureUnsupported. The capture is in global mode: until
+  /// it ends, a thread not in relaxed mode (exchange_capture_mode) that queries or synchronizes any
+  /// stream, event or device fails with cudaErrorStreamCaptureUnsupported and invalidates it.
   void begin_capture(stream_handle stream);
   /// Ends the capture begun on `stream` for it and every stream that joined it.
   /// @return the captured graph: its work runs only when it is launched, once per launch.

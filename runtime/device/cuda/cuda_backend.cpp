@@ -55,6 +55,7 @@ struct driver_api {
   PFN_cuDevicePrimaryCtxRetain_v7000 primary_ctx_retain{nullptr};
   PFN_cuGetErrorName_v6000 get_error_name{nullptr};
   PFN_cuGetErrorString_v6000 get_error_string{nullptr};
+  PFN_cuThreadExchangeStreamCaptureMode_v10010 thread_exchange_capture_mode{nullptr};
 };
 
 template <class F>
@@ -115,6 +116,7 @@ class cuda_backend final : public backend {
     primary_contexts_.resize(static_cast<std::size_t>(count));
     load_entry_point("cuGetErrorName", driver_.get_error_name, 6000);
     load_entry_point("cuGetErrorString", driver_.get_error_string, 6000);
+    load_entry_point("cuThreadExchangeStreamCaptureMode", driver_.thread_exchange_capture_mode, 10010);
     HANDOFF_LOG_DEBUG("cuda: {} devices", count);
   }
 
@@ -134,6 +136,14 @@ class cuda_backend final : public backend {
     int device = 0;
     HANDOFF_CUDA_TRY(cudaGetDevice(&device));
     return device;
+  }
+
+  [[nodiscard]] bool device_is_current(int device) override
+  {
+    if (current_context() == nullptr) { return false; }
+    CUdevice current = 0;
+    check_driver(driver_.ctx_get_device(&current), "cuCtxGetDevice", nullptr);
+    return static_cast<int>(current) == device;
   }
 
   void set_current_device(int device) override { HANDOFF_CUDA_TRY(cudaSetDevice(device)); }
@@ -197,7 +207,14 @@ class cuda_backend final : public backend {
   [[nodiscard]] capture_status stream_capture_status(stream_handle stream) override
   {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    HANDOFF_CUDA_TRY(cudaStreamIsCapturing(to_native(stream), &status));
+    const cudaError_t asked = cudaStreamIsCapturing(to_native(stream), &status);
+    // The legacy stream while a blocking stream captures: asking only fails, using it would
+    // invalidate the capture.
+    if (asked == cudaErrorStreamCaptureImplicit) {
+      (void)cudaGetLastError();
+      return capture_status::active;
+    }
+    HANDOFF_CUDA_TRY(asked);
     switch (status) {
       case cudaStreamCaptureStatusActive:
         return capture_status::active;
@@ -227,6 +244,14 @@ class cuda_backend final : public backend {
   void synchronize_stream(stream_handle stream) override { HANDOFF_CUDA_TRY(cudaStreamSynchronize(to_native(stream))); }
 
   void synchronize_device() override { HANDOFF_CUDA_TRY(cudaDeviceSynchronize()); }
+
+  // The driver's call: the runtime's would initialise a context on the current device.
+  capture_mode exchange_capture_mode(capture_mode mode) override
+  {
+    auto native = static_cast<CUstreamCaptureMode>(mode);
+    check_driver(driver_.thread_exchange_capture_mode(&native), "cuThreadExchangeStreamCaptureMode", nullptr);
+    return static_cast<capture_mode>(native);
+  }
 
   [[nodiscard]] event_handle create_event() override
   {

@@ -36,6 +36,7 @@ void sim_backend::begin_capture(stream_handle stream)
   s.capture->id = ++impl_->next_capture_id;
   s.capture->origin = &s;
   s.capture_tail.reset();
+  impl_->open_captures.emplace(s.capture->id, impl::open_capture{s.capture, this_thread_key()});
 }
 
 sim_graph sim_backend::end_capture(stream_handle stream)
@@ -50,6 +51,7 @@ sim_graph sim_backend::end_capture(stream_handle stream)
     impl_->fail(c, sim_error::capture_unmatched);
   }
   const auto capture = s.capture;
+  impl_->open_captures.erase(capture->id);
   // Streams of any device may have joined through events.
   for (int d = 0; d < impl_->device_count; ++d) {
     impl_->for_each_stream(d, [&](stream_state& other) {

@@ -62,6 +62,7 @@ constexpr std::array operation_table{
   operation_info{"query_stream", "cudaStreamQuery", "hipStreamQuery"},
   operation_info{"synchronize_stream", "cudaStreamSynchronize", "hipStreamSynchronize"},
   operation_info{"synchronize_device", "cudaDeviceSynchronize", "hipDeviceSynchronize"},
+  operation_info{"exchange_capture_mode", "cudaThreadExchangeStreamCaptureMode", "hipThreadExchangeStreamCaptureMode"},
   operation_info{"create_event", "cudaEventCreateWithFlags", "hipEventCreateWithFlags"},
   operation_info{"record_event", "cudaEventRecord", "hipEventRecord"},
   operation_info{"query_event", "cudaEventQuery", "hipEventQuery"},

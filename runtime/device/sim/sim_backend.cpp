@@ -72,6 +72,15 @@ int sim_backend::current_device()
   return impl_->current_locked();
 }
 
+bool sim_backend::device_is_current(int device)
+{
+  const call_with c{"current_device", "{}", device};
+  impl_->open(c);
+  std::lock_guard lock(impl_->mutex);
+  const auto it = impl_->current.find(this_thread_key());
+  return it != impl_->current.end() && it->second == device;
+}
+
 void sim_backend::set_current_device(int device)
 {
   impl_->make_current("set_current_device", device, /*push=*/false);
@@ -92,7 +101,11 @@ void sim_backend::pop_current_device() noexcept
     HANDOFF_LOG_ERROR("{}: pop_current_device without a push on this thread", impl_->backend_name());
     return;
   }
-  impl_->current[self] = it->second.back();
+  if (const auto previous = it->second.back()) {
+    impl_->current[self] = *previous;
+  } else {
+    impl_->current.erase(self);  // nothing was current: nothing is
+  }
   it->second.pop_back();
   if (it->second.empty()) { impl_->pushed.erase(it); }
 }
@@ -147,6 +160,9 @@ void sim_backend::destroy_stream(stream_handle stream) noexcept
       return;
     }
     auto& dev = impl_->devices[static_cast<std::size_t>(it->second->device)];
+    if (const auto& capture = it->second->capture; capture && capture->origin == it->second.get()) {
+      impl_->open_captures.erase(capture->id);  // a capture that can never end forbids nothing
+    }
     // Like CUDA, work already enqueued still runs; synchronize_device still waits for it.
     if (!is_done(it->second->tail)) { dev.retired.push_back(it->second->tail); }
     std::erase_if(dev.retired, [](const node_ptr& n) { return is_done(n); });
@@ -185,8 +201,9 @@ capture_status sim_backend::stream_capture_status(stream_handle stream)
     impl_->for_each_stream(s.device, [&](const stream_state& other) {
       conflict = conflict || (other.kind != stream_kind::legacy && other.blocking && other.capture);
     });
-    if (conflict) { impl_->fail(c, sim_error::capture_implicit); }
-    return capture_status::none;
+    // CUDA's answer is cudaErrorStreamCaptureImplicit (asking invalidates nothing): the legacy
+    // stream is as good as captured, since work on it would join the capture.
+    return conflict ? capture_status::active : capture_status::none;
   }
   if (!s.capture) { return capture_status::none; }
   return s.capture->invalidated ? capture_status::invalidated : capture_status::active;
@@ -213,6 +230,7 @@ bool sim_backend::query_stream(stream_handle stream)
   auto& s = impl_->stream(c, stream);
   if (s.capture) { impl_->fail(c, sim_error::capture_unsupported); }
   impl_->check_legacy_use(c, s);
+  impl_->check_unsafe_call(c);
   // The work enqueued on the stream itself, as cudaStreamQuery: the legacy stream's implicit
   // synchronization applies to work enqueued on it, not to the question.
   return is_done(s.tail);
@@ -232,12 +250,29 @@ void sim_backend::synchronize_stream(stream_handle stream)
       impl_->fail(c, sim_error::capture_unsupported);
     }
     impl_->check_legacy_use(c, s);
+    impl_->check_unsafe_call(c);
     // Synchronizing the legacy stream also waits for its device's blocking streams, as any
     // legacy-stream operation does.
     target = s.kind == stream_kind::legacy ? impl_->enqueue_locked(s, {}) : s.tail;
     device = s.device;
   }
   impl_->wait_on_device(c, device, {target});
+}
+
+capture_mode sim_backend::exchange_capture_mode(capture_mode mode)
+{
+  const call_with c{"exchange_capture_mode", "{}", static_cast<int>(mode)};
+  impl_->open(c);
+  std::lock_guard lock(impl_->mutex);
+  const auto self = this_thread_key();
+  const auto it = impl_->capture_modes.find(self);
+  const capture_mode previous = it == impl_->capture_modes.end() ? capture_mode::global : it->second;
+  if (mode == capture_mode::global) {
+    if (it != impl_->capture_modes.end()) { impl_->capture_modes.erase(it); }
+  } else {
+    impl_->capture_modes[self] = mode;
+  }
+  return previous;
 }
 
 void sim_backend::synchronize_device()
@@ -257,6 +292,7 @@ void sim_backend::synchronize_device()
       }
     });
     if (capturing) { impl_->fail(c, sim_error::capture_unsupported); }
+    impl_->check_unsafe_call(c);
     tails = impl_->device_tails_locked(device);
   }
   impl_->wait_on_device(c, device, tails);
@@ -323,6 +359,7 @@ bool sim_backend::query_event(event_handle event)
   std::lock_guard lock(impl_->mutex);
   auto& e = impl_->event(c, event);
   if (e.capture) { impl_->fail(c, sim_error::captured_event); }
+  impl_->check_unsafe_call(c);
   return is_done(e.fence);
 }
 
@@ -336,6 +373,7 @@ void sim_backend::synchronize_event(event_handle event)
     std::lock_guard lock(impl_->mutex);
     auto& e = impl_->event(c, event);
     if (e.capture) { impl_->fail(c, sim_error::captured_event); }
+    impl_->check_unsafe_call(c);
     fence = e.fence;
     device = e.device;
   }

@@ -124,6 +124,7 @@ try {
   }
   current.erase(owner);
   pushed.erase(owner);
+  capture_modes.erase(owner);
   if (auto it = rocm_thread_streams.find(owner); it != rocm_thread_streams.end()) {
     rocm_thread_stream_owner.erase(it->second);
     destroyed_streams.insert(it->second);
@@ -220,6 +221,7 @@ int sim_backend::impl::using_current(const call& c)
 {
   const int device = current_locked();
   has_context[static_cast<std::size_t>(device)] = true;
+  current.try_emplace(this_thread_key(), device);  // as the runtime makes that context current
   check_alive(c, device);
   return device;
 }
@@ -232,7 +234,10 @@ void sim_backend::impl::make_current(std::string_view op, int device, bool push)
   std::lock_guard lock(mutex);
   check_alive(c, device);
   const auto self = this_thread_key();
-  if (push) { pushed[self].push_back(current_locked()); }
+  if (push) {
+    const auto it = current.find(self);
+    pushed[self].push_back(it == current.end() ? std::nullopt : std::optional<int>{it->second});
+  }
   current[self] = device;
   has_context[static_cast<std::size_t>(device)] = true;
 }
@@ -320,6 +325,27 @@ void sim_backend::impl::check_legacy_use(const call& c, const stream_state& s)
     }
   });
   if (conflict) { fail(c, sim_error::capture_implicit); }
+}
+
+void sim_backend::impl::check_unsafe_call(const call& c)
+{
+  if (open_captures.empty()) { return; }
+  const auto self = this_thread_key();
+  const auto it = capture_modes.find(self);
+  const capture_mode mode = it == capture_modes.end() ? capture_mode::global : it->second;
+  if (mode == capture_mode::relaxed) { return; }
+  bool forbidden = false;
+  for (auto& [id, open] : open_captures) {
+    if (mode == capture_mode::global || open.owner == self) {
+      open.info->invalidated = true;
+      forbidden = true;
+    }
+  }
+  if (forbidden) {
+    fail(c, sim_error::capture_unsupported,
+         "a capture in global mode is under way, and the calling thread's capture mode forbids calls that could "
+         "wait on captured work");
+  }
 }
 
 work sim_backend::impl::submission(int device, stream_work w)

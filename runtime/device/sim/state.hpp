@@ -223,6 +223,11 @@ struct sim_backend::impl final : sim_detail::thread_state_owner {
   /// CUDA's rule: while a blocking stream captures, touching its device's legacy stream is an
   /// error that invalidates the capture (the legacy stream would depend on captured work).
   void check_legacy_use(const call& c, const stream_state& s);
+  /// CUDA's rule for the calls that could wait on captured work (queries and synchronizations of
+  /// streams, events and devices): the calling thread's capture mode forbids them while a capture
+  /// is under way (in global mode: any thread's; thread-local: its own), and such a call fails and
+  /// invalidates the capture.
+  void check_unsafe_call(const call& c);
   /// How work of `device` is submitted: skipped once the device is halted; host functions on its lane.
   sim_detail::work submission(int device, sim_detail::stream_work w);
   /// Appends work to `s` with CUDA's implicit legacy-stream dependencies.
@@ -251,8 +256,15 @@ struct sim_backend::impl final : sim_detail::thread_state_owner {
   std::uint64_t next_capture_id{0};
   std::vector<std::string> violations;
   std::map<std::uintptr_t, sim_detail::allocation> allocations;  // by base address
-  std::unordered_map<sim_detail::thread_key, int> current;
-  std::unordered_map<sim_detail::thread_key, std::vector<int>> pushed;  // each thread's devices before its pushes
+  std::unordered_map<sim_detail::thread_key, int> current;       // the threads with a context current: its device
+  // Each thread's current device before its pushes; nullopt where none was.
+  std::unordered_map<sim_detail::thread_key, std::vector<std::optional<int>>> pushed;
+  std::unordered_map<sim_detail::thread_key, capture_mode> capture_modes;  // the threads not in global mode
+  struct open_capture {
+    std::shared_ptr<sim_detail::capture_info> info;
+    sim_detail::thread_key owner;  // the thread that began it
+  };
+  std::unordered_map<std::uint64_t, open_capture> open_captures;  // begun (all in global mode), not ended
   std::vector<bool> has_context;  // per device: used, so CUDA would have made its primary context
   // sim-rocm names each thread's default stream by a handle of its own (1 and 2 are not handles there).
   std::unordered_map<sim_detail::thread_key, std::uintptr_t> rocm_thread_streams;

@@ -101,6 +101,49 @@ TEST_P(ContextTest, AReleaseDuringCapturePutsNothingIntoTheGraphAndRunsAfterIt)
   EXPECT_EQ(released.load(), 1);
 }
 
+TEST_P(ContextTest, AReleaseOnTheLegacyStreamWaitsForABlockingStreamsCaptureToEnd)
+{
+  // As CuPy captures, on a blocking stream: an event recorded on the legacy stream would join the
+  // capture and invalidate it.
+  HANDOFF_REQUIRE_SIM("the device interface cannot begin or end a capture");
+  const auto capturing = stream_on(0, /*non_blocking=*/false);
+  std::atomic<int> released{0};
+  sim().begin_capture(capturing);
+  {
+    producer_ref owner{[&] { ++released; }};
+    owner.release_after({.ctx = &ctx(), .device = 0, .stream = b().legacy_default_stream(), .stream_owner = nullptr});
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds{50});
+  EXPECT_EQ(released.load(), 0) << "released during the capture that the legacy stream is part of";
+  ASSERT_EQ(b().stream_capture_status(capturing), device::capture_status::active);
+  ASSERT_EQ(sim().end_capture(capturing).size(), 0U) << "the release went into the graph";
+  ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
+  EXPECT_EQ(released.load(), 1);
+}
+
+TEST_P(ContextTest, ReleasesPolledWhileAnotherThreadCapturesInGlobalModeLeaveTheCaptureIntact)
+{
+  // torch.cuda.graph captures in global mode: the service thread's queries of pending releases
+  // must neither fail nor invalidate the capture (CUDA forbids them to a thread in global mode).
+  HANDOFF_REQUIRE_SIM("the device interface cannot begin or end a capture");
+  const auto consumer = stream_on(0);
+  const auto capturing = stream_on(0, /*non_blocking=*/true);
+  std::atomic<int> released{0};
+  delay(consumer, slow);
+  {
+    producer_ref owner{[&] { ++released; }};
+    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+  }
+  sim().begin_capture(capturing);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds{10};
+  while (released.load() == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds{5});
+  }
+  EXPECT_EQ(released.load(), 1) << "the release was never run: its stream could not be queried";
+  EXPECT_EQ(b().stream_capture_status(capturing), device::capture_status::active);
+  EXPECT_NO_THROW((void)sim().end_capture(capturing));
+}
+
 TEST_P(ContextTest, ExitWaitsOnlyForTheStreamsWithPendingReleases)
 {
   HANDOFF_REQUIRE_SIM("fault injection");

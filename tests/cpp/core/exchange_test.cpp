@@ -209,6 +209,34 @@ TEST_P(ExchangeTest, DeviceGuardRestoresWithoutSelectingTheDefaultDevice)
   EXPECT_EQ(sim().devices_with_context(), std::vector<int>{1});
 }
 
+// With nothing current, the runtime's next call would make device 0's context current on the
+// thread for good: a guard for device 0 pushes it, so that its pop leaves nothing current again.
+TEST_P(ExchangeTest, DeviceGuardOnAThreadWithNothingCurrentLeavesNothingCurrent)
+{
+  HANDOFF_REQUIRE_SIM("whether a thread has a context current is observable only there");
+  std::thread fresh([&] {
+    EXPECT_FALSE(b().device_is_current(0));
+    {
+      const device_guard on_zero{b(), 0};
+      EXPECT_TRUE(b().device_is_current(0));
+      const auto s = b().create_stream(true);  // a call that uses the device
+      b().destroy_stream(s);
+    }
+    EXPECT_FALSE(b().device_is_current(0)) << "the guard left device 0's context current on the thread";
+  });
+  fresh.join();
+  std::thread used([&] {  // a thread that used its default device has its context current
+    const auto s = b().create_stream(true);
+    b().destroy_stream(s);
+    EXPECT_TRUE(b().device_is_current(0));
+    {
+      const device_guard on_zero{b(), 0};  // current already: no push
+    }
+    EXPECT_TRUE(b().device_is_current(0));
+  });
+  used.join();
+}
+
 TEST_P(ExchangeTest, OrderingDataOnAnotherDeviceCreatesNoContextOnTheCurrentOne)
 {
   HANDOFF_REQUIRE_TWO_DEVICES();

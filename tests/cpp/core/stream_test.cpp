@@ -167,6 +167,10 @@ TEST_P(StreamWaitTest, CaptureNeverTouchesTheLegacyStream)
   EXPECT_THROW(view(b().legacy_default_stream()).wait(view(producer), 0, events()), buffer_error);
   const auto outsider = stream_on(0);
   EXPECT_THROW(view(outsider).wait(view(producer), 0, events()), buffer_error);
+  // Neither stream of this exchange captures, but the legacy stream is part of the blocking
+  // stream's capture: recording on it would invalidate that capture.
+  const auto bystander = stream_on(0);
+  EXPECT_THROW(view(bystander).wait(view(b().legacy_default_stream()), 0, events()), buffer_error);
   (void)sim().end_capture(producer);  // not invalidated: the legacy stream was never used
 }
 

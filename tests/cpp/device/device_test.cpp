@@ -5,6 +5,7 @@
 #include "device/sim/sim_backend.hpp"
 #include "support/test_device.hpp"
 
+#include <handoff/device_guard.hpp>
 #include <handoff/error.hpp>
 
 #include <gtest/gtest.h>
@@ -461,6 +462,7 @@ TEST_P(DeviceTest, InjectedFaultsFailEachOperationOnce)
     {"query_stream", [&] { (void)b().query_stream(blocking); }},
     {"synchronize_stream", [&] { b().synchronize_stream(blocking); }},
     {"synchronize_device", [&] { b().synchronize_device(); }},
+    {"exchange_capture_mode", [&] { (void)b().exchange_capture_mode(capture_mode::global); }},
     {"create_event", [&] { b().destroy_event(b().create_event()); }},
     {"record_event", [&] { b().record_event(e, blocking); }},
     {"query_event", [&] { (void)b().query_event(e); }},
@@ -536,6 +538,58 @@ TEST_P(DeviceTest, InjectedFaultsCountDownAndClear)
   EXPECT_THROW(s.inject_fault("record_event", -1, "x"), value_error);
 }
 
+TEST_P(DeviceTest, AGlobalCaptureForbidsEveryThreadNotRelaxedToWaitOnAnything)
+{
+  REQUIRE_SIM();
+  auto& s = *sim();
+  const auto capturing = stream(true);
+  const auto other = stream(true);
+  float* data = floats(16, 0.0f);
+  const std::string unsupported = err("cudaErrorStreamCaptureUnsupported", "hipErrorStreamCaptureUnsupported");
+  const auto reached = b().create_event();
+  b().record_event(reached, other);
+
+  // What a watching thread does while another thread captures, as torch.cuda.graph does.
+  const auto on_another_thread = [](auto&& call) { std::thread{std::forward<decltype(call)>(call)}.join(); };
+  s.begin_capture(capturing);
+  on_another_thread([&] {
+    EXPECT_DEVICE_ERROR((void)b().query_event(reached), unsupported);
+    EXPECT_DEVICE_ERROR((void)b().query_stream(other), unsupported);
+  });
+  EXPECT_EQ(b().stream_capture_status(capturing), capture_status::invalidated);
+  EXPECT_DEVICE_ERROR((void)s.end_capture(capturing),
+                      err("cudaErrorStreamCaptureInvalidated", "hipErrorStreamCaptureInvalidated"));
+
+  // Relaxed, the same calls are allowed, and the capture survives them.
+  s.begin_capture(capturing);
+  s.enqueue_fill(capturing, data, 16, 2.0f);
+  on_another_thread([&] {
+    const relaxed_capture_mode relaxed{b()};
+    EXPECT_TRUE(b().query_event(reached));
+    b().synchronize_stream(other);
+    EXPECT_EQ(b().exchange_capture_mode(capture_mode::relaxed), capture_mode::relaxed);
+  });
+  on_another_thread([&] {  // a thread's mode is its own
+    EXPECT_EQ(b().exchange_capture_mode(capture_mode::thread_local_only), capture_mode::global);
+    EXPECT_TRUE(b().query_event(reached));  // thread-local mode minds the thread's own captures only
+  });
+  EXPECT_DEVICE_ERROR(b().synchronize_event(reached), unsupported);  // the capturing thread itself
+  EXPECT_EQ(b().stream_capture_status(capturing), capture_status::invalidated);
+  EXPECT_DEVICE_ERROR((void)s.end_capture(capturing),
+                      err("cudaErrorStreamCaptureInvalidated", "hipErrorStreamCaptureInvalidated"));
+
+  s.begin_capture(capturing);
+  s.enqueue_fill(capturing, data, 16, 3.0f);
+  on_another_thread([&] {
+    const relaxed_capture_mode relaxed{b()};
+    EXPECT_TRUE(b().query_event(reached));
+  });
+  const auto graph = s.end_capture(capturing);
+  EXPECT_EQ(graph.size(), 1U);
+  EXPECT_TRUE(b().query_event(reached));  // nothing captures any more
+  b().destroy_event(reached);
+}
+
 TEST_P(DeviceTest, CaptureForbidsTheLegacyStream)
 {
   REQUIRE_SIM();
@@ -547,7 +601,8 @@ TEST_P(DeviceTest, CaptureForbidsTheLegacyStream)
 
   s.begin_capture(blocking);
   EXPECT_EQ(b().stream_capture_status(blocking), capture_status::active);
-  EXPECT_DEVICE_ERROR((void)b().stream_capture_status(legacy), implicit);
+  // CUDA answers cudaErrorStreamCaptureImplicit: the legacy stream is as good as captured.
+  EXPECT_EQ(b().stream_capture_status(legacy), capture_status::active);
   EXPECT_EQ(b().stream_capture_status(blocking), capture_status::active);  // a query is harmless
   EXPECT_DEVICE_ERROR(s.enqueue_fill(legacy, data, 16, 1.0f), implicit);
   EXPECT_EQ(b().stream_capture_status(blocking), capture_status::invalidated);
@@ -559,8 +614,12 @@ TEST_P(DeviceTest, CaptureForbidsTheLegacyStream)
   // A capturing non-blocking stream leaves the legacy stream alone.
   const auto non_blocking = stream(true);
   s.begin_capture(non_blocking);
+  EXPECT_EQ(b().stream_capture_status(legacy), capture_status::none);
   EXPECT_NO_THROW(s.enqueue_fill(legacy, data, 16, 4.0f));
-  EXPECT_NO_THROW(b().synchronize_stream(legacy));
+  {
+    const relaxed_capture_mode relaxed{b()};  // the capture is in global mode: see the next test
+    EXPECT_NO_THROW(b().synchronize_stream(legacy));
+  }
   EXPECT_EQ(s.end_capture(non_blocking).size(), 0U);
   EXPECT_TRUE(all_equal(read(legacy, data, 16), 4.0f));
 
