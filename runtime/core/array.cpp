@@ -153,16 +153,10 @@ long producer_ref::use_count() const noexcept
 
 namespace {
 
-// A binding is used later, from any thread. The per-thread default stream's handle names the
-// calling thread's stream (CUDA's cudaStreamPerThread), so it is bound as the legacy default stream
-// instead, which is ordered after the work of every blocking stream of its device, each thread's
-// per-thread default stream included.
+// A binding is used later, from any thread.
 stream_binding thread_independent(stream_binding where) noexcept
 {
-  if (where.ctx != nullptr) {
-    const device::backend& backend = where.ctx->backend();
-    if (where.stream == backend.per_thread_default_stream()) { where.stream = backend.legacy_default_stream(); }
-  }
+  if (where.ctx != nullptr) { where.stream = device::thread_independent(where.ctx->backend(), where.stream); }
   return where;
 }
 

@@ -219,6 +219,14 @@ void context::release_after(int device, device::stream_handle stream, std::funct
                             std::optional<device::stream_handle> producer) noexcept
 {
   pending_release* pending = nullptr;
+  stream = device::thread_independent(backend_, stream);  // it may be waited for on another thread
+  if (stream != backend_.legacy_default_stream()) {
+    // A consumer may work on another device than the data's (peer access): the event that
+    // watches its stream must be of the stream's device.
+    try {
+      device = backend_.stream_device(stream);
+    } catch (...) {}  // enqueue_release finds out what is wrong with the stream
+  }
   try {
     pending = new pending_release{shared_, {device, stream}, std::move(release), producer};
     {

@@ -528,8 +528,8 @@ array allocate_device_array(const stream_binding& on, DLDataType dtype, std::spa
   device::backend* owner = &backend;
   // Released on any thread, whatever device is current there: a default stream's handle names the
   // current device's stream, so the allocation's device is made current for the free.
-  const auto release = [owner, data = layout.data, stream = on.stream, device = on.device,
-                        stream_owner = on.stream_owner]() noexcept {
+  const auto release = [owner, data = layout.data, stream = device::thread_independent(backend, on.stream),
+                        device = on.device, stream_owner = on.stream_owner]() noexcept {
     if (data == nullptr) { return; }
     try {
       device_guard on_data{*owner, device};

@@ -128,4 +128,12 @@ class backend {
   virtual void launch_host_func(stream_handle stream, void (*fn)(void*), void* user_data) = 0;
 };
 
+/// A handle that names `stream` from any thread, for work enqueued later elsewhere: the calling
+/// thread's per-thread default stream becomes the legacy default stream, which is ordered after
+/// the work of every blocking stream of its device, each thread's per-thread default included.
+[[nodiscard]] inline stream_handle thread_independent(const backend& b, stream_handle stream) noexcept
+{
+  return stream == b.per_thread_default_stream() ? b.legacy_default_stream() : stream;
+}
+
 }  // namespace handoff::device

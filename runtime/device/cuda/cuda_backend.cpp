@@ -414,9 +414,10 @@ std::string runtime_version()
 int minimum_driver_branch() noexcept
 {
   // CUDA's minor version compatibility: a runtime of one major version runs on every driver from
-  // that major version's first branch on (the CUDA compatibility guide's table).
-  static_assert(CUDART_VERSION >= 12000, "the driver floors below start at CUDA 12");
-  return CUDART_VERSION >= 13000 ? 580 : 525;
+  // that major version's first branch on (the CUDA compatibility guide's table), except for the
+  // calls a later minor version added: cudaStreamGetDevice needs a 12.8 driver (570) on CUDA 12.
+  static_assert(CUDART_VERSION >= 12080, "cudaStreamGetDevice needs CUDA 12.8");
+  return CUDART_VERSION >= 13000 ? 580 : 570;
 }
 
 std::string driver_floor_report()

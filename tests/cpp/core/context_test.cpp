@@ -101,6 +101,25 @@ TEST_P(ContextTest, AReleaseDuringCapturePutsNothingIntoTheGraphAndRunsAfterIt)
   EXPECT_EQ(released.load(), 1);
 }
 
+TEST_P(ContextTest, AReleaseOnAConsumerStreamOfAnotherDeviceWaitsForItByAnEventOfThatDevice)
+{
+  HANDOFF_REQUIRE_TWO_DEVICES();
+  const auto consumer = stream_on(1);
+  float* data = allocate_on(0);
+  std::atomic<int> released{0};
+  const auto before = stats();
+  fill(consumer, data, 3.0F, slow);  // a peer reads or writes the data on device 1
+  {
+    producer_ref owner{[&] { ++released; }};
+    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+  }
+  EXPECT_EQ(released.load(), 0);
+  ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
+  EXPECT_EQ(released.load(), 1);
+  EXPECT_EQ(stats().deferred_releases, before.deferred_releases + 1)
+    << "the release fell back to synchronizing the stream";
+}
+
 TEST_P(ContextTest, AReleaseOnTheLegacyStreamWaitsForABlockingStreamsCaptureToEnd)
 {
   // As CuPy captures, on a blocking stream: an event recorded on the legacy stream would join the
