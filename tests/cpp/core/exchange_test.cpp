@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <functional>
+#include <latch>
 #include <memory>
 #include <optional>
 #include <thread>
@@ -435,6 +436,32 @@ TEST_P(ExchangeTest, BindingOnANamedStreamResolvesItByTheDevicesStreamTable)
   EXPECT_EQ(binding_on(ctx(), {kDLCUDA, 0}, named_stream::dlpack(2)).stream, b().per_thread_default_stream());
   EXPECT_THROW((void)binding_on(ctx(), {kDLCUDA, 0}, named_stream::dlpack(-1)), value_error);
   EXPECT_THROW((void)binding_on(ctx(), {kDLCUDA, 0}, named_stream::dlpack(0)), value_error);
+}
+
+TEST_P(ExchangeTest, AnArrayAllocatedOnAThreadsDefaultStreamIsFreedAfterItsWorkFromAnyThread)
+{
+  HANDOFF_REQUIRE_SIM("whether memory is still allocated is observable only there");
+  // The handle 2 names the calling thread's own stream: freed from another thread, the memory must
+  // still wait for the work of the thread that allocated it.
+  std::optional<array> allocated;
+  std::latch filled{1};
+  std::latch checked{1};
+  std::thread allocating([&] {  // lives until the check: its default stream goes with it
+    const std::array<std::int64_t, 1> shape{n};
+    allocated.emplace(allocate_device_array(binding_on(ctx(), {b().device_type(), 0}, named_stream::dlpack(2)),
+                                            {kDLFloat, 32, 1}, shape));
+    fill(b().per_thread_default_stream(), static_cast<float*>(allocated->data()), 1.0F, slow);
+    filled.count_down();
+    checked.wait();
+    b().synchronize_stream(b().per_thread_default_stream());
+  });
+  filled.wait();
+  const void* data = allocated->data();
+  std::thread([&] { allocated.reset(); }).join();
+  EXPECT_EQ(b().attributes(data).kind, device::memory_kind::device) << "freed while its stream still wrote it";
+  checked.count_down();
+  allocating.join();
+  ctx().drain();
 }
 
 }  // namespace
