@@ -11,8 +11,10 @@ that goes releases its producer in stream order, on handoff's service thread).
 
 Target: an exchange that handoff orders costs the host at most half of PyTorch's (torch -> torch).
 Held to it: handoff -> torch (the same consumer) and handoff -> handoff. Shown, not held to it:
-handoff -> cupy (next to cupy -> cupy, CuPy consuming in both), and the imports where PyTorch's or
-CuPy's own ``__dlpack__`` orders (torch -> handoff, cupy -> handoff). ``--check`` exits 1 unless
+handoff -> cupy (next to cupy -> cupy, CuPy consuming in both), and the imports from PyTorch and
+CuPy (torch -> handoff, cupy -> handoff), ordered by the producer's own ``__dlpack__``, or by handoff
+where the producer has the DLPack C exchange API (PyTorch's ``__dlpack_c_exchange_api__``) and says
+which stream its data is ready on. ``--check`` exits 1 unless
 every target row was measured and met the target. ``HANDOFF_BACKEND=sim`` needs no GPU and runs
 handoff's own row alone (no peer reads simulated arrays, so no target); on a backend without a
 device the script says why it measured nothing.
@@ -124,7 +126,8 @@ def cuda_rows(keep: list, stack: contextlib.ExitStack, notes: list[str]) -> tupl
             Row("handoff -> torch", "handoff",
                 lambda: torch.from_dlpack(view.__dlpack__(stream=consumer, max_version=MAX_VERSION)), target=True),
             Row("handoff -> handoff", "handoff", lambda: handoff.from_dlpack(view, stream=consumer), target=True),
-            Row("torch -> handoff", "PyTorch", lambda: handoff.from_dlpack(tensor, stream=consumer)),
+            Row("torch -> handoff", "handoff" if hasattr(torch.Tensor, "__dlpack_c_exchange_api__") else "PyTorch",
+                lambda: handoff.from_dlpack(tensor, stream=consumer)),
         ]
     if cupy is not None:
         stack.enter_context(cupy.cuda.ExternalStream(producer))
@@ -230,8 +233,8 @@ def main() -> int:
     for note in notes:
         print(f"note: {note}")
     if producer_ordered_imports:
-        print("note: rows '... -> handoff' are not held to the target: the producer's own __dlpack__ orders, "
-              "handoff imports")
+        print("note: rows '<peer> -> handoff' are not held to the target: the peer's export, not handoff's, "
+              "is the larger part of their cost")
     for verdict in verdicts:
         print(verdict)
     if not verdicts:
