@@ -1,4 +1,5 @@
 #include <handoff/error.hpp>
+#include <handoff/exchange.hpp>
 #include <handoff/runtime.hpp>
 #include <handoff/stream_value.hpp>
 #include <handoff/trace.hpp>
@@ -65,8 +66,23 @@ started_backend start()
   return out;
 }
 
+// HANDOFF_EXPORT_RELEASE: which consumer streams an export's release waits for (export_release).
+void apply_export_release_setting()
+{
+  const char* env = std::getenv("HANDOFF_EXPORT_RELEASE");
+  const std::string_view value = env != nullptr ? env : "";
+  if (value.empty() || value == "known-streams") { return; }
+  if (value == "every-stream") {
+    set_export_release(export_release::every_stream);
+    return;
+  }
+  HANDOFF_LOG_WARN("HANDOFF_EXPORT_RELEASE={} is neither 'known-streams' nor 'every-stream'; known-streams applies",
+                   value);
+}
+
 started_backend start_with_context()
 {
+  apply_export_release_setting();
   started_backend s = start();
   if (s.backend) {
     auto service = std::make_unique<detail::service_thread>();

@@ -13,6 +13,7 @@ from ._handoff import (
     from_dlpack,
     reset_stats,
     runtime_info,
+    set_export_release,
     stats,
     view,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "reset_stats",
     "runtime_info",
     "serve_trace",
+    "set_export_release",
     "stats",
     "stream",
     "trace",

@@ -11,10 +11,11 @@ __all__ = ["Stream", "as_stream", "current_stream", "stream"]
 # One ContextVar, owned by the extension so that from_dlpack reads it without calling Python:
 # context-local, so blocks nest per thread and per asyncio task.
 _current = _handoff._stream_var
-# The reset tokens of the blocks entered in this context, innermost last. They live in the context,
-# not in the block object, so that one block object may be entered by several threads or tasks at
-# once: each leaves with the token it made.
-_tokens: ContextVar[tuple[Token[Stream | None], ...]] = ContextVar("handoff.stream_tokens", default=())
+# The blocks entered in this context and their reset tokens, innermost last. They live in the
+# context, not in the block object, so that one block object may be entered by several threads or
+# tasks at once; each entry names its block, so that a block leaves with its own token even when
+# blocks interleave (a generator's block entered inside ours and suspended while ours ends).
+_entered: ContextVar[tuple[tuple[stream, Token[Stream | None]], ...]] = ContextVar("handoff.stream_tokens", default=())
 
 
 class Stream:
@@ -122,13 +123,18 @@ class stream:  # noqa: N801 - used as `with handoff.stream(s):`
 
     def __enter__(self) -> Stream | None:
         token = _current.set(self._stream)
-        _tokens.set((*_tokens.get(), token))
+        _entered.set((*_entered.get(), (self, token)))
         return self._stream
 
     def __exit__(self, *exc_info: object) -> None:
-        *outer, token = _tokens.get()
-        _tokens.set(tuple(outer))
-        _current.reset(token)
+        # Restores exactly what this block found: its own token, not the innermost one.
+        entered = _entered.get()
+        for i in range(len(entered) - 1, -1, -1):
+            if entered[i][0] is self:
+                _entered.set(entered[:i] + entered[i + 1 :])
+                _current.reset(entered[i][1])
+                return
+        # Entered in another context (a generator closed elsewhere): nothing of this one to restore.
 
 
 _handoff._set_stream_type(Stream)

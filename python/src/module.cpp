@@ -11,11 +11,16 @@
 #include "py_trace.hpp"
 #include "py_view.hpp"
 
+#include <handoff/context.hpp>
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
 #include <handoff/runtime.hpp>
 #include <handoff/stats.hpp>
 #include <handoff/stream_value.hpp>
+
+#include <fmt/format.h>
+
+#include <string>
 
 namespace py = pybind11;
 using namespace handoff;
@@ -35,6 +40,7 @@ py::dict stats_dict()
   out["events_reused"] = s.events_reused;
   out["deferred_releases"] = s.deferred_releases;
   out["live_views"] = s.live_views;
+  out["pending_releases"] = s.pending_releases;
   return out;
 }
 
@@ -88,6 +94,7 @@ PYBIND11_MODULE(_handoff, m)
   set_finalizing_thread(py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>());
   set_deleter_runner(&run_deleter_with_gil);
   set_blocking_section(&run_without_gil);
+  set_release_section(&run_releases_in_gil_batch);
   bind_array(m);
   bind_streams(m);
   init_exchange(m);
@@ -98,8 +105,30 @@ PYBIND11_MODULE(_handoff, m)
 
   m.def("stats", &stats_dict,
         "Exchange counters since the last reset_stats(), a dict of ints: exports, imports, waits_inserted, "
-        "waits_elided, events_created, events_reused, deferred_releases and live_views.");
-  m.def("reset_stats", &reset_stats, "Zeroes the counters (live_views keeps counting what is alive).");
+        "waits_elided, events_created, events_reused, deferred_releases, live_views and pending_releases (deferred "
+        "releases asked for and not yet run).");
+  m.def("reset_stats", &reset_stats, "Zeroes the counters (live_views and pending_releases keep counting).");
+  m.def(
+    "set_export_release",
+    [](const std::string& policy) {
+      const char* previous =
+        current_export_release() == export_release::every_stream ? "every-stream" : "known-streams";
+      if (policy == "known-streams") {
+        set_export_release(export_release::known_streams);
+      } else if (policy == "every-stream") {
+        set_export_release(export_release::every_stream);
+      } else {
+        throw value_error(
+          fmt::format("set_export_release: policy must be 'known-streams' or 'every-stream', not '{}'", policy));
+      }
+      return previous;
+    },
+    py::arg("policy"),
+    "Which consumer streams an export's producer waits for when the consumer releases what it imported, and\n"
+    "returns the policy it replaces. 'known-streams' (the default): the default streams and a stream object the\n"
+    "enclosing handoff.stream block holds; a bare handle may be destroyed by then and is not touched.\n"
+    "'every-stream': bare handles too; the application promises that each consumer stream outlives what it\n"
+    "imported. HANDOFF_EXPORT_RELEASE sets the policy at start.");
   m.def(
     "_at_exit",
     [] {

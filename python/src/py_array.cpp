@@ -6,6 +6,7 @@
 #include "py_array_exchange_api.hpp"
 #include "py_capsule.hpp"
 #include "py_errors.hpp"
+#include "py_exchange.hpp"
 #include "py_gil.hpp"
 #include "py_trace.hpp"
 
@@ -93,15 +94,16 @@ py::dict cuda_array_interface(const array& view)
   py::dict out;
   out["shape"] = int_tuple(view.shape());
   out["typestr"] = type;
-  out["data"] = py::make_tuple(reinterpret_cast<std::uintptr_t>(view.data()), view.readonly());
+  // "For zero-size arrays, use 0 here" (the interface's `data`).
+  const std::uintptr_t data = view.size() == 0 ? 0 : reinterpret_cast<std::uintptr_t>(view.data());
+  out["data"] = py::make_tuple(data, view.readonly());
   out["strides"] = view.is_c_contiguous() ? py::object(py::none()) : py::object(byte_strides(view));
   py::list descr;
   descr.append(py::make_tuple("", type));
   out["descr"] = descr;
   out["version"] = 3;
-  const auto ready = view.owner().ready_on();
-  if (ready) {
-    out["stream"] = stream_value_of(view.device().device_type, static_cast<std::uint64_t>(ready->stream));
+  if (const auto ready = published_ready_stream(view)) {
+    out["stream"] = stream_value_of(view.device().device_type, static_cast<std::uint64_t>(*ready));
   } else {
     out["stream"] = py::none();
   }
@@ -317,7 +319,10 @@ py::capsule export_dlpack(const array& view, py::handle stream, py::handle max_v
                          ? transfer::none
                          : plan_export(view, device_argument(dl_device, "dl_device", unknown_device_type::unreachable),
                                        copy_argument(copy));
-  const std::unique_ptr<const array> made = prepare_export(view, request, how);
+  // A stream handle is certain to be alive when the export is released only if something holds it.
+  std::shared_ptr<const void> consumer_owner;
+  if (request.order == stream_order::handle) { consumer_owner = enclosing_stream_owner(request.handle); }
+  const std::unique_ptr<const array> made = prepare_export(view, request, how, std::move(consumer_owner));
   const bool copied = how == transfer::to_host || how == transfer::same_device;
   return counted_capsule(made ? *made : view, version, copied);
 }

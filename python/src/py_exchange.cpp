@@ -10,6 +10,7 @@
 #include "py_errors.hpp"
 #include "py_exchange_api.hpp"
 #include "py_interfaces.hpp"
+#include "py_owners.hpp"
 #include "py_streams.hpp"
 #include "py_trace.hpp"
 
@@ -56,6 +57,15 @@ py::object enclosing_stream()
   if (PyContextVar_Get(cached.stream_var, nullptr, &value) != 0) { throw py::error_already_set(); }
   if (value == nullptr) { return py::none(); }
   return py::reinterpret_steal<py::object>(value);  // the block stored a handoff.Stream
+}
+
+std::shared_ptr<const void> enclosing_stream_owner(std::uint64_t handle)
+{
+  const py::object block = enclosing_stream();
+  if (block.is_none()) { return {}; }
+  py::object source = block.attr("_source");  // the stream object handoff.as_stream was given, or None
+  if (source.is_none() || stream_handle(block) != handle) { return {}; }
+  return stream_keep_alive(source);
 }
 
 named_stream consumer_stream(py::handle stream)
@@ -138,7 +148,12 @@ std::optional<DLDevice> producer_device(py::handle x, bool required)
 // producer may not have ordered anything for the device the data is really on.
 void check_claimed_device(py::handle x, DLDevice expected, DLDevice actual)
 {
-  const bool same = expected.device_type == actual.device_type && expected.device_id == actual.device_id;
+  // Pinned host memory said to be kDLCUDAHost (or kDLROCMHost) and described as kDLCPU in the capsule
+  // is the same memory (PyTorch's pinned tensors): a CPU consumer needs no stream for it.
+  const bool pinned_as_cpu =
+    (expected.device_type == kDLCUDAHost || expected.device_type == kDLROCMHost) && actual.device_type == kDLCPU;
+  const bool same =
+    pinned_as_cpu || (expected.device_type == actual.device_type && expected.device_id == actual.device_id);
   HANDOFF_EXPECTS(same, value_error,
                   fmt::format("{0}.__dlpack_device__() said {1} device {2} (({3}, {2})), but its capsule holds data "
                               "on {4} device {5} (({6}, {5})); refused, as the consumer stream could not be ordered",
@@ -312,7 +327,8 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
   // The C exchange API has no dl_device or copy: calls with them go through __dlpack__, whose
   // producer may honour them itself (a copy made by the producer, in its own stream order).
   if (device.is_none() && copy.is_none() && !is_numpy_array(x.ptr())) {
-    if (const DLPackExchangeAPI* api = exchange_api_of(Py_TYPE(x.ptr()))) {
+    // What the producer's __dlpack__ refuses stays refused: that call says why.
+    if (const DLPackExchangeAPI* api = exchange_api_of(Py_TYPE(x.ptr())); api != nullptr && !requires_grad(x.ptr())) {
       trace_protocol("dlpack-c-api");
       if (auto view = import_through_exchange_api(*api, x, consumer)) {
         count_serialized(counter::imports);  // under the GIL
@@ -373,7 +389,11 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
   const py::object dl_device = target
                                  ? py::object(py::make_tuple(static_cast<int>(target->device_type), target->device_id))
                                  : py::object(py::none());
-  const auto [capsule, legacy] = request_capsule(x, producer_arg, dl_device, copy);
+  auto [capsule, legacy] = [&] {
+    std::optional<producer_device_scope> on_data;
+    if (claimed) { on_data.emplace(*claimed); }
+    return request_capsule(x, producer_arg, dl_device, copy);
+  }();
   if (trace::exchange_scope* scope = traced(); scope != nullptr && !producer_arg.is_none()) {
     scope->note_ordered_by_producer();
   }

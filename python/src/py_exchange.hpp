@@ -5,6 +5,9 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
+#include <memory>
+
 namespace handoff::python {
 
 namespace py = pybind11;
@@ -15,6 +18,10 @@ void init_exchange(py::module_& m);
 
 /// The stream of the enclosing `handoff.stream(...)` block (a handoff.Stream), or None.
 [[nodiscard]] py::object enclosing_stream();
+
+/// What keeps stream `handle` alive when the enclosing `handoff.stream(...)` block names it by a
+/// stream object (CuPy's, PyTorch's, ...); empty otherwise (no block, a bare handle, another stream).
+[[nodiscard]] std::shared_ptr<const void> enclosing_stream_owner(std::uint64_t handle);
 
 /// A consumer's `stream` argument, read once (stream_named_by): the argument, else the stream of the
 /// enclosing handoff.stream block, else the default stream.

@@ -17,8 +17,9 @@ namespace {
 
 constexpr const char* capsule_name = "dlpack_exchange_api";
 
-PyObject* attribute_name = nullptr;  // "__dlpack_c_exchange_api__"
-PyObject* is_conj_name = nullptr;    // "is_conj"
+PyObject* attribute_name = nullptr;      // "__dlpack_c_exchange_api__"
+PyObject* is_conj_name = nullptr;        // "is_conj"
+PyObject* requires_grad_name = nullptr;  // "requires_grad"
 
 // The capsules seen last and their tables (nullptr: not usable). A type's capsule is normally one
 // object for the life of the process, so a handful of entries serves every producer type in use.
@@ -80,7 +81,10 @@ void init_exchange_api()
 {
   attribute_name = PyUnicode_InternFromString("__dlpack_c_exchange_api__");
   is_conj_name = PyUnicode_InternFromString("is_conj");
-  if (attribute_name == nullptr || is_conj_name == nullptr) { throw py::error_already_set(); }
+  requires_grad_name = PyUnicode_InternFromString("requires_grad");
+  if (attribute_name == nullptr || is_conj_name == nullptr || requires_grad_name == nullptr) {
+    throw py::error_already_set();
+  }
 }
 
 const DLPackExchangeAPI* exchange_api_of(PyTypeObject* type)
@@ -104,6 +108,19 @@ bool is_lazy_conjugate(PyObject* x)
   if (method == nullptr || !PyType_HasFeature(Py_TYPE(method), Py_TPFLAGS_METHOD_DESCRIPTOR)) { return false; }
   PyObject* const args[] = {x};
   const py::object answer = py::reinterpret_steal<py::object>(PyObject_Vectorcall(method, args, 1, nullptr));
+  if (!answer) { throw py::error_already_set(); }
+  return answer.ptr() == Py_True;
+}
+
+bool requires_grad(PyObject* x)
+{
+  // A data descriptor of the type (PyTorch's getset): read without an instance dictionary lookup.
+  PyObject* attribute = _PyType_Lookup(Py_TYPE(x), requires_grad_name);
+  if (attribute == nullptr) { return false; }
+  const descrgetfunc get = Py_TYPE(attribute)->tp_descr_get;
+  if (get == nullptr) { return attribute == Py_True; }
+  const py::object answer =
+    py::reinterpret_steal<py::object>(get(attribute, x, reinterpret_cast<PyObject*>(Py_TYPE(x))));
   if (!answer) { throw py::error_already_set(); }
   return answer.ptr() == Py_True;
 }

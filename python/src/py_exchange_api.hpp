@@ -26,6 +26,11 @@ void init_exchange_api();
 /// @throws py::error_already_set when `is_conj` raises.
 [[nodiscard]] bool is_lazy_conjugate(PyObject* x);
 
+/// True when `x.requires_grad` (PyTorch's autograd) is true: the table exports such a tensor, where
+/// `__dlpack__` refuses it (a consumer could write into an autograd leaf unseen).
+/// @throws py::error_already_set when reading the attribute raises.
+[[nodiscard]] bool requires_grad(PyObject* x);
+
 /// The tensor `api` makes of `x`, without synchronization; its deleter belongs to the caller.
 /// nullptr when the producer's call failed: its Python error is cleared and logged.
 [[nodiscard]] DLManagedTensorVersioned* managed_tensor_of(const DLPackExchangeAPI& api, PyObject* x) noexcept;

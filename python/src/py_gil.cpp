@@ -88,6 +88,45 @@ void take_gil_back(PyThreadState* state) noexcept
   }
 }
 
+namespace {
+thread_local gil_batch* open_batch = nullptr;
+}  // namespace
+
+gil_batch::gil_batch() noexcept
+{
+  open_batch = this;
+}
+
+gil_batch::~gil_batch()
+{
+  open_batch = nullptr;
+  if (held_) { PyGILState_Release(state_); }
+}
+
+gil_batch* gil_batch::current() noexcept
+{
+  return open_batch;
+}
+
+bool gil_batch::take() noexcept
+{
+  if (!asked_) {
+    asked_ = true;
+    held_ = ensure_gil(state_);
+  }
+  return held_;
+}
+
+void run_releases_in_gil_batch(void (*body)(void*) noexcept, void* state) noexcept
+{
+  if (holds_gil()) {
+    body(state);
+    return;
+  }
+  const gil_batch batch;
+  body(state);
+}
+
 void run_deleter_with_gil(void (*invoke)(void*) noexcept, void* tensor) noexcept
 {
   with_gil([invoke, tensor] { invoke(tensor); });

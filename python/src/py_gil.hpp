@@ -53,16 +53,43 @@ class gil_scope {
   bool held_;
 };
 
+/// The GIL for a batch of work on a thread that does not hold it (the releases a stream let go
+/// together): the first with_gil inside the batch takes it, and it is kept until the batch ends, so
+/// that a busy interpreter hands it over once per batch. Batches do not nest.
+class gil_batch {
+ public:
+  gil_batch() noexcept;
+  ~gil_batch();
+  gil_batch(const gil_batch&) = delete;
+  gil_batch& operator=(const gil_batch&) = delete;
+  gil_batch(gil_batch&&) = delete;
+  gil_batch& operator=(gil_batch&&) = delete;
+
+  /// The batch open on the calling thread, or nullptr.
+  [[nodiscard]] static gil_batch* current() noexcept;
+  /// Takes the GIL unless the batch did already; false once the gate is closed.
+  [[nodiscard]] bool take() noexcept;
+
+ private:
+  PyGILState_STATE state_{};
+  bool asked_{false};
+  bool held_{false};
+};
+
 /// Runs `body` (it touches Python objects, and must not throw) holding the GIL, from any thread: at
 /// once where the thread holds it (as a consumer dropping what it imported usually does), else once
-/// taken. Not at all while the interpreter finalizes or once the gate is closed: the process then
-/// keeps what `body` would have released.
+/// taken (for the rest of the batch, inside a gil_batch). Not at all while the interpreter finalizes
+/// or once the gate is closed: the process then keeps what `body` would have released.
 template <typename Body>
 void with_gil(Body&& body) noexcept
 {
   if (interpreter_finalizing()) { return; }
   if (holds_gil()) {
     body();
+    return;
+  }
+  if (gil_batch* batch = gil_batch::current()) {
+    if (batch->take()) { body(); }
     return;
   }
   PyGILState_STATE state{};
@@ -108,6 +135,10 @@ std::invoke_result_t<Work&> without_gil(Work&& work)
 /// the GIL, since producers' deleters may take it; once the interpreter is finalizing, or other
 /// threads may no longer enter it, the deleter is not run and the process keeps the memory.
 void run_deleter_with_gil(void (*invoke)(void*) noexcept, void* tensor) noexcept;
+
+/// The release section handoff uses in Python (set_release_section): a batch of releases runs in a
+/// gil_batch, so that producers' deleters take the GIL once for the batch.
+void run_releases_in_gil_batch(void (*body)(void*) noexcept, void* state) noexcept;
 
 /// The blocking section handoff uses in Python (set_blocking_section): the host waits with the GIL
 /// released, so that other threads run meanwhile.

@@ -330,6 +330,16 @@ void bind_sim(py::module_& parent)
     },
     py::arg("device") = 0, "Makes a device usable again (tests only: CUDA needs a new process).");
   m.def(
+    "reset_device",
+    [](long long device) {
+      auto s = require_sim();
+      const int checked = checked_device(s.sim, device);
+      without_gil([&] { s.sim.reset_device(checked); });
+    },
+    py::arg("device") = 0,
+    "Resets a device's context as numba-cuda's cuda.close() does (cuDevicePrimaryCtxReset): waits for its work, "
+    "then destroys its streams, events and memory; its next use gets a new context.");
+  m.def(
     "violations",
     [] {
       py::list out;

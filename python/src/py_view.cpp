@@ -59,11 +59,20 @@ void* data_pointer(py::handle value)
   return reinterpret_cast<void*>(static_cast<std::uintptr_t>(address));
 }
 
-// A dtype name ('float32') or an object naming one in its `name` (a NumPy dtype).
+// A dtype name ('float32') or an object naming one in its `name` (a NumPy dtype, in native byte
+// order: DLPack has no other, and a swapped '>f4' is named 'float32' too).
 DLDataType dtype_argument(py::handle value)
 {
   py::object name = py::reinterpret_borrow<py::object>(value);
-  if (!PyUnicode_Check(value.ptr()) && py::hasattr(value, "name")) { name = value.attr("name"); }
+  if (!PyUnicode_Check(value.ptr()) && py::hasattr(value, "name")) {
+    if (py::hasattr(value, "isnative")) {
+      HANDOFF_EXPECTS(PyObject_IsTrue(value.attr("isnative").ptr()) == 1, buffer_error,
+                      fmt::format("{} is not in native byte order, and DLPack has no other (convert it first, "
+                                  "e.g. with numpy's astype(dtype.newbyteorder('=')))",
+                                  py::repr(value).cast<std::string>()));
+    }
+    name = value.attr("name");
+  }
   HANDOFF_EXPECTS(PyUnicode_Check(name.ptr()), type_error,
                   fmt::format("dtype must be a name such as 'float32' or a NumPy dtype, not {}", type_name(value)));
   const auto text = name.cast<std::string>();

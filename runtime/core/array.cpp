@@ -156,7 +156,7 @@ namespace {
 // A binding is used later, from any thread.
 stream_binding thread_independent(stream_binding where) noexcept
 {
-  if (where.ctx != nullptr) { where.stream = device::thread_independent(where.ctx->backend(), where.stream); }
+  if (where.ctx != nullptr) { where.stream = where.ctx->thread_independent(where.device, where.stream); }
   return where;
 }
 

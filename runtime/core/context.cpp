@@ -2,9 +2,11 @@
 #include <handoff/device_guard.hpp>
 #include <handoff/stats.hpp>
 
+#include "core/live_views.hpp"
 #include "log/logger.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <list>
 #include <optional>
 #include <string>
@@ -22,17 +24,37 @@ constexpr std::chrono::milliseconds exit_poll{5};
 // off to the longest interval while the streams are busy.
 constexpr std::chrono::microseconds min_release_poll{20};
 constexpr std::chrono::milliseconds max_release_poll{1};
-// How long, and for how many releases, a stream's newest release group takes more: bounded, so that
-// a stream that never idles still releases its producers in steps.
-constexpr std::chrono::milliseconds group_window{1};
-constexpr std::size_t max_group_size = 64;
+// A stream that cannot be asked about (a failed query, a device that cannot be made current) is
+// asked again: the failure may pass. Only one that keeps failing this long, at least this often (a
+// sticky device error), has its releases abandoned.
+constexpr std::chrono::milliseconds failure_grace{100};
+constexpr int min_failures_to_abandon = 3;
 
 std::uintptr_t raw(device::stream_handle s) noexcept
 {
   return static_cast<std::uintptr_t>(s);
 }
 
+std::atomic<release_section> installed_release_section{nullptr};
+
+// What the exception being handled says.
+std::string what_failed()
+{
+  try {
+    throw;
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an exception of unknown type";
+  }
+}
+
 }  // namespace
+
+void set_release_section(release_section section) noexcept
+{
+  installed_release_section.store(section, std::memory_order_release);
+}
 
 // What queued host functions and executor jobs reach of their context. `owner` becomes null when
 // the context goes with releases still pending: they are abandoned, and touch nothing if their
@@ -63,13 +85,24 @@ void keep_until_exit(const Releases& abandoned) noexcept
 
 }  // namespace
 
-// Releases asked for on one stream within a short window share one event, re-recorded for each,
-// so that a burst of releases does not take an event each.
+// Releases asked for on one stream between two polls share one event, re-recorded for each: a stream
+// holds one event per poll its work outlasts, however many releases ask meanwhile, and one that never
+// idles still releases its producers in steps, a poll apart.
 struct context::release_group {
   stream_key where;
   pooled_event reached;
   std::vector<pending_release*> releases;
-  std::chrono::steady_clock::time_point opened;
+  bool sealed{false};  // a poll looked at the event: a release joining it now would not be seen
+  // Consecutive polls that could not ask about the event, since the first of them.
+  int failed_polls{0};
+  std::chrono::steady_clock::time_point failing_since{};
+
+  // Counts a failed poll; true once the stream has failed long and often enough to give up.
+  [[nodiscard]] bool keeps_failing(std::chrono::steady_clock::time_point now) noexcept
+  {
+    if (failed_polls++ == 0) { failing_since = now; }
+    return failed_polls >= min_failures_to_abandon && now - failing_since >= failure_grace;
+  }
 };
 
 // A release waiting for a consumer stream: for the event of its group, which the executor polls.
@@ -78,6 +111,7 @@ struct context::pending_release {
   stream_key where;
   std::function<void()> release_producer;
   std::optional<device::stream_handle> producer;  // made to wait for the same work, once recorded
+  bool graph_gone{false};                         // the graph its stream captured into when it was asked for is gone
 
   // On the executor (or, failing that, where the stream reached it), while the context lives.
   void run(context& owner) noexcept
@@ -125,6 +159,7 @@ void context::finished_one(stream_key where) noexcept
 {
   std::lock_guard lock{pending_mutex_};
   if (const auto it = by_stream_.find(where); it != by_stream_.end() && --it->second == 0) { by_stream_.erase(it); }
+  detail::pending_releases_changed(-1);
   if (--pending_ == 0) { none_pending_.notify_all(); }
 }
 
@@ -163,8 +198,7 @@ bool context::drain_at_exit(std::chrono::nanoseconds limit) noexcept
         // A capturing stream gets no probe (it would go into the graph): its releases wait for the
         // capture to end on the executor.
         if (backend_.stream_capture_status(p.where.second) != device::capture_status::none) { return; }
-        p.event.emplace(events_.acquire(p.where.first));
-        backend_.record_event(p.event->get(), p.where.second);
+        p.event.emplace(events_.record(p.where.first, p.where.second));
       } else if (backend_.query_event(p.event->get())) {
         p.event.reset();  // the stream got there; its releases are on the executor
       }
@@ -185,7 +219,8 @@ bool context::drain_at_exit(std::chrono::nanoseconds limit) noexcept
     }
     return count;
   };
-  while (pending_ > unreachable() && std::chrono::steady_clock::now() < deadline) {
+  // Releases bound to graphs wait for graphs the program still holds: not for the exit.
+  while (pending_ > unreachable() + bound_to_graphs_ && std::chrono::steady_clock::now() < deadline) {
     none_pending_.wait_for(lock, exit_poll);
     lock.unlock();
     for (auto& p : probes) {
@@ -202,10 +237,17 @@ bool context::drain_at_exit(std::chrono::nanoseconds limit) noexcept
       it->second, raw(p.where.second), p.where.first, p.failure);
   }
   const std::size_t abandoned = pending_;
-  const std::size_t timed_out = abandoned - unreachable();
+  const std::size_t with_graphs = bound_to_graphs_;
+  const std::size_t timed_out = abandoned - unreachable() - with_graphs;
   abandoned_at_exit_ = abandoned;
   lock.unlock();
   probes.clear();  // the probe events go back to the pool
+  if (with_graphs > 0) {
+    HANDOFF_LOG_INFO(
+      "shutting down: {} release(s) wait for CUDA graphs still alive that captured work on their data; their "
+      "producers are left to the ending process",
+      with_graphs);
+  }
   if (timed_out > 0) {
     HANDOFF_LOG_WARN(
       "shutting down: {} stream-ordered release(s) did not run within {} ms (their stream never got "
@@ -215,11 +257,75 @@ bool context::drain_at_exit(std::chrono::nanoseconds limit) noexcept
   return abandoned == 0;
 }
 
+// The per-thread default streams the calling thread named to contexts, by device: when the thread
+// ends, each context's legacy default stream of that device waits for that stream's work.
+struct context::thread_exit_orders {
+  thread_exit_orders() = default;
+  thread_exit_orders(const thread_exit_orders&) = delete;
+  thread_exit_orders& operator=(const thread_exit_orders&) = delete;
+  thread_exit_orders(thread_exit_orders&&) = delete;
+  thread_exit_orders& operator=(thread_exit_orders&&) = delete;
+  ~thread_exit_orders()
+  {
+    for (const auto& [shared, device] : streams) {
+      std::unique_lock lock{shared->mutex};
+      context* owner = shared->owner;
+      lock.unlock();  // not held across backend calls: a graph's release callback takes it from inside one
+      if (owner != nullptr) { owner->order_legacy_after_this_thread(device); }
+    }
+  }
+
+  std::vector<std::pair<std::shared_ptr<shared_state>, int>> streams;
+};
+
+device::stream_handle context::thread_independent(int device, device::stream_handle stream) noexcept
+{
+  if (stream != backend_.per_thread_default_stream()) { return stream; }
+  try {
+    thread_local thread_exit_orders orders;
+    const auto named = std::find_if(orders.streams.begin(), orders.streams.end(), [&](const auto& entry) {
+      return entry.first == shared_ && entry.second == device;
+    });
+    if (named == orders.streams.end()) { orders.streams.emplace_back(shared_, device); }
+  } catch (...) {
+    HANDOFF_LOG_WARN(
+      "out of memory: the legacy default stream of device {} will not wait for this thread's "
+      "per-thread default stream when the thread ends",
+      device);
+  }
+  return backend_.legacy_default_stream();
+}
+
+void context::order_legacy_after_this_thread(int device) noexcept
+{
+  try {
+    device_guard on_device{backend_, device};
+    const auto legacy = backend_.legacy_default_stream();
+    // A wait on the legacy stream while a blocking stream of its device captures would invalidate
+    // that capture; the ending thread's work is then ordered by the implicit rule alone.
+    if (backend_.stream_capture_status(legacy) != device::capture_status::none) {
+      HANDOFF_LOG_WARN(
+        "a thread ended while device {} captures: its per-thread default stream's work is not "
+        "explicitly ordered before the legacy default stream's",
+        device);
+      return;
+    }
+    const pooled_event ended = events_.record(device, backend_.per_thread_default_stream());
+    backend_.stream_wait_event(legacy, ended.get());
+    count(counter::waits_inserted);
+  } catch (const std::exception& e) {
+    HANDOFF_LOG_DEBUG(
+      "a thread's end: its per-thread default stream of device {} could not be ordered before the "
+      "legacy default stream ({})",
+      device, e.what());
+  }
+}
+
 void context::release_after(int device, device::stream_handle stream, std::function<void()> release,
                             std::optional<device::stream_handle> producer) noexcept
 {
   pending_release* pending = nullptr;
-  stream = device::thread_independent(backend_, stream);  // it may be waited for on another thread
+  stream = thread_independent(device, stream);  // it may be waited for on another thread
   if (stream != backend_.legacy_default_stream()) {
     // A consumer may work on another device than the data's (peer access): the event that
     // watches its stream must be of the stream's device.
@@ -234,8 +340,9 @@ void context::release_after(int device, device::stream_handle stream, std::funct
       shared_->outstanding.insert(pending);
     }
     std::lock_guard lock{pending_mutex_};
-    ++pending_;
     ++by_stream_[pending->where];
+    ++pending_;
+    detail::pending_releases_changed(+1);
   } catch (...) {
     if (pending != nullptr) {
       std::lock_guard lock{shared_->mutex};
@@ -243,9 +350,12 @@ void context::release_after(int device, device::stream_handle stream, std::funct
     }
     delete pending;  // could not even allocate: wait here, never release early
     try {
-      device_guard on_owner{backend_, device};
-      backend_.synchronize_stream(stream);
-    } catch (...) {}
+      wait_for_stream(device, stream);
+    } catch (...) {
+      HANDOFF_LOG_ERROR("deferred release: out of memory, and stream {:#x} cannot be waited for; its producer is kept",
+                        raw(stream));
+      return;
+    }
     release();
     return;
   }
@@ -264,6 +374,10 @@ void context::enqueue_unless_capturing(pending_release* pending) noexcept
       enqueue_release(pending, /*device_is_current=*/true);
       return;
     }
+    // The captured work reads the data at every launch of the graph: the release waits for the graph
+    // to be gone, then for the stream's own work as any release does.
+    // (The legacy stream is only part of another stream's capture, and must not be touched.)
+    if (!pending->graph_gone && stream != backend_.legacy_default_stream() && release_with_graph(pending)) { return; }
   } catch (...) {}  // enqueue_release finds out what is wrong with the stream
   if (capturing) {
     when_not_capturing(pending);
@@ -279,11 +393,10 @@ void context::enqueue_release(pending_release* pending, bool device_is_current) 
     std::optional<device_guard> on_owner;
     if (!device_is_current) { on_owner.emplace(backend_, device); }
     std::lock_guard lock{watch_mutex_};
-    const auto now = std::chrono::steady_clock::now();
     release_group* open = nullptr;
     for (auto it = watched_.rbegin(); it != watched_.rend(); ++it) {  // the stream's newest group
       if (it->where != pending->where) { continue; }
-      if (it->releases.size() < max_group_size && now - it->opened < group_window) { open = &*it; }
+      if (!it->sealed) { open = &*it; }
       break;
     }
     if (open != nullptr) {
@@ -297,8 +410,7 @@ void context::enqueue_release(pending_release* pending, bool device_is_current) 
         throw;
       }
     } else {
-      release_group group{pending->where, events_.acquire(device), {pending}, now};
-      backend_.record_event(group.reached.get(), stream);
+      release_group group{.where = pending->where, .reached = events_.record(device, stream), .releases = {pending}};
       watched_.push_back(std::move(group));
       open = &watched_.back();
       if (!polling_) {
@@ -326,8 +438,7 @@ void context::enqueue_release(pending_release* pending, bool device_is_current) 
   const auto wait_then_release = [this, pending, device = device, stream = stream]() noexcept {
     try {
       const relaxed_capture_mode relaxed{backend_};
-      device_guard on_owner{backend_, device};
-      backend_.synchronize_stream(stream);
+      wait_for_stream(device, stream);
     } catch (const std::exception& e) {
       HANDOFF_LOG_ERROR(
         "deferred release: waiting for stream {:#x} failed ({}); its producer is kept, not "
@@ -343,6 +454,18 @@ void context::enqueue_release(pending_release* pending, bool device_is_current) 
     deferred_->post(wait_then_release);
   } catch (...) {
     wait_then_release();  // cannot defer at all: wait here
+  }
+}
+
+void context::wait_for_stream(int device, device::stream_handle stream)
+{
+  const device_guard on_owner{backend_, device};
+  // A synchronization of the legacy default stream waits only for the work enqueued on it; the
+  // blocking streams' work it stands for is waited for with the whole device's.
+  if (stream == backend_.legacy_default_stream()) {
+    backend_.synchronize_device();
+  } else {
+    backend_.synchronize_stream(stream);
   }
 }
 
@@ -394,6 +517,7 @@ void context::poll_releases(std::chrono::nanoseconds interval) noexcept
     std::lock_guard lock{watch_mutex_};
     watched.splice(watched.end(), watched_);  // out of reach: no release joins a group being looked at
   }
+  for (auto& group : watched) { group.sealed = true; }
   // Grouped by device, so that each device is made current once per look.
   watched.sort([](const release_group& a, const release_group& b) { return a.where.first < b.where.first; });
   std::vector<pending_release*> reached;
@@ -412,26 +536,31 @@ void context::poll_releases(std::chrono::nanoseconds interval) noexcept
         current = device;
       }
       if (!backend_.query_event(group->reached.get())) {
+        group->failed_polls = 0;
         waiting.splice(waiting.end(), watched, group);
         continue;
       }
       reached.insert(reached.end(), group->releases.begin(), group->releases.end());
-    } catch (const std::exception& e) {
-      // Nothing says when the consumer is done (a device error): the producers are kept, never
-      // released early.
-      HANDOFF_LOG_ERROR("deferred release: stream {:#x} of device {} cannot be waited for ({}); {} producer(s) kept",
-                        raw(stream), device, e.what(), group->releases.size());
-      for (auto* pending : group->releases) { finished_one(pending->where); }
     } catch (...) {
+      const std::string why = what_failed();
+      if (!group->keeps_failing(std::chrono::steady_clock::now())) {
+        HANDOFF_LOG_DEBUG("deferred release: stream {:#x} of device {} could not be asked ({}); asking again",
+                          raw(stream), device, why);
+        waiting.splice(waiting.end(), watched, group);
+        continue;
+      }
+      // Nothing says when the consumer is done (a sticky device error): the producers are kept,
+      // never released early.
+      HANDOFF_LOG_ERROR(
+        "deferred release: stream {:#x} of device {} cannot be waited for ({}, for {} polls); {} producer(s) kept",
+        raw(stream), device, why, group->failed_polls, group->releases.size());
       for (auto* pending : group->releases) { finished_one(pending->where); }
+      group->reached.discard();  // an event that cannot be asked about is not pooled again
     }
     watched.erase(group);  // its event goes back to the pool first: a release may import again
   }
   on_device.reset();
-  for (auto* pending : reached) {
-    pending->run(*this);
-    pending_release::retire(pending);
-  }
+  if (!reached.empty()) { run_releases(reached); }
   std::lock_guard lock{watch_mutex_};
   watched_.splice(watched_.begin(), waiting);  // older than what was added meanwhile
   if (watched_.empty()) {
@@ -440,6 +569,62 @@ void context::poll_releases(std::chrono::nanoseconds interval) noexcept
   }
   // Look again soon while releases complete; back off while the streams are busy.
   poll_later(reached.empty() ? std::min(interval * 2, std::chrono::nanoseconds{max_release_poll}) : min_release_poll);
+}
+
+void context::run_releases(std::vector<pending_release*>& releases) noexcept
+{
+  struct batch {
+    context* owner;
+    std::vector<pending_release*>* releases;
+  } state{this, &releases};
+  const auto body = [](void* raw) noexcept {
+    auto* b = static_cast<batch*>(raw);
+    for (auto* pending : *b->releases) {
+      pending->run(*b->owner);
+      pending_release::retire(pending);
+    }
+  };
+  if (const release_section section = installed_release_section.load(std::memory_order_acquire)) {
+    section(body, &state);
+  } else {
+    body(&state);
+  }
+}
+
+bool context::release_with_graph(pending_release* pending) noexcept
+{
+  // On a backend thread, which must not call the backend: the executor takes it from there.
+  const auto graph_gone = [](void* raw) noexcept {
+    auto* p = static_cast<pending_release*>(raw);
+    const std::lock_guard lock{p->shared->mutex};  // the context stays while the release is handed over
+    context* owner = p->live_owner();
+    if (owner == nullptr) { return; }  // abandoned at exit
+    p->graph_gone = true;
+    {
+      const std::lock_guard pending_lock{owner->pending_mutex_};
+      --owner->bound_to_graphs_;
+    }
+    try {
+      owner->deferred_->post([owner, p]() noexcept { owner->enqueue_unless_capturing(p); });
+    } catch (...) {
+      HANDOFF_LOG_ERROR("deferred release: out of memory after its graph was destroyed; its producer is kept");
+      owner->finished_one(p->where);
+    }
+  };
+  try {
+    {
+      const std::lock_guard lock{pending_mutex_};
+      ++bound_to_graphs_;  // before: the graph may go at once
+    }
+    backend_.release_with_capture(pending->where.second, graph_gone, pending);
+    HANDOFF_LOG_DEBUG("deferred release: stream {:#x} is capturing; the release waits for the graph to be destroyed",
+                      raw(pending->where.second));
+    return true;
+  } catch (...) {
+    const std::lock_guard lock{pending_mutex_};
+    --bound_to_graphs_;
+    return false;  // no graph of its own to wait for (the legacy stream in another's capture)
+  }
 }
 
 void context::when_not_capturing(pending_release* pending) noexcept

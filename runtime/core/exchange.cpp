@@ -69,6 +69,16 @@ transfer plan_import(const array& view, std::optional<DLDevice> target, std::opt
   return how == transfer::same_device && producer_copied ? transfer::none : how;
 }
 
+producer_device_scope::producer_device_scope(DLDevice claimed)
+{
+  if (claimed.device_type != kDLCUDA && claimed.device_type != kDLROCM) { return; }  // pinned, managed: device 0
+  context* ctx = active_context();
+  if (ctx == nullptr || ctx->backend().device_type() != claimed.device_type) { return; }
+  device::backend& b = ctx->backend();
+  if (claimed.device_id < 0 || claimed.device_id >= b.device_count()) { return; }  // refused with the capsule
+  guard_.emplace(b, claimed.device_id);
+}
+
 std::optional<device::stream_handle> resolve_stream(device::backend& backend, stream_request request)
 {
   switch (request.order) {
@@ -85,15 +95,42 @@ std::optional<device::stream_handle> resolve_stream(device::backend& backend, st
   return std::nullopt;
 }
 
+namespace {
+
+// Blocks the host until the work enqueued so far on `where`'s stream is done, through a pooled event
+// recorded there: the legacy default stream (where data bound to a per-thread default stream is
+// bound) stands for the blocking streams' work only through an operation enqueued on it, and a
+// stream synchronization is none.
+void wait_on_host(const stream_binding& where)
+{
+  device::backend& b = where.ctx->backend();
+  const device_guard on_owner{b, where.device};
+  const pooled_event reached = where.ctx->events().record(where.device, where.stream);
+  b.synchronize_event(reached.get());
+}
+
+}  // namespace
+
+std::optional<device::stream_handle> published_ready_stream(const array& view)
+{
+  const auto ready = view.owner().ready_on();
+  if (!ready) { return std::nullopt; }
+  device::backend& b = ready->ctx->backend();
+  if (ready->stream == b.legacy_default_stream()) {
+    const device_guard on_owner{b, ready->device};
+    if (b.stream_capture_status(ready->stream) == device::capture_status::none) {
+      const pooled_event marker = ready->ctx->events().record(ready->device, ready->stream);
+    }
+  }
+  return ready->stream;
+}
+
 array host_view(context& ctx, const array& view)
 {
   const DLDeviceType type = view.device().device_type;
   HANDOFF_EXPECTS(is_host_accessible(type), buffer_error,
                   fmt::format("{} memory is not accessible from the host", device_type_name(type)));
-  if (const auto ready = view.owner().ready_on(); ready && ready->ctx == &ctx) {
-    device_guard on_owner{ctx.backend(), ready->device};
-    ctx.backend().synchronize_stream(ready->stream);
-  }
+  if (const auto ready = view.owner().ready_on(); ready && ready->ctx == &ctx) { wait_on_host(*ready); }
   array_layout layout = view.layout();
   layout.device = {kDLCPU, 0};
   return array{std::move(layout), view.owner()};
@@ -161,12 +198,12 @@ void note_unordered_export(const array& view)
 // prepare_export with a transfer, kept out of line: the common export (the view itself) stays a few
 // instructions.
 [[gnu::noinline]] std::unique_ptr<const array> transferred_export(const array& view, stream_request consumer,
-                                                                  transfer how)
+                                                                  transfer how, std::shared_ptr<const void> owner)
 {
   auto made = std::make_unique<const array>(transfer_array(view, how));
   if (how == transfer::same_device) {
     if (consumer.order != stream_order::none) {
-      order_export(active_context(), *made, consumer);
+      order_export(active_context(), *made, consumer, std::move(owner));
     } else if (trace::enabled()) {
       note_unordered_export(*made);
     }
@@ -174,13 +211,35 @@ void note_unordered_export(const array& view)
   return made;
 }
 
+std::atomic<export_release> export_release_policy{export_release::known_streams};
+
+// Whether the consumer stream of an export is certain to be alive when the export is released: a
+// default stream always is; a stream handle when the export holds its owner, or the application
+// vouches for every consumer stream.
+bool alive_at_release(stream_request consumer, const std::shared_ptr<const void>& owner) noexcept
+{
+  if (consumer.order != stream_order::handle || owner) { return true; }
+  return current_export_release() == export_release::every_stream;
+}
+
 }  // namespace
 
-std::unique_ptr<const array> prepare_export(const array& view, stream_request consumer, transfer how)
+void set_export_release(export_release policy) noexcept
 {
-  if (how != transfer::none) { return transferred_export(view, consumer, how); }
+  export_release_policy.store(policy, std::memory_order_relaxed);
+}
+
+export_release current_export_release() noexcept
+{
+  return export_release_policy.load(std::memory_order_relaxed);
+}
+
+std::unique_ptr<const array> prepare_export(const array& view, stream_request consumer, transfer how,
+                                            std::shared_ptr<const void> consumer_owner)
+{
+  if (how != transfer::none) { return transferred_export(view, consumer, how, std::move(consumer_owner)); }
   if (consumer.order != stream_order::none) {
-    order_export(active_context(), view, consumer);
+    order_export(active_context(), view, consumer, std::move(consumer_owner));
   } else if (trace::enabled()) {
     note_unordered_export(view);
   }
@@ -216,6 +275,36 @@ void require_stream_ordered(const context& ctx, const array& view)
   }
 }
 
+// Refuses a view whose bytes run past the memory the backend knows: every reader would run off it.
+// One allocation covers the usual view; a range its first byte's allocation does not cover (a
+// mapping a virtual-memory allocator grew, as PyTorch's expandable segments) must end in memory of
+// the same kind on the same device.
+void require_known_range(context& ctx, const array& view)
+{
+  const auto range = byte_range_of(view.layout());  // validate_layout checked that it exists
+  if (!range || range->high == range->low) { return; }
+  const auto address = reinterpret_cast<std::uintptr_t>(view.data());
+  std::uintptr_t first = 0;
+  std::uintptr_t last = 0;
+  const bool wraps =
+    __builtin_add_overflow(address, range->low, &first) || __builtin_add_overflow(address, range->high - 1, &last);
+  const auto extent = [&] {
+    return fmt::format("the array's {} bytes from {:#x}", range->high - range->low, wraps ? address : first);
+  };
+  HANDOFF_EXPECTS(!wraps, value_error, fmt::format("{} wrap around the address space", extent()));
+  device::backend& b = ctx.backend();
+  const device::pointer_attributes start = b.attributes(reinterpret_cast<const void*>(first));
+  HANDOFF_EXPECTS(start.kind != device::memory_kind::unregistered, value_error,
+                  fmt::format("{} start outside any allocation of the {} backend", extent(), b.name()));
+  const auto base = reinterpret_cast<std::uintptr_t>(start.base);
+  if (last - base < start.size) { return; }
+  const device::pointer_attributes end = b.attributes(reinterpret_cast<const void*>(last));
+  HANDOFF_EXPECTS(end.kind == start.kind && end.device == start.device, value_error,
+                  fmt::format("{} run past the end of their allocation ({} bytes from {:#x}) into memory the {} "
+                              "backend does not know as the same device's",
+                              extent(), start.size, base, b.name()));
+}
+
 }  // namespace
 
 array make_view(context* ctx, array_layout layout, producer_ref owner, stream_request ready,
@@ -226,6 +315,7 @@ array make_view(context* ctx, array_layout layout, producer_ref owner, stream_re
   if (ctx == nullptr || (!is_cuda_device(type) && !is_rocm_device(type))) { return view; }
   require_stream_ordered(*ctx, view);
   const int device = owning_device(*ctx, view);  // memory of the device it claims, on a device that exists
+  require_known_range(*ctx, view);
   if (const auto stream = resolve_stream(ctx->backend(), ready)) {
     view.owner().set_ready_on(
       {.ctx = ctx, .device = device, .stream = *stream, .stream_owner = std::move(ready_owner)});
@@ -257,7 +347,7 @@ int owning_device(context& ctx, const array& view)
   return where.device >= 0 ? where.device : ctx.backend().current_device();
 }
 
-void order_export(context* ctx, const array& view, stream_request consumer)
+void order_export(context* ctx, const array& view, stream_request consumer, std::shared_ptr<const void> consumer_owner)
 {
   if (consumer.order == stream_order::none) {
     note_unordered_export(view);
@@ -274,7 +364,12 @@ void order_export(context* ctx, const array& view, stream_request consumer)
   const int device = owning_device(*ctx, view);
   const auto ready = view.owner().ready_on();
   const auto producer = ready && ready->ctx == ctx ? ready->stream : backend.legacy_default_stream();
-  stream_view{backend, *resolve_stream(backend, consumer)}.wait(stream_view{backend, producer}, device, ctx->events());
+  const auto consumer_stream = *resolve_stream(backend, consumer);
+  stream_view{backend, consumer_stream}.wait(stream_view{backend, producer}, device, ctx->events());
+  if (alive_at_release(consumer, consumer_owner)) {
+    view.owner().release_after(
+      {.ctx = ctx, .device = device, .stream = consumer_stream, .stream_owner = std::move(consumer_owner)});
+  }
 }
 
 namespace {
@@ -508,12 +603,43 @@ array copy_device_array(context& ctx, const array& view, bool to_host)
   }
   HANDOFF_EXPECTS(view.is_c_contiguous(), buffer_error,
                   "a copy of non-contiguous device memory on the device is not supported; copy it to the host");
-  // The copy lives on its source's stream: it frees there, so it keeps that stream alive too.
-  array copy = allocate_device_array(
-    {.ctx = &ctx, .device = device, .stream = stream, .stream_owner = ready ? ready->stream_owner : nullptr},
-    view.dtype(), view.shape());
-  backend.copy_async(copy.data(), source, span, stream);  // on failure, `copy` frees in stream order
+  // The copy lives on its source's stream: it frees there, so it keeps that stream alive too. A copy
+  // of managed or pinned memory is of the same kind, on the same DLPack device, as its source.
+  const stream_binding on{
+    .ctx = &ctx, .device = device, .stream = stream, .stream_owner = ready ? ready->stream_owner : nullptr};
+  array copy = is_host_accessible(view.device().device_type)
+                 ? allocate_host_accessible_array(on, view.device(), view.dtype(), view.shape())
+                 : allocate_device_array(on, view.dtype(), view.shape());
+  backend.copy_async(copy.data(), source, span, stream);  // on failure, `copy` frees after the stream's work
   return copy;
+}
+
+array allocate_host_accessible_array(const stream_binding& on, DLDevice kind, DLDataType dtype,
+                                     std::span<const std::int64_t> shape)
+{
+  HANDOFF_EXPECTS(is_host_accessible(kind.device_type), value_error,
+                  fmt::format("{} memory is not host-accessible", device_type_name(kind.device_type)));
+  device::backend& backend = on.ctx->backend();
+  auto [layout, bytes] = row_major_layout(kind, dtype, shape);
+  device_guard on_device{backend, on.device};
+  if (bytes > 0) {
+    layout.data =
+      kind.device_type == kDLCUDAManaged ? backend.allocate_managed(bytes) : backend.allocate_pinned_host(bytes);
+  }
+  device::backend* owner = &backend;
+  // Not stream-ordered: freed once the device is idle, which covers the work on `on.stream`.
+  const auto release = [owner, data = layout.data, device = on.device, stream_owner = on.stream_owner]() noexcept {
+    if (data == nullptr) { return; }
+    try {
+      device_guard on_data{*owner, device};
+      owner->free_sync(data);
+    } catch (const std::exception& e) {
+      HANDOFF_LOG_ERROR("host-accessible memory could not be freed on device {} ({}); it is kept", device, e.what());
+    }
+  };
+  array out{std::move(layout), producer_ref{release}};
+  out.owner().set_ready_on(on);
+  return out;
 }
 
 array allocate_device_array(const stream_binding& on, DLDataType dtype, std::span<const std::int64_t> shape)
@@ -528,7 +654,7 @@ array allocate_device_array(const stream_binding& on, DLDataType dtype, std::spa
   device::backend* owner = &backend;
   // Released on any thread, whatever device is current there: a default stream's handle names the
   // current device's stream, so the allocation's device is made current for the free.
-  const auto release = [owner, data = layout.data, stream = device::thread_independent(backend, on.stream),
+  const auto release = [owner, data = layout.data, stream = on.ctx->thread_independent(on.device, on.stream),
                         device = on.device, stream_owner = on.stream_owner]() noexcept {
     if (data == nullptr) { return; }
     try {

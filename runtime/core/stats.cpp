@@ -14,6 +14,7 @@ constexpr std::size_t counter_count = static_cast<std::size_t>(counter::deferred
 // Relaxed atomics: the counters are statistics, not synchronization.
 std::array<std::atomic<std::uint64_t>, counter_count> counters{};
 std::atomic<std::int64_t> live{0};
+std::atomic<std::int64_t> pending{0};
 
 std::uint64_t load(counter which) noexcept
 {
@@ -35,10 +36,15 @@ void count_serialized(counter which, std::uint64_t n) noexcept
 
 stats_snapshot stats() noexcept
 {
-  return {load(counter::exports),           load(counter::imports),
-          load(counter::waits_inserted),    load(counter::waits_elided),
-          load(counter::events_created),    load(counter::events_reused),
-          load(counter::deferred_releases), live.load(std::memory_order_relaxed)};
+  return {load(counter::exports),
+          load(counter::imports),
+          load(counter::waits_inserted),
+          load(counter::waits_elided),
+          load(counter::events_created),
+          load(counter::events_reused),
+          load(counter::deferred_releases),
+          live.load(std::memory_order_relaxed),
+          pending.load(std::memory_order_relaxed)};
 }
 
 void reset_stats() noexcept
@@ -54,6 +60,10 @@ void live_view_added() noexcept
 void live_view_released() noexcept
 {
   live.fetch_sub(1, std::memory_order_relaxed);
+}
+void pending_releases_changed(int delta) noexcept
+{
+  pending.fetch_add(delta, std::memory_order_relaxed);
 }
 }  // namespace detail
 

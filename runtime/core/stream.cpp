@@ -9,6 +9,8 @@
 
 #include <fmt/format.h>
 
+#include <optional>
+
 namespace handoff {
 namespace {
 
@@ -69,13 +71,13 @@ void stream_view::wait(stream_view producer, int device, event_pool& events) con
                                 raw(producer.handle_), raw(handle_)));
   }
 
+  // Work on the data may have been enqueued from a peer device (a stream of another device reading
+  // or writing it): the event is recorded on the producer stream's own device.
   const int producer_device = b.stream_device(producer.handle_);
-  HANDOFF_EXPECTS(producer_device == device, value_error,
-                  fmt::format("the producer's stream {:#x} belongs to device {}, but its data belongs to device {}",
-                              raw(producer.handle_), producer_device, device));
-
-  const pooled_event event = events.acquire(device);
-  b.record_event(event.get(), producer.handle_);
+  std::optional<device_guard> on_producer;
+  if (producer_device != device) { on_producer.emplace(b, producer_device); }
+  const pooled_event event = events.record(producer_device, producer.handle_);
+  on_producer.reset();  // a default consumer stream is the data's device's
   b.stream_wait_event(handle_, event.get());
   count(counter::waits_inserted);
   note_wait(device, producer, true);

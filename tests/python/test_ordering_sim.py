@@ -183,13 +183,30 @@ def test_a_consumer_on_another_device_waits_across_devices():
 
 
 @needs_two_devices
-def test_a_producer_stream_of_another_device_is_a_clear_error():
-    wrong = sim.Stream(0, non_blocking=True)
+@pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "negative-control"])
+def test_data_written_from_a_peer_devices_stream_is_ordered_on_that_stream(ordered):
+    peer = sim.Stream(0, non_blocking=True)
     source = sim.zeros(N, device=1)
-    sim.fill(source, 1.0, stream=wrong)  # claims its data (device 1) was written on device 0
+    sim.synchronize()
+    sim.fill(source, 5.0, stream=peer, delay=SLOW)  # device 1's data written from a device 0 stream
     consumer = sim.Stream(1, non_blocking=True)
-    with pytest.raises(ValueError, match="belongs to device 0, but its data belongs to device 1"):
-        source.__dlpack__(stream=consumer.handle, max_version=(1, 1))
+    view = handoff.from_dlpack(source, stream=consumer if ordered else -1)
+    assert sim.to_numpy(view, stream=consumer)[0] == (5.0 if ordered else 0.0)
+    sim.synchronize()
+
+
+@needs_two_devices
+def test_a_view_ordered_onto_a_peer_devices_stream_can_be_handed_on():
+    producer = sim.Stream(0, non_blocking=True)
+    peer = sim.Stream(1, non_blocking=True)
+    last = sim.Stream(0, non_blocking=True)
+    source = pending_write(producer, value=3.0, device=0)
+    view = handoff.from_dlpack(source, stream=peer)  # a reader on device 1: the data is now ready there
+    sim.fill(view, 4.0, stream=peer, delay=SLOW)
+    handed_on = handoff.from_dlpack(view, stream=last)
+    assert sim.to_numpy(handed_on, stream=last)[0] == 4.0
+    capsule = view.__dlpack__(stream=last.handle, max_version=(1, 1))  # the export path takes it too
+    del capsule
     sim.synchronize()
 
 

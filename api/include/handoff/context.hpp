@@ -35,6 +35,15 @@ class executor {
   virtual void drain() = 0;
 };
 
+/// How the executor runs a batch of deferred releases that their streams let go together: `body(state)`
+/// runs them all. An embedding runtime installs one to take, at most once per batch, what releases
+/// need: the Python module's takes the GIL when the first producer's deleter asks for it and keeps
+/// it to the batch's end, so that a busy interpreter hands it over once per batch, not once per
+/// release (which let releases fall behind imports without bound). Must call `body` exactly once.
+using release_section = void (*)(void (*body)(void* state) noexcept, void* state) noexcept;
+/// Installs `section` for every later batch of releases (nullptr: the body runs as it is).
+void set_release_section(release_section section) noexcept;
+
 /// What exchanges on one backend share. One per backend; outlives every view bound to it.
 class context {
  public:
@@ -53,6 +62,13 @@ class context {
 
   [[nodiscard]] device::backend& backend() const noexcept { return backend_; }
   [[nodiscard]] event_pool& events() noexcept { return events_; }
+
+  /// A handle that names `stream` (of `device`) from any thread, for work or a release enqueued
+  /// later elsewhere: the calling thread's per-thread default stream becomes the legacy default
+  /// stream, which is ordered after the work of every blocking stream of its device. A driver may
+  /// drop an ended thread's per-thread stream from that implicit ordering, so the legacy default
+  /// stream is then also made to wait for the per-thread stream's work when the thread ends.
+  [[nodiscard]] device::stream_handle thread_independent(int device, device::stream_handle stream) noexcept;
 
   /// Runs `release` once the work enqueued so far on `stream` (of `device`) is done, without
   /// blocking the caller or the stream: an event from the pool is recorded on `stream` (counted in
@@ -84,6 +100,7 @@ class context {
 
  private:
   using stream_key = std::pair<int, device::stream_handle>;  // (device, stream)
+  struct thread_exit_orders;
   struct pending_release;
   struct release_group;
   struct shared_state;
@@ -92,8 +109,12 @@ class context {
   void poll_later(std::chrono::nanoseconds interval) noexcept;
   void poll_releases(std::chrono::nanoseconds interval) noexcept;
   void when_not_capturing(pending_release* pending) noexcept;
+  bool release_with_graph(pending_release* pending) noexcept;
   void hold_back(device::stream_handle producer, device::stream_handle consumer, device::event_handle reached) noexcept;
   void finished_one(stream_key where) noexcept;
+  void run_releases(std::vector<pending_release*>& releases) noexcept;
+  void order_legacy_after_this_thread(int device) noexcept;
+  void wait_for_stream(int device, device::stream_handle stream);  // blocks the calling thread
 
   device::backend& backend_;
   event_pool events_;
@@ -101,6 +122,7 @@ class context {
   std::condition_variable none_pending_;
   std::size_t pending_{0};                       // deferred releases not yet run
   std::map<stream_key, std::size_t> by_stream_;  // the same, by the stream they wait for
+  std::size_t bound_to_graphs_{0};               // of them, those waiting for a captured graph to go
   std::mutex watch_mutex_;
   std::list<release_group> watched_;  // recorded; the executor polls their events
   bool polling_{false};               // a poll is scheduled (guarded by watch_mutex_)

@@ -74,6 +74,10 @@ class backend {
   virtual void push_current_device(int device) = 0;
   /// Undoes the calling thread's latest push_current_device.
   virtual void pop_current_device() noexcept = 0;
+  /// An id of `device`'s (primary) context, unique in the process: a reset of the context
+  /// (cuDevicePrimaryCtxReset, as numba-cuda's cuda.close() does) gives it a new one, and what was
+  /// made in the old one (events, streams, memory) is gone.
+  [[nodiscard]] virtual std::uint64_t context_id(int device) = 0;
 
   /// The legacy default stream: implicitly synchronizes with every blocking stream of its device.
   [[nodiscard]] virtual stream_handle legacy_default_stream() const noexcept = 0;
@@ -121,19 +125,26 @@ class backend {
   [[nodiscard]] virtual void* allocate(std::size_t bytes, stream_handle stream) = 0;
   /// Frees memory from `allocate` once the work enqueued on `stream` so far is done.
   virtual void deallocate(void* ptr, stream_handle stream) noexcept = 0;
+  /// Allocates page-locked host memory (memory_kind::pinned_host) on the current device, as
+  /// cudaMallocHost: not stream-ordered.
+  [[nodiscard]] virtual void* allocate_pinned_host(std::size_t bytes) = 0;
+  /// Allocates managed memory (memory_kind::managed) on the current device, as cudaMallocManaged:
+  /// not stream-ordered.
+  [[nodiscard]] virtual void* allocate_managed(std::size_t bytes) = 0;
+  /// Frees memory from allocate_pinned_host or allocate_managed once all work on its device is
+  /// done, blocking until then (cudaFreeHost, cudaFree).
+  virtual void free_sync(void* ptr) = 0;
   /// Enqueues a copy of `bytes` between any two addresses the backend can reach.
   virtual void copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream) = 0;
+  /// Runs `release(data)` once the graph `stream` is capturing into is gone: destroyed, with every
+  /// launch of it done (a user object the graph retains: cudaUserObjectCreate and
+  /// cudaGraphRetainUserObject). `release` runs on a backend thread and must not call the backend.
+  /// @throws device_error when `stream` takes part in no capture of its own (the legacy stream while
+  ///         a blocking stream captures included); `release` then never runs.
+  virtual void release_with_capture(stream_handle stream, void (*release)(void* data) noexcept, void* data) = 0;
   /// Enqueues a host function; it runs on a backend thread once earlier work on `stream` is done,
   /// and must not call into the backend.
   virtual void launch_host_func(stream_handle stream, void (*fn)(void*), void* user_data) = 0;
 };
-
-/// A handle that names `stream` from any thread, for work enqueued later elsewhere: the calling
-/// thread's per-thread default stream becomes the legacy default stream, which is ordered after
-/// the work of every blocking stream of its device, each thread's per-thread default included.
-[[nodiscard]] inline stream_handle thread_independent(const backend& b, stream_handle stream) noexcept
-{
-  return stream == b.per_thread_default_stream() ? b.legacy_default_stream() : stream;
-}
 
 }  // namespace handoff::device

@@ -3,6 +3,7 @@
 
 #include <handoff/device.hpp>
 
+#include <cstdint>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -14,11 +15,14 @@ class event_pool;
 /// An event borrowed from a pool; goes back on destruction. Move-only.
 class pooled_event {
  public:
-  pooled_event(event_pool& pool, int device, device::event_handle event) noexcept
-      : pool_(&pool), device_(device), event_(event)
+  pooled_event(event_pool& pool, int device, std::uint64_t context, device::event_handle event) noexcept
+      : pool_(&pool), device_(device), context_(context), event_(event)
   {}
   pooled_event(pooled_event&& other) noexcept
-      : pool_(std::exchange(other.pool_, nullptr)), device_(other.device_), event_(other.event_)
+      : pool_(std::exchange(other.pool_, nullptr)),
+        device_(other.device_),
+        context_(other.context_),
+        event_(other.event_)
   {}
   pooled_event& operator=(pooled_event&&) = delete;
   pooled_event(const pooled_event&) = delete;
@@ -26,15 +30,20 @@ class pooled_event {
   ~pooled_event();
 
   [[nodiscard]] device::event_handle get() const noexcept { return event_; }
+  /// Destroys the event instead of giving it back: a failed record may have left it unusable.
+  void discard() noexcept;
 
  private:
   event_pool* pool_;
   int device_;
+  std::uint64_t context_;  // the device context the event belongs to (backend::context_id)
   device::event_handle event_;
 };
 
-/// Events (timing disabled) of one backend, pooled per device. A returned event may be re-recorded
-/// at once: a stream's wait captures the record as of the wait call, as CUDA specifies.
+/// Events (timing disabled) of one backend, pooled per device and per device context: after a
+/// context reset (numba-cuda's `cuda.close()` resets the primary context) the events of the old
+/// context are gone with it, and are neither handed out nor destroyed again. A returned event may be
+/// re-recorded at once: a stream's wait captures the record as of the wait call, as CUDA specifies.
 class event_pool {
  public:
   explicit event_pool(device::backend& backend) : backend_(backend) {}
@@ -48,16 +57,26 @@ class event_pool {
   /// events_created. @throws device_error when creating one fails.
   [[nodiscard]] pooled_event acquire(int device);
 
+  /// An event of `device` (the current device) recorded on `stream`: it captures the work enqueued
+  /// there so far. An event whose record fails is destroyed, not pooled.
+  /// @throws device_error when creating or recording the event fails.
+  [[nodiscard]] pooled_event record(int device, device::stream_handle stream);
+
   /// Events currently idle in the pool (all devices).
   [[nodiscard]] std::size_t idle() const;
 
  private:
   friend class pooled_event;
-  void give_back(int device, device::event_handle event) noexcept;
+  void give_back(int device, std::uint64_t context, device::event_handle event) noexcept;
+
+  struct device_pool {
+    std::uint64_t context{0};  // the context its events belong to
+    std::vector<device::event_handle> events;
+  };
 
   device::backend& backend_;
   mutable std::mutex mutex_;
-  std::vector<std::vector<device::event_handle>> idle_;  // by device
+  std::vector<device_pool> idle_;  // by device
 };
 
 }  // namespace handoff

@@ -3,9 +3,11 @@
 
 #include <handoff/array.hpp>
 #include <handoff/context.hpp>
+#include <handoff/device_guard.hpp>
 #include <handoff/interface.hpp>
 #include <handoff/stream_value.hpp>
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <span>
@@ -54,13 +56,41 @@ void set_blocking_section(blocking_section section) noexcept;
 ///         fails; buffer_error when the backend does not order that memory.
 [[nodiscard]] array transfer_array(const array& view, transfer how);
 
+/// Which consumer streams an export's producer waits for when the consumer releases the export
+/// (its deleter: PyTorch and CuPy call it at their refcount zero, whatever their stream still has
+/// queued). A stream that may be destroyed by then is never touched: recording on it is undefined.
+enum class export_release : std::uint8_t {
+  known_streams,  ///< the default streams (1, 2; ROCm's 0) and streams whose owner the export holds
+  every_stream,   ///< raw handles too: the application promises that each consumer stream outlives
+                  ///< the exports it was handed (HANDOFF_EXPORT_RELEASE=every-stream)
+};
+/// Sets the policy for every later export. Thread-safe.
+void set_export_release(export_release policy) noexcept;
+/// The policy in force (the runtime starts with HANDOFF_EXPORT_RELEASE's, default known_streams).
+[[nodiscard]] export_release current_export_release() noexcept;
+
 /// Prepares the export of `view` to a consumer asking for `consumer` (its `stream` as classify_stream
-/// reads it for the view's device), `how` as plan_export chose: the array to hand over instead of
-/// the view (transfer_array's), or null for the view itself (the common export, which allocates
-/// nothing); either is ordered for the consumer where it stays on the device. Needs no device
-/// runtime when nothing is to be ordered or copied (host data, stream=-1).
+/// reads it for the view's device; `consumer_owner`, possibly empty, keeps that stream alive), `how` as
+/// plan_export chose: the array to hand over instead of the view (transfer_array's), or null for the
+/// view itself (the common export, which allocates nothing); either is ordered for the consumer
+/// where it stays on the device (order_export). Needs no device runtime when nothing is to be
+/// ordered or copied (host data, stream=-1).
 /// @throws what transfer_array and order_export throw.
-[[nodiscard]] std::unique_ptr<const array> prepare_export(const array& view, stream_request consumer, transfer how);
+[[nodiscard]] std::unique_ptr<const array> prepare_export(const array& view, stream_request consumer, transfer how,
+                                                          std::shared_ptr<const void> consumer_owner = {});
+
+/// Makes the device of the data a producer says it holds (its `__dlpack_device__`) current for the
+/// scope of the call to its `__dlpack__`: producers order the *current* device's streams (PyTorch
+/// records on the current device's stream), so a consumer calls them with the data's device current,
+/// as CuPy's does. Nothing for data that is not device memory of the active backend's family.
+class producer_device_scope {
+ public:
+  /// @throws device_error when the device cannot be made current.
+  explicit producer_device_scope(DLDevice claimed);
+
+ private:
+  std::optional<device_guard> guard_;
+};
 
 /// The stream a validated DLPack request names on `backend`; nullopt when it asks for no ordering.
 [[nodiscard]] std::optional<device::stream_handle> resolve_stream(device::backend& backend, stream_request request);
@@ -72,20 +102,23 @@ void set_blocking_section(blocking_section section) noexcept;
 
 /// A view of memory a library describes itself (to export its own arrays): `layout` checked as an
 /// array's; for CUDA or ROCm memory with an active backend, the memory checked against the device it
-/// claims, and the data recorded as ready on `ready` (the producer's stream, kept alive by
-/// `ready_owner`; order none: unknown, so exports order after the device's legacy default stream).
-/// Without a backend (`ctx` null) device memory is exchanged as it comes.
-/// @throws value_error for a bad layout, or memory that is not the claimed device's; device_error
-///         when the backend is of the other device family (CUDA memory with a ROCm backend).
+/// claims (every byte it reaches, not only the first), and the data recorded as ready on `ready` (the producer's
+/// stream, kept alive by `ready_owner`; order none: unknown, so exports order after the device's legacy default
+/// stream). Without a backend (`ctx` null) device memory is exchanged as it comes.
+/// @throws value_error for a bad layout, or memory that is not the claimed device's (or that runs past
+///         its allocation); device_error when the backend is of the other device family.
 [[nodiscard]] array make_view(context* ctx, array_layout layout, producer_ref owner, stream_request ready,
                               std::shared_ptr<const void> ready_owner = {});
 
 /// Export half: orders the work pending on the stream `view` is ready on (its producer's last
 /// write; the device's legacy default stream when unknown) before the work the consumer will
-/// enqueue on the requested stream. Never blocks the host.
+/// enqueue on the requested stream, and keeps `view`'s producer until the work the consumer has
+/// enqueued there by the time the export is released is done, when that stream is certain to be
+/// alive then (export_release; `consumer_owner`, possibly empty, keeps it so). Never blocks the host.
 /// @throws device_error when the view is on a device and no backend is active (`ctx` null), or
 ///         the backend is of another family (a CUDA array with a ROCm backend).
-void order_export(context* ctx, const array& view, stream_request consumer);
+void order_export(context* ctx, const array& view, stream_request consumer,
+                  std::shared_ptr<const void> consumer_owner = {});
 
 /// Import half: records that `view`'s data is ready on `consumer` (of `device`), and defers the
 /// release of its producer until the work enqueued on `consumer` by then is done. `consumer_owner`
@@ -164,7 +197,8 @@ void bind_after_producer(const array& view, const stream_binding& consumer, stre
 
 /// A compact copy of device-resident `view`, made in order after the work pending on the stream it
 /// is ready on: on the host (`to_host`, waited for, so the copy is usable when this returns) or on
-/// the same device (stream-ordered: the copy is ready on that stream and returns at once).
+/// the same device (stream-ordered: the copy is ready on that stream and returns at once), in the
+/// same kind of memory (managed or pinned memory copies to managed or pinned memory).
 /// @throws device_error when a device call fails; nothing is leaked.
 [[nodiscard]] array copy_device_array(context& ctx, const array& view, bool to_host);
 
@@ -177,10 +211,28 @@ void bind_after_producer(const array& view, const stream_binding& consumer, stre
 [[nodiscard]] array allocate_device_array(const stream_binding& on, DLDataType dtype,
                                           std::span<const std::int64_t> shape);
 
+/// A new row-major array of `shape` and `dtype` in host-accessible memory handoff owns, of `kind`'s
+/// device type (kDLCUDAManaged: managed memory; kDLCUDAHost or kDLROCMHost: pinned host memory),
+/// allocated on device `on.device` of `on.ctx`'s backend and recorded as ready on `on.stream`. The
+/// allocation is not stream-ordered: it is freed, once its last view is gone, when the device is idle.
+/// @throws value_error for a shape as allocate_device_array, or a `kind` the host cannot reach;
+///         device_error when the allocation fails.
+[[nodiscard]] array allocate_host_accessible_array(const stream_binding& on, DLDevice kind, DLDataType dtype,
+                                                   std::span<const std::int64_t> shape);
+
 /// The same host-accessible memory (pinned or managed) as a CPU array, once the work pending on
 /// the stream it is ready on is done (waited for: a CPU consumer has no stream to order).
 /// @throws buffer_error for memory the host cannot reach; device_error when the wait fails.
 [[nodiscard]] array host_view(context& ctx, const array& view);
+
+/// The stream to tell a consumer that may synchronize it, rather than wait on it, that `view`'s data
+/// is ready on (the CUDA Array Interface's `stream`): the stream it is ready on, nullopt when none is
+/// known. When that is the legacy default stream (as for data bound to a per-thread default stream),
+/// a pooled event's record is first enqueued there: a synchronization of the legacy stream waits only
+/// for work enqueued on it, and that record waits for every blocking stream's work enqueued so far.
+/// Never blocks the host.
+/// @throws device_error when the record fails.
+[[nodiscard]] std::optional<device::stream_handle> published_ready_stream(const array& view);
 
 /// True when `view` lives in memory ordered by the streams of `ctx`'s backend.
 [[nodiscard]] bool is_stream_ordered(const context& ctx, const array& view) noexcept;

@@ -72,6 +72,7 @@ class sim_backend final : public backend {
   void set_current_device(int device) override;
   void push_current_device(int device) override;
   void pop_current_device() noexcept override;
+  [[nodiscard]] std::uint64_t context_id(int device) override;
   [[nodiscard]] stream_handle legacy_default_stream() const noexcept override;
   /// "sim": 2 on every thread. "sim-rocm": a value > 2 that names the calling thread's stream.
   [[nodiscard]] stream_handle per_thread_default_stream() const noexcept override;
@@ -94,7 +95,12 @@ class sim_backend final : public backend {
   [[nodiscard]] pointer_attributes attributes(const void* ptr) override;
   [[nodiscard]] void* allocate(std::size_t bytes, stream_handle stream) override;
   void deallocate(void* ptr, stream_handle stream) noexcept override;
+  [[nodiscard]] void* allocate_pinned_host(std::size_t bytes) override;
+  [[nodiscard]] void* allocate_managed(std::size_t bytes) override;
+  /// Frees any allocation of this backend (device memory too) once all work on its device is done.
+  void free_sync(void* ptr) override;
   void copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream) override;
+  void release_with_capture(stream_handle stream, void (*release)(void* data) noexcept, void* data) override;
   void launch_host_func(stream_handle stream, void (*fn)(void*), void* user_data) override;
 
   // --- simulation extras -----------------------------------------------------------------------
@@ -162,6 +168,11 @@ class sim_backend final : public backend {
   void inject_sticky_fault(int device, std::string error_name);
   /// Makes `device` usable again. CUDA has no such thing short of a new process: for tests only.
   void clear_sticky_fault(int device);
+  /// Resets `device`'s context as cuDevicePrimaryCtxReset does (numba-cuda's cuda.close()): waits
+  /// for its work, then destroys its streams, events and allocations; its next use gets a new
+  /// context (context_id). A later use of a handle made before is a violation, as in CUDA.
+  /// @throws handoff::value_error for a device that does not exist.
+  void reset_device(int device);
 
   /// What the program did that CUDA leaves undefined or forbids without always saying so: a use of
   /// a destroyed stream or event (which still fails with an invalid-handle error here), a second
@@ -169,12 +180,6 @@ class sim_backend final : public backend {
   [[nodiscard]] std::vector<std::string> violations();
   void clear_violations() noexcept;
 
-  /// Page-locked host memory on the current device (memory_kind::pinned_host), as cudaMallocHost.
-  [[nodiscard]] void* allocate_pinned_host(std::size_t bytes);
-  /// Managed memory on the current device (memory_kind::managed), as cudaMallocManaged.
-  [[nodiscard]] void* allocate_managed(std::size_t bytes);
-  /// Frees any allocation of this backend once all work on its device is done, as cudaFree.
-  void free_sync(void* ptr);
   /// The devices that have a context: those selected (set_current_device, push_current_device) or
   /// used through the current device (default streams, creating streams or events, allocating),
   /// as CUDA creates a device's primary context. Asking which device is current creates none.

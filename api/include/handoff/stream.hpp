@@ -25,13 +25,14 @@ class stream_view {
   }
 
   /// Orders the work enqueued so far on `producer` before the work enqueued on this stream from now
-  /// on, for data owned by `device`: switches to `device`, records a pooled event on `producer` and
-  /// makes this stream wait on it, then restores the current device. Never blocks the host.
+  /// on, for data owned by `device` (on which default streams resolve): records a pooled event on
+  /// `producer`, on the producer stream's own device (work on the data may come from a peer
+  /// device's stream), and makes this stream wait on it; the current device is restored. Never
+  /// blocks the host.
   /// Does nothing (counted in `waits_elided`) only when the streams are the same. The legacy
   /// default stream's implicit synchronization is not relied on: it orders only work actually
   /// enqueued on it, so a consumer stream that is then handed on without work of its own would
   /// order nothing.
-  /// @throws value_error when `producer` belongs to a device other than `device`.
   /// @throws buffer_error when a stream is capturing into a graph and the ordering is impossible.
   /// @throws device_error when a device call fails; the current device is restored.
   void wait(stream_view producer, int device, event_pool& events) const;

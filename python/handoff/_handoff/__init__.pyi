@@ -77,6 +77,7 @@ class _Stats(TypedDict):
     events_reused: int
     deferred_releases: int
     live_views: int
+    pending_releases: int
 
 # The backends HANDOFF_BACKEND chooses from ('auto' reports the one it started); a name handoff does
 # not know is reported as given, with backend_error saying so.
@@ -92,6 +93,9 @@ class _RuntimeInfo(TypedDict):
     cuda_runtime: str | None
     cuda_driver_minimum: int | None
     backend_error: str | None
+
+# Which consumer streams an export's release waits for (set_export_release).
+_ExportRelease: TypeAlias = Literal["known-streams", "every-stream"]
 
 _StreamOrder: TypeAlias = Literal["none", "legacy_default", "per_thread_default", "default_stream", "handle"]
 
@@ -168,6 +172,7 @@ def view(
 def stats() -> _Stats: ...
 def reset_stats() -> None: ...
 def runtime_info() -> _RuntimeInfo: ...
+def set_export_release(policy: _ExportRelease) -> _ExportRelease: ...
 
 # --- for the handoff package -----------------------------------------------------------------
 

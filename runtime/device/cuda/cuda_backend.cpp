@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -56,6 +57,8 @@ struct driver_api {
   PFN_cuGetErrorName_v6000 get_error_name{nullptr};
   PFN_cuGetErrorString_v6000 get_error_string{nullptr};
   PFN_cuThreadExchangeStreamCaptureMode_v10010 thread_exchange_capture_mode{nullptr};
+  PFN_cuStreamGetDevice_v12080 stream_get_device{nullptr};
+  PFN_cuCtxGetId_v12000 ctx_get_id{nullptr};
 };
 
 template <class F>
@@ -90,6 +93,20 @@ bool is_shutdown_error(cudaError_t status) noexcept
   return status == cudaErrorCudartUnloading || status == cudaErrorContextIsDestroyed;
 }
 
+// What a user object a graph retains runs when the graph is gone (release_with_capture).
+struct retained_release {
+  void (*release)(void* data) noexcept;
+  void* data;
+  std::atomic<bool> armed;
+
+  static void destroy(void* self) noexcept
+  {
+    auto* r = static_cast<retained_release*>(self);
+    if (r->armed.load(std::memory_order_acquire)) { r->release(r->data); }
+    delete r;
+  }
+};
+
 class cuda_backend final : public backend {
  public:
   cuda_backend()
@@ -117,6 +134,8 @@ class cuda_backend final : public backend {
     load_entry_point("cuGetErrorName", driver_.get_error_name, 6000);
     load_entry_point("cuGetErrorString", driver_.get_error_string, 6000);
     load_entry_point("cuThreadExchangeStreamCaptureMode", driver_.thread_exchange_capture_mode, 10010);
+    load_entry_point("cuStreamGetDevice", driver_.stream_get_device, 12080);
+    load_entry_point("cuCtxGetId", driver_.ctx_get_id, 12000);
     HANDOFF_LOG_DEBUG("cuda: {} devices", count);
   }
 
@@ -166,6 +185,13 @@ class cuda_backend final : public backend {
     }
   }
 
+  [[nodiscard]] std::uint64_t context_id(int device) override
+  {
+    unsigned long long id = 0;
+    check_driver(driver_.ctx_get_id(primary_context(device), &id), "cuCtxGetId", nullptr);
+    return static_cast<std::uint64_t>(id);
+  }
+
   // DLPack's 1 and 2 are cudaStreamLegacy and cudaStreamPerThread: the same integers.
   [[nodiscard]] stream_handle legacy_default_stream() const noexcept override { return stream_handle{1}; }
   [[nodiscard]] stream_handle per_thread_default_stream() const noexcept override { return stream_handle{2}; }
@@ -188,12 +214,15 @@ class cuda_backend final : public backend {
     log_quietly("cudaStreamDestroy", cudaStreamDestroy(to_native(stream)));
   }
 
+  // The driver's call: a stream knows its context, so nothing needs to be current, where the
+  // runtime's would initialise a context on the current device of a thread that has none (the
+  // service thread running releases).
   [[nodiscard]] int stream_device(stream_handle stream) override
   {
     if (is_default_stream(stream)) { return current_device(); }
-    int device = 0;
-    HANDOFF_CUDA_TRY(cudaStreamGetDevice(to_native(stream), &device));
-    return device;
+    CUdevice device = 0;
+    check_driver(driver_.stream_get_device(to_native(stream), &device), "cuStreamGetDevice", to_native(stream));
+    return static_cast<int>(device);
   }
 
   [[nodiscard]] bool stream_is_blocking(stream_handle stream) override
@@ -342,9 +371,63 @@ class cuda_backend final : public backend {
     log_quietly("cudaFreeAsync", cudaFreeAsync(ptr, to_native(stream)));
   }
 
+  [[nodiscard]] void* allocate_pinned_host(std::size_t bytes) override
+  {
+    void* ptr = nullptr;
+    HANDOFF_CUDA_TRY(cudaMallocHost(&ptr, bytes));
+    return ptr;
+  }
+
+  [[nodiscard]] void* allocate_managed(std::size_t bytes) override
+  {
+    void* ptr = nullptr;
+    HANDOFF_CUDA_TRY(cudaMallocManaged(&ptr, bytes, cudaMemAttachGlobal));
+    return ptr;
+  }
+
+  void free_sync(void* ptr) override
+  {
+    if (ptr == nullptr) { return; }
+    cudaPointerAttributes attributes{};
+    HANDOFF_CUDA_TRY(cudaPointerGetAttributes(&attributes, ptr));
+    if (attributes.type == cudaMemoryTypeHost) {
+      HANDOFF_CUDA_TRY(cudaFreeHost(ptr));
+    } else {
+      HANDOFF_CUDA_TRY(cudaFree(ptr));
+    }
+  }
+
   void copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream) override
   {
     HANDOFF_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, to_native(stream)));
+  }
+
+  void release_with_capture(stream_handle stream, void (*release)(void* data) noexcept, void* data) override
+  {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    cudaGraph_t graph = nullptr;
+    HANDOFF_CUDA_TRY(cudaStreamGetCaptureInfo(to_native(stream), &status, nullptr, &graph));
+    if (status != cudaStreamCaptureStatusActive || graph == nullptr) {
+      throw device_error(
+        "cuda", "cudaErrorIllegalState",
+        fmt::format("stream {:#x} is not capturing into a graph", static_cast<std::uintptr_t>(stream)));
+    }
+    // If retaining fails, the object is disarmed before it is dropped: its destructor must not
+    // release what the caller still holds.
+    auto* armed = new retained_release{release, data, true};
+    cudaUserObject_t object = nullptr;
+    const cudaError_t created =
+      cudaUserObjectCreate(&object, armed, &retained_release::destroy, 1, cudaUserObjectNoDestructorSync);
+    if (created != cudaSuccess) {
+      delete armed;
+      HANDOFF_CUDA_TRY(created);
+    }
+    const cudaError_t retained = cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove);
+    if (retained != cudaSuccess) {
+      armed->armed.store(false, std::memory_order_release);
+      log_quietly("cudaUserObjectRelease", cudaUserObjectRelease(object, 1));  // runs destroy, disarmed
+      HANDOFF_CUDA_TRY(retained);
+    }
   }
 
   void launch_host_func(stream_handle stream, void (*fn)(void*), void* user_data) override
@@ -415,8 +498,8 @@ int minimum_driver_branch() noexcept
 {
   // CUDA's minor version compatibility: a runtime of one major version runs on every driver from
   // that major version's first branch on (the CUDA compatibility guide's table), except for the
-  // calls a later minor version added: cudaStreamGetDevice needs a 12.8 driver (570) on CUDA 12.
-  static_assert(CUDART_VERSION >= 12080, "cudaStreamGetDevice needs CUDA 12.8");
+  // calls a later minor version added: cuStreamGetDevice needs a 12.8 driver (570) on CUDA 12.
+  static_assert(CUDART_VERSION >= 12080, "cuStreamGetDevice needs CUDA 12.8");
   return CUDART_VERSION >= 13000 ? 580 : 570;
 }
 

@@ -67,6 +67,18 @@ sim_graph sim_backend::end_capture(stream_handle stream)
   return graph;
 }
 
+void sim_backend::release_with_capture(stream_handle stream, void (*release)(void* data) noexcept, void* data)
+{
+  const call_with c{"release_with_capture", "{:#x}", raw(stream)};
+  impl_->open(c);
+  std::lock_guard lock(impl_->mutex);
+  auto& s = impl_->stream(c, stream);
+  // As asking the legacy stream during a blocking stream's capture: it fails, and breaks nothing.
+  if (s.kind == stream_kind::legacy) { impl_->fail(c, sim_error::capture_implicit); }
+  if (!s.capture) { impl_->fail(c, sim_error::illegal_state, "the stream is not capturing"); }
+  s.capture->graph.retained.emplace_back(data, release);
+}
+
 void sim_backend::launch_graph(const sim_graph& graph, stream_handle stream)
 {
   const call_with c{"launch_graph", "graph of {}, {:#x}", graph.size(), raw(stream)};
@@ -88,7 +100,11 @@ void sim_backend::launch_graph(const sim_graph& graph, stream_handle stream)
     nodes.push_back(impl_->pool.submit(impl_->submission(op.device, op.what), deps));
   }
   nodes.push_back(start);  // an empty graph still ends after the stream's earlier work
-  s.tail = impl_->pool.submit({}, nodes);
+  // The launch holds the graph, and what it retains, until it has run.
+  s.tail = impl_->pool.submit(
+    impl_->submission(s.device,
+                      {.body = [held = graph.graph_]() mutable { held.reset(); }, .delay = {}, .host_function = false}),
+    nodes);
 }
 
 }  // namespace handoff::device

@@ -55,7 +55,7 @@ constexpr std::array operation_table{
   operation_info{"set_current_device", "cudaSetDevice", "hipSetDevice"},
   operation_info{"push_current_device", "cuCtxPushCurrent", "hipCtxPushCurrent"},
   operation_info{"create_stream", "cudaStreamCreateWithFlags", "hipStreamCreateWithFlags"},
-  operation_info{"stream_device", "cudaStreamGetDevice", "hipStreamGetDevice"},
+  operation_info{"stream_device", "cuStreamGetDevice", "hipStreamGetDevice"},
   operation_info{"stream_is_blocking", "cudaStreamGetFlags", "hipStreamGetFlags"},
   operation_info{"stream_capture_status", "cudaStreamIsCapturing", "hipStreamIsCapturing"},
   operation_info{"stream_capture_id", "cudaStreamGetCaptureInfo", "hipStreamGetCaptureInfo"},
@@ -80,6 +80,8 @@ constexpr std::array operation_table{
   operation_info{"allocate_pinned_host", "cudaMallocHost", "hipHostMalloc"},
   operation_info{"allocate_managed", "cudaMallocManaged", "hipMallocManaged"},
   operation_info{"free_sync", "cudaFree", "hipFree"},
+  operation_info{"context_id", "cuCtxGetId", "hipDevicePrimaryCtxGetState"},
+  operation_info{"release_with_capture", "cudaGraphRetainUserObject", "hipGraphRetainUserObject"},
 };
 
 // Not injectable: they are noexcept (a failure there can only be logged).

@@ -251,9 +251,10 @@ void sim_backend::synchronize_stream(stream_handle stream)
     }
     impl_->check_legacy_use(c, s);
     impl_->check_unsafe_call(c);
-    // Synchronizing the legacy stream also waits for its device's blocking streams, as any
-    // legacy-stream operation does.
-    target = s.kind == stream_kind::legacy ? impl_->enqueue_locked(s, {}) : s.tail;
+    // The work enqueued on the stream itself, the legacy stream included: a synchronization is no
+    // operation of the stream, so nothing says it waits for the blocking streams' work enqueued
+    // after the legacy stream's last operation (which CUDA leaves open; the stricter reading).
+    target = s.tail;
     device = s.device;
   }
   impl_->wait_on_device(c, device, {target});
@@ -563,6 +564,54 @@ void sim_backend::clear_sticky_fault(int device)
   auto& dev = impl_->devices[static_cast<std::size_t>(device)];
   dev.halted.store(false, std::memory_order_release);
   dev.sticky_error.clear();
+}
+
+void sim_backend::reset_device(int device)
+{
+  HANDOFF_EXPECTS(
+    device >= 0 && device < impl_->device_count, value_error,
+    fmt::format("reset_device: device {} does not exist (the backend has {})", device, impl_->device_count));
+  const call_with c{"cuDevicePrimaryCtxReset", "{}", device};  // a test's control: no fault is injected
+  std::vector<node_ptr> tails;
+  {
+    std::lock_guard lock(impl_->mutex);
+    tails = impl_->device_tails_locked(device);
+  }
+  impl_->wait_on_device(c, device, tails);
+  std::lock_guard lock(impl_->mutex);
+  auto& dev = impl_->devices[static_cast<std::size_t>(device)];
+  std::erase_if(impl_->streams, [&](const auto& entry) {
+    if (entry.second->device != device) { return false; }
+    impl_->destroyed_streams.insert(entry.first);
+    return true;
+  });
+  std::erase_if(impl_->events, [&](const auto& entry) {
+    if (entry.second->device != device) { return false; }
+    impl_->destroyed_events.insert(entry.first);
+    return true;
+  });
+  std::erase_if(impl_->allocations, [&](const auto& entry) {
+    if (entry.second.device != device) { return false; }
+    ::operator delete(reinterpret_cast<void*>(entry.first), allocation_alignment);
+    return true;
+  });
+  dev.per_thread.clear();
+  dev.retired.clear();
+  dev.legacy = std::make_unique<stream_state>();
+  dev.legacy->device = device;
+  dev.legacy->kind = stream_kind::legacy;
+  dev.legacy->blocking = true;
+  dev.context_id = ++impl_->next_context_id;
+  impl_->has_context[static_cast<std::size_t>(device)] = false;
+}
+
+std::uint64_t sim_backend::context_id(int device)
+{
+  const call_with c{"context_id", "{}", device};
+  impl_->open(c);
+  std::lock_guard lock(impl_->mutex);
+  if (device < 0 || device >= impl_->device_count) { impl_->fail(c, sim_error::invalid_device); }
+  return impl_->devices[static_cast<std::size_t>(device)].context_id;
 }
 
 std::vector<std::string> sim_backend::violations()

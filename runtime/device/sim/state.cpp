@@ -6,8 +6,12 @@
 
 #include <fmt/format.h>
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
+#include <cstdlib>
 #include <mutex>
 #include <new>
 #include <set>
@@ -34,22 +38,24 @@ owner_registry& owners()
   return *registry;
 }
 
-class thread_exit_hook {
- public:
-  explicit thread_exit_hook(thread_key key) noexcept : key_(key) {}
-  thread_exit_hook(const thread_exit_hook&) = delete;
-  thread_exit_hook& operator=(const thread_exit_hook&) = delete;
-  thread_exit_hook(thread_exit_hook&&) = delete;
-  thread_exit_hook& operator=(thread_exit_hook&&) = delete;
-  ~thread_exit_hook()
-  {
-    std::lock_guard lock(owners().mutex);
-    for (auto* owner : owners().live) { owner->forget_thread(key_); }
-  }
+// A thread's state is forgotten by a pthread key's destructor, as the CUDA runtime's is: after the
+// thread's C++ thread_local objects are destroyed, so that their destructors (a runtime ordering
+// the thread's last work) still find it. The main thread's is kept: the process ends with it.
+void forget_ending_thread(void* key) noexcept
+{
+  std::lock_guard lock(owners().mutex);
+  for (auto* owner : owners().live) { owner->forget_thread(thread_key{reinterpret_cast<std::uintptr_t>(key)}); }
+}
 
- private:
-  thread_key key_;
-};
+pthread_key_t thread_exit_key() noexcept
+{
+  static const pthread_key_t key = [] {
+    pthread_key_t made{};
+    if (pthread_key_create(&made, &forget_ending_thread) != 0) { std::abort(); }  // no key: no thread model
+    return made;
+  }();
+  return key;
+}
 
 }  // namespace
 
@@ -73,7 +79,7 @@ thread_key this_thread_key() noexcept
   thread_local std::uint64_t key = 0;
   if (key == 0) {
     key = next.fetch_add(1, std::memory_order_relaxed);
-    thread_local const thread_exit_hook hook{thread_key{key}};
+    (void)pthread_setspecific(thread_exit_key(), reinterpret_cast<void*>(static_cast<std::uintptr_t>(key)));
   }
   return thread_key{key};
 }
@@ -81,8 +87,6 @@ thread_key this_thread_key() noexcept
 }  // namespace sim_detail
 
 namespace {
-
-constexpr std::align_val_t allocation_alignment{256};
 
 std::uintptr_t raw(stream_handle h) noexcept
 {
@@ -107,6 +111,7 @@ sim_backend::impl::impl(int count, sim_flavour f)
     dev.legacy->device = d;
     dev.legacy->kind = stream_kind::legacy;
     dev.legacy->blocking = true;
+    dev.context_id = ++next_context_id;
     dev.host_functions = &pool.make_lane();
   }
   watch_thread_exits(*this);

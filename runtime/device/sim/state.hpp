@@ -19,6 +19,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -109,6 +110,9 @@ struct captured_op {
 /// A graph: the operations a capture recorded and how they depend on each other.
 struct captured_graph {
   std::vector<captured_op> ops;
+  // User objects the graph retains: each runs its release when the last reference (the graph's
+  // handle, or a launch still running) is gone.
+  std::vector<std::shared_ptr<void>> retained;
 };
 
 struct capture_info {
@@ -136,6 +140,9 @@ struct event_state {
   std::optional<std::size_t> captured_at;  // the operation it was recorded after, in that capture
 };
 
+/// Simulated allocations are host memory aligned as cudaMalloc's are.
+inline constexpr std::align_val_t allocation_alignment{256};
+
 struct allocation {
   std::size_t size{0};
   memory_kind kind{memory_kind::device};
@@ -150,6 +157,7 @@ struct device_state {
   lane* host_functions{nullptr};    // the device's one host-function thread
   std::atomic<bool> halted{false};  // a sticky error poisoned the context: nothing more runs
   std::string sticky_error;         // its name, while halted
+  std::uint64_t context_id{0};      // a new one after each reset
 };
 
 struct fault {
@@ -254,6 +262,7 @@ struct sim_backend::impl final : sim_detail::thread_state_owner {
   std::unordered_set<std::uintptr_t> destroyed_events;
   std::uintptr_t next_handle{0x5100};
   std::uint64_t next_capture_id{0};
+  std::uint64_t next_context_id{0};
   std::vector<std::string> violations;
   std::map<std::uintptr_t, sim_detail::allocation> allocations;  // by base address
   std::unordered_map<sim_detail::thread_key, int> current;       // the threads with a context current: its device

@@ -2,12 +2,14 @@
 #include <handoff/array.hpp>
 #include <handoff/context.hpp>
 #include <handoff/error.hpp>
+#include <handoff/sim.hpp>
 #include <handoff/stats.hpp>
 
 #include "core/backend_fixture.hpp"
 
 #include <atomic>
 #include <chrono>
+#include <optional>
 #include <thread>
 
 namespace {
@@ -97,6 +99,31 @@ TEST_P(ContextTest, AReleaseDuringCapturePutsNothingIntoTheGraphAndRunsAfterIt)
     owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
   }
   ASSERT_EQ(sim().end_capture(consumer).size(), 0U) << "the release's host function went into the graph";
+  ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
+  EXPECT_EQ(released.load(), 1);
+}
+
+// torch.cuda.graph: the captured work reads the data at every launch, long after the capture ended.
+TEST_P(ContextTest, AReleaseDuringCaptureWaitsUntilTheGraphIsDestroyedAndItsLaunchesAreDone)
+{
+  HANDOFF_REQUIRE_SIM("the device interface cannot begin or end a capture");
+  const auto consumer = stream_on(0, /*non_blocking=*/false);
+  std::atomic<int> released{0};
+  sim().begin_capture(consumer);
+  delay(consumer, slow);  // a node of the graph: each launch takes this long
+  {
+    producer_ref owner{[&] { ++released; }};
+    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+  }
+  std::optional<device::sim_graph> graph{sim().end_capture(consumer)};
+  ASSERT_EQ(graph->size(), 1U) << "the release went into the graph";
+  sim().launch_graph(*graph, consumer);
+  std::this_thread::sleep_for(slow / 4);
+  EXPECT_EQ(released.load(), 0) << "released while the graph that reads the data can still be launched";
+  sim().launch_graph(*graph, consumer);
+  graph.reset();  // the program lets go of the graph while a launch still runs
+  std::this_thread::sleep_for(slow / 4);
+  EXPECT_EQ(released.load(), 0) << "released while a launch of the graph still runs";
   ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
   EXPECT_EQ(released.load(), 1);
 }

@@ -135,13 +135,28 @@ TEST_P(StreamWaitTest, RecordsOnTheDataDeviceAndRestoresTheCurrentOne)
   EXPECT_EQ(read(data, consumer).front(), 2.0F);
 }
 
-TEST_P(StreamWaitTest, AProducerStreamOnAnotherDeviceIsAClearError)
+// A peer writer: device 1's data written from a stream of device 0. The event is device 0's.
+TEST_P(StreamWaitTest, AProducerStreamOfAPeerDeviceIsOrderedByAnEventOfItsOwnDevice)
 {
   HANDOFF_REQUIRE_TWO_DEVICES();
+  float* data = allocate_on(1);
   const auto producer = stream_on(0);
   const auto consumer = stream_on(1);
-  EXPECT_THROW(view(consumer).wait(view(producer), 1, events()), value_error);
+  fill(producer, data, 4.0F, slow);
+  view(consumer).wait(view(producer), 1, events());
   EXPECT_EQ(b().current_device(), 0);
+  EXPECT_EQ(read(data, consumer).front(), 4.0F);
+}
+
+TEST_P(StreamWaitTest, NegativeControlAPeerWriterNotWaitedForIsSeenStale)
+{
+  HANDOFF_REQUIRE_TWO_DEVICES();
+  float* data = allocate_on(1);
+  const auto producer = stream_on(0);
+  const auto consumer = stream_on(1);
+  fill(producer, data, 4.0F, slow);
+  EXPECT_EQ(read(data, consumer).front(), 0.0F);
+  b().synchronize_device();
 }
 
 TEST_P(StreamWaitTest, ThreeHundredExchangesReuseTheirEvents)

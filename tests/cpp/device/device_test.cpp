@@ -164,7 +164,7 @@ TEST_P(DeviceTest, SimNamesItsFlavour)
   } catch (const device_error& e) {
     EXPECT_EQ(e.backend(), backend_name());
     const std::string expected = rocm() ? "hipStreamGetDevice(0x1234) failed: hipErrorInvalidHandle: "
-                                        : "cudaStreamGetDevice(0x1234) failed: "
+                                        : "cuStreamGetDevice(0x1234) failed: "
                                           "cudaErrorInvalidResourceHandle: ";
     EXPECT_EQ(std::string(e.what()).rfind(expected, 0), 0U) << e.what();
   }
@@ -496,6 +496,14 @@ TEST_P(DeviceTest, InjectedFaultsFailEachOperationOnce)
     {"allocate_pinned_host", [&] { s.free_sync(s.allocate_pinned_host(64)); }},
     {"allocate_managed", [&] { s.free_sync(s.allocate_managed(64)); }},
     {"free_sync", [&] { s.free_sync(to_free); }},
+    {"context_id", [&] { (void)b().context_id(0); }},
+    {"release_with_capture",
+     [&] {
+       if (b().stream_capture_status(capturing) == capture_status::none) { s.begin_capture(capturing); }
+       s.release_with_capture(
+         capturing, [](void*) noexcept {}, nullptr);
+       (void)s.end_capture(capturing);
+     }},
   };
 
   const std::string name = err("cudaErrorLaunchFailure", "hipErrorLaunchFailure");
