@@ -330,6 +330,9 @@ void bind_sim(py::module_& parent)
     },
     py::arg("device") = 0, "Makes a device usable again (tests only: CUDA needs a new process).");
   m.def(
+    "current_device", [] { return require_sim().sim.current_device(); },
+    "The device current on the calling thread (the one the runtime would use where none is).");
+  m.def(
     "reset_device",
     [](long long device) {
       auto s = require_sim();

@@ -160,19 +160,19 @@ void context::finished_one(stream_key where) noexcept
   std::lock_guard lock{pending_mutex_};
   if (const auto it = by_stream_.find(where); it != by_stream_.end() && --it->second == 0) { by_stream_.erase(it); }
   detail::pending_releases_changed(-1);
-  if (--pending_ == 0) { none_pending_.notify_all(); }
+  if (--pending_ <= bound_to_graphs_) { none_pending_.notify_all(); }
 }
 
 void context::drain()
 {
   std::unique_lock lock{pending_mutex_};
-  none_pending_.wait(lock, [this] { return pending_ == 0; });
+  none_pending_.wait(lock, [this] { return pending_ <= bound_to_graphs_; });
 }
 
 bool context::drain_for(std::chrono::nanoseconds limit)
 {
   std::unique_lock lock{pending_mutex_};
-  return none_pending_.wait_for(lock, limit, [this] { return pending_ == 0; });
+  return none_pending_.wait_for(lock, limit, [this] { return pending_ <= bound_to_graphs_; });
 }
 
 bool context::drain_at_exit(std::chrono::nanoseconds limit) noexcept
@@ -615,6 +615,7 @@ bool context::release_with_graph(pending_release* pending) noexcept
     {
       const std::lock_guard lock{pending_mutex_};
       ++bound_to_graphs_;  // before: the graph may go at once
+      if (pending_ <= bound_to_graphs_) { none_pending_.notify_all(); }
     }
     backend_.release_with_capture(pending->where.second, graph_gone, pending);
     HANDOFF_LOG_DEBUG("deferred release: stream {:#x} is capturing; the release waits for the graph to be destroyed",

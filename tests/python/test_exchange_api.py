@@ -208,6 +208,22 @@ def test_torch_conjugate_views_are_refused_as_by_dlpack(torch):
         handoff.from_dlpack(torch.tensor([1 + 2j]).conj())
 
 
+@pytest.mark.parametrize("make", [
+    lambda torch: torch.ones(3, requires_grad=True),
+    lambda torch: torch.ones(3, requires_grad=True) * 2,  # not a leaf: still refused
+    lambda torch: torch.tensor([1 + 2j]).conj(),
+    lambda torch: torch.ones(3, 3).to_sparse(),
+], ids=["requires-grad leaf", "requires-grad", "conjugate", "sparse"])
+@pytest.mark.parametrize("how", [handoff.from_dlpack, handoff.asarray], ids=["from_dlpack", "asarray"])
+def test_what_torch_refuses_to_export_stays_refused(torch, make, how, live):
+    t = make(torch)
+    with pytest.raises(BufferError) as by_torch:
+        t.__dlpack__()
+    with pytest.raises(BufferError) as through_handoff:
+        how(t)  # the table would hand it over: an autograd leaf written unseen
+    assert str(through_handoff.value) == str(by_torch.value)
+
+
 # ------------------------------------------------------------------------------------------------
 # Device data
 

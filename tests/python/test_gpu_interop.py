@@ -66,10 +66,14 @@ def settled_views():
 
 
 def wait_for_live_views(expected: int, timeout: float = 10.0) -> None:
-    """Releases run on handoff's service thread once their stream is done: poll for them."""
+    """Releases run on handoff's service thread once their stream is done: poll until the deferred
+    releases asked for have run (`live_views` drops when a release is asked for, not when it runs)."""
     deadline = time.monotonic() + timeout
-    while live_views() > expected:
-        assert time.monotonic() < deadline, f"live views stayed at {live_views()}, expected {expected}"
+    while live_views() > expected or handoff.stats()["pending_releases"] > 0:
+        assert time.monotonic() < deadline, (
+            f"live views stayed at {live_views()} (expected {expected}), "
+            f"{handoff.stats()['pending_releases']} release(s) pending"
+        )
         time.sleep(0.01)
 
 
@@ -349,11 +353,16 @@ def test_cupy_empty_arrays(cupy, cupy_streams, settled_views):
         assert cupy.from_dlpack(view).shape == (0, 3)
 
 
-def test_two_threads_on_their_per_thread_default_streams(cupy, torch, spin_cycles, settled_views):
-    # DLPack's stream 2 names the calling thread's own default stream; each thread reads its own.
+def test_two_threads_hand_views_across_their_per_thread_default_streams(cupy, torch, spin_cycles, settled_views):
+    # DLPack's stream 2 names the calling thread's own default stream. Each thread imports onto its
+    # own, then the other thread reads the view on *its* own and drops it: the binding must name a
+    # stream every thread can wait for, and the release one every thread can record on.
+    import queue
+
+    handed = {3.0: queue.Queue(), 5.0: queue.Queue()}
     results, errors = {}, []
 
-    def run(value: float) -> None:
+    def run(value: float, other: float) -> None:
         try:
             producer = cupy.cuda.Stream(non_blocking=True)
             x, out = cupy.zeros(N, dtype=cupy.float32), cupy.empty(N, dtype=cupy.float32)
@@ -361,19 +370,21 @@ def test_two_threads_on_their_per_thread_default_streams(cupy, torch, spin_cycle
             spin_on(torch, producer.ptr, spin_cycles)
             with producer:
                 x.fill(value)
-                view = handoff.from_dlpack(x, stream=2)
+                handed[other].put(handoff.from_dlpack(x, stream=2))
+            view = handed[value].get(timeout=30)  # the other thread's
             results[value] = read_with_cupy(cupy, out, view, cupy.cuda.ExternalStream(2))
+            del view  # dropped on this thread, bound on the other's stream
             producer.synchronize()
         except Exception as error:  # noqa: BLE001 - reported by the main thread
             errors.append(error)
 
-    threads = [threading.Thread(target=run, args=(value,)) for value in (3.0, 5.0)]
+    threads = [threading.Thread(target=run, args=pair) for pair in ((3.0, 5.0), (5.0, 3.0))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     assert errors == []
-    assert results == {3.0: (3.0, 3.0), 5.0: (5.0, 5.0)}
+    assert results == {3.0: (5.0, 5.0), 5.0: (3.0, 3.0)}
 
 
 def test_consumer_stream_destroyed_early_is_kept_until_the_release(cupy, torch, spin_cycles, settled_views, torch_out):
@@ -562,3 +573,187 @@ def test_handoff_to_cuda_core_strided_memory_view(cuda_core, torch, spin_cycles,
     expected = DONE if ordered else STALE
     assert read_with_torch(torch, torch_out, RawDeviceMemory(memory.ptr, memory), handle) == (expected, expected)
     del memory, view
+
+
+# --- releases, host waits and devices: what only a GPU shows --------------------------------------
+
+
+class Owner:
+    """What a library's array keeps alive; a weak reference to it says when handoff let go."""
+
+
+def owned_view(torch, stream=None):
+    """A handoff.view of a fresh CUDA tensor's memory, owned by an Owner that only the view holds."""
+    memory = torch.zeros(N, device="cuda")
+    torch.cuda.synchronize()
+    owner = Owner()
+    owner.memory = memory
+    view = handoff.view(memory.data_ptr(), (N,), "float32", device=(CUDA, memory.device.index), owner=owner,
+                        stream=stream)
+    return view, weakref.ref(owner)
+
+
+def test_an_export_keeps_its_producer_until_the_consumers_stream_is_done(torch, spin_cycles, torch_streams,
+                                                                         settled_views):
+    # PyTorch calls the capsule's deleter when its tensor goes, whatever its stream still has queued:
+    # the caching allocator would hand the block out again while the consumer's kernel reads it.
+    _, consumer = torch_streams
+    view, gone = owned_view(torch)
+    with handoff.stream(consumer), torch.cuda.stream(consumer):
+        t = torch.from_dlpack(view)  # PyTorch names `consumer`, which the block holds
+        torch.cuda._sleep(spin_cycles)
+        t.add_(1.0)  # the consumer's later work on the data
+    del t, view
+    gc.collect()
+    assert gone() is not None, "the producer was released while the consumer's stream still used it"
+    consumer.synchronize()
+    wait_for_live_views(settled_views)
+    gc.collect()
+    assert gone() is None
+
+
+def test_a_view_released_while_its_consumer_stream_is_busy_keeps_the_producer(torch, spin_cycles, torch_streams,
+                                                                             settled_views):
+    _, consumer = torch_streams
+    view, gone = owned_view(torch)
+    imported = handoff.from_dlpack(view, stream=consumer)
+    with torch.cuda.stream(consumer):
+        torch.cuda._sleep(spin_cycles)
+        torch.from_dlpack(imported).add_(1.0)
+    del imported, view
+    gc.collect()
+    assert gone() is not None, "the producer was released while the consumer's stream still used it"
+    consumer.synchronize()
+    wait_for_live_views(settled_views)
+    gc.collect()
+    assert gone() is None
+
+
+@pytest.mark.parametrize("ordered", [True, NEGATIVE_CONTROL])
+def test_a_host_read_of_data_ready_on_a_per_thread_stream_waits_for_its_work(torch, spin_cycles, ordered,
+                                                                              settled_views):
+    # Data bound to stream 2 is bound to the legacy stream, which any thread can name; a host wait
+    # must go through an event recorded there: cudaStreamSynchronize(legacy) is not one of its
+    # operations, so it need not wait for the per-thread stream's later work.
+    pinned = torch.zeros(N).pin_memory()
+    done = torch.full((N,), DONE, device="cuda")
+    torch.cuda.synchronize()
+    view = handoff.view(pinned.data_ptr(), (N,), "float32", device=(3, 0), owner=pinned, stream=2)
+    with torch.cuda.stream(torch.cuda.ExternalStream(2)):  # this thread's per-thread default stream
+        torch.cuda._sleep(spin_cycles)
+        pinned.copy_(done, non_blocking=True)
+    values = np.asarray(handoff.from_dlpack(view, device="cpu")) if ordered else pinned.numpy()
+    expected = DONE if ordered else STALE
+    assert (values[0], values[-1]) == (expected, expected)
+    torch.cuda.synchronize()
+
+
+class DlpackOnly:
+    """Forwards the DLPack protocol only: the consumer goes through `__dlpack__`, not a C table."""
+
+    def __init__(self, array) -> None:
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+@pytest.mark.parametrize("ordered", [True, NEGATIVE_CONTROL])
+def test_a_producer_on_another_device_than_the_current_one_orders_its_own_streams(torch, spin_cycles, ordered,
+                                                                                   settled_views):
+    # PyTorch's __dlpack__ orders the *current* device's current stream: handoff makes the data's
+    # device current around the call, as CuPy's consumer does.
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    with torch.cuda.device(1):
+        producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
+        out = torch.empty(N, device="cuda:1")
+        x = torch_pending(torch, spin_cycles, producer)
+        torch.cuda.set_stream(producer)  # device 1's current stream: the one PyTorch orders
+    try:
+        assert torch.cuda.current_device() == 0
+        if ordered:
+            view = handoff.from_dlpack(DlpackOnly(x), stream=consumer)
+        else:
+            view = handoff.from_dlpack(DlpackOnly(x), stream=-1)
+        assert torch.cuda.current_device() == 0, "the consumer's current device was not restored"
+        with torch.cuda.device(1):
+            expected = DONE if ordered else STALE
+            assert read_with_torch(torch, out, view if ordered else Unordered(view), consumer.cuda_stream) == (
+                expected, expected)
+    finally:
+        with torch.cuda.device(1):
+            torch.cuda.set_stream(torch.cuda.default_stream())
+            torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("through", [lambda t: t, DlpackOnly], ids=["table", "__dlpack__"])
+def test_a_pinned_tensor_is_accepted_as_host_memory(torch, through, settled_views):
+    # PyTorch says kDLCUDAHost in __dlpack_device__ and kDLCPU in the capsule: the same memory.
+    t = torch.arange(6.0).pin_memory()
+    view = handoff.from_dlpack(through(t))
+    assert view.device == (1, 0)
+    assert view.data_ptr == t.data_ptr()
+    assert np.from_dlpack(view).tolist() == t.tolist()
+
+
+def test_exchanges_after_numba_resets_the_context_use_fresh_events(numba_cuda):
+    # numba-cuda's cuda.close() resets the primary context, destroying every event made in it: the
+    # pool must not hand out the old context's events.
+    code = textwrap.dedent(
+        """
+        import gc, time
+        import numpy as np
+        import handoff
+        from numba import cuda
+
+        def exchange(value):
+            producer, consumer = cuda.stream(), cuda.stream()
+            x = cuda.to_device(np.full(1 << 20, value, np.float32), stream=producer)
+            view = handoff.asarray(x, stream=int(consumer))
+            host = np.asarray(handoff.from_dlpack(view, device="cpu"))
+            del view
+            gc.collect()
+            cuda.synchronize()
+            deadline = time.monotonic() + 10
+            while handoff.stats()["pending_releases"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return host[0], host[-1]
+
+        assert exchange(1.0) == (1.0, 1.0)
+        cuda.close()
+        assert exchange(2.0) == (2.0, 2.0)
+        print("ok")
+        """
+    )
+    result = run_python(code, HANDOFF_LOG_LEVEL="warn")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["ok"]
+    assert "error" not in result.stderr.lower(), result.stderr
+
+
+def test_exit_after_a_sticky_error_with_a_release_pending_is_bounded_and_says_why(cupy):
+    # A kernel's illegal access poisons the context: the stream the release waits for never gets
+    # there. The exit gives up on it at once (not after the full exit wait) and logs why.
+    code = textwrap.dedent(
+        """
+        import cupy, handoff
+        consumer = cupy.cuda.Stream(non_blocking=True)
+        x = cupy.zeros(1 << 20, dtype=cupy.float32)
+        view = handoff.from_dlpack(x, stream=consumer)
+        bad = cupy.RawKernel(
+            'extern "C" __global__ void bad(unsigned long long a) { *(volatile float*)a = 1.0f; }', "bad")
+        with consumer:
+            bad((1,), (1,), (cupy.uint64(16),))
+        del view  # its release waits for a stream that never gets there
+        print("exiting", flush=True)
+        """
+    )
+    start = time.monotonic()
+    result = run_python(code, HANDOFF_LOG_LEVEL="warn")
+    assert time.monotonic() - start < 30, "the exit waited for a stream that can never get there"
+    assert "exiting" in result.stdout
+    assert "can never get there" in result.stderr or "cannot be waited for" in result.stderr, result.stderr

@@ -605,3 +605,28 @@ def test_random_slices_round_trip(a, data):
         np.testing.assert_array_equal(b, view)
     copied = np.from_dlpack(handoff.from_dlpack(h.__dlpack__(copy=True, max_version=(1, 1))))
     np.testing.assert_array_equal(copied, view)
+
+
+class PinnedLikeTorch:
+    """A pinned host tensor as PyTorch exports one: __dlpack_device__ says kDLCUDAHost, the capsule kDLCPU."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.values = values
+        self.streams: list[object] = []
+
+    def __dlpack_device__(self):
+        return (3, 0)
+
+    def __dlpack__(self, *, stream=None, **kwargs):
+        self.streams.append(stream)
+        return self.values.__dlpack__(**kwargs)
+
+
+def test_pinned_memory_described_as_cpu_in_its_capsule_is_accepted():
+    values = np.arange(6, dtype=np.float32)
+    producer = PinnedLikeTorch(values)
+    view = handoff.from_dlpack(producer)
+    assert view.device == (CPU, 0)
+    assert view.data_ptr == values.ctypes.data
+    assert producer.streams == [1], "CUDA host memory is asked for on the default stream"
+    assert np.from_dlpack(view).tolist() == values.tolist()

@@ -242,6 +242,42 @@ def test_a_view_must_claim_the_device_its_memory_is_on():
 
 
 @needs_sim
+def test_a_device_view_must_lie_within_its_allocation():
+    memory = sim.zeros(4, "float32")  # a 16-byte allocation
+    for shape, strides in [((1 << 24,), None), ((5,), None), ((2, 2), (16, 4)), ((2,), (-8,))]:
+        with pytest.raises(ValueError, match="allocation"):
+            handoff.view(memory.data_ptr, shape, "float32", device=(DEVICE_TYPE, 0), strides=strides, owner=memory)
+    inside = [
+        handoff.view(memory.data_ptr, 4, "float32", device=(DEVICE_TYPE, 0), owner=memory),
+        handoff.view(memory.data_ptr + 12, 1, "float32", device=(DEVICE_TYPE, 0), owner=memory),
+        handoff.view(memory.data_ptr + 12, 4, "float32", device=(DEVICE_TYPE, 0), strides=(-4,), owner=memory),
+        handoff.view(memory.data_ptr + 4, (0, 9), "float32", device=(DEVICE_TYPE, 0), owner=memory),
+    ]
+    assert [v.shape for v in inside] == [(4,), (1,), (4,), (0, 9)]
+
+
+@needs_sim
+def test_an_empty_device_view_publishes_a_null_pointer_in_the_cuda_array_interface():
+    if DEVICE_TYPE != 2:
+        pytest.skip("the CUDA Array Interface is for CUDA memory")
+    memory = sim.zeros(4, "float32")
+    empty = handoff.view(memory.data_ptr, (0, 3), "float32", device=(2, 0), owner=memory)
+    assert empty.data_ptr == memory.data_ptr
+    assert empty.__cuda_array_interface__["data"] == (0, False)  # "For zero-size arrays, use 0 here"
+    assert memory.__cuda_array_interface__["data"][0] == memory.data_ptr
+
+
+def test_a_non_native_byte_order_is_refused(settled):
+    values = np.arange(4, dtype=(">" if sys.byteorder == "little" else "<") + "f4")
+    with pytest.raises(BufferError, match="not in native byte order"):
+        handoff.view(values.ctypes.data, values.shape, values.dtype, device="cpu", owner=values)
+    native = values.astype(values.dtype.newbyteorder("="))
+    assert np.asarray(handoff.view(native.ctypes.data, 4, native.dtype, device="cpu", owner=native)).tolist() == [
+        0.0, 1.0, 2.0, 3.0,
+    ]
+
+
+@needs_sim
 def test_a_view_of_the_other_device_family_is_refused():
     memory = sim.zeros(4, "float32")
     other = 2 if DEVICE_TYPE == 10 else 10

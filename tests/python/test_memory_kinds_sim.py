@@ -80,6 +80,20 @@ def test_host_accessible_memory_goes_to_the_cpu_without_a_copy(memory, to_cpu):
     assert np.from_dlpack(copied)[-1] == 8.0
 
 
+@pytest.mark.parametrize("memory", ["pinned", "managed"])
+def test_a_copy_of_host_accessible_memory_comes_back_on_the_same_device(memory):
+    if ROCM and memory == "managed":
+        pytest.skip("managed memory has no DLPack device type on ROCm")
+    source = sim.zeros(N, memory=memory)
+    producer = sim.Stream(non_blocking=True)
+    sim.fill(source, 5.0, stream=producer, delay=0.05)
+    # handoff's exporter and importer agree: the copy is of the device the source says it is on
+    copied = handoff.from_dlpack(source, device=source.__dlpack_device__(), copy=True)
+    assert copied.device == source.__dlpack_device__()
+    assert copied.data_ptr != source.data_ptr
+    assert np.from_dlpack(handoff.from_dlpack(copied, device="cpu"))[-1] == 5.0
+
+
 def test_device_memory_to_the_cpu_with_copy_false_is_still_refused():
     source = sim.zeros(N)
     with pytest.raises(BufferError, match="copy=False"):

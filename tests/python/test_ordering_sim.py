@@ -7,13 +7,16 @@ Every ordering test has a negative control that shows the race when ordering is 
 from __future__ import annotations
 
 import gc
+import textwrap
 import threading
+import time
 import weakref
 
+import numpy as np
 import pytest
 
 import handoff
-from conftest import needs_two_devices, sim_leak_check
+from conftest import needs_two_devices, run_python, sim_leak_check
 
 BACKEND = handoff.runtime_info()["backend"]
 pytestmark = pytest.mark.skipif(
@@ -655,3 +658,323 @@ def test_exit_runs_pending_releases_while_python_is_alive():
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["exiting", "released"]
+
+
+# --- releases: a producer outlives every consumer stream that may still read it --------------------
+
+# How long a consumer's work on released data takes: longer than a full gc.collect() on a loaded host
+# (a tenth of a second once PyTorch is loaded), so that "not released yet" is checked while it runs.
+RELEASE_SLOW = 5 * SLOW
+
+
+class Owner:
+    """What a library's array keeps alive; a weak reference to it says when handoff let go."""
+
+
+def owned_view(device=0):
+    """A handoff.view of fresh simulator memory, owned by an Owner only the view holds."""
+    memory = sim.zeros(N, "float32", device)
+    sim.synchronize()
+    owner = Owner()
+    owner.memory = memory
+    view = handoff.view(memory.data_ptr, (N,), "float32", device=(DEVICE_TYPE, device), owner=owner)
+    return view, weakref.ref(owner)
+
+
+def settle():
+    sim.synchronize()
+    sim.drain()
+    gc.collect()
+
+
+def dropped_while_the_consumer_works(view, dlpack_stream, work_stream):
+    """Exports `view` for `dlpack_stream`, then plays a consumer that imports the capsule, enqueues slow
+    work on `work_stream` and lets go at once (PyTorch and CuPy call the deleter at their refcount zero,
+    whatever their stream still has queued)."""
+    capsule = view.__dlpack__(stream=dlpack_stream, max_version=(1, 0))
+    imported = handoff.from_dlpack(capsule, stream=-1)  # the export ordered it already
+    sim.fill(imported, 9.0, stream=work_stream, delay=RELEASE_SLOW)
+    del imported, capsule
+    gc.collect()
+
+
+DEFAULT_STREAMS = {"default stream": DEFAULT_STREAM} if ROCM else {"legacy (1)": 1, "per-thread (2)": 2}
+
+
+@pytest.mark.parametrize("value", DEFAULT_STREAMS.values(), ids=DEFAULT_STREAMS.keys())
+def test_an_export_keeps_its_producer_until_the_default_consumer_stream_is_done(value):
+    view, gone = owned_view()
+    dropped_while_the_consumer_works(view, value, value)
+    del view
+    gc.collect()
+    assert gone() is not None, "the producer was released while the consumer's stream still used it"
+    settle()
+    assert gone() is None
+
+
+def test_an_export_keeps_its_producer_until_a_stream_the_block_holds_is_done():
+    view, gone = owned_view()
+    consumer = sim.Stream(non_blocking=True)
+    with handoff.stream(consumer):
+        dropped_while_the_consumer_works(view, consumer.handle, consumer)
+    del view, consumer  # the export holds the stream object until the release has run
+    gc.collect()
+    assert gone() is not None, "the producer was released while the consumer's stream still used it"
+    settle()
+    assert gone() is None
+
+
+@pytest.mark.negative_control
+def test_negative_control_a_bare_consumer_handle_is_not_waited_for_at_release():
+    # A stream named by a bare handle may be destroyed before the deleter runs: it is not touched,
+    # and the producer goes with the deleter (the consumer's duty; see HANDOFF_EXPORT_RELEASE).
+    view, gone = owned_view()
+    consumer = sim.Stream(non_blocking=True)
+    dropped_while_the_consumer_works(view, consumer.handle, consumer)
+    del view
+    gc.collect()
+    assert gone() is None
+    settle()
+
+
+def test_every_stream_policy_waits_for_bare_consumer_handles_too():
+    previous = handoff.set_export_release("every-stream")
+    try:
+        view, gone = owned_view()
+        consumer = sim.Stream(non_blocking=True)
+        dropped_while_the_consumer_works(view, consumer.handle, consumer)
+        del view
+        gc.collect()
+        assert gone() is not None, "the producer was released while the consumer's stream still used it"
+        settle()
+        assert gone() is None
+    finally:
+        assert handoff.set_export_release(previous) == "every-stream"
+
+
+def test_export_release_policy_names_are_checked():
+    with pytest.raises(ValueError, match="'known-streams' or 'every-stream'"):
+        handoff.set_export_release("sometimes")
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_ordered_imports_dropped_at_once_use_a_bounded_set_of_events(threads):
+    source = sim.zeros(16)
+    sim.synchronize()
+
+    def churn(count):
+        consumer = sim.Stream(non_blocking=True)
+        for _ in range(count):
+            handoff.from_dlpack(source, stream=consumer)  # dropped at once: a deferred release each
+
+    churn(2000)  # warm-up: the pool fills
+    before = handoff.stats()
+    workers = [threading.Thread(target=churn, args=(20000 // threads,)) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    after = handoff.stats()
+    assert after["deferred_releases"] - before["deferred_releases"] == 20000
+    # Releases between two polls share their stream's event: the count follows the streams, not the calls.
+    assert after["events_created"] - before["events_created"] <= 8 * threads
+    sim.drain()
+    assert handoff.stats()["pending_releases"] == 0
+
+
+def test_a_failed_poll_is_asked_again_and_the_producer_still_released(streams):
+    _, consumer = streams
+    view, gone = owned_view()
+    imported = handoff.from_dlpack(view, stream=consumer)
+    sim.fill(imported, 1.0, stream=consumer, delay=RELEASE_SLOW)
+    sim.inject_fault("query_event", 1)  # one transient failure while the release waits
+    del imported, view
+    gc.collect()
+    settle()
+    assert gone() is None, "one failed poll kept the producer forever"
+
+
+def test_a_device_that_keeps_failing_abandons_its_releases_keeps_the_producer_and_says_so_once():
+    program = textwrap.dedent(
+        """
+        import gc, weakref
+        import handoff
+        from handoff import sim
+
+        class Owner:
+            pass
+
+        memory = sim.zeros(1024)
+        sim.synchronize()
+        owner = Owner()
+        view = handoff.view(memory.data_ptr, (1024,), "float32", device=(%d, 0), owner=owner)
+        gone = weakref.ref(owner)
+        del owner
+        consumer = sim.Stream(non_blocking=True)
+        imported = handoff.from_dlpack(view, stream=consumer)
+        sim.fill(imported, 1.0, stream=consumer, delay=0.2)
+        sim.inject_fault("query_event", 100000)
+        del imported, view
+        gc.collect()
+        sim.drain()  # returns: the release was given up, not run
+        assert gone() is not None, "released although nothing said the consumer was done"
+        assert handoff.stats()["pending_releases"] == 0
+        sim.clear_faults()
+        print("ok")
+        """
+        % DEVICE_TYPE
+    )
+    result = run_python(program, HANDOFF_BACKEND=BACKEND)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "ok\n"
+    assert result.stderr.count("cannot be waited for") == 1, result.stderr
+
+
+# --- threads that end while their per-thread default stream still works -------------------------
+
+
+def in_a_thread(body):
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+
+
+@pytest.mark.skipif(ROCM, reason="the per-thread default stream (2) is CUDA's")
+def test_a_view_bound_to_an_ended_threads_default_stream_is_released_after_its_work():
+    view, gone = owned_view()
+    held = []
+
+    def body():
+        imported = handoff.from_dlpack(view, stream=2)
+        sim.fill(imported, 2.0, stream=2, delay=RELEASE_SLOW)  # still running when the thread ends
+        held.append(imported)
+
+    in_a_thread(body)
+    del view
+    held.clear()
+    gc.collect()
+    assert gone() is not None, "released before the ended thread's queued work"
+    settle()
+    assert gone() is None
+
+
+@pytest.mark.skipif(ROCM, reason="the per-thread default stream (2) is CUDA's")
+@pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "negative-control"])
+def test_data_ready_on_an_ended_threads_default_stream_is_read_finished(streams, ordered):
+    _, consumer = streams
+    source = sim.zeros(N)
+    sim.synchronize()
+    in_a_thread(lambda: sim.fill(source, 7.0, stream=2, delay=SLOW))
+    view = handoff.from_dlpack(source, stream=consumer if ordered else -1)
+    assert sim.to_numpy(view, stream=consumer)[0] == (7.0 if ordered else 0.0)
+    sim.synchronize()
+
+
+# --- the host waits through an event, and producers are called on their data's device -----------
+
+
+@pytest.mark.skipif(ROCM, reason="the per-thread default stream (2) and managed memory are CUDA's")
+@pytest.mark.parametrize("memory", ["managed", "pinned"])
+def test_a_host_view_of_data_on_a_per_thread_stream_waits_for_its_work(memory):
+    source = sim.zeros(N, memory=memory)
+    sim.synchronize()
+    sim.fill(source, 4.0, stream=2, delay=SLOW)  # bound as the legacy stream, which a sync does not cover
+    values = np.asarray(handoff.from_dlpack(source, device="cpu"))
+    assert values[0] == 4.0 and values[-1] == 4.0
+    sim.synchronize()
+
+
+@pytest.mark.skipif(ROCM, reason="the per-thread default stream (2) and managed memory are CUDA's")
+@pytest.mark.negative_control
+def test_negative_control_the_same_memory_read_on_the_host_without_a_wait_is_stale():
+    source = sim.zeros(N, memory="managed")
+    sim.synchronize()
+    sim.fill(source, 4.0, stream=2, delay=SLOW)
+    unordered = handoff.view(source.data_ptr, (N,), "float32", device="cpu", owner=source)
+    assert np.asarray(unordered)[0] == 0.0
+    sim.synchronize()
+
+
+class DeviceRecordingProducer:
+    """A producer that, as PyTorch does, orders the streams of the device current in its __dlpack__."""
+
+    def __init__(self, array):
+        self.array = array
+        self.called_on = None
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+    def __dlpack__(self, **kwargs):
+        self.called_on = sim.current_device()
+        return self.array.__dlpack__(**kwargs)
+
+
+@needs_two_devices
+def test_a_producer_is_called_with_its_datas_device_current():
+    consumer = sim.Stream(1, non_blocking=True)
+    producer = DeviceRecordingProducer(sim.zeros(N, device=1))
+    assert sim.current_device() == 0
+    handoff.from_dlpack(producer, stream=consumer)
+    assert producer.called_on == 1
+    assert sim.current_device() == 0, "the consumer's current device was not restored"
+    sim.synchronize()
+
+
+# --- a device context reset (numba-cuda's cuda.close()) --------------------------------------------
+
+
+def test_exchanges_after_a_device_context_reset_use_fresh_events():
+    program = textwrap.dedent(
+        """
+        import gc
+        import handoff
+        from handoff import sim
+
+        def exchange(value):
+            producer, consumer = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)
+            source = sim.zeros(1024)
+            sim.synchronize()
+            sim.fill(source, value, stream=producer, delay=0.05)
+            view = handoff.from_dlpack(source, stream=consumer)
+            seen = sim.to_numpy(view, stream=consumer)[0]
+            del view, source, producer, consumer
+            sim.synchronize(); sim.drain(); gc.collect()
+            return seen
+
+        assert exchange(1.0) == 1.0  # the pool now holds events of the device's context
+        sim.reset_device(0)
+        assert exchange(2.0) == 2.0
+        assert sim.violations() == [], sim.violations()
+        print("ok")
+        """
+    )
+    result = run_python(program, HANDOFF_BACKEND=BACKEND)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "ok\n"
+
+
+# --- graph capture: a release waits for the graph, not the capture's end -------------------------
+
+
+def test_a_view_dropped_during_a_capture_is_kept_until_the_graph_is_destroyed():
+    consumer = sim.Stream(non_blocking=False)
+    view, gone = owned_view()
+    imported = handoff.from_dlpack(view, stream=consumer)
+    del view
+    consumer.synchronize()
+    sim.begin_capture(consumer)
+    sim.fill(imported, 2.0, stream=consumer)  # a node of the graph: it writes the data at each launch
+    del imported  # as a torch.cuda.graph body drops its temporaries
+    gc.collect()
+    graph = sim.end_capture(consumer)
+    graph.launch(consumer)
+    consumer.synchronize()
+    time.sleep(0.05)
+    gc.collect()
+    assert gone() is not None, "released while the graph that writes the data can still be launched"
+    graph.launch(consumer)
+    del graph  # the launch still holds it
+    consumer.synchronize()
+    settle()
+    assert gone() is None

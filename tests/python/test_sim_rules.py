@@ -51,6 +51,9 @@ def test_a_view_dropped_during_a_capture_is_released_once_whatever_the_launches(
     for _ in range(3):
         graph.launch(consumer)
     sim.synchronize()
+    sim.drain()  # does not wait for the graph the program holds
+    del graph  # the release waited for the graph
+    sim.synchronize()
     sim.drain()
     del source
     sim.synchronize()

@@ -4,6 +4,7 @@ context-local (per thread, per asyncio task)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 
 import numpy as np
@@ -149,6 +150,32 @@ def test_block_object_is_reentrant():
         with block:
             assert handoff.current_stream() == handoff.Stream(6)
         assert handoff.current_stream() == handoff.Stream(6)
+    assert handoff.current_stream() is None
+
+
+def test_interleaved_blocks_each_restore_what_they_found():
+    def loader():
+        with handoff.stream(8):  # entered inside the caller's block, then suspended
+            yield
+
+    def body():
+        with handoff.stream(7):
+            suspended = loader()
+            next(suspended)
+            assert handoff.current_stream() == handoff.Stream(8)
+        assert handoff.current_stream() is None, "leaving the block restored another block's stream"
+        with pytest.raises(StopIteration):
+            next(suspended)
+        assert handoff.current_stream() == handoff.Stream(7), "the generator's block restores what it found"
+
+    contextvars.copy_context().run(body)  # its leftovers stay in its own context
+    assert handoff.current_stream() is None
+
+
+def test_leaving_a_block_entered_in_another_context_changes_nothing_here():
+    block = handoff.stream(9)
+    contextvars.copy_context().run(block.__enter__)
+    block.__exit__(None, None, None)
     assert handoff.current_stream() is None
 
 

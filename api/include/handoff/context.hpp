@@ -87,9 +87,10 @@ class context {
   void release_after(int device, device::stream_handle stream, std::function<void()> release,
                      std::optional<device::stream_handle> producer = std::nullopt) noexcept;
 
-  /// Blocks until no deferred release is pending (each waits for its stream, then runs).
+  /// Blocks until no deferred release is pending (each waits for its stream, then runs), but those
+  /// that wait for a captured graph the program still holds: they wait for the program.
   void drain();
-  /// drain(), for at most `limit`. @return true when nothing is pending.
+  /// drain(), for at most `limit`. @return true when nothing drain() waits for is pending.
   bool drain_for(std::chrono::nanoseconds limit);
   /// At exit: waits, at most `limit`, for the pending releases whose streams can still get there.
   /// Only the streams that have releases pending are looked at (never whole devices: that would

@@ -1,6 +1,7 @@
 // Stream-ordered release: a producer is released only once its consumer stream is done.
 #include <handoff/array.hpp>
 #include <handoff/context.hpp>
+#include <handoff/device_guard.hpp>
 #include <handoff/error.hpp>
 #include <handoff/sim.hpp>
 #include <handoff/stats.hpp>
@@ -101,6 +102,67 @@ TEST_P(ContextTest, AReleaseDuringCapturePutsNothingIntoTheGraphAndRunsAfterIt)
   ASSERT_EQ(sim().end_capture(consumer).size(), 0U) << "the release's host function went into the graph";
   ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
   EXPECT_EQ(released.load(), 1);
+}
+
+TEST_P(ContextTest, AFailedPollIsAskedAgainAndTheProducerReleased)
+{
+  HANDOFF_REQUIRE_SIM("faults are injected into the simulator");
+  const auto consumer = stream_on(0);
+  std::atomic<int> released{0};
+  delay(consumer, slow / 4);
+  {
+    producer_ref owner{[&] { ++released; }};
+    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+  }
+  sim().inject_fault("query_event", 2, "cudaErrorLaunchFailure");
+  ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
+  EXPECT_EQ(released.load(), 1) << "a transient failure abandoned the release";
+}
+
+TEST_P(ContextTest, AStreamThatKeepsFailingHasItsReleasesAbandonedAndTheProducerKept)
+{
+  HANDOFF_REQUIRE_SIM("faults are injected into the simulator");
+  const auto consumer = stream_on(0);
+  std::atomic<int> released{0};
+  delay(consumer, slow / 4);
+  {
+    producer_ref owner{[&] { ++released; }};
+    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+  }
+  sim().inject_fault("query_event", 1'000'000, "cudaErrorLaunchFailure");
+  ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
+  sim().clear_faults();
+  EXPECT_EQ(released.load(), 0) << "released although nothing said the consumer was done";
+  EXPECT_EQ(stats().pending_releases, 0);
+}
+
+// A thread bound work to its per-thread default stream and ended before that work did: the legacy
+// stream, which the binding names, must still be ordered after it, whatever the driver does with the
+// ended thread's stream (the simulator drops it from the legacy stream's implicit synchronization).
+TEST_P(ContextTest, AThreadsEndOrdersTheLegacyStreamAfterItsPerThreadStream)
+{
+  float* data = allocate_on(0);
+  std::thread worker([&] {
+    const auto named = ctx().thread_independent(0, b().per_thread_default_stream());
+    EXPECT_EQ(named, b().legacy_default_stream());
+    device_guard on{b(), 0};
+    fill(b().per_thread_default_stream(), data, 8.0F, slow);
+  });
+  worker.join();
+  EXPECT_EQ(read(data, b().legacy_default_stream()).front(), 8.0F);
+}
+
+TEST_P(ContextTest, NegativeControlAnEndedThreadsStreamNotNamedToTheContextIsNotOrdered)
+{
+  HANDOFF_REQUIRE_SIM("only the simulator drops an ended thread's stream from the legacy stream's order");
+  float* data = allocate_on(0);
+  std::thread worker([&] {
+    device_guard on{b(), 0};
+    fill(b().per_thread_default_stream(), data, 8.0F, slow);
+  });
+  worker.join();
+  EXPECT_EQ(read(data, b().legacy_default_stream()).front(), 0.0F);
+  b().synchronize_device();
 }
 
 // torch.cuda.graph: the captured work reads the data at every launch, long after the capture ended.

@@ -1,8 +1,11 @@
+#include <handoff/error.hpp>
 #include <handoff/event_pool.hpp>
+#include <handoff/sim.hpp>
 #include <handoff/stats.hpp>
 
 #include "core/backend_fixture.hpp"
 
+#include <optional>
 #include <thread>
 
 namespace {
@@ -59,6 +62,50 @@ TEST_P(EventPoolTest, ConcurrentBorrowersGetDistinctEvents)
   }
   for (auto& t : threads) { t.join(); }
   EXPECT_LE(events.idle(), 16U);
+}
+
+TEST_P(EventPoolTest, ARecordedEventCapturesTheStreamsWorkSoFar)
+{
+  event_pool events{b()};
+  float* data = allocate_on(0);
+  const auto producer = stream_on(0);
+  const auto consumer = stream_on(0);
+  fill(producer, data, 5.0F, slow);
+  const pooled_event reached = events.record(0, producer);
+  b().stream_wait_event(consumer, reached.get());
+  EXPECT_EQ(read(data, consumer).front(), 5.0F);
+}
+
+TEST_P(EventPoolTest, AnEventWhoseRecordFailedIsNotPooled)
+{
+  HANDOFF_REQUIRE_SIM("faults are injected into the simulator");
+  event_pool events{b()};
+  const auto s = stream_on(0);
+  sim().inject_fault("record_event", 1, "cudaErrorLaunchFailure");
+  EXPECT_THROW((void)events.record(0, s), device_error);
+  EXPECT_EQ(events.idle(), 0U) << "the event went back to the pool";
+  const auto before = stats();
+  (void)events.record(0, s);
+  EXPECT_EQ(stats().events_created - before.events_created, 1U);
+}
+
+// numba-cuda's cuda.close() resets the primary context: every event made in it is gone.
+TEST_P(EventPoolTest, EventsOfAContextResetSinceAreNeitherHandedOutNorDestroyedAgain)
+{
+  HANDOFF_REQUIRE_SIM("the device interface cannot reset a context");
+  event_pool events{b()};
+  std::optional<pooled_event> lent{events.acquire(0)};
+  {
+    const pooled_event idle = events.acquire(0);
+  }
+  ASSERT_EQ(events.idle(), 1U);
+  sim().reset_device(0);
+  lent.reset();  // given back after the reset: forgotten
+  const auto before = stats();
+  const pooled_event fresh = events.record(0, b().legacy_default_stream());
+  EXPECT_EQ(stats().events_created - before.events_created, 1U) << "an event of the old context was handed out";
+  EXPECT_EQ(events.idle(), 0U);
+  EXPECT_TRUE(sim().violations().empty()) << sim().violations().front();
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, EventPoolTest, handoff::testing::sim_and_cuda(),

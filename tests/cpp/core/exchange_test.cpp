@@ -84,6 +84,71 @@ TEST_P(ExchangeTest, NegativeControlNoOrderingRequestedSeesStaleData)
   b().synchronize_device();
 }
 
+// The consumer lets go of the export (its deleter: PyTorch and CuPy call it at their refcount zero)
+// while its stream still reads the data: the producer must wait for that stream.
+TEST_P(ExchangeTest, AnExportKeepsItsProducerUntilTheDefaultConsumerStreamIsDone)
+{
+  const auto legacy = b().legacy_default_stream();
+  std::atomic<int> released{0};
+  {
+    array_layout layout = view_of(allocate_on(0), 0).layout();
+    const array view{std::move(layout), producer_ref{[&] { ++released; }}};
+    order_export(&ctx(), view, {stream_order::legacy_default, 0});
+    delay(legacy, slow);  // the consumer's work on the legacy stream
+  }
+  EXPECT_EQ(released.load(), 0) << "released while the consumer's stream still reads the data";
+  ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
+  EXPECT_EQ(released.load(), 1);
+}
+
+TEST_P(ExchangeTest, AnExportLeavesABareConsumerHandleUntouchedUnlessItsOwnerIsHeldOrThePolicySaysSo)
+{
+  const auto consumer = stream_on(0);
+  const auto exported = [&](std::shared_ptr<const void> owner) {
+    std::atomic<int> released{0};
+    {
+      array_layout layout = view_of(allocate_on(0), 0).layout();
+      const array view{std::move(layout), producer_ref{[&] { ++released; }}};
+      order_export(&ctx(), view, on(consumer), std::move(owner));
+      delay(consumer, slow);
+    }
+    const int at_once = released.load();
+    EXPECT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
+    return at_once;
+  };
+  EXPECT_EQ(exported(nullptr), 1) << "a bare handle may be destroyed by the release: it is not touched";
+  EXPECT_EQ(exported(std::make_shared<int>(0)), 0) << "a held stream must be waited for";
+  set_export_release(export_release::every_stream);
+  EXPECT_EQ(exported(nullptr), 0) << "the application vouched for its streams";
+  set_export_release(export_release::known_streams);
+}
+
+TEST_P(ExchangeTest, TheStreamPublishedForSynchronizingConsumersCoversTheBlockingStreamsWork)
+{
+  HANDOFF_REQUIRE_SIM("only the simulator shows a legacy synchronization that misses the blocking streams");
+  float* data = allocate_on(0);
+  const auto blocking = stream_on(0, /*non_blocking=*/false);
+  const array view = view_of(data, 0);
+  fill(blocking, data, 3.0F, slow);
+  // Bound to a per-thread default stream: recorded as the legacy stream, which any thread can name.
+  view.owner().set_ready_on({.ctx = &ctx(), .device = 0, .stream = b().legacy_default_stream(), .stream_owner = {}});
+  const auto published = published_ready_stream(view);
+  ASSERT_EQ(published, b().legacy_default_stream());
+  b().synchronize_stream(*published);  // what a CUDA Array Interface consumer with sync=True does
+  EXPECT_EQ(read(data, stream_on(0)).front(), 3.0F);
+}
+
+TEST_P(ExchangeTest, NegativeControlSynchronizingTheLegacyStreamAloneMissesTheBlockingStreamsWork)
+{
+  HANDOFF_REQUIRE_SIM("only the simulator shows a legacy synchronization that misses the blocking streams");
+  float* data = allocate_on(0);
+  const auto blocking = stream_on(0, /*non_blocking=*/false);
+  fill(blocking, data, 3.0F, slow);
+  b().synchronize_stream(b().legacy_default_stream());
+  EXPECT_EQ(read(data, stream_on(0)).front(), 0.0F);
+  b().synchronize_device();
+}
+
 TEST_P(ExchangeTest, WithoutAKnownProducerStreamTheDefaultStreamIsOrdered)
 {
   float* data = allocate_on(0);

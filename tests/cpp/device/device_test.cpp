@@ -229,9 +229,8 @@ TEST_P(DeviceTest, SynchronizeEventBlocksUntilTheRecordedWorkIsDone)
   b().record_event(e, s);
   b().synchronize_event(e);
   EXPECT_TRUE(b().query_event(e));
-  std::vector<float> out(count);
-  std::memcpy(out.data(), data, count * sizeof(float));  // sim memory is host memory
-  if (sim() != nullptr) { EXPECT_TRUE(all_equal(out, 3.0f)); }
+  // Read on a stream that waits for nothing: only the synchronization can have made the fill visible.
+  EXPECT_TRUE(all_equal(read(stream(true), data, count), 3.0f));
 }
 
 TEST_P(DeviceTest, QueryStreamSaysWhetherItsWorkIsDone)
@@ -259,6 +258,24 @@ TEST_P(DeviceTest, LegacyStreamWaitsForBlockingStreams)
   float* data = floats(count, 0.0f);
   delayed_fill(blocking, data, count, 1.0f, delay);
   EXPECT_TRUE(all_equal(read(b().legacy_default_stream(), data, count), 1.0f));
+}
+
+// CUDA leaves open whether synchronizing the legacy stream waits for the blocking streams' work
+// enqueued after its last operation; the simulator takes the stricter reading, so that handoff, which
+// waits for the legacy stream through an event recorded there, is right under either.
+TEST_P(DeviceTest, SynchronizingTheLegacyStreamWaitsForItsOwnWorkOnly)
+{
+  REQUIRE_SIM();
+  const auto blocking = stream(false);
+  const auto legacy = b().legacy_default_stream();
+  float* data = floats(count, 0.0f);
+  delayed_fill(blocking, data, count, 1.0f, delay);
+  b().synchronize_stream(legacy);
+  EXPECT_TRUE(all_equal(read(stream(true), data, count), 0.0f)) << "the blocking stream's work was waited for";
+  const auto e = event();
+  b().record_event(e, legacy);  // an operation of the legacy stream: after the blocking stream's work
+  b().synchronize_event(e);
+  EXPECT_TRUE(all_equal(read(stream(true), data, count), 1.0f));
 }
 
 TEST_P(DeviceTest, BlockingStreamsWaitForTheLegacyStream)
@@ -744,6 +761,52 @@ TEST_P(DeviceTest, ConcurrentProducersAndConsumersStayOrdered)
   }
   for (auto& w : workers) { w.join(); }
   EXPECT_EQ(failures.load(), 0);
+}
+
+// --- context resets and graph-retained releases ---------------------------------------------------
+
+TEST_P(DeviceTest, AContextResetGivesTheDeviceANewContextAndDestroysWhatWasMadeInTheOldOne)
+{
+  REQUIRE_SIM();
+  const auto before = b().context_id(0);
+  EXPECT_EQ(b().context_id(0), before) << "asking changes nothing";
+  const auto old_event = b().create_event();
+  sim()->reset_device(0);
+  EXPECT_NE(b().context_id(0), before);
+  EXPECT_DEVICE_ERROR(b().record_event(old_event, b().legacy_default_stream()),
+                      err("cudaErrorInvalidResourceHandle", "hipErrorInvalidHandle"));
+  EXPECT_EQ(sim()->violations().size(), 1U) << "a handle of the old context is a destroyed one";
+  sim()->clear_violations();
+  const auto fresh = event();
+  b().record_event(fresh, b().legacy_default_stream());
+  b().synchronize_event(fresh);
+}
+
+TEST_P(DeviceTest, AGraphRetainsWhatAReleaseWaitsForUntilItAndItsLaunchesAreGone)
+{
+  REQUIRE_SIM();
+  const auto s = stream(false);
+  std::atomic<int> released{0};
+  sim()->begin_capture(s);
+  sim()->enqueue_sleep(s, delay);
+  sim()->release_with_capture(
+    s, [](void* counter) noexcept { ++*static_cast<std::atomic<int>*>(counter); }, &released);
+  std::optional<sim_graph> graph{sim()->end_capture(s)};
+  EXPECT_EQ(released.load(), 0);
+  sim()->launch_graph(*graph, s);
+  graph.reset();
+  EXPECT_EQ(released.load(), 0) << "released while a launch of the graph still runs";
+  b().synchronize_stream(s);
+  EXPECT_EQ(released.load(), 1);
+  EXPECT_DEVICE_ERROR(sim()->release_with_capture(
+                        s, [](void*) noexcept {}, nullptr),
+                      err("cudaErrorIllegalState", "hipErrorIllegalState"));
+  const auto blocking = stream(false);
+  sim()->begin_capture(blocking);
+  EXPECT_DEVICE_ERROR(sim()->release_with_capture(
+                        b().legacy_default_stream(), [](void*) noexcept {}, nullptr),
+                      err("cudaErrorStreamCaptureImplicit", "hipErrorStreamCaptureImplicit"));
+  EXPECT_NO_THROW((void)sim()->end_capture(blocking)) << "asking the legacy stream broke the capture";
 }
 
 // One simulated device as on most GPU machines, and two for what crosses devices.
