@@ -324,6 +324,11 @@ void init_exchange(py::module_& m)
 py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::handle stream)
 {
   const named_stream consumer = consumer_stream(stream);
+  if (const array* source = as_array(x); source != nullptr && device.is_none() && copy.is_none()) {
+    array view = share_view(*source, consumer);  // shares its producer: re-imports never chain
+    count_serialized(counter::imports);          // under the GIL
+    return wrap(std::move(view));
+  }
   // The C exchange API has no dl_device or copy: calls with them go through __dlpack__, whose
   // producer may honour them itself (a copy made by the producer, in its own stream order).
   if (device.is_none() && copy.is_none() && !is_numpy_array(x.ptr())) {

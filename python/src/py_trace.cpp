@@ -254,7 +254,7 @@ py::dict graph_dict()
     node["nbytes"] = b.nbytes;
     node["holders"] = b.holders;
     nodes.append(node);
-    if (b.ready_on) { add_stream(*b.ready_on, id, "ready-on"); }
+    for (const auto& stream : b.ready_on) { add_stream(stream, id, "ready-on"); }
     for (const stream_node& after : b.released_after) { add_stream(after, id, "released-after"); }
   }
   for (const view_node& v : graph.views) {

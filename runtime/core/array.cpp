@@ -39,16 +39,35 @@ void trace_release(producer_ref::state& s) noexcept
 
 std::uint64_t producer_ref::state::id() noexcept
 {
+  if (parent_) { return parent_.state_->id(); }  // one buffer, however many derived producers
   std::uint64_t current = id_.load(std::memory_order_relaxed);
   if (current != 0) { return current; }
   const std::uint64_t fresh = detail::next_node_id();
   return id_.compare_exchange_strong(current, fresh, std::memory_order_relaxed) ? fresh : current;
 }
 
+void producer_ref::state::destroy(state* s) noexcept
+{
+  thread_local state* queued = nullptr;  // deletions asked for while one runs, last first
+  thread_local bool destroying = false;
+  if (destroying) {
+    s->next_to_destroy_ = std::exchange(queued, s);
+    return;
+  }
+  destroying = true;
+  delete s;
+  while (queued != nullptr) { delete std::exchange(queued, queued->next_to_destroy_); }
+  destroying = false;
+}
+
 producer_ref::state::~state()
 {
   detail::live_view_released();
   if (trace::enabled()) { trace_release(*this); }
+  // A derived producer's release lets go of its root, after the streams it was bound to.
+  if (parent_) {
+    release_ = [root = std::move(parent_)]() noexcept {};
+  }
   if (!release_) { return; }
   if (release_after_.empty()) {
     try {
@@ -144,6 +163,14 @@ producer_ref::~producer_ref()
 std::uint64_t producer_ref::id() const noexcept
 {
   return state_ == nullptr ? 0 : state_->id();
+}
+
+producer_ref producer_ref::derived() const
+{
+  if (state_ == nullptr) { return {}; }
+  producer_ref out{std::function<void()>{}};
+  out.state_->parent_ = state_->parent_ ? state_->parent_ : *this;
+  return out;
 }
 
 long producer_ref::use_count() const noexcept

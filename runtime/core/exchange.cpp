@@ -347,11 +347,16 @@ int owning_device(context& ctx, const array& view)
   return where.device >= 0 ? where.device : ctx.backend().current_device();
 }
 
-void order_export(context* ctx, const array& view, stream_request consumer, std::shared_ptr<const void> consumer_owner)
+namespace {
+
+// The export half's ordering: the consumer stream `consumer` asks for waits for the stream `view`
+// is ready on. Returns that consumer stream, bound on the data's device; nullopt when nothing is
+// asked (stream=-1).
+std::optional<stream_binding> order_ready_stream(context* ctx, const array& view, stream_request consumer)
 {
   if (consumer.order == stream_order::none) {
     note_unordered_export(view);
-    return;
+    return std::nullopt;
   }
   if (ctx == nullptr) {
     throw device_error(
@@ -366,10 +371,28 @@ void order_export(context* ctx, const array& view, stream_request consumer, std:
   const auto producer = ready && ready->ctx == ctx ? ready->stream : backend.legacy_default_stream();
   const auto consumer_stream = *resolve_stream(backend, consumer);
   stream_view{backend, consumer_stream}.wait(stream_view{backend, producer}, device, ctx->events());
-  if (alive_at_release(consumer, consumer_owner)) {
-    view.owner().release_after(
-      {.ctx = ctx, .device = device, .stream = consumer_stream, .stream_owner = std::move(consumer_owner)});
+  return stream_binding{.ctx = ctx, .device = device, .stream = consumer_stream, .stream_owner = nullptr};
+}
+
+}  // namespace
+
+void order_export(context* ctx, const array& view, stream_request consumer, std::shared_ptr<const void> consumer_owner)
+{
+  auto ordered = order_ready_stream(ctx, view, consumer);
+  if (ordered && alive_at_release(consumer, consumer_owner)) {
+    ordered->stream_owner = std::move(consumer_owner);
+    view.owner().release_after(*ordered);
   }
+}
+
+array share_view(const array& source, const named_stream& consumer)
+{
+  array view{source.layout(), source.owner().derived()};
+  const DLDeviceType type = view.device().device_type;
+  if (!is_cuda_device(type) && !is_rocm_device(type)) { return view; }
+  (void)order_ready_stream(active_context(), source, request_for(consumer, type));
+  bind_to_consumer(view, consumer);
+  return view;
 }
 
 namespace {

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
 namespace handoff {
 
@@ -46,6 +47,15 @@ void describe(buffer_node& buffer, const DLTensor& t)
   buffer.nbytes = elements * static_cast<std::int64_t>((t.dtype.bits * t.dtype.lanes + 7) / 8);
 }
 
+void add_once(std::vector<stream_node>& streams, const stream_node& stream)
+{
+  const auto same = [&](const stream_node& s) {
+    return s.handle == stream.handle && s.device.device_type == stream.device.device_type &&
+           s.device.device_id == stream.device.device_id;
+  };
+  if (std::none_of(streams.begin(), streams.end(), same)) { streams.push_back(stream); }
+}
+
 void describe(buffer_node& buffer, const array& view)
 {
   buffer.device = view.device();
@@ -61,28 +71,33 @@ struct ownership_registry {
   static ownership_graph snapshot()
   {
     ownership_graph graph;
-    std::unordered_map<const producer_ref::state*, std::size_t> buffer_index;
+    std::unordered_map<const producer_ref::state*, std::size_t> buffer_index;  // by root
+    std::unordered_set<const producer_ref::state*> bound;                      // bindings added
     std::lock_guard guard{detail::tracked_views};
     // Oldest first: the list is newest first.
     std::vector<const tracked_view*> views;
     for (const tracked_view* v = detail::tracked_views.head; v != nullptr; v = v->next_) { views.push_back(v); }
     std::reverse(views.begin(), views.end());
     for (const tracked_view* v : views) {
-      producer_ref::state* state = v->owner_->state_;
+      producer_ref::state* state = v->owner_->state_;  // a derived producer's: a view of its root's buffer
       if (state == nullptr) { continue; }
-      auto [at, added] = buffer_index.try_emplace(state, graph.buffers.size());
+      producer_ref::state* root = state->root();
+      auto [at, added] = buffer_index.try_emplace(root, graph.buffers.size());
       if (added) {
         buffer_node& buffer = graph.buffers.emplace_back();
-        buffer.id = state->id();
-        buffer.holders = state->references_.load(std::memory_order_relaxed);
+        buffer.id = root->id();
+        buffer.holders = root->references_.load(std::memory_order_relaxed);
         if (v->array_ != nullptr) {
           describe(buffer, *v->array_);
         } else {
           describe(buffer, *v->tensor_);
         }
+      }
+      if (bound.insert(state).second) {  // each producer's bindings once: its root's and derived ones'
+        buffer_node& buffer = graph.buffers[at->second];
         std::lock_guard bindings{state->mutex_};
-        if (state->ready_on_) { buffer.ready_on = node_of(*state->ready_on_); }
-        for (const stream_binding& after : state->release_after_) { buffer.released_after.push_back(node_of(after)); }
+        if (state->ready_on_) { add_once(buffer.ready_on, node_of(*state->ready_on_)); }
+        for (const stream_binding& after : state->release_after_) { add_once(buffer.released_after, node_of(after)); }
       }
       buffer_node& held = graph.buffers[at->second];
       if (held.library == nullptr) { held.library = v->library_; }
@@ -93,9 +108,12 @@ struct ownership_registry {
 
   static const char* library_of(const producer_ref::state* state) noexcept
   {
+    const producer_ref::state* root = state->root();
     std::lock_guard guard{detail::tracked_views};
     for (const tracked_view* v = detail::tracked_views.head; v != nullptr; v = v->next_) {
-      if (v->library_ != nullptr && v->owner_->state_ == state) { return v->library_; }
+      if (v->library_ != nullptr && v->owner_->state_ != nullptr && v->owner_->state_->root() == root) {
+        return v->library_;
+      }
     }
     return nullptr;
   }

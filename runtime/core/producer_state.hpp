@@ -41,9 +41,18 @@ struct producer_ref::state {
     // atomic read-modify-write; acquire orders every use through other, gone references before.
     if (s->references_.load(std::memory_order_acquire) == 1 ||
         s->references_.fetch_sub(1, std::memory_order_acq_rel) == 1) {  // acq_rel: as above
-      delete s;
+      destroy(s);
     }
   }
+
+  // Deletes `s`; while another state's deletion runs on this thread (a release dropping the last
+  // reference of a producer it keeps, through any library's deleter), queues it for that deletion's
+  // loop instead: a chain of producers, each keeping the next, is let go iteratively.
+  static void destroy(state* s) noexcept;
+
+  // The producer this one derives from (derived()): what it keeps alive, its root.
+  [[nodiscard]] const state* root() const noexcept { return parent_ ? parent_.state_ : this; }
+  [[nodiscard]] state* root() noexcept { return parent_ ? parent_.state_ : this; }
 
   // The buffer's node id in the ownership graph and the trace, assigned on first use.
   std::uint64_t id() noexcept;
@@ -55,6 +64,8 @@ struct producer_ref::state {
   std::optional<stream_binding> ready_on_;
   std::vector<stream_binding> release_after_;  // one per consumer stream, usually one
   std::optional<stream_binding> hold_back_;    // the producer stream that waits for the consumers' work
+  producer_ref parent_;                        // set for a derived producer: the root it keeps
+  state* next_to_destroy_{nullptr};            // queued by destroy()
 };
 
 }  // namespace handoff

@@ -305,3 +305,56 @@ t = threading.Thread(target=work); t.start(); t.join()
 """
     result = run_python(code)
     assert (result.returncode, result.stderr) == (0, "")
+
+
+# --- long chains ---------------------------------------------------------------------------------
+
+CHAINS = {
+    # each array imports the previous one
+    "re-import": "a = handoff.from_dlpack(a)",
+    # each array's owner is the previous one (a library wrapping its own views)
+    "owner": "a = handoff.view(a.data_ptr, a.shape, a.dtype, device='cpu', owner=a)",
+    # each import goes through a capsule, which wraps the producer it holds
+    "capsule": "a = handoff.from_dlpack(a.__dlpack__(max_version=(1, 1)))",
+}
+
+
+@pytest.mark.parametrize("link", CHAINS.values(), ids=CHAINS.keys())
+def test_dropping_a_long_chain_of_arrays_releases_it_iteratively(link):
+    # Each array releases the next inside its own deallocation: recursively, 200,000 deep, that
+    # overflows the C stack.
+    code = f"""
+import numpy as np, handoff
+a = handoff.from_dlpack(np.zeros(4, np.float32))
+for _ in range(200_000):
+    {link}
+del a
+print(handoff.stats()["live_views"])
+"""
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["0"]
+
+
+def test_re_imports_share_their_root_producer(settled):
+    source = owned()
+    a = handoff.from_dlpack(source)
+    for _ in range(1000):
+        a = handoff.from_dlpack(a)
+    assert live_views() == settled + 2, "a chain of re-imports keeps one producer and the last view's"
+    assert np.from_dlpack(a).tolist() == source.tolist()
+    del a
+
+
+def test_round_trips_through_pytorch_drop_without_recursion(torch):
+    code = """
+import numpy as np, torch, handoff
+a = handoff.from_dlpack(np.zeros(4, np.float32))
+for _ in range(100_000):
+    a = handoff.from_dlpack(torch.from_dlpack(a))
+del a
+print("dropped")
+"""
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["dropped"]

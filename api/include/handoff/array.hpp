@@ -68,8 +68,15 @@ class producer_ref {
   /// until the consumer's is done. Thread-safe.
   void release_after(const stream_binding& consumer, const std::optional<stream_binding>& producer = {}) const;
 
-  /// The producer's node id in the ownership graph and the trace; unique in the process, assigned
-  /// on first use. 0 for an empty reference. Thread-safe.
+  /// A new producer that keeps this one's root (the producer this one derives from, else this one)
+  /// alive, with stream bindings of its own (none yet), as an import of an export of it would have:
+  /// a view of a view shares the root producer instead of wrapping it, so re-imports never chain.
+  /// Thread-safe.
+  /// @throws std::bad_alloc.
+  [[nodiscard]] producer_ref derived() const;
+
+  /// The producer's node id in the ownership graph and the trace (its root's, for a derived one);
+  /// unique in the process, assigned on first use. 0 for an empty reference. Thread-safe.
   [[nodiscard]] std::uint64_t id() const noexcept;
   /// The producer's library (its top-level package: "torch", "numpy") as a tracked view of it names
   /// it (see tracked_view), or null. Searches the tracked views: for the graph and the trace only.

@@ -120,6 +120,15 @@ class producer_device_scope {
 void order_export(context* ctx, const array& view, stream_request consumer,
                   std::shared_ptr<const void> consumer_owner = {});
 
+/// A new view of `source`'s data (a view handoff made) for a consumer that works on `consumer`:
+/// ordered as exporting `source` to that consumer and importing the result would be (the consumer's
+/// stream waits for the stream the data is ready on; the new view is ready on the consumer's stream
+/// and its producer outlives the work enqueued there), but sharing `source`'s root producer
+/// (producer_ref::derived) rather than wrapping an export of it: a chain of re-imports keeps one
+/// producer alive, not one per hop.
+/// @throws what order_export and consumer_binding throw.
+[[nodiscard]] array share_view(const array& source, const named_stream& consumer);
+
 /// Import half: records that `view`'s data is ready on `consumer` (of `device`), and defers the
 /// release of its producer until the work enqueued on `consumer` by then is done. `consumer_owner`
 /// (may be empty) keeps the consumer stream alive until then.

@@ -89,7 +89,9 @@ struct buffer_node {
   std::optional<DLDataType> dtype;
   std::int64_t nbytes{0};
   long holders{0};  ///< references to the producer: views, exported tensors, pending work
-  std::optional<stream_node> ready_on;
+  /// The streams its data is ready on: one per producer that holds it (views re-imported from a
+  /// view keep their own bindings, and share the buffer).
+  std::vector<stream_node> ready_on;
   std::vector<stream_node> released_after;
 };
 

@@ -7,7 +7,9 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <atomic>
 #include <numeric>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -300,6 +302,38 @@ TEST_F(ArrayTest, LiveViewsCountsProducers)
     EXPECT_EQ(stats().live_views, before + 1);
   }
   EXPECT_EQ(stats().live_views, before);
+}
+
+}  // namespace
+
+namespace {
+
+// Each release drops the last reference of the producer before it, as a view owned by the view before
+// it does: destroyed recursively, 200,000 deep, that overflows the stack.
+TEST_F(ArrayTest, ALongChainOfProducersIsReleasedIteratively)
+{
+  std::atomic<int> released{0};
+  producer_ref chain{[&released]() noexcept { ++released; }};
+  for (int i = 0; i < 200'000; ++i) {
+    chain = producer_ref{[inner = std::move(chain), &released]() noexcept { ++released; }};
+  }
+  chain = producer_ref{};
+  EXPECT_EQ(released.load(), 200'001);
+}
+
+TEST_F(ArrayTest, DerivedProducersShareTheirRootAndKeepItAlive)
+{
+  std::atomic<int> released{0};
+  std::optional<producer_ref> root{producer_ref{[&released]() noexcept { ++released; }}};
+  producer_ref derived = root->derived();
+  for (int i = 0; i < 1000; ++i) { derived = derived.derived(); }  // each derives from the root, not the last
+  EXPECT_EQ(derived.id(), root->id()) << "one buffer in the ownership graph";
+  EXPECT_EQ(root->use_count(), 2) << "a chain of derived producers keeps one reference to the root";
+  EXPECT_FALSE(derived.ready_on().has_value()) << "bindings of its own, none yet";
+  root.reset();
+  EXPECT_EQ(released.load(), 0);
+  derived = producer_ref{};
+  EXPECT_EQ(released.load(), 1);
 }
 
 }  // namespace

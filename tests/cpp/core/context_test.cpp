@@ -186,6 +186,7 @@ TEST_P(ContextTest, AReleaseDuringCaptureWaitsUntilTheGraphIsDestroyedAndItsLaun
   graph.reset();  // the program lets go of the graph while a launch still runs
   std::this_thread::sleep_for(slow / 4);
   EXPECT_EQ(released.load(), 0) << "released while a launch of the graph still runs";
+  b().synchronize_stream(consumer);  // the launch is done: the graph is gone, drain() waits for its release
   ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
   EXPECT_EQ(released.load(), 1);
 }

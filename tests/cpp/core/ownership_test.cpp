@@ -113,9 +113,9 @@ TEST_F(OwnershipTest, ABuffersBindingsAreItsReadyOnAndReleasedAfterStreams)
   const auto graph = ownership_snapshot();
   buffer = find_buffer(graph, view.owner().id());
   ASSERT_NE(buffer, nullptr);
-  ASSERT_TRUE(buffer->ready_on.has_value());
-  EXPECT_EQ(buffer->ready_on->handle, 0x10U);
-  EXPECT_EQ(buffer->ready_on->device.device_id, 1);
+  ASSERT_EQ(buffer->ready_on.size(), 1U);
+  EXPECT_EQ(buffer->ready_on.front().handle, 0x10U);
+  EXPECT_EQ(buffer->ready_on.front().device.device_id, 1);
   EXPECT_TRUE(buffer->released_after.empty()) << "release_after needs a context; none was bound";
 }
 
