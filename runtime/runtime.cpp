@@ -11,6 +11,8 @@
 
 #include <fmt/format.h>
 
+#include <pthread.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <memory>
@@ -93,27 +95,68 @@ started_backend start_with_context()
 }
 
 std::atomic<bool> backend_started{false};
+// A child forked after a device backend started inherits its state but none of its threads (the
+// service thread, the simulator's workers, the driver's): it must neither use the backend nor tear
+// it down, and CUDA refuses a forked child the device anyway. Set in the child only.
+std::atomic<bool> forked_after_start{false};
+
+void after_fork_in_child() noexcept
+{
+  if (backend_started.load(std::memory_order_relaxed)) { forked_after_start.store(true, std::memory_order_relaxed); }
+}
 
 // Out of line, so that started(), on every exchange's path, is a guard check and a return.
-[[gnu::noinline]] started_backend start_once()
+[[gnu::noinline]] started_backend* start_once()
 {
-  started_backend s = start_with_context();
+  static const bool fork_handled = pthread_atfork(nullptr, nullptr, &after_fork_in_child) == 0;
+  if (!fork_handled) { HANDOFF_LOG_WARN("pthread_atfork failed: a forked child must not use handoff's device"); }
+  auto* s = new started_backend(start_with_context());
   backend_started.store(true, std::memory_order_release);
   return s;
 }
 
+// The started runtime, destroyed at exit, but in a forked child: there, its threads do not exist to
+// be joined, nor its pending work to be waited for.
+struct runtime_holder {
+  explicit runtime_holder(started_backend* started) noexcept : runtime(started) {}
+  runtime_holder(const runtime_holder&) = delete;
+  runtime_holder& operator=(const runtime_holder&) = delete;
+  runtime_holder(runtime_holder&&) = delete;
+  runtime_holder& operator=(runtime_holder&&) = delete;
+  ~runtime_holder()
+  {
+    if (!forked_after_start.load(std::memory_order_relaxed)) { delete runtime; }
+  }
+
+  started_backend* runtime;
+};
+
 const started_backend& started()
 {
-  static const started_backend instance = start_once();
-  return instance;
+  static const runtime_holder instance{start_once()};
+  return *instance.runtime;
 }
 
-// What started; throws when the backend HANDOFF_BACKEND names could not start.
+// A device backend started by the parent of a forked child is not the child's to use.
+bool inherited_from_a_parent(const started_backend& s) noexcept
+{
+  return s.backend && forked_after_start.load(std::memory_order_relaxed);
+}
+
+// What started; throws when the backend HANDOFF_BACKEND names could not start, or belongs to the
+// parent of this forked process.
 const started_backend& usable()
 {
   const auto& s = started();
   if (!s.error_name.empty()) {
     throw device_error(s.name, s.error_name, fmt::format("HANDOFF_BACKEND={} cannot start: {}", s.name, s.error));
+  }
+  if (inherited_from_a_parent(s)) [[unlikely]] {
+    throw device_error(s.name, "handoffErrorForkedChild",
+                       fmt::format("this process was forked after its parent started the {} backend; a forked child "
+                                   "cannot use the device (CUDA refuses it too): start the process with the 'spawn' "
+                                   "or 'forkserver' method, or use the device only after fork",
+                                   s.name));
   }
   return s;
 }
@@ -164,7 +207,9 @@ context* active_context()
 
 context* started_context() noexcept
 {
-  return backend_started.load(std::memory_order_acquire) ? started().exchange.get() : nullptr;
+  if (!backend_started.load(std::memory_order_acquire)) { return nullptr; }
+  const auto& s = started();
+  return inherited_from_a_parent(s) ? nullptr : s.exchange.get();
 }
 
 context& require_context(const char* what)
@@ -238,7 +283,11 @@ runtime_description describe_runtime() noexcept
       d.cuda_driver_minimum = cuda->minimum_driver_branch;
     }
     d.backend_error = s.error;
-    if (s.backend) { d.device_count = s.backend->device_count(); }
+    if (inherited_from_a_parent(s)) {
+      d.backend_error = "this process was forked after its parent started the backend; it cannot use the device";
+    } else if (s.backend) {
+      d.device_count = s.backend->device_count();
+    }
   } catch (const std::exception& e) {
     d.backend_error = e.what();
   }

@@ -5,7 +5,28 @@ Import any array (DLPack, CUDA Array Interface, ``__array_interface__``, buffer 
 before the consumer's stream without blocking the host.
 """
 
-from ._handoff import (
+import importlib as _importlib
+
+
+def _refuse_sub_interpreters() -> None:
+    """handoff's runtime is one per process, and its extension's module state is not per interpreter:
+    initialized in a sub-interpreter (mod_wsgi, embedders) it would deadlock on the GIL's thread state."""
+    for name in ("_interpreters", "_xxsubinterpreters"):  # Python 3.13 and later; 3.8 to 3.12
+        try:
+            interpreters = _importlib.import_module(name)
+        except ImportError:
+            continue
+        if interpreters.get_current() != interpreters.get_main():
+            raise ImportError(
+                "handoff cannot be imported in a sub-interpreter: its runtime serves the main interpreter only "
+                "(import it there, or run the work in a separate process)"
+            )
+        return
+
+
+_refuse_sub_interpreters()
+
+from ._handoff import (  # noqa: E402 - after the check, which must come first
     Array,
     DeviceError,
     __version__,
@@ -26,11 +47,15 @@ from ._trace import trace
 import atexit as _atexit
 from pathlib import Path as _Path
 
-from ._handoff import _at_exit
+import os as _os
+
+from ._handoff import _after_fork_in_child, _at_exit
 
 # Threads still inside handoff's device calls must not take the GIL back while Python finalizes,
 # and releases waiting for a consumer stream run producers' deleters: both while Python is alive.
 _atexit.register(_at_exit)
+# A forked child keeps none of the parent's threads: see handoff.runtime_info() there.
+_os.register_at_fork(after_in_child=_after_fork_in_child)
 _start_tracing()  # HANDOFF_TRACE, HANDOFF_TRACE_SOCKET: after _at_exit, whose handler must run last
 
 

@@ -62,11 +62,13 @@ def _finish(path: str) -> None:
     try:
         recording.save(path)
     except OSError as error:
-        print(f"handoff: could not save the trace to {path}: {error}", flush=True)
+        # On the logger (stderr), not in the program's own output.
+        _handoff._log_warning(f"HANDOFF_TRACE: could not save the trace to {path}: {error}")
 
 
 def start_from_environment() -> None:
-    """Starts what HANDOFF_TRACE and HANDOFF_TRACE_SOCKET ask for (at `import handoff`)."""
+    """Starts what HANDOFF_TRACE and HANDOFF_TRACE_SOCKET ask for (at `import handoff`). What cannot
+    be started is a warning on the logger: the program runs, untraced."""
     global _process_trace
     path = os.environ.get("HANDOFF_TRACE")
     if path and _process_trace is None:
@@ -75,4 +77,9 @@ def start_from_environment() -> None:
         # Registered after handoff's own exit handler, so it runs first: views are still alive.
         atexit.register(_finish, path)
     if os.environ.get("HANDOFF_TRACE_SOCKET", "") not in ("", "0"):
-        serve_trace()
+        try:
+            serve_trace()
+        except (OSError, RuntimeError) as error:
+            from . import _handoff
+
+            _handoff._log_warning(f"HANDOFF_TRACE_SOCKET: not serving the trace: {error}")

@@ -84,26 +84,6 @@ def as_stream(obj: object) -> Stream:
     return made
 
 
-def _held_stream(producer: object, handle: int) -> object | None:
-    """The stream object `producer` holds as its ``stream`` attribute, when it is stream `handle`.
-
-    A CUDA Array Interface producer must keep the stream it names alive for as long as itself, and
-    Numba's device arrays do so by holding it there. With that object kept, handoff can make the
-    stream wait when a view is released, with no risk of using a destroyed stream. None when nothing
-    says so: no such attribute, not a stream object, a bare handle, or another stream.
-    """
-    held: object = getattr(producer, "stream", None)
-    if held is None:
-        return None
-    try:
-        made = as_stream(held)
-    except (TypeError, ValueError):
-        return None
-    if made._source is None or made.handle != handle:  # a bare handle holds no stream
-        return None
-    return held
-
-
 def current_stream() -> Stream | None:
     """The stream of the innermost enclosing ``handoff.stream(...)`` block, or None."""
     return _current.get(None)

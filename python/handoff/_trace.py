@@ -185,10 +185,13 @@ def _shape(event: Mapping[str, Any]) -> str:
 def format_event(event: Mapping[str, Any]) -> str:
     """One line for an event: time, kind, producer -> consumer, array, streams, action, hazard, where."""
     time_ns = _int(event.get("time_ns"))
-    stamp = time.strftime("%H:%M:%S", time.localtime(time_ns // 1_000_000_000))
+    try:
+        stamp = f"{time.strftime('%H:%M:%S', time.localtime(time_ns // 1_000_000_000))}.{time_ns % 1_000_000_000 // 1000:06d}"
+    except (OverflowError, OSError, ValueError):  # a time no clock shows
+        stamp = "?"
     parts = [
-        f"{stamp}.{time_ns % 1_000_000_000 // 1000:06d}",
-        f"{event.get('kind', '?'):<7}",
+        stamp,
+        f"{event.get('kind', '?')!s:<7}",
         _pair(event),
         f"{_shape(event)} {_human_bytes(_int(event.get('nbytes')))}",
         device_name(event.get("device")),

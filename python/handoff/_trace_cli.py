@@ -92,9 +92,13 @@ def load_trace(file: str) -> Trace:
     except OSError as error:
         raise CommandError(f"{name}: cannot read it: {error.strerror or error}") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_constant=_refuse_constant)
     except json.JSONDecodeError as error:
         raise CommandError(f"{name}: not JSON ({error.msg} at line {error.lineno}, column {error.colno})") from None
+    except ValueError as error:  # NaN or Infinity, which JSON does not have
+        raise CommandError(f"{name}: not JSON ({error})") from None
+    except RecursionError:
+        raise CommandError(f"{name}: not a handoff trace (nested too deeply)") from None
     section = data.get("handoff") if isinstance(data, dict) else None
     if (not isinstance(section, dict) or not isinstance(section.get("events"), list)
             or not all(isinstance(e, dict) for e in section["events"])):
@@ -102,7 +106,48 @@ def load_trace(file: str) -> Trace:
             f"{name}: not a handoff trace (no \"handoff\" section with the events; handoff writes one with "
             "handoff.trace(path=...), HANDOFF_TRACE=FILE or handoff-trace run -o FILE)"
         )
+    for index, event in enumerate(section["events"]):
+        _check_fields(event, f"{name}: event {index}")
+    graph = section.get("graph")
+    if graph is not None:
+        _check_graph(graph, name)
     return section
+
+
+def _refuse_constant(constant: str) -> Any:
+    raise ValueError(f"{constant} is not a JSON value")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_fields(item: dict[str, Any], where: str) -> None:
+    """A trace item's fields are what handoff writes: a string, a number, a bool, null, or a list of
+    ints (a device, a shape); ids are strings. A file that says otherwise is refused, naming the field."""
+    for key, value in item.items():
+        scalar = value is None or isinstance(value, (str, int, float))
+        if not (scalar or (isinstance(value, list) and all(_is_int(v) for v in value))):
+            raise CommandError(f"{where}: field {key!r} holds {type(value).__name__}, not what handoff writes")
+        if key in ("id", "src", "dst", "buffer", "view") and not (value is None or isinstance(value, str)):
+            raise CommandError(f"{where}: field {key!r} is not an id (a string)")
+
+
+def _check_graph(graph: Any, name: str) -> None:
+    if not isinstance(graph, dict):
+        raise CommandError(f"{name}: the ownership graph is not an object")
+    for part, required in (("nodes", ("id", "kind")), ("edges", ("src", "dst", "kind"))):
+        items = graph.get(part, [])
+        if not isinstance(items, list):
+            raise CommandError(f"{name}: the ownership graph's {part} are not a list")
+        for index, item in enumerate(items):
+            where = f"{name}: graph {part} {index}"
+            if not isinstance(item, dict):
+                raise CommandError(f"{where} is not an object")
+            _check_fields(item, where)
+            missing = [key for key in required if not isinstance(item.get(key), str)]
+            if missing:
+                raise CommandError(f"{where} has no {missing[0]!r}")
 
 
 def print_json(data: Any, file: IO[str] | None = None) -> None:
@@ -145,6 +190,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         command = command[1:]
     if not command:
         raise CommandError("run: no command given (handoff-trace run [-o FILE] -- CMD ARGS...)")
+    if args.output:
+        target = Path(args.output)
+        if target.is_dir():
+            raise CommandError(f"run -o {args.output}: is a directory; name the trace file to write")
+        if not target.absolute().parent.is_dir():
+            raise CommandError(f"run -o {args.output}: no directory {target.absolute().parent} to write it in")
     with tempfile.TemporaryDirectory(prefix="handoff-trace-") as scratch:
         shim = Path(scratch, "site")
         shim.mkdir()
@@ -162,7 +213,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(
                 f"handoff-trace: no trace was written: {command[0]} made no exchange through handoff, or is not a "
                 "Python program with handoff importable (a Python run with -S or -I skips the sitecustomize "
-                "module that imports it)",
+                f"module that imports it), or {output} could not be written (handoff then warns above)",
                 file=sys.stderr,
             )
             return status
@@ -282,7 +333,7 @@ def _connect(pid: int) -> tuple[socket.socket, Path]:
 
 
 def cmd_attach(args: argparse.Namespace) -> int:
-    if args.pid <= 0:
+    if not 0 < args.pid < 2**31:
         raise CommandError(f"attach: {args.pid} is not a process id")
     if args.count is not None and args.count < 1:
         raise CommandError("attach: --count must be at least 1")
@@ -306,8 +357,8 @@ def cmd_attach(args: argparse.Namespace) -> int:
 
         def message(line: bytes) -> Any:
             try:
-                return json.loads(line)
-            except ValueError:
+                return json.loads(line, parse_constant=_refuse_constant)
+            except (ValueError, RecursionError):
                 return None
 
         first = read_line()
@@ -334,6 +385,11 @@ def cmd_attach(args: argparse.Namespace) -> int:
             item = message(line)
             if not isinstance(item, dict):
                 print(f"handoff-trace: skipped a line that is not a JSON object: {line[:80]!r}", file=sys.stderr)
+                continue
+            try:
+                _check_fields(item, "a line")
+            except CommandError as odd:
+                print(f"handoff-trace: skipped {odd}: {line[:80]!r}", file=sys.stderr)
                 continue
             if "error" in item:
                 raise CommandError(f"process {args.pid}: {item['error']}", 1)

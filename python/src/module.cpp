@@ -14,6 +14,7 @@
 #include <handoff/context.hpp>
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
+#include <handoff/log.hpp>
 #include <handoff/runtime.hpp>
 #include <handoff/stats.hpp>
 #include <handoff/stream_value.hpp>
@@ -139,6 +140,11 @@ PYBIND11_MODULE(_handoff, m)
     },
     "Run at exit while Python is alive: waits for the stream-ordered releases still pending, then stops "
     "other threads from taking the GIL back.");
+  m.def(
+    "_log_warning", [](const std::string& message) { log_warning(message); }, py::arg("message"),
+    "Writes a warning to handoff's logger (stderr unless HANDOFF_LOG_FILE says otherwise).");
+  m.def("_after_fork_in_child", &reset_after_fork_in_child,
+        "Run in a forked child (os.register_at_fork): resets what the parent's threads left in the GIL's gate.");
   m.def("runtime_info", &runtime_info,
         "The runtime, a dict: backend (its name), device_count, version, dlpack_version ('1.1'), cuda_compiled, "
         "cuda_runtime and cuda_driver_minimum (None without CUDA), and backend_error (why the backend could not "

@@ -8,6 +8,7 @@
 #include "py_errors.hpp"
 #include "py_exchange.hpp"
 #include "py_gil.hpp"
+#include "py_owners.hpp"
 #include "py_trace.hpp"
 
 #include <handoff/dtype.hpp>
@@ -155,12 +156,50 @@ array& view_of(PyObject* self) noexcept
 void array_dealloc(PyObject* self) noexcept
 {
   auto* object = reinterpret_cast<array_object*>(self);
+  PyObject_GC_UnTrack(self);
   if (object->weakrefs != nullptr) { PyObject_ClearWeakRefs(self); }
   std::launder(reinterpret_cast<tracked_view*>(object->node))->~tracked_view();
   view_of(self).~array();  // may release the producer, running its deleter here
   PyTypeObject* type = Py_TYPE(self);
-  PyObject_Free(self);
+  PyObject_GC_Del(self);
   Py_DECREF(type);
+}
+
+// The cyclic garbage collector: an array whose producer alone keeps a Python owner (an Exporter that
+// caches its own view, owner=self) or stream objects may be part of a cycle through them.
+int array_traverse(PyObject* self, visitproc visit, void* arg) noexcept
+{
+  Py_VISIT(Py_TYPE(self));  // instances of a heap type hold it
+  return visit_kept_python_objects(view_of(self).owner(), visit, arg);
+}
+
+// The array lets go of its producer and becomes an empty view.
+void let_go(PyObject* self) noexcept
+{
+  array_layout empty;
+  empty.shape = extents{0};
+  empty.strides = extents{1};
+  view_of(self) = array{std::move(empty), producer_ref{}};  // the old producer goes last, here
+}
+
+// An array in a cycle the collector found: it lets go of its producer before the collector clears
+// anything. Its release then waits for its consumer streams while they are certainly alive (the
+// pending release keeps their stream objects), where clearing a stream object of the cycle first
+// could have destroyed the stream under the release; and the cycle is broken.
+void array_finalize(PyObject* self) noexcept
+{
+  PyObject* type = nullptr;
+  PyObject* value = nullptr;
+  PyObject* traceback = nullptr;
+  PyErr_Fetch(&type, &value, &traceback);
+  let_go(self);
+  PyErr_Restore(type, value, traceback);
+}
+
+int array_clear(PyObject* self) noexcept
+{
+  let_go(self);
+  return 0;
 }
 
 PyObject* array_repr(PyObject* self) noexcept
@@ -259,6 +298,15 @@ PyObject* method_dlpack_device(PyObject* self, PyObject* /*unused*/) noexcept
   return python_entry([self] { return device_tuple(view_of(self)); });
 }
 
+// Every pickle protocol and copy.copy: a view of memory another library owns has nothing to save.
+PyObject* method_reduce(PyObject* /*self*/, PyObject* /*protocol*/) noexcept
+{
+  PyErr_SetString(PyExc_TypeError,
+                  "cannot pickle 'handoff.Array' object: it views memory its producer owns; pickle an array "
+                  "that owns its data instead (numpy.asarray(view) for CPU data)");
+  return nullptr;
+}
+
 // PyMethodDef stores every calling convention as a PyCFunction.
 template <typename Function>
 PyCFunction as_cfunction(Function* function) noexcept
@@ -294,6 +342,9 @@ PyMethodDef array_methods[] = {
    "cannot be made as asked (`dl_device`, `copy`)."},
   {"__dlpack_device__", as_cfunction(method_dlpack_device), METH_NOARGS,
    "__dlpack_device__($self, /)\n--\n\nThe (device_type, device_id) of the data, with DLPack's codes."},
+  {"__reduce_ex__", as_cfunction(method_reduce), METH_O,
+   "__reduce_ex__($self, protocol, /)\n--\n\nRefused (TypeError): a view of memory its producer owns cannot be "
+   "pickled."},
   {nullptr, nullptr, 0, nullptr},
 };
 
@@ -329,12 +380,9 @@ py::capsule export_dlpack(const array& view, py::handle stream, py::handle max_v
 
 py::object wrap(array&& view, const char* library)
 {
-  auto* object = static_cast<array_object*>(PyObject_Malloc(sizeof(array_object)));
-  if (object == nullptr) {
-    PyErr_NoMemory();
-    throw py::error_already_set();
-  }
-  PyObject* self = PyObject_Init(reinterpret_cast<PyObject*>(object), array_type);  // holds the type
+  auto* object = PyObject_GC_New(array_object, array_type);  // holds the type
+  if (object == nullptr) { throw py::error_already_set(); }
+  PyObject* self = reinterpret_cast<PyObject*>(object);
   object->weakrefs = nullptr;
   const array* held = new (object->storage) array(std::move(view));
   if (library == nullptr) { library = producer_naming::current(); }
@@ -345,6 +393,8 @@ py::object wrap(array&& view, const char* library)
       scope->set_view(*held, node->id(), library);
     }
   }
+  // Tracked only when it may be part of a cycle: most arrays hold no Python object of their own.
+  if (keeps_python_objects(held->owner())) { PyObject_GC_Track(self); }
   return py::reinterpret_steal<py::object>(self);
 }
 
@@ -364,6 +414,9 @@ void bind_array(py::module_& m)
   dlpack_signature = new signature("__dlpack__", 0, {"stream", "max_version", "dl_device", "copy"});
   PyType_Slot slots[] = {
     {Py_tp_dealloc, reinterpret_cast<void*>(array_dealloc)},
+    {Py_tp_traverse, reinterpret_cast<void*>(array_traverse)},
+    {Py_tp_clear, reinterpret_cast<void*>(array_clear)},
+    {Py_tp_finalize, reinterpret_cast<void*>(array_finalize)},
     {Py_tp_repr, reinterpret_cast<void*>(array_repr)},
     {Py_tp_getset, array_getset},
     {Py_tp_methods, array_methods},
@@ -371,7 +424,7 @@ void bind_array(py::module_& m)
     {Py_tp_doc, const_cast<char*>(array_doc)},
     {0, nullptr},
   };
-  unsigned int flags = Py_TPFLAGS_DEFAULT;
+  unsigned int flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
 #ifdef Py_TPFLAGS_DISALLOW_INSTANTIATION
   flags |= Py_TPFLAGS_DISALLOW_INSTANTIATION;  // made only by from_dlpack, asarray and handoff.sim
 #endif

@@ -19,6 +19,7 @@
 
 #include <fmt/format.h>
 
+#include <cxxabi.h>
 #include <new>
 #include <span>
 #include <stdexcept>
@@ -124,6 +125,11 @@ int managed_tensor_to_py_object(DLManagedTensorVersioned* tensor, void** out) no
     array view = import_dlpack(tensor);  // its deleter runs exactly once from here on
     expect_output(out, function);
     *out = nullptr;
+    // Device data the backend cannot order is refused, as handoff.view refuses it.
+    const DLDeviceType type = view.device().device_type;
+    if (context* ctx = active_context(); ctx != nullptr && (is_cuda_device(type) || is_rocm_device(type))) {
+      require_stream_ordered(*ctx, view);
+    }
     // The consumer made the data on its work stream: the view is ready there, and released after it.
     bind_to_consumer(view, stream_named_by(work_stream_object(view.device())));
     count(counter::imports);
@@ -203,8 +209,10 @@ void report_allocation_failure(void* error_ctx, void (*set_error)(void*, const c
 }
 
 // Called with or without the GIL; reports failures through `set_error`, never as a Python error.
+// Not noexcept: a daemon thread that asks for the GIL while the interpreter exits is ended by CPython
+// with pthread_exit, whose forced unwind must pass (std::terminate at a noexcept frame otherwise).
 int managed_tensor_allocator(DLTensor* prototype, DLManagedTensorVersioned** out, void* error_ctx,
-                             void (*set_error)(void* error_ctx, const char* kind, const char* message)) noexcept
+                             void (*set_error)(void* error_ctx, const char* kind, const char* message))
 {
   try {
     expect_output(out, "managed_tensor_allocator");
@@ -212,8 +220,12 @@ int managed_tensor_allocator(DLTensor* prototype, DLManagedTensorVersioned** out
     HANDOFF_EXPECTS(prototype != nullptr, value_error, "the prototype is NULL");
     *out = export_versioned(allocate_like(*prototype));
     return 0;
+  } catch (abi::__forced_unwind&) {
+    throw;
   } catch (...) {
-    report_allocation_failure(error_ctx, set_error);
+    // Once Python's exit has begun, SetError (which may take the GIL) would end this thread mid-call:
+    // the failure is the return value alone.
+    if (!python_is_closing()) { report_allocation_failure(error_ctx, set_error); }
     return -1;
   }
 }

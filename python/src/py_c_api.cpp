@@ -64,6 +64,24 @@ PyObject* asarray(PyObject* object, PyObject* stream) noexcept
   });
 }
 
+int import_array(PyObject* object, PyObject* stream, PyObject** out) noexcept
+{
+  if (out == nullptr || object == nullptr) {
+    PyErr_SetString(PyExc_ValueError, "import_array: the object or the output is NULL");
+    return -1;
+  }
+  *out = nullptr;
+  try {
+    *out = python::asarray(object, py::none(), py::none(), none_if_null(stream)).release().ptr();
+    return 0;
+  } catch (const no_array_protocol&) {
+    return 1;  // it does not fit: nothing raised
+  } catch (...) {
+    raise_current_exception();
+    return -1;
+  }
+}
+
 int describe(PyObject* object, handoff_array_info* out) noexcept
 {
   const array* view = object != nullptr ? as_array(object) : nullptr;
@@ -95,6 +113,7 @@ const handoff_py_api table{
   .export_dlpack = export_dlpack,
   .asarray = asarray,
   .describe = describe,
+  .import_array = import_array,
 };
 
 }  // namespace

@@ -4,6 +4,8 @@
 
 #include <pybind11/pybind11.h>
 
+#include <utility>
+
 namespace handoff::python {
 
 namespace py = pybind11;
@@ -27,5 +29,25 @@ namespace py = pybind11;
 #endif
   return py::reinterpret_steal<py::object>(value);
 }
+
+/// A reference a C++ frame owns while it calls Python code. A daemon thread that finalization ends
+/// in that code (CPython's pthread_exit, the GIL already given up) unwinds through the frame: a
+/// py::object would then drop its reference without the GIL; this one leaves it to the ending
+/// process. Move-only.
+class call_argument {
+ public:
+  call_argument() noexcept = default;
+  explicit call_argument(py::object object) noexcept : object_(object.release().ptr()) {}
+  call_argument(call_argument&& other) noexcept : object_(std::exchange(other.object_, nullptr)) {}
+  call_argument& operator=(call_argument&&) = delete;
+  call_argument(const call_argument&) = delete;
+  call_argument& operator=(const call_argument&) = delete;
+  ~call_argument();
+
+  [[nodiscard]] py::handle get() const noexcept { return object_ != nullptr ? object_ : Py_None; }
+
+ private:
+  PyObject* object_{nullptr};
+};
 
 }  // namespace handoff::python

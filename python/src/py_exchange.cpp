@@ -172,14 +172,14 @@ struct keyword {
 py::object call_dlpack(py::handle x, std::span<const keyword> kwargs)
 {
   std::array<PyObject*, 5> args{x.ptr()};
-  py::tuple names(kwargs.size());
+  const call_argument names{py::tuple(kwargs.size())};
   for (std::size_t i = 0; i < kwargs.size(); ++i) {
     args[i + 1] = kwargs[i].value.ptr();
     Py_INCREF(kwargs[i].name);
-    PyTuple_SET_ITEM(names.ptr(), static_cast<Py_ssize_t>(i), kwargs[i].name);
+    PyTuple_SET_ITEM(names.get().ptr(), static_cast<Py_ssize_t>(i), kwargs[i].name);
   }
   PyObject* result = PyObject_VectorcallMethod(cached.dlpack, args.data(), 1 | PY_VECTORCALL_ARGUMENTS_OFFSET,
-                                               kwargs.empty() ? nullptr : names.ptr());
+                                               kwargs.empty() ? nullptr : names.get().ptr());
   if (result == nullptr) { throw py::error_already_set(); }
   return py::reinterpret_steal<py::object>(result);
 }
@@ -387,19 +387,20 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
   // The stream value the producer gets depends on the device it says its data is on; for device
   // data the default stream is named explicitly, never left to the producer's reading of "omitted".
   if (!asked_device) { claimed = producer_device(x, /*required=*/!consumer.is_default()); }
-  const py::object producer_arg =
-    claimed ? stream_argument_for(consumer, claimed->device_type) : py::object(py::none());
+  // Made here and held while the producer's Python code runs (see call_argument).
+  const call_argument producer_arg{claimed ? stream_argument_for(consumer, claimed->device_type)
+                                           : py::object(py::none())};
   // The producer gets the device as DLPack spells it, a (device_type, device_id) tuple, whatever
   // spelling the caller used ("cpu").
-  const py::object dl_device = target
-                                 ? py::object(py::make_tuple(static_cast<int>(target->device_type), target->device_id))
-                                 : py::object(py::none());
+  const call_argument dl_device{target
+                                  ? py::object(py::make_tuple(static_cast<int>(target->device_type), target->device_id))
+                                  : py::object(py::none())};
   auto [capsule, legacy] = [&] {
     std::optional<producer_device_scope> on_data;
     if (claimed) { on_data.emplace(*claimed); }
-    return request_capsule(x, producer_arg, dl_device, copy);
+    return request_capsule(x, producer_arg.get(), dl_device.get(), copy);
   }();
-  if (trace::exchange_scope* scope = traced(); scope != nullptr && !producer_arg.is_none()) {
+  if (trace::exchange_scope* scope = traced(); scope != nullptr && !producer_arg.get().is_none()) {
     scope->note_ordered_by_producer();
   }
   array view = consume_capsule(capsule);
@@ -424,20 +425,21 @@ py::object asarray(py::handle x, py::handle device, py::handle copy, py::handle 
   }
   const auto target = device_argument(device, "device");
   const auto want_copy = copy_argument(copy);
-  if (const py::object cai = optional_attribute(x, cached.cuda_array_interface); cai && !cai.is_none()) {
+  // Held while the interface is read, which may run the producer's Python code (see call_argument).
+  if (const call_argument cai{optional_attribute(x, cached.cuda_array_interface)}; !cai.get().is_none()) {
     trace_protocol("cuda-array-interface");
-    return finish(import_cuda_array_interface(x, cai, consumer_stream(stream)), target, want_copy, false);
+    return finish(import_cuda_array_interface(x, cai.get(), consumer_stream(stream)), target, want_copy, false);
   }
-  if (const py::object ai = optional_attribute(x, cached.array_interface); ai && !ai.is_none()) {
+  if (const call_argument ai{optional_attribute(x, cached.array_interface)}; !ai.get().is_none()) {
     trace_protocol("array-interface");
-    return finish(import_array_interface(x, ai), target, want_copy, false);
+    return finish(import_array_interface(x, ai.get()), target, want_copy, false);
   }
   if (PyObject_CheckBuffer(x.ptr()) != 0) {
     trace_protocol("buffer");
     return finish(import_buffer(x), target, want_copy, false);
   }
   if (dlpack_refused) { std::rethrow_exception(dlpack_refused); }
-  throw type_error(
+  throw no_array_protocol(
     fmt::format("asarray: {} object supports no array protocol (DLPack, CUDA Array Interface, "
                 "__array_interface__ or the buffer protocol)",
                 type_name(x)));

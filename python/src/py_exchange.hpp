@@ -1,6 +1,7 @@
 // The consumer side: handoff.from_dlpack and handoff.asarray.
 #pragma once
 
+#include <handoff/error.hpp>
 #include <handoff/stream_value.hpp>
 
 #include <pybind11/pybind11.h>
@@ -30,6 +31,13 @@ void init_exchange(py::module_& m);
 
 /// handoff.from_dlpack(x, /, *, device=None, copy=None, stream=None)
 [[nodiscard]] py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::handle stream);
+
+/// What asarray raises for an object that speaks none of its protocols: a TypeError that says the
+/// object does not fit (an overload may take it), unlike any other failure of the import.
+class no_array_protocol : public type_error {
+ public:
+  using type_error::type_error;
+};
 
 /// handoff.asarray(x, /, *, device=None, copy=None, stream=None)
 [[nodiscard]] py::object asarray(py::handle x, py::handle device, py::handle copy, py::handle stream);

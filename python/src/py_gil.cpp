@@ -1,5 +1,7 @@
 #include "py_gil.hpp"
 
+#include "py_cpython.hpp"
+
 #include <atomic>
 #include <chrono>
 #include <thread>
@@ -41,6 +43,12 @@ void set_finalizing_thread(unsigned long ident) noexcept
   finalizing_thread.store(ident, std::memory_order_relaxed);
 }
 
+void reset_after_fork_in_child() noexcept
+{
+  entering.store(0);
+  finalizing_thread.store(PyThread_get_thread_ident(), std::memory_order_relaxed);
+}
+
 void close_python_gate() noexcept
 {
   closing.store(true);
@@ -58,6 +66,11 @@ bool interpreter_finalizing() noexcept
 #else
   return _Py_IsFinalizing() != 0;
 #endif
+}
+
+bool python_is_closing() noexcept
+{
+  return closing.load() || interpreter_finalizing();
 }
 
 bool holds_gil() noexcept
@@ -125,6 +138,11 @@ void run_releases_in_gil_batch(void (*body)(void*) noexcept, void* state) noexce
   }
   const gil_batch batch;
   body(state);
+}
+
+call_argument::~call_argument()
+{
+  if (object_ != nullptr && holds_gil()) { Py_DECREF(object_); }  // else a thread that finalization ends
 }
 
 void run_deleter_with_gil(void (*invoke)(void*) noexcept, void* tensor) noexcept

@@ -14,6 +14,10 @@ namespace handoff::python {
 /// Names the thread that will finalize the interpreter (`threading.main_thread().ident`).
 void set_finalizing_thread(unsigned long ident) noexcept;
 
+/// In a forked child (os.register_at_fork): its one thread is the one that will finalize, and no
+/// thread of the parent's is on its way through the gate.
+void reset_after_fork_in_child() noexcept;
+
 /// Closes the gate before the interpreter finalizes (from an atexit handler, with the GIL held):
 /// threads already on their way to the GIL get it (the GIL is released meanwhile, for at most a
 /// second); any thread that asks later is refused. Finalization would otherwise end a thread that
@@ -23,6 +27,10 @@ void close_python_gate() noexcept;
 
 /// True when the interpreter is shutting down and Python objects must not be touched.
 [[nodiscard]] bool interpreter_finalizing() noexcept;
+
+/// True once Python's exit has begun: the gate is closed (close_python_gate) or the interpreter
+/// finalizes. Nothing may then call back into Python code of the caller's (a DLPack SetError).
+[[nodiscard]] bool python_is_closing() noexcept;
 
 /// True when the calling thread holds the GIL.
 [[nodiscard]] bool holds_gil() noexcept;

@@ -4,6 +4,7 @@
 #include "py_errors.hpp"
 #include "py_gil.hpp"
 #include "py_owners.hpp"
+#include "py_streams.hpp"
 
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
@@ -120,15 +121,12 @@ producer_ref buffer_owner(std::unique_ptr<Py_buffer> buffer)
 }
 
 // What keeps the producer's stream, named by the interface's `stream`, alive until the view's
-// release: the stream object the producer holds as its `stream` attribute, when that is the stream
-// its interface names (Numba's device arrays hold theirs so). Empty when nothing proves the stream
-// alive then.
+// release (stream_held_by). Empty when nothing proves the stream alive then.
 std::shared_ptr<const void> held_stream(py::handle object, std::optional<std::int64_t> stream)
 {
   const stream_request producer = classify_stream(kDLCUDA, stream);
   if (producer.order != stream_order::handle) { return {}; }
-  const py::object held = py::module_::import("handoff._streams").attr("_held_stream")(object, producer.handle);
-  return held.is_none() ? nullptr : stream_keep_alive(held);
+  return stream_held_by(object, producer.handle);
 }
 
 }  // namespace

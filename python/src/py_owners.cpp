@@ -2,6 +2,8 @@
 
 #include "py_gil.hpp"
 
+#include <array>
+
 namespace handoff::python {
 namespace {
 
@@ -12,11 +14,21 @@ void release_reference(PyObject* object) noexcept
 
 }  // namespace
 
+void python_reference_release::operator()() const noexcept
+{
+  release_reference(object);
+}
+
+void python_reference_deleter::operator()(const void* object) const noexcept
+{
+  release_reference(static_cast<PyObject*>(const_cast<void*>(object)));
+}
+
 std::shared_ptr<const void> stream_keep_alive(py::handle stream_object)
 {
   if (stream_object.is_none() || PyLong_Check(stream_object.ptr()) != 0) { return {}; }
   PyObject* raw = stream_object.inc_ref().ptr();
-  return std::shared_ptr<const void>{raw, [](PyObject* object) noexcept { release_reference(object); }};
+  return std::shared_ptr<const void>{raw, python_reference_deleter{}};
 }
 
 void keep_alive_until_done(context& ctx, int device, device::stream_handle stream, py::handle object) noexcept
@@ -27,8 +39,57 @@ void keep_alive_until_done(context& ctx, int device, device::stream_handle strea
 
 producer_ref python_owner(py::handle object)
 {
-  PyObject* raw = object.inc_ref().ptr();
-  return producer_ref{[raw]() noexcept { release_reference(raw); }};
+  return producer_ref{python_reference_release{object.inc_ref().ptr()}};
+}
+
+int visit_kept_python_objects(const producer_ref& owner, visitproc visit, void* arg)
+{
+  if (const auto* release = owner.sole_release()) {
+    if (const auto* reference = release->target<python_reference_release>()) { Py_VISIT(reference->object); }
+  }
+  // A stream object's keep-alive holds its one reference, and may be shared by several bindings:
+  // visited once, and only when every copy of it is one of these bindings.
+  struct kept_stream {
+    const void* object{nullptr};
+    long copies{0};
+    long seen{0};
+  };
+  struct tally {
+    std::array<kept_stream, 8> streams{};
+    std::size_t count{0};
+  } found;
+  owner.visit_stream_owners(
+    [](const std::shared_ptr<const void>& keep_alive, void* raw) {
+      auto& t = *static_cast<tally*>(raw);
+      if (std::get_deleter<python_reference_deleter>(keep_alive) == nullptr) { return; }
+      for (std::size_t i = 0; i < t.count; ++i) {
+        if (t.streams[i].object == keep_alive.get()) {
+          ++t.streams[i].seen;
+          return;
+        }
+      }
+      if (t.count < t.streams.size()) { t.streams[t.count++] = {keep_alive.get(), keep_alive.use_count(), 1}; }
+    },
+    &found);
+  for (std::size_t i = 0; i < found.count; ++i) {
+    const kept_stream& s = found.streams[i];
+    if (s.seen == s.copies) { Py_VISIT(static_cast<PyObject*>(const_cast<void*>(s.object))); }
+  }
+  return 0;
+}
+
+bool keeps_python_objects(const producer_ref& owner)
+{
+  if (const auto* release = owner.sole_release(); release != nullptr && release->target<python_reference_release>()) {
+    return true;
+  }
+  bool found = false;
+  owner.visit_stream_owners(
+    [](const std::shared_ptr<const void>& kept, void* raw) {
+      *static_cast<bool*>(raw) |= std::get_deleter<python_reference_deleter>(kept) != nullptr;
+    },
+    &found);
+  return found;
 }
 
 }  // namespace handoff::python

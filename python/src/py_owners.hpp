@@ -13,9 +13,30 @@ namespace handoff::python {
 
 namespace py = pybind11;
 
+/// A producer's release that lets go of one reference to a Python object (python_owner's): named, so
+/// that the garbage collector can find what a view keeps (see kept_python_objects).
+struct python_reference_release {
+  PyObject* object;
+  void operator()() const noexcept;
+};
+
+/// What lets go of the one reference to a Python stream object that stream_keep_alive takes.
+struct python_reference_deleter {
+  void operator()(const void* object) const noexcept;
+};
+
 /// Keeps `object` alive until the producer is released; the release takes the GIL and may run on
 /// any thread. During interpreter finalization the reference is left alone.
 [[nodiscard]] producer_ref python_owner(py::handle object);
+
+/// Calls `visit(object)` for each Python object that `owner` alone keeps alive: its Python owner and
+/// the stream objects of its bindings, when nothing else holds them. For tp_traverse (GIL held).
+/// Returns the first non-zero result of `visit`, as tp_traverse does.
+int visit_kept_python_objects(const producer_ref& owner, visitproc visit, void* arg);
+
+/// True when `owner` keeps Python objects alive (its owner, stream objects): an array holding it may
+/// be part of a reference cycle, so the garbage collector must track it.
+[[nodiscard]] bool keeps_python_objects(const producer_ref& owner);
 
 /// A reference to a stream object (anything but None or an int) for a stream_binding to keep it
 /// alive; the last copy lets go of it under the GIL, from any thread. Empty for None and ints.

@@ -20,6 +20,9 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <string_view>
 
 namespace handoff::python {
 namespace {
@@ -115,45 +118,103 @@ array& sim_array(py::handle object, active_sim& s)
   return view;
 }
 
+// `value` as an integer in [low, high], for an integer dtype named `name`: an int, or a float with an
+// integral value. @throws type_error, or std::overflow_error (OverflowError) naming the value.
+template <typename Int>
+Int integer_element(py::handle value, std::string_view name)
+{
+  long double number = 0;
+  if (PyFloat_Check(value.ptr()) != 0) {
+    const double d = PyFloat_AS_DOUBLE(value.ptr());
+    HANDOFF_EXPECTS(std::isfinite(d) && std::trunc(d) == d, value_error,
+                    fmt::format("fill value {} is not an integer, as a {} array needs", d, name));
+    number = d;
+  } else {
+    HANDOFF_EXPECTS(is_int(value.ptr()), type_error,
+                    fmt::format("fill value must be a number, not {}", type_name(value)));
+    int overflow = 0;
+    const long long as_signed = PyLong_AsLongLongAndOverflow(value.ptr(), &overflow);
+    if (overflow > 0) {
+      number = static_cast<long double>(PyLong_AsUnsignedLongLong(value.ptr()));
+      if (PyErr_Occurred() != nullptr) {
+        PyErr_Clear();
+        number = std::numeric_limits<long double>::infinity();
+      }
+    } else {
+      number = overflow < 0 ? -std::numeric_limits<long double>::infinity() : static_cast<long double>(as_signed);
+    }
+  }
+  if (number < static_cast<long double>(std::numeric_limits<Int>::min()) ||
+      number > static_cast<long double>(std::numeric_limits<Int>::max())) {
+    throw std::overflow_error(fmt::format("fill value {} does not fit in {} (its range is {} to {})",
+                                          py::repr(value).cast<std::string>(), name, +std::numeric_limits<Int>::min(),
+                                          +std::numeric_limits<Int>::max()));
+  }
+  return static_cast<Int>(number);
+}
+
+// `value` as a floating-point number of `Float`: an int or float; a finite one beyond its range is an
+// OverflowError (infinities and NaN are kept).
+template <typename Float>
+Float float_element(py::handle value, std::string_view name)
+{
+  HANDOFF_EXPECTS(PyFloat_Check(value.ptr()) != 0 || is_int(value.ptr()), type_error,
+                  fmt::format("fill value must be a number, not {}", type_name(value)));
+  const double d = PyFloat_AsDouble(value.ptr());
+  if (d == -1.0 && PyErr_Occurred() != nullptr) { throw py::error_already_set(); }  // an int beyond a double
+  if (std::isfinite(d) && std::fabs(d) > static_cast<double>(std::numeric_limits<Float>::max())) {
+    throw std::overflow_error(fmt::format("fill value {} does not fit in {}", d, name));
+  }
+  return static_cast<Float>(d);
+}
+
 // The bytes of `value` converted to `dtype`, for a fill pattern.
 std::vector<std::byte> element_bytes(py::handle value, DLDataType dtype)
 {
   const auto name = dtype_name(dtype);
   std::vector<std::byte> out(itemsize(dtype));
   const auto put = [&out](auto v) { std::memcpy(out.data(), &v, sizeof v); };
-  const bool is_bool = PyBool_Check(value.ptr());
-  if (name == "float32") {
-    put(value.cast<float>());
+  if (name == "bool") {
+    const int truth = PyObject_IsTrue(value.ptr());
+    if (truth < 0) { throw py::error_already_set(); }
+    put(static_cast<std::uint8_t>(truth));
+  } else if (name == "float32") {
+    put(float_element<float>(value, name));
   } else if (name == "float64") {
-    put(value.cast<double>());
+    put(float_element<double>(value, name));
   } else if (name == "int8") {
-    put(static_cast<std::int8_t>(value.cast<long long>()));
+    put(integer_element<std::int8_t>(value, name));
   } else if (name == "int16") {
-    put(static_cast<std::int16_t>(value.cast<long long>()));
+    put(integer_element<std::int16_t>(value, name));
   } else if (name == "int32") {
-    put(static_cast<std::int32_t>(value.cast<long long>()));
+    put(integer_element<std::int32_t>(value, name));
   } else if (name == "int64") {
-    put(static_cast<std::int64_t>(value.cast<long long>()));
+    put(integer_element<std::int64_t>(value, name));
   } else if (name == "uint8") {
-    put(static_cast<std::uint8_t>(value.cast<unsigned long long>()));
+    put(integer_element<std::uint8_t>(value, name));
   } else if (name == "uint16") {
-    put(static_cast<std::uint16_t>(value.cast<unsigned long long>()));
+    put(integer_element<std::uint16_t>(value, name));
   } else if (name == "uint32") {
-    put(static_cast<std::uint32_t>(value.cast<unsigned long long>()));
+    put(integer_element<std::uint32_t>(value, name));
   } else if (name == "uint64") {
-    put(static_cast<std::uint64_t>(value.cast<unsigned long long>()));
-  } else if (name == "bool") {
-    put(static_cast<std::uint8_t>(is_bool ? value.ptr() == Py_True : value.cast<double>() != 0.0));
+    put(integer_element<std::uint64_t>(value, name));
   } else {
     throw buffer_error(fmt::format("handoff.sim.fill does not support dtype {}", name));
   }
   return out;
 }
 
-std::chrono::nanoseconds seconds(double delay)
+// A delay argument in seconds, as the simulator's nanoseconds. @throws value_error for a negative
+// or non-finite one, std::overflow_error (OverflowError) for one longer than int64 nanoseconds.
+std::chrono::nanoseconds seconds(double delay, const char* argument)
 {
   HANDOFF_EXPECTS(std::isfinite(delay) && delay >= 0.0, value_error,
-                  fmt::format("delay must be a non-negative number of seconds, not {}", delay));
+                  fmt::format("{} must be a non-negative number of seconds, not {}", argument, delay));
+  constexpr double longest = static_cast<double>(std::numeric_limits<std::int64_t>::max()) / 1e9;
+  if (delay >= longest) {
+    throw std::overflow_error(fmt::format(
+      "{}={} s is longer than the simulator can wait (under {:.3g} s, in nanoseconds)", argument, delay, longest));
+  }
   return std::chrono::nanoseconds{static_cast<std::int64_t>(delay * 1e9)};
 }
 
@@ -223,7 +284,8 @@ void fill(py::handle target, py::handle value, py::handle stream, double delay)
   const int device = owning_device(s.ctx, view);
   const current_device on{s.sim, device};
   if (view.nbytes() > 0) {
-    s.sim.enqueue_fill_bytes(handle, view.data(), static_cast<std::size_t>(view.nbytes()), pattern, seconds(delay));
+    s.sim.enqueue_fill_bytes(handle, view.data(), static_cast<std::size_t>(view.nbytes()), pattern,
+                             seconds(delay, "delay"));
   }
   view.owner().set_ready_on(
     {.ctx = &s.ctx, .device = device, .stream = handle, .stream_owner = stream_keep_alive(stream)});
@@ -371,7 +433,8 @@ void bind_sim(py::module_& parent)
     py::arg("stream"),
     "Ends the capture begun on `stream`; returns the captured Graph, which runs only when launched.");
   m.def(
-    "set_copy_delay", [](double delay) { require_sim().sim.set_copy_duration(seconds(delay)); }, py::arg("delay"),
+    "set_copy_delay", [](double delay) { require_sim().sim.set_copy_duration(seconds(delay, "delay")); },
+    py::arg("delay"),
     "Makes every later device copy take `delay` seconds on its stream (default 0), as a real copy takes time.");
   m.def(
     "live_allocations", [] { return require_sim().sim.live_allocations(); },

@@ -24,6 +24,8 @@ struct stream_names {
   PyObject* index = nullptr;
   PyObject* id = nullptr;
   PyObject* handle = nullptr;
+  PyObject* stream = nullptr;           // a CUDA Array Interface producer's attribute
+  PyObject* source = nullptr;           // handoff.Stream's stream object
   PyTypeObject* stream_type = nullptr;  // handoff.Stream
 };
 stream_names names;
@@ -143,6 +145,23 @@ std::uint64_t stream_handle(py::handle stream)
   return resolve_stream_object(stream).handle;
 }
 
+std::shared_ptr<const void> stream_held_by(py::handle producer, std::uint64_t handle)
+{
+  const call_argument held{optional_attribute(producer, names.stream)};
+  PyObject* raw = held.get().ptr();
+  if (raw == Py_None || PyLong_Check(raw) != 0) { return {}; }  // a bare handle holds no stream
+  const bool wrapper = names.stream_type != nullptr && PyObject_TypeCheck(raw, names.stream_type) != 0;
+  if (wrapper && optional_attribute(held.get(), names.source).is_none()) { return {}; }  // made from an int
+  try {
+    if (stream_handle(held.get()) != handle) { return {}; }  // another stream
+  } catch (const type_error&) {
+    return {};  // not a stream object
+  } catch (const value_error&) {
+    return {};
+  }
+  return stream_keep_alive(held.get());
+}
+
 named_stream stream_named_by(py::handle stream)
 {
   if (stream.is_none()) { return {}; }
@@ -165,6 +184,8 @@ void bind_streams(py::module_& m)
   names.index = interned("index");
   names.id = interned("id");
   names.handle = interned("handle");
+  names.stream = interned("stream");
+  names.source = interned("_source");
   m.def(
     "_set_stream_type",
     [](py::type stream_type) {

@@ -8,6 +8,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <memory>
 
 namespace handoff::python {
 
@@ -24,6 +25,14 @@ namespace py = pybind11;
 /// the object kept as its owner (it may own the stream).
 /// @throws what stream_handle throws for what is no stream; value_error for an int out of range.
 [[nodiscard]] named_stream stream_named_by(py::handle stream);
+
+/// What keeps stream `handle` alive as long as `producer`: the stream object the producer holds as its
+/// `stream` attribute, when that names `handle` (a CUDA Array Interface producer must keep the
+/// stream its interface names alive, and Numba's device arrays hold theirs so). Empty when nothing
+/// says so: no such attribute, no stream object (a bare int, a handoff.Stream made from one), or
+/// another stream.
+/// @throws what the producer's attributes and the stream object's protocols raise, but "no stream".
+[[nodiscard]] std::shared_ptr<const void> stream_held_by(py::handle producer, std::uint64_t handle);
 
 /// The `stream` argument that names `stream` to the `__dlpack__` of data on `device`: None or an
 /// int (dlpack_stream_value).

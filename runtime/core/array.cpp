@@ -3,6 +3,7 @@
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
 #include <handoff/ownership.hpp>
+#include <handoff/stream_value.hpp>
 #include <handoff/trace.hpp>
 
 #include "core/live_views.hpp"
@@ -163,6 +164,27 @@ producer_ref::~producer_ref()
 std::uint64_t producer_ref::id() const noexcept
 {
   return state_ == nullptr ? 0 : state_->id();
+}
+
+const std::function<void()>* producer_ref::sole_release() const noexcept
+{
+  if (state_ == nullptr || state_->references_.load(std::memory_order_acquire) != 1 || !state_->release_) {
+    return nullptr;
+  }
+  return &state_->release_;
+}
+
+void producer_ref::visit_stream_owners(void (*visit)(const std::shared_ptr<const void>& owner, void* context),
+                                       void* context) const
+{
+  if (state_ == nullptr || state_->references_.load(std::memory_order_acquire) != 1) { return; }
+  std::lock_guard lock{state_->mutex_};
+  const auto visit_binding = [&](const stream_binding& binding) {
+    if (binding.stream_owner) { visit(binding.stream_owner, context); }
+  };
+  if (state_->ready_on_) { visit_binding(*state_->ready_on_); }
+  for (const stream_binding& after : state_->release_after_) { visit_binding(after); }
+  if (state_->hold_back_) { visit_binding(*state_->hold_back_); }
 }
 
 producer_ref producer_ref::derived() const
@@ -437,6 +459,9 @@ array_layout layout_of(const DLTensor& t, bool readonly)
   HANDOFF_EXPECTS(t.ndim >= 0, value_error, fmt::format("DLPack tensor has negative ndim ({})", t.ndim));
   HANDOFF_EXPECTS(t.ndim == 0 || t.shape != nullptr, value_error,
                   fmt::format("DLPack tensor has ndim {} but a null shape", t.ndim));
+  HANDOFF_EXPECTS(
+    is_dlpack_device_type(t.device.device_type), value_error,
+    fmt::format("DLPack tensor's device type {} is not a DLPack device type", static_cast<int>(t.device.device_type)));
   if (!is_common(t.dtype)) { (void)dtype_name(t.dtype); }  // throws buffer_error for dtypes handoff cannot describe
   array_layout layout;
   layout.device = t.device;

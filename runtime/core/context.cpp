@@ -1,9 +1,12 @@
 #include <handoff/context.hpp>
 #include <handoff/device_guard.hpp>
+#include <handoff/error.hpp>
 #include <handoff/stats.hpp>
 
 #include "core/live_views.hpp"
 #include "log/logger.hpp"
+
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <atomic>
@@ -163,14 +166,26 @@ void context::finished_one(stream_key where) noexcept
   if (--pending_ <= bound_to_graphs_) { none_pending_.notify_all(); }
 }
 
+void context::refuse_to_wait_for_itself(const char* what) const
+{
+  if (deferred_->runs_on_this_thread()) {
+    throw error(
+      fmt::format("{} was called on handoff's service thread, which runs the deferred releases (from a "
+                  "finalizer a release ran): it would wait for itself; wait elsewhere",
+                  what));
+  }
+}
+
 void context::drain()
 {
+  refuse_to_wait_for_itself("drain()");
   std::unique_lock lock{pending_mutex_};
   none_pending_.wait(lock, [this] { return pending_ <= bound_to_graphs_; });
 }
 
 bool context::drain_for(std::chrono::nanoseconds limit)
 {
+  refuse_to_wait_for_itself("drain_for()");
   std::unique_lock lock{pending_mutex_};
   return none_pending_.wait_for(lock, limit, [this] { return pending_ <= bound_to_graphs_; });
 }

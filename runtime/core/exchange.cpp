@@ -252,6 +252,15 @@ bool is_stream_ordered(const context& ctx, const array& view) noexcept
   return ctx.backend().device_type() == kDLROCM ? is_rocm_device(type) : is_cuda_device(type);
 }
 
+void require_stream_ordered(const context& ctx, const array& view)
+{
+  if (!is_stream_ordered(ctx, view)) {
+    throw device_error(std::string{ctx.backend().name()}, "handoffErrorWrongBackend",
+                       fmt::format("a {} array cannot be ordered by the {} backend",
+                                   device_type_name(view.device().device_type), ctx.backend().name()));
+  }
+}
+
 namespace {
 
 // The device the array claims, where no allocation says otherwise. Work and releases are put on its
@@ -263,16 +272,6 @@ int claimed_device(context& ctx, DLDevice claimed)
                   fmt::format("the array claims {} device {}, but the {} backend has {} device(s)",
                               device_type_name(claimed.device_type), claimed.device_id, ctx.backend().name(), count));
   return claimed.device_id;
-}
-
-// @throws device_error when `ctx`'s backend is of another device family than `view`'s memory.
-void require_stream_ordered(const context& ctx, const array& view)
-{
-  if (!is_stream_ordered(ctx, view)) {
-    throw device_error(std::string{ctx.backend().name()}, "handoffErrorWrongBackend",
-                       fmt::format("a {} array cannot be ordered by the {} backend",
-                                   device_type_name(view.device().device_type), ctx.backend().name()));
-  }
 }
 
 // Refuses a view whose bytes run past the memory the backend knows: every reader would run off it.

@@ -3,6 +3,8 @@
 
 #include "core/producer_state.hpp"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <atomic>
 #include <mutex>
@@ -21,6 +23,15 @@ std::uint64_t next_node_id() noexcept
 }
 
 constinit view_list tracked_views;  // usable before and after static construction and destruction
+
+namespace {
+
+// fork() while another thread holds the list's lock would leave it held forever in the child, where
+// that thread does not exist: the forking thread takes it first, and both sides let go.
+[[maybe_unused]] const bool fork_handled =
+  pthread_atfork([] { tracked_views.lock(); }, [] { tracked_views.unlock(); }, [] { tracked_views.unlock(); }) == 0;
+
+}  // namespace
 
 void view_list::wait() noexcept
 {

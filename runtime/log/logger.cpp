@@ -63,4 +63,12 @@ void log_debug(std::string_view message) noexcept
   }
 }
 
+void log_warning(std::string_view message) noexcept
+{
+  try {
+    HANDOFF_LOG_WARN("{}", message);
+  } catch (...) {  // a failing sink must not fail the caller
+  }
+}
+
 }  // namespace handoff

@@ -41,9 +41,14 @@ void service_thread::post_after(std::chrono::nanoseconds delay, std::function<vo
   timer->async_wait([timer, work = std::move(work)](const boost::system::error_code&) { work(); });
 }
 
+bool service_thread::runs_on_this_thread() const noexcept
+{
+  return std::this_thread::get_id() == thread_.get_id();
+}
+
 void service_thread::drain()
 {
-  if (std::this_thread::get_id() == thread_.get_id()) { return; }
+  if (runs_on_this_thread()) { return; }
   std::promise<void> done;
   auto finished = done.get_future();
   post([&done] { done.set_value(); });

@@ -23,6 +23,7 @@ class service_thread final : public executor {
   void post(std::function<void()> work) override;
   void post_after(std::chrono::nanoseconds delay, std::function<void()> work) override;
   void drain() override;
+  [[nodiscard]] bool runs_on_this_thread() const noexcept override;
 
   /// The io_context the thread runs, for services of its own (the trace socket).
   [[nodiscard]] boost::asio::io_context& io() noexcept { return io_; }

@@ -4,6 +4,7 @@
 
 #include <boost/asio/local/stream_protocol.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <boost/asio/write.hpp>
 
 #include <fmt/format.h>
@@ -13,8 +14,10 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <deque>
 #include <future>
@@ -82,8 +85,13 @@ struct trace_socket::server : std::enable_shared_from_this<server> {
   };
 
   server(boost::asio::io_context& context, std::size_t limit)
-      : io(context), acceptor(context), queue_bytes(limit), path(trace_socket_path(::getpid()))
+      : io(context), acceptor(context), retry(context), queue_bytes(limit), path(trace_socket_path(::getpid()))
   {}
+
+  // How long accepting rests after it failed for want of a resource (no file descriptor left): a
+  // client then waits in the backlog, where accepting again at once would spin a core.
+  static constexpr std::chrono::milliseconds first_rest{50};
+  static constexpr std::chrono::milliseconds longest_rest{2000};
 
   void open()
   {
@@ -109,9 +117,38 @@ struct trace_socket::server : std::enable_shared_from_this<server> {
     acceptor.async_accept(
       [self = shared_from_this()](const boost::system::error_code& error, stream_protocol::socket socket) {
         if (error == boost::asio::error::operation_aborted || !self->acceptor.is_open()) { return; }
-        if (!error) { self->admit(std::move(socket)); }
+        if (!error) {
+          self->rest = {};
+          self->admit(std::move(socket));
+        } else if (out_of_resources(error)) {
+          self->accept_later(error);
+          return;
+        }
         self->accept();
       });
+  }
+
+  static bool out_of_resources(const boost::system::error_code& error) noexcept
+  {
+    const int code = error.value();
+    return error.category() == boost::system::system_category() &&
+           (code == EMFILE || code == ENFILE || code == ENOBUFS || code == ENOMEM);
+  }
+
+  void accept_later(const boost::system::error_code& error)
+  {
+    if (rest.count() == 0) {
+      HANDOFF_LOG_WARN("trace socket: cannot accept a client ({}); trying again, backing off up to {} s",
+                       error.message(), longest_rest.count() / 1000);
+      rest = first_rest;
+    } else {
+      rest = std::min(rest * 2, longest_rest);
+    }
+    retry.expires_after(rest);
+    retry.async_wait([self = shared_from_this()](const boost::system::error_code& waited) {
+      if (waited == boost::asio::error::operation_aborted || !self->acceptor.is_open()) { return; }
+      self->accept();
+    });
   }
 
   void admit(stream_protocol::socket socket)
@@ -205,6 +242,7 @@ struct trace_socket::server : std::enable_shared_from_this<server> {
   {
     boost::system::error_code ignored;
     acceptor.close(ignored);
+    retry.cancel();
     for (const auto& c : clients) { c->socket.close(ignored); }
     clients.clear();
     client_count.store(0, std::memory_order_relaxed);
@@ -213,6 +251,8 @@ struct trace_socket::server : std::enable_shared_from_this<server> {
 
   boost::asio::io_context& io;
   stream_protocol::acceptor acceptor;
+  boost::asio::steady_timer retry;  // accepting again after a rest (the io thread's)
+  std::chrono::milliseconds rest{0};
   std::size_t queue_bytes;
   std::filesystem::path path;
   std::set<std::shared_ptr<client>> clients;  // the io thread's

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,6 +29,7 @@ from conftest import (
     HandMadeTensor,
     capsule_name,
     pending_write,
+    run_python,
 )
 
 BACKEND = handoff.runtime_info()["backend"]
@@ -204,6 +207,51 @@ def test_to_py_object_takes_a_tensor_it_refuses():
     with pytest.raises(ValueError, match="negative"):
         API.managed_tensor_to_py_object_no_sync(ctypes.pointer(made.managed), ctypes.byref(out))
     assert (made.deleted, out.value) == (1, None), "the refused tensor is deleted exactly once"
+
+
+def test_to_py_object_refuses_a_device_type_dlpack_does_not_define():
+    made = HandMadeTensor(np.zeros(4, np.float32).ctypes.data, (4,), device=(999, 0))
+    out = ctypes.c_void_p()
+    with pytest.raises(ValueError, match="999 is not a DLPack device type"):
+        API.managed_tensor_to_py_object_no_sync(ctypes.pointer(made.managed), ctypes.byref(out))
+    assert (made.deleted, out.value) == (1, None)
+    with pytest.raises(ValueError, match="999 is not a DLPack device type"):
+        handoff.from_dlpack(HandMadeTensor(0x1000, (4,), device=(999, 0)).capsule())  # as every import
+
+
+@pytest.mark.skipif(not SIM, reason="needs a simulated backend of one device family")
+def test_to_py_object_refuses_device_memory_of_the_other_family():
+    other = 10 if DEVICE_TYPE == 2 else 2
+    made = HandMadeTensor(np.zeros(4, np.float32).ctypes.data, (4,), device=(other, 0))
+    out = ctypes.c_void_p()
+    with pytest.raises(handoff.DeviceError, match="cannot be ordered"):
+        API.managed_tensor_to_py_object_no_sync(ctypes.pointer(made.managed), ctypes.byref(out))
+    assert (made.deleted, out.value) == (1, None)
+
+
+def test_the_allocator_fails_without_calling_set_error_once_python_exits():
+    # Daemon threads may still allocate while the interpreter exits; SetError may take the GIL, which
+    # would then end the thread mid-call (pthread_exit through handoff's frames). Made deterministic
+    # here: an atexit handler that runs after handoff's makes an allocation fail.
+    code = textwrap.dedent(
+        """
+        import atexit, ctypes, sys
+        calls = []
+
+        def at_exit():
+            sys.path.insert(0, %r)
+            from test_array_exchange_api import Allocation, DEVICE_TYPE
+            made = Allocation((-4,), device=(DEVICE_TYPE, 0))
+            print(made.status, made.errors, flush=True)
+
+        atexit.register(at_exit)  # before handoff's own: it runs after
+        import handoff
+        """
+        % str(Path(__file__).parent)
+    )
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[0] == "-1 []", result.stdout
 
 
 def test_the_allocator_makes_host_tensors_that_round_trip(settled):

@@ -303,6 +303,10 @@ def stream_ordered_here(device_type: int) -> bool:
     return SIM and device_type in (ROCM_LIKE if SIM_ROCM else CUDA_LIKE)
 
 
+# The device types DLPack defines (dlpack.h): 5 and 6 are not among them.
+DLPACK_DEVICE_TYPES = frozenset({1, 2, 3, 4, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18})
+
+
 def capsule_refusals(spec: dict, backing: Backing) -> tuple[set, set]:
     """The errors a forged tensor must (and may) be refused with, from the DLPack spec and the contract."""
     must, may = set(), set()
@@ -313,6 +317,9 @@ def capsule_refusals(spec: dict, backing: Backing) -> tuple[set, set]:
         must.add(BufferError)
     if spec["ndim"] < 0 or (spec["ndim"] > 0 and spec["null_shape"]):
         must.add(ValueError)
+        return must, may
+    if spec["device"][0] not in DLPACK_DEVICE_TYPES:
+        must.add(ValueError)  # a device type DLPack does not define
         return must, may
     if spec["lanes"] != 1 or (spec["code"], spec["bits"]) not in DTYPE_NAMES:
         must.add(BufferError)

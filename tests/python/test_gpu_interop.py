@@ -757,3 +757,26 @@ def test_exit_after_a_sticky_error_with_a_release_pending_is_bounded_and_says_wh
     assert time.monotonic() - start < 30, "the exit waited for a stream that can never get there"
     assert "exiting" in result.stdout
     assert "can never get there" in result.stderr or "cannot be waited for" in result.stderr, result.stderr
+
+
+def test_data_ready_on_an_ended_threads_per_thread_stream_is_read_finished(torch, spin_cycles, torch_streams,
+                                                                            settled_views, torch_out):
+    # Whichever way the driver treats an ended thread's per-thread stream, handoff makes the legacy
+    # stream (which the binding names) wait for its work when the thread ends.
+    _, consumer = torch_streams
+    memory = torch.zeros(N, device="cuda")
+    torch.cuda.synchronize()
+    made = []
+
+    def producer_thread() -> None:
+        per_thread = torch.cuda.ExternalStream(2)
+        with torch.cuda.stream(per_thread):
+            torch.cuda._sleep(spin_cycles)
+            memory.fill_(DONE)
+        made.append(handoff.view(memory.data_ptr(), (N,), "float32", device=(CUDA, memory.device.index),
+                                 owner=memory, stream=2))
+
+    thread = threading.Thread(target=producer_thread)
+    thread.start()
+    thread.join()  # ended while its per-thread stream still spins
+    assert read_with_torch(torch, torch_out, made.pop(), consumer.cuda_stream) == (DONE, DONE)

@@ -105,3 +105,31 @@ def test_negative_control_the_consumer_stream_races_without_the_import(sim_strea
     producer, consumer = sim_streams
     pending = pending_write(producer, 3 * 1024)
     assert sim.to_numpy(pending, stream=consumer)[0] == 0.0, "expected stale data without ordering"
+
+
+class RaisingProducer:
+    """A producer whose __dlpack__ raises: its error is no "does not fit"."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def __dlpack__(self, **kwargs):
+        raise self.error
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
+@pytest.mark.parametrize("error", [
+    KeyboardInterrupt(), SystemExit(3), MemoryError(), handoff.DeviceError("device failed"), ValueError("mine"),
+], ids=lambda e: type(e).__name__)
+def test_an_argument_whose_import_fails_raises_that_error(error):
+    # Only "this object does not fit" lets pybind11 try the next overload.
+    with pytest.raises(type(error)) as raised:
+        te.sum(RaisingProducer(error))
+    assert raised.value is error
+
+
+def test_an_object_with_no_array_protocol_does_not_fit():
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        te.sum(object())

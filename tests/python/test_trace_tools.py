@@ -418,6 +418,38 @@ def test_show_and_graph_reject_what_is_not_a_trace(tmp_path: Path, capsys: pytes
         assert err.startswith(f"handoff-trace: {path}: {message}") and "Traceback" not in err
 
 
+HOSTILE_EVENT = {"kind": "import", "time_ns": 1, "device": [1, 0], "shape": [3], "nbytes": 24, "buffer": "buffer:1",
+                 "view": "view:1", "action": "none", "hazard": None, "where": "x.py:1"}
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    (json.dumps({"handoff": {"events": [{**HOSTILE_EVENT, "where": float("nan")}]}}), "not JSON (NaN is not a JSON"),
+    (json.dumps({"handoff": {"events": [{**HOSTILE_EVENT, "nbytes": float("inf")}]}}), "not JSON (Infinity"),
+    (json.dumps({"handoff": {"events": [{**HOSTILE_EVENT, "view": [1]}]}}), "event 0: field 'view' is not an id"),
+    (json.dumps({"handoff": {"events": [{**HOSTILE_EVENT, "shape": {"a": 1}}]}}), "event 0: field 'shape' holds dict"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    (json.dumps({"handoff": {"events": [], "graph": {"nodes": [1], "edges": []}}}), "graph nodes 0 is not an object"),
+    (json.dumps({"handoff": {"events": [], "graph": {"nodes": [{"id": 1, "kind": "view"}]}}}), "not an id"),
+    (json.dumps({"handoff": {"events": [], "graph": {"edges": [{"src": "a"}]}}}), "graph edges 0 has no 'dst'"),
+    (json.dumps({"handoff": {"events": [], "graph": []}}), "the ownership graph is not an object"),
+], ids=["nan", "infinity", "unhashable id", "object field", "deep", "node", "node id", "edge", "graph"])
+def test_hostile_trace_files_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str,
+                                                 message: str):
+    path = tmp_path / "hostile.json"
+    path.write_text(text)
+    for command in (["show", str(path)], ["show", "--json", str(path)], ["graph", str(path)]):
+        assert _trace_cli.main(command) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"handoff-trace: {path}: ") and message in err and "Traceback" not in err
+        assert err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("pid", ["99999999999", "0", "-3"])
+def test_attach_to_a_pid_that_cannot_be_a_process(pid: str, capsys: pytest.CaptureFixture[str]):
+    assert _trace_cli.main(["attach", pid]) == 2
+    assert capsys.readouterr().err == f"handoff-trace: attach: {pid} is not a process id\n"
+
+
 def test_graph_prints_dot_or_json(saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     assert _trace_cli.main(["graph", str(saved)]) == 0
     assert capsys.readouterr().out == graph_to_dot(GRAPH)
@@ -625,6 +657,19 @@ def test_attach_to_something_else(runtime_dir: Path, capsys: pytest.CaptureFixtu
     assert "is not a handoff trace socket" in capsys.readouterr().err
 
 
+def test_attach_skips_odd_values_a_server_sends(runtime_dir: Path, capsys: pytest.CaptureFixture[str]):
+    path = runtime_dir / "handoff" / f"trace-{os.getpid()}.sock"
+    odd = ['{"kind": {"x": 1}}', '{"time_ns": NaN}', json.dumps({**as_json(EVENTS[0]), "time_ns": 10**30}),
+           '[' * 5000 + ']' * 5000]
+    thread = serve(path, [HELLO, *odd])
+    assert _trace_cli.main(["attach", str(os.getpid())]) == 0
+    thread.join(10)
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    assert err.count("skipped") == 3, err  # the huge time is shown as "?"
+    assert out.count("\n") == 1 and out.startswith("?")
+
+
 # --- handoff-trace run ----------------------------------------------------------------------------
 
 
@@ -705,9 +750,13 @@ def test_run_keeps_an_existing_output_file_unread_when_no_new_trace_comes(
     assert "no trace was written" in capsys.readouterr().err
 
 
-def test_run_errors(capsys: pytest.CaptureFixture[str]):
+def test_run_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path):
     assert _trace_cli.main(["run"]) == 2
     assert "no command given" in capsys.readouterr().err
+    assert _trace_cli.main(["run", "-o", str(tmp_path), "--", sys.executable, "-c", "pass"]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert _trace_cli.main(["run", "-o", str(tmp_path / "no" / "t.json"), "--", sys.executable, "-c", "pass"]) == 2
+    assert "no directory" in capsys.readouterr().err
     assert _trace_cli.main(["run", "--", "/nonexistent/program"]) == 127
     assert "command not found" in capsys.readouterr().err
 

@@ -78,6 +78,15 @@ class producer_ref {
   /// The producer's node id in the ownership graph and the trace (its root's, for a derived one);
   /// unique in the process, assigned on first use. 0 for an empty reference. Thread-safe.
   [[nodiscard]] std::uint64_t id() const noexcept;
+  /// For an embedding runtime's garbage collector, which must know what a view alone keeps alive
+  /// (and may find in a cycle): the release function, when this is the producer's only reference;
+  /// nullptr otherwise (others keep what it keeps too). Call with the embedding runtime's lock held
+  /// (the GIL): copies of this reference must not be made meanwhile.
+  [[nodiscard]] const std::function<void()>* sole_release() const noexcept;
+  /// For the same collector: `visit(owner, context)` for each owner of a stream the producer is bound
+  /// to (ready on, released after), when this is the producer's only reference. Thread-safe as above.
+  void visit_stream_owners(void (*visit)(const std::shared_ptr<const void>& owner, void* context), void* context) const;
+
   /// The producer's library (its top-level package: "torch", "numpy") as a tracked view of it names
   /// it (see tracked_view), or null. Searches the tracked views: for the graph and the trace only.
   [[nodiscard]] const char* library() const noexcept;

@@ -33,6 +33,8 @@ class executor {
   virtual void post_after(std::chrono::nanoseconds delay, std::function<void()> work) = 0;
   /// Blocks until the work posted before this call has run.
   virtual void drain() = 0;
+  /// True on the thread that runs the posted work.
+  [[nodiscard]] virtual bool runs_on_this_thread() const noexcept = 0;
 };
 
 /// How the executor runs a batch of deferred releases that their streams let go together: `body(state)`
@@ -89,6 +91,8 @@ class context {
 
   /// Blocks until no deferred release is pending (each waits for its stream, then runs), but those
   /// that wait for a captured graph the program still holds: they wait for the program.
+  /// @throws error on the executor's own thread (a finalizer that a release ran): it would wait for
+  ///         itself.
   void drain();
   /// drain(), for at most `limit`. @return true when nothing drain() waits for is pending.
   bool drain_for(std::chrono::nanoseconds limit);
@@ -116,6 +120,7 @@ class context {
   void run_releases(std::vector<pending_release*>& releases) noexcept;
   void order_legacy_after_this_thread(int device) noexcept;
   void wait_for_stream(int device, device::stream_handle stream);  // blocks the calling thread
+  void refuse_to_wait_for_itself(const char* what) const;
 
   device::backend& backend_;
   event_pool events_;

@@ -246,4 +246,8 @@ void bind_after_producer(const array& view, const stream_binding& consumer, stre
 /// True when `view` lives in memory ordered by the streams of `ctx`'s backend.
 [[nodiscard]] bool is_stream_ordered(const context& ctx, const array& view) noexcept;
 
+/// @throws device_error when `view` is not in memory ordered by `ctx`'s backend (a CUDA array with a
+///         ROCm backend, or host memory).
+void require_stream_ordered(const context& ctx, const array& view);
+
 }  // namespace handoff

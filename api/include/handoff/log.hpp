@@ -9,4 +9,7 @@ namespace handoff {
 /// Never throws.
 void log_debug(std::string_view message) noexcept;
 
+/// Writes `message` to the `handoff` logger at warning level (stderr by default). Never throws.
+void log_warning(std::string_view message) noexcept;
+
 }  // namespace handoff

@@ -339,13 +339,23 @@ struct type_caster<handoff::py::array<Constraints...>> {
   using value_type = handoff::py::array<Constraints...>;
   PYBIND11_TYPE_CASTER(value_type, value_type::signature);
 
+  // Only "this object does not fit" lets pybind11 try the next overload: any other failure of the
+  // import (handoff.DeviceError, KeyboardInterrupt, MemoryError, a producer's own) propagates.
   bool load(handle source, bool /*convert*/)
   {
     const handoff_py_api& api = handoff::py::detail::api();
-    PyObject* made = api.asarray(source.ptr(), Py_None);
-    if (made == nullptr) {
-      PyErr_Clear();  // not an array: the next overload may take it
-      return false;
+    PyObject* made = nullptr;
+    if (api.minor >= 1) {
+      const int status = api.import_array(source.ptr(), Py_None, &made);
+      if (status == 1) { return false; }  // speaks no array protocol
+      if (status != 0) { throw error_already_set(); }
+    } else {  // a handoff older than the table's import_array: its asarray's TypeError is "no protocol"
+      made = api.asarray(source.ptr(), Py_None);
+      if (made == nullptr) {
+        if (!PyErr_ExceptionMatches(PyExc_TypeError)) { throw error_already_set(); }
+        PyErr_Clear();
+        return false;
+      }
     }
     object imported = reinterpret_steal<object>(made);
     handoff_array_info info{};

@@ -21,7 +21,7 @@ extern "C" {
 
 #define HANDOFF_PY_API_CAPSULE "handoff._handoff._C_API"
 #define HANDOFF_PY_API_MAJOR 1
-#define HANDOFF_PY_API_MINOR 0
+#define HANDOFF_PY_API_MINOR 1
 
 /* Memory an extension describes: what handoff.view takes. */
 typedef struct handoff_array_desc {
@@ -62,6 +62,11 @@ typedef struct handoff_py_api {
   PyObject* (*asarray)(PyObject* object, PyObject* stream);
   /* Fills `out` from a handoff.Array; -1 with TypeError for anything else. */
   int (*describe)(PyObject* array, handoff_array_info* out);
+  /* Since minor 1. handoff.asarray(object, stream=stream) into *out (a new reference): 0; 1, with no
+   * Python error set, when `object` speaks no array protocol (it does not fit: a caller may try
+   * something else); -1 with the Python error any other failure raised (the producer's own,
+   * handoff.DeviceError, KeyboardInterrupt, MemoryError), which a caller must let propagate. */
+  int (*import_array)(PyObject* object, PyObject* stream, PyObject** out);
 } handoff_py_api;
 
 /* NOLINTEND(modernize-use-using) */

@@ -13,6 +13,7 @@
 #include <set>
 
 #include <algorithm>
+#include <cctype>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -519,6 +520,27 @@ std::span<const std::string_view> sim_backend::fault_operations() noexcept
   return sim_detail::fault_operations();
 }
 
+namespace {
+
+// An injected error is named as the runtimes name theirs: cudaErrorIllegalAddress, hipErrorLaunchFailure.
+void check_error_name(std::string_view name, const char* where)
+{
+  const auto named_after = [name](std::string_view prefix) {
+    if (!name.starts_with(prefix) || name.size() == prefix.size() ||
+        std::isupper(static_cast<unsigned char>(name[prefix.size()])) == 0) {
+      return false;
+    }
+    return std::all_of(name.begin() + static_cast<std::ptrdiff_t>(prefix.size()), name.end(),
+                       [](char c) { return std::isalnum(static_cast<unsigned char>(c)) != 0; });
+  };
+  HANDOFF_EXPECTS(named_after("cudaError") || named_after("hipError"), value_error,
+                  fmt::format("{}: '{}' is not the name of a CUDA or HIP error (such as cudaErrorIllegalAddress or "
+                              "hipErrorLaunchFailure)",
+                              where, name));
+}
+
+}  // namespace
+
 void sim_backend::inject_fault(std::string operation, int count, std::string error_name)
 {
   const auto keys = sim_detail::fault_operations();
@@ -527,7 +549,7 @@ void sim_backend::inject_fault(std::string operation, int count, std::string err
     known, value_error,
     fmt::format("inject_fault: unknown operation '{}'; expected one of: {}", operation, fmt::join(keys, ", ")));
   HANDOFF_EXPECTS(count >= 0, value_error, fmt::format("inject_fault: count must be >= 0, got {}", count));
-  HANDOFF_EXPECTS(!error_name.empty(), value_error, "inject_fault: error_name must not be empty");
+  check_error_name(error_name, "inject_fault");
   std::lock_guard lock(impl_->fault_mutex);
   if (count == 0) {
     impl_->faults.erase(operation);
@@ -547,7 +569,7 @@ void sim_backend::inject_sticky_fault(int device, std::string error_name)
   HANDOFF_EXPECTS(
     device >= 0 && device < impl_->device_count, value_error,
     fmt::format("inject_sticky_fault: device {} does not exist (the backend has {})", device, impl_->device_count));
-  HANDOFF_EXPECTS(!error_name.empty(), value_error, "inject_sticky_fault: error_name must not be empty");
+  check_error_name(error_name, "inject_sticky_fault");
   std::lock_guard lock(impl_->mutex);
   auto& dev = impl_->devices[static_cast<std::size_t>(device)];
   dev.sticky_error = std::move(error_name);

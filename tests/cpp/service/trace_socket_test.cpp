@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -18,6 +19,7 @@
 #include <string>
 #include <system_error>
 #include <thread>
+#include <vector>
 
 namespace {
 
@@ -195,6 +197,44 @@ TEST_F(TraceSocketTest, GarbageAndAClientThatVanishesLeaveTheOthersServed)
   ASSERT_TRUE(eventually([&] { return socket.clients() == 1; }));
   socket.publish(R"({"still":"serving"})");
   EXPECT_EQ(polite.line(), R"({"still":"serving"})");
+}
+
+}  // namespace
+
+namespace {
+
+// With no file descriptor left, accepting fails (EMFILE) while a client waits in the backlog:
+// accepting again at once spins a core; the socket rests, and serves the client once it can.
+TEST_F(TraceSocketTest, AcceptingRestsWhileTheProcessHasNoFileDescriptorLeft)
+{
+  const trace_socket socket{service_.io()};
+  const int client = ::socket(AF_UNIX, SOCK_STREAM, 0);  // made while descriptors are left
+  ASSERT_GE(client, 0);
+  rlimit before{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &before), 0);
+  rlimit tight = before;
+  tight.rlim_cur = static_cast<rlim_t>(client) + 16;
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &tight), 0);
+  std::vector<int> taken;  // every descriptor left below the limit
+  for (int fd = ::dup(client); fd >= 0; fd = ::dup(client)) { taken.push_back(fd); }
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  std::strncpy(address.sun_path, socket.path().c_str(), sizeof(address.sun_path) - 1);
+  ASSERT_EQ(::connect(client, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);  // now in the backlog
+  rusage start{};
+  ::getrusage(RUSAGE_SELF, &start);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  rusage end{};
+  ::getrusage(RUSAGE_SELF, &end);
+  for (const int fd : taken) { ::close(fd); }
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &before), 0);
+  const auto seconds = [](const timeval& t) {
+    return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) / 1e6;
+  };
+  const double busy = seconds(end.ru_utime) + seconds(end.ru_stime) - seconds(start.ru_utime) - seconds(start.ru_stime);
+  EXPECT_LT(busy, 0.2) << "accepting spun while out of file descriptors";
+  EXPECT_TRUE(eventually([&] { return socket.clients() == 1; })) << "the waiting client was never served";
+  ::close(client);
 }
 
 }  // namespace
