@@ -145,8 +145,10 @@ struct trace_socket::server : std::enable_shared_from_this<server> {
       rest = std::min(rest * 2, longest_rest);
     }
     retry.expires_after(rest);
-    retry.async_wait([self = shared_from_this()](const boost::system::error_code& waited) {
-      if (waited == boost::asio::error::operation_aborted || !self->acceptor.is_open()) { return; }
+    // Weakly held: the timer is the server's own, and must not be what keeps it alive.
+    retry.async_wait([weak = weak_from_this()](const boost::system::error_code& waited) {
+      const auto self = weak.lock();
+      if (!self || waited == boost::asio::error::operation_aborted || !self->acceptor.is_open()) { return; }
       self->accept();
     });
   }

@@ -207,6 +207,9 @@ namespace {
 // accepting again at once spins a core; the socket rests, and serves the client once it can.
 TEST_F(TraceSocketTest, AcceptingRestsWhileTheProcessHasNoFileDescriptorLeft)
 {
+#ifdef HANDOFF_TEST_SANITIZED
+  GTEST_SKIP() << "a sanitizer's runtime needs file descriptors of its own (it reports false errors without)";
+#endif
   const trace_socket socket{service_.io()};
   const int client = ::socket(AF_UNIX, SOCK_STREAM, 0);  // made while descriptors are left
   ASSERT_GE(client, 0);
