@@ -43,22 +43,64 @@ def main() -> None:
 
     rows = [
         # (what, handoff's call, peer's name, peer's call)
-        ("import NumPy array", lambda: handoff.from_dlpack(np_array), "np.from_dlpack", lambda: np.from_dlpack(np_array)),
-        ("import NumPy array", lambda: handoff.from_dlpack(np_array), "torch.from_dlpack", lambda: torch.from_dlpack(np_array)),
-        ("import torch tensor", lambda: handoff.from_dlpack(torch_tensor), "torch.from_dlpack", lambda: torch.from_dlpack(torch_tensor)),
-        ("import torch tensor", lambda: handoff.from_dlpack(torch_tensor), "np.from_dlpack", lambda: np.from_dlpack(torch_tensor)),
+        (
+            "import NumPy array",
+            lambda: handoff.from_dlpack(np_array),
+            "np.from_dlpack",
+            lambda: np.from_dlpack(np_array),
+        ),
+        (
+            "import NumPy array",
+            lambda: handoff.from_dlpack(np_array),
+            "torch.from_dlpack",
+            lambda: torch.from_dlpack(np_array),
+        ),
+        (
+            "import torch tensor",
+            lambda: handoff.from_dlpack(torch_tensor),
+            "torch.from_dlpack",
+            lambda: torch.from_dlpack(torch_tensor),
+        ),
+        (
+            "import torch tensor",
+            lambda: handoff.from_dlpack(torch_tensor),
+            "np.from_dlpack",
+            lambda: np.from_dlpack(torch_tensor),
+        ),
         # PyTorch's tensors are imported through its DLPack C exchange API; the goal is NumPy's own
         # import of its own array, and the second row is what calling torch's __dlpack__ costs.
-        ("import torch tensor", lambda: handoff.from_dlpack(torch_tensor), "np.from_dlpack(ndarray)", lambda: np.from_dlpack(np_array)),
-        ("import torch tensor", lambda: handoff.from_dlpack(torch_tensor), "handoff, via __dlpack__", lambda: handoff.from_dlpack(torch_tensor.__dlpack__(max_version=(1, 1)))),
+        (
+            "import torch tensor",
+            lambda: handoff.from_dlpack(torch_tensor),
+            "np.from_dlpack(ndarray)",
+            lambda: np.from_dlpack(np_array),
+        ),
+        (
+            "import torch tensor",
+            lambda: handoff.from_dlpack(torch_tensor),
+            "handoff, via __dlpack__",
+            lambda: handoff.from_dlpack(torch_tensor.__dlpack__(max_version=(1, 1))),
+        ),
         ("export to NumPy", lambda: np.from_dlpack(view), "NumPy array", lambda: np.from_dlpack(np_array)),
         ("export to torch", lambda: torch.from_dlpack(view), "NumPy array", lambda: torch.from_dlpack(np_array)),
-        ("__dlpack__() alone", lambda: view.__dlpack__(max_version=(1, 1)), "ndarray.__dlpack__", lambda: np_array.__dlpack__(max_version=(1, 1))),
-        ("asarray(NumPy array)", lambda: handoff.asarray(np_array), "np.asarray(memoryview)", lambda: np.asarray(memoryview(np_array))),
+        (
+            "__dlpack__() alone",
+            lambda: view.__dlpack__(max_version=(1, 1)),
+            "ndarray.__dlpack__",
+            lambda: np_array.__dlpack__(max_version=(1, 1)),
+        ),
+        (
+            "asarray(NumPy array)",
+            lambda: handoff.asarray(np_array),
+            "np.asarray(memoryview)",
+            lambda: np.asarray(memoryview(np_array)),
+        ),
     ]
 
-    print(f"handoff {handoff.__version__} | NumPy {np.__version__} | PyTorch {torch.__version__} | "
-          f"Python {platform.python_version()} | {platform.machine()}")
+    print(
+        f"handoff {handoff.__version__} | NumPy {np.__version__} | PyTorch {torch.__version__} | "
+        f"Python {platform.python_version()} | {platform.machine()}"
+    )
     print(f"best of {repeat} x {number} calls, ns per call; ratio = handoff / peer (<= 1.0: handoff is no slower)\n")
     print(f"| {'exchange':<22} | {'handoff ns':>10} | {'peer':<23} | {'peer ns':>8} | {'ratio':>5} |")
     print(f"|{'-' * 24}|{'-' * 12}:|{'-' * 25}|{'-' * 9}:|{'-' * 6}:|")

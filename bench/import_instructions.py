@@ -25,20 +25,30 @@ IMPORTS = {  # name: (set-up, the argument f is called with, the row it is compa
     "np.from_dlpack(ndarray)": ("f = np.from_dlpack", NDARRAY, "np.from_dlpack(ndarray)"),
     "torch.from_dlpack(ndarray)": ("import torch; f = torch.from_dlpack", NDARRAY, "np.from_dlpack(ndarray)"),
     # Through PyTorch's DLPack C exchange API.
-    "handoff.from_dlpack(tensor)": ("import handoff, torch; f = handoff.from_dlpack", TENSOR, "np.from_dlpack(ndarray)"),
+    "handoff.from_dlpack(tensor)": (
+        "import handoff, torch; f = handoff.from_dlpack",
+        TENSOR,
+        "np.from_dlpack(ndarray)",
+    ),
 }
 EXPORTS = {  # each next to NumPy exporting its own array
     "np.from_dlpack(handoff_array)": ("import handoff; f = np.from_dlpack", HANDOFF_ARRAY, "np.from_dlpack(ndarray)"),
     "np.from_dlpack(ndarray)": ("f = np.from_dlpack", NDARRAY, "np.from_dlpack(ndarray)"),
-    "handoff_array.__dlpack__()": ("import handoff; f = handoff.Array.__dlpack__", HANDOFF_ARRAY, "ndarray.__dlpack__()"),
+    "handoff_array.__dlpack__()": (
+        "import handoff; f = handoff.Array.__dlpack__",
+        HANDOFF_ARRAY,
+        "ndarray.__dlpack__()",
+    ),
     "ndarray.__dlpack__()": ("f = np.ndarray.__dlpack__", NDARRAY, "ndarray.__dlpack__()"),
 }
 
 # Imports of a simulated device's array (HANDOFF_BACKEND=sim), its data ready on stream p, onto
 # stream s; the view is dropped at once, its release deferred until s is done.
-SIM_SETUP = ("import handoff; from handoff import sim; p = sim.Stream(non_blocking=True); "
-             "s = sim.Stream(non_blocking=True); x = sim.zeros((256, 256)); sim.fill(x, 1.0, stream=p); "
-             "sim.synchronize(); ")
+SIM_SETUP = (
+    "import handoff; from handoff import sim; p = sim.Stream(non_blocking=True); "
+    "s = sim.Stream(non_blocking=True); x = sim.zeros((256, 256)); sim.fill(x, 1.0, stream=p); "
+    "sim.synchronize(); "
+)
 ORDERED = {  # name: (set-up, the argument)
     "stream=-1 (unordered)": (SIM_SETUP + "f = lambda a: handoff.from_dlpack(a, stream=-1)", "x"),
     "stream=int, ordered": (SIM_SETUP + "f = lambda a: handoff.from_dlpack(a, stream=s.handle)", "x"),
@@ -53,8 +63,21 @@ def instructions(setup: str, argument: str, calls: int, backend: str = "auto") -
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "HANDOFF_BACKEND": backend}
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "callgrind.out")
-        run = subprocess.run(["valgrind", "--tool=callgrind", "--separate-threads=yes", f"--callgrind-out-file={out}",
-                              sys.executable, "-c", program], capture_output=True, text=True, env=env)
+        run = subprocess.run(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                "--separate-threads=yes",
+                f"--callgrind-out-file={out}",
+                sys.executable,
+                "-c",
+                program,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+        )
         if run.returncode != 0:
             raise RuntimeError(run.stderr[-2000:])
         threads = []  # one profile per thread: callgrind.out-01 is the thread that ran the program
@@ -96,7 +119,10 @@ TRACED = {  # name: (set-up, the argument, the backend)
     "from_dlpack(ndarray), traced": ("import handoff; " + TRACE_ON + "f = handoff.from_dlpack", NDARRAY, "auto"),
     "sim stream=int, ordered": (SIM_SETUP + "f = lambda a: handoff.from_dlpack(a, stream=s.handle)", "x", "sim"),
     "sim stream=int, ordered, traced": (
-        SIM_SETUP + TRACE_ON + "f = lambda a: handoff.from_dlpack(a, stream=s.handle)", "x", "sim"),
+        SIM_SETUP + TRACE_ON + "f = lambda a: handoff.from_dlpack(a, stream=s.handle)",
+        "x",
+        "sim",
+    ),
 }
 
 

@@ -99,7 +99,7 @@ def cuda_rows(keep: list, stack: contextlib.ExitStack, notes: list[str]) -> tupl
     if cupy is not None:
         try:
             cupy.cuda.runtime.getDeviceCount()
-        except Exception as error:  # CuPy raises its own CUDARuntimeError
+        except Exception as error:  # noqa: BLE001 - CuPy raises its own CUDARuntimeError
             notes.append(f"CuPy sees no CUDA device ({error}): its rows are skipped")
             cupy = None
     if torch is not None:
@@ -122,25 +122,50 @@ def cuda_rows(keep: list, stack: contextlib.ExitStack, notes: list[str]) -> tupl
         tensor = torch.ones(SHAPE, device="cuda")  # written on the producer stream
         view = handoff.from_dlpack(tensor, stream=producer)  # its data is ready on the producer
         rows += [
-            Row(BASELINE, "PyTorch", lambda: torch.from_dlpack(tensor.__dlpack__(stream=consumer, max_version=MAX_VERSION))),
-            Row("handoff -> torch", "handoff",
-                lambda: torch.from_dlpack(view.__dlpack__(stream=consumer, max_version=MAX_VERSION)), target=True),
+            Row(
+                BASELINE,
+                "PyTorch",
+                lambda: torch.from_dlpack(tensor.__dlpack__(stream=consumer, max_version=MAX_VERSION)),
+            ),
+            Row(
+                "handoff -> torch",
+                "handoff",
+                lambda: torch.from_dlpack(view.__dlpack__(stream=consumer, max_version=MAX_VERSION)),
+                target=True,
+            ),
             Row("handoff -> handoff", "handoff", lambda: handoff.from_dlpack(view, stream=consumer), target=True),
-            Row("torch -> handoff", "handoff" if hasattr(torch.Tensor, "__dlpack_c_exchange_api__") else "PyTorch",
-                lambda: handoff.from_dlpack(tensor, stream=consumer)),
+            Row(
+                "torch -> handoff",
+                "handoff" if hasattr(torch.Tensor, "__dlpack_c_exchange_api__") else "PyTorch",
+                lambda: handoff.from_dlpack(tensor, stream=consumer),
+            ),
         ]
     if cupy is not None:
         stack.enter_context(cupy.cuda.ExternalStream(producer))
         array = cupy.ones(SHAPE, dtype=cupy.float32)
         cupy_view = handoff.from_dlpack(array, stream=producer)
         rows += [
-            Row("cupy -> cupy", "CuPy", lambda: cupy.from_dlpack(array.__dlpack__(stream=consumer, max_version=MAX_VERSION))),
-            Row("handoff -> cupy", "handoff",
-                lambda: cupy.from_dlpack(cupy_view.__dlpack__(stream=consumer, max_version=MAX_VERSION))),
+            Row(
+                "cupy -> cupy",
+                "CuPy",
+                lambda: cupy.from_dlpack(array.__dlpack__(stream=consumer, max_version=MAX_VERSION)),
+            ),
+            Row(
+                "handoff -> cupy",
+                "handoff",
+                lambda: cupy.from_dlpack(cupy_view.__dlpack__(stream=consumer, max_version=MAX_VERSION)),
+            ),
             Row("cupy -> handoff", "CuPy", lambda: handoff.from_dlpack(array, stream=consumer)),
         ]
         if torch is None:
-            rows.append(Row("handoff -> handoff", "handoff", lambda: handoff.from_dlpack(cupy_view, stream=consumer), target=True))
+            rows.append(
+                Row(
+                    "handoff -> handoff",
+                    "handoff",
+                    lambda: handoff.from_dlpack(cupy_view, stream=consumer),
+                    target=True,
+                )
+            )
     return rows, settle
 
 
@@ -154,7 +179,9 @@ def sim_rows(keep: list) -> tuple[list[Row], Callable[[], None]]:
     view = handoff.from_dlpack(array, stream=producer.handle)
     keep += [producer, consumer]
     handle = consumer.handle
-    return [Row("handoff -> handoff", "handoff", lambda: handoff.from_dlpack(view, stream=handle), target=True)], sim.synchronize
+    return [
+        Row("handoff -> handoff", "handoff", lambda: handoff.from_dlpack(view, stream=handle), target=True)
+    ], sim.synchronize
 
 
 def working_rows(rows: list[Row], notes: list[str]) -> list[Row]:
@@ -163,7 +190,7 @@ def working_rows(rows: list[Row], notes: list[str]) -> list[Row]:
     for row in rows:
         try:
             row.exchange()
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - a row that cannot run here is a note
             notes.append(f"{row.name}: skipped, the exchange failed ({type(error).__name__}: {error})")
         else:
             working.append(row)
@@ -175,7 +202,9 @@ def report(rows: list[Row], ns: dict[str, float]) -> list[str]:
     baseline = ns.get(BASELINE)
     own = {"torch": ns.get(BASELINE), "cupy": ns.get("cupy -> cupy")}
     vs_own_title = "vs consumer's own"
-    print(f"| {'exchange':<20} | {'ordered by':<10} | {'us/exchange':>11} | {'vs ' + BASELINE:>17} | {vs_own_title:>17} |")
+    print(
+        f"| {'exchange':<20} | {'ordered by':<10} | {'us/exchange':>11} | {'vs ' + BASELINE:>17} | {vs_own_title:>17} |"
+    )
     print(f"|{'-' * 22}|{'-' * 12}|{'-' * 12}:|{'-' * 18}:|{'-' * 18}:|")
     verdicts = []
     for row in rows:
@@ -193,13 +222,17 @@ def report(rows: list[Row], ns: dict[str, float]) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
-    parser.add_argument("--check", action="store_true", help="exit 1 unless every target row was measured and met the target")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 unless every target row was measured and met the target"
+    )
     args = parser.parse_args()
     number, repeat = (300, 5) if args.quick else (5_000, 11)
     info = handoff.runtime_info()
     backend = info["backend"]
-    print(f"handoff {handoff.__version__}, backend {backend!r} ({info['device_count']} devices) | "
-          f"Python {platform.python_version()} | {platform.machine()}")
+    print(
+        f"handoff {handoff.__version__}, backend {backend!r} ({info['device_count']} devices) | "
+        f"Python {platform.python_version()} | {platform.machine()}"
+    )
 
     notes: list[str] = []
     keep: list = []  # the streams, alive until every view bound to them is gone
@@ -211,14 +244,18 @@ def main() -> int:
             rows, settle = sim_rows(keep)
         else:
             why = info["backend_error"] or "no device backend"
-            print(f"no CUDA device here (HANDOFF_BACKEND={backend}: {why}); run it with HANDOFF_BACKEND=cuda on a "
-                  "machine with an NVIDIA GPU, or with HANDOFF_BACKEND=sim for handoff's row alone")
+            print(
+                f"no CUDA device here (HANDOFF_BACKEND={backend}: {why}); run it with HANDOFF_BACKEND=cuda on a "
+                "machine with an NVIDIA GPU, or with HANDOFF_BACKEND=sim for handoff's row alone"
+            )
             print("target: not measured (no CUDA device)")
             return 1 if args.check else 0
         rows = working_rows(rows, notes)
         settle()
         ns = measure(rows, number, repeat, settle) if rows else {}
-        peers = ", ".join(f"{name} {sys.modules[name].__version__}" for name in ("torch", "cupy") if name in sys.modules)
+        peers = ", ".join(
+            f"{name} {sys.modules[name].__version__}" for name in ("torch", "cupy") if name in sys.modules
+        )
         print(f"{peers or 'no peers'}; median of {repeat} x {number} exchanges; host time per exchange\n")
         verdicts = report(rows, ns) if rows else []
         producer_ordered_imports = any(not row.target and row.name.endswith("-> handoff") for row in rows)
@@ -233,16 +270,20 @@ def main() -> int:
     for note in notes:
         print(f"note: {note}")
     if producer_ordered_imports:
-        print("note: rows '<peer> -> handoff' are not held to the target: the peer's export, not handoff's, "
-              "is the larger part of their cost")
+        print(
+            "note: rows '<peer> -> handoff' are not held to the target: the peer's export, not handoff's, "
+            "is the larger part of their cost"
+        )
     for verdict in verdicts:
         print(verdict)
     if not verdicts:
         print(f"target (handoff <= {TARGET} x {BASELINE}): not measured (no PyTorch baseline here)")
         return 1 if args.check else 0
     failed = sum(verdict.startswith("FAIL") for verdict in verdicts)
-    print(f"target (handoff <= {TARGET} x {BASELINE}): {'FAIL' if failed else 'PASS'} "
-          f"({len(verdicts) - failed} of {len(verdicts)} rows)")
+    print(
+        f"target (handoff <= {TARGET} x {BASELINE}): {'FAIL' if failed else 'PASS'} "
+        f"({len(verdicts) - failed} of {len(verdicts)} rows)"
+    )
     return 1 if args.check and failed else 0
 
 

@@ -69,9 +69,11 @@ def main() -> None:
         for _ in range(10_000):
             ordered_export()
         after = handoff.stats()
-        print(f"\nsteady state, 10000 ordered exports: {after['waits_inserted'] - before['waits_inserted']} waits, "
-              f"{after['events_created'] - before['events_created']} events created, "
-              f"{after['events_reused'] - before['events_reused']} reused")
+        print(
+            f"\nsteady state, 10000 ordered exports: {after['waits_inserted'] - before['waits_inserted']} waits, "
+            f"{after['events_created'] - before['events_created']} events created, "
+            f"{after['events_reused'] - before['events_reused']} reused"
+        )
     else:
         print("(the simulated rows need HANDOFF_BACKEND=sim or sim-rocm)")
 

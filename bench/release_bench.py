@@ -17,7 +17,7 @@ import handoff
 if not handoff.runtime_info()["backend"].startswith("sim"):
     raise SystemExit("run with HANDOFF_BACKEND=sim or sim-rocm")
 
-from handoff import sim  # noqa: E402
+from handoff import sim
 
 N = 2000
 REPEATS = 5

@@ -7,7 +7,7 @@ if(SKBUILD)
   return()  # a Python wheel ships the extension only
 endif()
 
-install(TARGETS handoff handoff_warnings EXPORT handoff-targets
+install(TARGETS handoff EXPORT handoff-targets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})

@@ -20,9 +20,10 @@ set(CMAKE_CXX_EXTENSIONS OFF)
 set(CMAKE_POSITION_INDEPENDENT_CODE ON)
 set(CMAKE_EXPORT_COMPILE_COMMANDS ON)
 
-# Warnings for handoff's own targets (not for third-party code).
-add_library(handoff_warnings INTERFACE)
-target_compile_options(handoff_warnings INTERFACE
+# The warnings and sanitizers of handoff's own targets (never of third-party code), which each links
+# privately; not installed.
+add_library(handoff_build_flags INTERFACE)
+target_compile_options(handoff_build_flags INTERFACE
   -Wall -Wextra -Wpedantic -Wconversion -Wsign-conversion -Wshadow -Wnon-virtual-dtor
   -Wold-style-cast -Woverloaded-virtual -Wnull-dereference
   $<$<BOOL:${HANDOFF_WARNINGS_AS_ERRORS}>:-Werror>)
@@ -30,8 +31,9 @@ target_compile_options(handoff_warnings INTERFACE
 if(HANDOFF_SANITIZE)
   if(HANDOFF_SANITIZE MATCHES "thread")
     # Asio's fenced blocks use std::atomic_thread_fence, which TSan does not model.
-    add_compile_definitions(BOOST_ASIO_DISABLE_FENCED_BLOCK)
+    target_compile_definitions(handoff_build_flags INTERFACE BOOST_ASIO_DISABLE_FENCED_BLOCK)
   endif()
-  add_compile_options(-fsanitize=${HANDOFF_SANITIZE} -fno-omit-frame-pointer -fno-sanitize-recover=all)
-  add_link_options(-fsanitize=${HANDOFF_SANITIZE})
+  target_compile_options(handoff_build_flags INTERFACE -fsanitize=${HANDOFF_SANITIZE} -fno-omit-frame-pointer
+                                                       -fno-sanitize-recover=all)
+  target_link_options(handoff_build_flags INTERFACE -fsanitize=${HANDOFF_SANITIZE})
 endif()

@@ -16,8 +16,10 @@ import handoff
 
 
 def describe(label, array):
-    print(f"  {label:<28} shape={array.shape} dtype={array.dtype} device={array.device} "
-          f"data_ptr={array.data_ptr:#x} readonly={array.readonly}")
+    print(
+        f"  {label:<28} shape={array.shape} dtype={array.dtype} device={array.device} "
+        f"data_ptr={array.data_ptr:#x} readonly={array.readonly}"
+    )
 
 
 def streams_demo():
@@ -46,7 +48,10 @@ def streams_demo_on_gpu():
     producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
     print("A producer enqueues a slow kernel, then writes 42 on its stream; the data is still zeros.")
     with handoff.trace() as t:
-        for label, stream in (("ordered hand-off   (stream=consumer)", consumer), ("unordered hand-off (stream=-1)", -1)):
+        for label, stream in (
+            ("ordered hand-off   (stream=consumer)", consumer),
+            ("unordered hand-off (stream=-1)", -1),
+        ):
             data = torch.zeros(4, device="cuda")
             torch.cuda.synchronize()
             with torch.cuda.stream(producer):
@@ -68,8 +73,10 @@ def main():
         print(f"No GPU here ({info['backend_error'] or 'no device backend'}):")
         print("running on handoff's simulated device instead (HANDOFF_BACKEND=sim).\n", flush=True)
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "HANDOFF_BACKEND": "sim"})
-    print(f"handoff {handoff.__version__}, DLPack {info['dlpack_version']}, backend {info['backend']!r} "
-          f"({info['device_count']} device(s))")
+    print(
+        f"handoff {handoff.__version__}, DLPack {info['dlpack_version']}, backend {info['backend']!r} "
+        f"({info['device_count']} device(s))"
+    )
 
     print("\n1. Streams: the same hand-off, ordered and unordered")
     t = streams_demo()

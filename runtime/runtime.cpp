@@ -17,7 +17,9 @@
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string_view>
+#include <vector>
 
 namespace handoff {
 namespace {
@@ -25,8 +27,9 @@ namespace {
 struct started_backend {
   std::string name{"none"};
   std::unique_ptr<device::backend> backend;
-  std::unique_ptr<context> exchange;         // after backend: destroyed first, draining deferred releases
-  detail::service_thread* service{nullptr};  // the exchange context's
+  std::unique_ptr<context> device_context;   // after backend: destroyed first, draining deferred releases
+  detail::service_thread* service{nullptr};  // the device context's
+  absent_backend absent;                     // why there is no device context
   std::string error_name;                    // set when a backend named explicitly failed to start
   std::string error;
   std::string fallback_error_name;  // set when `auto` found no usable CUDA device and fell back to none
@@ -41,7 +44,7 @@ started_backend start()
   if (requested == "auto") {
     if (!device::cuda_compiled_in()) {
       out.error = "the CUDA backend was not compiled in";
-      out.fallback_error_name = "handoffErrorNoBackend";
+      out.fallback_error_name = error_names::no_backend;
       return out;
     }
     try {
@@ -61,7 +64,7 @@ started_backend start()
     out.error_name = e.error_name();
     out.error = e.what();
   } catch (const error& e) {
-    out.error_name = "handoffErrorInvalidBackend";
+    out.error_name = error_names::invalid_backend;
     out.error = e.what();
   }
   if (!out.error.empty()) { HANDOFF_LOG_WARN("HANDOFF_BACKEND={} cannot start: {}", out.name, out.error); }
@@ -89,7 +92,14 @@ started_backend start_with_context()
   if (s.backend) {
     auto service = std::make_unique<detail::service_thread>();
     s.service = service.get();
-    s.exchange = std::make_unique<context>(*s.backend, std::move(service));
+    s.device_context = std::make_unique<context>(*s.backend, std::move(service));
+  } else {
+    const char* requested = std::getenv("HANDOFF_BACKEND");
+    s.absent = {
+      .setting = fmt::format("HANDOFF_BACKEND={}", requested != nullptr && *requested != '\0' ? requested : "auto"),
+      .error_name = s.fallback_error_name,
+      .reason = s.error,
+      .refuses_unordered = !s.fallback_error_name.empty()};
   }
   return s;
 }
@@ -131,7 +141,7 @@ struct runtime_holder {
   started_backend* runtime;
 };
 
-const started_backend& started()
+started_backend& started()
 {
   static const runtime_holder instance{start_once()};
   return *instance.runtime;
@@ -145,14 +155,14 @@ bool inherited_from_a_parent(const started_backend& s) noexcept
 
 // What started; throws when the backend HANDOFF_BACKEND names could not start, or belongs to the
 // parent of this forked process.
-const started_backend& usable()
+started_backend& usable()
 {
-  const auto& s = started();
+  auto& s = started();
   if (!s.error_name.empty()) {
     throw device_error(s.name, s.error_name, fmt::format("HANDOFF_BACKEND={} cannot start: {}", s.name, s.error));
   }
   if (inherited_from_a_parent(s)) [[unlikely]] {
-    throw device_error(s.name, "handoffErrorForkedChild",
+    throw device_error(s.name, error_names::forked_child,
                        fmt::format("this process was forked after its parent started the {} backend; a forked child "
                                    "cannot use the device (CUDA refuses it too): start the process with the 'spawn' "
                                    "or 'forkserver' method, or use the device only after fork",
@@ -163,59 +173,34 @@ const started_backend& usable()
 
 }  // namespace
 
-device::backend* active_backend()
-{
-  return usable().backend.get();
-}
-
-device::backend& require_backend(const char* what)
-{
-  device::backend* b = active_backend();
-  if (b == nullptr) {
-    const auto& s = started();
-    const char* requested = std::getenv("HANDOFF_BACKEND");
-    throw device_error(
-      "none", "handoffErrorNoBackend",
-      fmt::format("{} needs a device backend, and none is active (HANDOFF_BACKEND={}{})", what,
-                  requested != nullptr ? requested : "auto", s.error.empty() ? "" : fmt::format("; {}", s.error)));
-  }
-  return *b;
-}
-
-void require_ordering(DLDeviceType type)
-{
-  if (!is_cuda_device(type) || active_backend() != nullptr) { return; }
-  const auto& s = started();
-  if (s.fallback_error_name.empty()) { return; }  // HANDOFF_BACKEND=none: exchanged as it comes
-  throw device_error(
-    "cuda", s.fallback_error_name,
-    fmt::format("{} data needs ordering, and HANDOFF_BACKEND=auto could not start the CUDA backend: {}. The "
-                "exchange is refused rather than made unordered: pass stream=-1 where the consumer orders its "
-                "work itself, or set HANDOFF_BACKEND=none to exchange device data with no ordering",
-                device_type_name(type), s.error));
-}
-
 const char* version() noexcept
 {
   return HANDOFF_VERSION;
 }
 
-context* active_context()
+namespace {
+
+// The process exchange's device context: the runtime's, started by the first exchange that needs it.
+class runtime_context final : public context_source {
+ public:
+  context* device_context() override { return usable().device_context.get(); }
+  const absent_backend& absent() override { return usable().absent; }
+};
+
+}  // namespace
+
+exchange& process_exchange() noexcept
 {
-  return usable().exchange.get();
+  // Leaked: releases run by other threads may export and import during static destruction.
+  static auto* const instance = new exchange{*new runtime_context};  // NOLINT(cppcoreguidelines-owning-memory)
+  return *instance;
 }
 
 context* started_context() noexcept
 {
   if (!backend_started.load(std::memory_order_acquire)) { return nullptr; }
   const auto& s = started();
-  return inherited_from_a_parent(s) ? nullptr : s.exchange.get();
-}
-
-context& require_context(const char* what)
-{
-  (void)require_backend(what);
-  return *started().exchange;
+  return inherited_from_a_parent(s) ? nullptr : s.device_context.get();
 }
 
 namespace {
@@ -267,6 +252,13 @@ void stop_serving_trace() noexcept
   trace::remove_listener(serving.listener);
   serving.socket.reset();
   serving.own_service.reset();
+}
+
+std::vector<std::string> trace_socket_paths(int pid)
+{
+  std::vector<std::string> paths;
+  for (const auto& path : detail::trace_socket_candidates(pid)) { paths.push_back(path.string()); }
+  return paths;
 }
 
 runtime_description describe_runtime() noexcept

@@ -26,10 +26,18 @@ def _refuse_sub_interpreters() -> None:
 
 _refuse_sub_interpreters()
 
-from ._handoff import (  # noqa: E402 - after the check, which must come first
+import atexit as _atexit
+import os as _os
+from pathlib import Path as _Path
+
+from ._exporter import Exporter
+from ._graph import ownership_graph
+from ._handoff import (
     Array,
     DeviceError,
     __version__,
+    _after_fork_in_child,
+    _at_exit,
     asarray,
     from_dlpack,
     reset_stats,
@@ -38,18 +46,10 @@ from ._handoff import (  # noqa: E402 - after the check, which must come first
     stats,
     view,
 )
-from ._exporter import Exporter
-from ._graph import ownership_graph
-from ._process_trace import serve_trace, start_from_environment as _start_tracing
+from ._process_trace import serve_trace
+from ._process_trace import start_from_environment as _start_tracing
 from ._streams import Stream, as_stream, current_stream, stream
 from ._trace import trace
-
-import atexit as _atexit
-from pathlib import Path as _Path
-
-import os as _os
-
-from ._handoff import _after_fork_in_child, _at_exit
 
 # Threads still inside handoff's device calls must not take the GIL back while Python finalizes,
 # and releases waiting for a consumer stream run producers' deleters: both while Python is alive.
@@ -69,6 +69,7 @@ def get_cmake_dir() -> str:
     """The folder where ``find_package(handoff)`` finds the target ``handoff::pybind11`` (pass it as
     ``handoff_DIR``); it links nothing of handoff's."""
     return str(_Path(__file__).parent / "share" / "cmake" / "handoff")
+
 
 __all__ = [
     "Array",

@@ -26,8 +26,14 @@ class Exporter:
         """The instance's data as a :class:`handoff.Array`; subclasses must define it."""
         raise NotImplementedError(f"{type(self).__name__} must define __handoff_array__() to export its data")
 
-    def __dlpack__(self, *, stream: int | None = None, max_version: tuple[int, int] | None = None,
-                   dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> CapsuleType:
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> CapsuleType:
         """Exports the data as a DLPack capsule, as :meth:`handoff.Array.__dlpack__` does; the capsule keeps
         the instance alive."""
         return _handoff._exporter_dlpack(self, self.__handoff_array__(), stream, max_version, dl_device, copy)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import time
-from typing import Any
 
 from ._trace import trace
 
@@ -25,29 +23,13 @@ def serve_trace() -> str:
     ``<tmp>/handoff-<uid>``), mode 0600, and a client of another uid is refused. Serving starts once;
     later calls return the same path. Returns the socket's path.
     """
-    global _socket_path
+    global _socket_path  # noqa: PLW0603 - the process serves one socket
     if _socket_path is None:
         from . import _handoff
 
         _socket_path = _handoff._serve_trace()
         atexit.register(_handoff._stop_serving_trace)  # removes the socket; runs before _at_exit
     return _socket_path
-
-
-def leak_events(events: list[dict[str, Any]], live_views: list[str]) -> list[dict[str, Any]]:
-    """One ``leak`` event per view still alive, a copy of the exchange that made it (its `where`)."""
-    # An export to handoff itself is held by the import that asked for it: that import is the leak.
-    made = {e["view"]: e for e in events
-            if e["view"] is not None and (e["kind"] == "import" or (e["kind"] == "export" and e["consumer"] != "handoff"))}
-    now = time.time_ns()
-    leaks = []
-    for view in live_views:
-        origin = made.get(view)
-        if origin is None:
-            continue  # made before the trace began: not this trace's to report
-        leaks.append({**origin, "time_ns": now, "action": "none", "hazard": "leak",
-                      "detail": f"{view} of {origin['buffer']} was still alive at exit"})
-    return leaks
 
 
 def _finish(path: str) -> None:
@@ -57,8 +39,9 @@ def _finish(path: str) -> None:
         return
     from . import _handoff
 
+    leaks = _handoff._trace_leaks(recording._token)  # views still alive, made by an exchange it saw
     recording.__exit__(None, None, None)
-    recording._events.extend(leak_events(recording._events, _handoff._live_view_ids()))
+    recording._events.extend(leaks)
     try:
         recording.save(path)
     except OSError as error:
@@ -69,7 +52,7 @@ def _finish(path: str) -> None:
 def start_from_environment() -> None:
     """Starts what HANDOFF_TRACE and HANDOFF_TRACE_SOCKET ask for (at `import handoff`). What cannot
     be started is a warning on the logger: the program runs, untraced."""
-    global _process_trace
+    global _process_trace  # noqa: PLW0603 - the process writes one trace
     path = os.environ.get("HANDOFF_TRACE")
     if path and _process_trace is None:
         _process_trace = trace()

@@ -30,7 +30,7 @@ class Stream:
 
     # `_source`: the object as_stream made this from, kept alive with the Stream, since CuPy, cuda.core
     # and Numba destroy their stream when its object goes, and views bound to it outlive the call.
-    __slots__ = ("_handle", "_device", "_source")
+    __slots__ = ("_device", "_handle", "_source")
 
     def __init__(self, handle: int, *, device: int | None = None) -> None:
         _handoff._check_stream(handle, device)  # an int in [0, 2**63); None or an int >= 0
@@ -89,7 +89,7 @@ def current_stream() -> Stream | None:
     return _current.get(None)
 
 
-class stream:  # noqa: N801 - used as `with handoff.stream(s):`
+class stream:
     """Sets the consumer stream for imports in a block (context-local: per thread, per task).
 
     ``with handoff.stream(s): handoff.from_dlpack(x)`` imports ``x`` ordered before work that is

@@ -8,6 +8,7 @@ it also works on events loaded from a saved trace file.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -15,10 +16,10 @@ import site
 import sysconfig
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Dict, Union, cast
+from typing import Any, Union
 
 from . import _handoff
 
@@ -32,12 +33,12 @@ __all__ = [
     "trace",
 ]
 
-Event = Dict[str, Any]
-Graph = Dict[str, Any]
+Event = dict[str, Any]
+Graph = dict[str, Any]
 PathLike = Union[str, "os.PathLike[str]"]
 
-# DLPack device type codes (dlpack.h) of the devices handoff exchanges.
-_DEVICE_NAMES = {1: "cpu", 2: "cuda", 3: "cuda_host", 10: "rocm", 11: "rocm_host", 13: "cuda_managed"}
+# The short name of each DLPack device type, by its code (the runtime owns the table).
+_DEVICE_NAMES: dict[int, str] = _handoff._device_type_labels()
 
 # Shown for a library that is None: an export asked for by user code, or a producer not known.
 _NO_LIBRARY = "-"
@@ -74,9 +75,7 @@ class trace:
 
     def __enter__(self) -> trace:
         if self._used:
-            raise RuntimeError(
-                "this handoff.trace was already used: each `with` block needs a new handoff.trace()"
-            )
+            raise RuntimeError("this handoff.trace was already used: each `with` block needs a new handoff.trace()")
         self._token = int(_handoff._trace_begin())
         self._used = True
         return self
@@ -213,6 +212,7 @@ def _own_actions(events: Sequence[Mapping[str, Any]]) -> list[bool]:
     """Per event, whether its action is its own to count. An import from an exporter that handoff
     runs itself (handoff.Exporter, handoff.sim) records two events, the export to "handoff" and the
     import, with one action between them: the import's counts, and the matching export's does not."""
+
     def key(event: Mapping[str, Any]) -> str:
         return dumps([event.get(k) for k in ("thread", "where", "producer_stream", "consumer_stream", "action")])
 
@@ -230,8 +230,9 @@ def _own_actions(events: Sequence[Mapping[str, Any]]) -> list[bool]:
 # --- the text summary -----------------------------------------------------------------------------
 
 
-def _table(header: Sequence[str], rows: Iterable[Sequence[str]], *, right: Iterable[int] = (),
-           indent: str = "  ") -> list[str]:
+def _table(
+    header: Sequence[str], rows: Iterable[Sequence[str]], *, right: Iterable[int] = (), indent: str = "  "
+) -> list[str]:
     """Rows aligned under the header; the columns in `right` (numbers) are aligned to the right."""
     cells_of = [list(header), *([str(cell) for cell in row] for row in rows)]
     widths = [max(len(row[i]) for row in cells_of) for i in range(len(header))]
@@ -311,14 +312,15 @@ def summary(events: Sequence[Mapping[str, Any]], *, title: str | None = None) ->
         if own_action and action in ("wait", "elided", "unordered", "refused"):
             counts[str(action)] += 1
     totals = {name: sum(c[name] for c in pairs.values()) for name in (*columns, "bytes")}
-    rows = [[producer, consumer, *(str(c[n]) for n in columns), _human_bytes(c["bytes"])]
-            for (producer, consumer), c in pairs.items()]
+    rows = [
+        [producer, consumer, *(str(c[n]) for n in columns), _human_bytes(c["bytes"])]
+        for (producer, consumer), c in pairs.items()
+    ]
     if len(pairs) > 1:
         rows.append(["total", "", *(str(totals[n]) for n in columns), _human_bytes(totals["bytes"])])
     lines.append("EXCHANGES")
     lines += _table(
-        ["producer", "consumer", "imports", "exports", "releases", "waits", "elided", "unordered", "refused",
-         "bytes"],
+        ["producer", "consumer", "imports", "exports", "releases", "waits", "elided", "unordered", "refused", "bytes"],
         rows,
         right=range(2, 10),
     )
@@ -347,8 +349,9 @@ def _track_name(key: tuple[Any, ...]) -> str:
     return name + " (default)" if handle == 0 else name
 
 
-def chrome_trace(events: Sequence[Mapping[str, Any]], *, graph: Mapping[str, Any] | None = None,
-                 pid: int | None = None) -> dict[str, Any]:
+def chrome_trace(
+    events: Sequence[Mapping[str, Any]], *, graph: Mapping[str, Any] | None = None, pid: int | None = None
+) -> dict[str, Any]:
     """The events as a Chrome trace JSON object (Perfetto, chrome://tracing): one track per stream,
     one slice per exchange on the consumer's stream (hazards flagged), and an arrow from the
     producer's stream to the consumer's for each wait that handoff inserted. The raw events and the
@@ -372,8 +375,16 @@ def chrome_trace(events: Sequence[Mapping[str, Any]], *, graph: Mapping[str, Any
         tid = track(device, consumer_stream if consumer_stream is not None else producer_stream)
         producer, consumer = event.get("producer") or "?", event.get("consumer") or "?"
         name = f"{event.get('kind', '?')} {producer}" + (f"\u2192{consumer}" if consumer != "?" else "")
-        slice_: Event = {"name": name, "cat": "handoff", "ph": "X", "ts": ts, "dur": 1.0, "pid": pid, "tid": tid,
-                         "args": event}
+        slice_: Event = {
+            "name": name,
+            "cat": "handoff",
+            "ph": "X",
+            "ts": ts,
+            "dur": 1.0,
+            "pid": pid,
+            "tid": tid,
+            "args": event,
+        }
         if event.get("hazard") is not None:
             slice_["name"] = f"\u26a0 {event['hazard']}: {name}"
             slice_["cname"] = "terrible"
@@ -384,15 +395,37 @@ def chrome_trace(events: Sequence[Mapping[str, Any]], *, graph: Mapping[str, Any
             # The arrow starts in a slice on the producer's track (a flow binds to enclosing slices).
             flow_id += 1
             source = track(device, producer_stream)
-            slices.append({"name": f"ready for {consumer}", "cat": "handoff.wait", "ph": "X", "ts": ts,
-                           "dur": 1.0, "pid": pid, "tid": source, "args": {"buffer": event.get("buffer")}})
-            slices.append({"name": "wait", "cat": "handoff.wait", "ph": "s", "id": flow_id, "ts": ts, "pid": pid,
-                           "tid": source})
-            slices.append({"name": "wait", "cat": "handoff.wait", "ph": "f", "bp": "e", "id": flow_id, "ts": ts,
-                           "pid": pid, "tid": tid})
+            slices.append(
+                {
+                    "name": f"ready for {consumer}",
+                    "cat": "handoff.wait",
+                    "ph": "X",
+                    "ts": ts,
+                    "dur": 1.0,
+                    "pid": pid,
+                    "tid": source,
+                    "args": {"buffer": event.get("buffer")},
+                }
+            )
+            slices.append(
+                {"name": "wait", "cat": "handoff.wait", "ph": "s", "id": flow_id, "ts": ts, "pid": pid, "tid": source}
+            )
+            slices.append(
+                {
+                    "name": "wait",
+                    "cat": "handoff.wait",
+                    "ph": "f",
+                    "bp": "e",
+                    "id": flow_id,
+                    "ts": ts,
+                    "pid": pid,
+                    "tid": tid,
+                }
+            )
 
-    metadata: list[Event] = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
-                              "args": {"name": f"handoff (pid {pid})"}}]
+    metadata: list[Event] = [
+        {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": f"handoff (pid {pid})"}}
+    ]
     for key, tid in tracks.items():
         metadata.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": _track_name(key)}})
         metadata.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
@@ -469,11 +502,11 @@ def graph_to_dot(graph: Mapping[str, Any]) -> str:
     for edge in graph.get("edges") or ():
         kind = edge.get("kind", "")
         style = _EDGE_STYLES.get(str(kind), 'style=solid, color="#5f6368"')
-        lines.append(f"  {_quote(edge.get('src', '?'))} -> {_quote(edge.get('dst', '?'))} "
-                     f"[label={_quote(kind)}, {style}];")
+        lines.append(
+            f"  {_quote(edge.get('src', '?'))} -> {_quote(edge.get('dst', '?'))} [label={_quote(kind)}, {style}];"
+        )
     lines.append("}")
     return "\n".join(lines) + "\n"
-
 
 
 # --- which library a source file belongs to -------------------------------------------------------
@@ -490,10 +523,8 @@ def _find_library_roots() -> tuple[list[str], list[str], list[str]]:
         path = sysconfig.get_paths().get(key)
         if path:
             sites.append(path)
-    try:
+    with contextlib.suppress(AttributeError):  # virtualenv's old site.py lacks it
         sites += site.getsitepackages()
-    except AttributeError:  # virtualenv's old site.py lacks it
-        pass
     user = site.getusersitepackages() if hasattr(site, "getusersitepackages") else None
     if user:
         sites.append(user)
@@ -501,8 +532,7 @@ def _find_library_roots() -> tuple[list[str], list[str], list[str]]:
     here = Path(__file__)
     # The package's folder as imported and, for a folder of links to the sources, the sources'.
     package = {str(here.parent), str(here.resolve().parent)}
-    return ([_normalized(p) for p in sites], [_normalized(p) for p in stdlib],
-            sorted(_normalized(p) for p in package))
+    return ([_normalized(p) for p in sites], [_normalized(p) for p in stdlib], sorted(_normalized(p) for p in package))
 
 
 # Cached by assignment, not as decorators, so that stubtest sees the functions' own signatures.
@@ -531,10 +561,8 @@ def _classify_file(filename: str) -> str | None:
     sites, stdlib, package = _library_roots()
     path = _normalized(filename)
     candidates = {path}
-    try:
+    with contextlib.suppress(OSError, ValueError):
         candidates.add(_normalized(os.path.realpath(filename)))
-    except (OSError, ValueError):
-        pass
     if any(_under(p, root) for p in candidates for root in package):
         return "handoff"
     # The longest root that holds the file wins: site-packages lies inside the standard library's
@@ -549,9 +577,11 @@ def _classify_file(filename: str) -> str | None:
     _, kind, root = best
     if kind == "stdlib":
         return "python"
-    relative = path[len(root.rstrip(os.sep)) + 1:]
+    relative = path[len(root.rstrip(os.sep)) + 1 :]
     top = relative.split(os.sep, 1)[0]
     return top.split(".", 1)[0] or None
 
 
 _classify = functools.lru_cache(maxsize=4096)(_classify_file)
+# The extension names the library of each exchange's calling code with it (it never imports the package).
+_handoff._set_library_of_file(library_of_file)

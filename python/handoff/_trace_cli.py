@@ -14,6 +14,7 @@ on Ctrl-C; ``run`` exits with the status of the program it ran (128 + N for sign
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -24,11 +25,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import IO, Any, Dict
+from typing import IO, Any
 
-from ._trace import dumps, format_event, graph_to_dot, summary
+from ._trace import format_event, graph_to_dot, summary
 
-Trace = Dict[str, Any]
+Trace = dict[str, Any]
 
 PERFETTO = "https://ui.perfetto.dev"
 
@@ -100,10 +101,13 @@ def load_trace(file: str) -> Trace:
     except RecursionError:
         raise CommandError(f"{name}: not a handoff trace (nested too deeply)") from None
     section = data.get("handoff") if isinstance(data, dict) else None
-    if (not isinstance(section, dict) or not isinstance(section.get("events"), list)
-            or not all(isinstance(e, dict) for e in section["events"])):
+    if (
+        not isinstance(section, dict)
+        or not isinstance(section.get("events"), list)
+        or not all(isinstance(e, dict) for e in section["events"])
+    ):
         raise CommandError(
-            f"{name}: not a handoff trace (no \"handoff\" section with the events; handoff writes one with "
+            f'{name}: not a handoff trace (no "handoff" section with the events; handoff writes one with '
             "handoff.trace(path=...), HANDOFF_TRACE=FILE or handoff-trace run -o FILE)"
         )
     for index, event in enumerate(section["events"]):
@@ -227,8 +231,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         print(summary(trace["events"], title=f"handoff trace of {shlex.join(command)}"), file=sys.stderr)
         if args.output:
-            print(f"\ntrace saved to {args.output}: open it in {PERFETTO}, or run handoff-trace show {args.output}",
-                  file=sys.stderr)
+            print(
+                f"\ntrace saved to {args.output}: open it in {PERFETTO}, or run handoff-trace show {args.output}",
+                file=sys.stderr,
+            )
     return status
 
 
@@ -271,8 +277,13 @@ def cmd_graph(args: argparse.Namespace) -> int:
         raise CommandError(f"--format {args.format} of a trace read from stdin needs -o OUT")
     else:
         output = Path(args.file).with_suffix(f".{args.format}")
-    result = subprocess.run([dot, f"-T{args.format}", "-o", str(output)], input=graph_to_dot(graph), text=True,
-                            capture_output=True, check=False)
+    result = subprocess.run(
+        [dot, f"-T{args.format}", "-o", str(output)],
+        input=graph_to_dot(graph),
+        text=True,
+        capture_output=True,
+        check=False,
+    )
     if result.returncode != 0:
         raise CommandError(f"dot failed (status {result.returncode}): {result.stderr.strip()}", 1)
     print(f"wrote {output}")
@@ -283,15 +294,11 @@ def cmd_graph(args: argparse.Namespace) -> int:
 
 
 def socket_paths(pid: int) -> list[Path]:
-    """Where process `pid` serves its trace: under $XDG_RUNTIME_DIR when that is a folder, else (and
-    also tried) under $TMPDIR or /tmp, in a folder per user."""
-    paths = []
-    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
-    if runtime and os.path.isdir(runtime):
-        paths.append(Path(runtime, "handoff", f"trace-{pid}.sock"))
-    tmp = os.environ.get("TMPDIR") or "/tmp"
-    paths.append(Path(tmp, f"handoff-{os.geteuid()}", f"trace-{pid}.sock"))
-    return paths
+    """Where process `pid` serves its trace, the paths to try in order (the runtime's rule: under
+    $XDG_RUNTIME_DIR when that is a folder, else, and also tried, under $TMPDIR or /tmp)."""
+    from . import _handoff
+
+    return [Path(path) for path in _handoff._trace_socket_paths(pid)]
 
 
 def _process_exists(pid: int) -> bool:
@@ -370,8 +377,10 @@ def cmd_attach(args: argparse.Namespace) -> int:
             raise CommandError(f"process {args.pid}: {hello['error']}", 1)
         if not isinstance(hello, dict) or hello.get("hello") != "handoff":
             raise CommandError(f"{path} is not a handoff trace socket", 1)
-        print(f"attached to process {hello.get('pid', args.pid)} (handoff {hello.get('version', '?')}); "
-              "Ctrl-C to stop", file=sys.stderr)
+        print(
+            f"attached to process {hello.get('pid', args.pid)} (handoff {hello.get('version', '?')}); Ctrl-C to stop",
+            file=sys.stderr,
+        )
 
         seen = 0
         while args.count is None or seen < args.count:
@@ -428,48 +437,68 @@ def build_parser() -> argparse.ArgumentParser:
         prog="handoff-trace",
         description="Record, read and follow handoff's exchange traces. With no command: the runtime (info).",
         epilog="Exit status: 0 ok, 1 a command failed, 2 bad arguments or input, 130 Ctrl-C; "
-               "run: the program's status.",
+        "run: the program's status.",
     )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
-    parser.add_argument("--json", dest="info_json", action="store_true",
-                        help="with no command: print the runtime information as JSON")
+    parser.add_argument(
+        "--json", dest="info_json", action="store_true", help="with no command: print the runtime information as JSON"
+    )
     commands = parser.add_subparsers(dest="subcommand", metavar="COMMAND")
 
     run = commands.add_parser(
-        "run", help="run a program with tracing on and summarize its exchanges",
+        "run",
+        help="run a program with tracing on and summarize its exchanges",
         description="Runs CMD with HANDOFF_TRACE set, and a sitecustomize.py on its PYTHONPATH that imports "
-                    "handoff (so a Python program is traced without changes; an existing sitecustomize still "
-                    "runs). When CMD ends, prints the trace's summary on stderr (CMD's stdout stays its own) "
-                    "and exits with CMD's status. Every Python process that CMD starts writes the same file: "
-                    "the last one to end wins.",
+        "handoff (so a Python program is traced without changes; an existing sitecustomize still "
+        "runs). When CMD ends, prints the trace's summary on stderr (CMD's stdout stays its own) "
+        "and exits with CMD's status. Every Python process that CMD starts writes the same file: "
+        "the last one to end wins.",
     )
-    run.add_argument("-o", "--output", metavar="FILE",
-                     help=f"keep the trace there (Chrome trace JSON: {PERFETTO}); default: a temporary file")
+    run.add_argument(
+        "-o",
+        "--output",
+        metavar="FILE",
+        help=f"keep the trace there (Chrome trace JSON: {PERFETTO}); default: a temporary file",
+    )
     run.add_argument("--json", action="store_true", help="print the events as JSON on stdout instead of the summary")
     run.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...", help="the program to run")
     run.set_defaults(handler=cmd_run)
 
-    show = commands.add_parser("show", help="summarize a saved trace",
-                               description="Prints the summary of a trace file: hazards first, then the "
-                                           "exchanges per producer and consumer.")
+    show = commands.add_parser(
+        "show",
+        help="summarize a saved trace",
+        description="Prints the summary of a trace file: hazards first, then the exchanges per producer and consumer.",
+    )
     show.add_argument("file", metavar="FILE", help="a trace file (handoff.trace(path=...), HANDOFF_TRACE); - for stdin")
     show.add_argument("--json", action="store_true", help="print the events as JSON instead")
     show.set_defaults(handler=cmd_show)
 
-    graph = commands.add_parser("graph", help="the ownership graph saved in a trace",
-                                description="Prints or draws the ownership graph of a trace file (buffers, "
-                                            "views, streams) as it was when the trace ended.")
+    graph = commands.add_parser(
+        "graph",
+        help="the ownership graph saved in a trace",
+        description="Prints or draws the ownership graph of a trace file (buffers, "
+        "views, streams) as it was when the trace ended.",
+    )
     graph.add_argument("file", metavar="FILE", help="a trace file; - for stdin")
-    graph.add_argument("--format", choices=("dot", "json", "svg", "png"), default="dot",
-                       help="dot (default) or json text, or an svg or png image drawn by Graphviz's dot")
-    graph.add_argument("-o", "--output", metavar="OUT",
-                       help="where to write; default: stdout for dot and json, FILE.svg or FILE.png for images")
+    graph.add_argument(
+        "--format",
+        choices=("dot", "json", "svg", "png"),
+        default="dot",
+        help="dot (default) or json text, or an svg or png image drawn by Graphviz's dot",
+    )
+    graph.add_argument(
+        "-o",
+        "--output",
+        metavar="OUT",
+        help="where to write; default: stdout for dot and json, FILE.svg or FILE.png for images",
+    )
     graph.set_defaults(handler=cmd_graph)
 
     attach = commands.add_parser(
-        "attach", help="follow the exchanges of a running process",
+        "attach",
+        help="follow the exchanges of a running process",
         description="Connects to the trace socket of a process that serves one (HANDOFF_TRACE_SOCKET=1 or "
-                    "handoff.serve_trace()) and prints each exchange as it happens, until the process ends.",
+        "handoff.serve_trace()) and prints each exchange as it happens, until the process ends.",
     )
     attach.add_argument("pid", type=int, metavar="PID", help="the process id")
     attach.add_argument("--count", type=int, metavar="N", help="stop after N events")
@@ -477,8 +506,11 @@ def build_parser() -> argparse.ArgumentParser:
     attach.add_argument("--timeout", type=float, metavar="SECONDS", help="stop after SECONDS")
     attach.set_defaults(handler=cmd_attach)
 
-    info = commands.add_parser("info", help="the runtime: version, backend, devices",
-                               description="Prints handoff's runtime: backend, devices and versions.")
+    info = commands.add_parser(
+        "info",
+        help="the runtime: version, backend, devices",
+        description="Prints handoff's runtime: backend, devices and versions.",
+    )
     info.add_argument("--json", action="store_true", help="print it as JSON")
     info.set_defaults(handler=cmd_info)
     return parser
@@ -504,10 +536,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         # Output piped to a program that stopped reading (| head): not an error worth a traceback.
-        try:
+        with contextlib.suppress(OSError, ValueError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError):
-            pass
         return 0
     return status
 

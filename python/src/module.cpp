@@ -12,6 +12,7 @@
 #include "py_view.hpp"
 
 #include <handoff/context.hpp>
+#include <handoff/embedding.hpp>
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
 #include <handoff/log.hpp>
@@ -20,6 +21,8 @@
 #include <handoff/stream_value.hpp>
 
 #include <fmt/format.h>
+
+#include <pybind11/stl.h>
 
 #include <string>
 
@@ -79,6 +82,12 @@ const char* stream_order_name(stream_order order)
 }
 
 }  // namespace
+
+// The composition root of the extension: its calls run the process's exchange.
+exchange& handoff::python::module_exchange()
+{
+  return process_exchange();
+}
 
 PYBIND11_MODULE(_handoff, m)
 {
@@ -145,10 +154,24 @@ PYBIND11_MODULE(_handoff, m)
     "Writes a warning to handoff's logger (stderr unless HANDOFF_LOG_FILE says otherwise).");
   m.def("_after_fork_in_child", &reset_after_fork_in_child,
         "Run in a forked child (os.register_at_fork): resets what the parent's threads left in the GIL's gate.");
+  m.def("_serve_trace", &serve_trace, "Serves the trace live on a Unix socket; returns its path.");
+  m.def("_stop_serving_trace", &stop_serving_trace, "Stops serving the trace live and removes the socket.");
+  m.def("_trace_socket_paths", &trace_socket_paths, py::arg("pid"),
+        "Where process `pid` serves its trace, if it does: the paths to try, in order.");
   m.def("runtime_info", &runtime_info,
         "The runtime, a dict: backend (its name), device_count, version, dlpack_version ('1.1'), cuda_compiled, "
         "cuda_runtime and cuda_driver_minimum (None without CUDA), and backend_error (why the backend could not "
         "start, else None).");
+  m.def(
+    "_device_type_labels",
+    [] {
+      py::dict labels;
+      for (const device_type_info& type : dlpack_device_types()) {
+        labels[py::int_(static_cast<int>(type.type))] = type.label;
+      }
+      return labels;
+    },
+    "The short name of each device type DLPack defines, by its code: {1: 'cpu', 2: 'cuda', ...}.");
   m.def(
     "_classify_stream",
     [](int device_type, py::handle stream) {

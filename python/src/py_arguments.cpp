@@ -19,11 +19,10 @@ std::optional<std::int64_t> parse_stream_argument(py::handle stream)
   if (stream.is_none()) { return std::nullopt; }
   HANDOFF_EXPECTS(is_int(stream.ptr()), type_error,
                   fmt::format("stream must be an int or None, not {}", type_name(stream)));
-  int overflow = 0;
-  const long long value = PyLong_AsLongLongAndOverflow(stream.ptr(), &overflow);
-  HANDOFF_EXPECTS(overflow == 0, value_error,
+  const int64_reading value = read_int64(stream.ptr());
+  HANDOFF_EXPECTS(value.fits(), value_error,
                   fmt::format("stream={} is out of range for a stream handle", py::str(stream).cast<std::string>()));
-  return static_cast<std::int64_t>(value);
+  return value.value;
 }
 
 std::optional<DLDevice> parse_device_argument(py::handle device, const char* field, unknown_device_type unknown)
@@ -39,16 +38,15 @@ std::optional<DLDevice> parse_device_argument(py::handle device, const char* fie
   }
   HANDOFF_EXPECTS(PyTuple_Check(raw) && PyTuple_GET_SIZE(raw) == 2, type_error,
                   fmt::format("{} must be None, 'cpu' or a (device_type, device_id) tuple", field));
-  long long values[2]{};
-  bool representable = true;
+  int64_reading values[2]{};
   for (Py_ssize_t i = 0; i < 2; ++i) {
     PyObject* item = PyTuple_GET_ITEM(raw, i);
     HANDOFF_EXPECTS(is_int(item), type_error, fmt::format("{} must hold two ints", field));
-    int overflow = 0;
-    values[i] = PyLong_AsLongLongAndOverflow(item, &overflow);
-    representable = representable && overflow == 0;
+    values[i] = read_int64(item);
   }
-  const auto [type, id] = values;
+  const bool representable = values[0].fits() && values[1].fits();
+  const std::int64_t type = values[0].value;
+  const std::int64_t id = values[1].value;
   const auto text = [&] {
     return fmt::format("{}=({}, {})", field, py::str(PyTuple_GET_ITEM(raw, 0)).cast<std::string>(),
                        py::str(PyTuple_GET_ITEM(raw, 1)).cast<std::string>());

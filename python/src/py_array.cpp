@@ -5,6 +5,7 @@
 #include "py_arguments.hpp"
 #include "py_array_exchange_api.hpp"
 #include "py_capsule.hpp"
+#include "py_cpython.hpp"
 #include "py_errors.hpp"
 #include "py_exchange.hpp"
 #include "py_gil.hpp"
@@ -14,9 +15,8 @@
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
+#include <handoff/internal/trace_scope.hpp>
 #include <handoff/ownership.hpp>
-#include <handoff/runtime.hpp>
-#include <handoff/stats.hpp>
 #include <handoff/trace.hpp>
 
 #include <fmt/format.h>
@@ -24,7 +24,6 @@
 #include <structmember.h>
 
 #include <algorithm>
-#include <climits>
 #include <cstddef>
 #include <new>
 
@@ -56,15 +55,7 @@ py::tuple byte_strides(const array& view)
   return int_tuple(view.strides(), static_cast<std::int64_t>(view.itemsize()));
 }
 
-// An int of a max_version tuple, saturated to the range of long long.
-long long saturated(PyObject* value) noexcept
-{
-  int overflow = 0;
-  const long long out = PyLong_AsLongLongAndOverflow(value, &overflow);
-  return overflow > 0 ? LLONG_MAX : overflow < 0 ? LLONG_MIN : out;
-}
-
-// The DLPack version of an export for the consumer's `max_version`; nullopt selects the legacy capsule.
+// The consumer's `max_version`, saturated to DLPack's field range; nullopt for None.
 std::optional<DLPackVersion> requested_version(py::handle max_version)
 {
   if (max_version.is_none()) { return std::nullopt; }
@@ -73,9 +64,9 @@ std::optional<DLPackVersion> requested_version(py::handle max_version)
                     PyLong_Check(PyTuple_GET_ITEM(raw, 1));
   HANDOFF_EXPECTS(pair, type_error, "max_version must be None or a (major, minor) tuple of ints");
   const auto field = [](PyObject* value) {
-    return static_cast<std::uint32_t>(std::clamp<long long>(saturated(value), 0, UINT32_MAX));
+    return static_cast<std::uint32_t>(std::clamp<std::int64_t>(read_int64(value).saturated(), 0, UINT32_MAX));
   };
-  return export_version(DLPackVersion{field(PyTuple_GET_ITEM(raw, 0)), field(PyTuple_GET_ITEM(raw, 1))});
+  return DLPackVersion{field(PyTuple_GET_ITEM(raw, 0)), field(PyTuple_GET_ITEM(raw, 1))};
 }
 
 // CUDA Array Interface v3 of CUDA-resident data; `stream` is where the data is ready, so that the
@@ -103,11 +94,8 @@ py::dict cuda_array_interface(const array& view)
   descr.append(py::make_tuple("", type));
   out["descr"] = descr;
   out["version"] = 3;
-  if (const auto ready = published_ready_stream(view)) {
-    out["stream"] = stream_value_of(view.device().device_type, static_cast<std::uint64_t>(*ready));
-  } else {
-    out["stream"] = py::none();
-  }
+  const auto ready = module_exchange().interface_stream(view);
+  out["stream"] = ready ? py::object(py::int_(*ready)) : py::object(py::none());
   return out;
 }
 
@@ -124,15 +112,6 @@ py::dict array_interface(const array& view)
   out["strides"] = view.is_c_contiguous() ? py::object(py::none()) : py::object(byte_strides(view));
   out["version"] = 3;
   return out;
-}
-
-// The capsule an export hands out, counted.
-py::capsule counted_capsule(const array& exported, std::optional<DLPackVersion> version, bool copied)
-{
-  py::capsule capsule =
-    version ? make_capsule(export_versioned(exported, {*version, copied})) : make_capsule(export_legacy(exported));
-  count_serialized(counter::exports);  // under the GIL
-  return capsule;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -188,12 +167,8 @@ void let_go(PyObject* self) noexcept
 // could have destroyed the stream under the release; and the cycle is broken.
 void array_finalize(PyObject* self) noexcept
 {
-  PyObject* type = nullptr;
-  PyObject* value = nullptr;
-  PyObject* traceback = nullptr;
-  PyErr_Fetch(&type, &value, &traceback);
+  const error_scope set_aside;
   let_go(self);
-  PyErr_Restore(type, value, traceback);
 }
 
 int array_clear(PyObject* self) noexcept
@@ -362,20 +337,21 @@ constexpr const char* array_doc =
 py::capsule export_dlpack(const array& view, py::handle stream, py::handle max_version, py::handle dl_device,
                           py::handle copy)
 {
-  trace::exchange_scope scope{trace::event_kind::export_data, "dlpack"};
-  if (scope.active()) { scope.set_view(view); }  // a refused export is traced too
-  const stream_request request = classify_stream(view.device().device_type, stream_argument(stream));
-  const auto version = requested_version(max_version);
-  const transfer how = dl_device.is_none() && copy.is_none()
-                         ? transfer::none
-                         : plan_export(view, device_argument(dl_device, "dl_device", unknown_device_type::unreachable),
-                                       copy_argument(copy));
-  // A stream handle is certain to be alive when the export is released only if something holds it.
-  std::shared_ptr<const void> consumer_owner;
-  if (request.order == stream_order::handle) { consumer_owner = enclosing_stream_owner(request.handle); }
-  const std::unique_ptr<const array> made = prepare_export(view, request, how, std::move(consumer_owner));
-  const bool copied = how == transfer::to_host || how == transfer::same_device;
-  return counted_capsule(made ? *made : view, version, copied);
+  export_request request;
+  request.stream = stream_argument(stream);
+  request.max_version = requested_version(max_version);
+  if (!dl_device.is_none()) {
+    request.dl_device = device_argument(dl_device, "dl_device", unknown_device_type::unreachable);
+  }
+  request.copy = copy_argument(copy);
+  // A stream handle is certain to be alive when the export is released only if something holds it:
+  // the stream object of the enclosing handoff.stream block, when the handle is that block's.
+  if (request.stream) {
+    const stream_request consumer = classify_stream(view.device().device_type, request.stream);
+    if (consumer.order == stream_order::handle) { request.stream_owner = enclosing_stream_owner(consumer.handle); }
+  }
+  const exported_tensor made = module_exchange().export_dlpack(view, request);
+  return made.versioned != nullptr ? make_capsule(made.versioned) : make_capsule(made.legacy);
 }
 
 py::object wrap(array&& view, const char* library)

@@ -13,15 +13,12 @@
 
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
-#include <handoff/runtime.hpp>
-#include <handoff/stats.hpp>
-#include <handoff/trace.hpp>
+#include <handoff/internal/trace_scope.hpp>
 
 #include <fmt/format.h>
 
 #include <cxxabi.h>
 #include <new>
-#include <span>
 #include <stdexcept>
 #include <string>
 
@@ -33,17 +30,17 @@ constexpr const char* capsule_name = "dlpack_exchange_api";
 // The enclosing handoff.stream block's stream when it serves `device`, else None (the default stream).
 py::object work_stream_object(DLDevice device)
 {
-  if (!is_cuda_device(device.device_type) && !is_rocm_device(device.device_type)) { return py::none(); }
+  if (!has_streams(device.device_type)) { return py::none(); }
   py::object block = enclosing_stream();
   if (block.is_none()) { return block; }
   const py::object on = block.attr("device");
   return on.is_none() || on.cast<long long>() == device.device_id ? block : py::object(py::none());
 }
 
-// Hands device data to a consumer working on the current work stream of its device (see above).
-void hand_to_work_stream(const array& view)
+// The current work stream of `device`'s consumer (see above).
+named_stream work_stream(DLDevice device)
 {
-  hand_over(view, stream_named_by(work_stream_object(view.device())));
+  return stream_named_by(work_stream_object(device));
 }
 
 // The handoff.Array a table function was given. @throws type_error for anything else.
@@ -84,9 +81,7 @@ int managed_tensor_from_py_object(void* py_object, DLManagedTensorVersioned** ou
     expect_output(out, function);
     *out = nullptr;
     const array& view = array_argument(py_object, function);
-    hand_to_work_stream(view);
-    *out = export_versioned(view);  // holds the producer until its deleter runs
-    count(counter::exports);
+    *out = module_exchange().hand_over(view, work_stream(view.device()));
   });
 }
 
@@ -97,12 +92,12 @@ int dltensor_from_py_object(void* py_object, DLTensor* out) noexcept
     trace::exchange_scope scope{trace::event_kind::export_data, "dlpack-c-api"};
     expect_output(out, function);
     const array& view = array_argument(py_object, function);
-    scope.set_view(view);  // no tensor of its own to track: the caller borrows the array's
+    scope.set_view(view);
     HANDOFF_EXPECTS(!view.readonly(), buffer_error,
                     fmt::format("{}: the array is read-only and a DLTensor cannot say so; use "
                                 "managed_tensor_from_py_object_no_sync",
                                 function));
-    hand_to_work_stream(view);
+    module_exchange().lend(view, work_stream(view.device()));
     // Shape and strides point into the array object: valid while the caller holds it.
     *out = DLTensor{.data = view.data(),
                     .device = view.device(),
@@ -111,7 +106,6 @@ int dltensor_from_py_object(void* py_object, DLTensor* out) noexcept
                     .shape = const_cast<std::int64_t*>(view.shape().data()),
                     .strides = const_cast<std::int64_t*>(view.strides().data()),
                     .byte_offset = 0};
-    count(counter::exports);
   });
 }
 
@@ -125,15 +119,8 @@ int managed_tensor_to_py_object(DLManagedTensorVersioned* tensor, void** out) no
     array view = import_dlpack(tensor);  // its deleter runs exactly once from here on
     expect_output(out, function);
     *out = nullptr;
-    // Device data the backend cannot order is refused, as handoff.view refuses it.
-    const DLDeviceType type = view.device().device_type;
-    if (context* ctx = active_context(); ctx != nullptr && (is_cuda_device(type) || is_rocm_device(type))) {
-      require_stream_ordered(*ctx, view);
-    }
-    // The consumer made the data on its work stream: the view is ready there, and released after it.
-    bind_to_consumer(view, stream_named_by(work_stream_object(view.device())));
-    count(counter::imports);
-    *out = wrap(std::move(view)).release().ptr();
+    const named_stream made_on = work_stream(view.device());
+    *out = wrap(module_exchange().adopt(std::move(view), made_on)).release().ptr();
   });
 }
 
@@ -148,29 +135,13 @@ int current_work_stream(DLDeviceType device_type, std::int32_t device_id, void**
 }
 
 // The stream a new device allocation is made on: the current work stream, read holding the GIL
-// (the allocator may be called without it).
-stream_binding allocation_stream(context& ctx, DLDevice device)
+// (the allocator may be called without it). Host memory needs none, and never the GIL.
+named_stream allocation_stream(DLDevice device)
 {
+  if (device.device_type == kDLCPU) { return {}; }
   const gil_scope gil;  // declared first: the objects below are released while it is held
   if (!gil.held()) { throw std::runtime_error("the interpreter is shutting down"); }
-  return binding_on(ctx, device, stream_named_by(work_stream_object(device)));
-}
-
-array allocate_like(const DLTensor& prototype)
-{
-  HANDOFF_EXPECTS(prototype.ndim >= 0 && (prototype.ndim == 0 || prototype.shape != nullptr), value_error,
-                  fmt::format("the prototype's shape is missing or its ndim ({}) is negative", prototype.ndim));
-  const std::span<const std::int64_t> shape{prototype.shape, static_cast<std::size_t>(prototype.ndim)};
-  const DLDevice device = prototype.device;
-  if (device.device_type == kDLCPU) { return allocate_host_array(prototype.dtype, shape); }
-  context* ctx = active_context();
-  HANDOFF_EXPECTS(
-    ctx != nullptr && ctx->backend().device_type() == device.device_type, buffer_error,
-    fmt::format("cannot allocate on device ({}, {}): the {} backend serves {}", static_cast<int>(device.device_type),
-                device.device_id, ctx != nullptr ? ctx->backend().name() : "none",
-                ctx != nullptr ? device_type_name(ctx->backend().device_type()) : "no device"));
-  HANDOFF_EXPECTS(device.device_id >= 0, value_error, fmt::format("device id {} is negative", device.device_id));
-  return allocate_device_array(allocation_stream(*ctx, device), prototype.dtype, shape);
+  return work_stream(device);
 }
 
 // The Python exception type name for the exception being handled, as SetError's `kind`.
@@ -218,7 +189,8 @@ int managed_tensor_allocator(DLTensor* prototype, DLManagedTensorVersioned** out
     expect_output(out, "managed_tensor_allocator");
     *out = nullptr;
     HANDOFF_EXPECTS(prototype != nullptr, value_error, "the prototype is NULL");
-    *out = export_versioned(allocate_like(*prototype));
+    const array made = module_exchange().allocate(*prototype, allocation_stream(prototype->device));
+    *out = export_versioned(made);
     return 0;
   } catch (abi::__forced_unwind&) {
     throw;

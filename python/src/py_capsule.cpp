@@ -1,5 +1,6 @@
 #include "py_capsule.hpp"
 
+#include "py_cpython.hpp"
 #include "py_errors.hpp"
 #include "py_gil.hpp"
 
@@ -27,13 +28,9 @@ void capsule_destructor(PyObject* capsule, const char* live_name) noexcept
   const char* name = PyCapsule_GetName(capsule);  // cannot fail: the capsule is valid until it is freed
   const bool consumed = name != live_name && (name == nullptr || std::strcmp(name, live_name) != 0);
   if (consumed || interpreter_finalizing()) { return; }
-  // An exception being raised is set aside while the deleter runs: it may run Python code.
-  PyObject *type = nullptr, *value = nullptr, *traceback = nullptr;
-  const bool raising = PyErr_Occurred() != nullptr;
-  if (raising) { PyErr_Fetch(&type, &value, &traceback); }
+  const error_scope set_aside;  // the deleter may run Python code
   auto* tensor = static_cast<Managed*>(PyCapsule_GetPointer(capsule, name));
   if (tensor != nullptr && tensor->deleter != nullptr) { tensor->deleter(tensor); }
-  if (raising) { PyErr_Restore(type, value, traceback); }
 }
 
 void versioned_destructor(PyObject* capsule) noexcept

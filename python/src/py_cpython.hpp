@@ -1,9 +1,10 @@
 // The few raw CPython idioms the bindings share, spelled once: Python's own rules for what counts
-// as an int, and for an attribute that may be missing.
+// as an int, reading one that may not fit, and an attribute that may be missing.
 #pragma once
 
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
 #include <utility>
 
 namespace handoff::python {
@@ -16,6 +17,45 @@ namespace py = pybind11;
 {
   return PyLong_Check(value) && !PyBool_Check(value);
 }
+
+/// A Python int read as an int64: its value where it fits, else the side it overflows on.
+struct int64_reading {
+  std::int64_t value{0};
+  int overflow{0};  ///< -1: below the int64 range, +1: above it, 0: `value` is exact
+
+  [[nodiscard]] bool fits() const noexcept { return overflow == 0; }
+  /// The value clamped to the int64 range.
+  [[nodiscard]] std::int64_t saturated() const noexcept
+  {
+    return overflow > 0 ? INT64_MAX : overflow < 0 ? INT64_MIN : value;
+  }
+};
+
+/// Reads `value`, an int (see is_int), whatever its size. Sets no Python error.
+[[nodiscard]] inline int64_reading read_int64(PyObject* value) noexcept
+{
+  int overflow = 0;
+  const long long read = PyLong_AsLongLongAndOverflow(value, &overflow);
+  return {static_cast<std::int64_t>(read), overflow};
+}
+
+/// Sets the exception being raised, if any, aside while the scope runs code that may call Python (a
+/// deleter, a release, a frame walk), and raises it again at the end: what the scope raised itself
+/// is discarded. Holds the GIL's caller's error indicator only: make it with the GIL held.
+class error_scope {
+ public:
+  error_scope() noexcept { PyErr_Fetch(&type_, &value_, &traceback_); }
+  error_scope(const error_scope&) = delete;
+  error_scope& operator=(const error_scope&) = delete;
+  error_scope(error_scope&&) = delete;
+  error_scope& operator=(error_scope&&) = delete;
+  ~error_scope() { PyErr_Restore(type_, value_, traceback_); }
+
+ private:
+  PyObject* type_{nullptr};
+  PyObject* value_{nullptr};
+  PyObject* traceback_{nullptr};
+};
 
 /// getattr(object, name, <missing>): a null object when the attribute is missing. Only an
 /// AttributeError means that; any other exception (a property that raises) propagates.

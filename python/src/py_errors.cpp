@@ -2,14 +2,21 @@
 
 #include <handoff/error.hpp>
 
+#include <cstring>
 #include <new>
 #include <utility>
 
 namespace handoff::python {
 
-std::string type_name(py::handle object)
+std::string_view type_name(py::handle object) noexcept
 {
-  return py::str(py::type::handle_of(object).attr("__name__")).cast<std::string>();
+  PyTypeObject* type = Py_TYPE(object.ptr());
+  if (PyType_HasFeature(type, Py_TPFLAGS_HEAPTYPE)) {  // a class: its __name__ is its own object
+    if (const char* name = PyUnicode_AsUTF8(reinterpret_cast<PyHeapTypeObject*>(type)->ht_name)) { return name; }
+    PyErr_Clear();
+  }
+  const char* dot = std::strrchr(type->tp_name, '.');  // a static type: "module.name"
+  return dot != nullptr ? dot + 1 : type->tp_name;
 }
 
 namespace {

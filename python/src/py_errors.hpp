@@ -6,13 +6,15 @@
 
 #include <exception>
 #include <string>
+#include <string_view>
 
 namespace handoff::python {
 
 namespace py = pybind11;
 
-/// The `__name__` of `object`'s type, for messages.
-[[nodiscard]] std::string type_name(py::handle object);
+/// The `__name__` of `object`'s type, for messages: read as `type.__name__` reads it, without
+/// making an object. Valid while the type is alive.
+[[nodiscard]] std::string_view type_name(py::handle object) noexcept;
 
 /// Sets `handoff.DeviceError`, the Python type `device_error` maps to (made by the module).
 void set_device_error_type(PyObject* type) noexcept;

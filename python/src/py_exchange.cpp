@@ -16,8 +16,6 @@
 
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
-#include <handoff/runtime.hpp>
-#include <handoff/stats.hpp>
 #include <handoff/stream.hpp>
 
 #include <fmt/format.h>
@@ -128,11 +126,11 @@ std::optional<DLDevice> producer_device(py::handle x, bool required)
     PyObject* type = PyTuple_GET_ITEM(device.ptr(), 0);
     PyObject* id = PyTuple_GET_ITEM(device.ptr(), 1);
     if (PyLong_CheckExact(type) && PyLong_CheckExact(id)) {
-      int overflow = 0;
-      const long long type_value = PyLong_AsLongLongAndOverflow(type, &overflow);
-      const long long id_value = overflow == 0 ? PyLong_AsLongLongAndOverflow(id, &overflow) : -1;
-      if (overflow == 0 && id_value >= 0 && id_value <= INT32_MAX && is_dlpack_device_type(type_value)) {
-        return DLDevice{static_cast<DLDeviceType>(type_value), static_cast<std::int32_t>(id_value)};
+      const int64_reading type_value = read_int64(type);
+      const int64_reading id_value = read_int64(id);
+      if (type_value.fits() && id_value.fits() && id_value.value >= 0 && id_value.value <= INT32_MAX &&
+          is_dlpack_device_type(type_value.value)) {
+        return DLDevice{static_cast<DLDeviceType>(type_value.value), static_cast<std::int32_t>(id_value.value)};
       }
     }
   }
@@ -141,25 +139,6 @@ std::optional<DLDevice> producer_device(py::handle x, bool required)
                               type_name(x), type_name(device)));
   const std::string field = fmt::format("{}.__dlpack_device__()", type_name(x));
   return parse_device_argument(device, field.c_str(), unknown_device_type::invalid);
-}
-
-// Refuses data on another device than `x.__dlpack_device__()` said (or than the dl_device it was
-// asked for): the consumer stream was passed in the numbering of the claimed device, so the
-// producer may not have ordered anything for the device the data is really on.
-void check_claimed_device(py::handle x, DLDevice expected, DLDevice actual)
-{
-  // Pinned host memory said to be kDLCUDAHost (or kDLROCMHost) and described as kDLCPU in the capsule
-  // is the same memory (PyTorch's pinned tensors): a CPU consumer needs no stream for it.
-  const bool pinned_as_cpu =
-    (expected.device_type == kDLCUDAHost || expected.device_type == kDLROCMHost) && actual.device_type == kDLCPU;
-  const bool same =
-    pinned_as_cpu || (expected.device_type == actual.device_type && expected.device_id == actual.device_id);
-  HANDOFF_EXPECTS(same, value_error,
-                  fmt::format("{0}.__dlpack_device__() said {1} device {2} (({3}, {2})), but its capsule holds data "
-                              "on {4} device {5} (({6}, {5})); refused, as the consumer stream could not be ordered",
-                              type_name(x), device_type_name(expected.device_type), expected.device_id,
-                              static_cast<int>(expected.device_type), device_type_name(actual.device_type),
-                              actual.device_id, static_cast<int>(actual.device_type)));
 }
 
 // A keyword argument of __dlpack__: its interned name (from `cached`) and its value.
@@ -217,34 +196,21 @@ dlpack_result request_capsule(py::handle x, py::handle stream, py::handle device
   return {call_dlpack(x, legacy_args), true};
 }
 
-// Imports `x` through its type's DLPack C exchange API for `consumer` (from consumer_stream()). The
-// `no_sync` call leaves ordering to us: the consumer stream waits for the stream the producer's
-// work is on, as for a CUDA Array Interface v3 stream. nullopt when a call of the table failed, so
-// that the caller uses __dlpack__; a tensor already made is then released with its view.
-std::optional<array> import_through_exchange_api(const DLPackExchangeAPI& api, py::handle x,
-                                                 const named_stream& consumer)
-{
-  DLManagedTensorVersioned* tensor = managed_tensor_of(api, x.ptr());
-  if (tensor == nullptr) { return std::nullopt; }
-  array view = import_dlpack(tensor);  // its deleter runs exactly once from here on
-  // Only complex data can be lazily conjugated; __dlpack__ refuses such data with a reason.
-  if (view.dtype().code == kDLComplex && is_lazy_conjugate(x.ptr())) { return std::nullopt; }
-  const auto binding = consumer_binding(view, consumer);
-  if (!binding) { return view; }
-  std::optional<std::int64_t> producer;
-  if (!current_work_stream(api, view.device(), producer)) { return std::nullopt; }
-  bind_after_producer(view, *binding, classify_stream(view.device().device_type, producer));
-  return view;
-}
+// What a producer's DLPack C exchange API table cannot say, asked of its Python object.
+class table_producer_object final : public table_producer {
+ public:
+  table_producer_object(const DLPackExchangeAPI& api, PyObject* x) noexcept : api_(api), x_(x) {}
 
-// Applies `device` and `copy` to an imported view where the producer could not (a copy when one is
-// needed), counts the import and wraps it as a handoff.Array.
-py::object finish(array&& view, std::optional<DLDevice> device, std::optional<bool> copy, bool producer_honoured)
-{
-  if (device || copy) { view = transfer_array(view, plan_import(view, device, copy, producer_honoured)); }
-  count_serialized(counter::imports);  // under the GIL
-  return wrap(std::move(view));
-}
+  bool lazily_conjugated() override { return is_lazy_conjugate(x_); }
+  bool current_work_stream(DLDevice device, std::optional<std::int64_t>& stream) noexcept override
+  {
+    return python::current_work_stream(api_, device, stream);
+  }
+
+ private:
+  const DLPackExchangeAPI& api_;
+  PyObject* x_;
+};
 
 // from_dlpack and asarray share one signature: (x, /, *, device=None, copy=None, stream=None).
 const signature* from_dlpack_signature = nullptr;
@@ -323,11 +289,10 @@ void init_exchange(py::module_& m)
 
 py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::handle stream)
 {
+  exchange& on = module_exchange();
   const named_stream consumer = consumer_stream(stream);
   if (const array* source = as_array(x); source != nullptr && device.is_none() && copy.is_none()) {
-    array view = share_view(*source, consumer);  // shares its producer: re-imports never chain
-    count_serialized(counter::imports);          // under the GIL
-    return wrap(std::move(view));
+    return wrap(on.share(*source, consumer));  // shares its producer: re-imports never chain
   }
   // The C exchange API has no dl_device or copy: calls with them go through __dlpack__, whose
   // producer may honour them itself (a copy made by the producer, in its own stream order).
@@ -335,9 +300,9 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
     // What the producer's __dlpack__ refuses stays refused: that call says why.
     if (const DLPackExchangeAPI* api = exchange_api_of(Py_TYPE(x.ptr())); api != nullptr && !requires_grad(x.ptr())) {
       trace_protocol("dlpack-c-api");
-      if (auto view = import_through_exchange_api(*api, x, consumer)) {
-        count_serialized(counter::imports);  // under the GIL
-        return wrap(std::move(*view));
+      if (DLManagedTensorVersioned* tensor = managed_tensor_of(*api, x.ptr())) {
+        table_producer_object producer{*api, x.ptr()};
+        if (auto view = on.import_from_table(tensor, consumer, producer)) { return wrap(std::move(*view)); }
       }
       trace_protocol("dlpack");  // the table failed: __dlpack__ is asked instead
     }
@@ -363,23 +328,21 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
           PyErr_Clear();
           capsule = call_dlpack(x, {});  // a producer older than DLPack 1.0
         }
-        array view = consume_capsule(capsule);
-        if (claimed) {
-          check_claimed_device(x, *claimed, view.device());
-        } else if (view.device().device_type != kDLCPU) {
-          bind_to_consumer(view, consumer);  // device data from a producer that hid its device
-        }
-        count_serialized(counter::imports);  // under the GIL
-        return wrap(std::move(view));
+        // Data on another device than claimed is refused; device data from a producer that hid
+        // its device is bound to the consumer stream.
+        return wrap(on.import(
+          consume_capsule(capsule), {.consumer = consumer, .device = {}, .copy = {}},
+          {.name = type_name(x), .claimed = claimed, .honoured_arguments = true, .ordered_for_consumer = false}));
       }
     }
   }
-  const auto target = device_argument(device, "device");
-  const auto want_copy = copy_argument(copy);
+  const import_request request{
+    .consumer = consumer, .device = device_argument(device, "device"), .copy = copy_argument(copy)};
+  const std::optional<DLDevice>& target = request.device;
   if (PyCapsule_CheckExact(x.ptr())) {
-    array view = consume_capsule(x);
-    bind_to_consumer(view, consumer);
-    return finish(std::move(view), target, want_copy, false);
+    return wrap(
+      on.import(consume_capsule(x), request,
+                {.name = "PyCapsule", .claimed = {}, .honoured_arguments = false, .ordered_for_consumer = false}));
   }
   HANDOFF_EXPECTS(
     has_dlpack(x.ptr()), type_error,
@@ -397,16 +360,14 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
                                   : py::object(py::none())};
   auto [capsule, legacy] = [&] {
     std::optional<producer_device_scope> on_data;
-    if (claimed) { on_data.emplace(*claimed); }
+    if (claimed) { on_data.emplace(on, *claimed); }
     return request_capsule(x, producer_arg.get(), dl_device.get(), copy);
   }();
-  if (trace::exchange_scope* scope = traced(); scope != nullptr && !producer_arg.get().is_none()) {
-    scope->note_ordered_by_producer();
-  }
-  array view = consume_capsule(capsule);
-  if (claimed) { check_claimed_device(x, target && !legacy ? *target : *claimed, view.device()); }
-  bind_to_consumer(view, consumer);
-  return finish(std::move(view), target, want_copy, !legacy);
+  return wrap(on.import(consume_capsule(capsule), request,
+                        {.name = type_name(x),
+                         .claimed = claimed,
+                         .honoured_arguments = !legacy,
+                         .ordered_for_consumer = !producer_arg.get().is_none()}));
 }
 
 py::object asarray(py::handle x, py::handle device, py::handle copy, py::handle stream)
@@ -423,20 +384,21 @@ py::object asarray(py::handle x, py::handle device, py::handle copy, py::handle 
       dlpack_refused = std::current_exception();
     }
   }
-  const auto target = device_argument(device, "device");
-  const auto want_copy = copy_argument(copy);
+  exchange& on = module_exchange();
+  import_request request{.consumer = {}, .device = device_argument(device, "device"), .copy = copy_argument(copy)};
   // Held while the interface is read, which may run the producer's Python code (see call_argument).
   if (const call_argument cai{optional_attribute(x, cached.cuda_array_interface)}; !cai.get().is_none()) {
     trace_protocol("cuda-array-interface");
-    return finish(import_cuda_array_interface(x, cai.get(), consumer_stream(stream)), target, want_copy, false);
+    request.consumer = consumer_stream(stream);
+    return wrap(import_cuda_array_interface(on, x, cai.get(), request));
   }
   if (const call_argument ai{optional_attribute(x, cached.array_interface)}; !ai.get().is_none()) {
     trace_protocol("array-interface");
-    return finish(import_array_interface(x, ai.get()), target, want_copy, false);
+    return wrap(on.import_host(import_array_interface(x, ai.get()), request));
   }
   if (PyObject_CheckBuffer(x.ptr()) != 0) {
     trace_protocol("buffer");
-    return finish(import_buffer(x), target, want_copy, false);
+    return wrap(on.import_host(import_buffer(x), request));
   }
   if (dlpack_refused) { std::rethrow_exception(dlpack_refused); }
   throw no_array_protocol(

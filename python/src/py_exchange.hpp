@@ -2,6 +2,7 @@
 #pragma once
 
 #include <handoff/error.hpp>
+#include <handoff/exchange.hpp>
 #include <handoff/stream_value.hpp>
 
 #include <pybind11/pybind11.h>
@@ -12,6 +13,10 @@
 namespace handoff::python {
 
 namespace py = pybind11;
+
+/// The exchange every call of the module runs, the process's (module.cpp, the composition root).
+/// @throws device_error as handoff::process_exchange does.
+[[nodiscard]] exchange& module_exchange();
 
 /// Creates the context variable behind `handoff.stream(...)` blocks and the cached call
 /// arguments, and adds `from_dlpack` and `asarray` to `m` as METH_FASTCALL functions.

@@ -9,7 +9,6 @@
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
-#include <handoff/runtime.hpp>
 
 #include <fmt/format.h>
 
@@ -46,10 +45,9 @@ class interface_reader {
   {
     HANDOFF_EXPECTS(is_int(value.ptr()), value_error,
                     fmt::format("{} '{}' must be an int, not {}", protocol_, what, type_name(value)));
-    int overflow = 0;
-    const long long out = PyLong_AsLongLongAndOverflow(value.ptr(), &overflow);
-    HANDOFF_EXPECTS(overflow == 0, value_error, fmt::format("{} '{}' is out of range", protocol_, what));
-    return out;
+    const int64_reading read = read_int64(value.ptr());
+    HANDOFF_EXPECTS(read.fits(), value_error, fmt::format("{} '{}' is out of range", protocol_, what));
+    return read.value;
   }
 
   [[nodiscard]] extents integers(py::handle value, const char* key) const
@@ -191,11 +189,11 @@ cuda_interface parse_cuda_array_interface(py::handle interface)
   return validate_cuda_array_interface(dict);
 }
 
-array import_cuda_array_interface(py::handle object, py::handle interface, const named_stream& consumer)
+array import_cuda_array_interface(exchange& on, py::handle object, py::handle interface, const import_request& request)
 {
   cuda_interface parsed = parse_cuda_array_interface(interface);
   std::shared_ptr<const void> stream_owner = held_stream(object, parsed.stream);
-  return import_cuda_interface(std::move(parsed), python_owner(object), consumer, std::move(stream_owner));
+  return on.import_interface(std::move(parsed), python_owner(object), request, std::move(stream_owner));
 }
 
 }  // namespace handoff::python

@@ -3,11 +3,10 @@
 #pragma once
 
 #include <handoff/array.hpp>
-#include <handoff/stream_value.hpp>
+#include <handoff/exchange.hpp>
+#include <handoff/interface.hpp>
 
 #include <pybind11/pybind11.h>
-
-#include <handoff/interface.hpp>
 
 namespace handoff::python {
 
@@ -25,14 +24,11 @@ namespace py = pybind11;
 /// @throws value_error naming the field, not_implemented_error for a mask.
 [[nodiscard]] cuda_interface parse_cuda_array_interface(py::handle interface);
 
-/// Imports `object` through its `__cuda_array_interface__`: parses it, resolves the pointer with
-/// the active backend, makes the consumer stream wait on the interface's `stream` with an event
-/// (never a host synchronize), and binds the view to it, keeping `consumer.owner` alive with the
-/// binding. When the view is released, the
-/// interface's stream waits for the consumer's work in turn where it is certainly alive then
-/// (handoff::bind_interface_import), a stream handle only when `object` holds it as its `stream`
-/// attribute (as Numba's arrays do), which is then kept until the release has run.
-/// @throws device_error when there is no backend.
-[[nodiscard]] array import_cuda_array_interface(py::handle object, py::handle interface, const named_stream& consumer);
+/// Imports `object` through its `__cuda_array_interface__` with `on` (exchange::import_interface):
+/// the interface's stream is held until the view's release when `object` holds it as its `stream`
+/// attribute (as Numba's arrays do), so that the release may make it wait for the consumer's work.
+/// @throws value_error naming a bad field; what the exchange throws.
+[[nodiscard]] array import_cuda_array_interface(exchange& on, py::handle object, py::handle interface,
+                                                const import_request& request);
 
 }  // namespace handoff::python

@@ -4,6 +4,7 @@
 #include "py_array.hpp"
 #include "py_cpython.hpp"
 #include "py_errors.hpp"
+#include "py_exchange.hpp"
 #include "py_gil.hpp"
 #include "py_owners.hpp"
 #include "py_streams.hpp"
@@ -12,11 +13,13 @@
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
-#include <handoff/runtime.hpp>
-#include <handoff/sim.hpp>
+#include <handoff/internal/device_memory.hpp>
+#include <handoff/internal/ordering.hpp>
+#include <handoff/internal/sim.hpp>
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -36,11 +39,11 @@ struct active_sim {
 
 active_sim require_sim()
 {
-  context& ctx = require_context("handoff.sim");
+  context& ctx = module_exchange().require_device("handoff.sim");
   sim_backend* sim = device::as_sim(ctx.backend());
   if (sim == nullptr) {
     throw device_error(
-      std::string{ctx.backend().name()}, "handoffErrorNotSimulated",
+      std::string{ctx.backend().name()}, error_names::not_simulated,
       fmt::format("handoff.sim needs HANDOFF_BACKEND=sim or sim-rocm; the active backend is {}", ctx.backend().name()));
   }
   return {ctx, *sim};
@@ -132,16 +135,16 @@ Int integer_element(py::handle value, std::string_view name)
   } else {
     HANDOFF_EXPECTS(is_int(value.ptr()), type_error,
                     fmt::format("fill value must be a number, not {}", type_name(value)));
-    int overflow = 0;
-    const long long as_signed = PyLong_AsLongLongAndOverflow(value.ptr(), &overflow);
-    if (overflow > 0) {
+    const int64_reading as_signed = read_int64(value.ptr());
+    if (as_signed.overflow > 0) {
       number = static_cast<long double>(PyLong_AsUnsignedLongLong(value.ptr()));
       if (PyErr_Occurred() != nullptr) {
         PyErr_Clear();
         number = std::numeric_limits<long double>::infinity();
       }
     } else {
-      number = overflow < 0 ? -std::numeric_limits<long double>::infinity() : static_cast<long double>(as_signed);
+      number = as_signed.overflow < 0 ? -std::numeric_limits<long double>::infinity()
+                                      : static_cast<long double>(as_signed.value);
     }
   }
   if (number < static_cast<long double>(std::numeric_limits<Int>::min()) ||
@@ -229,31 +232,18 @@ py::object zeros(py::handle shape_arg, const std::string& dtype_text, int device
   } else {
     for (const auto extent : shape_arg) { shape.push_back(extent.cast<std::int64_t>()); }
   }
-  array_layout layout;
-  layout.dtype = *dtype;
-  layout.shape = shape;
-  layout.strides = contiguous_strides(shape);
-  std::int64_t elements = 1;
-  for (const auto extent : shape) {
-    HANDOFF_EXPECTS(extent >= 0, value_error, fmt::format("shape {} has a negative extent", fmt::join(shape, "x")));
-    elements *= extent;
-  }
-  const auto bytes = static_cast<std::size_t>(elements) * itemsize(*dtype);
-  const bool rocm = s.sim.flavour() == device::sim_flavour::rocm;
-
+  // The layout first: a bad shape allocates nothing.
+  auto [layout, bytes] = row_major_layout({s.sim.device_type(), device}, *dtype, shape);
   const current_device on{s.sim, device};
   const auto stream = s.sim.legacy_default_stream();
+  const std::size_t allocated = std::max<std::size_t>(bytes, 1);
   void* data = nullptr;
   if (memory == "device") {
-    data = s.sim.allocate(bytes > 0 ? bytes : 1, stream);
-    layout.device = {rocm ? kDLROCM : kDLCUDA, device};
+    data = s.sim.allocate(allocated, stream);
   } else if (memory == "pinned") {
-    data = s.sim.allocate_pinned_host(bytes > 0 ? bytes : 1);
-    layout.device = {rocm ? kDLROCMHost : kDLCUDAHost, 0};
+    data = s.sim.allocate_pinned_host(allocated);
   } else if (memory == "managed") {
-    HANDOFF_EXPECTS(!rocm, value_error, "managed memory has no DLPack device type on ROCm");
-    data = s.sim.allocate_managed(bytes > 0 ? bytes : 1);
-    layout.device = {kDLCUDAManaged, 0};
+    data = s.sim.allocate_managed(allocated);
   } else {
     throw value_error(fmt::format("memory='{}' is not one of 'device', 'pinned', 'managed'", memory));
   }
@@ -265,6 +255,8 @@ py::object zeros(py::handle shape_arg, const std::string& dtype_text, int device
     } catch (...) {  // the backend is shutting down and frees what is left itself
     }
   }};
+  // The device type of each kind of memory is the exchange's to say (managed memory has none on ROCm).
+  layout.device = *dlpack_device_of(s.sim.attributes(data), s.sim.device_type());
   // No stream has seen this fresh allocation yet, so it is zeroed directly: returned ready, like a
   // zero-filled allocation the device has finished writing.
   std::memset(data, 0, bytes);
@@ -442,8 +434,7 @@ void bind_sim(py::module_& parent)
   m.def(
     "drain",
     [] {
-      context* ctx = active_context();
-      if (ctx != nullptr) {
+      if (context* ctx = module_exchange().device_context()) {
         without_gil([ctx] { ctx->drain(); });
       }
     },

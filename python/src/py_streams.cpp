@@ -42,23 +42,18 @@ std::uint64_t checked_handle(py::handle handle)
 {
   HANDOFF_EXPECTS(is_int(handle.ptr()), type_error,
                   fmt::format("Stream handle must be an int, not {}", type_name(handle)));
-  int overflow = 0;
-  const long long value = PyLong_AsLongLongAndOverflow(handle.ptr(), &overflow);
+  const int64_reading value = read_int64(handle.ptr());
   HANDOFF_EXPECTS(
-    overflow == 0 && value >= 0, value_error,
+    value.fits() && value.value >= 0, value_error,
     fmt::format("Stream handle {} is outside the native range [0, 2**63)", py::str(handle).cast<std::string>()));
-  return static_cast<std::uint64_t>(value);
+  return static_cast<std::uint64_t>(value.value);
 }
 
 // A handoff.Stream device: None or an int >= 0.
 void check_device(py::handle device)
 {
   bool valid = device.is_none();
-  if (!valid && is_int(device.ptr())) {
-    int overflow = 0;
-    const long long value = PyLong_AsLongLongAndOverflow(device.ptr(), &overflow);
-    valid = overflow > 0 || (overflow == 0 && value >= 0);
-  }
+  if (!valid && is_int(device.ptr())) { valid = read_int64(device.ptr()).saturated() >= 0; }
   HANDOFF_EXPECTS(
     valid, value_error,
     fmt::format("Stream device must be None or a non-negative int, got {}", py::repr(device).cast<std::string>()));

@@ -1,16 +1,22 @@
 #include "py_trace.hpp"
 
 #include "py_array.hpp"
+#include "py_cpython.hpp"
 
 #include <handoff/dtype.hpp>
 #include <handoff/ownership.hpp>
-#include <handoff/runtime.hpp>
 
 #include <fmt/format.h>
 
+#include <chrono>
+#include <optional>
+#include <span>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 namespace handoff::python {
@@ -53,24 +59,18 @@ const char* library_of_type(PyTypeObject* type) noexcept
   return library;
 }
 
-// handoff._trace.library_of_file(filename), remembered per file name: the library a source file
-// belongs to, or None for user code.
+// What handoff._trace registers at import (library_of_file): the library a source file belongs to.
+// The package hands it over, so that the extension never imports the package it is part of.
+PyObject* file_classifier = nullptr;
+
+// The library `filename` belongs to (see file_classifier), remembered per file name; None for user
+// code, and while nothing is registered.
 PyObject* library_of_file(PyObject* filename) noexcept
 {
   static PyObject* cache = PyDict_New();
-  static PyObject* classify = nullptr;
-  if (cache == nullptr) { return Py_None; }
+  if (cache == nullptr || file_classifier == nullptr) { return Py_None; }
   if (PyObject* known = PyDict_GetItemWithError(cache, filename)) { return known; }
-  if (classify == nullptr) {
-    PyObject* module = PyImport_ImportModule("handoff._trace");
-    classify = module != nullptr ? PyObject_GetAttrString(module, "library_of_file") : nullptr;
-    Py_XDECREF(module);
-    if (classify == nullptr) {
-      PyErr_Clear();
-      return Py_None;
-    }
-  }
-  PyObject* library = PyObject_CallOneArg(classify, filename);
+  PyObject* library = PyObject_CallOneArg(file_classifier, filename);
   if (library == nullptr) {
     PyErr_Clear();
     return Py_None;
@@ -117,10 +117,7 @@ int line_of(PyFrameObject* frame, PyCodeObject* code) noexcept
 void annotate(trace::event& e) noexcept
 {
   if (Py_IsInitialized() == 0 || PyGILState_Check() == 0) { return; }
-  PyObject* type = nullptr;
-  PyObject* value = nullptr;
-  PyObject* traceback = nullptr;
-  PyErr_Fetch(&type, &value, &traceback);  // a refused exchange is annotated while its error is set
+  const error_scope set_aside;  // a refused exchange is annotated while its error is set
   PyFrameObject* frame = PyEval_GetFrame();
   Py_XINCREF(frame);
   bool caller_seen = false;
@@ -152,8 +149,6 @@ void annotate(trace::event& e) noexcept
     e.where.clear();
   }
   Py_XDECREF(frame);
-  PyErr_Clear();
-  PyErr_Restore(type, value, traceback);
 }
 
 py::object name_or_none(const char* name)
@@ -183,26 +178,33 @@ py::object dtype_text(DLDataType dtype)
 py::dict event_dict(const trace::event& e)
 {
   py::dict out;
-  out["kind"] = std::string{trace::name(e.kind)};
-  out["protocol"] = std::string{e.protocol};
-  out["time_ns"] = e.time_ns;
-  out["thread"] = e.thread;
-  out["device"] = device_tuple(e.device);
-  py::list shape;
-  for (const auto extent : e.shape) { shape.append(extent); }
-  out["shape"] = shape;
-  out["dtype"] = dtype_text(e.dtype);
-  out["nbytes"] = e.nbytes;
-  out["producer"] = name_or_none(e.producer);
-  out["consumer"] = name_or_none(e.consumer);
-  out["producer_stream"] = stream_or_none(e.producer_stream);
-  out["consumer_stream"] = stream_or_none(e.consumer_stream);
-  out["action"] = std::string{trace::name(e.action)};
-  out["hazard"] = name_or_none(e.hazard);
-  out["detail"] = e.detail.empty() ? py::object(py::none()) : py::object(py::str(e.detail));
-  out["where"] = e.where.empty() ? py::object(py::none()) : py::object(py::str(e.where));
-  out["buffer"] = fmt::format("buffer:{}", e.buffer);
-  out["view"] = e.view != 0 ? py::object(py::str(fmt::format("view:{}", e.view))) : py::object(py::none());
+  trace::for_each_field(e, [&](const char* field, const auto& value) {
+    using value_type = std::decay_t<decltype(value)>;
+    py::object item;
+    if constexpr (std::is_same_v<value_type, std::string_view>) {
+      item = py::str(value.data(), value.size());
+    } else if constexpr (std::is_same_v<value_type, const char*>) {
+      item = name_or_none(value);
+    } else if constexpr (std::is_integral_v<value_type>) {
+      item = py::int_(value);
+    } else if constexpr (std::is_same_v<value_type, DLDevice>) {
+      item = device_tuple(value);
+    } else if constexpr (std::is_same_v<value_type, std::span<const std::int64_t>>) {
+      py::list shape;
+      for (const auto extent : value) { shape.append(extent); }
+      item = shape;
+    } else if constexpr (std::is_same_v<value_type, DLDataType>) {
+      item = dtype_text(value);
+    } else if constexpr (std::is_same_v<value_type, std::optional<trace::stream_id>>) {
+      item = stream_or_none(value);
+    } else if constexpr (std::is_same_v<value_type, trace::optional_text>) {
+      item = value.text.empty() ? py::object(py::none()) : py::object(py::str(value.text.data(), value.text.size()));
+    } else {
+      static_assert(std::is_same_v<value_type, std::optional<trace::node_ref>>, "a field type the dict lacks");
+      item = value ? py::object(py::str(fmt::format("{}:{}", value->kind, value->id))) : py::object(py::none());
+    }
+    out[field] = std::move(item);
+  });
   return out;
 }
 
@@ -299,17 +301,24 @@ void bind_trace(py::module_& m)
   m.def(
     "_trace_end", [](std::uint64_t token) { return event_list(trace::end_session(token)); }, py::arg("token"),
     "Ends a session and returns its events.");
-  m.def("_serve_trace", &serve_trace, "Serves the trace live on a Unix socket; returns its path.");
-  m.def("_stop_serving_trace", &stop_serving_trace, "Stops serving the trace live and removes the socket.");
-  m.def("_ownership_graph", &graph_dict, "A snapshot of the ownership graph as a dict of nodes and edges.");
   m.def(
-    "_live_view_ids",
-    [] {
-      py::list ids;
-      for (const auto id : tracked_view_ids()) { ids.append(fmt::format("view:{}", id)); }
-      return ids;
+    "_trace_leaks",
+    [](std::uint64_t token) {
+      const std::vector<std::uint64_t> live = tracked_view_ids();
+      const auto now =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count();
+      return event_list(trace::leak_events(trace::session_events(token), live, now));
     },
-    "The node ids of the views alive now.");
+    py::arg("token"), "A `leak` event for each view alive now that an exchange of the open session made.");
+  m.def(
+    "_set_library_of_file",
+    [](py::function classify) {
+      PyObject* previous = std::exchange(file_classifier, classify.release().ptr());
+      Py_XDECREF(previous);
+    },
+    py::arg("classify"), "Registers handoff._trace.library_of_file, which names the library of a source file.");
+  m.def("_ownership_graph", &graph_dict, "A snapshot of the ownership graph as a dict of nodes and edges.");
 }
 
 }  // namespace handoff::python

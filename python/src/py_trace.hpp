@@ -3,6 +3,7 @@
 #pragma once
 
 #include <handoff/array.hpp>
+#include <handoff/internal/trace_scope.hpp>
 #include <handoff/trace.hpp>
 
 #include <pybind11/pybind11.h>
@@ -44,16 +45,10 @@ class producer_naming {
   static inline const char* last_library = nullptr;
 };
 
-/// The exchange traced on this thread, or null: a handful of instructions when tracing is off.
-[[nodiscard]] inline trace::exchange_scope* traced() noexcept
-{
-  return trace::enabled() ? trace::exchange_scope::current() : nullptr;
-}
-
 /// Sets the protocol of the exchange traced on this thread, if any.
 inline void trace_protocol(std::string_view protocol) noexcept
 {
-  if (trace::exchange_scope* scope = traced()) { scope->set_protocol(protocol); }
+  if (trace::exchange_scope* scope = trace::traced()) { scope->set_protocol(protocol); }
 }
 
 }  // namespace handoff::python

@@ -15,7 +15,6 @@
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
 #include <handoff/interface.hpp>
-#include <handoff/runtime.hpp>
 
 #include <fmt/format.h>
 
@@ -27,11 +26,10 @@ namespace {
 std::int64_t int64_of(py::handle value, const char* field)
 {
   HANDOFF_EXPECTS(is_int(value.ptr()), type_error, fmt::format("{} must hold ints, not {}", field, type_name(value)));
-  int overflow = 0;
-  const long long out = PyLong_AsLongLongAndOverflow(value.ptr(), &overflow);
-  HANDOFF_EXPECTS(overflow == 0, value_error,
+  const int64_reading read = read_int64(value.ptr());
+  HANDOFF_EXPECTS(read.fits(), value_error,
                   fmt::format("{} holds {}, which does not fit in 64 bits", field, py::str(value).cast<std::string>()));
-  return out;
+  return read.value;
 }
 
 // An int (one axis) or a sequence of ints.
@@ -108,16 +106,9 @@ py::object view(py::handle data_ptr, py::handle shape, py::handle dtype, py::han
 py::object make_array(array_layout layout, py::handle owner, py::handle stream)
 {
   // None: the stream is unknown, which is not DLPack's None (the default stream).
-  stream_request ready{};
-  named_stream named;
-  if (!stream.is_none()) {
-    const DLDeviceType type = layout.device.device_type;
-    named = stream_named_by(stream);
-    ready = request_for(named, type);
-    if (ready.order != stream_order::none) { require_ordering(type); }
-  }
+  const named_stream ready = stream.is_none() ? named_stream{} : stream_named_by(stream);
   producer_ref keep = owner.is_none() ? producer_ref{[] {}} : python_owner(owner);
-  return wrap(make_view(active_context(), std::move(layout), std::move(keep), ready, std::move(named.owner)));
+  return wrap(module_exchange().view(std::move(layout), std::move(keep), ready));
 }
 
 py::capsule exporter_dlpack(py::handle instance, py::handle exported, py::handle stream, py::handle max_version,

@@ -1,7 +1,8 @@
 #include <handoff/context.hpp>
 #include <handoff/device_guard.hpp>
+#include <handoff/embedding.hpp>
 #include <handoff/error.hpp>
-#include <handoff/stats.hpp>
+#include <handoff/internal/counters.hpp>
 
 #include "core/live_views.hpp"
 #include "log/logger.hpp"
@@ -10,7 +11,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <list>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <unordered_set>
@@ -33,11 +37,6 @@ constexpr std::chrono::milliseconds max_release_poll{1};
 constexpr std::chrono::milliseconds failure_grace{100};
 constexpr int min_failures_to_abandon = 3;
 
-std::uintptr_t raw(device::stream_handle s) noexcept
-{
-  return static_cast<std::uintptr_t>(s);
-}
-
 std::atomic<release_section> installed_release_section{nullptr};
 
 // What the exception being handled says.
@@ -59,13 +58,65 @@ void set_release_section(release_section section) noexcept
   installed_release_section.store(section, std::memory_order_release);
 }
 
+// The context's state and the machinery of its deferred releases, out of the installed header.
+struct context::impl {
+  impl(device::backend& backend, event_pool& events, std::unique_ptr<executor> deferred);
+  impl(const impl&) = delete;
+  impl& operator=(const impl&) = delete;
+  impl(impl&&) = delete;
+  impl& operator=(impl&&) = delete;
+  ~impl();
+
+  [[nodiscard]] device::stream_handle thread_independent(int device, device::stream_handle stream) noexcept;
+  void release_after(int device, device::stream_handle stream, std::function<void()> release,
+                     std::optional<device::stream_handle> producer) noexcept;
+  void drain();
+  bool drain_for(std::chrono::nanoseconds limit);
+  bool drain_at_exit(std::chrono::nanoseconds limit) noexcept;
+
+  using stream_key = std::pair<int, device::stream_handle>;  // (device, stream)
+  struct thread_exit_orders;
+  struct pending_release;
+  struct release_group;
+  struct shared_state;
+  void enqueue_unless_capturing(pending_release* pending) noexcept;
+  void enqueue_release(pending_release* pending, bool device_is_current) noexcept;
+  void poll_later(std::chrono::nanoseconds interval) noexcept;
+  void poll_releases(std::chrono::nanoseconds interval) noexcept;
+  void when_not_capturing(pending_release* pending) noexcept;
+  bool release_with_graph(pending_release* pending) noexcept;
+  void hold_back(device::stream_handle producer, device::stream_handle consumer, device::event_handle reached) noexcept;
+  void finished_one(stream_key where) noexcept;
+  void run_releases(std::vector<pending_release*>& releases) noexcept;
+  void order_legacy_after_this_thread(int device) noexcept;
+  void wait_for_stream(int device, device::stream_handle stream);  // blocks the calling thread
+  void refuse_to_wait_for_itself(const char* what) const;
+
+  device::backend& backend_;
+  event_pool& events_;
+  std::mutex pending_mutex_;
+  std::condition_variable none_pending_;
+  std::size_t pending_{0};                       // deferred releases not yet run
+  std::map<stream_key, std::size_t> by_stream_;  // the same, by the stream they wait for
+  std::size_t bound_to_graphs_{0};               // of them, those waiting for a captured graph to go
+  std::mutex watch_mutex_;
+  std::list<release_group> watched_;  // recorded; the executor polls their events
+  bool polling_{false};               // a poll is scheduled (guarded by watch_mutex_)
+  bool exit_drained_{false};          // drain_at_exit ran
+  std::size_t abandoned_at_exit_{0};  // and left this many pending
+  // What a host function still queued on a stream reaches: it outlives the context, so that a
+  // release abandoned at exit touches nothing when its host function runs after all.
+  std::shared_ptr<shared_state> shared_;
+  std::unique_ptr<executor> deferred_;
+};
+
 // What queued host functions and executor jobs reach of their context. `owner` becomes null when
 // the context goes with releases still pending: they are abandoned, and touch nothing if their
 // host function runs after all.
-struct context::shared_state {
-  explicit shared_state(context* live) noexcept : owner(live) {}
+struct context::impl::shared_state {
+  explicit shared_state(impl* live) noexcept : owner(live) {}
   std::mutex mutex;
-  context* owner;
+  impl* owner;
   // Every release not yet run (or deliberately kept), so that what the context abandons stays
   // reachable: it is left to the ending process on purpose, not lost.
   std::unordered_set<pending_release*> outstanding;
@@ -91,7 +142,7 @@ void keep_until_exit(const Releases& abandoned) noexcept
 // Releases asked for on one stream between two polls share one event, re-recorded for each: a stream
 // holds one event per poll its work outlasts, however many releases ask meanwhile, and one that never
 // idles still releases its producers in steps, a poll apart.
-struct context::release_group {
+struct context::impl::release_group {
   stream_key where;
   pooled_event reached;
   std::vector<pending_release*> releases;
@@ -109,7 +160,7 @@ struct context::release_group {
 };
 
 // A release waiting for a consumer stream: for the event of its group, which the executor polls.
-struct context::pending_release {
+struct context::impl::pending_release {
   std::shared_ptr<shared_state> shared;
   stream_key where;
   std::function<void()> release_producer;
@@ -117,7 +168,7 @@ struct context::pending_release {
   bool graph_gone{false};                         // the graph its stream captured into when it was asked for is gone
 
   // On the executor (or, failing that, where the stream reached it), while the context lives.
-  void run(context& owner) noexcept
+  void run(impl& owner) noexcept
   {
     release_producer();
     release_producer = nullptr;  // and what it holds (the consumer stream's owner), before drain() returns
@@ -125,7 +176,7 @@ struct context::pending_release {
   }
 
   // The context, unless the release was abandoned. Call with shared->mutex held.
-  [[nodiscard]] context* live_owner() const noexcept { return shared->owner; }
+  [[nodiscard]] impl* live_owner() const noexcept { return shared->owner; }
 
   // Frees a release that has run. Call with shared->mutex held when `locked`.
   static void retire(pending_release* pending, bool locked = false) noexcept
@@ -140,11 +191,11 @@ struct context::pending_release {
   }
 };
 
-context::context(device::backend& backend, std::unique_ptr<executor> deferred)
-    : backend_(backend), events_(backend), shared_(std::make_shared<shared_state>(this)), deferred_(std::move(deferred))
+context::impl::impl(device::backend& backend, event_pool& events, std::unique_ptr<executor> deferred)
+    : backend_(backend), events_(events), shared_(std::make_shared<shared_state>(this)), deferred_(std::move(deferred))
 {}
 
-context::~context()
+context::impl::~impl()
 {
   bool drained = false;
   {
@@ -158,7 +209,7 @@ context::~context()
   shared_->outstanding.clear();
 }
 
-void context::finished_one(stream_key where) noexcept
+void context::impl::finished_one(stream_key where) noexcept
 {
   std::lock_guard lock{pending_mutex_};
   if (const auto it = by_stream_.find(where); it != by_stream_.end() && --it->second == 0) { by_stream_.erase(it); }
@@ -166,7 +217,7 @@ void context::finished_one(stream_key where) noexcept
   if (--pending_ <= bound_to_graphs_) { none_pending_.notify_all(); }
 }
 
-void context::refuse_to_wait_for_itself(const char* what) const
+void context::impl::refuse_to_wait_for_itself(const char* what) const
 {
   if (deferred_->runs_on_this_thread()) {
     throw error(
@@ -176,21 +227,21 @@ void context::refuse_to_wait_for_itself(const char* what) const
   }
 }
 
-void context::drain()
+void context::impl::drain()
 {
   refuse_to_wait_for_itself("drain()");
   std::unique_lock lock{pending_mutex_};
   none_pending_.wait(lock, [this] { return pending_ <= bound_to_graphs_; });
 }
 
-bool context::drain_for(std::chrono::nanoseconds limit)
+bool context::impl::drain_for(std::chrono::nanoseconds limit)
 {
   refuse_to_wait_for_itself("drain_for()");
   std::unique_lock lock{pending_mutex_};
   return none_pending_.wait_for(lock, limit, [this] { return pending_ <= bound_to_graphs_; });
 }
 
-bool context::drain_at_exit(std::chrono::nanoseconds limit) noexcept
+bool context::impl::drain_at_exit(std::chrono::nanoseconds limit) noexcept
 {
   const auto deadline = std::chrono::steady_clock::now() + limit;
   // One probe event per stream with releases pending: polled, so that no stream blocks the exit
@@ -274,7 +325,7 @@ bool context::drain_at_exit(std::chrono::nanoseconds limit) noexcept
 
 // The per-thread default streams the calling thread named to contexts, by device: when the thread
 // ends, each context's legacy default stream of that device waits for that stream's work.
-struct context::thread_exit_orders {
+struct context::impl::thread_exit_orders {
   thread_exit_orders() = default;
   thread_exit_orders(const thread_exit_orders&) = delete;
   thread_exit_orders& operator=(const thread_exit_orders&) = delete;
@@ -284,7 +335,7 @@ struct context::thread_exit_orders {
   {
     for (const auto& [shared, device] : streams) {
       std::unique_lock lock{shared->mutex};
-      context* owner = shared->owner;
+      impl* owner = shared->owner;
       lock.unlock();  // not held across backend calls: a graph's release callback takes it from inside one
       if (owner != nullptr) { owner->order_legacy_after_this_thread(device); }
     }
@@ -293,7 +344,7 @@ struct context::thread_exit_orders {
   std::vector<std::pair<std::shared_ptr<shared_state>, int>> streams;
 };
 
-device::stream_handle context::thread_independent(int device, device::stream_handle stream) noexcept
+device::stream_handle context::impl::thread_independent(int device, device::stream_handle stream) noexcept
 {
   if (stream != backend_.per_thread_default_stream()) { return stream; }
   try {
@@ -311,7 +362,7 @@ device::stream_handle context::thread_independent(int device, device::stream_han
   return backend_.legacy_default_stream();
 }
 
-void context::order_legacy_after_this_thread(int device) noexcept
+void context::impl::order_legacy_after_this_thread(int device) noexcept
 {
   try {
     device_guard on_device{backend_, device};
@@ -336,8 +387,8 @@ void context::order_legacy_after_this_thread(int device) noexcept
   }
 }
 
-void context::release_after(int device, device::stream_handle stream, std::function<void()> release,
-                            std::optional<device::stream_handle> producer) noexcept
+void context::impl::release_after(int device, device::stream_handle stream, std::function<void()> release,
+                                  std::optional<device::stream_handle> producer) noexcept
 {
   pending_release* pending = nullptr;
   stream = thread_independent(device, stream);  // it may be waited for on another thread
@@ -377,7 +428,7 @@ void context::release_after(int device, device::stream_handle stream, std::funct
   enqueue_unless_capturing(pending);
 }
 
-void context::enqueue_unless_capturing(pending_release* pending) noexcept
+void context::impl::enqueue_unless_capturing(pending_release* pending) noexcept
 {
   const auto [device, stream] = pending->where;
   bool capturing = false;
@@ -401,7 +452,7 @@ void context::enqueue_unless_capturing(pending_release* pending) noexcept
   }
 }
 
-void context::enqueue_release(pending_release* pending, bool device_is_current) noexcept
+void context::impl::enqueue_release(pending_release* pending, bool device_is_current) noexcept
 {
   const auto [device, stream] = pending->where;  // copied below: clang 14 cannot capture bindings
   try {
@@ -472,7 +523,7 @@ void context::enqueue_release(pending_release* pending, bool device_is_current) 
   }
 }
 
-void context::wait_for_stream(int device, device::stream_handle stream)
+void context::impl::wait_for_stream(int device, device::stream_handle stream)
 {
   const device_guard on_owner{backend_, device};
   // A synchronization of the legacy default stream waits only for the work enqueued on it; the
@@ -484,8 +535,8 @@ void context::wait_for_stream(int device, device::stream_handle stream)
   }
 }
 
-void context::hold_back(device::stream_handle producer, device::stream_handle consumer,
-                        device::event_handle reached) noexcept
+void context::impl::hold_back(device::stream_handle producer, device::stream_handle consumer,
+                              device::event_handle reached) noexcept
 {
   try {
     // Asked first: a wait would go into a capturing producer's graph, and a wait on the legacy
@@ -509,7 +560,7 @@ void context::hold_back(device::stream_handle producer, device::stream_handle co
   }
 }
 
-void context::poll_later(std::chrono::nanoseconds interval) noexcept
+void context::impl::poll_later(std::chrono::nanoseconds interval) noexcept
 {
   const auto poll = [this, shared = shared_, interval]() noexcept {
     {
@@ -525,7 +576,7 @@ void context::poll_later(std::chrono::nanoseconds interval) noexcept
   }
 }
 
-void context::poll_releases(std::chrono::nanoseconds interval) noexcept
+void context::impl::poll_releases(std::chrono::nanoseconds interval) noexcept
 {
   std::list<release_group> watched;
   {
@@ -586,10 +637,10 @@ void context::poll_releases(std::chrono::nanoseconds interval) noexcept
   poll_later(reached.empty() ? std::min(interval * 2, std::chrono::nanoseconds{max_release_poll}) : min_release_poll);
 }
 
-void context::run_releases(std::vector<pending_release*>& releases) noexcept
+void context::impl::run_releases(std::vector<pending_release*>& releases) noexcept
 {
   struct batch {
-    context* owner;
+    impl* owner;
     std::vector<pending_release*>* releases;
   } state{this, &releases};
   const auto body = [](void* raw) noexcept {
@@ -606,13 +657,13 @@ void context::run_releases(std::vector<pending_release*>& releases) noexcept
   }
 }
 
-bool context::release_with_graph(pending_release* pending) noexcept
+bool context::impl::release_with_graph(pending_release* pending) noexcept
 {
   // On a backend thread, which must not call the backend: the executor takes it from there.
   const auto graph_gone = [](void* raw) noexcept {
     auto* p = static_cast<pending_release*>(raw);
     const std::lock_guard lock{p->shared->mutex};  // the context stays while the release is handed over
-    context* owner = p->live_owner();
+    impl* owner = p->live_owner();
     if (owner == nullptr) { return; }  // abandoned at exit
     p->graph_gone = true;
     {
@@ -643,13 +694,13 @@ bool context::release_with_graph(pending_release* pending) noexcept
   }
 }
 
-void context::when_not_capturing(pending_release* pending) noexcept
+void context::impl::when_not_capturing(pending_release* pending) noexcept
 {
   // An event recorded now would become a node of the graph, and could not be queried.
   // Wait (without holding the executor) for the capture to end, then enqueue it in stream order.
   const auto look_again = [shared = shared_, pending]() noexcept {
     std::unique_lock lock{shared->mutex};
-    context* owner = pending->live_owner();
+    impl* owner = pending->live_owner();
     if (owner == nullptr) { return; }  // abandoned at exit
     lock.unlock();
     owner->enqueue_unless_capturing(pending);
@@ -661,6 +712,40 @@ void context::when_not_capturing(pending_release* pending) noexcept
                       raw(pending->where.second));
     finished_one(pending->where);
   }
+}
+
+// --- the public face ---------------------------------------------------------------------------------
+
+context::context(device::backend& backend, std::unique_ptr<executor> deferred)
+    : backend_(backend), events_(backend), impl_(std::make_unique<impl>(backend, events_, std::move(deferred)))
+{}
+
+context::~context() = default;
+
+device::stream_handle context::thread_independent(int device, device::stream_handle stream) noexcept
+{
+  return impl_->thread_independent(device, stream);
+}
+
+void context::release_after(int device, device::stream_handle stream, std::function<void()> release,
+                            std::optional<device::stream_handle> producer) noexcept
+{
+  impl_->release_after(device, stream, std::move(release), producer);
+}
+
+void context::drain()
+{
+  impl_->drain();
+}
+
+bool context::drain_for(std::chrono::nanoseconds limit)
+{
+  return impl_->drain_for(limit);
+}
+
+bool context::drain_at_exit(std::chrono::nanoseconds limit) noexcept
+{
+  return impl_->drain_at_exit(limit);
 }
 
 }  // namespace handoff

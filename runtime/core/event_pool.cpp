@@ -1,6 +1,6 @@
 #include <handoff/event_pool.hpp>
 
-#include <handoff/stats.hpp>
+#include <handoff/internal/counters.hpp>
 
 #include "log/logger.hpp"
 

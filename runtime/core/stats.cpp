@@ -1,3 +1,4 @@
+#include <handoff/internal/counters.hpp>
 #include <handoff/stats.hpp>
 
 #include "core/live_views.hpp"
@@ -26,12 +27,6 @@ std::uint64_t load(counter which) noexcept
 void count(counter which, std::uint64_t n) noexcept
 {
   counters[static_cast<std::size_t>(which)].fetch_add(n, std::memory_order_relaxed);
-}
-
-void count_serialized(counter which, std::uint64_t n) noexcept
-{
-  auto& value = counters[static_cast<std::size_t>(which)];
-  value.store(value.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
 }
 
 stats_snapshot stats() noexcept

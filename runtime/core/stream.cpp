@@ -1,7 +1,8 @@
 #include <handoff/device_guard.hpp>
 #include <handoff/error.hpp>
 #include <handoff/event_pool.hpp>
-#include <handoff/stats.hpp>
+#include <handoff/internal/counters.hpp>
+#include <handoff/internal/trace_scope.hpp>
 #include <handoff/stream.hpp>
 #include <handoff/trace.hpp>
 
@@ -13,11 +14,6 @@
 
 namespace handoff {
 namespace {
-
-std::uintptr_t raw(device::stream_handle s) noexcept
-{
-  return static_cast<std::uintptr_t>(s);
-}
 
 bool capturing(device::backend& backend, device::stream_handle s)
 {

@@ -5,68 +5,51 @@
 
 namespace handoff {
 
+namespace {
+
+constexpr device_type_info dlpack_types[] = {
+  {kDLCPU, "CPU", "cpu"},
+  {kDLCUDA, "CUDA", "cuda"},
+  {kDLCUDAHost, "CUDA host", "cuda_host"},
+  {kDLOpenCL, "OpenCL", "opencl"},
+  {kDLVulkan, "Vulkan", "vulkan"},
+  {kDLMetal, "Metal", "metal"},
+  {kDLVPI, "VPI", "vpi"},
+  {kDLROCM, "ROCm", "rocm"},
+  {kDLROCMHost, "ROCm host", "rocm_host"},
+  {kDLExtDev, "ExtDev", "ext_dev"},
+  {kDLCUDAManaged, "CUDA managed", "cuda_managed"},
+  {kDLOneAPI, "oneAPI", "oneapi"},
+  {kDLWebGPU, "WebGPU", "webgpu"},
+  {kDLHexagon, "Hexagon", "hexagon"},
+  {kDLMAIA, "MAIA", "maia"},
+  {kDLTrn, "Trainium", "trn"},
+};
+
+const device_type_info* find_type(std::int64_t type) noexcept
+{
+  for (const device_type_info& known : dlpack_types) {
+    if (known.type == type) { return &known; }
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+std::span<const device_type_info> dlpack_device_types() noexcept
+{
+  return dlpack_types;
+}
+
 const char* device_type_name(DLDeviceType device) noexcept
 {
-  switch (device) {
-    case kDLCPU:
-      return "CPU";
-    case kDLCUDA:
-      return "CUDA";
-    case kDLCUDAHost:
-      return "CUDA host";
-    case kDLCUDAManaged:
-      return "CUDA managed";
-    case kDLROCM:
-      return "ROCm";
-    case kDLROCMHost:
-      return "ROCm host";
-    case kDLOpenCL:
-      return "OpenCL";
-    case kDLVulkan:
-      return "Vulkan";
-    case kDLMetal:
-      return "Metal";
-    case kDLVPI:
-      return "VPI";
-    case kDLExtDev:
-      return "ExtDev";
-    case kDLOneAPI:
-      return "oneAPI";
-    case kDLWebGPU:
-      return "WebGPU";
-    case kDLHexagon:
-      return "Hexagon";
-    case kDLMAIA:
-      return "MAIA";
-    case kDLTrn:
-      return "Trainium";
-  }
-  return "unknown";
+  const device_type_info* known = find_type(device);
+  return known != nullptr ? known->name : "unknown";
 }
 
 bool is_dlpack_device_type(std::int64_t type) noexcept
 {
-  switch (type) {
-    case kDLCPU:
-    case kDLCUDA:
-    case kDLCUDAHost:
-    case kDLOpenCL:
-    case kDLVulkan:
-    case kDLMetal:
-    case kDLVPI:
-    case kDLROCM:
-    case kDLROCMHost:
-    case kDLExtDev:
-    case kDLCUDAManaged:
-    case kDLOneAPI:
-    case kDLWebGPU:
-    case kDLHexagon:
-    case kDLMAIA:
-    case kDLTrn:
-      return true;
-    default:
-      return false;
-  }
+  return find_type(type) != nullptr;
 }
 
 stream_request classify_stream(DLDeviceType device, std::optional<std::int64_t> stream)
@@ -104,7 +87,7 @@ stream_request classify_stream(DLDeviceType device, std::optional<std::int64_t> 
 
 std::optional<std::int64_t> dlpack_stream_value(const named_stream& stream, DLDeviceType device) noexcept
 {
-  if (!is_cuda_device(device) && !is_rocm_device(device)) { return std::nullopt; }
+  if (!has_streams(device)) { return std::nullopt; }
   switch (stream.how) {
     case named_stream::form::default_stream:
       return default_stream_value(device);
@@ -125,7 +108,7 @@ stream_request request_for(const named_stream& stream, DLDeviceType device)
       return classify_stream(device, stream.value);
     case named_stream::form::native_handle:
       HANDOFF_EXPECTS(
-        is_cuda_device(device) || is_rocm_device(device), value_error,
+        has_streams(device), value_error,
         fmt::format("a stream object names no stream of {} data, which has no streams", device_type_name(device)));
       return classify_stream(device, stream_value_of(device, static_cast<std::uint64_t>(stream.value)));
   }

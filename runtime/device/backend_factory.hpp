@@ -1,6 +1,7 @@
-// Chooses and constructs a device backend by name ("cuda", "sim", "sim-rocm").
+// Private: what the runtime asks of the backends beyond make_backend (handoff/backends.hpp).
 #pragma once
 
+#include <handoff/backends.hpp>
 #include <handoff/device.hpp>
 
 #include <memory>
@@ -9,12 +10,6 @@
 #include <string_view>
 
 namespace handoff::device {
-
-/// A new backend: "cuda" (see make_cuda_backend), "sim" or "sim-rocm" (a simulated device with
-/// HANDOFF_SIM_DEVICES devices, default 2).
-/// @throws handoff::value_error for any other name or an invalid HANDOFF_SIM_DEVICES.
-/// @throws handoff::device_error when "cuda" cannot start.
-[[nodiscard]] std::unique_ptr<backend> make_backend(std::string_view name);
 
 /// Whether this build contains the CUDA backend (the toolkit was found at configure time).
 [[nodiscard]] bool cuda_compiled_in() noexcept;

@@ -56,3 +56,12 @@ void service_thread::drain()
 }
 
 }  // namespace handoff::detail
+
+namespace handoff {
+
+std::unique_ptr<executor> make_service_thread()
+{
+  return std::make_unique<detail::service_thread>();
+}
+
+}  // namespace handoff

@@ -58,20 +58,43 @@ void make_private_directory(const std::filesystem::path& dir)
 
 }  // namespace
 
+namespace {
+
+std::filesystem::path temporary_socket_directory()
+{
+  const char* tmp = std::getenv("TMPDIR");  // NOLINT(concurrency-mt-unsafe): read at start
+  return std::filesystem::path{tmp != nullptr && *tmp != '\0' ? tmp : "/tmp"} / fmt::format("handoff-{}", ::geteuid());
+}
+
+std::string socket_name(int pid)
+{
+  return fmt::format("trace-{}.sock", pid);
+}
+
+}  // namespace
+
 std::filesystem::path trace_socket_directory()
 {
-  const char* runtime = std::getenv("XDG_RUNTIME_DIR");  // NOLINT(concurrency-mt-unsafe): read once at start
+  const char* runtime = std::getenv("XDG_RUNTIME_DIR");  // NOLINT(concurrency-mt-unsafe): read at start
   std::error_code ignored;
   if (runtime != nullptr && *runtime != '\0' && std::filesystem::is_directory(runtime, ignored)) {
     return std::filesystem::path{runtime} / "handoff";
   }
-  const char* tmp = std::getenv("TMPDIR");  // NOLINT(concurrency-mt-unsafe): as above
-  return std::filesystem::path{tmp != nullptr && *tmp != '\0' ? tmp : "/tmp"} / fmt::format("handoff-{}", ::geteuid());
+  return temporary_socket_directory();
 }
 
 std::filesystem::path trace_socket_path(int pid)
 {
-  return trace_socket_directory() / fmt::format("trace-{}.sock", pid);
+  return trace_socket_directory() / socket_name(pid);
+}
+
+std::vector<std::filesystem::path> trace_socket_candidates(int pid)
+{
+  std::vector<std::filesystem::path> paths{trace_socket_path(pid)};
+  if (std::filesystem::path fallback = temporary_socket_directory() / socket_name(pid); fallback != paths.front()) {
+    paths.push_back(std::move(fallback));
+  }
+  return paths;
 }
 
 struct trace_socket::server : std::enable_shared_from_this<server> {

@@ -9,14 +9,17 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace handoff::detail {
 
 /// Where a process serves its trace: `$XDG_RUNTIME_DIR/handoff` when that names a directory, else
-/// `<$TMPDIR or /tmp>/handoff-<euid>`; the socket is `trace-<pid>.sock` there. The client computes
-/// the same path.
+/// `<$TMPDIR or /tmp>/handoff-<euid>`; the socket is `trace-<pid>.sock` there.
 [[nodiscard]] std::filesystem::path trace_socket_directory();
 [[nodiscard]] std::filesystem::path trace_socket_path(int pid);
+/// Where a client looks for process `pid`'s socket: trace_socket_path(pid), then the directory under
+/// $TMPDIR (or /tmp) when that is not it (a process started without $XDG_RUNTIME_DIR serves there).
+[[nodiscard]] std::vector<std::filesystem::path> trace_socket_candidates(int pid);
 
 /// A Unix socket that sends every published line to each client, newline-delimited JSON: first
 /// `{"hello":"handoff","version":...,"pid":...}`, then the lines as published. Serves from the

@@ -3,12 +3,14 @@
 #include <handoff/device_guard.hpp>
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
+#include <handoff/internal/trace_scope.hpp>
 #include <handoff/stream_value.hpp>
 #include <handoff/trace.hpp>
 
 #include "log/logger.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -17,6 +19,8 @@
 #include <exception>
 #include <map>
 #include <mutex>
+#include <string_view>
+#include <type_traits>
 #include <unordered_map>
 
 namespace handoff::trace {
@@ -189,11 +193,6 @@ void append_json_name(std::string& out, const char* text)
   }
 }
 
-void append_json_stream(std::string& out, const std::optional<stream_id>& s)
-{
-  out += s ? fmt::format("{}", s->handle) : std::string{"null"};
-}
-
 std::uint64_t native_thread_id() noexcept
 {
   return static_cast<std::uint64_t>(::syscall(SYS_gettid));
@@ -277,41 +276,67 @@ std::string to_json(const event& e)
 {
   std::string out;
   out.reserve(512);
-  out += fmt::format(R"({{"kind":"{}","protocol":"{}","time_ns":{},"thread":{},"device":[{},{}],"shape":[{}],)",
-                     name(e.kind), e.protocol, e.time_ns, e.thread, static_cast<int>(e.device.device_type),
-                     e.device.device_id, fmt::join(e.shape, ","));
-  out += R"("dtype":)";
-  try {
-    append_json_string(out, dtype_name(e.dtype));
-  } catch (const std::exception&) {
-    out += "null";
-  }
-  out += fmt::format(R"(,"nbytes":{},"producer":)", e.nbytes);
-  append_json_name(out, e.producer);
-  out += R"(,"consumer":)";
-  append_json_name(out, e.consumer);
-  out += R"(,"producer_stream":)";
-  append_json_stream(out, e.producer_stream);
-  out += R"(,"consumer_stream":)";
-  append_json_stream(out, e.consumer_stream);
-  out += fmt::format(R"(,"action":"{}","hazard":)", name(e.action));
-  append_json_name(out, e.hazard);
-  out += R"(,"detail":)";
-  if (e.detail.empty()) {
-    out += "null";
-  } else {
-    append_json_string(out, e.detail);
-  }
-  out += R"(,"where":)";
-  if (e.where.empty()) {
-    out += "null";
-  } else {
-    append_json_string(out, e.where);
-  }
-  out += fmt::format(R"(,"buffer":"buffer:{}","view":)", e.buffer);
-  out += e.view != 0 ? fmt::format(R"("view:{}")", e.view) : std::string{"null"};
+  char separator = '{';
+  for_each_field(e, [&](std::string_view field, const auto& value) {
+    using value_type = std::decay_t<decltype(value)>;
+    out += separator;
+    separator = ',';
+    append_json_string(out, field);
+    out += ':';
+    if constexpr (std::is_same_v<value_type, std::string_view>) {
+      append_json_string(out, value);
+    } else if constexpr (std::is_same_v<value_type, const char*>) {
+      append_json_name(out, value);
+    } else if constexpr (std::is_integral_v<value_type>) {
+      out += fmt::format("{}", value);
+    } else if constexpr (std::is_same_v<value_type, DLDevice>) {
+      out += fmt::format("[{},{}]", static_cast<int>(value.device_type), value.device_id);
+    } else if constexpr (std::is_same_v<value_type, std::span<const std::int64_t>>) {
+      out += fmt::format("[{}]", fmt::join(value, ","));
+    } else if constexpr (std::is_same_v<value_type, DLDataType>) {
+      try {
+        append_json_string(out, dtype_name(value));
+      } catch (const std::exception&) {
+        out += "null";
+      }
+    } else if constexpr (std::is_same_v<value_type, std::optional<stream_id>>) {
+      out += value ? fmt::format("{}", value->handle) : std::string{"null"};
+    } else if constexpr (std::is_same_v<value_type, optional_text>) {
+      if (value.text.empty()) {
+        out += "null";
+      } else {
+        append_json_string(out, value.text);
+      }
+    } else {
+      static_assert(std::is_same_v<value_type, std::optional<node_ref>>, "a field type to_json does not write");
+      out += value ? fmt::format(R"("{}:{}")", value->kind, value->id) : std::string{"null"};
+    }
+  });
   out += '}';
   return out;
+}
+
+std::vector<event> leak_events(const std::vector<event>& events, std::span<const std::uint64_t> live_views,
+                               std::int64_t now_ns)
+{
+  std::unordered_map<std::uint64_t, const event*> made;  // by view
+  for (const event& e : events) {
+    const bool to_handoff = e.consumer != nullptr && std::string_view{e.consumer} == "handoff";
+    if (e.view != 0 && (e.kind == event_kind::import_data || (e.kind == event_kind::export_data && !to_handoff))) {
+      made.insert_or_assign(e.view, &e);
+    }
+  }
+  std::vector<event> leaks;
+  for (const std::uint64_t view : live_views) {
+    const auto origin = made.find(view);
+    if (origin == made.end()) { continue; }  // made before the trace began: not this trace's to report
+    event& leak = leaks.emplace_back(*origin->second);
+    leak.time_ns = now_ns;
+    leak.action = action::none;
+    leak.hazard = "leak";
+    leak.detail = fmt::format("view:{} of buffer:{} was still alive at exit", view, leak.buffer);
+  }
+  return leaks;
 }
 
 void record(event&& e) noexcept

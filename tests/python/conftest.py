@@ -17,11 +17,41 @@ import pytest
 # in the same process. Set before anything imports JAX.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import handoff  # noqa: E402
+import handoff
 
 # DLPack device types (dlpack.h).
-CPU, CUDA, CUDA_HOST, OPENCL, VULKAN, METAL, VPI, ROCM, ROCM_HOST, EXT_DEV, CUDA_MANAGED, ONEAPI, WEBGPU, HEXAGON, MAIA = (
-    1, 2, 3, 4, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17,
+(
+    CPU,
+    CUDA,
+    CUDA_HOST,
+    OPENCL,
+    VULKAN,
+    METAL,
+    VPI,
+    ROCM,
+    ROCM_HOST,
+    EXT_DEV,
+    CUDA_MANAGED,
+    ONEAPI,
+    WEBGPU,
+    HEXAGON,
+    MAIA,
+) = (
+    1,
+    2,
+    3,
+    4,
+    7,
+    8,
+    9,
+    10,
+    11,
+    12,
+    13,
+    14,
+    15,
+    16,
+    17,
 )
 TRN = 18
 
@@ -134,10 +164,24 @@ class HandMadeTensor:
     `strides` None leaves the pointer NULL. The tensor must outlive its capsules.
     """
 
-    def __init__(self, data: int | None, shape: tuple[int, ...], *, code: int = 2, bits: int = 32, lanes: int = 1,
-                 major: int = 1, minor: int = 1, flags: int = 0, null_shape: bool = False, ndim: int | None = None,
-                 strides: tuple[int, ...] | None = None, byte_offset: int = 0, device: tuple[int, int] = (CPU, 0),
-                 legacy: bool = False) -> None:
+    def __init__(
+        self,
+        data: int | None,
+        shape: tuple[int, ...],
+        *,
+        code: int = 2,
+        bits: int = 32,
+        lanes: int = 1,
+        major: int = 1,
+        minor: int = 1,
+        flags: int = 0,
+        null_shape: bool = False,
+        ndim: int | None = None,
+        strides: tuple[int, ...] | None = None,
+        byte_offset: int = 0,
+        device: tuple[int, int] = (CPU, 0),
+        legacy: bool = False,
+    ) -> None:
         self.deleted = 0
         self.legacy = legacy
         self.name = b"dltensor" if legacy else b"dltensor_versioned"
@@ -225,7 +269,9 @@ def settled():
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
     """Runs `code` in a fresh interpreter with extra environment variables."""
     environment = {**os.environ, **env}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=120, check=False
+    )
 
 
 @functools.cache

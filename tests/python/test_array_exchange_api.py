@@ -16,8 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-import handoff
 from conftest import (
     CUDA_ORDERING_REFUSED,
     FLAG_READ_ONLY,
@@ -32,6 +30,8 @@ from conftest import (
     run_python,
 )
 
+import handoff
+
 BACKEND = handoff.runtime_info()["backend"]
 SIM = BACKEND.startswith("sim")
 if SIM:
@@ -43,7 +43,9 @@ TENSOR_OUT = ctypes.POINTER(ctypes.POINTER(DLManagedTensorVersioned))
 SET_ERROR = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p)
 ALLOCATOR = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(DLTensor), TENSOR_OUT, ctypes.c_void_p, SET_ERROR)
 FROM_PY_OBJECT = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, TENSOR_OUT)
-TO_PY_OBJECT = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.POINTER(DLManagedTensorVersioned), ctypes.POINTER(ctypes.c_void_p))
+TO_PY_OBJECT = ctypes.PYFUNCTYPE(
+    ctypes.c_int, ctypes.POINTER(DLManagedTensorVersioned), ctypes.POINTER(ctypes.c_void_p)
+)
 DLTENSOR_FROM_PY_OBJECT = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.POINTER(DLTensor))
 CURRENT_WORK_STREAM = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p))
 
@@ -93,8 +95,15 @@ def to_array(tensor: ctypes._Pointer) -> handoff.Array:
 class Allocation:
     """One managed_tensor_allocator call and what its SetError was told."""
 
-    def __init__(self, shape: tuple[int, ...], *, device: tuple[int, int] = (CPU, 0), code: int = 2, bits: int = 32,
-                 ndim: int | None = None) -> None:
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        *,
+        device: tuple[int, int] = (CPU, 0),
+        code: int = 2,
+        bits: int = 32,
+        ndim: int | None = None,
+    ) -> None:
         self.errors: list[tuple[str, str]] = []
         self._set_error = SET_ERROR(lambda _ctx, kind, message: self.errors.append((kind.decode(), message.decode())))
         self._shape = (ctypes.c_int64 * max(len(shape), 1))(*shape)
@@ -104,8 +113,9 @@ class Allocation:
         prototype.dtype = DLDataType(code, bits, 1)
         prototype.shape = self._shape
         self.tensor = ctypes.POINTER(DLManagedTensorVersioned)()
-        self.status = API.managed_tensor_allocator(ctypes.byref(prototype), ctypes.byref(self.tensor), None,
-                                                   self._set_error)
+        self.status = API.managed_tensor_allocator(
+            ctypes.byref(prototype), ctypes.byref(self.tensor), None, self._set_error
+        )
 
 
 def dltensor(x: object) -> DLTensor:
@@ -182,7 +192,7 @@ def test_a_dltensor_views_the_array_while_it_lives():
 
 @pytest.mark.parametrize("call", [export, dltensor], ids=["managed", "dltensor"])
 def test_only_handoff_arrays_are_taken(call):
-    with pytest.raises(TypeError, match="expected a handoff.Array, got ndarray"):
+    with pytest.raises(TypeError, match=r"expected a handoff\.Array, got ndarray"):
         call(np.zeros(3))
 
 
@@ -239,7 +249,7 @@ def test_the_allocator_fails_without_calling_set_error_once_python_exits():
         calls = []
 
         def at_exit():
-            sys.path.insert(0, %r)
+            sys.path.insert(0, {here!r})
             from test_array_exchange_api import Allocation, DEVICE_TYPE
             made = Allocation((-4,), device=(DEVICE_TYPE, 0))
             print(made.status, made.errors, flush=True)
@@ -247,8 +257,7 @@ def test_the_allocator_fails_without_calling_set_error_once_python_exits():
         atexit.register(at_exit)  # before handoff's own: it runs after
         import handoff
         """
-        % str(Path(__file__).parent)
-    )
+    ).format(here=str(Path(__file__).parent))
     result = run_python(code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[0] == "-1 []", result.stdout
@@ -265,13 +274,17 @@ def test_the_allocator_makes_host_tensors_that_round_trip(settled):
     del array
 
 
-@pytest.mark.parametrize(("kwargs", "kind", "text"), [
-    ({"shape": (2, -1)}, "ValueError", "shape[1] is negative"),
-    ({"shape": (1 << 62, 8)}, "ValueError", "overflows"),
-    ({"shape": (2,), "code": 99}, "BufferError", "dtype"),
-    ({"shape": (2,), "ndim": -1}, "ValueError", "ndim"),
-    ({"shape": (2,), "device": (7, 0)}, "BufferError", "cannot allocate on device (7, 0)"),
-], ids=["negative", "overflow", "dtype", "ndim", "device"])
+@pytest.mark.parametrize(
+    ("kwargs", "kind", "text"),
+    [
+        ({"shape": (2, -1)}, "ValueError", "shape[1] is negative"),
+        ({"shape": (1 << 62, 8)}, "ValueError", "overflows"),
+        ({"shape": (2,), "code": 99}, "BufferError", "dtype"),
+        ({"shape": (2,), "ndim": -1}, "ValueError", "ndim"),
+        ({"shape": (2,), "device": (7, 0)}, "BufferError", "cannot allocate on device (7, 0)"),
+    ],
+    ids=["negative", "overflow", "dtype", "ndim", "device"],
+)
 def test_the_allocator_reports_bad_prototypes_through_set_error(kwargs, kind, text, settled):
     made = Allocation(**kwargs)
     assert made.status == -1

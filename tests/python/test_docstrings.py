@@ -73,6 +73,17 @@ def test_public_attributes_have_docstrings(qualified: str, attribute: object):
 def test_the_array_attributes_are_all_checked():
     checked = {q.rpartition(".")[2] for q, _ in class_attributes() if q.startswith("handoff.Array.")}
     assert checked == {
-        "shape", "strides", "dtype", "device", "data_ptr", "readonly", "ndim", "size", "nbytes",
-        "__array_interface__", "__cuda_array_interface__", "__dlpack__", "__dlpack_device__",
+        "shape",
+        "strides",
+        "dtype",
+        "device",
+        "data_ptr",
+        "readonly",
+        "ndim",
+        "size",
+        "nbytes",
+        "__array_interface__",
+        "__cuda_array_interface__",
+        "__dlpack__",
+        "__dlpack_device__",
     }

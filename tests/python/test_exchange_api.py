@@ -12,9 +12,9 @@ import gc
 
 import numpy as np
 import pytest
+from conftest import CUDA_ORDERING_REFUSED, DLManagedTensorVersioned, DLPackVersion, HandMadeTensor, new_capsule
 
 import handoff
-from conftest import CUDA_ORDERING_REFUSED, DLManagedTensorVersioned, DLPackVersion, HandMadeTensor, new_capsule
 
 BACKEND = handoff.runtime_info()["backend"]
 SIM = BACKEND.startswith("sim")
@@ -22,7 +22,9 @@ if SIM:
     from handoff import sim
 DEVICE_TYPE = 10 if BACKEND == "sim-rocm" else 2
 
-FROM_PY_OBJECT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.POINTER(ctypes.POINTER(DLManagedTensorVersioned)))
+FROM_PY_OBJECT = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.py_object, ctypes.POINTER(ctypes.POINTER(DLManagedTensorVersioned))
+)
 CURRENT_WORK_STREAM = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p))
 
 
@@ -58,8 +60,15 @@ class Table:
     """A ctypes DLPack C exchange API and a TableProducer type publishing it. `from_py_fails` and
     `stream_fails` make those calls return -1; `stream` is what current_work_stream reports."""
 
-    def __init__(self, *, major: int = 1, from_py_fails: bool = False, stream_fails: bool = False,
-                 stream: int | None = None, null_from_py: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        major: int = 1,
+        from_py_fails: bool = False,
+        stream_fails: bool = False,
+        stream: int | None = None,
+        null_from_py: bool = False,
+    ) -> None:
         self.calls = {"from_py": 0, "stream": 0}
         self.from_py_fails = from_py_fails
         self.stream_fails = stream_fails
@@ -128,8 +137,11 @@ def test_device_and_copy_arguments_use_dlpack(kwargs):
     assert (table.calls["from_py"], producer.dlpack_calls) == (0, 1)
 
 
-@pytest.mark.parametrize("table_args", [{"major": 2}, {"major": 0}, {"null_from_py": True}, {"from_py_fails": True}],
-                         ids=["major-2", "major-0", "null-function", "failing-call"])
+@pytest.mark.parametrize(
+    "table_args",
+    [{"major": 2}, {"major": 0}, {"null_from_py": True}, {"from_py_fails": True}],
+    ids=["major-2", "major-0", "null-function", "failing-call"],
+)
 def test_unusable_tables_fall_back_to_dlpack(table_args):
     table = Table(**table_args)
     producer, source = host_producer(table)
@@ -179,12 +191,16 @@ def test_torch_dtypes_are_zero_copy(torch, dtype, live):
     assert np.array_equal(np.from_dlpack(view), t.numpy())
 
 
-@pytest.mark.parametrize("make", [
-    lambda torch: torch.tensor(2.5),
-    lambda torch: torch.empty(0, 3),
-    lambda torch: torch.arange(24.0).reshape(4, 6)[1:, ::2],
-    lambda torch: torch.arange(24.0).reshape(4, 6).t(),
-], ids=["0-d", "empty", "sliced", "transposed"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda torch: torch.tensor(2.5),
+        lambda torch: torch.empty(0, 3),
+        lambda torch: torch.arange(24.0).reshape(4, 6)[1:, ::2],
+        lambda torch: torch.arange(24.0).reshape(4, 6).t(),
+    ],
+    ids=["0-d", "empty", "sliced", "transposed"],
+)
 def test_torch_layouts(torch, make, live):
     t = make(torch)
     view = handoff.asarray(t)
@@ -208,12 +224,16 @@ def test_torch_conjugate_views_are_refused_as_by_dlpack(torch):
         handoff.from_dlpack(torch.tensor([1 + 2j]).conj())
 
 
-@pytest.mark.parametrize("make", [
-    lambda torch: torch.ones(3, requires_grad=True),
-    lambda torch: torch.ones(3, requires_grad=True) * 2,  # not a leaf: still refused
-    lambda torch: torch.tensor([1 + 2j]).conj(),
-    lambda torch: torch.ones(3, 3).to_sparse(),
-], ids=["requires-grad leaf", "requires-grad", "conjugate", "sparse"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda torch: torch.ones(3, requires_grad=True),
+        lambda torch: torch.ones(3, requires_grad=True) * 2,  # not a leaf: still refused
+        lambda torch: torch.tensor([1 + 2j]).conj(),
+        lambda torch: torch.ones(3, 3).to_sparse(),
+    ],
+    ids=["requires-grad leaf", "requires-grad", "conjugate", "sparse"],
+)
 @pytest.mark.parametrize("how", [handoff.from_dlpack, handoff.asarray], ids=["from_dlpack", "asarray"])
 def test_what_torch_refuses_to_export_stays_refused(torch, make, how, live):
     t = make(torch)

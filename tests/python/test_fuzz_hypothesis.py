@@ -14,10 +14,6 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, note, settings
-from hypothesis import strategies as st
-
-import handoff
 from conftest import (
     CPU,
     CUDA,
@@ -35,6 +31,10 @@ from conftest import (
     capsule_name,
     settle_sim,
 )
+from hypothesis import HealthCheck, assume, given, note, settings
+from hypothesis import strategies as st
+
+import handoff
 
 BACKEND = handoff.runtime_info()["backend"]
 SIM = BACKEND.startswith("sim")
@@ -437,7 +437,9 @@ def test_forged_capsules_are_imported_as_described_or_refused_cleanly(spec):
     capsule = tensor.capsule(destructor=True)
     entry = handoff.from_dlpack if spec["entry"] == "from_dlpack" else handoff.asarray
     note(f"must={must} may={may} copy={copy} pointer={effective_pointer(spec, backing):#x}")
-    view, refused = attempt(lambda: entry(capsule, **arguments), BufferError, ValueError, TypeError, handoff.DeviceError)
+    view, refused = attempt(
+        lambda: entry(capsule, **arguments), BufferError, ValueError, TypeError, handoff.DeviceError
+    )
     check_outcome(refused, must, may)
     # handoff owns the tensor once it reads the capsule, which it does once its arguments are valid.
     consumed = capsule_name(capsule) == "used_" + tensor.name.decode()

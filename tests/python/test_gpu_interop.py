@@ -17,9 +17,9 @@ import weakref
 
 import numpy as np
 import pytest
+from conftest import CUDA, CUDA_MANAGED, live_views, run_python
 
 import handoff
-from conftest import CUDA, CUDA_MANAGED, live_views, run_python
 
 INFO = handoff.runtime_info()
 CUDA_USABLE = INFO["backend"] == "cuda" and not INFO.get("backend_error") and INFO["device_count"] > 0
@@ -147,8 +147,9 @@ def torch_streams(torch):
 
 
 @pytest.mark.parametrize("spelling", ["object", "int", "handoff.Stream", "block"])
-def test_torch_to_handoff_is_ordered_onto_the_consumer_stream(torch, spin_cycles, torch_streams, spelling,
-                                                              settled_views, torch_out):
+def test_torch_to_handoff_is_ordered_onto_the_consumer_stream(
+    torch, spin_cycles, torch_streams, spelling, settled_views, torch_out
+):
     producer, consumer = torch_streams
     x = torch_pending(torch, spin_cycles, producer)
     stream = {"object": consumer, "int": consumer.cuda_stream, "handoff.Stream": handoff.Stream(consumer.cuda_stream),
@@ -169,17 +170,24 @@ def test_torch_to_handoff_negative_control_shows_the_race(torch, spin_cycles, to
     x = torch_pending(torch, spin_cycles, producer)
     with torch.cuda.stream(producer):
         view = handoff.from_dlpack(x, stream=-1)
-    assert read_with_torch(torch, torch_out, Unordered(view), consumer.cuda_stream) == (STALE, STALE), "expected stale data"
+    assert read_with_torch(torch, torch_out, Unordered(view), consumer.cuda_stream) == (STALE, STALE), (
+        "expected stale data"
+    )
 
 
 @pytest.mark.parametrize("ordered", [True, NEGATIVE_CONTROL])
-def test_handoff_to_torch_is_ordered_by_the_export(torch, spin_cycles, torch_streams, ordered, settled_views, torch_out):
+def test_handoff_to_torch_is_ordered_by_the_export(
+    torch, spin_cycles, torch_streams, ordered, settled_views, torch_out
+):
     # The view is ready on another stream, which waits for the producer; PyTorch names `consumer`.
     producer, consumer = torch_streams
     view = torch_view_pending_on_another_stream(torch, spin_cycles, producer)
     waits = handoff.stats()["waits_inserted"]
     expected = DONE if ordered else STALE
-    assert read_with_torch(torch, torch_out, view if ordered else Unordered(view), consumer.cuda_stream) == (expected, expected)
+    assert read_with_torch(torch, torch_out, view if ordered else Unordered(view), consumer.cuda_stream) == (
+        expected,
+        expected,
+    )
     assert (handoff.stats()["waits_inserted"] > waits) == ordered
 
 
@@ -299,7 +307,9 @@ def cupy_pending(cupy, torch, spin_cycles, producer, x=None):
     return x
 
 
-def test_cupy_to_handoff_is_ordered_onto_the_consumer_stream(cupy, torch, spin_cycles, cupy_streams, settled_views, torch_out):
+def test_cupy_to_handoff_is_ordered_onto_the_consumer_stream(
+    cupy, torch, spin_cycles, cupy_streams, settled_views, torch_out
+):
     producer, consumer = cupy_streams
     x = cupy_pending(cupy, torch, spin_cycles, producer)
     with producer:  # CuPy orders the work of its current stream before the consumer's
@@ -309,7 +319,9 @@ def test_cupy_to_handoff_is_ordered_onto_the_consumer_stream(cupy, torch, spin_c
 
 
 @pytest.mark.negative_control
-def test_cupy_to_handoff_negative_control_shows_the_race(cupy, torch, spin_cycles, cupy_streams, settled_views, torch_out):
+def test_cupy_to_handoff_negative_control_shows_the_race(
+    cupy, torch, spin_cycles, cupy_streams, settled_views, torch_out
+):
     producer, consumer = cupy_streams
     x = cupy_pending(cupy, torch, spin_cycles, producer)
     with producer:
@@ -325,7 +337,9 @@ def read_with_cupy(cupy, out, obj, stream):
 
 
 @pytest.mark.parametrize("ordered", [True, NEGATIVE_CONTROL])
-def test_handoff_to_cupy_is_ordered_by_the_export(cupy, torch, spin_cycles, cupy_streams, ordered, settled_views, cupy_out):
+def test_handoff_to_cupy_is_ordered_by_the_export(
+    cupy, torch, spin_cycles, cupy_streams, ordered, settled_views, cupy_out
+):
     producer, consumer = cupy_streams
     x = cupy_pending(cupy, torch, spin_cycles, producer)
     with producer:
@@ -478,7 +492,9 @@ def numba_pending(numba_cuda, torch, spin_cycles, producer):
     return x
 
 
-def test_numba_to_handoff_honours_the_interface_stream(numba_cuda, torch, spin_cycles, torch_streams, settled_views, torch_out):
+def test_numba_to_handoff_honours_the_interface_stream(
+    numba_cuda, torch, spin_cycles, torch_streams, settled_views, torch_out
+):
     cuda, _ = numba_cuda
     producer = cuda.stream()
     _, consumer = torch_streams
@@ -491,20 +507,24 @@ def test_numba_to_handoff_honours_the_interface_stream(numba_cuda, torch, spin_c
 
 
 @pytest.mark.negative_control
-def test_numba_to_handoff_negative_control_shows_the_race(numba_cuda, torch, spin_cycles, torch_streams,
-                                                          settled_views, torch_out):
+def test_numba_to_handoff_negative_control_shows_the_race(
+    numba_cuda, torch, spin_cycles, torch_streams, settled_views, torch_out
+):
     cuda, _ = numba_cuda
     producer = cuda.stream()
     _, consumer = torch_streams
     x = numba_pending(numba_cuda, torch, spin_cycles, producer)
     view = handoff.asarray(x, stream=-1)
-    assert read_with_torch(torch, torch_out, Unordered(view), consumer.cuda_stream) == (STALE, STALE), "expected stale data"
+    assert read_with_torch(torch, torch_out, Unordered(view), consumer.cuda_stream) == (STALE, STALE), (
+        "expected stale data"
+    )
     producer.synchronize()
 
 
 @pytest.mark.parametrize("sync", [True, NEGATIVE_CONTROL])
-def test_handoff_to_numba_through_the_interface_stream(numba_cuda, torch, spin_cycles, torch_streams, sync,
-                                                       settled_views):
+def test_handoff_to_numba_through_the_interface_stream(
+    numba_cuda, torch, spin_cycles, torch_streams, sync, settled_views
+):
     # handoff's interface names the stream the view is ready on; Numba synchronizes it when asked
     # (sync=True), and without that it reads at once on its own stream: the negative control.
     cuda, _ = numba_cuda
@@ -548,7 +568,9 @@ class RawDeviceMemory:
         self.__cuda_array_interface__ = {"shape": (N,), "typestr": "<f4", "data": (pointer, False), "version": 3}
 
 
-def test_cuda_core_stream_as_the_consumer_stream(cuda_core, torch, spin_cycles, torch_streams, settled_views, torch_out):
+def test_cuda_core_stream_as_the_consumer_stream(
+    cuda_core, torch, spin_cycles, torch_streams, settled_views, torch_out
+):
     device, _ = cuda_core
     producer, _ = torch_streams
     consumer = device.create_stream()  # handoff takes it by its __cuda_stream__ protocol
@@ -560,8 +582,9 @@ def test_cuda_core_stream_as_the_consumer_stream(cuda_core, torch, spin_cycles, 
 
 
 @pytest.mark.parametrize("ordered", [True, NEGATIVE_CONTROL])
-def test_handoff_to_cuda_core_strided_memory_view(cuda_core, torch, spin_cycles, torch_streams, ordered,
-                                                  settled_views, torch_out):
+def test_handoff_to_cuda_core_strided_memory_view(
+    cuda_core, torch, spin_cycles, torch_streams, ordered, settled_views, torch_out
+):
     # cuda.core passes its consumer stream to __dlpack__ (-1: no ordering, the negative control).
     device, strided_memory_view = cuda_core
     producer, _ = torch_streams
@@ -588,13 +611,15 @@ def owned_view(torch, stream=None):
     torch.cuda.synchronize()
     owner = Owner()
     owner.memory = memory
-    view = handoff.view(memory.data_ptr(), (N,), "float32", device=(CUDA, memory.device.index), owner=owner,
-                        stream=stream)
+    view = handoff.view(
+        memory.data_ptr(), (N,), "float32", device=(CUDA, memory.device.index), owner=owner, stream=stream
+    )
     return view, weakref.ref(owner)
 
 
-def test_an_export_keeps_its_producer_until_the_consumers_stream_is_done(torch, spin_cycles, torch_streams,
-                                                                         settled_views):
+def test_an_export_keeps_its_producer_until_the_consumers_stream_is_done(
+    torch, spin_cycles, torch_streams, settled_views
+):
     # PyTorch calls the capsule's deleter when its tensor goes, whatever its stream still has queued:
     # the caching allocator would hand the block out again while the consumer's kernel reads it.
     _, consumer = torch_streams
@@ -612,8 +637,9 @@ def test_an_export_keeps_its_producer_until_the_consumers_stream_is_done(torch, 
     assert gone() is None
 
 
-def test_a_view_released_while_its_consumer_stream_is_busy_keeps_the_producer(torch, spin_cycles, torch_streams,
-                                                                             settled_views):
+def test_a_view_released_while_its_consumer_stream_is_busy_keeps_the_producer(
+    torch, spin_cycles, torch_streams, settled_views
+):
     _, consumer = torch_streams
     view, gone = owned_view(torch)
     imported = handoff.from_dlpack(view, stream=consumer)
@@ -630,8 +656,9 @@ def test_a_view_released_while_its_consumer_stream_is_busy_keeps_the_producer(to
 
 
 @pytest.mark.parametrize("ordered", [True, NEGATIVE_CONTROL])
-def test_a_host_read_of_data_ready_on_a_per_thread_stream_waits_for_its_work(torch, spin_cycles, ordered,
-                                                                              settled_views):
+def test_a_host_read_of_data_ready_on_a_per_thread_stream_waits_for_its_work(
+    torch, spin_cycles, ordered, settled_views
+):
     # Data bound to stream 2 is bound to the legacy stream, which any thread can name; a host wait
     # must go through an event recorded there: cudaStreamSynchronize(legacy) is not one of its
     # operations, so it need not wait for the per-thread stream's later work.
@@ -662,8 +689,9 @@ class DlpackOnly:
 
 
 @pytest.mark.parametrize("ordered", [True, NEGATIVE_CONTROL])
-def test_a_producer_on_another_device_than_the_current_one_orders_its_own_streams(torch, spin_cycles, ordered,
-                                                                                   settled_views):
+def test_a_producer_on_another_device_than_the_current_one_orders_its_own_streams(
+    torch, spin_cycles, ordered, settled_views
+):
     # PyTorch's __dlpack__ orders the *current* device's current stream: handoff makes the data's
     # device current around the call, as CuPy's consumer does.
     if torch.cuda.device_count() < 2:
@@ -683,7 +711,9 @@ def test_a_producer_on_another_device_than_the_current_one_orders_its_own_stream
         with torch.cuda.device(1):
             expected = DONE if ordered else STALE
             assert read_with_torch(torch, out, view if ordered else Unordered(view), consumer.cuda_stream) == (
-                expected, expected)
+                expected,
+                expected,
+            )
     finally:
         with torch.cuda.device(1):
             torch.cuda.set_stream(torch.cuda.default_stream())
@@ -759,8 +789,9 @@ def test_exit_after_a_sticky_error_with_a_release_pending_is_bounded_and_says_wh
     assert "can never get there" in result.stderr or "cannot be waited for" in result.stderr, result.stderr
 
 
-def test_data_ready_on_an_ended_threads_per_thread_stream_is_read_finished(torch, spin_cycles, torch_streams,
-                                                                            settled_views, torch_out):
+def test_data_ready_on_an_ended_threads_per_thread_stream_is_read_finished(
+    torch, spin_cycles, torch_streams, settled_views, torch_out
+):
     # Whichever way the driver treats an ended thread's per-thread stream, handoff makes the legacy
     # stream (which the binding names) wait for its work when the thread ends.
     _, consumer = torch_streams
@@ -773,8 +804,9 @@ def test_data_ready_on_an_ended_threads_per_thread_stream_is_read_finished(torch
         with torch.cuda.stream(per_thread):
             torch.cuda._sleep(spin_cycles)
             memory.fill_(DONE)
-        made.append(handoff.view(memory.data_ptr(), (N,), "float32", device=(CUDA, memory.device.index),
-                                 owner=memory, stream=2))
+        made.append(
+            handoff.view(memory.data_ptr(), (N,), "float32", device=(CUDA, memory.device.index), owner=memory, stream=2)
+        )
 
     thread = threading.Thread(target=producer_thread)
     thread.start()

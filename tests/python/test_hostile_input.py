@@ -9,9 +9,9 @@ import textwrap
 
 import numpy as np
 import pytest
+from conftest import CPU, CUDA, DEVICE_COUNT, ROCM, HandMadeTensor, capsule_name, needs_two_devices, run_python
 
 import handoff
-from conftest import CPU, CUDA, DEVICE_COUNT, ROCM, HandMadeTensor, capsule_name, needs_two_devices, run_python
 
 BACKEND = handoff.runtime_info()["backend"]
 SIM = BACKEND.startswith("sim")
@@ -46,11 +46,11 @@ class CupyLike:
 @pytest.mark.parametrize("kind", [CudaStreamProtocol, TorchLike, CupyLike, int])
 @pytest.mark.parametrize("handle", [2**63, 2**64, 2**80])
 def test_stream_objects_with_handles_outside_the_native_range_are_value_errors(kind, handle, live):
-    with pytest.raises(ValueError, match="native range|out of range"):
+    with pytest.raises(ValueError, match=r"native range|out of range"):
         handoff.as_stream(kind(handle))
-    with pytest.raises(ValueError, match="native range|out of range"):
+    with pytest.raises(ValueError, match=r"native range|out of range"):
         handoff.stream(kind(handle))
-    with pytest.raises(ValueError, match="native range|out of range"):
+    with pytest.raises(ValueError, match=r"native range|out of range"):
         handoff.from_dlpack(np.arange(3.0), stream=kind(handle))
 
 
@@ -99,7 +99,7 @@ def test_a_producer_claiming_device_memory_for_host_data_is_refused(live):
 
     device_type = 10 if BACKEND == "sim-rocm" else 2
     consumer = sim.Stream()
-    with pytest.raises(ValueError, match="__dlpack_device__.*refused"):
+    with pytest.raises(ValueError, match=r"__dlpack_device__.*refused"):
         handoff.from_dlpack(ClaimsDevice((device_type, 0)), stream=consumer)
 
 
@@ -118,7 +118,7 @@ def test_a_producer_claiming_host_memory_for_device_data_is_refused(live):
             return self.array.__dlpack__(stream=None if stream is None else -1, **kwargs)
 
     consumer = sim.Stream()
-    with pytest.raises(ValueError, match="__dlpack_device__.*refused"):
+    with pytest.raises(ValueError, match=r"__dlpack_device__.*refused"):
         handoff.from_dlpack(HidesItsDevice(), stream=consumer)
     sim.synchronize()
 

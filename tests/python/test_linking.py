@@ -22,7 +22,7 @@ def dynamic_symbols(path: str) -> tuple[set[str], set[str]]:
     with open(path, "rb") as f:
         image = f.read()
     assert image[:4] == b"\x7fELF" and image[4] == 2 and image[5] == 1, "expected ELF64 little-endian"
-    section_offset, = struct.unpack_from("<Q", image, 0x28)
+    (section_offset,) = struct.unpack_from("<Q", image, 0x28)
     entry_size, count = struct.unpack_from("<HH", image, 0x3A)
     sections = [struct.unpack_from("<IIQQQQIIQQ", image, section_offset + i * entry_size) for i in range(count)]
     exported: set[str] = set()

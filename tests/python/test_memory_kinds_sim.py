@@ -4,14 +4,13 @@ handed to the CPU, which reuses the memory. Run with HANDOFF_BACKEND=sim or sim-
 
 from __future__ import annotations
 
-import ctypes
 import gc
 
 import numpy as np
 import pytest
+from conftest import CPU, DLDevice, HandMadeTensor
 
 import handoff
-from conftest import CPU, DLDevice, HandMadeTensor
 
 BACKEND = handoff.runtime_info()["backend"]
 pytestmark = pytest.mark.skipif(

@@ -15,9 +15,9 @@ import threading
 import time
 
 import pytest
+from conftest import HandMadeTensor, needs_two_devices, sim_leak_check
 
 import handoff
-from conftest import HandMadeTensor, needs_two_devices, sim_leak_check
 
 BACKEND = handoff.runtime_info()["backend"]
 pytestmark = pytest.mark.skipif(
@@ -212,7 +212,7 @@ HOST_COPIES = {
 @pytest.mark.parametrize("how", HOST_COPIES)
 def test_a_failing_synchronization_during_a_host_copy_frees_nothing_early(how, new_stream):
     producer = new_stream()
-    source, value = pending_write(producer)
+    source, _ = pending_write(producer)
     sim.inject_fault("synchronize_stream", 1, "cudaErrorLaunchFailure")
     with pytest.raises(handoff.DeviceError, match="cudaErrorLaunchFailure"):
         HOST_COPIES[how](source)

@@ -13,9 +13,9 @@ import weakref
 
 import numpy as np
 import pytest
+from conftest import run_python
 
 import handoff
-from conftest import run_python
 
 BACKEND = handoff.runtime_info()["backend"]
 SIM = BACKEND.startswith("sim")
@@ -52,10 +52,15 @@ def test_a_child_forked_after_device_use_exits_cleanly(child):
     }[child]
     child_code = textwrap.indent(textwrap.dedent(body).strip() + "\nsys.exit(0)", "    ")
     # sys.exit(0): handoff's exit handlers and static destructors run in the child.
-    code = USED_THE_DEVICE + "pid = os.fork()\nif pid == 0:\n" + child_code + textwrap.dedent("""
+    code = (
+        USED_THE_DEVICE
+        + "pid = os.fork()\nif pid == 0:\n"
+        + child_code
+        + textwrap.dedent("""
         _, status = os.waitpid(pid, 0)
         print(os.waitstatus_to_exitcode(status))
         """)
+    )
     result = run_python(code, HANDOFF_BACKEND=BACKEND)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["0"], result.stderr
@@ -186,7 +191,7 @@ def test_a_collected_array_is_left_empty_for_whatever_still_sees_it():
 @pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
 def test_arrays_refuse_every_pickle_protocol(protocol):
     array = handoff.asarray(np.arange(4, dtype=np.float32))
-    with pytest.raises(TypeError, match="cannot pickle 'handoff.Array'"):
+    with pytest.raises(TypeError, match=r"cannot pickle 'handoff\.Array'"):
         pickle.dumps(array, protocol=protocol)
 
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import pending_write
 
 import handoff
-from conftest import pending_write
 
 BACKEND = handoff.runtime_info()["backend"]
 SIM = BACKEND.startswith("sim")
@@ -75,13 +75,17 @@ def test_read_only_data_needs_ro():
         te.scale(values, 2.0)
 
 
-@pytest.mark.parametrize(("call", "argument", "signature"), [
-    (te.sum, np.zeros(3), r"values: handoff.Array\[float32, device='cpu', order='C', readonly\]"),
-    (te.sum, np.zeros((3, 3), np.float32).T, r"order='C'"),
-    (te.rows_of_three, np.zeros((4, 2), np.float32), r"handoff.Array\[float32, shape=\(\*, 3\)\]"),
-    (te.scale, np.zeros((2, 2), np.float32), r"handoff.Array\[float32, ndim=1, device='cpu'\]"),
-    (te.sum, "not an array", r"handoff.Array\[float32"),
-], ids=["dtype", "order", "shape", "ndim", "no protocol"])
+@pytest.mark.parametrize(
+    ("call", "argument", "signature"),
+    [
+        (te.sum, np.zeros(3), r"values: handoff.Array\[float32, device='cpu', order='C', readonly\]"),
+        (te.sum, np.zeros((3, 3), np.float32).T, r"order='C'"),
+        (te.rows_of_three, np.zeros((4, 2), np.float32), r"handoff.Array\[float32, shape=\(\*, 3\)\]"),
+        (te.scale, np.zeros((2, 2), np.float32), r"handoff.Array\[float32, ndim=1, device='cpu'\]"),
+        (te.sum, "not an array", r"handoff.Array\[float32"),
+    ],
+    ids=["dtype", "order", "shape", "ndim", "no protocol"],
+)
 def test_a_mismatch_lists_the_accepted_signature(call, argument, signature):
     with pytest.raises(TypeError, match=signature):
         call(argument) if call is not te.scale else call(argument, 2.0)
@@ -95,8 +99,9 @@ def test_a_device_argument_is_ordered_onto_the_consumer_stream(sim_streams):
     producer, consumer = sim_streams
     pending = pending_write(producer, 3 * 1024)
     with handoff.stream(consumer):
-        imported = te.rows_of_three(handoff.view(pending.data_ptr, (1024, 3), "float32", device=pending.device,
-                                                 owner=pending, stream=producer))
+        imported = te.rows_of_three(
+            handoff.view(pending.data_ptr, (1024, 3), "float32", device=pending.device, owner=pending, stream=producer)
+        )
     assert sim.to_numpy(imported, stream=consumer)[[0, -1]].tolist() == [[1.0] * 3] * 2
 
 
@@ -120,9 +125,17 @@ class RaisingProducer:
         return (1, 0)
 
 
-@pytest.mark.parametrize("error", [
-    KeyboardInterrupt(), SystemExit(3), MemoryError(), handoff.DeviceError("device failed"), ValueError("mine"),
-], ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize(
+    "error",
+    [
+        KeyboardInterrupt(),
+        SystemExit(3),
+        MemoryError(),
+        handoff.DeviceError("device failed"),
+        ValueError("mine"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
 def test_an_argument_whose_import_fails_raises_that_error(error):
     # Only "this object does not fit" lets pybind11 try the next overload.
     with pytest.raises(type(error)) as raised:

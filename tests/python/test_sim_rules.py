@@ -5,15 +5,15 @@ a destroyed stream used later is a violation."""
 
 from __future__ import annotations
 
-import time
 import os
 import textwrap
+import time
 
 import numpy as np
 import pytest
+from conftest import live_views, run_python
 
 import handoff
-from conftest import run_python, live_views
 
 BACKEND = handoff.runtime_info()["backend"]
 pytestmark = pytest.mark.skipif(
@@ -151,22 +151,43 @@ def test_a_foreign_deleter_that_takes_the_gil_never_runs_once_python_is_finalizi
     assert "terminate" not in result.stderr and "Fatal" not in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize(("call", "error", "text"), [
-    (lambda s: sim.fill(sim.zeros(4), 1.0, stream=s, delay=1e10), OverflowError, "delay=10000000000 s is longer"),
-    (lambda s: sim.fill(sim.zeros(4), 1.0, stream=s, delay=-1.0), ValueError, "delay must be a non-negative"),
-    (lambda s: sim.fill(sim.zeros(4), 1.0, stream=s, delay=float("nan")), ValueError, "delay must be"),
-    (lambda s: sim.set_copy_delay(1e300), OverflowError, "delay=1e+300 s is longer"),
-    (lambda s: sim.fill(sim.zeros(2, "int8"), 1e300, stream=s), OverflowError, "does not fit in int8"),
-    (lambda s: sim.fill(sim.zeros(2, "int8"), 128, stream=s), OverflowError, "does not fit in int8"),
-    (lambda s: sim.fill(sim.zeros(2, "uint8"), -1, stream=s), OverflowError, "does not fit in uint8"),
-    (lambda s: sim.fill(sim.zeros(2, "uint64"), 2**64, stream=s), OverflowError, "does not fit in uint64"),
-    (lambda s: sim.fill(sim.zeros(2, "int32"), 1.5, stream=s), ValueError, "not an integer"),
-    (lambda s: sim.fill(sim.zeros(2, "float32"), 1e300, stream=s), OverflowError, "does not fit in float32"),
-    (lambda s: sim.fill(sim.zeros(2, "float32"), "1", stream=s), TypeError, "must be a number"),
-    (lambda s: sim.inject_fault("record_event", 1, "notAnError"), ValueError, "not the name of a CUDA or HIP error"),
-    (lambda s: sim.inject_sticky_fault(0, "cudaError"), ValueError, "not the name of a CUDA or HIP error"),
-], ids=["long delay", "negative delay", "nan delay", "long copy delay", "int8 1e300", "int8 128", "uint8 -1",
-        "uint64 2**64", "int32 1.5", "float32 1e300", "str value", "fault name", "sticky fault name"])
+@pytest.mark.parametrize(
+    ("call", "error", "text"),
+    [
+        (lambda s: sim.fill(sim.zeros(4), 1.0, stream=s, delay=1e10), OverflowError, "delay=10000000000 s is longer"),
+        (lambda s: sim.fill(sim.zeros(4), 1.0, stream=s, delay=-1.0), ValueError, "delay must be a non-negative"),
+        (lambda s: sim.fill(sim.zeros(4), 1.0, stream=s, delay=float("nan")), ValueError, "delay must be"),
+        (lambda s: sim.set_copy_delay(1e300), OverflowError, "delay=1e+300 s is longer"),
+        (lambda s: sim.fill(sim.zeros(2, "int8"), 1e300, stream=s), OverflowError, "does not fit in int8"),
+        (lambda s: sim.fill(sim.zeros(2, "int8"), 128, stream=s), OverflowError, "does not fit in int8"),
+        (lambda s: sim.fill(sim.zeros(2, "uint8"), -1, stream=s), OverflowError, "does not fit in uint8"),
+        (lambda s: sim.fill(sim.zeros(2, "uint64"), 2**64, stream=s), OverflowError, "does not fit in uint64"),
+        (lambda s: sim.fill(sim.zeros(2, "int32"), 1.5, stream=s), ValueError, "not an integer"),
+        (lambda s: sim.fill(sim.zeros(2, "float32"), 1e300, stream=s), OverflowError, "does not fit in float32"),
+        (lambda s: sim.fill(sim.zeros(2, "float32"), "1", stream=s), TypeError, "must be a number"),
+        (
+            lambda s: sim.inject_fault("record_event", 1, "notAnError"),
+            ValueError,
+            "not the name of a CUDA or HIP error",
+        ),
+        (lambda s: sim.inject_sticky_fault(0, "cudaError"), ValueError, "not the name of a CUDA or HIP error"),
+    ],
+    ids=[
+        "long delay",
+        "negative delay",
+        "nan delay",
+        "long copy delay",
+        "int8 1e300",
+        "int8 128",
+        "uint8 -1",
+        "uint64 2**64",
+        "int32 1.5",
+        "float32 1e300",
+        "str value",
+        "fault name",
+        "sticky fault name",
+    ],
+)
 def test_arguments_the_simulator_cannot_meet_are_refused_naming_them(call, error, text):
     stream = sim.Stream(non_blocking=True)
     with pytest.raises(error, match=text.replace("+", r"\+")):
@@ -176,8 +197,15 @@ def test_arguments_the_simulator_cannot_meet_are_refused_naming_them(call, error
 
 def test_fill_values_at_the_edges_of_a_dtype_are_written():
     stream = sim.Stream(non_blocking=True)
-    for dtype, value in [("int8", -128), ("uint8", 255), ("int64", 2**63 - 1), ("uint64", 2**64 - 1), ("int16", 3.0),
-                         ("float32", float("inf")), ("bool", 7)]:
+    for dtype, value in [
+        ("int8", -128),
+        ("uint8", 255),
+        ("int64", 2**63 - 1),
+        ("uint64", 2**64 - 1),
+        ("int16", 3.0),
+        ("float32", float("inf")),
+        ("bool", 7),
+    ]:
         array = sim.zeros(2, dtype)
         sim.fill(array, value, stream=stream)
         assert sim.to_numpy(array, stream=stream).tolist() == [value if dtype != "bool" else True] * 2, dtype

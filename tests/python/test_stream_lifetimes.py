@@ -10,9 +10,9 @@ import textwrap
 import weakref
 
 import pytest
+from conftest import run_python
 
 import handoff
-from conftest import run_python
 
 BACKEND = handoff.runtime_info()["backend"]
 pytestmark = pytest.mark.skipif(
@@ -32,16 +32,16 @@ class CudaStreamWrapper:
         return (0, self.stream.handle)
 
 
-IMPORTS = {
-    "from_dlpack(stream=sim.Stream)": lambda source, stream: handoff.from_dlpack(source, stream=stream),
-    "handoff.stream block": lambda source, stream: _in_block(source, stream),
-    "asarray": lambda source, stream: handoff.asarray(source, stream=stream),
-}
-
-
 def _in_block(source, stream):
     with handoff.stream(stream):
         return handoff.from_dlpack(source)
+
+
+IMPORTS = {
+    "from_dlpack(stream=sim.Stream)": lambda source, stream: handoff.from_dlpack(source, stream=stream),
+    "handoff.stream block": _in_block,
+    "asarray": lambda source, stream: handoff.asarray(source, stream=stream),
+}
 
 
 @pytest.mark.parametrize("how", IMPORTS)

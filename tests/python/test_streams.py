@@ -23,14 +23,14 @@ class CudaStreamProtocol:
 
 
 class TorchLike:
-    class device:  # noqa: N801 - mimics torch.device
+    class device:
         index = 3
 
     cuda_stream = 0x1234
 
 
 class CupyLike:
-    class device:  # noqa: N801 - mimics cupy.cuda.Device
+    class device:
         id = 1
 
     ptr = 0x5678
@@ -138,9 +138,8 @@ def test_blocks_nest():
 
 
 def test_block_restores_on_exception():
-    with pytest.raises(KeyError):
-        with handoff.stream(5):
-            raise KeyError
+    with pytest.raises(KeyError), handoff.stream(5):
+        raise KeyError
     assert handoff.current_stream() is None
 
 

@@ -13,7 +13,6 @@ named in every failure.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import os
 import random
@@ -22,9 +21,9 @@ import time
 
 import numpy as np
 import pytest
+from conftest import sim_leak_check
 
 import handoff
-from conftest import sim_leak_check
 
 BACKEND = handoff.runtime_info()["backend"]
 pytestmark = pytest.mark.skipif(
@@ -156,14 +155,24 @@ def one_round(rng: random.Random, streams: Streams, *, ordered: bool) -> tuple[b
 # a device current (push_current_device), whose failure means a broken context: a device copy
 # released then keeps its memory rather than free it on the wrong device (logged).
 FAULTABLE = [
-    "record_event", "stream_wait_event", "create_event", "launch_host_func", "copy_async", "attributes",
-    "stream_capture_status", "stream_device", "stream_is_blocking", "allocate", "enqueue_fill",
+    "record_event",
+    "stream_wait_event",
+    "create_event",
+    "launch_host_func",
+    "copy_async",
+    "attributes",
+    "stream_capture_status",
+    "stream_device",
+    "stream_is_blocking",
+    "allocate",
+    "enqueue_fill",
     "synchronize_stream",
 ]
 
 
-def run_for(seconds: float, rng: random.Random, *, ordered: bool, stop_when_stale: bool = False,
-            faults: bool = False) -> dict:
+def run_for(
+    seconds: float, rng: random.Random, *, ordered: bool, stop_when_stale: bool = False, faults: bool = False
+) -> dict:
     """Rounds until the time is up: how many, and the descriptions of those that read stale data.
     With `faults`, a device fault is armed at random before a round; a round that a fault fails
     (DeviceError) is counted, its views dropped."""
@@ -198,7 +207,7 @@ def run_in_threads(seed: int, rounds_of) -> list[dict]:
     def worker(index: int) -> None:
         try:
             outcomes[index] = rounds_of(index)
-        except BaseException as error:  # reported below, with the seed
+        except BaseException as error:  # noqa: BLE001 - reported below, with the seed
             errors.append(error)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(THREADS)]

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import needs_two_devices, pending_write, run_python
 
 import handoff
-from conftest import needs_two_devices, pending_write, run_python
 
 BACKEND = handoff.runtime_info()["backend"]
 SIM = BACKEND.startswith("sim")
@@ -92,7 +92,7 @@ def test_the_graph_as_json_and_dot():
 def test_a_buffer_is_ready_on_and_released_after_its_consumer_stream(sim_streams):
     from handoff import sim
 
-    producer, consumer = sim_streams
+    _, consumer = sim_streams
     data = sim.zeros(8, "float32")
     view = handoff.from_dlpack(data, stream=consumer)
     graph = handoff.ownership_graph()
@@ -120,8 +120,22 @@ def test_each_exchange_is_an_event_with_the_contracts_fields(torch):
         gc.collect()
     kinds = [e["kind"] for e in t.events]
     assert kinds.count("import") == 1 and kinds.count("export") == 1 and kinds.count("release") >= 1
-    required = {"kind", "time_ns", "thread", "device", "shape", "dtype", "nbytes", "producer", "consumer",
-                "producer_stream", "consumer_stream", "action", "hazard", "where"}
+    required = {
+        "kind",
+        "time_ns",
+        "thread",
+        "device",
+        "shape",
+        "dtype",
+        "nbytes",
+        "producer",
+        "consumer",
+        "producer_stream",
+        "consumer_stream",
+        "action",
+        "hazard",
+        "where",
+    }
     for event in t.events:
         assert required <= event.keys()
     imported = next(e for e in t.events if e["kind"] == "import")
@@ -139,9 +153,8 @@ def test_each_exchange_is_an_event_with_the_contracts_fields(torch):
 def test_a_refused_exchange_is_traced():
     frozen = np.broadcast_to(np.arange(3), (2, 3))
     view = handoff.from_dlpack(frozen)
-    with handoff.trace() as t:
-        with pytest.raises(BufferError):
-            view.__dlpack__()  # a legacy consumer cannot be told "read-only"
+    with handoff.trace() as t, pytest.raises(BufferError):
+        view.__dlpack__()  # a legacy consumer cannot be told "read-only"
     (event,) = [e for e in t.events if e["kind"] == "export"]
     assert event["action"] == "refused"
 
@@ -248,8 +261,14 @@ def test_handoff_trace_env_traces_the_whole_process_and_reports_leaks(tmp_path):
     script = tmp_path / "leaky.py"
     script.write_text(LEAKY_SCRIPT)
     path = tmp_path / "process.json"
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "HANDOFF_TRACE": str(path)})
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HANDOFF_TRACE": str(path)},
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     saved = json.loads(path.read_text())
     events = saved["handoff"]["events"]
@@ -259,8 +278,9 @@ def test_handoff_trace_env_traces_the_whole_process_and_reports_leaks(tmp_path):
 
 
 def test_debug_logging_writes_one_line_per_exchange():
-    result = run_python("import numpy as np, handoff; v = handoff.from_dlpack(np.zeros(2)); del v",
-                        HANDOFF_LOG_LEVEL="debug")
+    result = run_python(
+        "import numpy as np, handoff; v = handoff.from_dlpack(np.zeros(2)); del v", HANDOFF_LOG_LEVEL="debug"
+    )
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stderr.splitlines() if "numpy -> handoff" in line or "-buffer:" in line]
     assert any("import numpy -> handoff" in line and "view-of buffer:" in line for line in lines), result.stderr
@@ -270,7 +290,8 @@ def test_debug_logging_writes_one_line_per_exchange():
 @needs_sim
 def test_handoff_trace_run_prints_the_hazard_with_the_scripts_line_and_keeps_its_status(tmp_path):
     script = tmp_path / "racy.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import sys
         import handoff
         from handoff import sim
@@ -280,11 +301,13 @@ def test_handoff_trace_run_prints_the_hazard_with_the_scripts_line_and_keeps_its
         stale = handoff.from_dlpack(data, stream=-1)
         sim.synchronize()
         sys.exit(3)
-    """))
+    """)
+    )
     cli = Path(sys.executable).with_name("handoff-trace")
     command = [str(cli)] if cli.exists() else [sys.executable, "-m", "handoff._trace_cli"]
-    result = subprocess.run([*command, "run", "--", sys.executable, str(script)], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [*command, "run", "--", sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False
+    )
     assert result.returncode == 3, result.stderr
     report = result.stdout + result.stderr
     assert "unordered" in report and f"{script}:8" in report, report
@@ -314,8 +337,13 @@ sys.stdin.readline()
 def serving_child(runtime_dir: Path) -> Iterator[tuple[subprocess.Popen, str]]:
     """A process that serves its trace, with XDG_RUNTIME_DIR at `runtime_dir`; each line written to
     its stdin lets it go on (first: make three imports; second: exit)."""
-    with subprocess.Popen([sys.executable, "-c", SERVING_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                          text=True, env={**os.environ, "XDG_RUNTIME_DIR": str(runtime_dir)}) as child:
+    with subprocess.Popen(
+        [sys.executable, "-c", SERVING_SCRIPT],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "XDG_RUNTIME_DIR": str(runtime_dir)},
+    ) as child:
         try:
             yield child, child.stdout.readline().strip()
         finally:
@@ -385,8 +413,17 @@ with socket.socket(socket.AF_UNIX) as s:
 def connect_as_nobody(path: str) -> str:
     """What a process of uid 65534 gets from the socket: "denied" when the file modes keep it out,
     else the first line the server sends it."""
-    result = subprocess.run([SYSTEM_PYTHON, "-c", STRANGER, path], capture_output=True, text=True, timeout=60,
-                            user=65534, group=65534, extra_groups=[], cwd="/")
+    result = subprocess.run(
+        [SYSTEM_PYTHON, "-c", STRANGER, path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        user=65534,
+        group=65534,
+        extra_groups=[],
+        cwd="/",
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
 
@@ -412,12 +449,16 @@ def refused_by_peer_credentials(runtime_dir: Path) -> None:
 
 
 def test_handoff_trace_attach_prints_a_live_process_exchanges(tmp_path):
-    with serving_child(tmp_path) as (child, path):
+    with serving_child(tmp_path) as (child, _):
         cli = Path(sys.executable).with_name("handoff-trace")
         command = [str(cli)] if cli.exists() else [sys.executable, "-m", "handoff._trace_cli"]
-        with subprocess.Popen([*command, "attach", str(child.pid), "--count", "3", "--json"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}) as attach:
+        with subprocess.Popen(
+            [*command, "attach", str(child.pid), "--count", "3", "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)},
+        ) as attach:
             assert wait_for_clients(child.pid, tmp_path), "the client attached"
             go_on(child)
             out, err = attach.communicate(timeout=60)

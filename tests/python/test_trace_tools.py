@@ -34,10 +34,24 @@ UNORDERED = "handed over with no ordering while its producer stream 0x10 still h
 def event(**fields: Any) -> dict[str, Any]:
     """An event with every key of the runtime's events; `fields` override the defaults."""
     out: dict[str, Any] = {
-        "kind": "import", "time_ns": 1_000_000_000, "thread": 77, "device": (2, 0), "shape": [4, 4],
-        "dtype": "float32", "nbytes": 64, "producer": "torch", "consumer": "handoff", "producer_stream": None,
-        "consumer_stream": None, "action": "none", "hazard": None, "detail": None, "where": None,
-        "buffer": "buffer:1", "view": "view:2", "protocol": "dlpack",
+        "kind": "import",
+        "time_ns": 1_000_000_000,
+        "thread": 77,
+        "device": (2, 0),
+        "shape": [4, 4],
+        "dtype": "float32",
+        "nbytes": 64,
+        "producer": "torch",
+        "consumer": "handoff",
+        "producer_stream": None,
+        "consumer_stream": None,
+        "action": "none",
+        "hazard": None,
+        "detail": None,
+        "where": None,
+        "buffer": "buffer:1",
+        "view": "view:2",
+        "protocol": "dlpack",
     }
     out.update(fields)
     return out
@@ -45,24 +59,88 @@ def event(**fields: Any) -> dict[str, Any]:
 
 EVENTS = [
     event(time_ns=1_000_000_000, producer_stream=0x10, consumer_stream=0x20, action="wait", where=f"{TRAIN}:10"),
-    event(kind="export", time_ns=1_000_002_000, consumer="cupy", producer_stream=0x20, consumer_stream=0x30,
-          action="elided", view="view:3", where=f"{TRAIN}:11"),
-    event(time_ns=1_000_005_000, producer_stream=0x10, action="unordered", hazard="unordered", detail=UNORDERED,
-          where=f"{TRAIN}:20", buffer="buffer:4", view="view:5"),
-    event(time_ns=1_000_006_000, producer_stream=0x10, action="unordered", hazard="unordered", detail=UNORDERED,
-          where=f"{TRAIN}:20", buffer="buffer:6", view="view:7"),
-    event(time_ns=1_000_007_000, producer="numpy", device=(1, 0), shape=[3], dtype="float64", nbytes=24,
-          where=f"{TRAIN}:30", buffer="buffer:8", view="view:9"),
-    event(kind="release", time_ns=1_000_008_000, producer="numpy", consumer=None, device=(1, 0), shape=[3],
-          dtype="float64", nbytes=24, where=f"{TRAIN}:31", buffer="buffer:8", view=None, protocol="release"),
-    event(kind="export", time_ns=1_000_009_000, producer="numpy", consumer=None, device=(1, 0), nbytes=8,
-          hazard="leak", detail="still held at exit", where=f"{TRAIN}:40", buffer="buffer:10", view="view:11"),
+    event(
+        kind="export",
+        time_ns=1_000_002_000,
+        consumer="cupy",
+        producer_stream=0x20,
+        consumer_stream=0x30,
+        action="elided",
+        view="view:3",
+        where=f"{TRAIN}:11",
+    ),
+    event(
+        time_ns=1_000_005_000,
+        producer_stream=0x10,
+        action="unordered",
+        hazard="unordered",
+        detail=UNORDERED,
+        where=f"{TRAIN}:20",
+        buffer="buffer:4",
+        view="view:5",
+    ),
+    event(
+        time_ns=1_000_006_000,
+        producer_stream=0x10,
+        action="unordered",
+        hazard="unordered",
+        detail=UNORDERED,
+        where=f"{TRAIN}:20",
+        buffer="buffer:6",
+        view="view:7",
+    ),
+    event(
+        time_ns=1_000_007_000,
+        producer="numpy",
+        device=(1, 0),
+        shape=[3],
+        dtype="float64",
+        nbytes=24,
+        where=f"{TRAIN}:30",
+        buffer="buffer:8",
+        view="view:9",
+    ),
+    event(
+        kind="release",
+        time_ns=1_000_008_000,
+        producer="numpy",
+        consumer=None,
+        device=(1, 0),
+        shape=[3],
+        dtype="float64",
+        nbytes=24,
+        where=f"{TRAIN}:31",
+        buffer="buffer:8",
+        view=None,
+        protocol="release",
+    ),
+    event(
+        kind="export",
+        time_ns=1_000_009_000,
+        producer="numpy",
+        consumer=None,
+        device=(1, 0),
+        nbytes=8,
+        hazard="leak",
+        detail="still held at exit",
+        where=f"{TRAIN}:40",
+        buffer="buffer:10",
+        view="view:11",
+    ),
 ]
 
 GRAPH: dict[str, Any] = {
     "nodes": [
-        {"id": "buffer:1", "kind": "buffer", "library": "torch", "device": [2, 0], "shape": [4, 4],
-         "dtype": "float32", "nbytes": 64, "holders": 2},
+        {
+            "id": "buffer:1",
+            "kind": "buffer",
+            "library": "torch",
+            "device": [2, 0],
+            "shape": [4, 4],
+            "dtype": "float32",
+            "nbytes": 64,
+            "holders": 2,
+        },
         {"id": "view:2", "kind": "view", "holder": "handoff.Array", "where": f"{TRAIN}:10"},
         {"id": "stream:2:0:0x10", "kind": "stream", "device": [2, 0], "handle": 0x10},
         {"id": "view:3", "kind": "view"},  # the optional keys missing
@@ -125,10 +203,26 @@ def test_summary_table_columns_are_aligned():
 
 def test_summary_counts_one_action_for_the_two_halves_of_an_import_from_handoffs_own_exporter():
     halves = [
-        event(kind="export", producer="handoff.sim", producer_stream=1, consumer_stream=2, action="wait",
-              where="x.py:1", buffer="buffer:1", view="view:2"),
-        event(kind="import", producer="handoff.sim", producer_stream=1, consumer_stream=2, action="wait",
-              where="x.py:1", buffer="buffer:3", view="view:4"),
+        event(
+            kind="export",
+            producer="handoff.sim",
+            producer_stream=1,
+            consumer_stream=2,
+            action="wait",
+            where="x.py:1",
+            buffer="buffer:1",
+            view="view:2",
+        ),
+        event(
+            kind="import",
+            producer="handoff.sim",
+            producer_stream=1,
+            consumer_stream=2,
+            action="wait",
+            where="x.py:1",
+            buffer="buffer:3",
+            view="view:4",
+        ),
     ]
     text = summary(halves)
     assert row_of(text, "handoff.sim", "handoff")[2:] == ["1", "1", "0", "1", "0", "0", "0", "64", "B"]
@@ -201,8 +295,10 @@ def test_chrome_trace_draws_each_wait_as_an_arrow_from_the_producer_stream_to_th
     assert start["tid"] == tracks["cuda:0 stream 0x10"] and end["tid"] == tracks["cuda:0 stream 0x20"]
     # A flow binds to slices: one encloses each end.
     for point in (start, end):
-        assert any(e["ph"] == "X" and e["tid"] == point["tid"] and e["ts"] <= point["ts"] <= e["ts"] + e["dur"]
-                   for e in trace["traceEvents"])
+        assert any(
+            e["ph"] == "X" and e["tid"] == point["tid"] and e["ts"] <= point["ts"] <= e["ts"] + e["dur"]
+            for e in trace["traceEvents"]
+        )
 
 
 def test_chrome_trace_keeps_the_events_and_graph_and_is_deterministic():
@@ -235,8 +331,10 @@ def test_graph_to_dot_draws_each_kind_of_node_and_edge():
 
 def test_graph_to_dot_escapes_ids_and_labels():
     graph = {
-        "nodes": [{"id": 'view:"1"', "kind": "view", "holder": "a\\b", "where": 'C:\\x "y".py:3\nnext'},
-                  {"id": "odd", "kind": "unknown-kind"}],
+        "nodes": [
+            {"id": 'view:"1"', "kind": "view", "holder": "a\\b", "where": 'C:\\x "y".py:3\nnext'},
+            {"id": "odd", "kind": "unknown-kind"},
+        ],
         "edges": [{"src": 'view:"1"', "dst": "odd", "kind": 'we"ird'}],
     }
     dot = graph_to_dot(graph)
@@ -249,7 +347,7 @@ def test_graph_to_dot_escapes_ids_and_labels():
 
 @pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz's dot is not installed")
 def test_graphviz_reads_the_dot():
-    result = subprocess.run(["dot", "-Tsvg"], input=graph_to_dot(GRAPH), capture_output=True, text=True)
+    result = subprocess.run(["dot", "-Tsvg"], input=graph_to_dot(GRAPH), capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
 
 
@@ -345,8 +443,9 @@ def test_trace_records_the_block_and_snapshots_the_graph(runtime: FakeRuntime):
     assert "finished, 7 events" in repr(t)
 
 
-def test_trace_saves_to_its_path_and_show_reads_it(runtime: FakeRuntime, tmp_path: Path,
-                                                   capsys: pytest.CaptureFixture[str]):
+def test_trace_saves_to_its_path_and_show_reads_it(
+    runtime: FakeRuntime, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
     path = tmp_path / "trace.json"
     with _trace.trace(path=path):
         runtime.record(*EVENTS)
@@ -360,10 +459,9 @@ def test_trace_saves_to_its_path_and_show_reads_it(runtime: FakeRuntime, tmp_pat
 
 def test_trace_ends_when_the_block_raises(runtime: FakeRuntime):
     t = _trace.trace()
-    with pytest.raises(ValueError, match="boom"):
-        with t:
-            runtime.record(EVENTS[0])
-            raise ValueError("boom")
+    with pytest.raises(ValueError, match="boom"), t:
+        runtime.record(EVENTS[0])
+        raise ValueError("boom")
     assert ("end", 7) in runtime.calls and t.events == [EVENTS[0]]
 
 
@@ -371,9 +469,8 @@ def test_a_trace_is_entered_once(runtime: FakeRuntime):
     t = _trace.trace()
     with t:
         pass
-    with pytest.raises(RuntimeError, match="already used.*new handoff.trace"):
-        with t:
-            pass
+    with pytest.raises(RuntimeError, match=r"already used.*new handoff.trace"), t:
+        pass
     assert [c for c, _ in runtime.calls].count("begin") == 1
 
 
@@ -401,12 +498,13 @@ def test_show_prints_the_summary_or_the_events(saved: Path, capsys: pytest.Captu
         ("{not json", "not JSON"),
         (b"\xff\xfe\x00", "not JSON"),
         ('{"traceEvents": []}', "not a handoff trace"),
-        ('[1, 2]', "not a handoff trace"),
+        ("[1, 2]", "not a handoff trace"),
         ('{"handoff": {"events": [1]}}', "not a handoff trace"),
     ],
 )
-def test_show_and_graph_reject_what_is_not_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                   content: str | bytes | None, message: str):
+def test_show_and_graph_reject_what_is_not_a_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str | bytes | None, message: str
+):
     path = tmp_path / "file.json"
     if isinstance(content, bytes):
         path.write_bytes(content)
@@ -418,23 +516,47 @@ def test_show_and_graph_reject_what_is_not_a_trace(tmp_path: Path, capsys: pytes
         assert err.startswith(f"handoff-trace: {path}: {message}") and "Traceback" not in err
 
 
-HOSTILE_EVENT = {"kind": "import", "time_ns": 1, "device": [1, 0], "shape": [3], "nbytes": 24, "buffer": "buffer:1",
-                 "view": "view:1", "action": "none", "hazard": None, "where": "x.py:1"}
+HOSTILE_EVENT = {
+    "kind": "import",
+    "time_ns": 1,
+    "device": [1, 0],
+    "shape": [3],
+    "nbytes": 24,
+    "buffer": "buffer:1",
+    "view": "view:1",
+    "action": "none",
+    "hazard": None,
+    "where": "x.py:1",
+}
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    (json.dumps({"handoff": {"events": [{**HOSTILE_EVENT, "where": float("nan")}]}}), "not JSON (NaN is not a JSON"),
-    (json.dumps({"handoff": {"events": [{**HOSTILE_EVENT, "nbytes": float("inf")}]}}), "not JSON (Infinity"),
-    (json.dumps({"handoff": {"events": [{**HOSTILE_EVENT, "view": [1]}]}}), "event 0: field 'view' is not an id"),
-    (json.dumps({"handoff": {"events": [{**HOSTILE_EVENT, "shape": {"a": 1}}]}}), "event 0: field 'shape' holds dict"),
-    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
-    (json.dumps({"handoff": {"events": [], "graph": {"nodes": [1], "edges": []}}}), "graph nodes 0 is not an object"),
-    (json.dumps({"handoff": {"events": [], "graph": {"nodes": [{"id": 1, "kind": "view"}]}}}), "not an id"),
-    (json.dumps({"handoff": {"events": [], "graph": {"edges": [{"src": "a"}]}}}), "graph edges 0 has no 'dst'"),
-    (json.dumps({"handoff": {"events": [], "graph": []}}), "the ownership graph is not an object"),
-], ids=["nan", "infinity", "unhashable id", "object field", "deep", "node", "node id", "edge", "graph"])
-def test_hostile_trace_files_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str,
-                                                 message: str):
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            json.dumps({"handoff": {"events": [{**HOSTILE_EVENT, "where": float("nan")}]}}),
+            "not JSON (NaN is not a JSON",
+        ),
+        (json.dumps({"handoff": {"events": [{**HOSTILE_EVENT, "nbytes": float("inf")}]}}), "not JSON (Infinity"),
+        (json.dumps({"handoff": {"events": [{**HOSTILE_EVENT, "view": [1]}]}}), "event 0: field 'view' is not an id"),
+        (
+            json.dumps({"handoff": {"events": [{**HOSTILE_EVENT, "shape": {"a": 1}}]}}),
+            "event 0: field 'shape' holds dict",
+        ),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        (
+            json.dumps({"handoff": {"events": [], "graph": {"nodes": [1], "edges": []}}}),
+            "graph nodes 0 is not an object",
+        ),
+        (json.dumps({"handoff": {"events": [], "graph": {"nodes": [{"id": 1, "kind": "view"}]}}}), "not an id"),
+        (json.dumps({"handoff": {"events": [], "graph": {"edges": [{"src": "a"}]}}}), "graph edges 0 has no 'dst'"),
+        (json.dumps({"handoff": {"events": [], "graph": []}}), "the ownership graph is not an object"),
+    ],
+    ids=["nan", "infinity", "unhashable id", "object field", "deep", "node", "node id", "edge", "graph"],
+)
+def test_hostile_trace_files_are_one_line_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str
+):
     path = tmp_path / "hostile.json"
     path.write_text(text)
     for command in (["show", str(path)], ["show", "--json", str(path)], ["graph", str(path)]):
@@ -467,16 +589,18 @@ def test_graph_of_a_trace_without_one(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "holds no ownership graph" in capsys.readouterr().err
 
 
-def test_graph_images_without_graphviz_say_how_to_get_it(saved: Path, monkeypatch: pytest.MonkeyPatch,
-                                                         capsys: pytest.CaptureFixture[str]):
+def test_graph_images_without_graphviz_say_how_to_get_it(
+    saved: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
     monkeypatch.setattr(shutil, "which", lambda name, *args, **kwargs: None)
     assert _trace_cli.main(["graph", str(saved), "--format", "svg"]) == 2
     err = capsys.readouterr().err
     assert "apt-get install graphviz" in err and "--format dot" in err
 
 
-def test_graph_images_are_drawn_by_dot(saved: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                       capsys: pytest.CaptureFixture[str]):
+def test_graph_images_are_drawn_by_dot(
+    saved: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
     fake = tmp_path / "dot"
     fake.write_text('#!/bin/sh\n[ "$1" = -Tpng ] && [ "$2" = -o ] && cat > "$3"\n')
     fake.chmod(0o755)
@@ -574,8 +698,7 @@ def test_attach_prints_each_event_until_the_process_ends(runtime_dir: Path, caps
     assert "not a JSON object" in err and "it has ended" in err
 
 
-def test_attach_json_prints_the_lines_and_count_stops_early(runtime_dir: Path,
-                                                            capsys: pytest.CaptureFixture[str]):
+def test_attach_json_prints_the_lines_and_count_stops_early(runtime_dir: Path, capsys: pytest.CaptureFixture[str]):
     path = runtime_dir / "handoff" / f"trace-{os.getpid()}.sock"
     hold = threading.Event()
     thread = serve(path, [HELLO, *LIVE], hold)
@@ -600,9 +723,9 @@ def test_attach_stops_at_its_timeout(runtime_dir: Path, capsys: pytest.CaptureFi
     assert len(out.splitlines()) == 1 and "stopped after 0.5 s" in err
 
 
-def test_attach_finds_the_socket_under_tmpdir_without_xdg_runtime_dir(runtime_dir: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch,
-                                                                      capsys: pytest.CaptureFixture[str]):
+def test_attach_finds_the_socket_under_tmpdir_without_xdg_runtime_dir(
+    runtime_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
     monkeypatch.delenv("XDG_RUNTIME_DIR")
     path = runtime_dir / f"handoff-{os.geteuid()}" / f"trace-{os.getpid()}.sock"
     assert _trace_cli.socket_paths(os.getpid()) == [path]
@@ -614,8 +737,9 @@ def test_attach_finds_the_socket_under_tmpdir_without_xdg_runtime_dir(runtime_di
     assert _trace_cli.socket_paths(os.getpid()) == [path]
 
 
-@pytest.mark.parametrize("lines", [[HELLO, LIVE[0], '{"error": "refused: not the same user"}'],
-                                   ['{"error": "refused: too many clients"}']])
+@pytest.mark.parametrize(
+    "lines", [[HELLO, LIVE[0], '{"error": "refused: not the same user"}'], ['{"error": "refused: too many clients"}']]
+)
 def test_attach_reports_a_refusal(runtime_dir: Path, capsys: pytest.CaptureFixture[str], lines: list[str]):
     path = runtime_dir / "handoff" / f"trace-{os.getpid()}.sock"
     thread = serve(path, lines)
@@ -659,8 +783,12 @@ def test_attach_to_something_else(runtime_dir: Path, capsys: pytest.CaptureFixtu
 
 def test_attach_skips_odd_values_a_server_sends(runtime_dir: Path, capsys: pytest.CaptureFixture[str]):
     path = runtime_dir / "handoff" / f"trace-{os.getpid()}.sock"
-    odd = ['{"kind": {"x": 1}}', '{"time_ns": NaN}', json.dumps({**as_json(EVENTS[0]), "time_ns": 10**30}),
-           '[' * 5000 + ']' * 5000]
+    odd = [
+        '{"kind": {"x": 1}}',
+        '{"time_ns": NaN}',
+        json.dumps({**as_json(EVENTS[0]), "time_ns": 10**30}),
+        "[" * 5000 + "]" * 5000,
+    ]
     thread = serve(path, [HELLO, *odd])
     assert _trace_cli.main(["attach", str(os.getpid())]) == 0
     thread.join(10)
@@ -706,7 +834,8 @@ def original_sitecustomize(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> P
 
 
 def test_run_prints_the_summary_and_exits_with_the_programs_status(
-        tmp_path: Path, original_sitecustomize: Path, capsys: pytest.CaptureFixture[str]):
+    tmp_path: Path, original_sitecustomize: Path, capsys: pytest.CaptureFixture[str]
+):
     report, output = tmp_path / "report.json", tmp_path / "out" / "trace.json"
     output.parent.mkdir()
     script = child_script(chrome_trace(EVENTS, graph=GRAPH), report, 3)
@@ -745,7 +874,8 @@ def test_run_says_when_no_trace_was_written(capsys: pytest.CaptureFixture[str]):
 
 
 def test_run_keeps_an_existing_output_file_unread_when_no_new_trace_comes(
-        saved: Path, capsys: pytest.CaptureFixture[str]):
+    saved: Path, capsys: pytest.CaptureFixture[str]
+):
     assert _trace_cli.main(["run", "-o", str(saved), "--", sys.executable, "-S", "-c", "pass"]) == 0
     assert "no trace was written" in capsys.readouterr().err
 
@@ -761,8 +891,9 @@ def test_run_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path):
     assert "command not found" in capsys.readouterr().err
 
 
-def test_the_shim_never_breaks_the_program(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                           capfd: pytest.CaptureFixture[str]):
+def test_the_shim_never_breaks_the_program(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+):
     # A `handoff` that cannot be imported, first on the path: the program runs, untraced.
     broken = tmp_path / "broken"
     (broken / "handoff").mkdir(parents=True)

@@ -27,12 +27,20 @@ HERE = Path(__file__).resolve().parent
 def run(tool: list[str], cache: Path | None = None) -> subprocess.CompletedProcess[str]:
     """Runs a mypy tool on the handoff package imported here (an installed one or build/devpkg)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(handoff.__file__).parent.parent), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(Path(handoff.__file__).parent.parent), env.get("PYTHONPATH")])
+    )
     env.pop("MYPYPATH", None)
     cache_args = ["--cache-dir", str(cache)] if cache is not None else []
     # tests/python holds no handoff package, so the one on PYTHONPATH is the one checked.
     return subprocess.run(
-        [sys.executable, "-m", *tool, *cache_args], cwd=HERE, env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", *tool, *cache_args],
+        cwd=HERE,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
 
 
@@ -101,8 +109,12 @@ def stub_functions() -> dict[str, ast.FunctionDef]:
 def pybind11_functions() -> dict[str, ast.FunctionDef]:
     """The extension's pybind11 functions and methods, from the signature leading each docstring."""
     out = {}
-    namespaces = {"": extension, "_sim.": extension._sim, "_sim.Stream.": extension._sim.Stream,
-                  "_sim.Graph.": extension._sim.Graph}
+    namespaces = {
+        "": extension,
+        "_sim.": extension._sim,
+        "_sim.Stream.": extension._sim.Stream,
+        "_sim.Graph.": extension._sim.Graph,
+    }
     for prefix, namespace in namespaces.items():
         for name, value in vars(namespace).items():
             first_line = (getattr(value, "__doc__", None) or "").partition("\n")[0]

@@ -305,15 +305,6 @@ struct byte_range {
 /// The highest DLPack version handoff produces and understands.
 inline constexpr DLPackVersion dlpack_version{DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION};
 
-/// Runs an imported tensor's deleter: `invoke(tensor)` calls it. The default runs it at once, where
-/// the last view goes (any thread). An embedding runtime installs its own to run producers'
-/// deleters under its rules: the Python module runs them holding the GIL, and keeps them unrun,
-/// deliberately, once other threads may no longer enter the interpreter (CuPy's and PyTorch's
-/// deleters take the GIL, which aborts or hangs a thread at interpreter exit).
-using deleter_runner = void (*)(void (*invoke)(void* tensor) noexcept, void* tensor) noexcept;
-/// Installs `runner` for every later release of an imported tensor (nullptr: the default).
-void set_deleter_runner(deleter_runner runner) noexcept;
-
 /// Takes ownership of a producer's versioned tensor. On every path, success or exception, its
 /// deleter runs exactly once: when the last view of the result is gone, or before throwing.
 /// @throws buffer_error for an unknown major version, unsupported dtype or packed sub-byte data;

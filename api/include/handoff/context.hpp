@@ -5,16 +5,9 @@
 #include <handoff/event_pool.hpp>
 
 #include <chrono>
-#include <condition_variable>
-#include <cstddef>
 #include <functional>
-#include <list>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
-#include <utility>
-#include <vector>
 
 namespace handoff {
 
@@ -37,14 +30,9 @@ class executor {
   [[nodiscard]] virtual bool runs_on_this_thread() const noexcept = 0;
 };
 
-/// How the executor runs a batch of deferred releases that their streams let go together: `body(state)`
-/// runs them all. An embedding runtime installs one to take, at most once per batch, what releases
-/// need: the Python module's takes the GIL when the first producer's deleter asks for it and keeps
-/// it to the batch's end, so that a busy interpreter hands it over once per batch, not once per
-/// release (which let releases fall behind imports without bound). Must call `body` exactly once.
-using release_section = void (*)(void (*body)(void* state) noexcept, void* state) noexcept;
-/// Installs `section` for every later batch of releases (nullptr: the body runs as it is).
-void set_release_section(release_section section) noexcept;
+/// An executor of its own: one thread that runs the posted work in order, and lets the pending work
+/// finish before it is joined (the runtime's service thread). For a context's deferred releases.
+[[nodiscard]] std::unique_ptr<executor> make_service_thread();
 
 /// What exchanges on one backend share. One per backend; outlives every view bound to it.
 class context {
@@ -104,40 +92,11 @@ class context {
   bool drain_at_exit(std::chrono::nanoseconds limit) noexcept;
 
  private:
-  using stream_key = std::pair<int, device::stream_handle>;  // (device, stream)
-  struct thread_exit_orders;
-  struct pending_release;
-  struct release_group;
-  struct shared_state;
-  void enqueue_unless_capturing(pending_release* pending) noexcept;
-  void enqueue_release(pending_release* pending, bool device_is_current) noexcept;
-  void poll_later(std::chrono::nanoseconds interval) noexcept;
-  void poll_releases(std::chrono::nanoseconds interval) noexcept;
-  void when_not_capturing(pending_release* pending) noexcept;
-  bool release_with_graph(pending_release* pending) noexcept;
-  void hold_back(device::stream_handle producer, device::stream_handle consumer, device::event_handle reached) noexcept;
-  void finished_one(stream_key where) noexcept;
-  void run_releases(std::vector<pending_release*>& releases) noexcept;
-  void order_legacy_after_this_thread(int device) noexcept;
-  void wait_for_stream(int device, device::stream_handle stream);  // blocks the calling thread
-  void refuse_to_wait_for_itself(const char* what) const;
+  struct impl;
 
   device::backend& backend_;
   event_pool events_;
-  std::mutex pending_mutex_;
-  std::condition_variable none_pending_;
-  std::size_t pending_{0};                       // deferred releases not yet run
-  std::map<stream_key, std::size_t> by_stream_;  // the same, by the stream they wait for
-  std::size_t bound_to_graphs_{0};               // of them, those waiting for a captured graph to go
-  std::mutex watch_mutex_;
-  std::list<release_group> watched_;  // recorded; the executor polls their events
-  bool polling_{false};               // a poll is scheduled (guarded by watch_mutex_)
-  bool exit_drained_{false};          // drain_at_exit ran
-  std::size_t abandoned_at_exit_{0};  // and left this many pending
-  // What a host function still queued on a stream reaches: it outlives the context, so that a
-  // release abandoned at exit touches nothing when its host function runs after all.
-  std::shared_ptr<shared_state> shared_;
-  std::unique_ptr<executor> deferred_;
+  std::unique_ptr<impl> impl_;  // last: destroyed first, draining while the pool is alive
 };
 
 }  // namespace handoff

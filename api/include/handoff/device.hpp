@@ -15,6 +15,16 @@ enum class stream_handle : std::uintptr_t {};
 /// A native event (cudaEvent_t or a simulated event).
 enum class event_handle : std::uintptr_t {};
 
+/// The integer a handle is, for messages, maps and the native runtime's calls.
+[[nodiscard]] constexpr std::uintptr_t raw(stream_handle handle) noexcept
+{
+  return static_cast<std::uintptr_t>(handle);
+}
+[[nodiscard]] constexpr std::uintptr_t raw(event_handle handle) noexcept
+{
+  return static_cast<std::uintptr_t>(handle);
+}
+
 /// What kind of memory an address belongs to.
 enum class memory_kind {
   unregistered,  ///< host memory the backend does not know (plain malloc)

@@ -56,10 +56,17 @@ class device_error : public error {
   std::string error_name_;
 };
 
-}  // namespace handoff
+/// The error names of the device_errors handoff raises itself (a backend's carry its own, such as
+/// "cudaErrorInsufficientDriver"): what the Python DeviceError's `error_name` says.
+namespace error_names {
+inline constexpr const char* no_backend = "handoffErrorNoBackend";            ///< no device backend is active
+inline constexpr const char* invalid_backend = "handoffErrorInvalidBackend";  ///< HANDOFF_BACKEND names none
+inline constexpr const char* wrong_backend = "handoffErrorWrongBackend";      ///< data of the other device family
+inline constexpr const char* forked_child = "handoffErrorForkedChild";        ///< the parent's backend, after fork
+inline constexpr const char* not_simulated = "handoffErrorNotSimulated";      ///< handoff.sim without the simulator
+}  // namespace error_names
 
-#define HANDOFF_STRINGIFY_DETAIL(x) #x
-#define HANDOFF_STRINGIFY(x) HANDOFF_STRINGIFY_DETAIL(x)
+}  // namespace handoff
 
 /// Throws `exception_type(message)` when `condition` is false. `message` is evaluated only then.
 #define HANDOFF_EXPECTS(condition, exception_type, message)           \

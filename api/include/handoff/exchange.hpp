@@ -1,4 +1,5 @@
-// The stream rules of an exchange: what an export orders, and what an import promises.
+// handoff::exchange: the exchange policy that every front end runs (the Python module, the DLPack C
+// exchange API, the pybind11 helper's table, a C++ application): imports, exports, hand-overs.
 #pragma once
 
 #include <handoff/array.hpp>
@@ -10,51 +11,11 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
-#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
 
 namespace handoff {
-
-/// The DLPack version an export stamps for a consumer that reads at most `consumer_max`: nullopt
-/// (the legacy, unversioned capsule) when it gave none or a major version below 1; ours otherwise,
-/// with the consumer's minor when it is older, so that it can read every field set.
-[[nodiscard]] std::optional<DLPackVersion> export_version(std::optional<DLPackVersion> consumer_max) noexcept;
-
-/// What handing `view` over to `target` with the array API's `copy` makes.
-enum class transfer {
-  none,         ///< the view itself
-  same_device,  ///< a copy on the view's device
-  to_host,      ///< a copy in host memory
-  host_view,    ///< the view's host-accessible memory (pinned, managed) as CPU data, not copied
-};
-
-/// The export of `view` to `target` (nullopt: its own device) with `copy` (nullopt: only if needed):
-/// host-accessible memory moves to the CPU as a host view unless a copy is asked for, other device
-/// memory by a copy.
-/// @throws buffer_error when `target` is neither the view's device nor the CPU, or a copy is needed
-///         and `copy` is false.
-[[nodiscard]] transfer plan_export(const array& view, std::optional<DLDevice> target, std::optional<bool> copy);
-
-/// The import of `view`, as its producer handed it over, for a consumer asking for `target` and
-/// `copy` where the producer could not honour them: plan_export's rules, but nothing more when
-/// `producer_copied` (it honoured copy=True already).
-/// @throws buffer_error as plan_export.
-[[nodiscard]] transfer plan_import(const array& view, std::optional<DLDevice> target, std::optional<bool> copy,
-                                   bool producer_copied);
-
-/// How the host waits where an exchange must block it (a copy to the host, a host view): `body(state)`
-/// runs on the calling thread and may throw, which must propagate. The Python module releases the
-/// GIL around it, so that other threads run while this one waits.
-using blocking_section = void (*)(void (*body)(void* state), void* state);
-/// Installs `section` for every later transfer_array (nullptr: the body runs as it is).
-void set_blocking_section(blocking_section section) noexcept;
-
-/// What an exchange hands over for `how` (plan_export, plan_import): the view itself; a compact copy
-/// (host data copied on the host; device data through the active backend, in stream order, a copy
-/// to the host waited for); or the host view of host-accessible memory (waited for). Waits run in
-/// the installed blocking section.
-/// @throws device_error when device data needs a backend and none is active, or a device call
-///         fails; buffer_error when the backend does not order that memory.
-[[nodiscard]] array transfer_array(const array& view, transfer how);
 
 /// Which consumer streams an export's producer waits for when the consumer releases the export
 /// (its deleter: PyTorch and CuPy call it at their refcount zero, whatever their stream still has
@@ -64,190 +25,221 @@ enum class export_release : std::uint8_t {
   every_stream,   ///< raw handles too: the application promises that each consumer stream outlives
                   ///< the exports it was handed (HANDOFF_EXPORT_RELEASE=every-stream)
 };
-/// Sets the policy for every later export. Thread-safe.
+/// Sets the policy for every later export of every exchange. Thread-safe.
 void set_export_release(export_release policy) noexcept;
 /// The policy in force (the runtime starts with HANDOFF_EXPORT_RELEASE's, default known_streams).
 [[nodiscard]] export_release current_export_release() noexcept;
 
-/// Prepares the export of `view` to a consumer asking for `consumer` (its `stream` as classify_stream
-/// reads it for the view's device; `consumer_owner`, possibly empty, keeps that stream alive), `how` as
-/// plan_export chose: the array to hand over instead of the view (transfer_array's), or null for the
-/// view itself (the common export, which allocates nothing); either is ordered for the consumer
-/// where it stays on the device (order_export). Needs no device runtime when nothing is to be
-/// ordered or copied (host data, stream=-1).
-/// @throws what transfer_array and order_export throw.
-[[nodiscard]] std::unique_ptr<const array> prepare_export(const array& view, stream_request consumer, transfer how,
-                                                          std::shared_ptr<const void> consumer_owner = {});
+/// Why an exchange has no device context, which the errors of the operations that need one say.
+struct absent_backend {
+  std::string setting;     ///< how the backend was chosen, e.g. "HANDOFF_BACKEND=auto"
+  std::string error_name;  ///< the error that stopped the backend's start; empty when none was asked for
+  std::string reason;      ///< that error's message
+  /// CUDA data that needs ordering is refused (nothing can order it: `auto` found no usable CUDA
+  /// device) rather than exchanged as it comes (the application asked for no backend).
+  bool refuses_unordered{false};
+};
+
+/// Where an exchange finds its device context when an operation first needs one: the process's
+/// runtime starts its backend then, so that exchanges of host data never start a device runtime.
+class context_source {
+ public:
+  /// The device context, started on the first call; null when there is none (absent() says why).
+  /// @throws device_error when the backend cannot be used (it failed to start; the process is a
+  ///         child forked after its parent started it).
+  [[nodiscard]] virtual context* device_context() = 0;
+  /// Why device_context() is null.
+  [[nodiscard]] virtual const absent_backend& absent() = 0;
+
+ protected:
+  context_source() = default;
+  context_source(const context_source&) = default;
+  context_source& operator=(const context_source&) = default;
+  context_source(context_source&&) = default;
+  context_source& operator=(context_source&&) = default;
+  ~context_source() = default;
+};
+
+/// What a consumer asks of an import besides the data: its stream, and the array API's arguments.
+struct import_request {
+  named_stream consumer;           ///< the stream the consumer works on
+  std::optional<DLDevice> device;  ///< where the result must be (nullopt: where the data is)
+  std::optional<bool> copy;        ///< the array API's `copy`
+};
+
+/// What a producer told the importer, as the front end read it.
+struct producer_answer {
+  std::string_view name;             ///< the producer's type, for messages
+  std::optional<DLDevice> claimed;   ///< what its `__dlpack_device__` said, when asked
+  bool honoured_arguments{false};    ///< it took `max_version`, and so `dl_device` and `copy`
+  bool ordered_for_consumer{false};  ///< it was given the consumer's stream, and orders for it
+};
+
+/// What a consumer asks of an export: DLPack's `__dlpack__` arguments.
+struct export_request {
+  std::optional<std::int64_t> stream;        ///< the consumer's stream value (nullopt: None)
+  std::shared_ptr<const void> stream_owner;  ///< what keeps that stream alive, when known
+  std::optional<DLPackVersion> max_version;  ///< nullopt: a consumer older than DLPack 1.0
+  std::optional<DLDevice> dl_device;
+  std::optional<bool> copy;
+};
+
+/// A tensor an export made, versioned or legacy (the other is null). Its deleter belongs to
+/// whoever takes it.
+struct exported_tensor {
+  DLManagedTensorVersioned* versioned{nullptr};
+  DLManagedTensor* legacy{nullptr};
+};
+
+/// What an import through a producer's DLPack C exchange API table asks of the producer's object:
+/// the front end answers, the exchange decides.
+class table_producer {
+ public:
+  /// Whether the tensor's memory holds the conjugates of its values (PyTorch's lazy conjugation),
+  /// which `__dlpack__` refuses and the table hands over as it is. Asked of complex data only.
+  /// @throws what asking the producer throws.
+  [[nodiscard]] virtual bool lazily_conjugated() = 0;
+  /// The stream the producer's work on `device` is enqueued on (nullopt in `stream`: the default
+  /// stream). False when the producer cannot say (its error logged and cleared).
+  [[nodiscard]] virtual bool current_work_stream(DLDevice device, std::optional<std::int64_t>& stream) noexcept = 0;
+
+ protected:
+  table_producer() = default;
+  table_producer(const table_producer&) = default;
+  table_producer& operator=(const table_producer&) = default;
+  table_producer(table_producer&&) = default;
+  table_producer& operator=(table_producer&&) = default;
+  ~table_producer() = default;
+};
+
+/// The exchange policy over one device context: which stream a consumer works on, what it must wait
+/// for, what is kept until when, what is copied, and what is counted (stats()) and traced. Every
+/// operation orders with events, never blocking the host, except the transfers to the host that
+/// the consumer asked for (waited for in the embedding's blocking section).
+/// @note Thread-safe: an exchange holds no mutable state of its own; the context synchronizes.
+class exchange {
+ public:
+  /// An exchange over `device_context`, which must outlive it.
+  explicit exchange(context& device_context) noexcept : ctx_(&device_context) {}
+  /// An exchange with no device backend: host data is exchanged, device data as it comes, or, where
+  /// `why` refuses unordered exchanges, refused where it needs ordering.
+  explicit exchange(absent_backend why) : absent_(std::move(why)) {}
+  /// An exchange over the context `source` gives when an operation first needs one; `source` must
+  /// outlive the exchange.
+  explicit exchange(context_source& source) noexcept : source_(&source) {}
+
+  /// The device context (started, for a context_source); null without a device backend.
+  /// @throws what context_source::device_context throws.
+  [[nodiscard]] context* device_context() const { return source_ != nullptr ? source_->device_context() : ctx_; }
+  /// The device context. @throws device_error naming `what` needed one, when there is none.
+  [[nodiscard]] context& require_device(const char* what) const;
+
+  // --- imports: each counted in stats().imports --------------------------------------------------
+
+  /// Completes the import of `view`, which a producer handed over as `answer` says (the array of a
+  /// consumed capsule), for `request`: checks that the data is on the device the producer claimed
+  /// (the consumer stream was given in that device's numbering), binds device data to the consumer
+  /// stream (its producer then outlives the work enqueued there), and applies `device` and `copy`
+  /// where the producer did not.
+  /// @throws value_error for data on another device than claimed; what binding and transfer throw.
+  [[nodiscard]] array import(array view, const import_request& request, const producer_answer& answer);
+
+  /// The import of a tensor a producer's DLPack C exchange API table made, without synchronizing:
+  /// the consumer stream waits for the producer's current work stream. nullopt, the tensor
+  /// released, where `__dlpack__` must be asked instead (a lazily conjugated tensor; a question the
+  /// producer failed to answer).
+  [[nodiscard]] std::optional<array> import_from_table(DLManagedTensorVersioned* tensor, const named_stream& consumer,
+                                                       table_producer& producer);
+
+  /// The import of validated CUDA Array Interface data owned by `owner`: the device is what the
+  /// backend knows of the pointer; the interface's `stream` (the producer's) is waited for, and,
+  /// where it is certain to be alive then (`producer_stream_owner` keeps a stream object), made to
+  /// wait for the consumer's work on the data when the view is released.
+  [[nodiscard]] array import_interface(cuda_interface interface, producer_ref owner, const import_request& request,
+                                       std::shared_ptr<const void> producer_stream_owner = {});
+
+  /// The import of host data from a protocol that has no streams (`__array_interface__`, the buffer
+  /// protocol): `device` and `copy` applied.
+  [[nodiscard]] array import_host(array view, const import_request& request);
+
+  /// A new view of `source`'s data (a view handoff made) for `consumer`, ordered as exporting it to
+  /// the consumer and importing the result would be, sharing `source`'s root producer instead of
+  /// wrapping it: a chain of re-imports keeps one producer alive, not one per hop.
+  [[nodiscard]] array share(const array& source, const named_stream& consumer);
+
+  /// Data a consumer made on `work_stream` and handed over as `view` (the C exchange API's
+  /// `managed_tensor_to_py_object`, the tensor imported): ready there, and released after the work
+  /// enqueued there.
+  /// @throws device_error for device memory the backend cannot order.
+  [[nodiscard]] array adopt(array view, const named_stream& work_stream);
+
+  // --- a library's own memory ----------------------------------------------------------------------
+
+  /// A view of memory a library describes itself (to export its own arrays): `layout` checked as an
+  /// array's; device memory checked against the device it claims (every byte it reaches) and
+  /// recorded as ready on `ready` (default: unknown, so exports order after the device's legacy
+  /// default stream).
+  /// @throws value_error for a bad layout, or memory that is not the claimed device's; device_error
+  ///         for device data that needs ordering and cannot get it.
+  [[nodiscard]] array view(array_layout layout, producer_ref owner, const named_stream& ready = {});
+
+  /// A new row-major array like `prototype` (shape, dtype, device), on `on` for device memory (the C
+  /// exchange API's allocator): ready there, and freed in its order.
+  /// @throws buffer_error for a device the backend does not serve; value_error for a bad shape.
+  [[nodiscard]] array allocate(const DLTensor& prototype, const named_stream& on);
+
+  // --- exports: each counted in stats().exports --------------------------------------------------
+
+  /// Exports `view` as DLPack's `__dlpack__` does: classifies the consumer's stream for the view's
+  /// device, makes it wait for the stream the data is ready on, keeps the producer until the work
+  /// the consumer enqueued there is done (export_release), copies where `dl_device` or `copy` ask,
+  /// and stamps the version the consumer can read.
+  /// @throws value_error for a stream the device does not take; buffer_error when the export cannot
+  ///         be made as asked (read-only data to a legacy consumer, an unreachable `dl_device`, a
+  ///         copy that `copy=False` forbids); device_error when ordering fails.
+  [[nodiscard]] exported_tensor export_dlpack(const array& view, const export_request& request);
+
+  /// Hands `view` to a consumer that works on `consumer` and holds nothing of its own (the DLPack C
+  /// exchange API's no-sync calls): its stream waits for the data's, and the producer is kept until
+  /// the work enqueued there by the tensor's deletion is done. Returns the tensor.
+  [[nodiscard]] DLManagedTensorVersioned* hand_over(const array& view, const named_stream& consumer);
+  /// hand_over for a consumer that borrows the view's own description (a bare DLTensor).
+  void lend(const array& view, const named_stream& consumer);
+
+  /// The stream to tell a consumer that may synchronize it, rather than wait on it, that `view`'s
+  /// data is ready on (the CUDA Array Interface's `stream`), as a DLPack stream value; nullopt when
+  /// none is known. A stream synchronization of the legacy default stream waits only for work
+  /// enqueued on it: for data ready there, an event's record is first enqueued there.
+  [[nodiscard]] std::optional<std::int64_t> interface_stream(const array& view) const;
+
+ private:
+  [[nodiscard]] std::optional<stream_binding> consumer_binding(const array& view, const named_stream& consumer) const;
+  void bind_to_consumer(const array& view, const named_stream& consumer) const;
+  void order_hand_over(const array& view, const named_stream& consumer) const;
+  void require_ordering(DLDeviceType type) const;
+  [[nodiscard]] array transfer(array view, std::optional<DLDevice> target, std::optional<bool> copy,
+                               bool producer_copied) const;
+
+  [[nodiscard]] const absent_backend& absent() const { return source_ != nullptr ? source_->absent() : absent_; }
+  // The device context `type`'s data needs: null for host data, which never starts a backend.
+  [[nodiscard]] context* context_for(DLDeviceType type) const { return type == kDLCPU ? nullptr : device_context(); }
+
+  context* ctx_{nullptr};
+  absent_backend absent_;            // why ctx_ is null
+  context_source* source_{nullptr};  // when set, gives both
+};
 
 /// Makes the device of the data a producer says it holds (its `__dlpack_device__`) current for the
-/// scope of the call to its `__dlpack__`: producers order the *current* device's streams (PyTorch
-/// records on the current device's stream), so a consumer calls them with the data's device current,
-/// as CuPy's does. Nothing for data that is not device memory of the active backend's family.
+/// call to its `__dlpack__`: producers order the *current* device's streams (PyTorch records on the
+/// current device's stream), so a consumer calls them with the data's device current, as CuPy's
+/// does. Nothing for data that is not device memory of the exchange's backend.
 class producer_device_scope {
  public:
   /// @throws device_error when the device cannot be made current.
-  explicit producer_device_scope(DLDevice claimed);
+  producer_device_scope(const exchange& on, DLDevice claimed);
 
  private:
   std::optional<device_guard> guard_;
 };
-
-/// The stream a validated DLPack request names on `backend`; nullopt when it asks for no ordering.
-[[nodiscard]] std::optional<device::stream_handle> resolve_stream(device::backend& backend, stream_request request);
-
-/// The device that owns `view`'s memory, from the pointer's attributes (not the current device).
-/// @throws value_error when the view claims another device than the one its memory belongs to, or
-///         device memory that the backend does not know.
-[[nodiscard]] int owning_device(context& ctx, const array& view);
-
-/// A view of memory a library describes itself (to export its own arrays): `layout` checked as an
-/// array's; for CUDA or ROCm memory with an active backend, the memory checked against the device it
-/// claims (every byte it reaches, not only the first), and the data recorded as ready on `ready` (the producer's
-/// stream, kept alive by `ready_owner`; order none: unknown, so exports order after the device's legacy default
-/// stream). Without a backend (`ctx` null) device memory is exchanged as it comes.
-/// @throws value_error for a bad layout, or memory that is not the claimed device's (or that runs past
-///         its allocation); device_error when the backend is of the other device family.
-[[nodiscard]] array make_view(context* ctx, array_layout layout, producer_ref owner, stream_request ready,
-                              std::shared_ptr<const void> ready_owner = {});
-
-/// Export half: orders the work pending on the stream `view` is ready on (its producer's last
-/// write; the device's legacy default stream when unknown) before the work the consumer will
-/// enqueue on the requested stream, and keeps `view`'s producer until the work the consumer has
-/// enqueued there by the time the export is released is done, when that stream is certain to be
-/// alive then (export_release; `consumer_owner`, possibly empty, keeps it so). Never blocks the host.
-/// @throws device_error when the view is on a device and no backend is active (`ctx` null), or
-///         the backend is of another family (a CUDA array with a ROCm backend).
-void order_export(context* ctx, const array& view, stream_request consumer,
-                  std::shared_ptr<const void> consumer_owner = {});
-
-/// A new view of `source`'s data (a view handoff made) for a consumer that works on `consumer`:
-/// ordered as exporting `source` to that consumer and importing the result would be (the consumer's
-/// stream waits for the stream the data is ready on; the new view is ready on the consumer's stream
-/// and its producer outlives the work enqueued there), but sharing `source`'s root producer
-/// (producer_ref::derived) rather than wrapping an export of it: a chain of re-imports keeps one
-/// producer alive, not one per hop.
-/// @throws what order_export and consumer_binding throw.
-[[nodiscard]] array share_view(const array& source, const named_stream& consumer);
-
-/// Import half: records that `view`'s data is ready on `consumer` (of `device`), and defers the
-/// release of its producer until the work enqueued on `consumer` by then is done. `consumer_owner`
-/// (may be empty) keeps the consumer stream alive until then.
-void bind_import(context& ctx, const array& view, int device, device::stream_handle consumer,
-                 std::shared_ptr<const void> consumer_owner = {});
-
-/// Where a device view imported for `consumer` is bound: nullopt when nothing orders it (data
-/// without streams, stream=-1, memory no active backend orders). The binding holds `consumer.owner`.
-/// @throws value_error for a stream the data's device does not take (checked whether or not a
-///         backend orders the memory here); device_error when the data needs ordering and nothing
-///         can give it (require_ordering).
-[[nodiscard]] std::optional<stream_binding> consumer_binding(const array& view, const named_stream& consumer);
-
-/// Export half for a consumer that works on `consumer` and holds nothing of its own (the DLPack C
-/// exchange API's no-sync calls): orders the data's pending work before it (order_export), and keeps
-/// the producer until the work enqueued on `consumer` by the view's release is done. Nothing for data
-/// without streams.
-/// @throws what order_export and consumer_binding throw.
-void hand_over(const array& view, const named_stream& consumer);
-
-/// Work on `device` of `ctx`'s backend bound to `stream` (resolved by the stream table of the
-/// device's type), which `stream.owner` keeps alive with the binding.
-/// @throws value_error for a stream the device type does not take, or stream=-1, which names none.
-[[nodiscard]] stream_binding binding_on(context& ctx, DLDevice device, named_stream stream);
-
-/// A device view imported for `consumer`: bind_import at its consumer_binding, when it has one. Its
-/// data is then ready there, and its producer outlives the work the consumer enqueues there.
-void bind_to_consumer(const array& view, const named_stream& consumer);
-
-/// Import half of a CUDA Array Interface v3 exchange, whose producer may have work in progress on
-/// `producer` (its `stream` as classify_stream reads it for CUDA; none when absent): orders that
-/// work before `consumer`'s (stream_view::wait), binds the view as bind_import does, and keeps the
-/// interface's other promise: the producer's stream runs no later work until the consumer's work on
-/// the data is done. That work is known when the view is released: the producer's stream then waits
-/// on the event the release records on `consumer` (context::release_after), provided it cannot be
-/// destroyed by then (using a destroyed stream is undefined):
-/// - the legacy default stream (1), except after a blocking consumer stream, whose earlier work the
-///   legacy stream's later work waits for anyway (counted in waits_elided);
-/// - the importing thread's per-thread default stream (2), through the legacy default stream, which
-///   every thread can name: a wait there holds back the later work of every blocking stream of the
-///   device, that per-thread stream included (none needed after a legacy default consumer);
-/// - a stream handle that `producer_owner` keeps alive (the stream object the producer holds);
-///   when the producer is blocking and the consumer the legacy default stream, none is needed.
-/// Any other handle may be destroyed before the release (an interface's `stream` is a bare int, and
-/// libraries destroy a stream with its object): it is not touched; only the producer is kept alive
-/// until the consumer's work is done.
-/// @throws what stream_view::wait throws.
-void bind_interface_import(context& ctx, const array& view, int device, device::stream_handle consumer,
-                           std::shared_ptr<const void> consumer_owner, stream_request producer,
-                           std::shared_ptr<const void> producer_owner = {});
-
-/// The DLPack device of memory the active backend (of `backend_type`, kDLCUDA or kDLROCM) describes by
-/// `where`: the backend's type and device for device memory, kDLCUDAManaged (device 0) for managed
-/// memory, kDLCUDAHost or kDLROCMHost (device 0) for pinned host memory; nullopt for memory the
-/// backend does not know.
-/// @throws buffer_error for managed memory on ROCm, which DLPack has no device type for.
-[[nodiscard]] std::optional<DLDevice> dlpack_device_of(const device::pointer_attributes& where,
-                                                       DLDeviceType backend_type);
-
-/// Imports validated CUDA Array Interface data owned by `owner` for `consumer`: the device is what
-/// the active backend knows of the pointer (dlpack_device_of; an empty array's null pointer is on
-/// the current device), and the exchange is bind_interface_import's, with `producer_stream_owner`
-/// (may be empty) keeping the interface's `stream` alive when something proves it (the stream
-/// object the producer holds).
-/// @throws device_error when there is no backend; buffer_error for memory the backend does not know.
-[[nodiscard]] array import_cuda_interface(cuda_interface interface, producer_ref owner, const named_stream& consumer,
-                                          std::shared_ptr<const void> producer_stream_owner);
-
-/// Import half of an exchange whose producer's work is on `producer` (a request as classify_stream
-/// reads the producer's stream for the view's device; none: nothing pending): orders that work
-/// before the work enqueued on `consumer` from now on (stream_view::wait), then binds the view
-/// there (bind_import), keeping `consumer.stream_owner`.
-/// @throws what stream_view::wait throws.
-void bind_after_producer(const array& view, const stream_binding& consumer, stream_request producer);
-
-/// A compact copy of device-resident `view`, made in order after the work pending on the stream it
-/// is ready on: on the host (`to_host`, waited for, so the copy is usable when this returns) or on
-/// the same device (stream-ordered: the copy is ready on that stream and returns at once), in the
-/// same kind of memory (managed or pinned memory copies to managed or pinned memory).
-/// @throws device_error when a device call fails; nothing is leaked.
-[[nodiscard]] array copy_device_array(context& ctx, const array& view, bool to_host);
-
-/// A new row-major array of `shape` and `dtype` in device memory handoff owns, allocated in stream
-/// order on `on.stream` of device `on.device` of `on.ctx`'s backend: ready on that stream, and freed
-/// there once its last view (and the work bound to it) is gone; `on.stream_owner` is kept until then.
-/// Its contents are unspecified.
-/// @throws value_error for a negative or overflowing shape or a device the backend does not have;
-///         buffer_error for a dtype DLPack does not define; device_error when the allocation fails.
-[[nodiscard]] array allocate_device_array(const stream_binding& on, DLDataType dtype,
-                                          std::span<const std::int64_t> shape);
-
-/// A new row-major array of `shape` and `dtype` in host-accessible memory handoff owns, of `kind`'s
-/// device type (kDLCUDAManaged: managed memory; kDLCUDAHost or kDLROCMHost: pinned host memory),
-/// allocated on device `on.device` of `on.ctx`'s backend and recorded as ready on `on.stream`. The
-/// allocation is not stream-ordered: it is freed, once its last view is gone, when the device is idle.
-/// @throws value_error for a shape as allocate_device_array, or a `kind` the host cannot reach;
-///         device_error when the allocation fails.
-[[nodiscard]] array allocate_host_accessible_array(const stream_binding& on, DLDevice kind, DLDataType dtype,
-                                                   std::span<const std::int64_t> shape);
-
-/// The same host-accessible memory (pinned or managed) as a CPU array, once the work pending on
-/// the stream it is ready on is done (waited for: a CPU consumer has no stream to order).
-/// @throws buffer_error for memory the host cannot reach; device_error when the wait fails.
-[[nodiscard]] array host_view(context& ctx, const array& view);
-
-/// The stream to tell a consumer that may synchronize it, rather than wait on it, that `view`'s data
-/// is ready on (the CUDA Array Interface's `stream`): the stream it is ready on, nullopt when none is
-/// known. When that is the legacy default stream (as for data bound to a per-thread default stream),
-/// a pooled event's record is first enqueued there: a synchronization of the legacy stream waits only
-/// for work enqueued on it, and that record waits for every blocking stream's work enqueued so far.
-/// Never blocks the host.
-/// @throws device_error when the record fails.
-[[nodiscard]] std::optional<device::stream_handle> published_ready_stream(const array& view);
-
-/// True when `view` lives in memory ordered by the streams of `ctx`'s backend.
-[[nodiscard]] bool is_stream_ordered(const context& ctx, const array& view) noexcept;
-
-/// @throws device_error when `view` is not in memory ordered by `ctx`'s backend (a CUDA array with a
-///         ROCm backend, or host memory).
-void require_stream_ordered(const context& ctx, const array& view);
 
 }  // namespace handoff

@@ -1,10 +1,12 @@
-// The per-process runtime: which device backend serves this process, and what it reports.
+// The per-process runtime (the composition root): which device backend serves this process, the
+// exchange over it, and what it reports.
 #pragma once
 
 #include <handoff/context.hpp>
-#include <handoff/device.hpp>
+#include <handoff/exchange.hpp>
 
 #include <string>
+#include <vector>
 
 namespace handoff {
 
@@ -26,32 +28,17 @@ struct runtime_description {
 /// Describes the runtime without throwing; starts the backend if it was not started yet.
 [[nodiscard]] runtime_description describe_runtime() noexcept;
 
-/// The backend chosen by HANDOFF_BACKEND (auto, cuda, sim, sim-rocm, none), started on first use.
-/// Returns nullptr for `none` (and for `auto` with no usable device). Thread-safe.
-/// @throws device_error when a backend named explicitly could not start (every call, with the
-///         original reason).
-[[nodiscard]] device::backend* active_backend();
+/// The process's exchange, over the backend HANDOFF_BACKEND chooses (auto, cuda, sim, sim-rocm,
+/// none), which the first operation that needs a device starts: `none`, and `auto` with no usable
+/// CUDA device, give it no device context (with `auto`, CUDA data that needs ordering is then
+/// refused). Its operations throw device_error when a backend named explicitly could not start
+/// (every call, with the original reason), or the process is a child forked after its parent
+/// started a backend. Thread-safe.
+[[nodiscard]] exchange& process_exchange() noexcept;
 
-/// Like active_backend(), but a missing backend is an error naming what needed one.
-/// @throws device_error when there is no backend.
-[[nodiscard]] device::backend& require_backend(const char* what);
-
-/// Refuses data of `type` that needs ordering when nothing can order it: CUDA data (device, host
-/// or managed memory) while HANDOFF_BACKEND=auto found no usable CUDA device, for which an
-/// unordered exchange would race with the producer's work. HANDOFF_BACKEND=none asks for unordered
-/// exchanges and is let through, as is every type the active backend orders.
-/// @throws device_error (backend "cuda", the error that stopped its start) saying why.
-void require_ordering(DLDeviceType type);
-
-/// The exchange context (event pool, deferred releases) of the active backend; nullptr for none.
-/// @throws device_error as active_backend() does.
-[[nodiscard]] context* active_context();
-
-/// The context if a backend has started (never starts one); nullptr otherwise.
+/// The process exchange's device context if a backend has started (never starts one); nullptr
+/// otherwise.
 [[nodiscard]] context* started_context() noexcept;
-
-/// Like active_context(), but a missing backend is an error naming what needed one.
-[[nodiscard]] context& require_context(const char* what);
 
 /// Serves every exchange live on a Unix socket, one JSON object per line, from the runtime's service
 /// thread (see `handoff-trace attach`): in `$XDG_RUNTIME_DIR/handoff` (else `<tmp>/handoff-<uid>`),
@@ -60,5 +47,9 @@ void require_ordering(DLDeviceType type);
 [[nodiscard]] std::string serve_trace();
 /// Stops serving (closes the clients, removes the socket). Thread-safe; nothing when not serving.
 void stop_serving_trace() noexcept;
+/// Where process `pid` serves its trace, if it does: the path serve_trace() would return in it, and
+/// the one under $TMPDIR (or /tmp) that a process started without $XDG_RUNTIME_DIR uses, when that
+/// differs. For the clients (`handoff-trace attach`).
+[[nodiscard]] std::vector<std::string> trace_socket_paths(int pid);
 
 }  // namespace handoff

@@ -19,17 +19,7 @@ struct stats_snapshot {
   std::int64_t pending_releases{0};    ///< deferred releases asked for and not yet run (nor given up)
 };
 
-/// Names of the counters, for bindings. Order matches stats_snapshot.
-enum class counter { exports, imports, waits_inserted, waits_elided, events_created, events_reused, deferred_releases };
-
 [[nodiscard]] stats_snapshot stats() noexcept;
 /// Zeroes the monotonic counters; the gauges keep counting what is alive and pending.
 void reset_stats() noexcept;
-/// Adds `n` to a counter. Lock-free.
-void count(counter which, std::uint64_t n = 1) noexcept;
-/// Adds `n` to a counter whose updates its callers serialize themselves (the Python binding counts
-/// its imports and exports holding the GIL): a plain load and store, where count()'s atomic
-/// read-modify-write costs several nanoseconds on every exchange. A counter is updated one way only.
-void count_serialized(counter which, std::uint64_t n = 1) noexcept;
-
 }  // namespace handoff

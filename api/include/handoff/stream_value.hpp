@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 
 namespace handoff {
@@ -42,6 +43,12 @@ struct stream_request {
 [[nodiscard]] constexpr bool is_rocm_device(DLDeviceType device) noexcept
 {
   return device == kDLROCM || device == kDLROCMHost;
+}
+
+/// True for device types whose memory is ordered by streams (CUDA's or ROCm's).
+[[nodiscard]] constexpr bool has_streams(DLDeviceType device) noexcept
+{
+  return is_cuda_device(device) || is_rocm_device(device);
 }
 
 /// The DLPack stream value that names the default stream of `device`'s memory: 1 (the legacy
@@ -102,7 +109,18 @@ struct named_stream {
   return device == kDLCUDAHost || device == kDLCUDAManaged || device == kDLROCMHost;
 }
 
-/// True when `type` is a device type DLPack defines (kDLCPU, kDLCUDA, ... kDLTrn; 5 and 6 are not).
+/// A device type DLPack defines, and its names: for messages ("CUDA host") and for the trace's
+/// tools ("cuda_host").
+struct device_type_info {
+  DLDeviceType type;
+  const char* name;
+  const char* label;
+};
+
+/// Every device type DLPack defines (kDLCPU, kDLCUDA, ... kDLTrn; 5 and 6 are not), in its order.
+[[nodiscard]] std::span<const device_type_info> dlpack_device_types() noexcept;
+
+/// True when `type` is a device type DLPack defines.
 [[nodiscard]] bool is_dlpack_device_type(std::int64_t type) noexcept;
 
 /// Name of a device type for messages ("CUDA", "ROCm host", ...).

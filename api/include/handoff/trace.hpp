@@ -2,22 +2,17 @@
 #pragma once
 
 #include <handoff/dlpack.h>
-#include <handoff/device.hpp>
 
 #include <atomic>
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
-namespace handoff {
-
-class array;
-struct stream_binding;
-
-namespace trace {
+namespace handoff::trace {
 
 enum class event_kind : std::uint8_t { import_data, export_data, release };
 
@@ -89,60 +84,55 @@ void set_annotator(annotator fill) noexcept;
 [[nodiscard]] std::uint64_t add_listener(std::function<void(const event&)> listener);
 void remove_listener(std::uint64_t id) noexcept;
 
+/// An ownership graph node as the trace names it: "buffer:7", "view:3".
+struct node_ref {
+  std::string_view kind;
+  std::uint64_t id{0};
+};
+
+/// Text that the trace writes as null when empty (a hazard's detail, the user code's place).
+struct optional_text {
+  std::string_view text;
+};
+
+/// Calls `field(name, value)` for each field of `e`, in the order the trace writes them: the one
+/// place that names them, for every form of an event (JSON lines, Python dicts). The values are
+/// std::string_view, std::int64_t, std::uint64_t, DLDevice, std::span<const std::int64_t> (the shape),
+/// DLDataType, const char* (a library or hazard name; null: none), std::optional<stream_id>,
+/// optional_text and std::optional<node_ref>.
+template <class Field>
+void for_each_field(const event& e, Field&& field)
+{
+  field("kind", name(e.kind));
+  field("protocol", e.protocol);
+  field("time_ns", e.time_ns);
+  field("thread", e.thread);
+  field("device", e.device);
+  field("shape", std::span<const std::int64_t>{e.shape});
+  field("dtype", e.dtype);
+  field("nbytes", e.nbytes);
+  field("producer", e.producer);
+  field("consumer", e.consumer);
+  field("producer_stream", e.producer_stream);
+  field("consumer_stream", e.consumer_stream);
+  field("action", name(e.action));
+  field("hazard", e.hazard);
+  field("detail", optional_text{e.detail});
+  field("where", optional_text{e.where});
+  field("buffer", std::optional<node_ref>{node_ref{"buffer", e.buffer}});
+  field("view", e.view != 0 ? std::optional<node_ref>{node_ref{"view", e.view}} : std::nullopt);
+}
+
 /// The event as one JSON object (no newline).
 [[nodiscard]] std::string to_json(const event& e);
+
+/// One `leak` event for each view in `live_views` that an exchange among `events` made (an import,
+/// or an export to another library: an export to handoff is held by the import that asked for it):
+/// a copy of that exchange at `now_ns`, with hazard "leak" and the view and buffer in its detail.
+[[nodiscard]] std::vector<event> leak_events(const std::vector<event>& events,
+                                             std::span<const std::uint64_t> live_views, std::int64_t now_ns);
 
 /// Records a finished event: annotates, logs at debug, hands it to the sessions and listeners.
 void record(event&& e) noexcept;
 
-/// Collects one exchange's event on its thread while the exchange runs, and records it when the
-/// scope ends (as `refused`, with the error, when an exception leaves it). Inert unless enabled()
-/// when constructed. Scopes nest: a producer's export inside a consumer's import is its own event.
-class exchange_scope {
- public:
-  exchange_scope(event_kind kind, std::string_view protocol) noexcept
-  {
-    if (enabled()) { begin(kind, protocol); }
-  }
-  exchange_scope(const exchange_scope&) = delete;
-  exchange_scope& operator=(const exchange_scope&) = delete;
-  exchange_scope(exchange_scope&&) = delete;
-  exchange_scope& operator=(exchange_scope&&) = delete;
-  ~exchange_scope()
-  {
-    if (state_ != nullptr) { end(); }
-  }
-
-  /// The innermost active scope of this thread, or null. Check enabled() first: it is cheaper.
-  [[nodiscard]] static exchange_scope* current() noexcept;
-
-  [[nodiscard]] bool active() const noexcept { return state_ != nullptr; }
-  /// The event being collected. Only while active().
-  [[nodiscard]] trace::event& event() noexcept;
-  void set_protocol(std::string_view protocol) noexcept;
-  /// The data exchanged, the view that holds it when one is tracked, and its producer's library
-  /// when the caller knows it (else the tracked views are asked).
-  void set_view(const array& view, std::uint64_t view_id = 0, const char* library = nullptr) noexcept;
-  /// The producer's stream (its data is ready there): unordered hand-overs ask it whether it is idle.
-  void set_producer_stream(const stream_binding& producer) noexcept;
-  void set_consumer_stream(const stream_binding& consumer) noexcept;
-  /// A wait of `consumer` after `producer` (inserted or elided) on `backend`'s device `device`.
-  void note_wait(device::backend& backend, int device, std::uint64_t producer, std::uint64_t consumer,
-                 bool inserted) noexcept;
-  /// No ordering was asked for: the consumer uses the data as soon as it has it.
-  void note_unordered() noexcept;
-  /// The producer was handed the consumer's stream and orders it itself (DLPack's __dlpack__).
-  void note_ordered_by_producer() noexcept;
-
- private:
-  struct collected;  // made only while tracing: an inactive scope is one pointer
-
-  void begin(event_kind kind, std::string_view protocol) noexcept;
-  void end() noexcept;
-  void classify();  // the action and the hazards
-
-  collected* state_{nullptr};
-};
-
-}  // namespace trace
-}  // namespace handoff
+}  // namespace handoff::trace

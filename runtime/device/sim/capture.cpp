@@ -8,14 +8,7 @@ namespace handoff::device {
 
 using namespace sim_detail;
 
-namespace {
-
-std::uintptr_t raw(stream_handle h) noexcept
-{
-  return static_cast<std::uintptr_t>(h);
-}
-
-}  // namespace
+namespace {}  // namespace
 
 std::size_t sim_graph::size() const noexcept
 {

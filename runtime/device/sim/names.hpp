@@ -2,7 +2,7 @@
 // HIP names and text, so that its errors read like the runtime it imitates.
 #pragma once
 
-#include <handoff/sim.hpp>
+#include <handoff/internal/sim.hpp>
 
 #include <span>
 #include <string_view>

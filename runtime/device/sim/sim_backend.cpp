@@ -25,18 +25,7 @@ namespace handoff::device {
 using namespace sim_detail;
 using std::chrono::nanoseconds;
 
-namespace {
-
-std::uintptr_t raw(stream_handle h) noexcept
-{
-  return static_cast<std::uintptr_t>(h);
-}
-std::uintptr_t raw(event_handle h) noexcept
-{
-  return static_cast<std::uintptr_t>(h);
-}
-
-}  // namespace
+namespace {}  // namespace
 
 sim_backend::sim_backend(int device_count, sim_flavour flavour)
 {

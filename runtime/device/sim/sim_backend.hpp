@@ -1,5 +1,5 @@
-// The simulated device backend; its declaration is public (handoff/sim.hpp) so tests and the Python
-// bindings can reach the simulation extras. Asio stays inside work_queue.cpp.
+// The simulated device backend; declared in the build's internal headers (handoff/internal/sim.hpp)
+// so that the tests and the Python bindings reach its extras. Asio stays inside work_queue.cpp.
 #pragma once
 
-#include <handoff/sim.hpp>
+#include <handoff/internal/sim.hpp>

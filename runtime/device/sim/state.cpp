@@ -86,18 +86,7 @@ thread_key this_thread_key() noexcept
 
 }  // namespace sim_detail
 
-namespace {
-
-std::uintptr_t raw(stream_handle h) noexcept
-{
-  return static_cast<std::uintptr_t>(h);
-}
-std::uintptr_t raw(event_handle h) noexcept
-{
-  return static_cast<std::uintptr_t>(h);
-}
-
-}  // namespace
+namespace {}  // namespace
 
 sim_backend::impl::impl(int count, sim_flavour f)
     : flavour(f),

@@ -7,7 +7,7 @@
 #include "device/sim/work_queue.hpp"
 
 #include <handoff/error.hpp>
-#include <handoff/sim.hpp>
+#include <handoff/internal/sim.hpp>
 
 #include <fmt/format.h>
 

@@ -1,6 +1,7 @@
 // Import, export and lifetimes of handoff::array: every deleter runs exactly once on every path.
 #include <handoff/array.hpp>
 #include <handoff/dtype.hpp>
+#include <handoff/embedding.hpp>
 #include <handoff/error.hpp>
 #include <handoff/stats.hpp>
 

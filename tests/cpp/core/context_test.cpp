@@ -3,10 +3,10 @@
 #include <handoff/context.hpp>
 #include <handoff/device_guard.hpp>
 #include <handoff/error.hpp>
-#include <handoff/sim.hpp>
+#include <handoff/internal/sim.hpp>
 #include <handoff/stats.hpp>
 
-#include "core/backend_fixture.hpp"
+#include "support/backend_fixture.hpp"
 
 #include <atomic>
 #include <chrono>

@@ -1,9 +1,9 @@
 #include <handoff/error.hpp>
 #include <handoff/event_pool.hpp>
-#include <handoff/sim.hpp>
+#include <handoff/internal/sim.hpp>
 #include <handoff/stats.hpp>
 
-#include "core/backend_fixture.hpp"
+#include "support/backend_fixture.hpp"
 
 #include <optional>
 #include <thread>

@@ -4,7 +4,7 @@
 #include <handoff/stats.hpp>
 #include <handoff/stream.hpp>
 
-#include "core/backend_fixture.hpp"
+#include "support/backend_fixture.hpp"
 
 #include <optional>
 #include <vector>

@@ -34,11 +34,6 @@ using namespace std::chrono_literals;
 constexpr auto delay = 200ms;
 constexpr std::size_t count = 1024;
 
-std::uintptr_t raw(stream_handle h)
-{
-  return static_cast<std::uintptr_t>(h);
-}
-
 #define EXPECT_DEVICE_ERROR(statement, expected_name)                   \
   do {                                                                  \
     try {                                                               \

@@ -4,7 +4,7 @@
 #pragma once
 
 #include <handoff/device.hpp>
-#include <handoff/sim.hpp>
+#include <handoff/internal/sim.hpp>
 
 #include <gtest/gtest.h>
 
@@ -42,6 +42,13 @@ std::ostream& operator<<(std::ostream& out, const backend_choice& choice);
 inline auto sim_and_cuda()
 {
   return ::testing::Values(backend_choice{"sim", 1}, backend_choice{"sim", 2}, backend_choice{"cuda"});
+}
+
+/// sim_and_cuda() and "sim-rocm" with one device: the suites whose rules differ by device family.
+inline auto every_family()
+{
+  return ::testing::Values(backend_choice{"sim", 1}, backend_choice{"sim", 2}, backend_choice{"sim-rocm", 1},
+                           backend_choice{"cuda"});
 }
 
 /// A backend and what a test made on it. Thread-safe.

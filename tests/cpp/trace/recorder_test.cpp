@@ -1,10 +1,12 @@
 // Exchange tracing on every backend: the action and hazards of each exchange, sessions and
 // listeners, with a negative control for each hazard.
 #include <handoff/exchange.hpp>
+#include <handoff/internal/ordering.hpp>
+#include <handoff/internal/trace_scope.hpp>
 #include <handoff/ownership.hpp>
 #include <handoff/trace.hpp>
 
-#include "core/backend_fixture.hpp"
+#include "support/backend_fixture.hpp"
 
 #include <stdexcept>
 #include <string>
@@ -28,36 +30,25 @@ class TraceTest : public BackendContextTest {
     if (session_ != 0) { (void)trace::end_session(session_); }
   }
 
-  array view_on(float* data, int device)
-  {
-    array_layout layout;
-    layout.data = data;
-    layout.device = {b().device_type(), device};
-    layout.dtype = {kDLFloat, 32, 1};
-    layout.shape = std::vector<std::int64_t>{static_cast<std::int64_t>(n)};
-    layout.strides = std::vector<std::int64_t>{1};
-    return array{std::move(layout), producer_ref{[] {}}};
-  }
-
   std::vector<trace::event> finish()
   {
     auto events = trace::end_session(std::exchange(session_, 0));
     return events;
   }
 
-  // Exports `view` to `consumer` (DLPack's request) inside a traced export.
-  void traced_export(const array& view, stream_request consumer)
+  // Exports `view` through the exchange (which traces its operations itself) for a consumer whose
+  // DLPack `stream` argument is `consumer`, and deletes the tensor.
+  void traced_export(const array& view, std::optional<std::int64_t> consumer)
   {
-    trace::exchange_scope scope{trace::event_kind::export_data, "dlpack"};
-    scope.set_view(view);
-    if (consumer.order == stream_order::none) {
-      (void)prepare_export(view, consumer, transfer::none);  // needs no context
-    } else {
-      order_export(&ctx(), view, consumer);
-    }
+    export_request request;
+    request.stream = consumer;
+    request.max_version = DLPackVersion{DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION};
+    DLManagedTensorVersioned* tensor = exchange{ctx()}.export_dlpack(view, request).versioned;
+    tensor->deleter(tensor);
   }
 
-  static stream_request on(device::stream_handle s) { return {stream_order::handle, static_cast<std::uintptr_t>(s)}; }
+  // The DLPack stream value of stream `s`.
+  std::int64_t on(device::stream_handle s) { return stream_value_of(b().device_type(), static_cast<std::uint64_t>(s)); }
 
   std::uint64_t session_{0};
 };
@@ -67,7 +58,7 @@ TEST_P(TraceTest, AnOrderedExportRecordsItsWaitAndBothStreams)
   float* data = allocate_on(0);
   const auto producer = stream_on(0);
   const auto consumer = stream_on(0);
-  const array view = view_on(data, 0);
+  const array view = device_view(data, 0);
   view.owner().set_ready_on({.ctx = &ctx(), .device = 0, .stream = producer, .stream_owner = nullptr});
   traced_export(view, on(consumer));
   const auto events = finish();
@@ -88,7 +79,7 @@ TEST_P(TraceTest, TheSameStreamIsElided)
 {
   float* data = allocate_on(0);
   const auto stream = stream_on(0);
-  const array view = view_on(data, 0);
+  const array view = device_view(data, 0);
   view.owner().set_ready_on({.ctx = &ctx(), .device = 0, .stream = stream, .stream_owner = nullptr});
   traced_export(view, on(stream));
   const auto events = finish();
@@ -100,10 +91,10 @@ TEST_P(TraceTest, AnUnorderedHandOverWhileTheProducerWorksIsAHazard)
 {
   float* data = allocate_on(0);
   const auto producer = stream_on(0);
-  const array view = view_on(data, 0);
+  const array view = device_view(data, 0);
   fill(producer, data, 1.0F, slow);
   view.owner().set_ready_on({.ctx = &ctx(), .device = 0, .stream = producer, .stream_owner = nullptr});
-  traced_export(view, {stream_order::none, 0});
+  traced_export(view, -1);
   const auto events = finish();
   ASSERT_EQ(events.size(), 1U);
   EXPECT_EQ(events[0].action, trace::action::unordered);
@@ -117,11 +108,11 @@ TEST_P(TraceTest, NegativeControlAnUnorderedHandOverOfFinishedWorkIsNoHazard)
 {
   float* data = allocate_on(0);
   const auto producer = stream_on(0);
-  const array view = view_on(data, 0);
+  const array view = device_view(data, 0);
   fill(producer, data, 1.0F);
   b().synchronize_stream(producer);
   view.owner().set_ready_on({.ctx = &ctx(), .device = 0, .stream = producer, .stream_owner = nullptr});
-  traced_export(view, {stream_order::none, 0});
+  traced_export(view, -1);
   const auto events = finish();
   ASSERT_EQ(events.size(), 1U);
   EXPECT_EQ(events[0].action, trace::action::unordered);
@@ -133,7 +124,7 @@ TEST_P(TraceTest, AConsumerStreamOfAnotherDeviceIsACrossDeviceHazard)
   HANDOFF_REQUIRE_TWO_DEVICES();
   float* data = allocate_on(0);
   const auto other_device = stream_on(1);
-  const array view = view_on(data, 0);
+  const array view = device_view(data, 0);
   {
     trace::exchange_scope scope{trace::event_kind::import_data, "cuda-array-interface"};
     scope.set_view(view);
@@ -155,7 +146,7 @@ TEST_P(TraceTest, ADeferredReleaseIsTracedAsAWaitOnTheConsumerStream)
 {
   float* data = allocate_on(0);
   const auto consumer = stream_on(0);
-  std::optional<array> view{view_on(data, 0)};
+  std::optional<array> view{device_view(data, 0)};
   const std::uint64_t buffer = view->owner().id();
   bind_import(ctx(), *view, 0, consumer, nullptr);
   view.reset();
@@ -173,7 +164,7 @@ TEST_P(TraceTest, ADeferredReleaseIsTracedAsAWaitOnTheConsumerStream)
 TEST_P(TraceTest, AnExchangeThatThrowsIsRefused)
 {
   float* data = allocate_on(0);
-  const array view = view_on(data, 0);
+  const array view = device_view(data, 0);
   try {
     trace::exchange_scope scope{trace::event_kind::export_data, "dlpack"};
     scope.set_view(view);

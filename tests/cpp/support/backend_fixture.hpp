@@ -1,7 +1,9 @@
-// The core suites' fixture: each test on a fresh backend (the parameter: the simulator with one
-// device or two, or CUDA), with helpers for `n` floats of device memory on it.
+// The fixture of the suites that run on every backend: each test on a fresh backend (the parameter:
+// the simulator with one device or two, of either family, or CUDA), with helpers for `n` floats of
+// device memory on it, and the exchange context over it.
 #pragma once
 
+#include <handoff/array.hpp>
 #include <handoff/context.hpp>
 #include <handoff/error.hpp>
 
@@ -11,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <vector>
@@ -85,6 +88,21 @@ class BackendContextTest : public BackendTest {
   }
 
   context& ctx() { return *ctx_; }
+
+  /// A view of the n floats at `data` on `device` of the backend, whose producer frees nothing (the
+  /// fixture owns the memory) and calls `on_release`, if given, when released.
+  array device_view(float* data, int device, std::function<void()> on_release = {})
+  {
+    array_layout layout;
+    layout.data = data;
+    layout.device = {b().device_type(), device};
+    layout.dtype = {kDLFloat, 32, 1};
+    layout.shape = std::vector<std::int64_t>{static_cast<std::int64_t>(n)};
+    layout.strides = std::vector<std::int64_t>{1};
+    return array{std::move(layout), producer_ref{[release = std::move(on_release)]() noexcept {
+                   if (release) { release(); }
+                 }}};
+  }
 
   std::optional<context> ctx_;
 };

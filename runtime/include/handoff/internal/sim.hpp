@@ -1,5 +1,6 @@
-// The simulated accelerator ("sim", "sim-rocm"): a device that runs on the CPU with CUDA's stream
-// semantics, plus the hooks tests and the Python `handoff.sim` module use to drive it.
+// Internal: the simulated accelerator ("sim", "sim-rocm"), a device that runs on the CPU with CUDA's
+// stream semantics, and the hooks the tests and the Python `handoff.sim` module drive it with
+// (delayed writes, faults, captures). Applications make one through device::make_backend.
 #pragma once
 
 #include <handoff/device.hpp>

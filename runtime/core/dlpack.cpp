@@ -1,0 +1,230 @@
+// DLPack: importing a producer's managed tensor (its deleter run exactly once) and exporting views.
+#include <handoff/array.hpp>
+#include <handoff/dtype.hpp>
+#include <handoff/embedding.hpp>
+#include <handoff/error.hpp>
+#include <handoff/internal/trace_scope.hpp>
+#include <handoff/ownership.hpp>
+#include <handoff/stream_value.hpp>
+#include <handoff/trace.hpp>
+
+#include "core/layout.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <new>
+
+namespace handoff {
+
+// ---------------------------------------------------------------------------------------------
+// Import
+
+namespace {
+std::atomic<deleter_runner> installed_runner{nullptr};
+}  // namespace
+
+void set_deleter_runner(deleter_runner runner) noexcept
+{
+  installed_runner.store(runner, std::memory_order_release);
+}
+
+namespace {
+
+template <typename Managed>
+void invoke_deleter(void* tensor) noexcept
+{
+  auto* managed = static_cast<Managed*>(tensor);
+  managed->deleter(managed);
+}
+
+template <typename Managed>
+producer_ref adopt(Managed* tensor)
+{
+  return producer_ref{[tensor]() noexcept {
+    if (tensor->deleter == nullptr) { return; }
+    if (const deleter_runner runner = installed_runner.load(std::memory_order_acquire); runner != nullptr) {
+      runner(&invoke_deleter<Managed>, tensor);
+    } else {
+      tensor->deleter(tensor);
+    }
+  }};
+}
+
+// The dtypes nearly every exchange uses, known without a table search.
+bool is_common(DLDataType dtype) noexcept
+{
+  if (dtype.lanes != 1) { return false; }
+  const auto power_of_two_bytes = dtype.bits == 8 || dtype.bits == 16 || dtype.bits == 32 || dtype.bits == 64;
+  switch (dtype.code) {
+    case kDLInt:
+    case kDLUInt:
+      return power_of_two_bytes;
+    case kDLFloat:
+      return dtype.bits == 16 || dtype.bits == 32 || dtype.bits == 64;
+    case kDLBool:
+      return dtype.bits == 8;
+    case kDLComplex:
+      return dtype.bits == 64 || dtype.bits == 128;
+    default:
+      return false;
+  }
+}
+
+array_layout layout_of(const DLTensor& t, bool readonly)
+{
+  HANDOFF_EXPECTS(t.ndim >= 0, value_error, fmt::format("DLPack tensor has negative ndim ({})", t.ndim));
+  HANDOFF_EXPECTS(t.ndim == 0 || t.shape != nullptr, value_error,
+                  fmt::format("DLPack tensor has ndim {} but a null shape", t.ndim));
+  HANDOFF_EXPECTS(
+    is_dlpack_device_type(t.device.device_type), value_error,
+    fmt::format("DLPack tensor's device type {} is not a DLPack device type", static_cast<int>(t.device.device_type)));
+  if (!is_common(t.dtype)) { (void)dtype_name(t.dtype); }  // throws buffer_error for dtypes handoff cannot describe
+  array_layout layout;
+  layout.device = t.device;
+  layout.dtype = t.dtype;
+  layout.readonly = readonly;
+  const auto ndim = static_cast<std::size_t>(t.ndim);
+  layout.shape.assign(t.shape, t.shape + ndim);
+  if (t.strides != nullptr) {
+    layout.strides.assign(t.strides, t.strides + ndim);
+  } else {
+    layout.strides.resize(ndim);
+    detail::fill_contiguous_strides(layout.shape, layout.strides.data());
+  }
+  // In integers: an offset past the producer's allocation is its error, but must not make ours undefined.
+  layout.data =
+    t.data == nullptr ? nullptr : reinterpret_cast<void*>(reinterpret_cast<std::uintptr_t>(t.data) + t.byte_offset);
+  return layout;
+}
+
+}  // namespace
+
+array import_dlpack(DLManagedTensorVersioned* tensor)
+{
+  HANDOFF_EXPECTS(tensor != nullptr, value_error, "DLPack capsule holds a null DLManagedTensorVersioned");
+  producer_ref owner = adopt(tensor);  // from here on, the deleter runs exactly once
+  HANDOFF_EXPECTS(tensor->version.major == DLPACK_MAJOR_VERSION, buffer_error,
+                  fmt::format("DLPack major version {}.{} is not supported (handoff understands {}.x)",
+                              tensor->version.major, tensor->version.minor, DLPACK_MAJOR_VERSION));
+  const DLTensor& t = tensor->dl_tensor;
+  const bool padded = (tensor->flags & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED) != 0;
+  HANDOFF_EXPECTS(t.dtype.bits >= 8 || padded, buffer_error,
+                  fmt::format("packed sub-byte dtype ({} bits) is not supported; export it padded", t.dtype.bits));
+  return array{layout_of(t, (tensor->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0), std::move(owner)};
+}
+
+array import_dlpack(DLManagedTensor* tensor)
+{
+  HANDOFF_EXPECTS(tensor != nullptr, value_error, "DLPack capsule holds a null DLManagedTensor");
+  producer_ref owner = adopt(tensor);
+  HANDOFF_EXPECTS(tensor->dl_tensor.dtype.bits >= 8, buffer_error,
+                  fmt::format("sub-byte dtype ({} bits) cannot be exchanged through a legacy DLPack capsule",
+                              tensor->dl_tensor.dtype.bits));
+  return array{layout_of(tensor->dl_tensor, false), std::move(owner)};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Export
+
+namespace {
+
+// One allocation per export: the managed tensor and the producer it pins, followed by its shape
+// and strides (2 * ndim values; at least one, so that a 0-d tensor's pointers are never NULL).
+template <typename Managed>
+struct exported {
+  exported(const array& view, std::int64_t* dims) noexcept
+      : managed{describe(view, dims)}, owner{view.owner()}, tracked{managed.dl_tensor, owner, "dlpack"}
+  {
+    managed.manager_ctx = this;
+    managed.deleter = &exported::deleter;
+  }
+
+  Managed managed;
+  producer_ref owner;
+  tracked_view tracked;  // registered once `managed` describes the data
+
+  static std::int64_t* trailing(void* self) noexcept
+  {
+    return reinterpret_cast<std::int64_t*>(static_cast<std::byte*>(self) + header_size());
+  }
+  static constexpr std::size_t header_size() noexcept
+  {
+    return (sizeof(exported) + alignof(std::int64_t) - 1) / alignof(std::int64_t) * alignof(std::int64_t);
+  }
+  static std::size_t bytes(std::size_t ndim) noexcept
+  {
+    return header_size() + sizeof(std::int64_t) * std::max<std::size_t>(2 * ndim, 1);
+  }
+
+  static Managed describe(const array& view, std::int64_t* dims) noexcept
+  {
+    const auto ndim = static_cast<std::size_t>(view.ndim());
+    dims[0] = 0;
+    std::copy(view.shape().begin(), view.shape().end(), dims);
+    std::copy(view.strides().begin(), view.strides().end(), dims + ndim);
+    Managed out{};
+    DLTensor& t = out.dl_tensor;
+    t.data = view.data();
+    t.device = view.device();
+    t.ndim = view.ndim();
+    t.dtype = view.dtype();
+    t.shape = dims;
+    t.strides = dims + ndim;  // never NULL (DLPack 1.2); for 0-d both point at one zero
+    t.byte_offset = 0;
+    return out;
+  }
+
+  static exported* make(const array& view)
+  {
+    void* memory = ::operator new(bytes(static_cast<std::size_t>(view.ndim())));
+    auto* out = new (memory) exported{view, trailing(memory)};  // noexcept from here on
+    if (trace::enabled()) {
+      if (trace::exchange_scope* scope = trace::exchange_scope::current();
+          scope != nullptr && scope->event().kind == trace::event_kind::export_data) {
+        scope->set_view(view, out->tracked.id());
+      }
+    }
+    return out;
+  }
+
+  static void deleter(Managed* self) noexcept
+  {
+    auto* out = static_cast<exported*>(self->manager_ctx);
+    out->~exported();
+    ::operator delete(out);
+  }
+};
+
+template <typename Managed>
+Managed* make_export(const array& view)
+{
+  return &exported<Managed>::make(view)->managed;
+}
+
+}  // namespace
+
+DLManagedTensorVersioned* export_versioned(const array& view, export_options options)
+{
+  auto* managed = make_export<DLManagedTensorVersioned>(view);
+  managed->version = options.version;
+  managed->flags = (view.readonly() ? DLPACK_FLAG_BITMASK_READ_ONLY : 0) |
+                   (options.copied ? DLPACK_FLAG_BITMASK_IS_COPIED : 0) |
+                   (view.dtype().bits < 8 ? DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED : 0);
+  return managed;
+}
+
+DLManagedTensor* export_legacy(const array& view)
+{
+  HANDOFF_EXPECTS(!view.readonly(), buffer_error,
+                  "cannot export a read-only array to a legacy DLPack consumer (it cannot mark it read-only); "
+                  "pass max_version=(1, 0) or newer");
+  HANDOFF_EXPECTS(view.dtype().bits >= 8, buffer_error,
+                  "a sub-byte dtype cannot be exported through a legacy DLPack capsule; pass max_version=(1, 1)");
+  return make_export<DLManagedTensor>(view);
+}
+
+}  // namespace handoff

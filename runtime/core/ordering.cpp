@@ -1,0 +1,309 @@
+// The stream rules of an exchange on one context: which device owns memory, what a consumer's stream
+// waits for, and what a producer is kept for (see <handoff/internal/ordering.hpp>).
+#include <handoff/device_guard.hpp>
+#include <handoff/error.hpp>
+#include <handoff/exchange.hpp>
+#include <handoff/internal/counters.hpp>
+#include <handoff/internal/ordering.hpp>
+#include <handoff/internal/trace_scope.hpp>
+#include <handoff/stream.hpp>
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+
+namespace handoff {
+
+namespace {
+
+std::atomic<export_release> export_release_policy{export_release::known_streams};
+
+// Whether the consumer stream of an export is certain to be alive when the export is released: a
+// default stream always is; a stream handle when the export holds its owner, or the application
+// vouches for every consumer stream.
+bool alive_at_release(stream_request consumer, const std::shared_ptr<const void>& owner) noexcept
+{
+  if (consumer.order != stream_order::handle || owner) { return true; }
+  return current_export_release() == export_release::every_stream;
+}
+
+}  // namespace
+
+// An export handed over with no ordering: the trace asks the producer's stream whether it is idle.
+void note_unordered_export(const array& view) noexcept
+{
+  trace::exchange_scope* scope = trace::traced();
+  if (scope == nullptr || view.device().device_type == kDLCPU) { return; }
+  scope->note_unordered();
+  if (const auto ready = view.owner().ready_on()) { scope->set_producer_stream(*ready); }
+}
+
+void set_export_release(export_release policy) noexcept
+{
+  export_release_policy.store(policy, std::memory_order_relaxed);
+}
+
+export_release current_export_release() noexcept
+{
+  return export_release_policy.load(std::memory_order_relaxed);
+}
+
+std::optional<device::stream_handle> resolve_stream(device::backend& backend, stream_request request)
+{
+  switch (request.order) {
+    case stream_order::none:
+      return std::nullopt;
+    case stream_order::legacy_default:
+    case stream_order::default_stream:
+      return backend.legacy_default_stream();
+    case stream_order::per_thread_default:
+      return backend.per_thread_default_stream();
+    case stream_order::handle:
+      return static_cast<device::stream_handle>(request.handle);
+  }
+  return std::nullopt;
+}
+
+bool is_stream_ordered(const context& ctx, const array& view) noexcept
+{
+  const DLDeviceType type = view.device().device_type;
+  return ctx.backend().device_type() == kDLROCM ? is_rocm_device(type) : is_cuda_device(type);
+}
+
+void require_stream_ordered(const context& ctx, const array& view)
+{
+  if (!is_stream_ordered(ctx, view)) {
+    throw device_error(std::string{ctx.backend().name()}, error_names::wrong_backend,
+                       fmt::format("a {} array cannot be ordered by the {} backend",
+                                   device_type_name(view.device().device_type), ctx.backend().name()));
+  }
+}
+
+namespace {
+
+// The device the array claims, where no allocation says otherwise. Work and releases are put on its
+// streams later, so a device the backend does not have is refused now, not when a release fails.
+int claimed_device(context& ctx, DLDevice claimed)
+{
+  const int count = ctx.backend().device_count();
+  HANDOFF_EXPECTS(claimed.device_id >= 0 && claimed.device_id < count, value_error,
+                  fmt::format("the array claims {} device {}, but the {} backend has {} device(s)",
+                              device_type_name(claimed.device_type), claimed.device_id, ctx.backend().name(), count));
+  return claimed.device_id;
+}
+
+// Refuses a view whose bytes run past the memory the backend knows: every reader would run off it.
+// One allocation covers the usual view; a range its first byte's allocation does not cover (a
+// mapping a virtual-memory allocator grew, as PyTorch's expandable segments) must end in memory of
+// the same kind on the same device.
+void require_known_range(context& ctx, const array& view)
+{
+  const auto range = byte_range_of(view.layout());  // validate_layout checked that it exists
+  if (!range || range->high == range->low) { return; }
+  const auto address = reinterpret_cast<std::uintptr_t>(view.data());
+  std::uintptr_t first = 0;
+  std::uintptr_t last = 0;
+  const bool wraps =
+    __builtin_add_overflow(address, range->low, &first) || __builtin_add_overflow(address, range->high - 1, &last);
+  const auto extent = [&] {
+    return fmt::format("the array's {} bytes from {:#x}", range->high - range->low, wraps ? address : first);
+  };
+  HANDOFF_EXPECTS(!wraps, value_error, fmt::format("{} wrap around the address space", extent()));
+  device::backend& b = ctx.backend();
+  const device::pointer_attributes start = b.attributes(reinterpret_cast<const void*>(first));
+  HANDOFF_EXPECTS(start.kind != device::memory_kind::unregistered, value_error,
+                  fmt::format("{} start outside any allocation of the {} backend", extent(), b.name()));
+  const auto base = reinterpret_cast<std::uintptr_t>(start.base);
+  if (last - base < start.size) { return; }
+  const device::pointer_attributes end = b.attributes(reinterpret_cast<const void*>(last));
+  HANDOFF_EXPECTS(end.kind == start.kind && end.device == start.device, value_error,
+                  fmt::format("{} run past the end of their allocation ({} bytes from {:#x}) into memory the {} "
+                              "backend does not know as the same device's",
+                              extent(), start.size, base, b.name()));
+}
+
+}  // namespace
+
+array make_view(context* ctx, array_layout layout, producer_ref owner, stream_request ready,
+                std::shared_ptr<const void> ready_owner)
+{
+  array view{std::move(layout), std::move(owner)};
+  const DLDeviceType type = view.device().device_type;
+  if (ctx == nullptr || !has_streams(type)) { return view; }
+  require_stream_ordered(*ctx, view);
+  const int device = owning_device(*ctx, view);  // memory of the device it claims, on a device that exists
+  require_known_range(*ctx, view);
+  if (const auto stream = resolve_stream(ctx->backend(), ready)) {
+    view.owner().set_ready_on(
+      {.ctx = ctx, .device = device, .stream = *stream, .stream_owner = std::move(ready_owner)});
+  }
+  return view;
+}
+
+int owning_device(context& ctx, const array& view)
+{
+  const DLDevice claimed = view.device();
+  if (view.data() == nullptr) { return claimed_device(ctx, claimed); }  // empty: nothing to look up
+  const device::pointer_attributes where = ctx.backend().attributes(view.data());
+  const bool device_memory = claimed.device_type == kDLCUDA || claimed.device_type == kDLROCM;
+  if (device_memory) {
+    // Managed memory is device memory to its users: PyTorch with a managed allocator and RMM's
+    // managed resource export it as kDLCUDA, on the device that uses it.
+    if (where.kind == device::memory_kind::managed) { return claimed_device(ctx, claimed); }
+    HANDOFF_EXPECTS(where.kind == device::memory_kind::device, value_error,
+                    fmt::format("the array claims {} device {} memory, but {:#x} is not device memory of the {} "
+                                "backend",
+                                device_type_name(claimed.device_type), claimed.device_id,
+                                reinterpret_cast<std::uintptr_t>(view.data()), ctx.backend().name()));
+    HANDOFF_EXPECTS(
+      where.device == claimed.device_id, value_error,
+      fmt::format("the array claims device {}, but its memory belongs to device {}", claimed.device_id, where.device));
+    return where.device;
+  }
+  // Pinned and managed memory report device 0 in DLPack; record where the allocation was made.
+  return where.device >= 0 ? where.device : ctx.backend().current_device();
+}
+
+// The export half's ordering: the consumer stream `consumer` asks for waits for the stream `view`
+// is ready on. Returns that consumer stream, bound on the data's device; nullopt when nothing is
+// asked (stream=-1).
+std::optional<stream_binding> order_for_consumer(context* ctx, const array& view, stream_request consumer)
+{
+  if (consumer.order == stream_order::none) {
+    note_unordered_export(view);
+    return std::nullopt;
+  }
+  if (ctx == nullptr) {
+    throw device_error(
+      "none", error_names::no_backend,
+      fmt::format("ordering {} memory for a consumer stream needs a device backend, and none is active",
+                  device_type_name(view.device().device_type)));
+  }
+  require_stream_ordered(*ctx, view);
+  device::backend& backend = ctx->backend();
+  const int device = owning_device(*ctx, view);
+  const auto ready = view.owner().ready_on();
+  const auto producer = ready && ready->ctx == ctx ? ready->stream : backend.legacy_default_stream();
+  const auto consumer_stream = *resolve_stream(backend, consumer);
+  stream_view{backend, consumer_stream}.wait(stream_view{backend, producer}, device, ctx->events());
+  return stream_binding{.ctx = ctx, .device = device, .stream = consumer_stream, .stream_owner = nullptr};
+}
+
+void order_export(context* ctx, const array& view, stream_request consumer, std::shared_ptr<const void> consumer_owner)
+{
+  auto ordered = order_for_consumer(ctx, view, consumer);
+  if (ordered && alive_at_release(consumer, consumer_owner)) {
+    ordered->stream_owner = std::move(consumer_owner);
+    view.owner().release_after(*ordered);
+  }
+}
+
+namespace {
+
+void bind_to(context& ctx, const array& view, int device, device::stream_handle consumer,
+             std::shared_ptr<const void> consumer_owner, const std::optional<stream_binding>& producer)
+{
+  const stream_binding on_consumer{
+    .ctx = &ctx, .device = device, .stream = consumer, .stream_owner = std::move(consumer_owner)};
+  if (trace::exchange_scope* scope = trace::traced()) { scope->set_consumer_stream(on_consumer); }
+  view.owner().set_ready_on(on_consumer);
+  view.owner().release_after(on_consumer, producer);
+}
+
+// The producer stream of an interface import that the release makes wait for the consumer's work:
+// only one that cannot be destroyed by then, and only where the device's rules do not already
+// order it (see bind_interface_import). The same stream as the consumer's needs nothing, as at import.
+std::optional<stream_binding> stream_to_hold_back(context& ctx, int device, device::stream_handle consumer,
+                                                  stream_request producer, std::shared_ptr<const void> owner)
+{
+  device::backend& b = ctx.backend();
+  const device_guard on_owner{b, device};  // default streams resolve on the data's device
+  const auto legacy = b.legacy_default_stream();
+  std::optional<device::stream_handle> stream;
+  bool ordered_by_the_device = false;
+  switch (producer.order) {
+    case stream_order::legacy_default:
+    case stream_order::default_stream:
+      stream = legacy;
+      ordered_by_the_device = consumer != legacy && b.stream_is_blocking(consumer);
+      break;
+    case stream_order::per_thread_default:
+      // Named through the legacy default stream, which is right from any thread; the importing
+      // thread's per-thread stream is blocking, so it follows a legacy default consumer anyway.
+      if (consumer == b.per_thread_default_stream()) { return std::nullopt; }
+      stream = legacy;
+      ordered_by_the_device = consumer == legacy;
+      break;
+    case stream_order::handle:
+      if (!owner) { return std::nullopt; }  // nothing keeps it alive until the release
+      stream = static_cast<device::stream_handle>(producer.handle);
+      ordered_by_the_device = consumer == legacy && *stream != legacy && b.stream_is_blocking(*stream);
+      break;
+    case stream_order::none:
+      break;
+  }
+  if (ordered_by_the_device) {
+    count(counter::waits_elided);
+    return std::nullopt;
+  }
+  if (!stream || *stream == consumer) { return std::nullopt; }
+  return stream_binding{.ctx = &ctx, .device = device, .stream = *stream, .stream_owner = std::move(owner)};
+}
+
+}  // namespace
+
+void bind_import(context& ctx, const array& view, int device, device::stream_handle consumer,
+                 std::shared_ptr<const void> consumer_owner)
+{
+  bind_to(ctx, view, device, consumer, std::move(consumer_owner), std::nullopt);
+}
+
+stream_binding binding_on(context& ctx, DLDevice device, named_stream stream)
+{
+  const auto handle = resolve_stream(ctx.backend(), request_for(stream, device.device_type));
+  HANDOFF_EXPECTS(handle.has_value(), value_error, "stream=-1 names no stream to work on");
+  return {.ctx = &ctx, .device = device.device_id, .stream = *handle, .stream_owner = std::move(stream.owner)};
+}
+
+void bind_interface_import(context& ctx, const array& view, int device, device::stream_handle consumer,
+                           std::shared_ptr<const void> consumer_owner, stream_request producer,
+                           std::shared_ptr<const void> producer_owner)
+{
+  device::backend& backend = ctx.backend();
+  if (const auto producer_stream = resolve_stream(backend, producer)) {
+    stream_view{backend, consumer}.wait(stream_view{backend, *producer_stream}, device, ctx.events());
+  }
+  bind_to(ctx, view, device, consumer, std::move(consumer_owner),
+          stream_to_hold_back(ctx, device, consumer, producer, std::move(producer_owner)));
+}
+
+void bind_after_producer(const array& view, const stream_binding& consumer, stream_request producer)
+{
+  device::backend& backend = consumer.ctx->backend();
+  if (const auto producer_stream = resolve_stream(backend, producer)) {
+    stream_view{backend, consumer.stream}.wait(stream_view{backend, *producer_stream}, consumer.device,
+                                               consumer.ctx->events());
+  }
+  bind_import(*consumer.ctx, view, consumer.device, consumer.stream, consumer.stream_owner);
+}
+
+std::optional<device::stream_handle> published_ready_stream(const array& view)
+{
+  const auto ready = view.owner().ready_on();
+  if (!ready) { return std::nullopt; }
+  device::backend& b = ready->ctx->backend();
+  if (ready->stream == b.legacy_default_stream()) {
+    const device_guard on_owner{b, ready->device};
+    if (b.stream_capture_status(ready->stream) == device::capture_status::none) {
+      const pooled_event marker = ready->ctx->events().record(ready->device, ready->stream);
+    }
+  }
+  return ready->stream;
+}
+
+}  // namespace handoff

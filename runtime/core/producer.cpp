@@ -1,0 +1,239 @@
+// producer_ref: shared ownership of a producer, its stream bindings, and its deferred release.
+#include <handoff/array.hpp>
+#include <handoff/context.hpp>
+#include <handoff/internal/trace_scope.hpp>
+#include <handoff/trace.hpp>
+
+#include "core/live_views.hpp"
+#include "core/producer_state.hpp"
+#include "log/logger.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <utility>
+
+namespace handoff {
+
+namespace {
+
+// The release event of a producer: deferred ("wait") when consumer streams must finish first.
+void trace_release(producer_ref::state& s) noexcept
+{
+  trace::exchange_scope scope{trace::event_kind::release, "release"};
+  if (!scope.active()) { return; }
+  trace::event& e = scope.event();
+  e.buffer = s.id();
+  std::lock_guard lock{s.mutex_};  // no other reference is left; other threads may still read for the graph
+  if (s.ready_on_) { scope.set_producer_stream(*s.ready_on_); }
+  if (!s.release_after_.empty()) { scope.set_consumer_stream(s.release_after_.front()); }
+}
+
+}  // namespace
+
+std::uint64_t producer_ref::state::id() noexcept
+{
+  if (parent_) { return parent_.state_->id(); }  // one buffer, however many derived producers
+  std::uint64_t current = id_.load(std::memory_order_relaxed);
+  if (current != 0) { return current; }
+  const std::uint64_t fresh = detail::next_node_id();
+  return id_.compare_exchange_strong(current, fresh, std::memory_order_relaxed) ? fresh : current;
+}
+
+void producer_ref::state::destroy(state* s) noexcept
+{
+  thread_local state* queued = nullptr;  // deletions asked for while one runs, last first
+  thread_local bool destroying = false;
+  if (destroying) {
+    s->next_to_destroy_ = std::exchange(queued, s);
+    return;
+  }
+  destroying = true;
+  delete s;
+  while (queued != nullptr) { delete std::exchange(queued, queued->next_to_destroy_); }
+  destroying = false;
+}
+
+producer_ref::state::~state()
+{
+  detail::live_view_released();
+  if (trace::enabled()) { trace_release(*this); }
+  // A derived producer's release lets go of its root, after the streams it was bound to.
+  if (parent_) {
+    release_ = [root = std::move(parent_)]() noexcept {};
+  }
+  if (!release_) { return; }
+  if (release_after_.empty()) {
+    try {
+      release_();
+    } catch (...) {
+      HANDOFF_LOG_ERROR("a producer's release function threw; the exception was dropped");
+    }
+    return;
+  }
+  if (release_after_.size() == 1) {
+    defer(release_after_.front(), std::move(release_));
+    return;
+  }
+  // Several consumer streams: each is watched from now, and the last to get there releases.
+  struct countdown {
+    countdown(std::size_t streams, std::function<void()> then) noexcept : remaining(streams), release(std::move(then))
+    {}
+    std::atomic<std::size_t> remaining;
+    std::function<void()> release;
+  };
+  std::shared_ptr<countdown> all;
+  try {
+    all = std::make_shared<countdown>(release_after_.size(), std::move(release_));
+  } catch (...) {
+    HANDOFF_LOG_ERROR("out of memory ordering a release after {} streams; the producer is kept", release_after_.size());
+    return;
+  }
+  for (stream_binding& consumer : release_after_) {
+    defer(consumer, [all]() noexcept {
+      if (all->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) { all->release(); }
+    });
+  }
+}
+
+// Runs `release` once the work enqueued on `consumer` by now is done; a held-back producer stream
+// of the same device waits for that work too.
+void producer_ref::state::defer(stream_binding& consumer, std::function<void()> release) noexcept
+{
+  std::optional<device::stream_handle> producer;
+  std::shared_ptr<const void> producer_owner;
+  if (hold_back_ && hold_back_->ctx == consumer.ctx && hold_back_->device == consumer.device) {
+    producer = hold_back_->stream;
+    producer_owner = hold_back_->stream_owner;  // shared by every consumer stream's release
+  }
+  if (!consumer.stream_owner && !producer_owner) {
+    consumer.ctx->release_after(consumer.device, consumer.stream, std::move(release), producer);
+    return;
+  }
+  // The streams' owners go once the release has run, after the last use of the streams.
+  consumer.ctx->release_after(
+    consumer.device, consumer.stream,
+    [release = std::move(release), owner = std::move(consumer.stream_owner),
+     held = std::move(producer_owner)]() noexcept { release(); },
+    producer);
+}
+
+producer_ref::producer_ref(std::function<void()> release)
+{
+  try {
+    state_ = new state(std::move(release));
+  } catch (...) {
+    // Out of memory before ownership was established: release now, so nothing leaks.
+    if (release) { release(); }
+    throw;
+  }
+}
+
+producer_ref::producer_ref(const producer_ref& other) noexcept : state_(other.state_)
+{
+  state::acquire(state_);
+}
+
+producer_ref& producer_ref::operator=(const producer_ref& other) noexcept
+{
+  if (this != &other) {
+    state::acquire(other.state_);
+    state::release(std::exchange(state_, other.state_));
+  }
+  return *this;
+}
+
+producer_ref& producer_ref::operator=(producer_ref&& other) noexcept
+{
+  if (this != &other) { state::release(std::exchange(state_, std::exchange(other.state_, nullptr))); }
+  return *this;
+}
+
+producer_ref::~producer_ref()
+{
+  state::release(state_);
+}
+
+std::uint64_t producer_ref::id() const noexcept
+{
+  return state_ == nullptr ? 0 : state_->id();
+}
+
+const std::function<void()>* producer_ref::sole_release() const noexcept
+{
+  if (state_ == nullptr || state_->references_.load(std::memory_order_acquire) != 1 || !state_->release_) {
+    return nullptr;
+  }
+  return &state_->release_;
+}
+
+void producer_ref::visit_stream_owners(void (*visit)(const std::shared_ptr<const void>& owner, void* context),
+                                       void* context) const
+{
+  if (state_ == nullptr || state_->references_.load(std::memory_order_acquire) != 1) { return; }
+  std::lock_guard lock{state_->mutex_};
+  const auto visit_binding = [&](const stream_binding& binding) {
+    if (binding.stream_owner) { visit(binding.stream_owner, context); }
+  };
+  if (state_->ready_on_) { visit_binding(*state_->ready_on_); }
+  for (const stream_binding& after : state_->release_after_) { visit_binding(after); }
+  if (state_->hold_back_) { visit_binding(*state_->hold_back_); }
+}
+
+producer_ref producer_ref::derived() const
+{
+  if (state_ == nullptr) { return {}; }
+  producer_ref out{std::function<void()>{}};
+  out.state_->parent_ = state_->parent_ ? state_->parent_ : *this;
+  return out;
+}
+
+long producer_ref::use_count() const noexcept
+{
+  return state_ == nullptr ? 0 : state_->references_.load(std::memory_order_relaxed);
+}
+
+namespace {
+
+// A binding is used later, from any thread.
+stream_binding thread_independent(stream_binding where) noexcept
+{
+  if (where.ctx != nullptr) { where.stream = where.ctx->thread_independent(where.device, where.stream); }
+  return where;
+}
+
+}  // namespace
+
+std::optional<stream_binding> producer_ref::ready_on() const
+{
+  if (!state_) { return std::nullopt; }
+  std::lock_guard lock{state_->mutex_};
+  return state_->ready_on_;
+}
+
+void producer_ref::set_ready_on(const stream_binding& where) const
+{
+  if (!state_) { return; }
+  stream_binding bound = thread_independent(where);
+  std::lock_guard lock{state_->mutex_};
+  state_->ready_on_ = std::move(bound);
+}
+
+void producer_ref::release_after(const stream_binding& consumer, const std::optional<stream_binding>& producer) const
+{
+  if (!state_ || consumer.ctx == nullptr) { return; }
+  stream_binding bound = thread_independent(consumer);
+  std::optional<stream_binding> held;
+  if (producer) { held = thread_independent(*producer); }
+  std::lock_guard lock{state_->mutex_};
+  const auto same = [&](const stream_binding& b) {
+    return b.ctx == bound.ctx && b.device == bound.device && b.stream == bound.stream;
+  };
+  if (std::none_of(state_->release_after_.begin(), state_->release_after_.end(), same)) {
+    state_->release_after_.push_back(std::move(bound));
+  }
+  if (held) { state_->hold_back_ = std::move(held); }
+}
+
+}  // namespace handoff

@@ -1,0 +1,97 @@
+// Internal: the stream rules of an exchange on one context, as the exchange's operations compose
+// them: which device owns memory, what a consumer's stream waits for, what is kept until when.
+#pragma once
+
+#include <handoff/array.hpp>
+#include <handoff/context.hpp>
+#include <handoff/stream_value.hpp>
+
+#include <memory>
+#include <optional>
+
+namespace handoff {
+
+/// Tells the exchange being traced on this thread, if any, that `view` was handed over with no
+/// ordering: the trace asks the producer's stream whether it is idle (an unordered hazard).
+void note_unordered_export(const array& view) noexcept;
+
+/// The stream a validated DLPack request names on `backend`; nullopt when it asks for no ordering.
+[[nodiscard]] std::optional<device::stream_handle> resolve_stream(device::backend& backend, stream_request request);
+
+/// True when `view` lives in memory ordered by the streams of `ctx`'s backend.
+[[nodiscard]] bool is_stream_ordered(const context& ctx, const array& view) noexcept;
+
+/// @throws device_error when `view` is not in memory ordered by `ctx`'s backend (a CUDA array with a
+///         ROCm backend, or host memory).
+void require_stream_ordered(const context& ctx, const array& view);
+
+/// The device that owns `view`'s memory, from the pointer's attributes (not the current device).
+/// @throws value_error when the view claims another device than the one its memory belongs to, or
+///         device memory that the backend does not know.
+[[nodiscard]] int owning_device(context& ctx, const array& view);
+
+/// A view of memory a library describes itself: `layout` checked as an array's; for CUDA or ROCm
+/// memory with a backend (`ctx`), the memory checked against the device it claims (every byte it
+/// reaches, not only the first), and the data recorded as ready on `ready` (kept alive by
+/// `ready_owner`; order none: unknown). Without a backend device memory is exchanged as it comes.
+/// @throws value_error for a bad layout, or memory that is not the claimed device's (or that runs past
+///         its allocation); device_error when the backend is of the other device family.
+[[nodiscard]] array make_view(context* ctx, array_layout layout, producer_ref owner, stream_request ready,
+                              std::shared_ptr<const void> ready_owner = {});
+
+/// Export half: orders the work pending on the stream `view` is ready on (its producer's last
+/// write; the device's legacy default stream when unknown) before the work the consumer will
+/// enqueue on the requested stream, and keeps `view`'s producer until the work the consumer has
+/// enqueued there by the time the export is released is done, when that stream is certain to be
+/// alive then (export_release; `consumer_owner`, possibly empty, keeps it so). Never blocks the host.
+/// @throws device_error when the view is on a device and there is no backend (`ctx` null), or the
+///         backend is of another family (a CUDA array with a ROCm backend).
+void order_export(context* ctx, const array& view, stream_request consumer,
+                  std::shared_ptr<const void> consumer_owner = {});
+
+/// The ordering half of an export, alone: the consumer's stream waits for the stream `view` is
+/// ready on. That consumer stream, bound on the data's device; nullopt when nothing is asked.
+/// @throws as order_export.
+[[nodiscard]] std::optional<stream_binding> order_for_consumer(context* ctx, const array& view,
+                                                               stream_request consumer);
+
+/// Import half: records that `view`'s data is ready on `consumer` (of `device`), and defers the
+/// release of its producer until the work enqueued on `consumer` by then is done. `consumer_owner`
+/// (may be empty) keeps the consumer stream alive until then.
+void bind_import(context& ctx, const array& view, int device, device::stream_handle consumer,
+                 std::shared_ptr<const void> consumer_owner = {});
+
+/// Work on `device` of `ctx`'s backend bound to `stream` (resolved by the stream table of the
+/// device's type), which `stream.owner` keeps alive with the binding.
+/// @throws value_error for a stream the device type does not take, or stream=-1, which names none.
+[[nodiscard]] stream_binding binding_on(context& ctx, DLDevice device, named_stream stream);
+
+/// Import half of a CUDA Array Interface v3 exchange, whose producer may have work in progress on
+/// `producer` (its `stream` as classify_stream reads it for CUDA; none when absent): orders that
+/// work before `consumer`'s, binds the view as bind_import does, and keeps the interface's other
+/// promise: the producer's stream runs no later work until the consumer's work on the data is done.
+/// That work is known when the view is released: the producer's stream then waits on the event the
+/// release records on `consumer` (context::release_after), provided it cannot be destroyed by then:
+/// - the legacy default stream (1), except after a blocking consumer stream, whose earlier work the
+///   legacy stream's later work waits for anyway (counted in waits_elided);
+/// - the importing thread's per-thread default stream (2), through the legacy default stream;
+/// - a stream handle that `producer_owner` keeps alive (the stream object the producer holds).
+/// Any other handle may be destroyed before the release: it is not touched.
+/// @throws what stream_view::wait throws.
+void bind_interface_import(context& ctx, const array& view, int device, device::stream_handle consumer,
+                           std::shared_ptr<const void> consumer_owner, stream_request producer,
+                           std::shared_ptr<const void> producer_owner = {});
+
+/// Import half of an exchange whose producer's work is on `producer` (a request as classify_stream
+/// reads the producer's stream for the view's device; none: nothing pending): orders that work
+/// before the work enqueued on `consumer` from now on, then binds the view there (bind_import).
+/// @throws what stream_view::wait throws.
+void bind_after_producer(const array& view, const stream_binding& consumer, stream_request producer);
+
+/// The stream to tell a consumer that may synchronize it that `view`'s data is ready on; nullopt when
+/// none is known. When that is the legacy default stream, a pooled event's record is first enqueued
+/// there (see exchange::interface_stream). Never blocks the host.
+/// @throws device_error when the record fails.
+[[nodiscard]] std::optional<device::stream_handle> published_ready_stream(const array& view);
+
+}  // namespace handoff
