@@ -39,7 +39,9 @@ def _finish(path: str) -> None:
         return
     from . import _handoff
 
-    leaks = _handoff._trace_leaks(recording._token)  # views still alive, made by an exchange it saw
+    token = recording._token
+    # Views still alive, made by an exchange it saw.
+    leaks = _handoff._trace_leaks(token) if token is not None else []
     recording.__exit__(None, None, None)
     recording._events.extend(leaks)
     try:

@@ -1,15 +1,9 @@
-"""Shared fixtures and helpers for handoff's Python tests: DLPack structs via ctypes, capsule
-inspection, and the live-producer gauge."""
+"""The suite's fixtures. What the test modules share besides fixtures is in support.py (the backend,
+markers, helpers) and dlpack_ctypes.py (DLPack's structs)."""
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import gc
 import os
-import subprocess
-import sys
-from collections.abc import Iterator
 
 import pytest
 
@@ -19,220 +13,14 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import handoff
 
-# DLPack device types (dlpack.h).
-(
-    CPU,
-    CUDA,
-    CUDA_HOST,
-    OPENCL,
-    VULKAN,
-    METAL,
-    VPI,
-    ROCM,
-    ROCM_HOST,
-    EXT_DEV,
-    CUDA_MANAGED,
-    ONEAPI,
-    WEBGPU,
-    HEXAGON,
-    MAIA,
-) = (
-    1,
-    2,
-    3,
-    4,
-    7,
-    8,
-    9,
-    10,
-    11,
-    12,
-    13,
-    14,
-    15,
-    16,
-    17,
-)
-TRN = 18
-
-# Devices of the active backend: HANDOFF_SIM_DEVICES sets the simulator's (the suite runs with 1 and 2).
-DEVICE_COUNT = handoff.runtime_info()["device_count"]
-needs_two_devices = pytest.mark.skipif(
-    DEVICE_COUNT < 2, reason=f"needs a second device (the backend has {DEVICE_COUNT}; see HANDOFF_SIM_DEVICES)"
-)
-
-# HANDOFF_BACKEND=auto without a usable CUDA device: CUDA data that needs ordering is refused with a
-# DeviceError rather than exchanged unordered (HANDOFF_BACKEND=none exchanges it as it comes).
-CUDA_ORDERING_REFUSED = handoff.runtime_info()["backend"] == "none" and os.environ.get("HANDOFF_BACKEND", "") in (
-    "",
-    "auto",
-)
-
-FLAG_READ_ONLY = 1 << 0
-FLAG_IS_COPIED = 1 << 1
-FLAG_IS_SUBBYTE_TYPE_PADDED = 1 << 2
-
-
-class DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", DLDevice),
-        ("ndim", ctypes.c_int32),
-        ("dtype", DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-class DLPackVersion(ctypes.Structure):
-    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
-
-
-class DLManagedTensorVersioned(ctypes.Structure):
-    pass
-
-
-VERSIONED_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensorVersioned))
-DLManagedTensorVersioned._fields_ = [
-    ("version", DLPackVersion),
-    ("manager_ctx", ctypes.c_void_p),
-    ("deleter", VERSIONED_DELETER),
-    ("flags", ctypes.c_uint64),
-    ("dl_tensor", DLTensor),
-]
-
-
-class DLManagedTensor(ctypes.Structure):
-    """The legacy (unversioned) managed tensor of "dltensor" capsules."""
-
-
-LEGACY_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensor))
-DLManagedTensor._fields_ = [
-    ("dl_tensor", DLTensor),
-    ("manager_ctx", ctypes.c_void_p),
-    ("deleter", LEGACY_DELETER),
-]
-
-_api = ctypes.pythonapi
-_api.PyCapsule_GetName.restype = ctypes.c_char_p
-_api.PyCapsule_GetName.argtypes = [ctypes.py_object]
-_api.PyCapsule_GetPointer.restype = ctypes.c_void_p
-_api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-_api.PyCapsule_New.restype = ctypes.py_object
-_api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-
-
-def capsule_name(capsule: object) -> str | None:
-    name = _api.PyCapsule_GetName(capsule)
-    return None if name is None else name.decode()
-
-
-def versioned_tensor(capsule: object) -> DLManagedTensorVersioned:
-    """The DLManagedTensorVersioned inside an unconsumed "dltensor_versioned" capsule."""
-    address = _api.PyCapsule_GetPointer(capsule, b"dltensor_versioned")
-    return DLManagedTensorVersioned.from_address(address)
-
-
-def new_capsule(pointer: int, name: bytes | None, destructor: object = None) -> object:
-    """A capsule; with no destructor, the test keeps what it points to alive."""
-    return _api.PyCapsule_New(pointer, name, None if destructor is None else ctypes.cast(destructor, ctypes.c_void_p))
-
-
-# A capsule destructor receives the capsule as a raw PyObject*: these take it so, unlike `_api`'s
-# functions of the same names (indexing makes a new function object, whose types are its own).
-CAPSULE_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-_capsule_is_valid = ctypes.pythonapi["PyCapsule_IsValid"]
-_capsule_is_valid.restype = ctypes.c_int
-_capsule_is_valid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-
-
-class HandMadeTensor:
-    """A DLPack managed tensor built in ctypes whose deleter counts its calls.
-
-    Versioned ("dltensor_versioned") by default, legacy ("dltensor") with `legacy=True`. The fields
-    are set by the test to produce tensors that handoff must accept or refuse; either way the
-    deleter must run exactly once. `ndim` defaults to len(shape) and may be smaller (or negative);
-    `strides` None leaves the pointer NULL. The tensor must outlive its capsules.
-    """
-
-    def __init__(
-        self,
-        data: int | None,
-        shape: tuple[int, ...],
-        *,
-        code: int = 2,
-        bits: int = 32,
-        lanes: int = 1,
-        major: int = 1,
-        minor: int = 1,
-        flags: int = 0,
-        null_shape: bool = False,
-        ndim: int | None = None,
-        strides: tuple[int, ...] | None = None,
-        byte_offset: int = 0,
-        device: tuple[int, int] = (CPU, 0),
-        legacy: bool = False,
-    ) -> None:
-        self.deleted = 0
-        self.legacy = legacy
-        self.name = b"dltensor" if legacy else b"dltensor_versioned"
-        self.shape = (ctypes.c_int64 * max(len(shape), 1))(*shape)
-        self.strides = None if strides is None else (ctypes.c_int64 * max(len(strides), 1))(*strides)
-        if legacy:
-            self.managed = DLManagedTensor()
-            self.deleter = LEGACY_DELETER(self._delete)
-        else:
-            self.managed = DLManagedTensorVersioned()
-            self.managed.version = DLPackVersion(major, minor)
-            self.managed.flags = flags
-            self.deleter = VERSIONED_DELETER(self._delete)
-        self.managed.deleter = self.deleter
-        self._destructor = CAPSULE_DESTRUCTOR(self._destroy_capsule)
-        t = self.managed.dl_tensor
-        t.data = data
-        t.device = DLDevice(*device)
-        t.ndim = len(shape) if ndim is None else ndim
-        t.dtype = DLDataType(code, bits, lanes)
-        no_pointer = ctypes.cast(None, ctypes.POINTER(ctypes.c_int64))
-        t.shape = no_pointer if null_shape else self.shape
-        t.strides = no_pointer if self.strides is None else self.strides
-        t.byte_offset = byte_offset
-
-    def _delete(self, _managed: object) -> None:
-        self.deleted += 1
-
-    def _destroy_capsule(self, capsule: int) -> None:
-        # What producers' capsule destructors do: delete the tensor unless a consumer took it.
-        if _capsule_is_valid(capsule, self.name):
-            self._delete(None)
-
-    def capsule(self, *, destructor: bool = False) -> object:
-        """A capsule of the tensor; with `destructor`, it deletes the tensor when dropped unconsumed,
-        as a producer's capsule does. That destructor is Python code, which cannot run while an
-        exception is being raised: keep such a capsule in a variable across calls that may raise."""
-        return new_capsule(ctypes.addressof(self.managed), self.name, self._destructor if destructor else None)
-
-
-def live_views() -> int:
-    """Producers handoff keeps alive now, after collecting garbage."""
-    gc.collect()
-    return handoff.stats()["live_views"]
+from support import SIM, live_views
 
 
 @pytest.fixture(autouse=True)
 def no_violations():
     """Fails a test that leaves a use CUDA leaves undefined (a destroyed stream or event used, a
     runtime call from a host function) in the simulator's record. Sim backends only."""
-    if not handoff.runtime_info()["backend"].startswith("sim"):
+    if not SIM:
         yield
         return
     from handoff import sim
@@ -266,55 +54,10 @@ def settled():
     assert live_views() == start, "the test leaked handoff producers"
 
 
-def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
-    """Runs `code` in a fresh interpreter with extra environment variables."""
-    environment = {**os.environ, **env}
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=120, check=False
-    )
-
-
-@functools.cache
-def cuda_is_usable() -> bool:
-    """Whether the CUDA backend starts here (a driver and a device), asked of a fresh process so that
-    the backend of this one does not matter."""
-    code = "import handoff; i = handoff.runtime_info(); print(not i.get('backend_error') and i['device_count'] > 0)"
-    result = run_python(code, HANDOFF_BACKEND="cuda")
-    return result.returncode == 0 and result.stdout.strip() == "True"
-
-
 @pytest.fixture(scope="session")
 def torch():
     """PyTorch, or a skip where it is not installed."""
     return pytest.importorskip("torch")
-
-
-def settle_sim() -> None:
-    """Lets every deferred release of the simulator run: the releases wait for their streams, and
-    the frees they enqueue for theirs."""
-    from handoff import sim
-
-    sim.synchronize()
-    gc.collect()
-    sim.drain()
-    sim.synchronize()
-
-
-def sim_leak_check() -> Iterator[None]:
-    """The body of a sim suite's autouse fixture: fails the test that leaves more live producers or
-    simulated allocations than it found. Faults and copy delays a test set are cleared first."""
-    from handoff import sim
-
-    sim.clear_faults()
-    settle_sim()
-    live = handoff.stats()["live_views"]
-    allocations = sim.live_allocations()
-    yield
-    sim.clear_faults()
-    sim.set_copy_delay(0.0)
-    settle_sim()
-    assert handoff.stats()["live_views"] == live, "a producer was leaked"
-    assert sim.live_allocations() == allocations, "a device allocation was leaked"
 
 
 @pytest.fixture
@@ -325,13 +68,3 @@ def sim_streams():
     producer, consumer = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)
     yield producer, consumer
     sim.synchronize()
-
-
-def pending_write(stream: object, n: int = 4096) -> handoff.Array:
-    """Simulator memory of `n` float32 zeros whose write of 1.0 is still running on `stream`."""
-    from handoff import sim
-
-    memory = sim.zeros(n, "float32")
-    sim.synchronize()
-    sim.fill(memory, 1.0, stream=stream, delay=0.2)
-    return memory

@@ -16,8 +16,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import (
-    CUDA_ORDERING_REFUSED,
+
+import handoff
+
+from dlpack_ctypes import (
+    CPU,
     FLAG_READ_ONLY,
     DLDataType,
     DLDevice,
@@ -26,18 +29,11 @@ from conftest import (
     DLTensor,
     HandMadeTensor,
     capsule_name,
-    pending_write,
-    run_python,
 )
+from support import CUDA_ORDERING_REFUSED, DEVICE_TYPE, SIM, needs_sim, pending_write, run_python
 
-import handoff
-
-BACKEND = handoff.runtime_info()["backend"]
-SIM = BACKEND.startswith("sim")
 if SIM:
     from handoff import sim
-DEVICE_TYPE = 10 if BACKEND == "sim-rocm" else 2
-CPU = 1
 
 TENSOR_OUT = ctypes.POINTER(ctypes.POINTER(DLManagedTensorVersioned))
 SET_ERROR = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p)
@@ -301,7 +297,6 @@ def test_current_work_stream_is_null_for_the_host():
 # ------------------------------------------------------------------------------------------------
 # Device arrays on the simulator
 
-needs_sim = pytest.mark.skipif(not SIM, reason=f"needs HANDOFF_BACKEND=sim or sim-rocm (backend is {BACKEND!r})")
 N = 4096
 
 

@@ -12,19 +12,11 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import (
-    CUDA,
-    CUDA_HOST,
-    CUDA_MANAGED,
-    CUDA_ORDERING_REFUSED,
-    HandMadeTensor,
-    capsule_name,
-    cuda_is_usable,
-    new_capsule,
-    run_python,
-)
 
 import handoff
+
+from dlpack_ctypes import CUDA, CUDA_HOST, CUDA_MANAGED, HandMadeTensor, capsule_name, new_capsule
+from support import BACKEND, CUDA_ORDERING_REFUSED, cuda_is_usable, run_python
 
 parse_cai = handoff._handoff._parse_cuda_array_interface
 
@@ -317,7 +309,7 @@ def test_size_one_axis_may_have_any_stride(live):
 
 
 def test_valid_cuda_array_interface_without_a_device_is_a_device_error(live):
-    if handoff.runtime_info()["backend"] != "none":
+    if BACKEND != "none":
         pytest.skip("a device backend is active")
     with pytest.raises(handoff.DeviceError, match="__cuda_array_interface__") as caught:
         handoff.asarray(CudaArrayInterface(cai()))
@@ -390,7 +382,7 @@ def test_handoff_backend_none_exchanges_cuda_data_unordered_as_asked():
     result = run_python(
         "import sys, numpy as np, handoff\n"
         f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
-        "from conftest import HandMadeTensor\n"
+        "from dlpack_ctypes import HandMadeTensor\n"
         "data = np.zeros(4, np.float32)\n"
         "tensor = HandMadeTensor(data.ctypes.data, (4,), device=(2, 0))\n"
         "view = handoff.from_dlpack(tensor.capsule())\n"

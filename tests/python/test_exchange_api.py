@@ -12,15 +12,14 @@ import gc
 
 import numpy as np
 import pytest
-from conftest import CUDA_ORDERING_REFUSED, DLManagedTensorVersioned, DLPackVersion, HandMadeTensor, new_capsule
 
 import handoff
 
-BACKEND = handoff.runtime_info()["backend"]
-SIM = BACKEND.startswith("sim")
+from dlpack_ctypes import DLManagedTensorVersioned, DLPackVersion, HandMadeTensor, new_capsule
+from support import BACKEND, CUDA_ORDERING_REFUSED, DEVICE_TYPE, SIM, needs_sim
+
 if SIM:
     from handoff import sim
-DEVICE_TYPE = 10 if BACKEND == "sim-rocm" else 2
 
 FROM_PY_OBJECT = ctypes.CFUNCTYPE(
     ctypes.c_int, ctypes.py_object, ctypes.POINTER(ctypes.POINTER(DLManagedTensorVersioned))
@@ -261,7 +260,6 @@ def test_cuda_data_without_a_backend_follows_the_dlpack_rules():
     assert (table.calls["stream"], producer.tensor.deleted) == (0, 1)
 
 
-needs_sim = pytest.mark.skipif(not SIM, reason=f"needs HANDOFF_BACKEND=sim or sim-rocm (backend is {BACKEND!r})")
 N = 4096
 
 

@@ -14,12 +14,16 @@ import os
 
 import numpy as np
 import pytest
-from conftest import (
+from hypothesis import HealthCheck, assume, given, note, settings
+from hypothesis import strategies as st
+
+import handoff
+
+from dlpack_ctypes import (
     CPU,
     CUDA,
     CUDA_HOST,
     CUDA_MANAGED,
-    CUDA_ORDERING_REFUSED,
     FLAG_IS_COPIED,
     FLAG_IS_SUBBYTE_TYPE_PADDED,
     FLAG_READ_ONLY,
@@ -29,17 +33,9 @@ from conftest import (
     VULKAN,
     HandMadeTensor,
     capsule_name,
-    settle_sim,
 )
-from hypothesis import HealthCheck, assume, given, note, settings
-from hypothesis import strategies as st
+from support import BACKEND, CUDA_ORDERING_REFUSED, DEFAULT_STREAM, DEVICE_COUNT, SIM, SIM_ROCM, needs_sim, settle_sim
 
-import handoff
-
-BACKEND = handoff.runtime_info()["backend"]
-SIM = BACKEND.startswith("sim")
-SIM_ROCM = BACKEND == "sim-rocm"
-needs_sim = pytest.mark.skipif(not SIM, reason=f"needs HANDOFF_BACKEND=sim or sim-rocm (backend is {BACKEND!r})")
 if SIM:
     from handoff import sim
 # The oracles of forged device memory know the simulator's allocations and the none backend; on
@@ -49,8 +45,6 @@ not_on_cuda = pytest.mark.skipif(BACKEND == "cuda", reason="the oracle models th
 # The device type of the active backend's memory (CUDA where none is active) and its default stream.
 DEVICE_MEMORY = ROCM if SIM_ROCM else CUDA
 HOST_MEMORY = ROCM_HOST if SIM_ROCM else CUDA_HOST
-DEFAULT_STREAM = 0 if SIM_ROCM else 1
-DEVICE_COUNT = handoff.runtime_info()["device_count"]
 CUDA_LIKE = (CUDA, CUDA_HOST, CUDA_MANAGED)
 ROCM_LIKE = (ROCM, ROCM_HOST)
 INVALID_HANDLE = "hipErrorInvalidHandle" if SIM_ROCM else "cudaErrorInvalidResourceHandle"

@@ -17,9 +17,11 @@ import weakref
 
 import numpy as np
 import pytest
-from conftest import CUDA, CUDA_MANAGED, live_views, run_python
 
 import handoff
+
+from dlpack_ctypes import CUDA, CUDA_MANAGED
+from support import live_views, run_python
 
 INFO = handoff.runtime_info()
 CUDA_USABLE = INFO["backend"] == "cuda" and not INFO.get("backend_error") and INFO["device_count"] > 0

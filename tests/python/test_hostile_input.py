@@ -9,13 +9,12 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import CPU, CUDA, DEVICE_COUNT, ROCM, HandMadeTensor, capsule_name, needs_two_devices, run_python
 
 import handoff
 
-BACKEND = handoff.runtime_info()["backend"]
-SIM = BACKEND.startswith("sim")
-needs_sim = pytest.mark.skipif(not SIM, reason=f"needs HANDOFF_BACKEND=sim or sim-rocm (backend is {BACKEND!r})")
+from dlpack_ctypes import CPU, CUDA, ROCM, HandMadeTensor, capsule_name
+from support import BACKEND, DEVICE_COUNT, needs_sim, needs_two_devices, run_python
+
 # A stream value every backend accepts for the arrays of the test: a CPU array takes None only, so
 # a stream is asked for through a producer that claims a device.
 CONSUMER_STREAM = 0 if BACKEND == "sim-rocm" else 1

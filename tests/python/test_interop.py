@@ -8,12 +8,13 @@ import gc
 
 import numpy as np
 import pytest
-from conftest import CPU, FLAG_IS_COPIED, FLAG_READ_ONLY, capsule_name, versioned_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import handoff
+
+from dlpack_ctypes import CPU, FLAG_IS_COPIED, FLAG_READ_ONLY, capsule_name, versioned_tensor
 
 NUMPY_DTYPES = [
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",

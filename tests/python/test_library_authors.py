@@ -14,15 +14,13 @@ import weakref
 
 import numpy as np
 import pytest
-from conftest import CUDA_ORDERING_REFUSED, pending_write
 
 import handoff
 
-BACKEND = handoff.runtime_info()["backend"]
-SIM = BACKEND.startswith("sim")
+from support import CUDA_ORDERING_REFUSED, DEVICE_TYPE, SIM, needs_sim, pending_write
+
 if SIM:
     from handoff import sim
-DEVICE_TYPE = 10 if BACKEND == "sim-rocm" else 2
 
 
 class Buffer:
@@ -201,8 +199,6 @@ def test_an_exporter_must_describe_its_data():
 
 # ------------------------------------------------------------------------------------------------
 # Device memory on the simulator
-
-needs_sim = pytest.mark.skipif(not SIM, reason=f"needs HANDOFF_BACKEND=sim or sim-rocm (backend is {BACKEND!r})")
 
 
 class DeviceTensor(handoff.Exporter):

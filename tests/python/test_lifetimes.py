@@ -9,9 +9,11 @@ import weakref
 
 import numpy as np
 import pytest
-from conftest import capsule_name, live_views, run_python
 
 import handoff
+
+from dlpack_ctypes import capsule_name
+from support import live_views, run_python
 
 
 class Owned(np.ndarray):

@@ -8,19 +8,17 @@ import gc
 
 import numpy as np
 import pytest
-from conftest import CPU, DLDevice, HandMadeTensor
 
 import handoff
 
-BACKEND = handoff.runtime_info()["backend"]
-pytestmark = pytest.mark.skipif(
-    not BACKEND.startswith("sim"), reason=f"needs HANDOFF_BACKEND=sim or sim-rocm (backend is {BACKEND!r})"
-)
+from dlpack_ctypes import CPU, DLDevice, HandMadeTensor
+from support import BACKEND, SIM_ROCM, needs_sim
+
+pytestmark = needs_sim
 if BACKEND.startswith("sim"):
     from handoff import sim
 
-ROCM = BACKEND == "sim-rocm"
-DEVICE = 10 if ROCM else 2
+DEVICE = 10 if SIM_ROCM else 2
 N = 1024
 
 
@@ -32,7 +30,7 @@ def settle():
     sim.drain()
 
 
-@pytest.mark.skipif(ROCM, reason="managed memory has no DLPack device type on ROCm")
+@pytest.mark.skipif(SIM_ROCM, reason="managed memory has no DLPack device type on ROCm")
 def test_managed_memory_exported_as_device_memory_is_accepted_and_ordered():
     managed = sim.zeros(N, memory="managed")
     producer, consumer = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)
@@ -64,7 +62,7 @@ def _imported_to_the_cpu(source, copy):
 @pytest.mark.parametrize("to_cpu", [_exported_to_the_cpu, _imported_to_the_cpu], ids=["export", "import"])
 @pytest.mark.parametrize("memory", ["pinned", "managed"])
 def test_host_accessible_memory_goes_to_the_cpu_without_a_copy(memory, to_cpu):
-    if ROCM and memory == "managed":
+    if SIM_ROCM and memory == "managed":
         pytest.skip("managed memory has no DLPack device type on ROCm")
     source = sim.zeros(N, memory=memory)
     producer = sim.Stream(non_blocking=True)
@@ -81,7 +79,7 @@ def test_host_accessible_memory_goes_to_the_cpu_without_a_copy(memory, to_cpu):
 
 @pytest.mark.parametrize("memory", ["pinned", "managed"])
 def test_a_copy_of_host_accessible_memory_comes_back_on_the_same_device(memory):
-    if ROCM and memory == "managed":
+    if SIM_ROCM and memory == "managed":
         pytest.skip("managed memory has no DLPack device type on ROCm")
     source = sim.zeros(N, memory=memory)
     producer = sim.Stream(non_blocking=True)

@@ -15,19 +15,16 @@ import threading
 import time
 
 import pytest
-from conftest import HandMadeTensor, needs_two_devices, sim_leak_check
 
 import handoff
 
-BACKEND = handoff.runtime_info()["backend"]
-pytestmark = pytest.mark.skipif(
-    not BACKEND.startswith("sim"), reason=f"needs HANDOFF_BACKEND=sim or sim-rocm (backend is {BACKEND!r})"
-)
+from dlpack_ctypes import HandMadeTensor
+from support import BACKEND, DEFAULT_STREAM, SIM_ROCM, needs_sim, needs_two_devices, sim_leak_check
+
+pytestmark = needs_sim
 if BACKEND.startswith("sim"):
     from handoff import sim
 
-ROCM = BACKEND == "sim-rocm"
-DEFAULT_STREAM = 0 if ROCM else 1  # the DLPack value naming the device's default stream
 SLOW = 0.2
 N = 4096
 # Each write uses a value no earlier test wrote: a fresh allocation may reuse memory that still holds
@@ -142,7 +139,7 @@ def test_a_copy_is_freed_in_its_own_stream_order(device, new_stream):
     sim.synchronize()
 
 
-per_thread_only = pytest.mark.skipif(ROCM, reason="ROCm's per-thread default stream has no DLPack stream value")
+per_thread_only = pytest.mark.skipif(SIM_ROCM, reason="ROCm's per-thread default stream has no DLPack stream value")
 PER_THREAD = 2  # CUDA's per-thread default stream: its handle names the calling thread's stream
 
 

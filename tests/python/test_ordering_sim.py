@@ -14,20 +14,24 @@ import weakref
 
 import numpy as np
 import pytest
-from conftest import needs_two_devices, run_python, sim_leak_check
 
 import handoff
 
-BACKEND = handoff.runtime_info()["backend"]
-pytestmark = pytest.mark.skipif(
-    not BACKEND.startswith("sim"), reason=f"needs HANDOFF_BACKEND=sim or sim-rocm (backend is {BACKEND!r})"
+from support import (
+    BACKEND,
+    DEFAULT_STREAM,
+    DEVICE_TYPE,
+    SIM_ROCM,
+    needs_sim,
+    needs_two_devices,
+    run_python,
+    sim_leak_check,
 )
+
+pytestmark = needs_sim
 if BACKEND.startswith("sim"):
     from handoff import sim
 
-ROCM = BACKEND == "sim-rocm"
-DEVICE_TYPE = 10 if ROCM else 2
-DEFAULT_STREAM = 0 if ROCM else 1  # the DLPack value naming the device's default stream
 SLOW = 0.2  # seconds a producer write takes: long enough that an unordered reader always wins
 N = 4096
 
@@ -219,7 +223,7 @@ class CudaArrayInterfaceProducer:
         self.owner = owner
 
 
-@pytest.mark.skipif(ROCM, reason="the CUDA Array Interface is for CUDA memory")
+@pytest.mark.skipif(SIM_ROCM, reason="the CUDA Array Interface is for CUDA memory")
 def test_cuda_array_interface_v3_import_orders_the_pending_producer(streams):
     producer, consumer = streams
     source = pending_write(producer, value=4.0)
@@ -230,7 +234,7 @@ def test_cuda_array_interface_v3_import_orders_the_pending_producer(streams):
     assert sim.to_numpy(view, stream=consumer)[0] == 4.0
 
 
-@pytest.mark.skipif(ROCM, reason="the CUDA Array Interface is for CUDA memory")
+@pytest.mark.skipif(SIM_ROCM, reason="the CUDA Array Interface is for CUDA memory")
 def test_cuda_array_interface_without_stream_is_the_negative_control(streams):
     producer, consumer = streams
     source = pending_write(producer, value=4.0)
@@ -313,7 +317,7 @@ def test_interface_legacy_default_producer_after_a_blocking_consumer_is_ordered_
     assert after["waits_elided"] == before["waits_elided"] + 2  # at release, and the same-stream copy
 
 
-@pytest.mark.skipif(ROCM, reason="a ROCm per-thread stream has no number the test can write on")
+@pytest.mark.skipif(SIM_ROCM, reason="a ROCm per-thread stream has no number the test can write on")
 @pytest.mark.parametrize(
     "release",
     [lambda views: views.clear(), release_on_another_thread],
@@ -428,7 +432,7 @@ def test_interface_release_whose_wait_fails_still_releases_the_producer(streams)
     source = ready_source()
     live = handoff.stats()["live_views"]
     view = handoff.asarray(StreamHoldingProducer(interface_of(source, stream.handle), source, stream), stream=consumer)
-    sim.inject_fault("stream_wait_event", 1, "hipErrorLaunchFailure" if ROCM else "cudaErrorLaunchFailure")
+    sim.inject_fault("stream_wait_event", 1, "hipErrorLaunchFailure" if SIM_ROCM else "cudaErrorLaunchFailure")
     try:
         del view  # the wait fails and is logged; the release is not affected
         gc.collect()
@@ -508,7 +512,7 @@ def test_a_device_fault_raises_device_error_and_leaks_nothing(operation, device)
     producer = sim.Stream(device, non_blocking=True)
     consumer = sim.Stream(device, non_blocking=True)
     source = pending_write(producer, device=device)
-    sim.inject_fault(operation, 1, "hipErrorLaunchFailure" if ROCM else "cudaErrorLaunchFailure")
+    sim.inject_fault(operation, 1, "hipErrorLaunchFailure" if SIM_ROCM else "cudaErrorLaunchFailure")
     try:
         with pytest.raises(handoff.DeviceError) as failure:
             handoff.from_dlpack(source, stream=consumer, device=None)
@@ -523,8 +527,8 @@ def test_a_device_fault_raises_device_error_and_leaks_nothing(operation, device)
 def test_stream_table_through_the_real_path():
     array = sim.zeros(4)
     created = sim.Stream()
-    ok = [None, -1, 0, created.handle] if ROCM else [None, -1, 1, 2, created.handle]
-    bad = [1, 2, -2] if ROCM else [0, -2]
+    ok = [None, -1, 0, created.handle] if SIM_ROCM else [None, -1, 1, 2, created.handle]
+    bad = [1, 2, -2] if SIM_ROCM else [0, -2]
     for value in ok:
         handoff.from_dlpack(array.__dlpack__(stream=value, max_version=(1, 1)))
     for value in bad:
@@ -627,7 +631,7 @@ def test_copy_false_to_the_host_is_refused():
         source.__dlpack__(dl_device=(DEVICE_TYPE, 1), max_version=(1, 1))
 
 
-@pytest.mark.skipif(ROCM, reason="uses the CUDA Array Interface")
+@pytest.mark.skipif(SIM_ROCM, reason="uses the CUDA Array Interface")
 def test_exit_runs_pending_releases_while_python_is_alive():
     import os
     import subprocess
@@ -703,7 +707,7 @@ def dropped_while_the_consumer_works(view, dlpack_stream, work_stream):
     gc.collect()
 
 
-DEFAULT_STREAMS = {"default stream": DEFAULT_STREAM} if ROCM else {"legacy (1)": 1, "per-thread (2)": 2}
+DEFAULT_STREAMS = {"default stream": DEFAULT_STREAM} if SIM_ROCM else {"legacy (1)": 1, "per-thread (2)": 2}
 
 
 @pytest.mark.parametrize("value", DEFAULT_STREAMS.values(), ids=DEFAULT_STREAMS.keys())
@@ -843,7 +847,7 @@ def in_a_thread(body):
     thread.join()
 
 
-@pytest.mark.skipif(ROCM, reason="the per-thread default stream (2) is CUDA's")
+@pytest.mark.skipif(SIM_ROCM, reason="the per-thread default stream (2) is CUDA's")
 def test_a_view_bound_to_an_ended_threads_default_stream_is_released_after_its_work():
     view, gone = owned_view()
     held = []
@@ -862,7 +866,7 @@ def test_a_view_bound_to_an_ended_threads_default_stream_is_released_after_its_w
     assert gone() is None
 
 
-@pytest.mark.skipif(ROCM, reason="the per-thread default stream (2) is CUDA's")
+@pytest.mark.skipif(SIM_ROCM, reason="the per-thread default stream (2) is CUDA's")
 @pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "negative-control"])
 def test_data_ready_on_an_ended_threads_default_stream_is_read_finished(streams, ordered):
     _, consumer = streams
@@ -877,7 +881,7 @@ def test_data_ready_on_an_ended_threads_default_stream_is_read_finished(streams,
 # --- the host waits through an event, and producers are called on their data's device -----------
 
 
-@pytest.mark.skipif(ROCM, reason="the per-thread default stream (2) and managed memory are CUDA's")
+@pytest.mark.skipif(SIM_ROCM, reason="the per-thread default stream (2) and managed memory are CUDA's")
 @pytest.mark.parametrize("memory", ["managed", "pinned"])
 def test_a_host_view_of_data_on_a_per_thread_stream_waits_for_its_work(memory):
     source = sim.zeros(N, memory=memory)
@@ -888,7 +892,7 @@ def test_a_host_view_of_data_on_a_per_thread_stream_waits_for_its_work(memory):
     sim.synchronize()
 
 
-@pytest.mark.skipif(ROCM, reason="the per-thread default stream (2) and managed memory are CUDA's")
+@pytest.mark.skipif(SIM_ROCM, reason="the per-thread default stream (2) and managed memory are CUDA's")
 @pytest.mark.negative_control
 def test_negative_control_the_same_memory_read_on_the_host_without_a_wait_is_stale():
     source = sim.zeros(N, memory="managed")

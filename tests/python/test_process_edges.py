@@ -13,13 +13,10 @@ import weakref
 
 import numpy as np
 import pytest
-from conftest import run_python
 
 import handoff
 
-BACKEND = handoff.runtime_info()["backend"]
-SIM = BACKEND.startswith("sim")
-needs_sim = pytest.mark.skipif(not SIM, reason=f"needs HANDOFF_BACKEND=sim or sim-rocm (backend is {BACKEND!r})")
+from support import BACKEND, needs_sim, run_python
 
 # A parent that used the simulated device (its service thread and workers run) before it forks.
 USED_THE_DEVICE = """

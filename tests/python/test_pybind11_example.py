@@ -16,12 +16,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import pending_write
 
 import handoff
 
-BACKEND = handoff.runtime_info()["backend"]
-SIM = BACKEND.startswith("sim")
+from support import SIM, needs_sim, pending_write
+
 if SIM:
     from handoff import sim
 
@@ -89,9 +88,6 @@ def test_read_only_data_needs_ro():
 def test_a_mismatch_lists_the_accepted_signature(call, argument, signature):
     with pytest.raises(TypeError, match=signature):
         call(argument) if call is not te.scale else call(argument, 2.0)
-
-
-needs_sim = pytest.mark.skipif(not SIM, reason=f"needs HANDOFF_BACKEND=sim or sim-rocm (backend is {BACKEND!r})")
 
 
 @needs_sim

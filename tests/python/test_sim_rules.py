@@ -11,14 +11,12 @@ import time
 
 import numpy as np
 import pytest
-from conftest import live_views, run_python
 
 import handoff
 
-BACKEND = handoff.runtime_info()["backend"]
-pytestmark = pytest.mark.skipif(
-    not BACKEND.startswith("sim"), reason=f"needs HANDOFF_BACKEND=sim or sim-rocm (backend is {BACKEND!r})"
-)
+from support import BACKEND, live_views, needs_sim, run_python
+
+pytestmark = needs_sim
 if BACKEND.startswith("sim"):
     from handoff import sim
 
@@ -119,7 +117,7 @@ FOREIGN_DELETER_AT_EXIT = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     import handoff
     from handoff import sim
-    from conftest import HandMadeTensor, CUDA
+    from dlpack_ctypes import HandMadeTensor, CUDA
 
     source = sim.zeros(1024)
     # A producer whose deleter takes the GIL, as CuPy's and PyTorch's do (a ctypes callback does).

@@ -10,14 +10,12 @@ import textwrap
 import weakref
 
 import pytest
-from conftest import run_python
 
 import handoff
 
-BACKEND = handoff.runtime_info()["backend"]
-pytestmark = pytest.mark.skipif(
-    not BACKEND.startswith("sim"), reason=f"needs HANDOFF_BACKEND=sim or sim-rocm (backend is {BACKEND!r})"
-)
+from support import BACKEND, needs_sim, run_python
+
+pytestmark = needs_sim
 if BACKEND.startswith("sim"):
     from handoff import sim
 

@@ -4,9 +4,23 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import CPU, CUDA, CUDA_HOST, CUDA_MANAGED, EXT_DEV, METAL, ONEAPI, OPENCL, ROCM, ROCM_HOST, TRN, VULKAN
 
 import handoff
+
+from dlpack_ctypes import (
+    CPU,
+    CUDA,
+    CUDA_HOST,
+    CUDA_MANAGED,
+    EXT_DEV,
+    METAL,
+    ONEAPI,
+    OPENCL,
+    ROCM,
+    ROCM_HOST,
+    TRN,
+    VULKAN,
+)
 
 classify = handoff._handoff._classify_stream
 

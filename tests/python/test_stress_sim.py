@@ -21,21 +21,16 @@ import time
 
 import numpy as np
 import pytest
-from conftest import sim_leak_check
 
 import handoff
 
-BACKEND = handoff.runtime_info()["backend"]
-pytestmark = pytest.mark.skipif(
-    not BACKEND.startswith("sim"), reason=f"needs HANDOFF_BACKEND=sim or sim-rocm (backend is {BACKEND!r})"
-)
+from support import BACKEND, DEFAULT_STREAM, DEVICE_COUNT, SIM_ROCM, needs_sim, sim_leak_check
+
+pytestmark = needs_sim
 if BACKEND.startswith("sim"):
     from handoff import sim
 
-ROCM = BACKEND == "sim-rocm"
-DEFAULT_STREAM = 0 if ROCM else 1  # the DLPack value of the device's default stream
-PER_THREAD_STREAM = None if ROCM else 2  # ROCm's per-thread default stream has no DLPack value
-DEVICES = handoff.runtime_info()["device_count"]
+PER_THREAD_STREAM = None if SIM_ROCM else 2  # ROCm's per-thread default stream has no DLPack value
 SECONDS = float(os.environ.get("HANDOFF_STRESS_SECONDS", "8"))
 THREADS = 2
 N = 2048
@@ -80,7 +75,7 @@ class Streams:
         self.rng = rng
         self.made = {
             device: [sim.Stream(device), sim.Stream(device, non_blocking=True), sim.Stream(device, non_blocking=True)]
-            for device in range(DEVICES)
+            for device in range(DEVICE_COUNT)
         }
 
     def pick(self, device: int):
@@ -97,7 +92,9 @@ def hop(rng: random.Random, source, consumer, *, ordered: bool, log: list):
     """Passes `source` on to `consumer` by a random exchange path, `copy=True` now and then."""
     stream = consumer if ordered else -1
     copy = True if rng.random() < 0.15 else None
-    paths = ["from_dlpack", "asarray", "__dlpack__"] + (["block"] if ordered else []) + (["cai"] if not ROCM else [])
+    paths = (
+        ["from_dlpack", "asarray", "__dlpack__"] + (["block"] if ordered else []) + (["cai"] if not SIM_ROCM else [])
+    )
     path = rng.choice(paths)
     log.append(f"{path}(stream={value_of(stream):#x}{', copy' if copy else ''})")
     if path == "from_dlpack":
@@ -116,7 +113,7 @@ def hop(rng: random.Random, source, consumer, *, ordered: bool, log: list):
 def one_round(rng: random.Random, streams: Streams, *, ordered: bool) -> tuple[bool, str]:
     """A producer writes (maybe twice) and a chain of consumers passes the data on; True when every
     consumer read checked the final value. The description says what was done."""
-    device = rng.randrange(DEVICES)
+    device = rng.randrange(DEVICE_COUNT)
     producer = streams.pick(device)
     views = [sim.zeros(N, "float32", device)]
     value = next_value()

@@ -20,13 +20,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import needs_two_devices, pending_write, run_python
 
 import handoff
 
-BACKEND = handoff.runtime_info()["backend"]
-SIM = BACKEND.startswith("sim")
-needs_sim = pytest.mark.skipif(not SIM, reason=f"needs HANDOFF_BACKEND=sim or sim-rocm (backend is {BACKEND!r})")
+from support import BACKEND, needs_sim, needs_two_devices, pending_write, run_python
+
 THIS_FILE = Path(__file__).resolve()
 
 

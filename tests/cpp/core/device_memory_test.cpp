@@ -43,9 +43,7 @@ TEST_P(DeviceMemoryTest, DeviceCopiesFollowThePendingWrite)
 {
   float* data = allocate_on(0);
   const auto producer = stream_on(0);
-  const array view = device_view(data, 0);
-  fill(producer, data, 8.0F, slow);
-  view.owner().set_ready_on({.ctx = &ctx(), .device = 0, .stream = producer, .stream_owner = nullptr});
+  const array view = pending_view(data, producer, 8.0F);
 
   const array host = copy_device_array(ctx(), view, /*to_host=*/true);
   EXPECT_EQ(host.device().device_type, kDLCPU);

@@ -46,7 +46,7 @@ class ExchangeTest : public BackendContextTest {
       if (released != nullptr) { ++*released; }
     });
     fill(producer, data, 1.0F, slow);
-    view.owner().set_ready_on({.ctx = &ctx(), .device = 0, .stream = producer, .stream_owner = nullptr});
+    mark_ready(view, producer);
     return view;
   }
 

@@ -53,9 +53,7 @@ TEST_P(OrderingTest, ExportOrdersTheStreamTheDataIsReadyOn)
   float* data = allocate_on(0);
   const auto producer = stream_on(0);
   const auto consumer = stream_on(0);
-  const array view = device_view(data, 0);
-  fill(producer, data, 1.0F, slow);
-  view.owner().set_ready_on({.ctx = &ctx(), .device = 0, .stream = producer, .stream_owner = nullptr});
+  const array view = pending_view(data, producer, 1.0F);
   order_export(&ctx(), view, on(consumer));
   EXPECT_EQ(read(data, consumer).front(), 1.0F);
 }
@@ -65,9 +63,7 @@ TEST_P(OrderingTest, NegativeControlNoOrderingRequestedSeesStaleData)
   float* data = allocate_on(0);
   const auto producer = stream_on(0);
   const auto consumer = stream_on(0);
-  const array view = device_view(data, 0);
-  fill(producer, data, 1.0F, slow);
-  view.owner().set_ready_on({.ctx = &ctx(), .device = 0, .stream = producer, .stream_owner = nullptr});
+  const array view = pending_view(data, producer, 1.0F);
   order_export(&ctx(), view, {stream_order::none, 0});
   EXPECT_EQ(read(data, consumer).front(), 0.0F);
   b().synchronize_device();
@@ -120,7 +116,7 @@ TEST_P(OrderingTest, TheStreamPublishedForSynchronizingConsumersCoversTheBlockin
   const array view = device_view(data, 0);
   fill(blocking, data, 3.0F, slow);
   // Bound to a per-thread default stream: recorded as the legacy stream, which any thread can name.
-  view.owner().set_ready_on({.ctx = &ctx(), .device = 0, .stream = b().legacy_default_stream(), .stream_owner = {}});
+  mark_ready(view, b().legacy_default_stream());
   const auto published = published_ready_stream(view);
   ASSERT_EQ(published, b().legacy_default_stream());
   b().synchronize_stream(*published);  // what a CUDA Array Interface consumer with sync=True does
@@ -310,7 +306,7 @@ TEST_P(OrderingTest, OrderingDataOnAnotherDeviceCreatesNoContextOnTheCurrentOne)
   std::thread importer([&] {  // a thread that never chose a device
     fill(producer, data, 2.0F, slow);
     const array view = device_view(data, 1);
-    view.owner().set_ready_on({.ctx = &ctx(), .device = 1, .stream = producer, .stream_owner = nullptr});
+    mark_ready(view, producer, 1);
     order_export(&ctx(), view, on(consumer));
     bind_import(ctx(), view, owning_device(ctx(), view), consumer);
     EXPECT_EQ(read(data, consumer).front(), 2.0F);
@@ -340,7 +336,7 @@ TEST_P(OrderingTest, ManyThreadsExchangeAtOnce)
         float* data = buffers[static_cast<std::size_t>(t)];
         const array view = device_view(data, device);
         fill(producer, data, static_cast<float>(round));
-        view.owner().set_ready_on({.ctx = &ctx(), .device = device, .stream = producer, .stream_owner = nullptr});
+        mark_ready(view, producer, device);
         order_export(&ctx(), view, on(consumer));  // from the data's device, whatever is current
         bind_import(ctx(), view, device, consumer);
         if (read(data, consumer).back() != static_cast<float>(round)) { ++wrong; }

@@ -104,6 +104,22 @@ class BackendContextTest : public BackendTest {
                  }}};
   }
 
+  /// Records that `view`'s data is ready on `stream` (of `device`), as its producer would.
+  void mark_ready(const array& view, device::stream_handle stream, int device = 0)
+  {
+    view.owner().set_ready_on({.ctx = &ctx(), .device = device, .stream = stream, .stream_owner = nullptr});
+  }
+
+  /// A view of the n floats at `data` on device 0 whose write of `value` on `producer` is still
+  /// running (for `slow`), ready there: what a producer hands over while its kernel runs.
+  array pending_view(float* data, device::stream_handle producer, float value)
+  {
+    array view = device_view(data, 0);
+    fill(producer, data, value, slow);
+    mark_ready(view, producer);
+    return view;
+  }
+
   std::optional<context> ctx_;
 };
 

@@ -59,7 +59,7 @@ TEST_P(TraceTest, AnOrderedExportRecordsItsWaitAndBothStreams)
   const auto producer = stream_on(0);
   const auto consumer = stream_on(0);
   const array view = device_view(data, 0);
-  view.owner().set_ready_on({.ctx = &ctx(), .device = 0, .stream = producer, .stream_owner = nullptr});
+  mark_ready(view, producer);
   traced_export(view, on(consumer));
   const auto events = finish();
   ASSERT_EQ(events.size(), 1U);
@@ -80,7 +80,7 @@ TEST_P(TraceTest, TheSameStreamIsElided)
   float* data = allocate_on(0);
   const auto stream = stream_on(0);
   const array view = device_view(data, 0);
-  view.owner().set_ready_on({.ctx = &ctx(), .device = 0, .stream = stream, .stream_owner = nullptr});
+  mark_ready(view, stream);
   traced_export(view, on(stream));
   const auto events = finish();
   ASSERT_EQ(events.size(), 1U);
@@ -91,9 +91,7 @@ TEST_P(TraceTest, AnUnorderedHandOverWhileTheProducerWorksIsAHazard)
 {
   float* data = allocate_on(0);
   const auto producer = stream_on(0);
-  const array view = device_view(data, 0);
-  fill(producer, data, 1.0F, slow);
-  view.owner().set_ready_on({.ctx = &ctx(), .device = 0, .stream = producer, .stream_owner = nullptr});
+  const array view = pending_view(data, producer, 1.0F);
   traced_export(view, -1);
   const auto events = finish();
   ASSERT_EQ(events.size(), 1U);
@@ -111,7 +109,7 @@ TEST_P(TraceTest, NegativeControlAnUnorderedHandOverOfFinishedWorkIsNoHazard)
   const array view = device_view(data, 0);
   fill(producer, data, 1.0F);
   b().synchronize_stream(producer);
-  view.owner().set_ready_on({.ctx = &ctx(), .device = 0, .stream = producer, .stream_owner = nullptr});
+  mark_ready(view, producer);
   traced_export(view, -1);
   const auto events = finish();
   ASSERT_EQ(events.size(), 1U);

@@ -1,0 +1,94 @@
+"""What the suite runs on (the backend HANDOFF_BACKEND started, and its values), the markers that
+skip what it cannot run, and the helpers the test modules share. Fixtures are in conftest.py."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+import handoff
+
+_INFO = handoff.runtime_info()
+BACKEND = _INFO["backend"]
+SIM = BACKEND.startswith("sim")  # the simulated device: sim (CUDA's rules) or sim-rocm (HIP's)
+SIM_ROCM = BACKEND == "sim-rocm"
+DEVICE_TYPE = 10 if SIM_ROCM else 2  # the backend's DLPack device type: kDLROCM, kDLCUDA
+DEFAULT_STREAM = 0 if SIM_ROCM else 1  # the DLPack stream value naming the device's default stream
+# Devices of the active backend: HANDOFF_SIM_DEVICES sets the simulator's (the suite runs with 1 and 2).
+DEVICE_COUNT = _INFO["device_count"]
+
+# HANDOFF_BACKEND=auto without a usable CUDA device: CUDA data that needs ordering is refused with a
+# DeviceError rather than exchanged unordered (HANDOFF_BACKEND=none exchanges it as it comes).
+CUDA_ORDERING_REFUSED = BACKEND == "none" and os.environ.get("HANDOFF_BACKEND", "") in ("", "auto")
+
+needs_sim = pytest.mark.skipif(not SIM, reason=f"needs HANDOFF_BACKEND=sim or sim-rocm (backend is {BACKEND!r})")
+needs_two_devices = pytest.mark.skipif(
+    DEVICE_COUNT < 2, reason=f"needs a second device (the backend has {DEVICE_COUNT}; see HANDOFF_SIM_DEVICES)"
+)
+
+
+def live_views() -> int:
+    """Producers handoff keeps alive now, after collecting garbage."""
+    gc.collect()
+    return handoff.stats()["live_views"]
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh interpreter with extra environment variables."""
+    environment = {**os.environ, **env}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=120, check=False
+    )
+
+
+@functools.cache
+def cuda_is_usable() -> bool:
+    """Whether the CUDA backend starts here (a driver and a device), asked of a fresh process so that
+    the backend of this one does not matter."""
+    code = "import handoff; i = handoff.runtime_info(); print(not i.get('backend_error') and i['device_count'] > 0)"
+    result = run_python(code, HANDOFF_BACKEND="cuda")
+    return result.returncode == 0 and result.stdout.strip() == "True"
+
+
+def settle_sim() -> None:
+    """Lets every deferred release of the simulator run: the releases wait for their streams, and
+    the frees they enqueue for theirs."""
+    from handoff import sim
+
+    sim.synchronize()
+    gc.collect()
+    sim.drain()
+    sim.synchronize()
+
+
+def sim_leak_check() -> Iterator[None]:
+    """The body of a sim suite's autouse fixture: fails the test that leaves more live producers or
+    simulated allocations than it found. Faults and copy delays a test set are cleared first."""
+    from handoff import sim
+
+    sim.clear_faults()
+    settle_sim()
+    live = handoff.stats()["live_views"]
+    allocations = sim.live_allocations()
+    yield
+    sim.clear_faults()
+    sim.set_copy_delay(0.0)
+    settle_sim()
+    assert handoff.stats()["live_views"] == live, "a producer was leaked"
+    assert sim.live_allocations() == allocations, "a device allocation was leaked"
+
+
+def pending_write(stream: object, n: int = 4096) -> handoff.Array:
+    """Simulator memory of `n` float32 zeros whose write of 1.0 is still running on `stream`."""
+    from handoff import sim
+
+    memory = sim.zeros(n, "float32")
+    sim.synchronize()
+    sim.fill(memory, 1.0, stream=stream, delay=0.2)
+    return memory
