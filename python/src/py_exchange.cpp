@@ -330,9 +330,11 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
         }
         // Data on another device than claimed is refused; device data from a producer that hid
         // its device is bound to the consumer stream.
-        return wrap(on.import(
-          consume_capsule(capsule), {.consumer = consumer, .device = {}, .copy = {}},
-          {.name = type_name(x), .claimed = claimed, .honoured_arguments = true, .ordered_for_consumer = false}));
+        return wrap(on.import(consume_capsule(capsule), {.consumer = consumer, .device = {}, .copy = {}},
+                              {.name = claimed ? type_name(x) : std::string_view{},
+                               .claimed = claimed,
+                               .honoured_arguments = true,
+                               .ordered_for_consumer = false}));
       }
     }
   }

@@ -96,6 +96,7 @@ std::optional<stream_binding> exchange::consumer_binding(const array& view, cons
 
 void exchange::bind_to_consumer(const array& view, const named_stream& consumer) const
 {
+  if (!has_streams(view.device().device_type)) { return; }  // host data: nothing to order
   if (auto binding = consumer_binding(view, consumer)) {
     bind_import(*binding->ctx, view, binding->device, binding->stream, std::move(binding->stream_owner));
   }
@@ -135,10 +136,12 @@ array exchange::import(array view, const import_request& request, const producer
     if (trace::exchange_scope* scope = trace::traced()) { scope->note_ordered_by_producer(); }
   }
   bind_to_consumer(view, request.consumer);
-  array made = transfer(std::move(view), request.device, request.copy, answer.honoured_arguments);
+  if (request.device || request.copy) {
+    view = transfer(std::move(view), request.device, request.copy, answer.honoured_arguments);
+  }
   count(counter::imports);
-  trace.set_view(made);
-  return made;
+  trace.set_view(view);
+  return view;
 }
 
 std::optional<array> exchange::import_from_table(DLManagedTensorVersioned* tensor, const named_stream& consumer,

@@ -171,7 +171,10 @@ const std::function<void()>* producer_ref::sole_release() const noexcept
 void producer_ref::visit_stream_owners(void (*visit)(const std::shared_ptr<const void>& owner, void* context),
                                        void* context) const
 {
-  if (state_ == nullptr || state_->references_.load(std::memory_order_acquire) != 1) { return; }
+  if (state_ == nullptr || state_->references_.load(std::memory_order_acquire) != 1 ||
+      !state_->keeps_stream_owner_.load(std::memory_order_acquire)) {
+    return;
+  }
   std::lock_guard lock{state_->mutex_};
   const auto visit_binding = [&](const stream_binding& binding) {
     if (binding.stream_owner) { visit(binding.stream_owner, context); }
@@ -217,6 +220,7 @@ void producer_ref::set_ready_on(const stream_binding& where) const
   if (!state_) { return; }
   stream_binding bound = thread_independent(where);
   std::lock_guard lock{state_->mutex_};
+  if (bound.stream_owner) { state_->keeps_stream_owner_.store(true, std::memory_order_release); }
   state_->ready_on_ = std::move(bound);
 }
 
@@ -227,6 +231,9 @@ void producer_ref::release_after(const stream_binding& consumer, const std::opti
   std::optional<stream_binding> held;
   if (producer) { held = thread_independent(*producer); }
   std::lock_guard lock{state_->mutex_};
+  if (bound.stream_owner || (held && held->stream_owner)) {
+    state_->keeps_stream_owner_.store(true, std::memory_order_release);
+  }
   const auto same = [&](const stream_binding& b) {
     return b.ctx == bound.ctx && b.device == bound.device && b.stream == bound.stream;
   };

@@ -61,6 +61,9 @@ struct producer_ref::state {
   std::function<void()> release_;
   std::atomic<std::uint64_t> id_{0};
   mutable std::mutex mutex_;  // guards the bindings
+  // Set once a binding keeps a stream's owner: visit_stream_owners need not lock before then, as
+  // most producers (host data, streams given as values) never do.
+  std::atomic<bool> keeps_stream_owner_{false};
   std::optional<stream_binding> ready_on_;
   std::vector<stream_binding> release_after_;  // one per consumer stream, usually one
   std::optional<stream_binding> hold_back_;    // the producer stream that waits for the consumers' work

@@ -69,7 +69,7 @@ struct import_request {
 
 /// What a producer told the importer, as the front end read it.
 struct producer_answer {
-  std::string_view name;             ///< the producer's type, for messages
+  std::string_view name;             ///< the producer's type, for messages (read only with `claimed`)
   std::optional<DLDevice> claimed;   ///< what its `__dlpack_device__` said, when asked
   bool honoured_arguments{false};    ///< it took `max_version`, and so `dl_device` and `copy`
   bool ordered_for_consumer{false};  ///< it was given the consumer's stream, and orders for it
