@@ -408,8 +408,13 @@ void bind_array(py::module_& m)
   PyObject* type = PyType_FromSpec(&spec);
   if (type == nullptr) { throw py::error_already_set(); }
   array_type = reinterpret_cast<PyTypeObject*>(type);
-  // A class attribute that no slot can hold: set while the type is still mutable.
-  if (PyObject_SetAttrString(type, "__dlpack_c_exchange_api__", array_exchange_api_capsule().ptr()) != 0) {
+  // Class attributes that no slot can hold, set while the type is still mutable: the C exchange API
+  // in DLPack 1.3's form (a capsule) and in 1.2's (the table's address), which consumers still read.
+  const py::object table_address =
+    py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(const_cast<DLPackExchangeAPI*>(&array_exchange_api())));
+  if (!table_address ||
+      PyObject_SetAttrString(type, "__dlpack_c_exchange_api__", array_exchange_api_capsule().ptr()) != 0 ||
+      PyObject_SetAttrString(type, "__c_dlpack_exchange_api__", table_address.ptr()) != 0) {
     throw py::error_already_set();
   }
 #ifdef Py_TPFLAGS_IMMUTABLETYPE

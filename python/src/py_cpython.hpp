@@ -44,12 +44,20 @@ struct int64_reading {
 /// is discarded. Holds the GIL's caller's error indicator only: make it with the GIL held.
 class error_scope {
  public:
-  error_scope() noexcept { PyErr_Fetch(&type_, &value_, &traceback_); }
+  error_scope() noexcept
+  {
+    if (PyErr_Occurred() != nullptr) { PyErr_Fetch(&type_, &value_, &traceback_); }
+  }
   error_scope(const error_scope&) = delete;
   error_scope& operator=(const error_scope&) = delete;
   error_scope(error_scope&&) = delete;
   error_scope& operator=(error_scope&&) = delete;
-  ~error_scope() { PyErr_Restore(type_, value_, traceback_); }
+  ~error_scope()
+  {
+    // What the scope's code left is dropped either way; the cheap checks first (the common case
+    // is no error at all).
+    if (type_ != nullptr || PyErr_Occurred() != nullptr) { PyErr_Restore(type_, value_, traceback_); }
+  }
 
  private:
   PyObject* type_{nullptr};

@@ -17,14 +17,15 @@ namespace {
 
 constexpr const char* capsule_name = "dlpack_exchange_api";
 
-PyObject* attribute_name = nullptr;      // "__dlpack_c_exchange_api__"
+PyObject* capsule_attribute = nullptr;   // "__dlpack_c_exchange_api__": DLPack 1.3's form, a capsule
+PyObject* address_attribute = nullptr;   // "__c_dlpack_exchange_api__": DLPack 1.2's, the table's address
 PyObject* is_conj_name = nullptr;        // "is_conj"
 PyObject* requires_grad_name = nullptr;  // "requires_grad"
 
 // The capsules seen last and their tables (nullptr: not usable). A type's capsule is normally one
 // object for the life of the process, so a handful of entries serves every producer type in use.
 struct cached_table {
-  PyObject* capsule = nullptr;  // strong reference: the table stays valid and the address unique
+  PyObject* attribute = nullptr;  // strong reference: the table stays valid and the address unique
   const DLPackExchangeAPI* api = nullptr;
 };
 std::array<cached_table, 8> cached_tables;  // guarded by the GIL
@@ -53,19 +54,52 @@ void log_failure(const char* call) noexcept
   log_debug(fmt::format("DLPack C exchange API: {} failed ({}); using __dlpack__", call, reason));
 }
 
-const DLPackExchangeAPI* usable_table(PyObject* capsule) noexcept
+// The table an attribute publishes: a "dlpack_exchange_api" capsule, or (DLPack 1.2) its address as
+// an int, which handoff trusts as tvm-ffi does: the type keeps its table for the life of the process.
+const DLPackExchangeAPI* published_table(PyObject* attribute) noexcept
 {
-  if (PyCapsule_IsValid(capsule, capsule_name) == 0) {
-    log_debug("DLPack C exchange API: __dlpack_c_exchange_api__ is no 'dlpack_exchange_api' capsule; using __dlpack__");
+  if (PyCapsule_IsValid(attribute, capsule_name) != 0) {
+    return static_cast<const DLPackExchangeAPI*>(PyCapsule_GetPointer(attribute, capsule_name));
+  }
+  if (PyLong_CheckExact(attribute) != 0) {
+    void* address = PyLong_AsVoidPtr(attribute);
+    if (address == nullptr) { PyErr_Clear(); }  // 0, or out of range: no table either way
+    return static_cast<const DLPackExchangeAPI*>(address);
+  }
+  return nullptr;
+}
+
+// The newest table of `api`'s chain (the table, then its prev_api, ...) of the major version handoff
+// reads; a chain longer than any producer makes (a cycle) has none.
+const DLPackExchangeAPI* understood_table(const DLPackExchangeAPI* api) noexcept
+{
+  constexpr int longest_chain = 16;
+  const DLPackExchangeAPIHeader* header = &api->header;
+  for (int i = 0; header != nullptr && i < longest_chain; ++i, header = header->prev_api) {
+    // The header is a table's first member: a table's address is its header's.
+    if (header->version.major == DLPACK_MAJOR_VERSION) { return reinterpret_cast<const DLPackExchangeAPI*>(header); }
+  }
+  return nullptr;
+}
+
+const DLPackExchangeAPI* usable_table(PyObject* attribute) noexcept
+{
+  const DLPackExchangeAPI* published = published_table(attribute);
+  if (published == nullptr) {
+    log_debug(
+      "DLPack C exchange API: the type's attribute is neither a 'dlpack_exchange_api' capsule nor a table's "
+      "address; using __dlpack__");
     return nullptr;
   }
-  const auto* api = static_cast<const DLPackExchangeAPI*>(PyCapsule_GetPointer(capsule, capsule_name));
-  if (api == &array_exchange_api()) {
+  if (published == &array_exchange_api()) {
     return nullptr;  // handoff's own arrays: __dlpack__ orders onto the consumer stream directly
   }
-  if (api->header.version.major != DLPACK_MAJOR_VERSION) {
-    log_debug(fmt::format("DLPack C exchange API: version {}.{} is not understood; using __dlpack__",
-                          api->header.version.major, api->header.version.minor));
+  const DLPackExchangeAPI* api = understood_table(published);
+  if (api == nullptr) {
+    log_debug(
+      fmt::format("DLPack C exchange API: version {}.{} (and no older table of major version {}) is not "
+                  "understood; using __dlpack__",
+                  published->header.version.major, published->header.version.minor, DLPACK_MAJOR_VERSION));
     return nullptr;
   }
   if (api->managed_tensor_from_py_object_no_sync == nullptr) {
@@ -79,25 +113,29 @@ const DLPackExchangeAPI* usable_table(PyObject* capsule) noexcept
 
 void init_exchange_api()
 {
-  attribute_name = PyUnicode_InternFromString("__dlpack_c_exchange_api__");
+  capsule_attribute = PyUnicode_InternFromString("__dlpack_c_exchange_api__");
+  address_attribute = PyUnicode_InternFromString("__c_dlpack_exchange_api__");
   is_conj_name = PyUnicode_InternFromString("is_conj");
   requires_grad_name = PyUnicode_InternFromString("requires_grad");
-  if (attribute_name == nullptr || is_conj_name == nullptr || requires_grad_name == nullptr) {
+  if (capsule_attribute == nullptr || address_attribute == nullptr || is_conj_name == nullptr ||
+      requires_grad_name == nullptr) {
     throw py::error_already_set();
   }
 }
 
 const DLPackExchangeAPI* exchange_api_of(PyTypeObject* type)
 {
-  PyObject* capsule = _PyType_Lookup(type, attribute_name);  // the type attribute cache answers
-  if (capsule == nullptr) { return nullptr; }
+  // The type attribute cache answers both lookups; the newer form wins where a type sets both.
+  PyObject* attribute = _PyType_Lookup(type, capsule_attribute);
+  if (attribute == nullptr) { attribute = _PyType_Lookup(type, address_attribute); }
+  if (attribute == nullptr) { return nullptr; }
   for (const cached_table& entry : cached_tables) {
-    if (entry.capsule == capsule) { return entry.api; }
+    if (entry.attribute == attribute) { return entry.api; }
   }
   cached_table& slot = cached_tables[next_slot++ % cached_tables.size()];
-  PyObject* evicted = slot.capsule;
-  Py_INCREF(capsule);  // not Py_NewRef: Python 3.9 has none
-  slot = {capsule, usable_table(capsule)};
+  PyObject* evicted = slot.attribute;
+  Py_INCREF(attribute);  // not Py_NewRef: Python 3.9 has none
+  slot = {attribute, usable_table(attribute)};
   Py_XDECREF(evicted);  // last: its destructor may run Python code
   return slot.api;
 }

@@ -140,6 +140,12 @@ def test_the_type_publishes_a_complete_versioned_table():
     assert handoff.from_dlpack(np.zeros(1)).__dlpack_c_exchange_api__ is CAPSULE
 
 
+def test_the_table_is_also_offered_as_dlpack_1_2_did():
+    # DLPack 1.2's attribute: the same table's address, as an int (cuda.core and Paddle read it).
+    assert handoff.Array.__c_dlpack_exchange_api__ == ctypes.addressof(API)
+    assert handoff.from_dlpack(np.zeros(1)).__c_dlpack_exchange_api__ == ctypes.addressof(API)
+
+
 # ------------------------------------------------------------------------------------------------
 # Host arrays
 

@@ -67,6 +67,8 @@ class Table:
         stream_fails: bool = False,
         stream: int | None = None,
         null_from_py: bool = False,
+        form: str = "capsule",
+        newer: DLPackExchangeAPI | None = None,
     ) -> None:
         self.calls = {"from_py": 0, "stream": 0}
         self.from_py_fails = from_py_fails
@@ -79,9 +81,20 @@ class Table:
         if not null_from_py:
             self.api.managed_tensor_from_py_object_no_sync = self._from_py
         self.api.current_work_stream = self._current_work_stream
-        capsule = new_capsule(ctypes.addressof(self.api), b"dlpack_exchange_api")
-        # The type holds the table too: a capsule handoff caches must never outlive what it points to.
-        self.type = type("TableProducer", (TableProducer,), {"__dlpack_c_exchange_api__": capsule, "_table": self})
+        # `newer`: a table of a version handoff does not read, published instead, whose prev_api is this one.
+        published = self.api
+        if newer is not None:
+            newer.prev_api = ctypes.addressof(self.api)
+            published = newer
+        self.newer = newer
+        # DLPack 1.3's form (a capsule) or 1.2's (the table's address as an int).
+        attribute = (
+            {"__dlpack_c_exchange_api__": new_capsule(ctypes.addressof(published), b"dlpack_exchange_api")}
+            if form == "capsule"
+            else {"__c_dlpack_exchange_api__": ctypes.addressof(published)}
+        )
+        # The type holds the tables too: an attribute handoff caches must never outlive what it names.
+        self.type = type("TableProducer", (TableProducer,), {**attribute, "_table": self})
 
     def _from_py_object(self, producer: TableProducer, out: object) -> int:
         self.calls["from_py"] += 1
@@ -119,6 +132,48 @@ def test_a_table_imports_without_calling_dlpack():
     assert producer.tensor.deleted == 1
 
 
+def test_a_table_published_as_an_address_imports_without_calling_dlpack():
+    table = Table(form="address")
+    producer, source = host_producer(table)
+    assert np.from_dlpack(handoff.from_dlpack(producer)).tolist() == source.tolist()
+    assert (table.calls["from_py"], producer.dlpack_calls) == (1, 0)
+
+
+@pytest.mark.parametrize("form", ["capsule", "address"])
+def test_a_table_too_new_is_passed_over_for_its_prev_api(form):
+    newer = DLPackExchangeAPI()
+    newer.version = DLPackVersion(2, 0)  # a future major version, whose layout handoff cannot know
+    table = Table(form=form, newer=newer)
+    producer, source = host_producer(table)
+    assert np.from_dlpack(handoff.from_dlpack(producer)).tolist() == source.tolist()
+    assert (table.calls["from_py"], producer.dlpack_calls) == (1, 0), "the older table of major version 1 is used"
+
+
+def test_a_cycle_of_prev_api_falls_back_to_dlpack():
+    looped = DLPackExchangeAPI()
+    looped.version = DLPackVersion(2, 0)
+    looped.prev_api = ctypes.addressof(looped)
+    producer_type = type(
+        "Looped",
+        (TableProducer,),
+        {"__dlpack_c_exchange_api__": new_capsule(ctypes.addressof(looped), b"dlpack_exchange_api"), "_t": looped},
+    )
+    source = np.arange(3, dtype=np.float32)
+    producer = producer_type(source, HandMadeTensor(source.ctypes.data, (3,)))
+    assert np.from_dlpack(handoff.from_dlpack(producer)).tolist() == [0.0, 1.0, 2.0]
+    assert producer.dlpack_calls == 1
+
+
+def test_the_capsule_wins_where_a_type_publishes_both_forms():
+    table = Table()
+    unused = Table(from_py_fails=True)
+    both = type("Both", (table.type,), {"__c_dlpack_exchange_api__": ctypes.addressof(unused.api), "_u": unused})
+    source = np.arange(3, dtype=np.float32)
+    producer = both(source, HandMadeTensor(source.ctypes.data, (3,)))
+    assert np.from_dlpack(handoff.from_dlpack(producer)).tolist() == [0.0, 1.0, 2.0]
+    assert (table.calls["from_py"], unused.calls["from_py"], producer.dlpack_calls) == (1, 0, 0)
+
+
 def test_asarray_and_imports_count_use_the_table():
     table = Table()
     producer, source = host_producer(table)
@@ -148,6 +203,14 @@ def test_unusable_tables_fall_back_to_dlpack(table_args):
     assert producer.dlpack_calls == 1
     gc.collect()
     assert producer.tensor.deleted == 0, "the table made no tensor"
+
+
+def test_an_address_of_zero_is_no_table():
+    producer_type = type("Zero", (TableProducer,), {"__c_dlpack_exchange_api__": 0})
+    source = np.arange(3, dtype=np.float32)
+    producer = producer_type(source, HandMadeTensor(source.ctypes.data, (3,)))
+    assert np.from_dlpack(handoff.from_dlpack(producer)).tolist() == [0.0, 1.0, 2.0]
+    assert producer.dlpack_calls == 1
 
 
 def test_a_capsule_of_another_name_is_no_table():

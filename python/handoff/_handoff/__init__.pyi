@@ -107,6 +107,7 @@ class DeviceError(RuntimeError):
 class Array:
     # The C exchange API table (a "dlpack_exchange_api" capsule).
     __dlpack_c_exchange_api__: ClassVar[CapsuleType]
+    __c_dlpack_exchange_api__: ClassVar[int]
     @property
     def shape(self) -> tuple[int, ...]: ...
     @property
