@@ -3,6 +3,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -33,6 +34,31 @@ class tensor {
   std::vector<float> values_;
 };
 
+// Holds any array and exports it again, whatever its device: def_dlpack over memory it does not
+// own (the held handoff.Array keeps the producer alive).
+class held {
+ public:
+  explicit held(hp::array<> values) : values_(std::move(values)) {}
+
+  [[nodiscard]] hp::array_desc describe() const
+  {
+    hp::array_desc desc;
+    desc.data = values_.data();
+    for (std::size_t i = 0; i < values_.ndim(); ++i) {
+      desc.shape.push_back(values_.shape(i));
+      desc.strides.push_back(values_.stride(i));
+    }
+    desc.dtype = values_.dtype();
+    desc.device = {values_.device_type(), values_.device_id()};
+    desc.stream = values_.stream();
+    desc.readonly = values_.readonly();
+    return desc;
+  }
+
+ private:
+  hp::array<> values_;
+};
+
 // Sums a read-only row-major float32 array of the host.
 double sum(const hp::array<float, hp::device::cpu, hp::c_contig, hp::ro>& values)
 {
@@ -54,6 +80,44 @@ hp::array<float, hp::shape<-1, 3>> rows_of_three(hp::array<float, hp::shape<-1, 
   return values;
 }
 
+// Sums a two-dimensional float32 host array of any strides, element by element through view().
+double sum_2d(const hp::array<float, hp::ndim<2>, hp::device::cpu, hp::ro>& values)
+{
+  const auto v = values.view();  // v(i, j): through the strides, no checks per access
+  double total = 0;
+  for (std::int64_t i = 0; i < v.shape(0); ++i) {
+    for (std::int64_t j = 0; j < v.shape(1); ++j) { total += v(i, j); }
+  }
+  return total;
+}
+
+// Negates a one-dimensional float16 or bfloat16 host array in place (the sign bit is the same in
+// both), and returns it: two overloads that only the dtype tells apart.
+template <typename Half>
+hp::array<Half, hp::ndim<1>, hp::device::cpu> negate(hp::array<Half, hp::ndim<1>, hp::device::cpu> values)
+{
+  const auto v = values.view();
+  for (std::int64_t i = 0; i < v.shape(0); ++i) { v(i).bits ^= 0x8000U; }
+  return values;
+}
+
+// What the accessors say about any array, writable or read-only.
+py::dict describe(const hp::array<hp::ro>& values)
+{
+  py::list shape;
+  for (std::size_t i = 0; i < values.ndim(); ++i) { shape.append(values.shape(i)); }
+  const DLDataType dtype = values.dtype();
+  py::dict out;
+  out["shape"] = py::tuple(shape);
+  out["size"] = values.size();
+  out["itemsize"] = values.itemsize();
+  out["nbytes"] = values.nbytes();
+  out["dtype"] = py::make_tuple(dtype.code, dtype.bits, dtype.lanes);
+  out["readonly"] = values.readonly();
+  out["device"] = py::make_tuple(static_cast<int>(values.device_type()), values.device_id());
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(tensor_example, m)
@@ -61,8 +125,19 @@ PYBIND11_MODULE(tensor_example, m)
   m.doc() = "An extension exchanging arrays through handoff's pybind11 helper.";
   py::class_<tensor> cls(m, "Tensor");
   cls.def(py::init<std::int64_t, std::int64_t, float>(), py::arg("rows"), py::arg("cols"), py::arg("value") = 0.0F);
+  // __dlpack__, __dlpack_device__, and __array_interface__ as the memory is on the host:
+  // np.asarray(tensor) is a zero-copy view that keeps the tensor alive.
   hp::def_dlpack(cls, [](const tensor& t) { return t.describe(); });
+  py::class_<held> held_cls(m, "Held");
+  held_cls.def(py::init<hp::array<>>(), py::arg("values"));
+  hp::def_dlpack(held_cls, [](const held& h) { return h.describe(); });  // __array_interface__ only on the host
   m.def("sum", &sum, py::arg("values"));
   m.def("scale", &scale, py::arg("values"), py::arg("factor"));
   m.def("rows_of_three", &rows_of_three, py::arg("values"));
+  m.def("sum_2d", &sum_2d, py::arg("values"));
+  m.def("negate", &negate<hp::float16>, py::arg("values"));
+  m.def("negate", &negate<hp::bfloat16>, py::arg("values"));
+  m.def("describe", &describe, py::arg("values"));
+  // A failed call's TypeError then also says why each array argument did not fit.
+  hp::explain_mismatches(m, {"sum", "scale", "rows_of_three", "sum_2d", "negate"});
 }

@@ -142,3 +142,159 @@ def test_an_argument_whose_import_fails_raises_that_error(error):
 def test_an_object_with_no_array_protocol_does_not_fit():
     with pytest.raises(TypeError, match="incompatible function arguments"):
         te.sum(object())
+
+
+# --- nb::ndarray's accessors, view(), float16/bfloat16, mismatch reasons, __array_interface__ ----
+
+
+@pytest.fixture
+def jax():
+    """JAX on its CPU device, or a skip where it is not installed."""
+    jax = pytest.importorskip("jax")
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield jax
+
+
+def test_the_accessors_describe_any_array(torch, jax):
+    assert te.describe(np.zeros((2, 3))) == {
+        "shape": (2, 3),
+        "size": 6,
+        "itemsize": 8,
+        "nbytes": 48,
+        "dtype": (2, 64, 1),  # kDLFloat, 64 bits, 1 lane
+        "readonly": False,
+        "device": (1, 0),
+    }
+    described = te.describe(torch.zeros(5, dtype=torch.bfloat16))
+    assert (described["dtype"], described["itemsize"], described["nbytes"]) == ((4, 16, 1), 2, 10)  # kDLBfloat
+    frozen = np.zeros(4, np.int16)
+    frozen.flags.writeable = False
+    assert te.describe(frozen)["readonly"] is True
+    assert te.describe(jax.numpy.ones((3, 4), jax.numpy.float32))["nbytes"] == 48
+
+
+def test_view_indexes_through_the_strides(torch, jax):
+    values = np.arange(12, dtype=np.float32).reshape(3, 4)
+    assert te.sum_2d(values) == 66.0
+    assert te.sum_2d(values[::2, ::3]) == 0 + 3 + 8 + 11
+    assert te.sum_2d(values.T) == 66.0  # F order
+    assert te.sum_2d(torch.arange(6, dtype=torch.float32).reshape(2, 3).t()) == 15.0
+    assert te.sum_2d(jax.numpy.ones((2, 5), jax.numpy.float32)) == 10.0
+
+
+def test_float16_round_trips_with_numpy():
+    values = np.array([0.5, -1.0, 2.0, 65504.0], np.float16)
+    returned = te.negate(values)  # the float16 overload
+    assert isinstance(returned, handoff.Array)
+    assert (returned.dtype, returned.data_ptr) == ("float16", values.ctypes.data)
+    assert values.tolist() == [-0.5, 1.0, -2.0, -65504.0]
+    back = np.asarray(returned)
+    assert back.dtype == np.float16 and back.ctypes.data == values.ctypes.data
+    assert np.from_dlpack(returned).tolist() == values.tolist()
+
+
+def test_bfloat16_round_trips_with_torch(torch):
+    values = torch.tensor([1.5, -2.0, 3.0], dtype=torch.bfloat16)
+    returned = te.negate(values)  # the bfloat16 overload
+    assert returned.dtype == "bfloat16"
+    assert values.tolist() == [-1.5, 2.0, -3.0]
+    back = torch.from_dlpack(returned)
+    assert back.dtype == torch.bfloat16 and back.data_ptr() == values.data_ptr()
+    assert back.tolist() == values.tolist()
+
+
+def test_the_signature_names_float16_and_bfloat16():
+    assert "handoff.Array[float16, ndim=1, device='cpu']" in te.negate.__doc__
+    assert "handoff.Array[bfloat16, ndim=1, device='cpu']" in te.negate.__doc__
+
+
+def _read_only(values):
+    values.flags.writeable = False
+    return values
+
+
+@pytest.mark.parametrize(
+    ("call", "argument", "reason"),
+    [
+        (te.sum, np.zeros(3), r"\]: dtype is float64"),
+        (te.sum, np.zeros(3, np.int32), r"\]: dtype is int32"),
+        (te.scale, np.zeros((2, 2), np.float32), r"ndim=1, device='cpu'\]: ndim is 2"),
+        (te.rows_of_three, np.zeros((4, 2), np.float32), r"shape=\(\*, 3\)\]: shape is \(4, 2\)"),
+        (te.sum, np.zeros((3, 2), np.float32).T, r"readonly\]: order is not C \(strides \(1, 2\) in elements\)"),
+        (te.scale, _read_only(np.zeros(3, np.float32)), r"device='cpu'\]: read-only \(the parameter is not ro\)"),
+        (te.sum, "not an array", r"readonly\]: str speaks no array protocol"),
+        (te.scale, np.zeros((2, 2), np.float64), r"\]: dtype is float64; ndim is 2"),
+    ],
+    ids=["dtype", "int dtype", "ndim", "shape", "order", "read-only", "no protocol", "two constraints"],
+)
+def test_a_mismatch_says_which_constraint_failed(call, argument, reason):
+    with pytest.raises(TypeError, match="incompatible function arguments") as raised:
+        call(argument) if call is not te.scale else call(argument, 2.0)
+    message = str(raised.value)
+    assert "Why the array arguments did not fit:" in message
+    assert raised.match(reason)
+
+
+def test_a_mismatch_names_each_overloads_reason(torch):
+    with pytest.raises(TypeError) as raised:
+        te.negate(torch.zeros((2, 2), dtype=torch.float16))
+    assert raised.match(r"handoff.Array\[float16, ndim=1, device='cpu'\]: ndim is 2")
+    assert raised.match(r"handoff.Array\[bfloat16, ndim=1, device='cpu'\]: dtype is float16; ndim is 2")
+
+
+def test_an_explained_function_keeps_its_docstring_and_its_errors():
+    assert te.sum.__doc__.startswith("sum(values: handoff.Array[float32, device='cpu', order='C', readonly]) -> float")
+    with pytest.raises(ValueError, match="mine"):
+        te.sum(RaisingProducer(ValueError("mine")))
+    assert te.sum(np.ones(2, np.float32)) == 2.0  # a call after a mismatch carries no stale reason
+    with pytest.raises(TypeError) as raised:
+        te.sum(np.zeros(2, np.int8))
+    assert "float64" not in str(raised.value) and raised.match("dtype is int8")
+
+
+@needs_sim
+def test_a_device_mismatch_names_the_device():
+    with pytest.raises(TypeError) as raised:
+        te.sum(sim.zeros((3,)))
+    device = "rocm:0" if handoff.runtime_info()["backend"] == "sim-rocm" else "cuda:0"
+    assert raised.match(rf"device='cpu', order='C', readonly\]: device is {device}")
+
+
+def test_np_asarray_of_a_host_tensor_is_zero_copy_and_keeps_it_alive(settled):
+    t = te.Tensor(2, 3, 1.5)
+    interface = t.__array_interface__
+    assert interface["shape"] == (2, 3) and interface["typestr"] == "<f4"
+    assert interface["strides"] is None and interface["version"] == 3 and interface["data"][1] is False
+    values = np.asarray(t)
+    assert values.dtype == np.float32 and values.shape == (2, 3)
+    assert values.ctypes.data == interface["data"][0], "np.asarray copied"
+    values[1, 2] = 7.0
+    assert np.from_dlpack(t)[1, 2] == 7.0
+    watch = weakref.ref(t)
+    del t
+    gc.collect()
+    assert watch() is not None, "the NumPy array must keep the tensor alive"
+    assert values.sum() == 1.5 * 5 + 7.0
+    del values
+    gc.collect()
+    assert watch() is None
+
+
+def test_a_held_host_array_has_an_array_interface_with_its_strides():
+    values = np.arange(12, dtype=np.float32).reshape(3, 4)[:, ::2]
+    held = te.Held(values)
+    interface = held.__array_interface__
+    assert interface["strides"] == values.strides and interface["data"][0] == values.ctypes.data
+    assert np.asarray(held).tolist() == values.tolist()
+    assert not hasattr(held, "__cuda_array_interface__")
+
+
+@needs_sim
+def test_device_memory_has_no_array_interface():
+    held = te.Held(sim.zeros((4,)))
+    assert not hasattr(held, "__array_interface__"), "device memory has no __array_interface__"
+    with pytest.raises(AttributeError, match="CPU"):
+        held.__array_interface__  # noqa: B018
+    if handoff.runtime_info()["backend"] == "sim":
+        assert held.__cuda_array_interface__["shape"] == (4,)
+    assert handoff.from_dlpack(held).shape == (4,)

@@ -3,8 +3,10 @@
 //
 // It calls the `handoff` Python module through the versioned table of <handoff/python_c_api.h>, so
 // an extension needs pybind11 and these headers, links nothing of handoff's, and works with every
-// handoff whose table has the same major version. Include dir: handoff.get_include(); CMake:
-// find_package(handoff) in handoff.get_cmake_dir(), target handoff::pybind11.
+// handoff whose table has the same major version. At run time it needs the `handoff` Python package:
+// the first use imports handoff._handoff for its C API capsule (_C_API), and raises ImportError where
+// handoff is not installed. Include dir: handoff.get_include(); CMake: find_package(handoff) in
+// handoff.get_cmake_dir(), target handoff::pybind11.
 #pragma once
 
 #include <handoff/python_c_api.h>
@@ -12,9 +14,11 @@
 #include <pybind11/gil_safe_call_once.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <complex>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -81,10 +85,12 @@ pybind11::object view_of(pybind11::handle self, const Describe& describe)
 
 }  // namespace detail
 
-/// Adds `__dlpack__`, `__dlpack_device__` and `__cuda_array_interface__` (CUDA memory only;
-/// otherwise AttributeError, so `hasattr` is False) to `cls`, a `pybind11::class_<T, ...>`, with
-/// handoff.Array's semantics; `describe` is any callable `array_desc(const T&)`. Exported data
-/// keeps the Python object alive.
+/// Adds `__dlpack__`, `__dlpack_device__`, `__cuda_array_interface__` (CUDA memory only) and
+/// `__array_interface__` (CPU memory only; so `np.asarray(obj)` is zero-copy) to `cls`, a
+/// `pybind11::class_<T, ...>`, with handoff.Array's semantics; where an interface does not apply
+/// it raises AttributeError, so `hasattr` is False. `describe` is any callable
+/// `array_desc(const T&)`. Exported data keeps the Python object alive: a DLPack capsule holds it,
+/// and NumPy holds the object whose `__array_interface__` it read.
 template <typename Class, typename Describe>
 void def_dlpack(Class& cls, Describe describe)
 {
@@ -115,6 +121,13 @@ void def_dlpack(Class& cls, Describe describe)
       return exported.attr("__cuda_array_interface__");
     },
     "CUDA Array Interface v3 of CUDA memory, with the stream the data is ready on.");
+  cls.def_property_readonly(
+    "__array_interface__",
+    [describe](pyb::handle self) -> pyb::object {
+      const pyb::object exported = detail::view_of<T>(self, describe);
+      return exported.attr("__array_interface__");
+    },
+    "NumPy's array interface v3 of CPU memory (strides in bytes, None when row-major).");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -137,13 +150,72 @@ struct shape {};
 template <int N>
 struct ndim {};
 
+/// IEEE 754 half precision (DLPack's kDLFloat, 16 bits), as a scalar constraint and the element of
+/// view(): the raw bits, which handoff never converts.
+struct float16 {
+  std::uint16_t bits;
+};
+
+/// bfloat16 (DLPack's kDLBfloat, 16 bits), as a scalar constraint and the element of view(): the raw
+/// bits, which handoff never converts.
+struct bfloat16 {
+  std::uint16_t bits;
+};
+
+/// Typed access to an array's elements, from array<...>::view(): `v(i, j, ...)` is the element at
+/// those indices through the strides, unchecked, as nanobind's ndarray_view. `Ndim` is the array's
+/// ndim<N> or shape<...> constraint (-1: none), which the number of indices must match. Valid while
+/// the array it came from lives.
+template <typename Scalar, int Ndim>
+class array_view {
+ public:
+  array_view(Scalar* data, std::int32_t ndim, const std::int64_t* shape, const std::int64_t* strides) noexcept
+      : data_(data), ndim_(ndim), shape_(shape), strides_(strides)
+  {}
+
+  template <typename... Index>
+  [[nodiscard]] Scalar& operator()(Index... index) const noexcept
+  {
+    static_assert(Ndim < 0 || sizeof...(Index) == static_cast<std::size_t>(Ndim),
+                  "handoff::py::array_view: as many indices as the array's ndim<N> or shape<...>");
+    static_assert((std::is_integral_v<Index> && ...), "handoff::py::array_view: indices are integers");
+    return at(std::index_sequence_for<Index...>{}, index...);
+  }
+
+  [[nodiscard]] std::size_t ndim() const noexcept
+  {
+    if constexpr (Ndim >= 0) {
+      return static_cast<std::size_t>(Ndim);
+    } else {
+      return static_cast<std::size_t>(ndim_);
+    }
+  }
+  [[nodiscard]] std::int64_t shape(std::size_t i) const noexcept { return shape_[i]; }
+  /// In elements.
+  [[nodiscard]] std::int64_t stride(std::size_t i) const noexcept { return strides_[i]; }
+  [[nodiscard]] Scalar* data() const noexcept { return data_; }
+
+ private:
+  template <std::size_t... K, typename... Index>
+  Scalar& at(std::index_sequence<K...> /*dimensions*/, Index... index) const noexcept
+  {
+    return data_[(std::int64_t{0} + ... + (static_cast<std::int64_t>(index) * strides_[K]))];
+  }
+
+  Scalar* data_;
+  std::int32_t ndim_;
+  const std::int64_t* shape_;
+  const std::int64_t* strides_;
+};
+
 namespace detail {
 
 namespace pyd = pybind11::detail;
 
 template <typename T>
 inline constexpr bool is_scalar_v =
-  std::is_arithmetic_v<T> || std::is_same_v<T, std::complex<float>> || std::is_same_v<T, std::complex<double>>;
+  std::is_arithmetic_v<T> || std::is_same_v<T, std::complex<float>> || std::is_same_v<T, std::complex<double>> ||
+  std::is_same_v<T, float16> || std::is_same_v<T, bfloat16>;
 
 template <typename T>
 constexpr DLDataType dtype_of()
@@ -151,6 +223,10 @@ constexpr DLDataType dtype_of()
   const auto bits = static_cast<std::uint8_t>(8 * sizeof(T));
   if constexpr (std::is_same_v<T, bool>) {
     return {kDLBool, 8, 1};
+  } else if constexpr (std::is_same_v<T, float16>) {
+    return {kDLFloat, 16, 1};
+  } else if constexpr (std::is_same_v<T, bfloat16>) {
+    return {kDLBfloat, 16, 1};
   } else if constexpr (std::is_floating_point_v<T>) {
     return {kDLFloat, bits, 1};
   } else if constexpr (std::is_integral_v<T> && std::is_signed_v<T>) {
@@ -167,6 +243,10 @@ constexpr auto scalar_name()
 {
   if constexpr (std::is_same_v<T, bool>) {
     return pyd::const_name("bool");
+  } else if constexpr (std::is_same_v<T, float16>) {
+    return pyd::const_name("float16");
+  } else if constexpr (std::is_same_v<T, bfloat16>) {
+    return pyd::const_name("bfloat16");
   } else if constexpr (std::is_floating_point_v<T>) {
     return pyd::const_name("float") + pyd::const_name<8 * sizeof(T)>();
   } else if constexpr (std::is_integral_v<T> && std::is_signed_v<T>) {
@@ -200,7 +280,74 @@ inline bool is_contiguous(const handoff_array_info& info, bool row_major)
   return true;
 }
 
-// What a constraint accepts, and how the signature names it.
+// What the mismatch messages say an array has.
+inline std::string dtype_text(DLDataType dtype)
+{
+  std::string name;
+  switch (dtype.code) {
+    case kDLBool:
+      name = "bool";
+      break;
+    case kDLInt:
+      name = "int";
+      break;
+    case kDLUInt:
+      name = "uint";
+      break;
+    case kDLFloat:
+      name = "float";
+      break;
+    case kDLBfloat:
+      name = "bfloat";
+      break;
+    case kDLComplex:
+      name = "complex";
+      break;
+    default:
+      name = "type code " + std::to_string(dtype.code) + " of ";
+      break;
+  }
+  if (dtype.code != kDLBool || dtype.bits != 8) { name += std::to_string(dtype.bits); }
+  if (dtype.lanes != 1) { name += "x" + std::to_string(dtype.lanes); }
+  return name;
+}
+
+inline std::string device_text(DLDevice device)
+{
+  std::string name;
+  switch (device.device_type) {
+    case kDLCPU:
+      return "cpu";
+    case kDLCUDA:
+      name = "cuda";
+      break;
+    case kDLCUDAHost:
+      name = "cuda_host";
+      break;
+    case kDLCUDAManaged:
+      name = "cuda_managed";
+      break;
+    case kDLROCM:
+      name = "rocm";
+      break;
+    case kDLROCMHost:
+      name = "rocm_host";
+      break;
+    default:
+      name = "device type " + std::to_string(static_cast<int>(device.device_type));
+      break;
+  }
+  return name + ":" + std::to_string(device.device_id);
+}
+
+inline std::string extents_text(const std::int64_t* extents, std::int32_t ndim)
+{
+  std::string text = "(";
+  for (std::int32_t i = 0; i < ndim; ++i) { text += (i == 0 ? "" : ", ") + std::to_string(extents[i]); }
+  return text + (ndim == 1 ? ",)" : ")");
+}
+
+// What a constraint accepts, why an array does not meet it, and how the signature names it.
 template <typename C>
 struct constraint {
   static_assert(is_scalar_v<C>, "not a handoff::py::array constraint");
@@ -209,6 +356,7 @@ struct constraint {
     constexpr DLDataType want = dtype_of<C>();
     return info.dtype.code == want.code && info.dtype.bits == want.bits && info.dtype.lanes == want.lanes;
   }
+  static std::string mismatch(const handoff_array_info& info) { return "dtype is " + dtype_text(info.dtype); }
   static constexpr auto name = scalar_name<C>();
 };
 template <std::int64_t... Extents>
@@ -222,21 +370,29 @@ struct constraint<shape<Extents...>> {
     }
     return true;
   }
+  static std::string mismatch(const handoff_array_info& info)
+  {
+    return "shape is " + extents_text(info.shape, info.ndim);
+  }
   static constexpr auto name =
     pyd::const_name("shape=(") + pyd::concat(extent_name<Extents>()...) + pyd::const_name(")");
 };
 template <int N>
 struct constraint<ndim<N>> {
   static bool accepts(const handoff_array_info& info) { return info.ndim == N; }
+  static std::string mismatch(const handoff_array_info& info) { return "ndim is " + std::to_string(info.ndim); }
   static constexpr auto name = pyd::const_name("ndim=") + pyd::const_name<static_cast<std::size_t>(N)>();
 };
+struct device_constraint {
+  static std::string mismatch(const handoff_array_info& info) { return "device is " + device_text(info.device); }
+};
 template <>
-struct constraint<device::cpu> {
+struct constraint<device::cpu> : device_constraint {
   static bool accepts(const handoff_array_info& info) { return info.device.device_type == kDLCPU; }
   static constexpr auto name = pyd::const_name("device='cpu'");
 };
 template <>
-struct constraint<device::cuda> {
+struct constraint<device::cuda> : device_constraint {
   static bool accepts(const handoff_array_info& info)
   {
     return info.device.device_type == kDLCUDA || info.device.device_type == kDLCUDAManaged;
@@ -244,23 +400,32 @@ struct constraint<device::cuda> {
   static constexpr auto name = pyd::const_name("device='cuda'");
 };
 template <>
-struct constraint<device::rocm> {
+struct constraint<device::rocm> : device_constraint {
   static bool accepts(const handoff_array_info& info) { return info.device.device_type == kDLROCM; }
   static constexpr auto name = pyd::const_name("device='rocm'");
 };
 template <>
 struct constraint<c_contig> {
   static bool accepts(const handoff_array_info& info) { return is_contiguous(info, /*row_major=*/true); }
+  static std::string mismatch(const handoff_array_info& info)
+  {
+    return "order is not C (strides " + extents_text(info.strides, info.ndim) + " in elements)";
+  }
   static constexpr auto name = pyd::const_name("order='C'");
 };
 template <>
 struct constraint<f_contig> {
   static bool accepts(const handoff_array_info& info) { return is_contiguous(info, /*row_major=*/false); }
+  static std::string mismatch(const handoff_array_info& info)
+  {
+    return "order is not F (strides " + extents_text(info.strides, info.ndim) + " in elements)";
+  }
   static constexpr auto name = pyd::const_name("order='F'");
 };
 template <>
 struct constraint<ro> {
   static bool accepts(const handoff_array_info& /*info*/) { return true; }
+  static std::string mismatch(const handoff_array_info& /*info*/) { return {}; }
   static constexpr auto name = pyd::const_name("readonly");
 };
 
@@ -273,12 +438,74 @@ struct first_scalar<C, Rest...> {
   using type = std::conditional_t<is_scalar_v<C>, C, typename first_scalar<Rest...>::type>;
 };
 
+// The number of dimensions a constraint fixes (-1: none).
+template <typename C>
+struct ndim_of : std::integral_constant<int, -1> {};
+template <int N>
+struct ndim_of<ndim<N>> : std::integral_constant<int, N> {};
+template <std::int64_t... Extents>
+struct ndim_of<shape<Extents...>> : std::integral_constant<int, static_cast<int>(sizeof...(Extents))> {};
+
+// Why arguments did not fit, collected only while explain_mismatches' wrapper runs a call (else
+// null, and recording costs one branch).
+inline std::vector<std::string>*& mismatch_sink() noexcept
+{
+  thread_local std::vector<std::string>* sink = nullptr;
+  return sink;
+}
+
+/// Records `signature: why()` for the call being explained, once.
+template <typename Why>
+void record_mismatch(const char* signature, const Why& why)
+{
+  std::vector<std::string>* sink = mismatch_sink();
+  if (sink == nullptr) { return; }
+  std::string line = std::string(signature) + ": " + why();
+  if (std::find(sink->begin(), sink->end(), line) == sink->end()) { sink->push_back(std::move(line)); }
+}
+
+/// Collects the mismatches of one call; a nested explained call collects its own.
+class mismatch_scope {
+ public:
+  mismatch_scope() noexcept : outer_(std::exchange(mismatch_sink(), &reasons_)) {}
+  ~mismatch_scope() { mismatch_sink() = outer_; }
+  mismatch_scope(const mismatch_scope&) = delete;
+  mismatch_scope& operator=(const mismatch_scope&) = delete;
+  mismatch_scope(mismatch_scope&&) = delete;
+  mismatch_scope& operator=(mismatch_scope&&) = delete;
+
+  [[nodiscard]] const std::vector<std::string>& reasons() const noexcept { return reasons_; }
+
+ private:
+  std::vector<std::string> reasons_;
+  std::vector<std::string>* outer_;
+};
+
+/// Calls `function`; when pybind11 finds no overload for the arguments, its TypeError gains a line
+/// per array argument that did not fit, saying why.
+inline pybind11::object call_explained(const pybind11::object& function, const pybind11::args& args,
+                                       const pybind11::kwargs& kwargs)
+{
+  const mismatch_scope scope;
+  try {
+    return function(*args, **kwargs);
+  } catch (const pybind11::error_already_set& error) {
+    if (scope.reasons().empty() || !error.matches(PyExc_TypeError)) { throw; }
+    std::string message = pybind11::str(error.value());
+    if (message.find("(): incompatible function arguments") == std::string::npos) { throw; }
+    message += "\nWhy the array arguments did not fit:";
+    for (const std::string& reason : scope.reasons()) { message += "\n    " + reason; }
+    throw pybind11::type_error(message);
+  }
+}
+
 }  // namespace detail
 
 /// An array argument (or return value) of any protocol handoff.asarray takes, imported zero-copy and
 /// ordered onto the consumer stream (the enclosing handoff.stream block, else the device's default).
 /// An object that does not meet the constraints makes pybind11 try the next overload; the final
-/// TypeError lists the accepted signature. Returned to Python it is a handoff.Array.
+/// TypeError lists the accepted signature (and, with explain_mismatches, why each array did not fit).
+/// Returned to Python it is a handoff.Array.
 template <typename... Constraints>
 class array {
  public:
@@ -286,6 +513,8 @@ class array {
   static constexpr bool read_only = (std::is_same_v<Constraints, ro> || ...);
   using element = std::conditional_t<std::is_void_v<scalar>, void, scalar>;
   using pointer = std::conditional_t<read_only, const element*, element*>;
+  /// The number of dimensions an ndim<N> or shape<...> constraint fixes (-1: none).
+  static constexpr int static_ndim = std::max({-1, detail::ndim_of<Constraints>::value...});
 
   array() = default;
   array(pybind11::object handoff_array, const handoff_array_info& info) : object_(std::move(handoff_array)), info_(info)
@@ -295,6 +524,17 @@ class array {
   [[nodiscard]] static bool accepts(const handoff_array_info& info)
   {
     return (read_only || info.readonly == 0) && (detail::constraint<Constraints>::accepts(info) && ...);
+  }
+
+  /// Why an imported array does not meet the constraints: each failed one, "; "-separated.
+  [[nodiscard]] static std::string mismatch(const handoff_array_info& info)
+  {
+    std::string why;
+    const auto add = [&why](const std::string& reason) { why += (why.empty() ? "" : "; ") + reason; };
+    ((detail::constraint<Constraints>::accepts(info) ? void() : add(detail::constraint<Constraints>::mismatch(info))),
+     ...);
+    if (!read_only && info.readonly != 0) { add("read-only (the parameter is not ro)"); }
+    return why;
   }
 
   [[nodiscard]] pointer data() const noexcept { return static_cast<pointer>(info_.data); }
@@ -308,12 +548,31 @@ class array {
     for (std::size_t i = 0; i < ndim(); ++i) { n *= shape(i); }
     return n;
   }
+  /// Bytes per element.
+  [[nodiscard]] std::int64_t itemsize() const noexcept
+  {
+    return (static_cast<std::int64_t>(info_.dtype.bits) * info_.dtype.lanes + 7) / 8;
+  }
+  /// size() x itemsize().
+  [[nodiscard]] std::int64_t nbytes() const noexcept { return size() * itemsize(); }
+  [[nodiscard]] DLDataType dtype() const noexcept { return info_.dtype; }
+  [[nodiscard]] bool readonly() const noexcept { return info_.readonly != 0; }
   [[nodiscard]] DLDeviceType device_type() const noexcept { return info_.device.device_type; }
   [[nodiscard]] std::int32_t device_id() const noexcept { return info_.device.device_id; }
   /// The native handle of the stream the data is ready on for this call's consumer (0: none).
   [[nodiscard]] std::intptr_t stream() const noexcept { return info_.stream; }
   /// The handoff.Array holding the data.
   [[nodiscard]] const pybind11::object& object() const noexcept { return object_; }
+
+  /// Typed element access (const with `ro`); needs a scalar type among the constraints. Host data
+  /// only, as data() is: a device pointer is not to be dereferenced here.
+  template <typename S = scalar>
+  [[nodiscard]] auto view() const noexcept
+  {
+    static_assert(!std::is_void_v<S>, "handoff::py::array::view() needs a scalar type among the constraints");
+    using viewed = std::conditional_t<read_only, const S, S>;
+    return array_view<viewed, static_ndim>(static_cast<viewed*>(info_.data), info_.ndim, info_.shape, info_.strides);
+  }
 
   static constexpr auto signature = [] {
     namespace pyd = pybind11::detail;
@@ -330,6 +589,46 @@ class array {
   handoff_array_info info_{};
 };
 
+/// Makes the TypeError of a failed call to each function `names` of `scope` (a module or a
+/// pybind11::class_, after its def calls, overloads included) say why each array argument did not
+/// fit, after pybind11's list of signatures: e.g. `handoff.Array[float32, ndim=1]: dtype is
+/// float64; ndim is 2`. It replaces each function with one that calls the original (keeping its
+/// docstring), which costs a call through Python per call.
+template <typename Scope>
+void explain_mismatches(Scope& scope, std::initializer_list<const char*> names)
+{
+  namespace pyb = pybind11;
+  for (const char* name : names) {
+    const pyb::object raw = scope.attr("__dict__")[name];
+    const bool is_method = PyInstanceMethod_Check(raw.ptr()) != 0;
+    const bool is_static = PyObject_TypeCheck(raw.ptr(), &PyStaticMethod_Type) != 0;
+    pyb::object function = raw;
+    if (is_method) {
+      function = pyb::reinterpret_borrow<pyb::object>(PyInstanceMethod_Function(raw.ptr()));
+    } else if (is_static) {
+      function = raw.attr("__func__");
+    }
+    const pyb::object doc = pyb::getattr(function, "__doc__", pyb::none());
+    const std::string doc_text = doc.is_none() ? std::string() : doc.cast<std::string>();
+    pyb::object wrapper;
+    {
+      pyb::options options;
+      options.disable_function_signatures();  // the docstring is the original's, signatures included
+      wrapper = pyb::cpp_function(
+        [function](const pyb::args& args, const pyb::kwargs& kwargs) {
+          return detail::call_explained(function, args, kwargs);
+        },
+        pyb::name(name), pyb::scope(scope), pyb::doc(doc_text.c_str()));
+    }
+    if (is_method) {
+      wrapper = detail::checked(PyInstanceMethod_New(wrapper.ptr()));
+    } else if (is_static) {
+      wrapper = detail::checked(PyStaticMethod_New(wrapper.ptr()));
+    }
+    pyb::setattr(scope, name, wrapper);
+  }
+}
+
 }  // namespace handoff::py
 
 namespace pybind11::detail {
@@ -341,20 +640,21 @@ struct type_caster<handoff::py::array<Constraints...>> {
 
   // Only "this object does not fit" lets pybind11 try the next overload: any other failure of the
   // import (handoff.DeviceError, KeyboardInterrupt, MemoryError, a producer's own) propagates.
+  // Under explain_mismatches, a misfit records why.
   bool load(handle source, bool /*convert*/)
   {
     const handoff_py_api& api = handoff::py::detail::api();
     PyObject* made = nullptr;
     if (api.minor >= 1) {
       const int status = api.import_array(source.ptr(), Py_None, &made);
-      if (status == 1) { return false; }  // speaks no array protocol
+      if (status == 1) { return no_protocol(source); }
       if (status != 0) { throw error_already_set(); }
     } else {  // a handoff older than the table's import_array: its asarray's TypeError is "no protocol"
       made = api.asarray(source.ptr(), Py_None);
       if (made == nullptr) {
         if (!PyErr_ExceptionMatches(PyExc_TypeError)) { throw error_already_set(); }
         PyErr_Clear();
-        return false;
+        return no_protocol(source);
       }
     }
     object imported = reinterpret_steal<object>(made);
@@ -363,7 +663,10 @@ struct type_caster<handoff::py::array<Constraints...>> {
       PyErr_Clear();
       return false;
     }
-    if (!value_type::accepts(info)) { return false; }
+    if (!value_type::accepts(info)) {
+      handoff::py::detail::record_mismatch(value_type::signature.text, [&info] { return value_type::mismatch(info); });
+      return false;
+    }
     value = value_type(std::move(imported), info);
     return true;
   }
@@ -371,6 +674,15 @@ struct type_caster<handoff::py::array<Constraints...>> {
   static handle cast(const value_type& source, return_value_policy /*policy*/, handle /*parent*/)
   {
     return source.object().inc_ref();
+  }
+
+ private:
+  static bool no_protocol(handle source)
+  {
+    handoff::py::detail::record_mismatch(value_type::signature.text, [source] {
+      return std::string(Py_TYPE(source.ptr())->tp_name) + " speaks no array protocol";
+    });
+    return false;
   }
 };
 
