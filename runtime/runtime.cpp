@@ -191,8 +191,10 @@ class runtime_context final : public context_source {
 
 exchange& process_exchange() noexcept
 {
-  // Leaked: releases run by other threads may export and import during static destruction.
-  static auto* const instance = new exchange{*new runtime_context};  // NOLINT(cppcoreguidelines-owning-memory)
+  // Leaked: releases run by other threads may export and import during static destruction. An
+  // allocation failure this early ends the process either way.
+  // NOLINTNEXTLINE(cppcoreguidelines-owning-memory,bugprone-unhandled-exception-at-new)
+  static auto* const instance = new exchange{*new runtime_context};
   return *instance;
 }
 

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <numeric>
 #include <utility>
 #include <vector>
 
@@ -101,6 +102,38 @@ hp::array<Half, hp::ndim<1>, hp::device::cpu> negate(hp::array<Half, hp::ndim<1>
   return values;
 }
 
+// Buffers that arrays made in C++ own, freed with their capsule (for the tests: every one freed).
+std::int64_t buffers_freed = 0;
+
+// 0, 1, ..., n-1 in new C++ memory, owned by a capsule that frees it: returned as a handoff.Array,
+// or, with a framework tag, as that framework's array (zero-copy; the capsule kept alive by it).
+template <typename... Tag>
+hp::array<Tag..., float, hp::ndim<1>> arange(std::int64_t n)
+{
+  auto* values = new std::vector<float>(static_cast<std::size_t>(n));
+  std::iota(values->begin(), values->end(), 0.0F);
+  const py::capsule owner(values, [](void* buffer) {
+    delete static_cast<std::vector<float>*>(buffer);
+    ++buffers_freed;
+  });
+  return {values->data(), {n}, owner};
+}
+
+// A column-major 2 x 3 array of C++ memory (strides in elements), read-only to Python.
+hp::array<hp::numpy, float, hp::ndim<2>, hp::ro> column_major()
+{
+  static const float values[] = {0, 3, 1, 4, 2, 5};  // [[0, 1, 2], [3, 4, 5]] column by column
+  return {values, {2, 3}, py::none(), {1, 2}};
+}
+
+// Made with as many strides as there are dimensions, or not: a ValueError says which.
+hp::array<float> with_strides(std::int64_t count)
+{
+  static float value = 0;
+  return count == 1 ? hp::array<float>(&value, {1}, py::none(), {1})
+                    : hp::array<float>(&value, {1}, py::none(), {1, 1});
+}
+
 // What the accessors say about any array, writable or read-only.
 py::dict describe(const hp::array<hp::ro>& values)
 {
@@ -138,6 +171,13 @@ PYBIND11_MODULE(tensor_example, m)
   m.def("negate", &negate<hp::float16>, py::arg("values"));
   m.def("negate", &negate<hp::bfloat16>, py::arg("values"));
   m.def("describe", &describe, py::arg("values"));
+  m.def("arange", &arange<>, py::arg("n"));
+  m.def("arange_numpy", &arange<hp::numpy>, py::arg("n"));
+  m.def("arange_torch", &arange<hp::pytorch>, py::arg("n"));
+  m.def("arange_jax", &arange<hp::jax>, py::arg("n"));
+  m.def("column_major", &column_major);
+  m.def("with_strides", &with_strides, py::arg("count"));
+  m.def("buffers_freed", [] { return buffers_freed; });
   // A failed call's TypeError then also says why each array argument did not fit.
   hp::explain_mismatches(m, {"sum", "scale", "rows_of_three", "sum_2d", "negate"});
 }

@@ -10,5 +10,5 @@ if(NOT TARGET handoff::pybind11)
   set_target_properties(handoff::pybind11 PROPERTIES
     INTERFACE_INCLUDE_DIRECTORIES "${CMAKE_CURRENT_LIST_DIR}/../../../include"
     INTERFACE_LINK_LIBRARIES pybind11::headers
-    INTERFACE_COMPILE_FEATURES cxx_std_20)
+    INTERFACE_COMPILE_FEATURES cxx_std_17)  # the header needs no more, as nanobind's
 endif()

@@ -44,6 +44,8 @@ struct absent_backend {
 /// runtime starts its backend then, so that exchanges of host data never start a device runtime.
 class context_source {
  public:
+  virtual ~context_source() = default;
+
   /// The device context, started on the first call; null when there is none (absent() says why).
   /// @throws device_error when the backend cannot be used (it failed to start; the process is a
   ///         child forked after its parent started it).
@@ -57,7 +59,6 @@ class context_source {
   context_source& operator=(const context_source&) = default;
   context_source(context_source&&) = default;
   context_source& operator=(context_source&&) = default;
-  ~context_source() = default;
 };
 
 /// What a consumer asks of an import besides the data: its stream, and the array API's arguments.
@@ -95,6 +96,8 @@ struct exported_tensor {
 /// the front end answers, the exchange decides.
 class table_producer {
  public:
+  virtual ~table_producer() = default;
+
   /// Whether the tensor's memory holds the conjugates of its values (PyTorch's lazy conjugation),
   /// which `__dlpack__` refuses and the table hands over as it is. Asked of complex data only.
   /// @throws what asking the producer throws.
@@ -109,7 +112,6 @@ class table_producer {
   table_producer& operator=(const table_producer&) = default;
   table_producer(table_producer&&) = default;
   table_producer& operator=(table_producer&&) = default;
-  ~table_producer() = default;
 };
 
 /// The exchange policy over one device context: which stream a consumer works on, what it must wait

@@ -6,7 +6,7 @@
 // handoff whose table has the same major version. At run time it needs the `handoff` Python package:
 // the first use imports handoff._handoff for its C API capsule (_C_API), and raises ImportError where
 // handoff is not installed. Include dir: handoff.get_include(); CMake: find_package(handoff) in
-// handoff.get_cmake_dir(), target handoff::pybind11.
+// handoff.get_cmake_dir(), target handoff::pybind11. C++17 is enough (the example is built so).
 #pragma once
 
 #include <handoff/python_c_api.h>
@@ -19,6 +19,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#if __cplusplus >= 202002L
+#include <span>
+#endif
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -138,6 +141,15 @@ struct cpu {};
 struct cuda {};
 struct rocm {};
 }  // namespace device
+
+/// Framework tags: what a returned array reaches Python as, zero-copy, through the framework's own
+/// from_dlpack (which orders a device array for the framework's current stream). No tag, or
+/// array_api: a handoff.Array. Arguments of any framework are taken whatever the tag.
+struct numpy {};      ///< numpy.ndarray (numpy.from_dlpack)
+struct pytorch {};    ///< torch.Tensor (torch.from_dlpack)
+struct jax {};        ///< jax.Array (jax.dlpack.from_dlpack)
+struct cupy {};       ///< cupy.ndarray (cupy.from_dlpack)
+struct array_api {};  ///< handoff.Array, the array API's exchange type
 
 struct c_contig {};  ///< row-major without gaps
 struct f_contig {};  ///< column-major without gaps
@@ -422,10 +434,64 @@ struct constraint<f_contig> {
   }
   static constexpr auto name = pyd::const_name("order='F'");
 };
-template <>
-struct constraint<ro> {
+// A constraint that no argument breaks (`ro`, which widens, and the framework tags, which say what a
+// returned array becomes); the signature names it.
+struct accepts_anything {
   static bool accepts(const handoff_array_info& /*info*/) { return true; }
   static std::string mismatch(const handoff_array_info& /*info*/) { return {}; }
+};
+template <>
+struct constraint<numpy> : accepts_anything {
+  static constexpr auto name = pyd::const_name("returned as numpy");
+  static constexpr const char* module = "numpy";
+};
+template <>
+struct constraint<pytorch> : accepts_anything {
+  static constexpr auto name = pyd::const_name("returned as torch");
+  static constexpr const char* module = "torch";
+};
+template <>
+struct constraint<jax> : accepts_anything {
+  static constexpr auto name = pyd::const_name("returned as jax");
+  static constexpr const char* module = "jax.dlpack";
+};
+template <>
+struct constraint<cupy> : accepts_anything {
+  static constexpr auto name = pyd::const_name("returned as cupy");
+  static constexpr const char* module = "cupy";
+};
+template <>
+struct constraint<array_api> : accepts_anything {
+  static constexpr auto name = pyd::const_name("returned as handoff.Array");
+};
+
+template <typename C>
+inline constexpr bool is_framework_v =
+  std::is_same_v<C, numpy> || std::is_same_v<C, pytorch> || std::is_same_v<C, jax> || std::is_same_v<C, cupy>;
+
+// The framework a returned array becomes (void: a handoff.Array); at most one tag.
+template <typename... C>
+struct framework_of {
+  using type = void;
+};
+template <typename C, typename... Rest>
+struct framework_of<C, Rest...> {
+  using type = std::conditional_t<is_framework_v<C>, C, typename framework_of<Rest...>::type>;
+};
+
+// The framework's from_dlpack, imported once per process (the module stays loaded).
+template <typename Framework>
+const pybind11::object& from_dlpack_of()
+{
+  PYBIND11_CONSTINIT static pybind11::gil_safe_call_once_and_store<pybind11::object> storage;
+  return storage
+    .call_once_and_store_result(
+      [] { return pybind11::module_::import(constraint<Framework>::module).attr("from_dlpack"); })
+    .get_stored();
+}
+
+template <>
+struct constraint<ro> : accepts_anything {
   static constexpr auto name = pyd::const_name("readonly");
 };
 
@@ -516,9 +582,42 @@ class array {
   /// The number of dimensions an ndim<N> or shape<...> constraint fixes (-1: none).
   static constexpr int static_ndim = std::max({-1, detail::ndim_of<Constraints>::value...});
 
+  /// The framework a returned array reaches Python as (void: a handoff.Array).
+  using framework = typename detail::framework_of<Constraints...>::type;
+  static_assert((0 + ... + (detail::is_framework_v<Constraints> || std::is_same_v<Constraints, array_api> ? 1 : 0)) <=
+                  1,
+                "handoff::py::array: at most one framework tag");
+
   array() = default;
   array(pybind11::object handoff_array, const handoff_array_info& info) : object_(std::move(handoff_array)), info_(info)
   {}
+
+  /// An array of C++ memory, as nb::ndarray(data, shape, owner): `owner` (a capsule, `self`, any
+  /// object) is kept alive as long as the array or anything exported from it. `strides` in elements
+  /// (empty: row-major); `device` the memory's (default: the host; device memory is checked against
+  /// the device it claims, and exports order after the device's legacy default stream, its ready
+  /// stream being unknown). The dtype is the scalar constraint's; `ro` makes it read-only.
+  /// @throws pybind11::value_error for extents or strides that do not fit, or memory that breaks a
+  ///         constraint (the reason named); what handoff.view raises.
+  template <typename S = scalar, std::enable_if_t<!std::is_void_v<S>, int> = 0>
+  array(pointer data, std::initializer_list<std::int64_t> shape, pybind11::handle owner,
+        std::initializer_list<std::int64_t> strides = {}, DLDevice device = {kDLCPU, 0})
+      : array(data, shape.size(), shape.begin(), owner, strides.size(), strides.begin(), device)
+  {}
+  /// The same with the extents as pointer and count (`strides` may be null: row-major).
+  template <typename S = scalar, std::enable_if_t<!std::is_void_v<S>, int> = 0>
+  array(pointer data, std::size_t ndim, const std::int64_t* shape, pybind11::handle owner,
+        const std::int64_t* strides = nullptr, DLDevice device = {kDLCPU, 0})
+      : array(data, ndim, shape, owner, strides != nullptr ? ndim : 0, strides, device)
+  {}
+#if __cplusplus >= 202002L
+  /// The same with the extents as spans (C++20).
+  template <typename S = scalar, std::enable_if_t<!std::is_void_v<S>, int> = 0>
+  array(pointer data, std::span<const std::int64_t> shape, pybind11::handle owner,
+        std::span<const std::int64_t> strides = {}, DLDevice device = {kDLCPU, 0})
+      : array(data, shape.size(), shape.data(), owner, strides.size(), strides.data(), device)
+  {}
+#endif
 
   /// True when the imported array meets every constraint.
   [[nodiscard]] static bool accepts(const handoff_array_info& info)
@@ -537,11 +636,23 @@ class array {
     return why;
   }
 
-  [[nodiscard]] pointer data() const noexcept { return static_cast<pointer>(info_.data); }
-  [[nodiscard]] std::size_t ndim() const noexcept { return static_cast<std::size_t>(info_.ndim); }
-  [[nodiscard]] std::int64_t shape(std::size_t i) const noexcept { return info_.shape[i]; }
+  [[nodiscard]] pointer data() const noexcept
+  {
+    return static_cast<pointer>(info_.data);
+  }
+  [[nodiscard]] std::size_t ndim() const noexcept
+  {
+    return static_cast<std::size_t>(info_.ndim);
+  }
+  [[nodiscard]] std::int64_t shape(std::size_t i) const noexcept
+  {
+    return info_.shape[i];
+  }
   /// In elements.
-  [[nodiscard]] std::int64_t stride(std::size_t i) const noexcept { return info_.strides[i]; }
+  [[nodiscard]] std::int64_t stride(std::size_t i) const noexcept
+  {
+    return info_.strides[i];
+  }
   [[nodiscard]] std::int64_t size() const noexcept
   {
     std::int64_t n = 1;
@@ -554,15 +665,36 @@ class array {
     return (static_cast<std::int64_t>(info_.dtype.bits) * info_.dtype.lanes + 7) / 8;
   }
   /// size() x itemsize().
-  [[nodiscard]] std::int64_t nbytes() const noexcept { return size() * itemsize(); }
-  [[nodiscard]] DLDataType dtype() const noexcept { return info_.dtype; }
-  [[nodiscard]] bool readonly() const noexcept { return info_.readonly != 0; }
-  [[nodiscard]] DLDeviceType device_type() const noexcept { return info_.device.device_type; }
-  [[nodiscard]] std::int32_t device_id() const noexcept { return info_.device.device_id; }
+  [[nodiscard]] std::int64_t nbytes() const noexcept
+  {
+    return size() * itemsize();
+  }
+  [[nodiscard]] DLDataType dtype() const noexcept
+  {
+    return info_.dtype;
+  }
+  [[nodiscard]] bool readonly() const noexcept
+  {
+    return info_.readonly != 0;
+  }
+  [[nodiscard]] DLDeviceType device_type() const noexcept
+  {
+    return info_.device.device_type;
+  }
+  [[nodiscard]] std::int32_t device_id() const noexcept
+  {
+    return info_.device.device_id;
+  }
   /// The native handle of the stream the data is ready on for this call's consumer (0: none).
-  [[nodiscard]] std::intptr_t stream() const noexcept { return info_.stream; }
+  [[nodiscard]] std::intptr_t stream() const noexcept
+  {
+    return info_.stream;
+  }
   /// The handoff.Array holding the data.
-  [[nodiscard]] const pybind11::object& object() const noexcept { return object_; }
+  [[nodiscard]] const pybind11::object& object() const noexcept
+  {
+    return object_;
+  }
 
   /// Typed element access (const with `ro`); needs a scalar type among the constraints. Host data
   /// only, as data() is: a device pointer is not to be dereferenced here.
@@ -585,6 +717,34 @@ class array {
   }();
 
  private:
+  template <typename S = scalar>
+  array(pointer data, std::size_t ndim, const std::int64_t* shape, pybind11::handle owner, std::size_t stride_count,
+        const std::int64_t* strides, DLDevice device)
+  {
+    static_assert(!std::is_void_v<S>, "handoff::py::array of C++ memory needs a scalar type among the constraints");
+    if (stride_count != 0 && stride_count != ndim) {
+      throw pybind11::value_error("handoff::py::array: " + std::to_string(stride_count) + " strides for " +
+                                  std::to_string(ndim) + " dimensions");
+    }
+    if (static_ndim >= 0 && ndim != static_cast<std::size_t>(static_ndim)) {
+      throw pybind11::value_error("handoff::py::array: " + std::to_string(ndim) + " dimensions where the type has " +
+                                  std::to_string(static_ndim));
+    }
+    const handoff_array_desc desc{
+      const_cast<void*>(static_cast<const void*>(data)),  // a read-only view never writes through it
+      static_cast<std::int32_t>(ndim),
+      shape,
+      stride_count != 0 ? strides : nullptr,
+      detail::dtype_of<S>(),
+      device,
+      0,
+      read_only ? 1 : 0};
+    const handoff_py_api& api = detail::api();
+    object_ = detail::checked(api.view(&desc, owner.ptr()));
+    if (api.describe(object_.ptr(), &info_) != 0) { throw pybind11::error_already_set(); }
+    if (!accepts(info_)) { throw pybind11::value_error("handoff::py::array: " + mismatch(info_)); }
+  }
+
   pybind11::object object_;
   handoff_array_info info_{};
 };
@@ -671,9 +831,16 @@ struct type_caster<handoff::py::array<Constraints...>> {
     return true;
   }
 
+  // A handoff.Array, or the tagged framework's array made from it by the framework's from_dlpack.
   static handle cast(const value_type& source, return_value_policy /*policy*/, handle /*parent*/)
   {
-    return source.object().inc_ref();
+    if (!source.object()) { return none().release(); }  // a default-constructed array holds nothing
+    using framework = typename value_type::framework;
+    if constexpr (std::is_void_v<framework>) {
+      return source.object().inc_ref();
+    } else {
+      return handoff::py::detail::from_dlpack_of<framework>()(source.object()).release();
+    }
   }
 
  private:

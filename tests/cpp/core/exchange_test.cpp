@@ -228,13 +228,18 @@ TEST_P(ExchangeTest, ASharedViewKeepsOneRootProducerAndIsOrderedForItsConsumer)
   const auto producer = stream_on(0);
   const auto consumer = stream_on(0);
   std::atomic<int> released{0};
-  std::optional<array> view{written_on(producer, &released)};
-  const array shared = ex().share(*view, named(consumer));
-  EXPECT_EQ(shared.owner().id(), view->owner().id()) << "the same buffer in the ownership graph";
-  EXPECT_EQ(shared.owner().ready_on()->stream, consumer);
-  EXPECT_EQ(first(shared, consumer), 1.0F);
-  view.reset();
-  EXPECT_EQ(released.load(), 0) << "the shared view keeps the root producer";
+  {
+    std::optional<array> view{written_on(producer, &released)};
+    const array shared = ex().share(*view, named(consumer));
+    EXPECT_EQ(shared.owner().id(), view->owner().id()) << "the same buffer in the ownership graph";
+    EXPECT_EQ(shared.owner().ready_on()->stream, consumer);
+    EXPECT_EQ(first(shared, consumer), 1.0F);
+    view.reset();
+    EXPECT_EQ(released.load(), 0) << "the shared view keeps the root producer";
+  }
+  // The release waits for the consumer's stream: it must run before `released` goes out of scope.
+  ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
+  EXPECT_EQ(released.load(), 1);
 }
 
 TEST_P(ExchangeTest, AdoptedDataIsReadyOnItsWorkStreamAndReleasedAfterIt)
