@@ -81,6 +81,14 @@ hp::array<float, hp::shape<-1, 3>> rows_of_three(hp::array<float, hp::shape<-1, 
   return values;
 }
 
+// The same, for a function that orders its own work on the data (stream=-1): no wait is inserted,
+// and CUDA data is taken even where handoff cannot start CUDA.
+hp::array<float, hp::shape<-1, 3>, hp::orders_itself> rows_of_three_unordered(
+  hp::array<float, hp::shape<-1, 3>, hp::orders_itself> values)
+{
+  return values;
+}
+
 // Sums a two-dimensional float32 host array of any strides, element by element through view().
 double sum_2d(const hp::array<float, hp::ndim<2>, hp::device::cpu, hp::ro>& values)
 {
@@ -167,6 +175,7 @@ PYBIND11_MODULE(tensor_example, m)
   m.def("sum", &sum, py::arg("values"));
   m.def("scale", &scale, py::arg("values"), py::arg("factor"));
   m.def("rows_of_three", &rows_of_three, py::arg("values"));
+  m.def("rows_of_three_unordered", &rows_of_three_unordered, py::arg("values"));
   m.def("sum_2d", &sum_2d, py::arg("values"));
   m.def("negate", &negate<hp::float16>, py::arg("values"));
   m.def("negate", &negate<hp::bfloat16>, py::arg("values"));

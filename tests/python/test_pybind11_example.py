@@ -19,7 +19,8 @@ import pytest
 
 import handoff
 
-from support import SIM, needs_sim, pending_write
+from dlpack_ctypes import CUDA, HandMadeTensor
+from support import CUDA_ORDERING_REFUSED, SIM, needs_sim, pending_write
 
 if SIM:
     from handoff import sim
@@ -99,6 +100,47 @@ def test_a_device_argument_is_ordered_onto_the_consumer_stream(sim_streams):
             handoff.view(pending.data_ptr, (1024, 3), "float32", device=pending.device, owner=pending, stream=producer)
         )
     assert sim.to_numpy(imported, stream=consumer)[[0, -1]].tolist() == [[1.0] * 3] * 2
+
+
+@needs_sim
+def test_a_parameter_that_orders_itself_gets_no_wait(sim_streams):
+    # hp::orders_itself: the function promised to order its own work (stream=-1); handoff inserts
+    # nothing, so a read on the consumer stream at once races the producer, as it must here.
+    producer, consumer = sim_streams
+    pending = pending_write(producer, 3 * 1024)
+    with handoff.stream(consumer):
+        imported = te.rows_of_three_unordered(
+            handoff.view(pending.data_ptr, (1024, 3), "float32", device=pending.device, owner=pending, stream=producer)
+        )
+    assert sim.to_numpy(imported, stream=consumer)[0].tolist() == [0.0] * 3, "expected stale data: nothing waited"
+
+
+class CudaClaimingProducer:
+    """Host memory that says it is CUDA memory of device 0, for a backend that has no CUDA."""
+
+    def __init__(self) -> None:
+        self.values = np.zeros((2, 3), np.float32)
+        self.tensor = HandMadeTensor(self.values.ctypes.data, (2, 3), device=(CUDA, 0))
+
+    def __dlpack__(self, **kwargs):
+        return self.tensor.capsule()
+
+    def __dlpack_device__(self):
+        return (CUDA, 0)
+
+
+@pytest.mark.skipif(not CUDA_ORDERING_REFUSED, reason="needs HANDOFF_BACKEND=auto where CUDA cannot start")
+def test_cuda_data_where_cuda_cannot_start_is_taken_only_by_a_parameter_that_orders_itself():
+    refused = CudaClaimingProducer()
+    with pytest.raises(handoff.DeviceError):
+        te.rows_of_three(refused)
+    assert refused.tensor.deleted == 1, "the refused tensor was let go, once"
+    producer = CudaClaimingProducer()  # its tensor must outlive the import
+    imported = te.rows_of_three_unordered(producer)
+    assert imported.device == (CUDA, 0)
+    del imported
+    gc.collect()
+    assert producer.tensor.deleted == 1
 
 
 @needs_sim

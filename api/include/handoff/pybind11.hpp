@@ -151,6 +151,11 @@ struct jax {};        ///< jax.Array (jax.dlpack.from_dlpack)
 struct cupy {};       ///< cupy.ndarray (cupy.from_dlpack)
 struct array_api {};  ///< handoff.Array, the array API's exchange type
 
+/// The function orders its own work on the argument's data (DLPack's `stream=-1`, as
+/// handoff.from_dlpack(x, stream=-1)): no wait is inserted for it, and CUDA data is taken even where
+/// handoff cannot start CUDA. The function must then make its stream wait for the producer's.
+struct orders_itself {};
+
 struct c_contig {};  ///< row-major without gaps
 struct f_contig {};  ///< column-major without gaps
 struct ro {};        ///< read-only data accepted (and data() is const); otherwise refused
@@ -491,6 +496,10 @@ const pybind11::object& from_dlpack_of()
 }
 
 template <>
+struct constraint<orders_itself> : accepts_anything {
+  static constexpr auto name = pyd::const_name("stream=-1");
+};
+template <>
 struct constraint<ro> : accepts_anything {
   static constexpr auto name = pyd::const_name("readonly");
 };
@@ -577,6 +586,8 @@ class array {
  public:
   using scalar = typename detail::first_scalar<Constraints...>::type;
   static constexpr bool read_only = (std::is_same_v<Constraints, ro> || ...);
+  /// Imported with DLPack's stream=-1 (orders_itself): no wait inserted.
+  static constexpr bool self_ordered = (std::is_same_v<Constraints, orders_itself> || ...);
   using element = std::conditional_t<std::is_void_v<scalar>, void, scalar>;
   using pointer = std::conditional_t<read_only, const element*, element*>;
   /// The number of dimensions an ndim<N> or shape<...> constraint fixes (-1: none).
@@ -804,13 +815,15 @@ struct type_caster<handoff::py::array<Constraints...>> {
   bool load(handle source, bool /*convert*/)
   {
     const handoff_py_api& api = handoff::py::detail::api();
+    // None: the enclosing handoff.stream block's stream, else the device's default stream.
+    const object stream = value_type::self_ordered ? object(int_(-1)) : object(none());
     PyObject* made = nullptr;
     if (api.minor >= 1) {
-      const int status = api.import_array(source.ptr(), Py_None, &made);
+      const int status = api.import_array(source.ptr(), stream.ptr(), &made);
       if (status == 1) { return no_protocol(source); }
       if (status != 0) { throw error_already_set(); }
     } else {  // a handoff older than the table's import_array: its asarray's TypeError is "no protocol"
-      made = api.asarray(source.ptr(), Py_None);
+      made = api.asarray(source.ptr(), stream.ptr());
       if (made == nullptr) {
         if (!PyErr_ExceptionMatches(PyExc_TypeError)) { throw error_already_set(); }
         PyErr_Clear();
