@@ -96,7 +96,6 @@ std::optional<stream_binding> exchange::consumer_binding(const array& view, cons
 
 void exchange::bind_to_consumer(const array& view, const named_stream& consumer) const
 {
-  if (!has_streams(view.device().device_type)) { return; }  // host data: nothing to order
   if (auto binding = consumer_binding(view, consumer)) {
     bind_import(*binding->ctx, view, binding->device, binding->stream, std::move(binding->stream_owner));
   }
