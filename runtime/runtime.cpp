@@ -207,12 +207,13 @@ context* started_context() noexcept
 
 namespace {
 
-// The live trace: its socket, and the service thread that serves it when no exchange context runs
-// one (no backend). Leaked: exchanges may be recorded during static destruction.
+// The live trace: its socket and the thread that serves it, its own, so that clients (any process of
+// the user may connect) never delay the deferred releases that the runtime's service thread runs.
+// Leaked: exchanges may be recorded during static destruction.
 struct trace_serving {
   std::mutex mutex;
-  std::unique_ptr<detail::service_thread> own_service;
-  std::unique_ptr<detail::trace_socket> socket;  // after own_service: closed on its thread first
+  std::unique_ptr<detail::service_thread> thread;
+  std::unique_ptr<detail::trace_socket> socket;  // after thread: closed on that thread first
   std::uint64_t listener{0};
 
   static trace_serving& get()
@@ -229,16 +230,9 @@ std::string serve_trace()
   trace_serving& serving = trace_serving::get();
   std::lock_guard lock{serving.mutex};
   if (serving.socket) { return serving.socket->path().string(); }
-  detail::service_thread* service = nullptr;
-  try {
-    service = started().service;
-  } catch (const std::exception&) {  // no backend: the trace still has host exchanges to show
-  }
-  if (service == nullptr) {
-    serving.own_service = std::make_unique<detail::service_thread>();
-    service = serving.own_service.get();
-  }
-  serving.socket = std::make_unique<detail::trace_socket>(service->io());
+  auto thread = std::make_unique<detail::service_thread>();
+  serving.socket = std::make_unique<detail::trace_socket>(thread->io());
+  serving.thread = std::move(thread);
   detail::trace_socket* socket = serving.socket.get();
   serving.listener = trace::add_listener([socket](const trace::event& e) {
     if (socket->has_clients()) { socket->publish(trace::to_json(e)); }
@@ -253,7 +247,7 @@ void stop_serving_trace() noexcept
   if (!serving.socket) { return; }
   trace::remove_listener(serving.listener);
   serving.socket.reset();
-  serving.own_service.reset();
+  serving.thread.reset();
 }
 
 std::vector<std::string> trace_socket_paths(int pid)

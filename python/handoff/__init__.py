@@ -46,6 +46,7 @@ from ._handoff import (
     stats,
     view,
 )
+from ._interpose import LibraryAdapter, order_libraries, register_library
 from ._process_trace import serve_trace
 from ._process_trace import start_from_environment as _start_tracing
 from ._streams import Stream, as_stream, current_stream, stream
@@ -56,7 +57,7 @@ from ._trace import trace
 _atexit.register(_at_exit)
 # A forked child keeps none of the parent's threads: see handoff.runtime_info() there.
 _os.register_at_fork(after_in_child=_after_fork_in_child)
-_start_tracing()  # HANDOFF_TRACE, HANDOFF_TRACE_SOCKET: after _at_exit, whose handler must run last
+_start_tracing()  # HANDOFF_TRACE, HANDOFF_ORDER, HANDOFF_TRACE_SOCKET: after _at_exit, whose handler must run last
 
 
 def get_include() -> str:
@@ -75,6 +76,7 @@ __all__ = [
     "Array",
     "DeviceError",
     "Exporter",
+    "LibraryAdapter",
     "Stream",
     "__version__",
     "as_stream",
@@ -83,7 +85,9 @@ __all__ = [
     "from_dlpack",
     "get_cmake_dir",
     "get_include",
+    "order_libraries",
     "ownership_graph",
+    "register_library",
     "reset_stats",
     "runtime_info",
     "serve_trace",

@@ -1,8 +1,12 @@
-"""The process-wide trace and the live socket, asked for by the environment or by a call.
+"""The process-wide trace, the ordering of other libraries' exchanges, and the live socket, asked for
+by the environment or by a call.
 
-``HANDOFF_TRACE=path`` traces the whole process and saves the trace to ``path`` at exit, with a
-``leak`` hazard for each view still alive then. ``HANDOFF_TRACE_SOCKET=1`` serves the exchanges live
-from the start (``handoff-trace attach PID``).
+``HANDOFF_TRACE=path`` traces the whole process, the exchanges between other libraries included, and
+saves the trace to ``path`` at exit (``%p`` in it stands for the process id: each process of a job
+writes its own file). It keeps the newest ``HANDOFF_TRACE_LIMIT`` events (default 30,000) and the
+older hazards, so a long job's trace stays bounded. ``HANDOFF_ORDER=1`` orders the exchanges between
+other libraries (see :func:`handoff.order_libraries`). ``HANDOFF_TRACE_SOCKET=1`` serves the
+exchanges live from the start (``handoff-trace attach PID``).
 """
 
 from __future__ import annotations
@@ -12,7 +16,11 @@ import os
 
 from ._trace import trace
 
+#: How many events a process trace keeps when HANDOFF_TRACE_LIMIT does not say.
+DEFAULT_LIMIT = 30_000
+
 _process_trace: trace | None = None
+_trace_path: str | None = None
 _socket_path: str | None = None
 
 
@@ -20,8 +28,9 @@ def serve_trace() -> str:
     """Serves this process's exchanges live on a Unix socket, for ``handoff-trace attach PID``.
 
     The socket is made in a directory only this user can enter (``$XDG_RUNTIME_DIR/handoff``, else
-    ``<tmp>/handoff-<uid>``), mode 0600, and a client of another uid is refused. Serving starts once;
-    later calls return the same path. Returns the socket's path.
+    ``<tmp>/handoff-<uid>``), mode 0600, and a client of another uid is refused, as is a client past
+    the 16 served at once. Serving runs on a thread of its own and starts once; later calls return
+    the same path. Returns the socket's path.
     """
     global _socket_path  # noqa: PLW0603 - the process serves one socket
     if _socket_path is None:
@@ -32,39 +41,99 @@ def serve_trace() -> str:
     return _socket_path
 
 
-def _finish(path: str) -> None:
+def _warn(message: str) -> None:
+    from . import _handoff
+
+    _handoff._log_warning(message)  # on the logger (stderr), not in the program's own output
+
+
+def _trace_file(pattern: str) -> str:
+    return pattern.replace("%p", str(os.getpid()))
+
+
+def _limit_from_environment() -> int:
+    text = os.environ.get("HANDOFF_TRACE_LIMIT", "")
+    if not text:
+        return DEFAULT_LIMIT
+    try:
+        limit = int(text)
+        if limit < 1:
+            raise ValueError
+    except ValueError:
+        _warn(f"HANDOFF_TRACE_LIMIT={text!r} is not a count of events (an int >= 1); keeping {DEFAULT_LIMIT}")
+        return DEFAULT_LIMIT
+    return limit
+
+
+def _finish() -> None:
     global _process_trace
     recording, _process_trace = _process_trace, None
-    if recording is None:
+    if recording is None or _trace_path is None:
         return
     from . import _handoff
 
     token = recording._token
-    # Views still alive, made by an exchange it saw.
-    leaks = _handoff._trace_leaks(token) if token is not None else []
+    # Views still alive, made by an exchange it saw: reported as held, not as hazards.
+    held = _handoff._trace_held(token) if token is not None else []
     recording.__exit__(None, None, None)
-    recording._events.extend(leaks)
+    recording._events.extend(held)
+    path = _trace_file(_trace_path)
     try:
         recording.save(path)
     except OSError as error:
-        # On the logger (stderr), not in the program's own output.
-        _handoff._log_warning(f"HANDOFF_TRACE: could not save the trace to {path}: {error}")
+        _warn(f"HANDOFF_TRACE: could not save the trace to {path}: {error}")
+
+
+def _start_process_trace() -> None:
+    global _process_trace  # noqa: PLW0603 - the process writes one trace
+    _process_trace = trace(limit=_limit_from_environment(), libraries=True)
+    _process_trace.__enter__()
+
+
+def _restart_in_forked_child() -> None:
+    """A forked child traces itself to its own file: the parent's events are not its own."""
+    global _process_trace
+    if _process_trace is None:
+        return
+    inherited, _process_trace = _process_trace, None
+    inherited.__exit__(None, None, None)
+    _start_process_trace()
+
+
+class _ForkedWorkerExit:
+    """multiprocessing's forked workers leave through os._exit, which skips atexit; their exit runs
+    multiprocessing's finalizers, which it clears as a worker starts: one is registered after that."""
+
+    def __call__(self, _: object) -> None:
+        import multiprocessing.util
+
+        multiprocessing.util.Finalize(None, _finish, exitpriority=-100)
+
+
+_forked_worker_exit = _ForkedWorkerExit()
 
 
 def start_from_environment() -> None:
-    """Starts what HANDOFF_TRACE and HANDOFF_TRACE_SOCKET ask for (at `import handoff`). What cannot
-    be started is a warning on the logger: the program runs, untraced."""
-    global _process_trace  # noqa: PLW0603 - the process writes one trace
+    """Starts what HANDOFF_TRACE, HANDOFF_ORDER and HANDOFF_TRACE_SOCKET ask for (at `import
+    handoff`). What cannot be started is a warning on the logger: the program runs as it is."""
+    global _trace_path  # noqa: PLW0603
     path = os.environ.get("HANDOFF_TRACE")
     if path and _process_trace is None:
-        _process_trace = trace()
-        _process_trace.__enter__()
+        _trace_path = path
+        _start_process_trace()
         # Registered after handoff's own exit handler, so it runs first: views are still alive.
-        atexit.register(_finish, path)
+        atexit.register(_finish)
+        if "%p" in path:
+            os.register_at_fork(after_in_child=_restart_in_forked_child)
+            import multiprocessing.util
+
+            multiprocessing.util.register_after_fork(_forked_worker_exit, _forked_worker_exit)
+    if os.environ.get("HANDOFF_ORDER", "") not in ("", "0"):
+        from ._interpose import order_libraries
+
+        order_libraries(True)
     if os.environ.get("HANDOFF_TRACE_SOCKET", "") not in ("", "0"):
         try:
             serve_trace()
         except (OSError, RuntimeError) as error:
-            from . import _handoff
-
-            _handoff._log_warning(f"HANDOFF_TRACE_SOCKET: not serving the trace: {error}")
+            _warn(f"HANDOFF_TRACE_SOCKET: not serving the trace: {error}")

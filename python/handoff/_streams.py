@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from contextvars import ContextVar, Token
 
 from . import _handoff
@@ -15,7 +16,9 @@ _current = _handoff._stream_var
 # context, not in the block object, so that one block object may be entered by several threads or
 # tasks at once; each entry names its block, so that a block leaves with its own token even when
 # blocks interleave (a generator's block entered inside ours and suspended while ours ends).
-_entered: ContextVar[tuple[tuple[stream, Token[Stream | None]], ...]] = ContextVar("handoff.stream_tokens", default=())
+_entered: ContextVar[tuple[tuple[stream, Token[Stream | None], ExitStack | None], ...]] = ContextVar(
+    "handoff.stream_tokens", default=()
+)
 
 
 class Stream:
@@ -94,16 +97,31 @@ class stream:
 
     ``with handoff.stream(s): handoff.from_dlpack(x)`` imports ``x`` ordered before work that is
     then put on ``s``. Blocks nest; leaving one restores the outer stream.
+
+    With ``frameworks=True`` the block also makes ``s`` the current stream of every imported library
+    that has one (PyTorch and CuPy, through their external-stream wrappers, and libraries registered
+    with a ``use_stream``), and restores each one's own on exit: the code in the block launches on
+    one stream, and nothing needs ordering. JAX, cuda.core and numba-cuda have no current stream.
     """
 
-    __slots__ = ("_stream",)
+    __slots__ = ("_frameworks", "_stream")
 
-    def __init__(self, obj: object) -> None:
+    def __init__(self, obj: object, *, frameworks: bool = False) -> None:
         self._stream = None if obj is None else as_stream(obj)
+        if frameworks and self._stream is None:
+            raise ValueError("handoff.stream(None, frameworks=True): name the stream the frameworks should use")
+        self._frameworks = bool(frameworks)
 
     def __enter__(self) -> Stream | None:
+        frameworks = None
+        if self._frameworks:
+            from ._interpose import frameworks_on
+
+            assert self._stream is not None
+            frameworks = ExitStack()
+            frameworks.enter_context(frameworks_on(self._stream.handle, self._stream.device or 0))
         token = _current.set(self._stream)
-        _entered.set((*_entered.get(), (self, token)))
+        _entered.set((*_entered.get(), (self, token, frameworks)))
         return self._stream
 
     def __exit__(self, *exc_info: object) -> None:
@@ -113,6 +131,9 @@ class stream:
             if entered[i][0] is self:
                 _entered.set(entered[:i] + entered[i + 1 :])
                 _current.reset(entered[i][1])
+                frameworks = entered[i][2]
+                if frameworks is not None:
+                    frameworks.close()
                 return
         # Entered in another context (a generator closed elsewhere): nothing of this one to restore.
 

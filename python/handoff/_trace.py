@@ -63,12 +63,22 @@ class trace:
     Args:
         path: Where to save the trace as Chrome trace JSON when the block ends (open it in
             https://ui.perfetto.dev or chrome://tracing, or with ``handoff-trace show``).
+        limit: Keep at most the newest ``limit`` events, and up to ``limit`` older hazards besides
+            (``dropped`` counts the rest); None keeps every event.
+        libraries: Also record the exchanges between other libraries (NumPy, PyTorch, CuPy, JAX,
+            numba-cuda, cuda.core and those registered with :func:`handoff.register_library`)
+            that the program makes without handoff, while the block runs.
     """
 
-    def __init__(self, path: PathLike | None = None) -> None:
+    def __init__(self, path: PathLike | None = None, *, limit: int | None = None, libraries: bool = False) -> None:
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"limit must be None or an int >= 1, not {limit!r}")
         self._path: str | None = os.fspath(path) if path is not None else None
+        self._limit = limit
+        self._libraries = bool(libraries)
         self._token: int | None = None
         self._events: list[Event] = []
+        self._dropped = 0
         self._used = False
         #: The ownership graph when the block ended (None before, or when the runtime has none).
         self.graph: Graph | None = None
@@ -76,8 +86,12 @@ class trace:
     def __enter__(self) -> trace:
         if self._used:
             raise RuntimeError("this handoff.trace was already used: each `with` block needs a new handoff.trace()")
-        self._token = int(_handoff._trace_begin())
+        self._token = int(_handoff._trace_begin(self._limit or 0))
         self._used = True
+        if self._libraries:
+            from . import _interpose
+
+            _interpose.acquire()
         return self
 
     def __exit__(
@@ -89,6 +103,11 @@ class trace:
         token, self._token = self._token, None
         if token is None:
             return
+        if self._libraries:
+            from . import _interpose
+
+            _interpose.release()
+        self._dropped = int(_handoff._trace_dropped(token))
         self._events = list(_handoff._trace_end(token))
         self.graph = _snapshot_graph()
         if self._path is not None:
@@ -110,18 +129,26 @@ class trace:
             return list(_handoff._trace_events(self._token))
         return list(self._events)
 
+    @property
+    def dropped(self) -> int:
+        """How many events a trace with a ``limit`` no longer keeps (the oldest that were not hazards)."""
+        if self._token is not None:
+            return int(_handoff._trace_dropped(self._token))
+        return self._dropped
+
     def hazards(self) -> list[Event]:
         """The events that the runtime flagged with a hazard (``event["hazard"]`` is not None)."""
         return [e for e in self.events if e.get("hazard") is not None]
 
     def summary(self) -> str:
         """A text report: the hazards first, then the exchanges per producer and consumer."""
-        return summary(self.events, title="handoff trace")
+        return summary(self.events, title="handoff trace", dropped=self.dropped, limit=self._limit)
 
     def save(self, path: PathLike) -> None:
         """Writes the trace as Chrome trace JSON, with the raw events and graph under ``"handoff"``."""
         graph = self.graph if not self.active else _snapshot_graph()
         data = chrome_trace(self.events, graph=graph, pid=os.getpid())
+        data["handoff"].update(dropped=self.dropped, limit=self._limit, ppid=os.getppid())
         Path(path).write_text(dumps(data), encoding="utf-8")
 
 
@@ -213,8 +240,8 @@ def _own_actions(events: Sequence[Mapping[str, Any]]) -> list[bool]:
     runs itself (handoff.Exporter, handoff.sim) records two events, the export to "handoff" and the
     import, with one action between them: the import's counts, and the matching export's does not."""
 
-    def key(event: Mapping[str, Any]) -> str:
-        return dumps([event.get(k) for k in ("thread", "where", "producer_stream", "consumer_stream", "action")])
+    def key(event: Mapping[str, Any]) -> tuple[str, ...]:
+        return tuple(str(event.get(k)) for k in ("thread", "where", "producer_stream", "consumer_stream", "action"))
 
     imports = Counter(key(e) for e in events if e.get("kind") == "import")
     own = []
@@ -244,17 +271,29 @@ def _table(
     return lines
 
 
-def summary(events: Sequence[Mapping[str, Any]], *, title: str | None = None) -> str:
+def summary(
+    events: Sequence[Mapping[str, Any]],
+    *,
+    title: str | None = None,
+    dropped: int = 0,
+    limit: int | None = None,
+    processes: int = 1,
+) -> str:
     """A human-readable report of `events`: hazards first (grouped by hazard and source line), then
-    the exchanges per producer -> consumer pair, then the totals.
+    the exchanges per producer -> consumer pair, then the totals, the views still held when the
+    trace ended (not hazards), and how many events a bounded trace dropped.
 
     A library shown as ``-`` is not known: for a consumer, the export was asked for by user code.
     The waits, elided and unordered hand-offs count each hand-off once, though an import from an
-    exporter that handoff runs records both halves.
+    exporter that handoff runs records both halves. `processes` is how many processes' traces
+    `events` merges.
     """
     lines = [title, "=" * len(title)] if title else []
-    if not events:
+    held = [e for e in events if e.get("kind") == "held"]
+    events = [e for e in events if e.get("kind") != "held"]
+    if not events and not held:
         lines.append("no exchanges recorded")
+        lines += _bounded_note(dropped, limit)
         return "\n".join(lines)
 
     # Hazards, grouped by (hazard, where) in the order they first happened.
@@ -325,19 +364,44 @@ def summary(events: Sequence[Mapping[str, Any]], *, title: str | None = None) ->
         right=range(2, 10),
     )
     lines.append("")
+    ordered = sum(1 for e in events if e.get("interposed") == "ordered")
     lines.append(
-        f"{_plural(len(events), 'event')}, {_plural(totals['wait'], 'wait')} inserted, {totals['elided']} elided, "
-        f"{_plural(hazard_count, 'hazard')}"
+        f"{_plural(len(events), 'event')}"
+        + (f" in {processes} processes" if processes > 1 else "")
+        + f", {_plural(totals['wait'], 'wait')} inserted, {totals['elided']} elided, "
+        f"{_plural(hazard_count, 'hazard')}" + (f", {ordered} ordered by handoff's hooks" if ordered else "")
     )
+    if held:
+        places = Counter(str(e.get("where") or _NO_LIBRARY) for e in held)
+        shown = ", ".join(f"{where} ({count})" for where, count in places.most_common(3))
+        more = "" if len(places) <= 3 else f" and {len(places) - 3} more places"
+        lines.append(
+            f"{_plural(len(held), 'view')} still held when the trace ended (not a hazard): made at {shown}{more}"
+        )
+    lines += _bounded_note(dropped, limit)
     return "\n".join(lines)
+
+
+def _bounded_note(dropped: int, limit: int | None) -> list[str]:
+    if not dropped:
+        return []
+    kept = f"the newest {limit} events and the older hazards" if limit else "the newest events"
+    return [
+        f"{_plural(dropped, 'older event')} dropped: the trace keeps {kept} (HANDOFF_TRACE_LIMIT sets how many); "
+        "the counts above are of the events kept"
+    ]
 
 
 # --- Chrome trace JSON ----------------------------------------------------------------------------
 
 
 def _json_event(event: Mapping[str, Any]) -> Event:
-    """A copy of `event` as JSON reads it back (the device as a list), for a round trip to compare."""
-    out: Event = json.loads(dumps(dict(event)))
+    """A copy of `event` as JSON reads it back (the device, a tuple, as a list): the raw events a
+    trace file keeps compare equal to what is read back."""
+    out = dict(event)
+    for key, value in out.items():
+        if isinstance(value, tuple):
+            out[key] = list(value)
     return out
 
 
@@ -350,16 +414,22 @@ def _track_name(key: tuple[Any, ...]) -> str:
 
 
 def chrome_trace(
-    events: Sequence[Mapping[str, Any]], *, graph: Mapping[str, Any] | None = None, pid: int | None = None
+    events: Sequence[Mapping[str, Any]],
+    *,
+    graph: Mapping[str, Any] | None = None,
+    pid: int | None = None,
+    start_ns: int | None = None,
 ) -> dict[str, Any]:
     """The events as a Chrome trace JSON object (Perfetto, chrome://tracing): one track per stream,
     one slice per exchange on the consumer's stream (hazards flagged), and an arrow from the
     producer's stream to the consumer's for each wait that handoff inserted. The raw events and the
     graph are kept under the ``"handoff"`` key, which ``handoff-trace show`` and ``graph`` read.
+    Times count from `start_ns` (default: the first event's), so that several processes' traces
+    merged share one clock.
     """
     pid = 1 if pid is None else int(pid)
     raw = [_json_event(e) for e in events]
-    start = min((_int(e.get("time_ns")) for e in raw), default=0)
+    start = min((_int(e.get("time_ns")) for e in raw), default=0) if start_ns is None else start_ns
     tracks: dict[tuple[Any, ...], int] = {}
 
     def track(device: Any, handle: Any) -> int:

@@ -1,6 +1,7 @@
 """handoff-trace: record, read and follow handoff's exchange traces.
 
-    handoff-trace run [-o FILE] [--json] -- CMD ARGS...    trace a program; its summary on stderr
+    handoff-trace run [-o FILE] [--json] [--order] -- CMD ARGS...
+                                                           trace a program; its summary on stderr
     handoff-trace show FILE [--json]                       the summary of a saved trace
     handoff-trace graph FILE [--format dot|json|svg|png]   the ownership graph saved in a trace
     handoff-trace attach PID [--count N] [--json]          follow a running process's exchanges
@@ -24,10 +25,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from ._trace import format_event, graph_to_dot, summary
+from ._trace import chrome_trace, dumps, format_event, graph_to_dot, summary
 
 Trace = dict[str, Any]
 
@@ -161,14 +163,6 @@ def print_json(data: Any, file: IO[str] | None = None) -> None:
 # --- run ------------------------------------------------------------------------------------------
 
 
-def _fingerprint(path: Path) -> tuple[int, int, int] | None:
-    try:
-        stat = path.stat()
-    except OSError:
-        return None
-    return (stat.st_ino, stat.st_size, stat.st_mtime_ns)
-
-
 def _wait(command: list[str], env: dict[str, str]) -> int:
     """Runs `command` with the terminal (stdio inherited); its exit status, 128 + N for signal N."""
     try:
@@ -188,6 +182,54 @@ def _wait(command: list[str], env: dict[str, str]) -> int:
     return 128 - status if status < 0 else status
 
 
+def merge_traces(traces: Sequence[tuple[int, Trace]]) -> dict[str, Any]:
+    """One Chrome trace of several processes' traces ((pid, "handoff" section) pairs): a process
+    per track group on one clock, every event marked with its `pid`, the graphs' ids prefixed with
+    their process's when there are several."""
+    start = min((int(e.get("time_ns") or 0) for _, t in traces for e in t["events"]), default=0)
+    chrome_events: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
+    graph: dict[str, list[Any]] = {"nodes": [], "edges": []}
+    dropped = 0
+    for pid, trace in traces:
+        own = [{**event, "pid": pid} for event in trace["events"]]
+        events += own
+        chrome_events += chrome_trace(own, pid=pid, start_ns=start)["traceEvents"]
+        dropped += int(trace.get("dropped") or 0)
+        part = trace.get("graph") or {}
+        prefix = f"{pid}/" if len(traces) > 1 else ""
+        graph["nodes"] += [{**node, "id": prefix + str(node["id"])} for node in part.get("nodes", [])]
+        graph["edges"] += [
+            {**edge, "src": prefix + str(edge["src"]), "dst": prefix + str(edge["dst"])}
+            for edge in part.get("edges", [])
+        ]
+    events.sort(key=lambda e: int(e.get("time_ns") or 0))
+    version = traces[0][1].get("version") if traces else None
+    return {
+        "traceEvents": chrome_events,
+        "displayTimeUnit": "ns",
+        "handoff": {
+            "version": version,
+            "events": events,
+            "graph": graph,
+            "dropped": dropped,
+            "processes": [pid for pid, _ in traces],
+        },
+    }
+
+
+def _process_traces(folder: Path) -> list[tuple[int, Trace]]:
+    """The traces the processes of a run wrote to `folder` (trace-PID.json), oldest process first."""
+    found = []
+    for path in folder.glob("trace-*.json"):
+        try:
+            pid = int(path.stem.removeprefix("trace-"))
+            found.append((path.stat().st_mtime_ns, pid, load_trace(str(path))))
+        except (ValueError, OSError, CommandError) as error:
+            print(f"handoff-trace: skipped {path.name}: {error}", file=sys.stderr)
+    return [(pid, trace) for _, pid, trace in sorted(found, key=lambda item: (item[0], item[1]))]
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     command = list(args.command_line)
     if command[:1] == ["--"]:
@@ -204,32 +246,36 @@ def cmd_run(args: argparse.Namespace) -> int:
         shim = Path(scratch, "site")
         shim.mkdir()
         (shim / "sitecustomize.py").write_text(SITECUSTOMIZE, encoding="utf-8")
-        # Absolute: the program may change its working directory.
-        output = Path(args.output).absolute() if args.output else Path(scratch, "trace.json")
-        before = _fingerprint(output)
+        folder = Path(scratch, "processes")
+        folder.mkdir()
         env = dict(os.environ)
-        env["HANDOFF_TRACE"] = str(output)
+        # Each Python process of the program writes its own file (%p: its pid); merged below.
+        env["HANDOFF_TRACE"] = str(folder / "trace-%p.json")
+        if args.order:
+            env["HANDOFF_ORDER"] = "1"
         env["PYTHONPATH"] = os.pathsep.join([str(shim), *filter(None, [env.get("PYTHONPATH")])])
         status = _wait(command, env)
+        traces = _process_traces(folder)
 
-        after = _fingerprint(output)
-        if after is None or after == before:
-            print(
-                f"handoff-trace: no trace was written: {command[0]} made no exchange through handoff, or is not a "
-                "Python program with handoff importable (a Python run with -S or -I skips the sitecustomize "
-                f"module that imports it), or {output} could not be written (handoff then warns above)",
-                file=sys.stderr,
-            )
-            return status
-        try:
-            trace = load_trace(str(output))
-        except CommandError as error:
-            print(f"handoff-trace: {error}", file=sys.stderr)
-            return status
+    if not traces:
+        print(
+            f"handoff-trace: no trace was written: {command[0]} is not a Python program with handoff importable "
+            "(a Python run with -S or -I skips the sitecustomize module that imports it), or its trace could not "
+            "be written (handoff then warns above)",
+            file=sys.stderr,
+        )
+        return status
+    merged = merge_traces(traces)
+    section = merged["handoff"]
+    if args.output:
+        Path(args.output).write_text(dumps(merged), encoding="utf-8")
     if args.json:
-        print_json(trace["events"])
+        print_json(section["events"])
     else:
-        print(summary(trace["events"], title=f"handoff trace of {shlex.join(command)}"), file=sys.stderr)
+        title = f"handoff trace of {shlex.join(command)}"
+        print(
+            summary(section["events"], title=title, dropped=section["dropped"], processes=len(traces)), file=sys.stderr
+        )
         if args.output:
             print(
                 f"\ntrace saved to {args.output}: open it in {PERFETTO}, or run handoff-trace show {args.output}",
@@ -247,7 +293,11 @@ def cmd_show(args: argparse.Namespace) -> int:
         print_json(trace["events"])
     else:
         title = "handoff trace" + ("" if args.file == "-" else f" {args.file}")
-        print(summary(trace["events"], title=title))
+        processes = trace.get("processes")
+        count = len(processes) if isinstance(processes, list) else 1
+        limit = trace.get("limit") if _is_int(trace.get("limit")) else None
+        dropped = trace.get("dropped") if _is_int(trace.get("dropped")) else 0
+        print(summary(trace["events"], title=title, dropped=dropped, limit=limit, processes=count))
     return 0
 
 
@@ -449,10 +499,11 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="run a program with tracing on and summarize its exchanges",
         description="Runs CMD with HANDOFF_TRACE set, and a sitecustomize.py on its PYTHONPATH that imports "
-        "handoff (so a Python program is traced without changes; an existing sitecustomize still "
-        "runs). When CMD ends, prints the trace's summary on stderr (CMD's stdout stays its own) "
-        "and exits with CMD's status. Every Python process that CMD starts writes the same file: "
-        "the last one to end wins.",
+        "handoff (so a Python program is traced without changes, its exchanges between NumPy, PyTorch, "
+        "CuPy, JAX, numba-cuda and cuda.core included; an existing sitecustomize still runs). Every "
+        "Python process that CMD starts is traced to its own file, and the traces are merged, a "
+        "process per track. When CMD ends, prints the summary on stderr (CMD's stdout stays its "
+        "own) and exits with CMD's status.",
     )
     run.add_argument(
         "-o",
@@ -461,6 +512,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"keep the trace there (Chrome trace JSON: {PERFETTO}); default: a temporary file",
     )
     run.add_argument("--json", action="store_true", help="print the events as JSON on stdout instead of the summary")
+    run.add_argument(
+        "--order",
+        action="store_true",
+        help="also order the exchanges between other libraries (HANDOFF_ORDER=1): the consumer's stream waits "
+        "for the producer's, and the producer is kept until the consumer's stream is done with it",
+    )
     run.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...", help="the program to run")
     run.set_defaults(handler=cmd_run)
 

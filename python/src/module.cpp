@@ -112,6 +112,7 @@ PYBIND11_MODULE(_handoff, m)
   bind_c_api(m);
   bind_sim(m);
   bind_trace(m);
+  bind_interpose(m);
 
   m.def("stats", &stats_dict,
         "Exchange counters since the last reset_stats(), a dict of ints: exports, imports, waits_inserted, "

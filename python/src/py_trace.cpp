@@ -20,15 +20,16 @@
 #include <vector>
 
 namespace handoff::python {
-namespace {
 
 // Library names are kept for the life of the process: events and graph nodes point at them.
 // Only touched holding the GIL.
-const char* intern(std::string_view name)
+const char* intern_library(std::string_view name)
 {
   static auto* names = new std::unordered_set<std::string>;  // NOLINT(cppcoreguidelines-owning-memory): leaked
   return names->emplace(name).first->c_str();
 }
+
+namespace {
 
 // The top-level package of `type`'s module: "torch" for torch.Tensor; null for builtins. A type
 // freed and another made at its address would keep the old name: a label, never a use.
@@ -47,7 +48,7 @@ const char* library_of_type(PyTypeObject* type) noexcept
       if (text != nullptr) {
         const std::string_view name{text, static_cast<std::size_t>(size)};
         const std::string_view package = name.substr(0, name.find('.'));
-        if (package != "builtins") { library = intern(package); }
+        if (package != "builtins") { library = intern_library(package); }
       }
       Py_XDECREF(module);
       PyErr_Clear();
@@ -139,7 +140,7 @@ void annotate(trace::event& e) noexcept
       const char* name = PyUnicode_AsUTF8(library);
       if (!caller_seen && name != nullptr && std::string_view{name} != "handoff") {
         caller_seen = true;
-        if (e.kind == trace::event_kind::export_data && e.consumer == nullptr) { e.consumer = intern(name); }
+        if (e.kind == trace::event_kind::export_data && e.consumer == nullptr) { e.consumer = intern_library(name); }
       }
       PyFrameObject* back = PyFrame_GetBack(frame);
       Py_DECREF(frame);
@@ -197,6 +198,8 @@ py::dict event_dict(const trace::event& e)
       item = dtype_text(value);
     } else if constexpr (std::is_same_v<value_type, std::optional<trace::stream_id>>) {
       item = stream_or_none(value);
+    } else if constexpr (std::is_same_v<value_type, std::optional<std::int64_t>>) {
+      item = value ? py::object(py::int_(*value)) : py::object(py::none());
     } else if constexpr (std::is_same_v<value_type, trace::optional_text>) {
       item = value.text.empty() ? py::object(py::none()) : py::object(py::str(value.text.data(), value.text.size()));
     } else {
@@ -294,7 +297,10 @@ const char* producer_naming::library_of(PyObject* producer) noexcept
 void bind_trace(py::module_& m)
 {
   trace::set_annotator(&annotate);
-  m.def("_trace_begin", &trace::begin_session, "Starts recording exchanges; returns the session's token.");
+  m.def("_trace_begin", &trace::begin_session, py::arg("limit") = 0,
+        "Starts recording exchanges (the newest `limit` and older hazards; 0: all); returns the session's token.");
+  m.def("_trace_dropped", &trace::session_dropped, py::arg("token"),
+        "How many events an open bounded session no longer keeps.");
   m.def(
     "_trace_events", [](std::uint64_t token) { return event_list(trace::session_events(token)); }, py::arg("token"),
     "The events of an open session so far.");
@@ -302,15 +308,15 @@ void bind_trace(py::module_& m)
     "_trace_end", [](std::uint64_t token) { return event_list(trace::end_session(token)); }, py::arg("token"),
     "Ends a session and returns its events.");
   m.def(
-    "_trace_leaks",
+    "_trace_held",
     [](std::uint64_t token) {
       const std::vector<std::uint64_t> live = tracked_view_ids();
       const auto now =
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
           .count();
-      return event_list(trace::leak_events(trace::session_events(token), live, now));
+      return event_list(trace::held_events(trace::session_events(token), live, now));
     },
-    py::arg("token"), "A `leak` event for each view alive now that an exchange of the open session made.");
+    py::arg("token"), "A `held` event for each view alive now that an exchange of the open session made.");
   m.def(
     "_set_library_of_file",
     [](py::function classify) {

@@ -16,6 +16,11 @@ namespace py = pybind11;
 
 /// Adds the private tracing functions to `m` and installs the annotator that fills `where`.
 void bind_trace(py::module_& m);
+/// Adds the private functions behind the hooks on other libraries' exchanges (handoff/_interpose.py).
+void bind_interpose(py::module_& m);
+
+/// `name` kept for the life of the process, as events and graph nodes point at library names. Holds the GIL.
+[[nodiscard]] const char* intern_library(std::string_view name);
 
 /// While an import runs, names the producer of each view wrap() makes after the imported object's
 /// library (its type's top-level package; a handoff.Array passes its own producer's on), for the

@@ -107,8 +107,13 @@ struct trace_socket::server : std::enable_shared_from_this<server> {
     std::array<char, 4096> input{};
   };
 
-  server(boost::asio::io_context& context, std::size_t limit)
-      : io(context), acceptor(context), retry(context), queue_bytes(limit), path(trace_socket_path(::getpid()))
+  server(boost::asio::io_context& context, std::size_t limit, std::size_t most_clients)
+      : io(context),
+        acceptor(context),
+        retry(context),
+        queue_bytes(limit),
+        max_clients(most_clients),
+        path(trace_socket_path(::getpid()))
   {}
 
   // How long accepting rests after it failed for want of a resource (no file descriptor left): a
@@ -185,21 +190,38 @@ struct trace_socket::server : std::enable_shared_from_this<server> {
         peer.uid != ::geteuid()) {
       refused_count.fetch_add(1, std::memory_order_relaxed);
       HANDOFF_LOG_WARN("refused a trace client of uid {} (this process runs as uid {})", peer.uid, ::geteuid());
-      auto line =
-        std::make_shared<std::string>(fmt::format(R"({{"error":"refused: peer uid {} is not the server's uid {}"}})"
-                                                  "\n",
-                                                  peer.uid, ::geteuid()));
-      boost::asio::async_write(c->socket, boost::asio::buffer(*line),
-                               [c, line](const boost::system::error_code&, std::size_t) {
-                                 boost::system::error_code ignored;
-                                 c->socket.close(ignored);
-                               });
+      say_and_close(c, fmt::format(R"({{"error":"refused: peer uid {} is not the server's uid {}"}})", peer.uid,
+                                   ::geteuid()));
+      return;
+    }
+    if (clients.size() >= max_clients) {
+      // Said once: a burst of clients must not flood the program's stderr (refused() counts them all).
+      if (!refused_for_room) {
+        refused_for_room = true;
+        HANDOFF_LOG_WARN("refused a trace client: {} are attached already, the most served at once; later refusals "
+                         "are not logged",
+                         max_clients);
+      }
+      refused_count.fetch_add(1, std::memory_order_relaxed);
+      say_and_close(c, fmt::format(R"({{"error":"refused: {} clients are attached already, the most served at once"}})",
+                                   max_clients));
       return;
     }
     clients.insert(c);
     client_count.store(clients.size(), std::memory_order_relaxed);
     enqueue(c, fmt::format(R"({{"hello":"handoff","version":"{}","pid":{}}})", HANDOFF_VERSION, ::getpid()));
     drain_input(c);
+  }
+
+  // Sends a refused client its one line, then closes it.
+  static void say_and_close(const std::shared_ptr<client>& c, std::string message)
+  {
+    auto line = std::make_shared<std::string>(std::move(message) + "\n");
+    boost::asio::async_write(c->socket, boost::asio::buffer(*line),
+                             [c, line](const boost::system::error_code&, std::size_t) {
+                               boost::system::error_code ignored;
+                               c->socket.close(ignored);
+                             });
   }
 
   // Reads what the client sends, to notice when it goes; the bytes themselves are ignored.
@@ -260,7 +282,12 @@ struct trace_socket::server : std::enable_shared_from_this<server> {
 
   void broadcast(const std::string& line)
   {
-    for (const auto& c : clients) { enqueue(c, line); }
+    backlog_bytes.fetch_sub(line.size(), std::memory_order_relaxed);
+    const std::uint64_t lost = backlog_dropped.exchange(0, std::memory_order_relaxed);
+    for (const auto& c : clients) {
+      c->dropped += lost;
+      enqueue(c, line);
+    }
   }
 
   void close()
@@ -279,15 +306,21 @@ struct trace_socket::server : std::enable_shared_from_this<server> {
   boost::asio::steady_timer retry;  // accepting again after a rest (the io thread's)
   std::chrono::milliseconds rest{0};
   std::size_t queue_bytes;
+  std::size_t max_clients;
+  bool refused_for_room{false};  // the io thread's
   std::filesystem::path path;
   std::set<std::shared_ptr<client>> clients;  // the io thread's
   std::atomic<std::size_t> client_count{0};
   std::atomic<std::uint64_t> refused_count{0};
   std::atomic<std::uint64_t> dropped_count{0};
+  // Lines published and not yet taken by the io thread, bounded as a client's queue is: a server
+  // that falls behind drops lines rather than grow (each client is told how many).
+  std::atomic<std::size_t> backlog_bytes{0};
+  std::atomic<std::uint64_t> backlog_dropped{0};
 };
 
-trace_socket::trace_socket(boost::asio::io_context& io, std::size_t queue_bytes)
-    : server_(std::make_shared<server>(io, queue_bytes))
+trace_socket::trace_socket(boost::asio::io_context& io, std::size_t queue_bytes, std::size_t max_clients)
+    : server_(std::make_shared<server>(io, queue_bytes, max_clients))
 {
   server_->open();
   boost::asio::post(io, [s = server_] { s->accept(); });
@@ -317,6 +350,13 @@ const std::filesystem::path& trace_socket::path() const noexcept
 void trace_socket::publish(std::string line)
 {
   if (!has_clients()) { return; }
+  if (server_->backlog_bytes.fetch_add(line.size(), std::memory_order_relaxed) + line.size() >
+      server_->queue_bytes) {
+    server_->backlog_bytes.fetch_sub(line.size(), std::memory_order_relaxed);
+    server_->backlog_dropped.fetch_add(1, std::memory_order_relaxed);
+    server_->dropped_count.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
   boost::asio::post(server_->io, [s = server_, line = std::move(line)] { s->broadcast(line); });
 }
 

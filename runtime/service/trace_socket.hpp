@@ -29,14 +29,19 @@ namespace handoff::detail {
 /// belongs to another user or is a symbolic link), the socket mode 0600, and a client whose peer
 /// credentials name another uid is sent `{"error":"refused: ..."}` and closed. A slow client never
 /// blocks: past `queue_bytes` of pending lines its new lines are dropped and counted, and it is
-/// sent `{"dropped":N}` before the next line that fits. What a client sends is read and discarded.
+/// sent `{"dropped":N}` before the next line that fits; lines the io thread has not taken yet are
+/// bounded the same way. At most `max_clients` are served at once (a client past them is sent
+/// `{"error":"refused: ..."}`), so memory stays under about (max_clients + 1) * queue_bytes. What a
+/// client sends is read and discarded.
 class trace_socket {
  public:
   static constexpr std::size_t default_queue_bytes = std::size_t{1} << 20;
+  static constexpr std::size_t default_max_clients = 16;
 
   /// Makes the directory and the socket and starts accepting. @throws std::system_error naming the
   /// path and the reason.
-  explicit trace_socket(boost::asio::io_context& io, std::size_t queue_bytes = default_queue_bytes);
+  explicit trace_socket(boost::asio::io_context& io, std::size_t queue_bytes = default_queue_bytes,
+                        std::size_t max_clients = default_max_clients);
   trace_socket(const trace_socket&) = delete;
   trace_socket& operator=(const trace_socket&) = delete;
   trace_socket(trace_socket&&) = delete;

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <deque>
 #include <exception>
 #include <map>
 #include <mutex>
@@ -38,6 +39,8 @@ std::string_view name(event_kind kind) noexcept
       return "export";
     case event_kind::release:
       return "release";
+    case event_kind::held:
+      return "held";
   }
   return "?";
 }
@@ -61,13 +64,31 @@ std::string_view name(action what) noexcept
 
 namespace {
 
-// Where events go: the open sessions share one log, each reading from where it began; listeners
-// see each event as it is recorded. Leaked on purpose, as producers may be released at exit.
+// Where events go: each open session keeps its own events (a bounded one, the newest of them and
+// its hazards); listeners see each event as it is recorded. Leaked on purpose, as producers may be
+// released at exit.
 struct recorder {
+  struct session {
+    std::size_t limit{0};        // 0: unbounded
+    std::deque<event> events;    // the newest `limit` events
+    std::vector<event> hazards;  // hazards older than `events` (a bounded session's), at most `limit`
+    std::uint64_t dropped{0};    // events no longer kept
+
+    void keep(event e)
+    {
+      events.push_back(std::move(e));
+      if (limit == 0 || events.size() <= limit) { return; }
+      if (events.front().hazard != nullptr && hazards.size() < limit) {
+        hazards.push_back(std::move(events.front()));
+      } else {
+        ++dropped;
+      }
+      events.pop_front();
+    }
+  };
+
   std::mutex mutex;
-  std::vector<event> log;                           // events since the oldest open session began
-  std::uint64_t log_start{0};                       // the sequence number of log.front()
-  std::map<std::uint64_t, std::uint64_t> sessions;  // token -> first sequence number
+  std::map<std::uint64_t, session> sessions;  // by token
   std::uint64_t next_token{1};
   std::map<std::uint64_t, std::function<void(const event&)>> listeners;
   std::uint64_t next_listener{1};
@@ -142,6 +163,8 @@ void log_event(const event& e)
       change = e.consumer_stream ? fmt::format("-buffer:{} released-after {}", e.buffer, stream_text(e.consumer_stream))
                                  : fmt::format("-buffer:{}", e.buffer);
       break;
+    case event_kind::held:  // made at the trace's end, never logged
+      break;
   }
   const std::string hazard = e.hazard != nullptr ? fmt::format("; HAZARD {}: {}", e.hazard, e.detail) : std::string{};
   const std::string where = e.where.empty() ? std::string{} : " at " + e.where;
@@ -207,29 +230,45 @@ void set_annotator(annotator fill) noexcept
   recorder::get().annotate.store(fill, std::memory_order_release);
 }
 
-std::uint64_t begin_session()
+std::uint64_t begin_session(std::size_t limit)
 {
   recorder& r = recorder::get();
   std::lock_guard lock{r.mutex};
-  if (r.sessions.empty()) {
-    r.log_start += r.log.size();
-    r.log.clear();
-    if (!r.keeps_layouts()) { r.buffers.clear(); }
-  }
+  if (r.sessions.empty() && !r.keeps_layouts()) { r.buffers.clear(); }
   const std::uint64_t token = r.next_token++;
-  r.sessions.emplace(token, r.log_start + r.log.size());
+  r.sessions[token].limit = limit;
   r.update_active();
   return token;
 }
+
+namespace {
+
+recorder::session& open_session(recorder& r, std::uint64_t token)
+{
+  const auto found = r.sessions.find(token);
+  HANDOFF_EXPECTS(found != r.sessions.end(), value_error, fmt::format("no open trace session {}", token));
+  return found->second;
+}
+
+}  // namespace
 
 std::vector<event> session_events(std::uint64_t token)
 {
   recorder& r = recorder::get();
   std::lock_guard lock{r.mutex};
-  const auto session = r.sessions.find(token);
-  HANDOFF_EXPECTS(session != r.sessions.end(), value_error, fmt::format("no open trace session {}", token));
-  const auto first = static_cast<std::ptrdiff_t>(session->second - r.log_start);
-  return {r.log.begin() + first, r.log.end()};
+  const recorder::session& s = open_session(r, token);
+  std::vector<event> events;
+  events.reserve(s.hazards.size() + s.events.size());
+  events.insert(events.end(), s.hazards.begin(), s.hazards.end());
+  events.insert(events.end(), s.events.begin(), s.events.end());
+  return events;
+}
+
+std::uint64_t session_dropped(std::uint64_t token)
+{
+  recorder& r = recorder::get();
+  std::lock_guard lock{r.mutex};
+  return open_session(r, token).dropped;
 }
 
 std::vector<event> end_session(std::uint64_t token)
@@ -238,18 +277,7 @@ std::vector<event> end_session(std::uint64_t token)
   recorder& r = recorder::get();
   std::lock_guard lock{r.mutex};
   r.sessions.erase(token);
-  if (r.sessions.empty()) {
-    r.log_start += r.log.size();
-    r.log.clear();
-    if (!r.keeps_layouts()) { r.buffers.clear(); }
-  } else {  // drop what no open session can read any more
-    const std::uint64_t oldest = r.sessions.begin()->second;
-    std::uint64_t keep_from = oldest;
-    for (const auto& [_, start] : r.sessions) { keep_from = std::min(keep_from, start); }
-    const auto drop = static_cast<std::ptrdiff_t>(keep_from - r.log_start);
-    r.log.erase(r.log.begin(), r.log.begin() + drop);
-    r.log_start = keep_from;
-  }
+  if (!r.keeps_layouts()) { r.buffers.clear(); }
   r.update_active();
   return events;
 }
@@ -301,6 +329,8 @@ std::string to_json(const event& e)
       }
     } else if constexpr (std::is_same_v<value_type, std::optional<stream_id>>) {
       out += value ? fmt::format("{}", value->handle) : std::string{"null"};
+    } else if constexpr (std::is_same_v<value_type, std::optional<std::int64_t>>) {
+      out += value ? fmt::format("{}", *value) : std::string{"null"};
     } else if constexpr (std::is_same_v<value_type, optional_text>) {
       if (value.text.empty()) {
         out += "null";
@@ -316,7 +346,7 @@ std::string to_json(const event& e)
   return out;
 }
 
-std::vector<event> leak_events(const std::vector<event>& events, std::span<const std::uint64_t> live_views,
+std::vector<event> held_events(const std::vector<event>& events, std::span<const std::uint64_t> live_views,
                                std::int64_t now_ns)
 {
   std::unordered_map<std::uint64_t, const event*> made;  // by view
@@ -326,17 +356,18 @@ std::vector<event> leak_events(const std::vector<event>& events, std::span<const
       made.insert_or_assign(e.view, &e);
     }
   }
-  std::vector<event> leaks;
+  std::vector<event> held;
   for (const std::uint64_t view : live_views) {
     const auto origin = made.find(view);
     if (origin == made.end()) { continue; }  // made before the trace began: not this trace's to report
-    event& leak = leaks.emplace_back(*origin->second);
-    leak.time_ns = now_ns;
-    leak.action = action::none;
-    leak.hazard = "leak";
-    leak.detail = fmt::format("view:{} of buffer:{} was still alive at exit", view, leak.buffer);
+    event& still = held.emplace_back(*origin->second);
+    still.kind = event_kind::held;
+    still.time_ns = now_ns;
+    still.action = action::none;
+    still.hazard = nullptr;
+    still.detail = fmt::format("view:{} of buffer:{} was still held when the trace ended", view, still.buffer);
   }
-  return leaks;
+  return held;
 }
 
 void record(event&& e) noexcept
@@ -361,7 +392,14 @@ void record(event&& e) noexcept
     }
     if (r.debug_log) { log_event(e); }
     for (const auto& [_, listener] : r.listeners) { listener(e); }
-    if (!r.sessions.empty()) { r.log.push_back(std::move(e)); }
+    // The last session takes the event itself; the others a copy.
+    for (auto s = r.sessions.begin(); s != r.sessions.end(); ++s) {
+      if (std::next(s) == r.sessions.end()) {
+        s->second.keep(std::move(e));
+      } else {
+        s->second.keep(e);
+      }
+    }
   } catch (const std::exception& error) {
     HANDOFF_LOG_WARN("a trace event was lost ({})", error.what());
   }

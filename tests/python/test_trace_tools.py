@@ -394,10 +394,14 @@ class FakeRuntime:
         self.events: list[dict[str, Any]] = []
         self.recording = False
 
-    def begin(self) -> int:
+    def begin(self, limit: int = 0) -> int:
         self.calls.append(("begin", None))
+        self.limit = limit
         self.recording = True
         return 7
+
+    def dropped(self, token: int) -> int:
+        return 0
 
     def events_of(self, token: int) -> list[dict[str, Any]]:
         self.calls.append(("events", token))
@@ -423,6 +427,7 @@ def runtime(monkeypatch: pytest.MonkeyPatch) -> FakeRuntime:
     monkeypatch.setattr(extension, "_trace_begin", fake.begin, raising=False)
     monkeypatch.setattr(extension, "_trace_events", fake.events_of, raising=False)
     monkeypatch.setattr(extension, "_trace_end", fake.end, raising=False)
+    monkeypatch.setattr(extension, "_trace_dropped", fake.dropped, raising=False)
     monkeypatch.setattr(extension, "_ownership_graph", fake.graph, raising=False)
     monkeypatch.setattr(extension, "ownership_graph", fake.graph, raising=False)
     return fake
@@ -816,7 +821,7 @@ def child_script(trace: dict[str, Any], report: Path, status: int) -> str:
         }}
         with open({str(report)!r}, "w") as f:
             json.dump(seen, f)
-        with open(os.environ["HANDOFF_TRACE"], "w") as f:
+        with open(os.environ["HANDOFF_TRACE"].replace("%p", str(os.getpid())), "w") as f:
             f.write({json.dumps(trace)!r})
         sys.stdout.flush()
         os._exit({status})
@@ -844,10 +849,12 @@ def test_run_prints_the_summary_and_exits_with_the_programs_status(
     assert out == ""  # the program's stdout is its own
     assert f"handoff trace of {sys.executable} -c" in err and "2x  unordered" in err and f"{TRAIN}:20" in err
     assert f"trace saved to {output}" in err
-    assert json.loads(output.read_text())["handoff"]["events"] == as_json(EVENTS)
+    saved = json.loads(output.read_text())["handoff"]
+    assert [{k: v for k, v in e.items() if k != "pid"} for e in saved["events"]] == as_json(EVENTS)
+    assert len(saved["processes"]) == 1 and {e["pid"] for e in saved["events"]} == set(saved["processes"])
 
     seen = json.loads(report.read_text())
-    assert seen["trace"] == str(output)
+    assert Path(seen["trace"]).name == "trace-%p.json", "each process writes its own file"
     shim = seen["pythonpath"].split(os.pathsep)[0]
     assert Path(shim, "sitecustomize.py") != original_sitecustomize / "sitecustomize.py"
     assert seen["pythonpath"].split(os.pathsep)[1] == str(original_sitecustomize)
@@ -861,9 +868,10 @@ def test_run_json_prints_the_events_on_stdout(tmp_path: Path, capsys: pytest.Cap
     script = child_script(chrome_trace(EVENTS), tmp_path / "report.json", 0)
     assert _trace_cli.main(["run", "--json", sys.executable, "-c", script]) == 0
     out, err = capsys.readouterr()
-    assert json.loads(out) == as_json(EVENTS) and "HAZARDS" not in err
+    assert [{k: v for k, v in e.items() if k != "pid"} for e in json.loads(out)] == as_json(EVENTS)
+    assert "HAZARDS" not in err
     trace = json.loads((tmp_path / "report.json").read_text())["trace"]
-    assert not Path(trace).exists(), "the temporary trace is removed"
+    assert not Path(trace).parent.exists(), "the temporary traces are removed"
 
 
 def test_run_says_when_no_trace_was_written(capsys: pytest.CaptureFixture[str]):

@@ -14,7 +14,12 @@
 
 namespace handoff::trace {
 
-enum class event_kind : std::uint8_t { import_data, export_data, release };
+enum class event_kind : std::uint8_t {
+  import_data,
+  export_data,
+  release,
+  held,  ///< not an exchange: a view an exchange made, still alive when the trace ended
+};
 
 /// How the consumer's stream was ordered after the producer's.
 enum class action : std::uint8_t {
@@ -54,6 +59,10 @@ struct event {
   std::string where;            ///< "file:line" of the user code that caused it, when known
   std::uint64_t buffer{0};      ///< ownership graph node ids
   std::uint64_t view{0};
+  /// An exchange between two other libraries that handoff's hooks saw: "observed", or "ordered"
+  /// when handoff ordered it; null for handoff's own exchanges.
+  const char* interposed{nullptr};
+  std::optional<std::int64_t> stream_argument;  ///< the `stream` the consumer passed to `__dlpack__`, when seen
 };
 
 namespace detail {
@@ -72,10 +81,14 @@ extern std::atomic<bool> active;
 using annotator = void (*)(event&) noexcept;
 void set_annotator(annotator fill) noexcept;
 
-/// Starts recording into a new session; returns its token. Thread-safe.
-[[nodiscard]] std::uint64_t begin_session();
-/// The events of a session so far. Thread-safe.
+/// Starts recording into a new session; returns its token. A session with a `limit` keeps the newest
+/// `limit` events and, besides them, up to `limit` older hazards; the rest are counted as dropped
+/// (a trace of a long job stays bounded). Thread-safe.
+[[nodiscard]] std::uint64_t begin_session(std::size_t limit = 0);
+/// The events of a session so far, oldest first (a bounded session's older hazards first). Thread-safe.
 [[nodiscard]] std::vector<event> session_events(std::uint64_t token);
+/// How many events a bounded session no longer keeps. @throws value_error for an unknown token.
+[[nodiscard]] std::uint64_t session_dropped(std::uint64_t token);
 /// Ends a session and returns its events. @throws value_error for an unknown token.
 [[nodiscard]] std::vector<event> end_session(std::uint64_t token);
 
@@ -99,7 +112,7 @@ struct optional_text {
 /// place that names them, for every form of an event (JSON lines, Python dicts). The values are
 /// std::string_view, std::int64_t, std::uint64_t, DLDevice, std::span<const std::int64_t> (the shape),
 /// DLDataType, const char* (a library or hazard name; null: none), std::optional<stream_id>,
-/// optional_text and std::optional<node_ref>.
+/// optional_text, std::optional<node_ref> and std::optional<std::int64_t>.
 template <class Field>
 void for_each_field(const event& e, Field&& field)
 {
@@ -119,17 +132,20 @@ void for_each_field(const event& e, Field&& field)
   field("hazard", e.hazard);
   field("detail", optional_text{e.detail});
   field("where", optional_text{e.where});
-  field("buffer", std::optional<node_ref>{node_ref{"buffer", e.buffer}});
+  field("buffer", e.buffer != 0 ? std::optional<node_ref>{node_ref{"buffer", e.buffer}} : std::nullopt);
   field("view", e.view != 0 ? std::optional<node_ref>{node_ref{"view", e.view}} : std::nullopt);
+  field("interposed", e.interposed);
+  field("stream_argument", e.stream_argument);
 }
 
 /// The event as one JSON object (no newline).
 [[nodiscard]] std::string to_json(const event& e);
 
-/// One `leak` event for each view in `live_views` that an exchange among `events` made (an import,
+/// One `held` event for each view in `live_views` that an exchange among `events` made (an import,
 /// or an export to another library: an export to handoff is held by the import that asked for it):
-/// a copy of that exchange at `now_ns`, with hazard "leak" and the view and buffer in its detail.
-[[nodiscard]] std::vector<event> leak_events(const std::vector<event>& events,
+/// a copy of that exchange at `now_ns`, the view and buffer in its detail. No hazard: a program may
+/// hold arrays until it ends.
+[[nodiscard]] std::vector<event> held_events(const std::vector<event>& events,
                                              std::span<const std::uint64_t> live_views, std::int64_t now_ns);
 
 /// Records a finished event: annotates, logs at debug, hands it to the sessions and listeners.

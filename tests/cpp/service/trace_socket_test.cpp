@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <future>
 #include <optional>
 #include <string>
 #include <system_error>
@@ -176,6 +177,47 @@ TEST_F(TraceSocketTest, ASlowClientIsDroppedFromNotWaitedForAndToldHowMuch)
   socket.publish(R"({"last":true})");
   bool told = false;
   while (const auto line = slow.line()) {
+    if (line->rfind(R"({"dropped":)", 0) == 0) { told = true; }
+    if (*line == R"({"last":true})") { break; }
+  }
+  EXPECT_TRUE(told) << "the client is told how many lines it missed";
+}
+
+TEST_F(TraceSocketTest, ClientsPastTheMostServedAreRefusedAndTheOthersStayServed)
+{
+  trace_socket socket{service_.io(), trace_socket::default_queue_bytes, /*max_clients=*/2};
+  line_client first{socket.path()};
+  line_client second{socket.path()};
+  ASSERT_TRUE(first.line().has_value());
+  ASSERT_TRUE(second.line().has_value());
+  line_client third{socket.path()};
+  const auto refusal = third.line();
+  ASSERT_TRUE(refusal.has_value());
+  EXPECT_NE(refusal->find("refused: 2 clients are attached already"), std::string::npos) << *refusal;
+  EXPECT_EQ(third.line(), std::nullopt) << "then closed";
+  EXPECT_EQ(socket.refused(), 1U);
+  EXPECT_EQ(socket.clients(), 2U);
+  socket.publish(R"({"n":1})");
+  EXPECT_EQ(first.line(), R"({"n":1})");
+  EXPECT_EQ(second.line(), R"({"n":1})");
+}
+
+TEST_F(TraceSocketTest, LinesTheServingThreadHasNotTakenYetAreBoundedToo)
+{
+  service_thread own;
+  trace_socket socket{own.io(), /*queue_bytes=*/4096};
+  line_client client{socket.path()};
+  ASSERT_TRUE(client.line().has_value());
+  std::promise<void> unblock;
+  own.post([done = unblock.get_future().share()] { done.wait(); });  // the serving thread is busy
+  const std::string payload(200, 'x');
+  for (int i = 0; i < 1000; ++i) { socket.publish(R"({"p":")" + payload + R"("})"); }
+  EXPECT_GT(socket.dropped(), 900U) << "what waits for the serving thread is bounded as a client's queue is";
+  unblock.set_value();
+  own.drain();
+  socket.publish(R"({"last":true})");
+  bool told = false;
+  while (const auto line = client.line()) {
     if (line->rfind(R"({"dropped":)", 0) == 0) { told = true; }
     if (*line == R"({"last":true})") { break; }
   }

@@ -216,6 +216,49 @@ TEST_F(TraceSessionTest, EachSessionSeesTheEventsSinceItBegan)
   EXPECT_THROW((void)trace::end_session(inner), value_error);
 }
 
+TEST_F(TraceSessionTest, ABoundedSessionKeepsTheNewestEventsAndOlderHazardsAndCountsTheRest)
+{
+  const auto bounded = trace::begin_session(/*limit=*/4);
+  const auto unbounded = trace::begin_session();  // the negative control: the same events, all kept
+  host_exchange(1);                                // an import and a release
+  {
+    trace::exchange_scope scope{trace::event_kind::import_data, "dlpack"};
+    scope.event().hazard = "unordered";  // an old hazard, kept past the window
+  }
+  for (std::int64_t items = 2; items <= 5; ++items) { host_exchange(items); }
+  EXPECT_EQ(trace::session_dropped(bounded), 6U) << "eleven events: the newest four and the hazard kept";
+  const auto all = trace::end_session(unbounded);
+  const auto kept = trace::end_session(bounded);
+  EXPECT_EQ(all.size(), 11U);
+  ASSERT_EQ(kept.size(), 5U) << "the newest four and the hazard";
+  EXPECT_STREQ(kept[0].hazard, "unordered");
+  EXPECT_EQ(kept[1].shape, (std::vector<std::int64_t>{4}));
+  EXPECT_EQ(kept[4].shape, (std::vector<std::int64_t>{5}));
+  EXPECT_THROW((void)trace::session_dropped(bounded), value_error);
+}
+
+TEST_F(TraceSessionTest, ViewsStillAliveAtTheEndAreHeldNotHazards)
+{
+  const auto session = trace::begin_session();
+  trace::event made;
+  made.kind = trace::event_kind::import_data;
+  made.view = 7;
+  made.buffer = 3;
+  made.where = "train.py:4";
+  trace::event other = made;
+  other.view = 8;
+  const std::vector<trace::event> events{made, other};
+  const std::vector<std::uint64_t> live{7, 9};  // 9: made before the trace began
+  const auto held = trace::held_events(events, live, 42);
+  (void)trace::end_session(session);
+  ASSERT_EQ(held.size(), 1U);
+  EXPECT_EQ(held[0].kind, trace::event_kind::held);
+  EXPECT_EQ(held[0].hazard, nullptr);
+  EXPECT_EQ(held[0].time_ns, 42);
+  EXPECT_EQ(held[0].where, "train.py:4");
+  EXPECT_NE(held[0].detail.find("view:7 of buffer:3"), std::string::npos) << held[0].detail;
+}
+
 TEST_F(TraceSessionTest, AReleaseCarriesTheLayoutItsBufferWasExchangedWith)
 {
   const auto session = trace::begin_session();
