@@ -499,7 +499,9 @@ def _exchange(original: Any, consumer: LibraryAdapter, args: tuple[Any, ...], kw
     if ordered:
         _keep_until_done(result, argument, device, consumer_stream)
     shape, dtype, nbytes = _describe(result, argument)
-    action, detail = _action(protocol, device, exchange.stream_argument, ignores, ordered, producer_stream)
+    action, detail = _action(
+        protocol, device, exchange.stream_argument, ignores, ordered, producer_stream, consumer_stream
+    )
     _record(
         protocol,
         producer_name,
@@ -525,12 +527,15 @@ def _action(
     ignores: bool,
     ordered: bool,
     producer_stream: int | None,
+    consumer_stream: int | None,
 ) -> tuple[str, str]:
     """How the consumer's stream was ordered after the producer's, and why, in words."""
     if device[0] == _CPU:
         return "none", ""
     if ordered:
         return "wait", "ordered by handoff: the consumer's stream waits for the producer's"
+    if producer_stream is not None and producer_stream == consumer_stream:
+        return "elided", "the producer's and the consumer's current streams are the same"
     if protocol == "cuda-array-interface":
         if producer_stream is None:
             return "unordered", "CUDA Array Interface data without a stream: nothing orders its producer's work"

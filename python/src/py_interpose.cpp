@@ -178,8 +178,7 @@ void record_exchange(const exchange_seen& seen)
 
 void bind_interpose(py::module_& m)
 {
-  m.def("_interposed_order", &order_streams, py::arg("device"), py::arg("producer_stream"),
-        py::arg("consumer_stream"),
+  m.def("_interposed_order", &order_streams, py::arg("device"), py::arg("producer_stream"), py::arg("consumer_stream"),
         "Makes the consumer stream wait for the producer's (DLPack stream values of `device`) with a pooled "
         "event; False when handoff cannot order that device's streams.");
   m.def("_interposed_keep", &keep_until_done, py::arg("producer"), py::arg("device"), py::arg("consumer_stream"),

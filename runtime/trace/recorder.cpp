@@ -544,6 +544,11 @@ void exchange_scope::classify()
 {
   collected& s = *state_;
   trace::event& e = s.event;
+  if (e.action == action::refused) { return; }  // an exchange the embedding saw fail (an interposed one)
+  // What the embedding already said of the exchange (why it was unordered) follows the hazard's text.
+  const auto with_reason = [&](std::string text) {
+    return e.detail.empty() ? text : fmt::format("{} ({})", text, e.detail);
+  };
   if (std::uncaught_exceptions() > s.uncaught) {
     e.action = action::refused;
     e.detail = "the exchange raised an error";
@@ -569,10 +574,10 @@ void exchange_scope::classify()
     const auto producer = static_cast<device::stream_handle>(e.producer_stream->handle);
     if (backend.stream_capture_status(producer) == device::capture_status::none && !backend.query_stream(producer)) {
       e.hazard = "unordered";
-      e.detail = fmt::format(
+      e.detail = with_reason(fmt::format(
         "handed over with no ordering while its producer stream {:#x} still had work pending: the consumer may "
         "read the data before it is written",
-        e.producer_stream->handle);
+        e.producer_stream->handle));
       return;
     }
   }
@@ -584,8 +589,8 @@ void exchange_scope::classify()
     const int consumer_device = backend.stream_device(consumer);
     if (consumer_device != e.device.device_id) {
       e.hazard = "cross-device";
-      e.detail = fmt::format("data of device {} is consumed on stream {:#x} of device {}", e.device.device_id,
-                             e.consumer_stream->handle, consumer_device);
+      e.detail = with_reason(fmt::format("data of device {} is consumed on stream {:#x} of device {}",
+                                         e.device.device_id, e.consumer_stream->handle, consumer_device));
     }
   }
 }

@@ -18,6 +18,8 @@ from typing import Any
 import handoff
 from handoff import sim
 
+from support import DEFAULT_STREAM
+
 
 def make_library(name: str, *, honours_stream: bool = True, register: bool = True) -> types.ModuleType:
     """A library named `name` (a module in sys.modules, so its arrays' type names it), registered with
@@ -67,7 +69,7 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
 
     def fill(array: Array, value: float, delay: float = 0.0) -> None:
         """Enqueues a write of `value` on the current stream, taking `delay` seconds."""
-        sim.fill(array._data, value, stream=current[0] or handoff.Stream(1), delay=delay)
+        sim.fill(array._data, value, stream=current[0] or handoff.Stream(DEFAULT_STREAM), delay=delay)
 
     def from_dlpack(producer: Any) -> Array:
         """Imports `producer`, passing the library's current stream to its ``__dlpack__``."""
@@ -76,7 +78,7 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
 
     def to_numpy(array: Array) -> Any:
         """Reads the array on the library's current stream (what a kernel there would see)."""
-        return sim.to_numpy(array._data, stream=current[0] or handoff.Stream(1))
+        return sim.to_numpy(array._data, stream=current[0] or handoff.Stream(DEFAULT_STREAM))
 
     library.Array = Array  # type: ignore[attr-defined]
     library.use = use  # type: ignore[attr-defined]
