@@ -124,6 +124,23 @@ def main():
 
     print("\nstats:", handoff.stats())
 
+    print("\n7. A pipeline that never imports handoff: traced, its race flagged, then ordered")
+    cross_library_demo()
+
+
+def cross_library_demo():
+    """examples/cross_library.py, under `handoff-trace run` and then `handoff-trace run --order`, on
+    the simulated device (its two libraries are simulated ones)."""
+    import subprocess
+    from pathlib import Path
+
+    pipeline = Path(__file__).with_name("cross_library.py")
+    trace = [sys.executable, "-m", "handoff._trace_cli", "run"]
+    env = {**os.environ, "HANDOFF_BACKEND": "sim"}
+    for options, label in (((), "traced"), (("--order",), "traced and ordered (--order)")):
+        print(f"\n  $ handoff-trace run {' '.join(options)} -- python {pipeline.name}   # {label}", flush=True)
+        subprocess.run([*trace, *options, "--", sys.executable, str(pipeline)], env=env, check=True)
+
 
 if __name__ == "__main__":
     main()

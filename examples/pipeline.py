@@ -1,5 +1,6 @@
 """A small pipeline on handoff's simulated device with one unordered hand-off and one view kept to
-the end: run it under `handoff-trace run` to see both flagged, each with its line.
+the end: run it under `handoff-trace run` to see the race flagged and the view listed as still held,
+each with its line.
 
     HANDOFF_BACKEND=sim handoff-trace run -o pipeline.json -- python examples/pipeline.py
     handoff-trace graph pipeline.json --format svg
@@ -23,6 +24,6 @@ ordered = handoff.from_dlpack(weights, stream=consumer)  # the consumer's stream
 print("ordered read:", sim.to_numpy(ordered, stream=consumer)[0, :4])
 
 host = handoff.from_dlpack(np.arange(8, dtype=np.int32))  # host data needs no ordering
-kept = ordered  # still alive at exit: reported as a leak
+kept = ordered  # still alive at exit: listed as still held, not a hazard
 del racy, host
 sim.synchronize()

@@ -95,7 +95,8 @@ def _torch_use(handle: int, device: int) -> contextlib.AbstractContextManager[An
     torch = sys.modules["torch"]
     if not torch.cuda.is_available():  # a CPU build: no current stream to set
         return None
-    return torch.cuda.stream(torch.cuda.ExternalStream(handle, device=device))
+    block: contextlib.AbstractContextManager[Any] = torch.cuda.stream(torch.cuda.ExternalStream(handle, device=device))
+    return block
 
 
 def _cupy_stream(device: int) -> int | None:
@@ -266,7 +267,7 @@ def _patch_module(module_name: str) -> None:
     for adapter in _registry.values():
         for target in adapter.consumers:
             if target.split(":")[0] == module_name:
-                _patch(target, lambda original, a=adapter: _consumer_hook(original, a))
+                _patch(target, functools.partial(_consumer_hook, consumer=adapter))
         for target in adapter.producers:
             if target.split(":")[0] == module_name:
                 _patch_producer(target)
@@ -292,7 +293,7 @@ def _patch_producer(target: str) -> None:
     if original is None or (cls, "__dlpack__") in _replaced:
         return
     try:
-        cls.__dlpack__ = _producer_hook(original)
+        setattr(cls, "__dlpack__", _producer_hook(original))  # noqa: B010 - a class's attribute, replaced
     except (TypeError, AttributeError):  # an extension type: its stream argument stays unseen
         return
     _replaced[(cls, "__dlpack__")] = original

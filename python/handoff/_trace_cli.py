@@ -295,8 +295,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         title = "handoff trace" + ("" if args.file == "-" else f" {args.file}")
         processes = trace.get("processes")
         count = len(processes) if isinstance(processes, list) else 1
-        limit = trace.get("limit") if _is_int(trace.get("limit")) else None
-        dropped = trace.get("dropped") if _is_int(trace.get("dropped")) else 0
+        limit = int(trace["limit"]) if _is_int(trace.get("limit")) else None
+        dropped = int(trace["dropped"]) if _is_int(trace.get("dropped")) else 0
         print(summary(trace["events"], title=title, dropped=dropped, limit=limit, processes=count))
     return 0
 

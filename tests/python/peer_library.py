@@ -1,7 +1,8 @@
 """Small array libraries on the simulated device that exchange as PyTorch's and CuPy's CUDA paths do,
 without going through handoff's hooks themselves: a current stream per library, a ``from_dlpack`` that
 passes it to the producer, and a ``__dlpack__`` that honours the ``stream`` argument or, like
-cuda.core's or nanobind's, ignores it. For the tests and the demo of ``handoff-trace run --order``.
+cuda.core's or nanobind's, ignores it. For the tests and the demo of ``handoff-trace run --order``
+(examples/cross_library.py).
 
     torchlike = make_library("simtorch")
     careless = make_library("simnano", honours_stream=False)
@@ -18,7 +19,8 @@ from typing import Any
 import handoff
 from handoff import sim
 
-from support import DEFAULT_STREAM
+# The DLPack stream value of the device's default stream: ROCm numbers it 0, CUDA 1.
+DEFAULT_STREAM = 0 if handoff.runtime_info()["backend"] == "sim-rocm" else 1
 
 
 def make_library(name: str, *, honours_stream: bool = True, register: bool = True) -> types.ModuleType:
@@ -80,6 +82,8 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
         """Reads the array on the library's current stream (what a kernel there would see)."""
         return sim.to_numpy(array._data, stream=current[0] or handoff.Stream(DEFAULT_STREAM))
 
+    library.Stream = lambda: sim.Stream(non_blocking=True)  # type: ignore[attr-defined]
+    library.synchronize = sim.synchronize  # type: ignore[attr-defined]
     library.Array = Array  # type: ignore[attr-defined]
     library.use = use  # type: ignore[attr-defined]
     library.zeros = zeros  # type: ignore[attr-defined]
