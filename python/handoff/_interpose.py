@@ -45,6 +45,8 @@ class LibraryAdapter:
             (``"torch"``, ``"cuda.core"``).
         consumers: Functions whose first argument is the array they import, as ``"module:attr"``
             (``"torch:from_dlpack"``, ``"cupy:asarray"``). Wrapped when ``module`` is imported.
+        interface_first: Those of `consumers` that read the CUDA Array Interface before DLPack
+            (``"cupy:asarray"``, numba's), so that the trace names the protocol they used.
         producers: Array classes, as ``"module:Class"``, whose ``__dlpack__`` is wrapped to see the
             ``stream`` a consumer passes (only classes defined in Python can be).
         current_stream: The library's current stream on a device, as a DLPack stream value (``1``
@@ -58,6 +60,7 @@ class LibraryAdapter:
 
     name: str
     consumers: Sequence[str] = ()
+    interface_first: Sequence[str] = ()
     producers: Sequence[str] = ()
     current_stream: Callable[[int], int | None] | None = None
     use_stream: Callable[[int, int], contextlib.AbstractContextManager[Any] | None] | None = None
@@ -66,7 +69,7 @@ class LibraryAdapter:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"a library adapter needs a name (a non-empty str), not {self.name!r}")
-        for kind in ("consumers", "producers"):
+        for kind in ("consumers", "interface_first", "producers"):
             targets = getattr(self, kind)
             if isinstance(targets, str):
                 raise TypeError(f"{kind} must be a sequence of 'module:attr' strings, not one string")
@@ -74,6 +77,9 @@ class LibraryAdapter:
                 if not isinstance(target, str) or target.count(":") != 1 or not all(target.split(":")):
                     raise ValueError(f"{kind} entry {target!r} is not 'module:attr'")
             object.__setattr__(self, kind, tuple(targets))
+        unknown = set(self.interface_first) - set(self.consumers)
+        if unknown:
+            raise ValueError(f"interface_first names {sorted(unknown)}, which are not among the consumers")
 
 
 # --- the known libraries ---------------------------------------------------------------------------
@@ -129,6 +135,7 @@ KNOWN_LIBRARIES: tuple[LibraryAdapter, ...] = (
     LibraryAdapter(
         "cupy",
         consumers=("cupy:from_dlpack", "cupy:asarray"),
+        interface_first=("cupy:asarray",),
         current_stream=_cupy_stream,
         use_stream=_cupy_use,
     ),
@@ -137,6 +144,7 @@ KNOWN_LIBRARIES: tuple[LibraryAdapter, ...] = (
     LibraryAdapter(
         "numba",
         consumers=("numba.cuda:as_cuda_array", "numba.cuda:from_cuda_array_interface"),
+        interface_first=("numba.cuda:as_cuda_array", "numba.cuda:from_cuda_array_interface"),
         producers=("numba.cuda.cudadrv.devicearray:DeviceNDArray",),
         current_stream=_numba_stream,
     ),
@@ -162,6 +170,7 @@ def register_library(adapter: LibraryAdapter) -> None:
         if previous is not None and _users:
             _unpatch(previous)
         _registry[adapter.name] = adapter
+        _library_of_type.clear()
         if _users:
             for module in {target.split(":")[0] for target in (*adapter.consumers, *adapter.producers)}:
                 if module in sys.modules:
@@ -170,8 +179,20 @@ def register_library(adapter: LibraryAdapter) -> None:
 
 def _adapter_of(value: Any) -> tuple[str | None, LibraryAdapter | None]:
     """The library of an array (the adapter whose name is the longest prefix of its type's module,
-    else the module's top-level package) and its adapter, if any."""
-    module = getattr(type(value), "__module__", None)
+    else the module's top-level package) and its adapter, if any; remembered per type."""
+    kind = type(value)
+    known = _library_of_type.get(kind)
+    if known is None:
+        known = _library_of_type[kind] = _find_adapter(kind)
+    return known
+
+
+# Per array type, its library: cleared when an adapter is registered.
+_library_of_type: dict[type, tuple[str | None, LibraryAdapter | None]] = {}
+
+
+def _find_adapter(kind: type) -> tuple[str | None, LibraryAdapter | None]:
+    module = getattr(kind, "__module__", None)
     if not isinstance(module, str) or module == "builtins":
         return None, None
     best: LibraryAdapter | None = None
@@ -189,6 +210,11 @@ def _adapter_of(value: Any) -> tuple[str | None, LibraryAdapter | None]:
 
 # Packages whose arrays belong to another library's name: JAX's arrays are jaxlib's types.
 _PACKAGE_OF_LIBRARY = {"jaxlib": "jax"}
+
+
+def _tracing() -> bool:
+    """Whether a trace wants the hooks' events (not only the ordering mode)."""
+    return _users > (1 if _ordering else 0)
 
 
 def _made_by_nanobind(value: Any) -> bool:
@@ -267,7 +293,8 @@ def _patch_module(module_name: str) -> None:
     for adapter in _registry.values():
         for target in adapter.consumers:
             if target.split(":")[0] == module_name:
-                _patch(target, functools.partial(_consumer_hook, consumer=adapter))
+                interface_first = target in adapter.interface_first
+                _patch(target, functools.partial(_consumer_hook, consumer=adapter, interface_first=interface_first))
         for target in adapter.producers:
             if target.split(":")[0] == module_name:
                 _patch_producer(target)
@@ -366,6 +393,7 @@ def ordering_libraries() -> bool:
 @dataclasses.dataclass
 class _Exchange:
     argument: Any
+    device: tuple[int, int]
     stream_argument: int | None = None
     producer_device: int | None = None  # the device current when the producer's __dlpack__ ran
 
@@ -385,29 +413,35 @@ def _producer_hook(original: Any) -> Any:
         if exchange is not None and exchange.argument is self:
             stream = kwargs.get("stream", args[0] if args else None)
             exchange.stream_argument = stream if isinstance(stream, int) and not isinstance(stream, bool) else None
+            if exchange.device[0] != _CPU:
+                # A producer orders the streams of the device current when it is called.
+                exchange.producer_device = _handoff._interposed_current_device(exchange.device[0])
         return original(self, *args, **kwargs)
 
     return __dlpack__
 
 
-def _consumer_hook(original: Any, consumer: LibraryAdapter) -> Any:
+def _consumer_hook(original: Any, consumer: LibraryAdapter, interface_first: bool) -> Any:
     @functools.wraps(original)
     def hooked(*args: Any, **kwargs: Any) -> Any:
         if not args or _current() is not None:  # the outermost call of a nest is the exchange
             return original(*args, **kwargs)
-        return _exchange(original, consumer, args, kwargs)
+        return _exchange(original, consumer, interface_first, args, kwargs)
 
     hooked.__handoff_original__ = original  # type: ignore[attr-defined]
     return hooked
 
 
-def _protocol_of(value: Any) -> str | None:
+def _protocol_of(value: Any, interface_first: bool) -> str | None:
+    """The protocol a consumer reads `value` through; None when it has neither (not an exchange)."""
     if isinstance(value, type):
         return None
-    if hasattr(value, "__dlpack__"):
-        return "dlpack"
-    if hasattr(value, "__cuda_array_interface__"):
-        return "cuda-array-interface"
+    order = (
+        ("__cuda_array_interface__", "__dlpack__") if interface_first else ("__dlpack__", "__cuda_array_interface__")
+    )
+    for attribute in order:
+        if hasattr(value, attribute):
+            return "dlpack" if attribute == "__dlpack__" else "cuda-array-interface"
     return None
 
 
@@ -440,12 +474,21 @@ def _interface_stream(value: Any) -> int | None:
     return None
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        _handoff._log_warning(message)
+
+
 def _describe(result: Any, argument: Any) -> tuple[list[int], str, int]:
     """Shape, dtype name and bytes of the data, read from the consumer's array (else the producer's)."""
     for value in (result, argument):
         try:
             shape = [int(n) for n in value.shape]
-            dtype = str(value.dtype).rsplit(".", 1)[-1]
+            dtype = _dtype_name(value.dtype)
             nbytes = int(value.nbytes)
         except Exception:  # noqa: BLE001 - not array-like: try the other
             continue
@@ -453,16 +496,36 @@ def _describe(result: Any, argument: Any) -> tuple[list[int], str, int]:
     return [], "", 0
 
 
-def _exchange(original: Any, consumer: LibraryAdapter, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+_dtype_names: dict[Any, str] = {}
+
+
+def _dtype_name(dtype: Any) -> str:
+    """``"float32"`` for NumPy's, PyTorch's (``torch.float32``), CuPy's and JAX's float32; remembered
+    per dtype (NumPy's ``str`` of a dtype costs microseconds)."""
+    try:
+        return _dtype_names[dtype]
+    except KeyError:
+        name = _dtype_names[dtype] = str(dtype).rsplit(".", 1)[-1]
+        return name
+    except TypeError:  # not hashable
+        return str(dtype).rsplit(".", 1)[-1]
+
+
+def _exchange(
+    original: Any, consumer: LibraryAdapter, interface_first: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     argument = args[0]
     producer_name, producer = _adapter_of(argument)
-    protocol = _protocol_of(argument)
+    protocol = _protocol_of(argument, interface_first)
     if protocol is None or producer_name in (None, consumer.name, "handoff"):
         # Not an exchange (a list, a host array read through __array__), one within a library, or
         # one handoff records itself.
         return original(*args, **kwargs)
     assert producer_name is not None
     device = _device_of(argument, protocol) or (_CPU, 0)
+    tracing = _tracing()
+    if not tracing and device[0] == _CPU:  # the ordering mode alone: host data needs nothing
+        return original(*args, **kwargs)
     consumer_stream = _stream_of(consumer, device)
     producer_stream = _interface_stream(argument) if protocol != "dlpack" else None
     if producer_stream is None:
@@ -470,55 +533,120 @@ def _exchange(original: Any, consumer: LibraryAdapter, args: tuple[Any, ...], kw
     ignores = (producer is not None and producer.ignores_stream) or _made_by_nanobind(argument)
     ordered = False
     if _ordering and device[0] != _CPU and consumer_stream is not None and producer_stream is not None:
-        ordered = bool(_handoff._interposed_order(device, producer_stream, consumer_stream))
+        try:
+            ordered = bool(_handoff._interposed_order(device, producer_stream, consumer_stream))
+        except Exception as error:  # noqa: BLE001 - the program runs as it would without the ordering mode
+            _warn_once(f"handoff could not order an exchange from {producer_name} to {consumer.name}: {error}")
 
-    exchange = _Exchange(argument)
+    exchange = _Exchange(argument, device)
     _local.exchange = exchange
+    # A producer or consumer built on handoff exchanges through it inside: this event covers those.
+    _handoff._interposed_mute(True)
     try:
         result = original(*args, **kwargs)
     except BaseException as error:
         _local.exchange = None
-        _record(
-            protocol,
-            producer_name,
-            consumer.name,
-            device,
-            [],
-            "",
-            0,
-            producer_stream,
-            consumer_stream,
-            exchange.stream_argument,
-            "refused",
-            ordered,
-            f"{type(error).__name__}: {error}"[:200],
-        )
+        _handoff._interposed_mute(False)
+        seen = _Seen(protocol, producer_name, consumer.name, device, producer_stream, consumer_stream)
+        seen.record("import", exchange.stream_argument, "refused", ordered, f"{type(error).__name__}: {error}"[:200])
         raise
-    finally:
-        _local.exchange = None
+    _local.exchange = None
+    _handoff._interposed_mute(False)
 
     if ordered:
         _keep_until_done(result, argument, device, consumer_stream)
-    shape, dtype, nbytes = _describe(result, argument)
-    action, detail = _action(
-        protocol, device, exchange.stream_argument, ignores, ordered, producer_stream, consumer_stream
-    )
-    _record(
-        protocol,
-        producer_name,
-        consumer.name,
-        device,
-        shape,
-        dtype,
-        nbytes,
-        producer_stream,
-        consumer_stream,
-        exchange.stream_argument,
-        action,
-        ordered,
-        detail,
-    )
+    if not tracing:
+        return result
+    seen = _Seen(protocol, producer_name, consumer.name, device, producer_stream, consumer_stream)
+    seen.shape, seen.dtype, seen.nbytes = _describe(result, argument)
+    hazard = ""
+    if exchange.producer_device is not None and exchange.producer_device != device[1]:
+        hazard = "cross-device"
+        detail = (
+            f"the producer's __dlpack__ ran while device {exchange.producer_device} was current: it ordered that "
+            f"device's streams, not those of device {device[1]}, where the data is"
+        )
+        action = "unordered"
+    else:
+        action, detail = _action(
+            protocol, device, exchange.stream_argument, ignores, ordered, producer_stream, consumer_stream
+        )
+    seen.record("import", exchange.stream_argument, action, ordered, detail, hazard)
+    if not ordered and device[0] != _CPU and consumer_stream is not None:
+        _watch_release(result, argument, seen)
     return result
+
+
+@dataclasses.dataclass
+class _Seen:
+    """What an exchange's events say of it."""
+
+    protocol: str
+    producer: str
+    consumer: str
+    device: tuple[int, int]
+    producer_stream: int | None
+    consumer_stream: int | None
+    shape: list[int] = dataclasses.field(default_factory=list)
+    dtype: str = ""
+    nbytes: int = 0
+
+    def record(
+        self, kind: str, stream_argument: int | None, action: str, ordered: bool, detail: str, hazard: str = ""
+    ) -> None:
+        with contextlib.suppress(Exception):  # tracing never breaks the program
+            _handoff._interposed_record(
+                kind,
+                self.protocol,
+                self.producer,
+                self.consumer,
+                self.device,
+                self.shape,
+                self.dtype,
+                self.nbytes,
+                self.producer_stream,
+                self.consumer_stream,
+                stream_argument,
+                action,
+                ordered,
+                hazard,
+                detail,
+            )
+
+
+def _watch_release(result: Any, argument: Any, seen: _Seen) -> None:
+    """Flags `released early` when the consumer's array goes while its stream still has work queued and
+    nothing else holds the producer: its memory then goes back to its library, which may hand it out
+    again while that work still reads it. Producers that take no weak reference are not watched."""
+    try:
+        producer = weakref.ref(argument)
+        weakref.finalize(result, _check_release, producer, seen)
+    except TypeError:
+        return
+
+
+# References to a producer held while its consumer's array goes: the check's own and getrefcount's,
+# and the one the consumer's capsule gives up next.
+_ONLY_THE_CONSUMERS = 3
+
+
+def _check_release(producer: weakref.ref[Any], seen: _Seen) -> None:
+    held = producer()
+    if held is None or sys.getrefcount(held) > _ONLY_THE_CONSUMERS:
+        return  # gone already, or kept by someone else: its memory stays
+    del held
+    assert seen.consumer_stream is not None
+    if _handoff._interposed_stream_busy(seen.device, seen.consumer_stream):
+        seen.record(
+            "release",
+            None,
+            "unordered",
+            False,
+            f"the {seen.consumer} array was dropped while its stream {seen.consumer_stream:#x} still had work "
+            f"queued, and with it the last reference to the {seen.producer} array: its memory may be reused before "
+            "that work reads it",
+            "released early",
+        )
 
 
 def _action(
@@ -546,39 +674,6 @@ def _action(
     if stream_argument == -1:
         return "unordered", "the consumer passed stream=-1: it asked for no ordering"
     return "wait", ""
-
-
-def _record(
-    protocol: str,
-    producer: str,
-    consumer: str,
-    device: tuple[int, int],
-    shape: list[int],
-    dtype: str,
-    nbytes: int,
-    producer_stream: int | None,
-    consumer_stream: int | None,
-    stream_argument: int | None,
-    action: str,
-    ordered: bool,
-    detail: str,
-) -> None:
-    with contextlib.suppress(Exception):  # tracing never breaks the program
-        _handoff._interposed_record(
-            protocol,
-            producer,
-            consumer,
-            device,
-            shape,
-            dtype,
-            nbytes,
-            producer_stream,
-            consumer_stream,
-            stream_argument,
-            action,
-            ordered,
-            detail,
-        )
 
 
 def _keep_until_done(result: Any, argument: Any, device: tuple[int, int], consumer_stream: int | None) -> None:

@@ -7,6 +7,7 @@
 #include "py_trace.hpp"
 
 #include <handoff/context.hpp>
+#include <handoff/device_guard.hpp>
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
 #include <handoff/internal/ordering.hpp>
@@ -16,6 +17,7 @@
 
 #include <fmt/format.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -100,6 +102,37 @@ py::object device_of_pointer(std::uintptr_t pointer)
   return py::none();
 }
 
+// Whether the consumer's stream (a DLPack stream value of `device`) still has work queued; false where
+// handoff cannot ask.
+bool stream_busy(const py::tuple& device_pair, std::int64_t stream)
+{
+  const DLDevice device = device_of(device_pair);
+  context* ctx = context_for(device);
+  if (ctx == nullptr) { return false; }
+  const stream_binding on = *bound(ctx, device, stream);
+  device::backend& backend = ctx->backend();
+  const device_guard on_device{backend, on.device};
+  const relaxed_capture_mode relaxed{backend};  // a capture under way elsewhere neither fails nor breaks
+  return backend.stream_capture_status(on.stream) == device::capture_status::none && !backend.query_stream(on.stream);
+}
+
+// The device current on the calling thread for data of `device_type`; None where handoff has no backend for it.
+py::object current_device(int device_type)
+{
+  context* ctx = context_for(DLDevice{static_cast<DLDeviceType>(device_type), 0});
+  return ctx != nullptr ? py::object(py::int_(ctx->backend().current_device())) : py::object(py::none());
+}
+
+void mute(bool on)
+{
+  thread_local std::vector<std::unique_ptr<trace::muted_scope>> mutes;  // this thread's, innermost last
+  if (on) {
+    mutes.push_back(std::make_unique<trace::muted_scope>());
+  } else if (!mutes.empty()) {
+    mutes.pop_back();
+  }
+}
+
 trace::action action_named(const std::string& name)
 {
   for (const auto what : {trace::action::none, trace::action::wait, trace::action::elided, trace::action::unordered,
@@ -110,6 +143,7 @@ trace::action action_named(const std::string& name)
 }
 
 struct exchange_seen {
+  std::string kind;  // "import" (the consumer's), or "release" (of what it imported)
   std::string protocol;
   std::string producer;
   std::string consumer;
@@ -122,8 +156,18 @@ struct exchange_seen {
   std::optional<std::int64_t> stream_argument;
   std::string action;
   bool ordered{false};
+  std::string hazard;  // what the hooks saw themselves (a release while the consumer's stream works)
   std::string detail;
 };
+
+// A hazard name the hooks report, as a static string (events point at it).
+const char* hazard_named(const std::string& name)
+{
+  for (const char* known : {"unordered", "cross-device", "released early"}) {
+    if (name == known) { return known; }
+  }
+  throw value_error(fmt::format("'{}' is not a hazard the trace knows", name));
+}
 
 // Records one exchange the hooks saw as an import by the consumer, classified as handoff's own are.
 void record_exchange(const exchange_seen& seen)
@@ -138,7 +182,8 @@ void record_exchange(const exchange_seen& seen)
   for (const std::string_view known : protocols) {
     if (known == seen.protocol) { protocol = known; }
   }
-  trace::exchange_scope scope{trace::event_kind::import_data, protocol};
+  const auto kind = seen.kind == "release" ? trace::event_kind::release : trace::event_kind::import_data;
+  trace::exchange_scope scope{kind, protocol};
   if (!scope.active()) { return; }
   trace::event& e = scope.event();
   e.producer = intern_library(seen.producer);
@@ -150,6 +195,10 @@ void record_exchange(const exchange_seen& seen)
   e.stream_argument = seen.stream_argument;
   e.interposed = seen.ordered ? "ordered" : "observed";
   e.detail = seen.detail;
+  if (!seen.hazard.empty()) {  // classified by the hooks: the scope keeps what they said
+    e.hazard = hazard_named(seen.hazard);
+    e.action = what;
+  }
   try {
     if (const auto producer = bound(ctx, device, seen.producer_stream)) { scope.set_producer_stream(*producer); }
     if (const auto consumer = bound(ctx, device, seen.consumer_stream)) { scope.set_consumer_stream(*consumer); }
@@ -188,18 +237,29 @@ void bind_interpose(py::module_& m)
         "The DLPack device of the CUDA memory at `pointer`, or None when handoff cannot tell.");
   m.def(
     "_interposed_record",
-    [](std::string protocol, std::string producer, std::string consumer, py::tuple device,
+    [](std::string kind, std::string protocol, std::string producer, std::string consumer, py::tuple device,
        std::vector<std::int64_t> shape, std::string dtype, std::int64_t nbytes,
        std::optional<std::int64_t> producer_stream, std::optional<std::int64_t> consumer_stream,
-       std::optional<std::int64_t> stream_argument, std::string action, bool ordered, std::string detail) {
-      record_exchange({std::move(protocol), std::move(producer), std::move(consumer), std::move(device),
-                       std::move(shape), std::move(dtype), nbytes, producer_stream, consumer_stream, stream_argument,
-                       std::move(action), ordered, std::move(detail)});
+       std::optional<std::int64_t> stream_argument, std::string action, bool ordered, std::string hazard,
+       std::string detail) {
+      record_exchange({std::move(kind), std::move(protocol), std::move(producer), std::move(consumer),
+                       std::move(device), std::move(shape), std::move(dtype), nbytes, producer_stream,
+                       consumer_stream, stream_argument, std::move(action), ordered, std::move(hazard),
+                       std::move(detail)});
     },
-    py::arg("protocol"), py::arg("producer"), py::arg("consumer"), py::arg("device"), py::arg("shape"),
-    py::arg("dtype"), py::arg("nbytes"), py::arg("producer_stream"), py::arg("consumer_stream"),
-    py::arg("stream_argument"), py::arg("action"), py::arg("ordered"), py::arg("detail"),
-    "Records an exchange between two other libraries as the consumer's import (no-op unless tracing).");
+    py::arg("kind"), py::arg("protocol"), py::arg("producer"), py::arg("consumer"), py::arg("device"),
+    py::arg("shape"), py::arg("dtype"), py::arg("nbytes"), py::arg("producer_stream"), py::arg("consumer_stream"),
+    py::arg("stream_argument"), py::arg("action"), py::arg("ordered"), py::arg("hazard"), py::arg("detail"),
+    "Records an exchange between two other libraries (the consumer's import, or the release of what it "
+    "imported) as handoff's own are classified; a hazard the hooks saw is kept. No-op unless tracing.");
+  m.def("_interposed_mute", &mute, py::arg("on"),
+        "Mutes (True) or unmutes (False, the latest mute) the recording of handoff's own exchanges on this thread: "
+        "the workings of an exchange between two other libraries that is recorded as one.");
+  m.def("_interposed_stream_busy", &stream_busy, py::arg("device"), py::arg("stream"),
+        "Whether a stream (a DLPack stream value of `device`) still has work queued; False where handoff cannot "
+        "ask.");
+  m.def("_interposed_current_device", &current_device, py::arg("device_type"),
+        "The device current on the calling thread for data of `device_type`, or None.");
 }
 
 }  // namespace handoff::python

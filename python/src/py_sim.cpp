@@ -387,6 +387,13 @@ void bind_sim(py::module_& parent)
     "current_device", [] { return require_sim().sim.current_device(); },
     "The device current on the calling thread (the one the runtime would use where none is).");
   m.def(
+    "set_device",
+    [](long long device) {
+      auto s = require_sim();
+      s.sim.set_current_device(checked_device(s.sim, device));
+    },
+    py::arg("device"), "Makes `device` current on the calling thread, as cudaSetDevice does.");
+  m.def(
     "reset_device",
     [](long long device) {
       auto s = require_sim();

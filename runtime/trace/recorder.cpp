@@ -222,8 +222,24 @@ std::uint64_t native_thread_id() noexcept
 }
 
 thread_local exchange_scope* innermost = nullptr;
+thread_local int muted_depth = 0;
 
 }  // namespace
+
+muted_scope::muted_scope() noexcept
+{
+  ++muted_depth;
+}
+
+muted_scope::~muted_scope()
+{
+  --muted_depth;
+}
+
+bool muted_scope::active() noexcept
+{
+  return muted_depth != 0;
+}
 
 void set_annotator(annotator fill) noexcept
 {
@@ -421,6 +437,7 @@ struct exchange_scope::collected {
 
 void exchange_scope::begin(event_kind kind, std::string_view protocol) noexcept
 {
+  if (muted_depth != 0) { return; }  // recorded as a whole by the embedding
   try {
     state_ = new collected;  // NOLINT(cppcoreguidelines-owning-memory): owned until end()
   } catch (const std::bad_alloc&) {
@@ -544,7 +561,8 @@ void exchange_scope::classify()
 {
   collected& s = *state_;
   trace::event& e = s.event;
-  if (e.action == action::refused) { return; }  // an exchange the embedding saw fail (an interposed one)
+  // An exchange the embedding classified itself (an interposed one it saw fail, or saw a hazard in).
+  if (e.action == action::refused || e.hazard != nullptr) { return; }
   // What the embedding already said of the exchange (why it was unordered) follows the hazard's text.
   const auto with_reason = [&](std::string text) {
     return e.detail.empty() ? text : fmt::format("{} ({})", text, e.detail);

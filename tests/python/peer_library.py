@@ -23,6 +23,19 @@ from handoff import sim
 DEFAULT_STREAM = 0 if handoff.runtime_info()["backend"] == "sim-rocm" else 1
 
 
+class _Capsule:
+    """A capsule a consumer already has, handed to handoff as the array it imports."""
+
+    def __init__(self, capsule: Any, device: tuple[int, int]) -> None:
+        self._capsule, self._device = capsule, device
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self._capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self._device
+
+
 def make_library(name: str, *, honours_stream: bool = True, register: bool = True) -> types.ModuleType:
     """A library named `name` (a module in sys.modules, so its arrays' type names it), registered with
     handoff's hooks through a LibraryAdapter unless `register` is False."""
@@ -32,8 +45,9 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
     def stream_value() -> int | None:
         return None if current[0] is None else int(current[0].handle)
 
-    class Array:
-        """An array of the library: device data on the simulator."""
+    class Array(handoff.Exporter):
+        """An array of the library: device data on the simulator. Its exports keep it alive, as a real
+        library's capsule keeps its array."""
 
         def __init__(self, data: handoff.Array) -> None:
             self._data = data
@@ -42,13 +56,13 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
         dtype = property(lambda self: self._data.dtype)
         nbytes = property(lambda self: self._data.nbytes)
 
-        def __dlpack_device__(self) -> tuple[int, int]:
-            return self._data.__dlpack_device__()
+        def __handoff_array__(self) -> handoff.Array:
+            return self._data
 
         def __dlpack__(self, *, stream: Any = None, **kwargs: Any) -> Any:
             # Ignoring `stream`, the export orders only for the default stream, which a non-blocking
             # consumer stream does not wait for.
-            return self._data.__dlpack__(stream=stream if honours_stream else None, **kwargs)
+            return super().__dlpack__(stream=stream if honours_stream else None, **kwargs)
 
     Array.__module__ = name
     Array.__qualname__ = "Array"
@@ -73,10 +87,17 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
         """Enqueues a write of `value` on the current stream, taking `delay` seconds."""
         sim.fill(array._data, value, stream=current[0] or handoff.Stream(DEFAULT_STREAM), delay=delay)
 
+    def as_array(producer: Any) -> Array:
+        """Imports `producer` as Numba does: through its CUDA Array Interface first."""
+        return Array(handoff.asarray(producer))
+
     def from_dlpack(producer: Any) -> Array:
-        """Imports `producer`, passing the library's current stream to its ``__dlpack__``."""
-        stream = current[0] if current[0] is not None else None
-        return Array(handoff.from_dlpack(producer, stream=stream))
+        """Imports `producer` as PyTorch does: asks its ``__dlpack__`` for the data, passing the
+        library's current stream, and keeps the capsule (its producer) until the array goes, with no
+        stream-ordered release of its own."""
+        value = stream_value()
+        capsule = producer.__dlpack__(stream=DEFAULT_STREAM if value is None else value, max_version=(1, 0))
+        return Array(handoff.from_dlpack(_Capsule(capsule, producer.__dlpack_device__()), stream=-1))
 
     def to_numpy(array: Array) -> Any:
         """Reads the array on the library's current stream (what a kernel there would see)."""
@@ -89,13 +110,15 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
     library.zeros = zeros  # type: ignore[attr-defined]
     library.fill = fill  # type: ignore[attr-defined]
     library.from_dlpack = from_dlpack  # type: ignore[attr-defined]
+    library.as_array = as_array  # type: ignore[attr-defined]
     library.to_numpy = to_numpy  # type: ignore[attr-defined]
     sys.modules[name] = library
     if register:
         handoff.register_library(
             handoff.LibraryAdapter(
                 name,
-                consumers=(f"{name}:from_dlpack",),
+                consumers=(f"{name}:from_dlpack", f"{name}:as_array"),
+                interface_first=(f"{name}:as_array",),
                 producers=(f"{name}:Array",),
                 current_stream=lambda device: stream_value(),
                 use_stream=lambda handle, device: use(handle),

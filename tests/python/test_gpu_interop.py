@@ -814,3 +814,75 @@ def test_data_ready_on_an_ended_threads_per_thread_stream_is_read_finished(
     thread.start()
     thread.join()  # ended while its per-thread stream still spins
     assert read_with_torch(torch, torch_out, made.pop(), consumer.cuda_stream) == (DONE, DONE)
+
+
+# --- exchanges between other libraries, made without handoff -----------------------------------
+
+
+@pytest.mark.parametrize("ordered", [True, NEGATIVE_CONTROL])
+def test_a_careless_hand_off_between_two_libraries_is_flagged_and_the_ordering_mode_fixes_it(
+    torch, cupy, spin_cycles, ordered, settled_views
+):
+    """PyTorch's pending tensor, handed to CuPy by a producer wrapper that ignores `stream` (as
+    cuda.core's and nanobind's arrays do): traced, it is an unordered hazard and CuPy reads stale data;
+    in the ordering mode, CuPy's current stream waits for PyTorch's and reads the finished data."""
+
+    class Careless:  # registered as a library that ignores `stream`
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+        def __dlpack__(self, *, stream=None, **kwargs):
+            return self.tensor.__dlpack__(stream=-1, **kwargs) if stream is not None else self.tensor.__dlpack__()
+
+        def __dlpack_device__(self):
+            return self.tensor.__dlpack_device__()
+
+    Careless.__module__ = "carelesslib"
+    producer = torch.cuda.Stream()
+    handoff.register_library(
+        handoff.LibraryAdapter(
+            "carelesslib",
+            ignores_stream=True,
+            current_stream=lambda device: producer.cuda_stream,
+        )
+    )
+    handoff.order_libraries(ordered)
+    try:
+        consumer = cupy.cuda.Stream(non_blocking=True)
+        with torch.cuda.stream(producer):
+            x = torch_pending(torch, spin_cycles, producer)
+            with consumer, handoff.trace(libraries=True) as t:
+                seen = cupy.from_dlpack(Careless(x)).copy()
+                consumer.synchronize()
+        (event,) = [e for e in t.events if e["interposed"]]
+        assert (event["producer"], event["consumer"]) == ("carelesslib", "cupy")
+        if ordered:
+            assert float(seen[0]) == DONE and float(seen[-1]) == DONE
+            assert (event["interposed"], event["hazard"]) == ("ordered", None)
+        else:
+            assert float(seen[0]) == STALE, "the negative control reads before the write"
+            assert event["hazard"] == "unordered"
+    finally:
+        handoff.order_libraries(False)
+        torch.cuda.synchronize()
+
+
+def test_pytorch_to_cupy_is_traced_with_the_stream_cupy_passed(torch, cupy, settled_views):
+    x = torch.ones(N, device="cuda")
+    consumer = cupy.cuda.Stream(non_blocking=True)
+    with consumer, handoff.trace(libraries=True) as t:
+        y = cupy.from_dlpack(x)
+    consumer.synchronize()
+    (event,) = [e for e in t.events if e["interposed"]]
+    assert (event["producer"], event["consumer"], event["action"]) == ("torch", "cupy", "wait")
+    assert event["stream_argument"] == consumer.ptr and event["consumer_stream"] == consumer.ptr
+    assert float(y[-1]) == 1.0
+
+
+def test_one_stream_block_makes_pytorch_and_cupy_launch_on_the_same_stream(torch, cupy):
+    stream = torch.cuda.Stream()
+    with handoff.stream(stream, frameworks=True):
+        assert torch.cuda.current_stream().cuda_stream == stream.cuda_stream
+        assert cupy.cuda.get_current_stream().ptr == stream.cuda_stream
+    assert torch.cuda.current_stream().cuda_stream != stream.cuda_stream
+    assert cupy.cuda.get_current_stream().ptr != stream.cuda_stream

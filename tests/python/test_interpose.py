@@ -320,6 +320,66 @@ def test_the_ordering_mode_keeps_the_producer_until_the_consumers_array_is_gone_
         assert gone() is None
 
 
+@needs_sim
+@pytest.mark.parametrize("settled_first", [False, True], ids=["busy", "negative-control-idle"])
+def test_the_consumers_array_dropped_while_its_stream_works_with_the_last_producer_reference_is_released_early(
+    peers, settled_first
+):
+    other, torchlike, producer, consumer = make_library("simcupy"), *peers[1:]
+    x = pending(other, producer)
+    sim.synchronize()
+    with torchlike.use(consumer), handoff.trace(libraries=True) as t:
+        y = torchlike.from_dlpack(x)
+        torchlike.fill(y, 2.0, delay=SLOW)  # the consumer's kernel, still running on its stream
+        del x  # the consumer's array holds the producer's last reference now
+        if settled_first:
+            sim.synchronize()
+        del y
+    releases = [e for e in t.events if e["interposed"] and e["kind"] == "release"]
+    if settled_first:
+        assert releases == [], "the consumer's work was done: nothing to flag"
+    else:
+        (event,) = releases
+        assert (event["hazard"], event["producer"], event["consumer"]) == ("released early", "simcupy", "simtorch")
+        assert "still had work queued" in event["detail"]
+
+
+@needs_sim
+def test_a_producer_still_held_elsewhere_is_not_released_early(peers):
+    _, torchlike, producer, consumer = peers
+    other = make_library("simcupy")
+    x = pending(other, producer)
+    sim.synchronize()
+    with torchlike.use(consumer), handoff.trace(libraries=True) as t:
+        y = torchlike.from_dlpack(x)
+        torchlike.fill(y, 2.0, delay=SLOW)
+        del y  # x is still the program's: its memory stays
+    assert [e for e in t.events if e["interposed"] and e["kind"] == "release"] == []
+
+
+@needs_sim
+@needs_two_devices
+def test_a_producer_called_while_another_device_is_current_is_a_cross_device_hazard(peers):
+    _, torchlike, _, _ = peers
+    other = make_library("simcupy")
+    x = pending(other, sim.Stream(0, non_blocking=True))
+    sim.synchronize()
+    consumer = sim.Stream(0, non_blocking=True)
+    hazards = []
+    for current in (1, 0):  # the negative control: the data's own device current
+        sim.set_device(current)
+        try:
+            with torchlike.use(consumer), handoff.trace(libraries=True) as t:
+                torchlike.from_dlpack(x)
+        finally:
+            sim.set_device(0)
+        (event,) = [e for e in t.events if e["interposed"]]
+        hazards.append(event["hazard"])
+        if event["hazard"]:
+            assert "ran while device 1 was current" in event["detail"]
+    assert hazards == ["cross-device", None]
+
+
 def sim_device_type() -> int:
     return int(sim.zeros(1, "float32").__dlpack_device__()[0])
 
@@ -337,6 +397,34 @@ def test_a_consumer_stream_on_another_device_is_a_cross_device_hazard(peers):
             torchlike.from_dlpack(x)
         (event,) = [e for e in t.events if e["interposed"]]
         assert event["hazard"] == hazard
+
+
+class InterfaceOnly:
+    """A producer that offers only the CUDA Array Interface (as Numba's arrays do), with or without
+    the stream its data is ready on."""
+
+    def __init__(self, data, with_stream: bool) -> None:
+        interface = dict(data.__cuda_array_interface__)
+        if not with_stream:
+            interface.pop("stream", None)
+        self.__cuda_array_interface__ = interface
+        self._data = data
+
+
+@needs_sim
+@pytest.mark.skipif(BACKEND == "sim-rocm", reason="the CUDA Array Interface is CUDA's")
+def test_an_interface_consumer_is_traced_as_such_and_an_interface_without_a_stream_is_unordered(peers):
+    _, torchlike, producer, consumer = peers
+    data = sim.zeros(N, "float32")
+    sim.fill(data, 1.0, stream=producer)
+    actions = []
+    for with_stream in (True, False):
+        with torchlike.use(consumer), handoff.trace(libraries=True) as t:
+            torchlike.as_array(InterfaceOnly(data, with_stream))
+        (event,) = [e for e in t.events if e["interposed"]]
+        assert event["protocol"] == "cuda-array-interface" and event["device"] == (2, 0)
+        actions.append(event["action"])
+    assert actions == ["wait", "unordered"]
 
 
 @needs_sim

@@ -151,4 +151,20 @@ void for_each_field(const event& e, Field&& field)
 /// Records a finished event: annotates, logs at debug, hands it to the sessions and listeners.
 void record(event&& e) noexcept;
 
+/// While one is alive, the exchanges of the calling thread are not recorded: they are the workings
+/// of one exchange that the embedding records as a whole (between two other libraries, one of them
+/// built on handoff). Nests.
+class muted_scope {
+ public:
+  muted_scope() noexcept;
+  muted_scope(const muted_scope&) = delete;
+  muted_scope& operator=(const muted_scope&) = delete;
+  muted_scope(muted_scope&&) = delete;
+  muted_scope& operator=(muted_scope&&) = delete;
+  ~muted_scope();
+
+  /// Whether the calling thread's exchanges are muted now.
+  [[nodiscard]] static bool active() noexcept;
+};
+
 }  // namespace handoff::trace
