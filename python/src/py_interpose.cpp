@@ -243,12 +243,11 @@ void bind_interpose(py::module_& m)
        std::optional<std::int64_t> stream_argument, std::string action, bool ordered, std::string hazard,
        std::string detail) {
       record_exchange({std::move(kind), std::move(protocol), std::move(producer), std::move(consumer),
-                       std::move(device), std::move(shape), std::move(dtype), nbytes, producer_stream,
-                       consumer_stream, stream_argument, std::move(action), ordered, std::move(hazard),
-                       std::move(detail)});
+                       std::move(device), std::move(shape), std::move(dtype), nbytes, producer_stream, consumer_stream,
+                       stream_argument, std::move(action), ordered, std::move(hazard), std::move(detail)});
     },
-    py::arg("kind"), py::arg("protocol"), py::arg("producer"), py::arg("consumer"), py::arg("device"),
-    py::arg("shape"), py::arg("dtype"), py::arg("nbytes"), py::arg("producer_stream"), py::arg("consumer_stream"),
+    py::arg("kind"), py::arg("protocol"), py::arg("producer"), py::arg("consumer"), py::arg("device"), py::arg("shape"),
+    py::arg("dtype"), py::arg("nbytes"), py::arg("producer_stream"), py::arg("consumer_stream"),
     py::arg("stream_argument"), py::arg("action"), py::arg("ordered"), py::arg("hazard"), py::arg("detail"),
     "Records an exchange between two other libraries (the consumer's import, or the release of what it "
     "imported) as handoff's own are classified; a hazard the hooks saw is kept. No-op unless tracing.");

@@ -190,17 +190,18 @@ struct trace_socket::server : std::enable_shared_from_this<server> {
         peer.uid != ::geteuid()) {
       refused_count.fetch_add(1, std::memory_order_relaxed);
       HANDOFF_LOG_WARN("refused a trace client of uid {} (this process runs as uid {})", peer.uid, ::geteuid());
-      say_and_close(c, fmt::format(R"({{"error":"refused: peer uid {} is not the server's uid {}"}})", peer.uid,
-                                   ::geteuid()));
+      say_and_close(
+        c, fmt::format(R"({{"error":"refused: peer uid {} is not the server's uid {}"}})", peer.uid, ::geteuid()));
       return;
     }
     if (clients.size() >= max_clients) {
       // Said once: a burst of clients must not flood the program's stderr (refused() counts them all).
       if (!refused_for_room) {
         refused_for_room = true;
-        HANDOFF_LOG_WARN("refused a trace client: {} are attached already, the most served at once; later refusals "
-                         "are not logged",
-                         max_clients);
+        HANDOFF_LOG_WARN(
+          "refused a trace client: {} are attached already, the most served at once; later refusals "
+          "are not logged",
+          max_clients);
       }
       refused_count.fetch_add(1, std::memory_order_relaxed);
       say_and_close(c, fmt::format(R"({{"error":"refused: {} clients are attached already, the most served at once"}})",
@@ -350,8 +351,7 @@ const std::filesystem::path& trace_socket::path() const noexcept
 void trace_socket::publish(std::string line)
 {
   if (!has_clients()) { return; }
-  if (server_->backlog_bytes.fetch_add(line.size(), std::memory_order_relaxed) + line.size() >
-      server_->queue_bytes) {
+  if (server_->backlog_bytes.fetch_add(line.size(), std::memory_order_relaxed) + line.size() > server_->queue_bytes) {
     server_->backlog_bytes.fetch_sub(line.size(), std::memory_order_relaxed);
     server_->backlog_dropped.fetch_add(1, std::memory_order_relaxed);
     server_->dropped_count.fetch_add(1, std::memory_order_relaxed);

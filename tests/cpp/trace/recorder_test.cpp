@@ -220,7 +220,7 @@ TEST_F(TraceSessionTest, ABoundedSessionKeepsTheNewestEventsAndOlderHazardsAndCo
 {
   const auto bounded = trace::begin_session(/*limit=*/4);
   const auto unbounded = trace::begin_session();  // the negative control: the same events, all kept
-  host_exchange(1);                                // an import and a release
+  host_exchange(1);                               // an import and a release
   {
     trace::exchange_scope scope{trace::event_kind::import_data, "dlpack"};
     scope.event().hazard = "unordered";  // an old hazard, kept past the window
