@@ -409,12 +409,10 @@ void record(event&& e) noexcept
     if (r.debug_log) { log_event(e); }
     for (const auto& [_, listener] : r.listeners) { listener(e); }
     // The last session takes the event itself; the others a copy.
-    for (auto s = r.sessions.begin(); s != r.sessions.end(); ++s) {
-      if (std::next(s) == r.sessions.end()) {
-        s->second.keep(std::move(e));
-      } else {
-        s->second.keep(e);
-      }
+    if (!r.sessions.empty()) {
+      const auto last = std::prev(r.sessions.end());
+      for (auto s = r.sessions.begin(); s != last; ++s) { s->second.keep(e); }
+      last->second.keep(std::move(e));
     }
   } catch (const std::exception& error) {
     HANDOFF_LOG_WARN("a trace event was lost ({})", error.what());
