@@ -40,7 +40,7 @@ _CPU = 1
 class LibraryAdapter:
     """What handoff needs to know of an array library to see, and order, its exchanges.
 
-    Attributes:
+    Args:
         name: The library's name in traces, and the module prefix of its array types
             (``"torch"``, ``"cuda.core"``).
         consumers: Functions whose first argument is the array they import, as ``"module:attr"``
