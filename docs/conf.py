@@ -50,6 +50,9 @@ nitpick_ignore = [
     ("py:class", "os.PathLike"),
     ("py:class", "CapsuleType"),
     ("py:class", "pybind11_builtins.pybind11_object"),
+    ("py:class", "collections.abc.Sequence"),
+    ("py:class", "collections.abc.Callable"),
+    ("py:class", "contextlib.AbstractContextManager"),
 ]
 
 # napoleon reads a property docstring's first words before a colon as its type ("NumPy's array

@@ -10,7 +10,7 @@
 #include <vector>
 
 namespace py = pybind11;
-namespace hp = handoff::py;
+namespace hp = handoff::pybind;
 
 namespace {
 

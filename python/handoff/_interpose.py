@@ -85,16 +85,18 @@ class LibraryAdapter:
 # --- the known libraries ---------------------------------------------------------------------------
 
 
-def _dlpack_value(handle: int) -> int:
-    """A native CUDA stream handle as DLPack numbers it (0, the legacy default stream, is 1)."""
-    return 1 if handle == 0 else handle
+def _dlpack_value(handle: int, *, rocm: bool) -> int:
+    """A native stream handle as DLPack numbers it: CUDA's legacy default stream (0) is 1; ROCm's
+    default stream is 0 in both."""
+    return 1 if handle == 0 and not rocm else handle
 
 
 def _torch_stream(device: int) -> int | None:
     torch = sys.modules["torch"]
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
-    return _dlpack_value(int(torch.cuda.current_stream(device).cuda_stream))
+    handle = int(torch.cuda.current_stream(device).cuda_stream)
+    return _dlpack_value(handle, rocm=torch.version.hip is not None)
 
 
 def _torch_use(handle: int, device: int) -> contextlib.AbstractContextManager[Any] | None:
@@ -108,7 +110,8 @@ def _torch_use(handle: int, device: int) -> contextlib.AbstractContextManager[An
 def _cupy_stream(device: int) -> int | None:
     cupy = sys.modules["cupy"]
     with cupy.cuda.Device(device):
-        return _dlpack_value(int(cupy.cuda.get_current_stream().ptr))
+        handle = int(cupy.cuda.get_current_stream().ptr)
+    return _dlpack_value(handle, rocm=bool(cupy.cuda.runtime.is_hip))
 
 
 def _cupy_use(handle: int, device: int) -> contextlib.AbstractContextManager[Any] | None:

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-namespace handoff::py {
+namespace handoff::pybind {
 
 template class array<>;
 template class array<float, shape<-1, 3>, device::cpu, c_contig, ro>;
@@ -43,4 +43,19 @@ template class array<array_api, float>;
   explain_mismatches(m, {"f"});
 }
 
-}  // namespace handoff::py
+}  // namespace handoff::pybind
+
+// What an extension may well write: pybind11's usual alias and `using namespace handoff` together;
+// `py` still names pybind11 alone (the helper's namespace is handoff::pybind).
+namespace alias_check {
+namespace py = pybind11;
+using namespace handoff;  // NOLINT(google-build-using-namespace): the point of the check
+[[maybe_unused]] py::object nothing()
+{
+  return py::none();
+}
+[[maybe_unused]] std::int64_t size_of(const pybind::array<float, pybind::ndim<1>>& values, const py::handle owner)
+{
+  return values.size() + (owner.is_none() ? 0 : 1);
+}
+}  // namespace alias_check

@@ -396,3 +396,31 @@ def test_device_tensors_need_a_backend():
     with pytest.raises(handoff.DeviceError):
         API.managed_tensor_to_py_object_no_sync(ctypes.pointer(made.managed), ctypes.byref(out))
     assert made.deleted == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Several producers in one call, as tvm-ffi makes it
+
+
+def launch_as_tvm_ffi_does(first_arguments_stream, array: handoff.Array):
+    """A call of a tvm-ffi function with another framework's tensor first and a handoff array second:
+    tvm-ffi launches on the first argument's current work stream (here that framework's current
+    stream), converts every argument through its own type's table without synchronizing, and its
+    kernel reads them there. Returns what the kernel reads of the handoff array."""
+    dltensor(array)  # handoff's no-sync export: ordered onto handoff's current work stream
+    return sim.to_numpy(array, stream=first_arguments_stream)[[0, -1]].tolist()
+
+
+@needs_sim
+def test_a_call_mixing_frameworks_races_unless_handoffs_work_stream_is_the_launch_stream(sim_streams):
+    """handoff orders a handed-out array onto its own current work stream; a consumer that launches on
+    another producer's stream must wait for handoff's, or the program makes them one stream with
+    handoff.stream(s, frameworks=True) (docs/c-exchange-api.md)."""
+    producer, launch = sim_streams
+    array = pending_write(producer)
+    assert launch_as_tvm_ffi_does(launch, array) == [0.0, 0.0], "negative control: handoff's stream is not the launch's"
+    sim.synchronize()
+    array = pending_write(producer)
+    with handoff.stream(launch, frameworks=True):  # the launch stream is every framework's, handoff's too
+        assert work_stream(DEVICE_TYPE) == launch.handle
+        assert launch_as_tvm_ffi_does(launch, array) == [1.0, 1.0]

@@ -1,6 +1,6 @@
 """The pybind11 helper (<handoff/pybind11.hpp>) through examples/pybind11, an extension built against
 the installed package with find_package(handoff): a C++ tensor type that exports itself, and
-functions that take handoff::py::array<...> arguments.
+functions that take handoff::pybind::array<...> arguments.
 
 The test command builds it into build/example-pybind11 (HANDOFF_PYBIND11_EXAMPLE names another
 folder); the tests skip, saying so, where it was not built.

@@ -27,7 +27,7 @@
 #include <utility>
 #include <vector>
 
-namespace handoff::py {
+namespace handoff::pybind {
 
 /// Memory a bound class describes for def_dlpack.
 struct array_desc {
@@ -194,8 +194,8 @@ class array_view {
   [[nodiscard]] Scalar& operator()(Index... index) const noexcept
   {
     static_assert(Ndim < 0 || sizeof...(Index) == static_cast<std::size_t>(Ndim),
-                  "handoff::py::array_view: as many indices as the array's ndim<N> or shape<...>");
-    static_assert((std::is_integral_v<Index> && ...), "handoff::py::array_view: indices are integers");
+                  "handoff::pybind::array_view: as many indices as the array's ndim<N> or shape<...>");
+    static_assert((std::is_integral_v<Index> && ...), "handoff::pybind::array_view: indices are integers");
     return at(std::index_sequence_for<Index...>{}, index...);
   }
 
@@ -367,7 +367,7 @@ inline std::string extents_text(const std::int64_t* extents, std::int32_t ndim)
 // What a constraint accepts, why an array does not meet it, and how the signature names it.
 template <typename C>
 struct constraint {
-  static_assert(is_scalar_v<C>, "not a handoff::py::array constraint");
+  static_assert(is_scalar_v<C>, "not a handoff::pybind::array constraint");
   static bool accepts(const handoff_array_info& info)
   {
     constexpr DLDataType want = dtype_of<C>();
@@ -597,7 +597,7 @@ class array {
   using framework = typename detail::framework_of<Constraints...>::type;
   static_assert((0 + ... + (detail::is_framework_v<Constraints> || std::is_same_v<Constraints, array_api> ? 1 : 0)) <=
                   1,
-                "handoff::py::array: at most one framework tag");
+                "handoff::pybind::array: at most one framework tag");
 
   array() = default;
   array(pybind11::object handoff_array, const handoff_array_info& info) : object_(std::move(handoff_array)), info_(info)
@@ -712,7 +712,7 @@ class array {
   template <typename S = scalar>
   [[nodiscard]] auto view() const noexcept
   {
-    static_assert(!std::is_void_v<S>, "handoff::py::array::view() needs a scalar type among the constraints");
+    static_assert(!std::is_void_v<S>, "handoff::pybind::array::view() needs a scalar type among the constraints");
     using viewed = std::conditional_t<read_only, const S, S>;
     return array_view<viewed, static_ndim>(static_cast<viewed*>(info_.data), info_.ndim, info_.shape, info_.strides);
   }
@@ -732,13 +732,13 @@ class array {
   array(pointer data, std::size_t ndim, const std::int64_t* shape, pybind11::handle owner, std::size_t stride_count,
         const std::int64_t* strides, DLDevice device)
   {
-    static_assert(!std::is_void_v<S>, "handoff::py::array of C++ memory needs a scalar type among the constraints");
+    static_assert(!std::is_void_v<S>, "handoff::pybind::array of C++ memory needs a scalar type among the constraints");
     if (stride_count != 0 && stride_count != ndim) {
-      throw pybind11::value_error("handoff::py::array: " + std::to_string(stride_count) + " strides for " +
+      throw pybind11::value_error("handoff::pybind::array: " + std::to_string(stride_count) + " strides for " +
                                   std::to_string(ndim) + " dimensions");
     }
     if (static_ndim >= 0 && ndim != static_cast<std::size_t>(static_ndim)) {
-      throw pybind11::value_error("handoff::py::array: " + std::to_string(ndim) + " dimensions where the type has " +
+      throw pybind11::value_error("handoff::pybind::array: " + std::to_string(ndim) + " dimensions where the type has " +
                                   std::to_string(static_ndim));
     }
     const handoff_array_desc desc{
@@ -753,7 +753,7 @@ class array {
     const handoff_py_api& api = detail::api();
     object_ = detail::checked(api.view(&desc, owner.ptr()));
     if (api.describe(object_.ptr(), &info_) != 0) { throw pybind11::error_already_set(); }
-    if (!accepts(info_)) { throw pybind11::value_error("handoff::py::array: " + mismatch(info_)); }
+    if (!accepts(info_)) { throw pybind11::value_error("handoff::pybind::array: " + mismatch(info_)); }
   }
 
   pybind11::object object_;
@@ -800,13 +800,13 @@ void explain_mismatches(Scope& scope, std::initializer_list<const char*> names)
   }
 }
 
-}  // namespace handoff::py
+}  // namespace handoff::pybind
 
 namespace pybind11::detail {
 
 template <typename... Constraints>
-struct type_caster<handoff::py::array<Constraints...>> {
-  using value_type = handoff::py::array<Constraints...>;
+struct type_caster<handoff::pybind::array<Constraints...>> {
+  using value_type = handoff::pybind::array<Constraints...>;
   PYBIND11_TYPE_CASTER(value_type, value_type::signature);
 
   // Only "this object does not fit" lets pybind11 try the next overload: any other failure of the
@@ -814,7 +814,7 @@ struct type_caster<handoff::py::array<Constraints...>> {
   // Under explain_mismatches, a misfit records why.
   bool load(handle source, bool /*convert*/)
   {
-    const handoff_py_api& api = handoff::py::detail::api();
+    const handoff_py_api& api = handoff::pybind::detail::api();
     // None: the enclosing handoff.stream block's stream, else the device's default stream.
     const object stream = value_type::self_ordered ? object(int_(-1)) : object(none());
     PyObject* made = nullptr;
@@ -837,7 +837,7 @@ struct type_caster<handoff::py::array<Constraints...>> {
       return false;
     }
     if (!value_type::accepts(info)) {
-      handoff::py::detail::record_mismatch(value_type::signature.text, [&info] { return value_type::mismatch(info); });
+      handoff::pybind::detail::record_mismatch(value_type::signature.text, [&info] { return value_type::mismatch(info); });
       return false;
     }
     value = value_type(std::move(imported), info);
@@ -852,14 +852,14 @@ struct type_caster<handoff::py::array<Constraints...>> {
     if constexpr (std::is_void_v<framework>) {
       return source.object().inc_ref();
     } else {
-      return handoff::py::detail::from_dlpack_of<framework>()(source.object()).release();
+      return handoff::pybind::detail::from_dlpack_of<framework>()(source.object()).release();
     }
   }
 
  private:
   static bool no_protocol(handle source)
   {
-    handoff::py::detail::record_mismatch(value_type::signature.text, [source] {
+    handoff::pybind::detail::record_mismatch(value_type::signature.text, [source] {
       return std::string(Py_TYPE(source.ptr())->tp_name) + " speaks no array protocol";
     });
     return false;
