@@ -738,8 +738,8 @@ class array {
                                   std::to_string(ndim) + " dimensions");
     }
     if (static_ndim >= 0 && ndim != static_cast<std::size_t>(static_ndim)) {
-      throw pybind11::value_error("handoff::pybind::array: " + std::to_string(ndim) + " dimensions where the type has " +
-                                  std::to_string(static_ndim));
+      throw pybind11::value_error("handoff::pybind::array: " + std::to_string(ndim) +
+                                  " dimensions where the type has " + std::to_string(static_ndim));
     }
     const handoff_array_desc desc{
       const_cast<void*>(static_cast<const void*>(data)),  // a read-only view never writes through it
@@ -837,7 +837,8 @@ struct type_caster<handoff::pybind::array<Constraints...>> {
       return false;
     }
     if (!value_type::accepts(info)) {
-      handoff::pybind::detail::record_mismatch(value_type::signature.text, [&info] { return value_type::mismatch(info); });
+      handoff::pybind::detail::record_mismatch(value_type::signature.text,
+                                               [&info] { return value_type::mismatch(info); });
       return false;
     }
     value = value_type(std::move(imported), info);
