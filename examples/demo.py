@@ -138,7 +138,8 @@ def cross_library_demo():
     trace = [sys.executable, "-m", "handoff._trace_cli", "run"]
     env = {**os.environ, "HANDOFF_BACKEND": "sim"}
     for options, label in (((), "traced"), (("--order",), "traced and ordered (--order)")):
-        print(f"\n  $ handoff-trace run {' '.join(options)} -- python {pipeline.name}   # {label}", flush=True)
+        command = " ".join(["handoff-trace", "run", *options, "--", "python", pipeline.name])
+        print(f"\n  $ {command}   # {label}", flush=True)
         subprocess.run([*trace, *options, "--", sys.executable, str(pipeline)], env=env, check=True)
 
 

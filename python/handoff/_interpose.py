@@ -298,9 +298,10 @@ def _patch_module(module_name: str) -> None:
             if target.split(":")[0] == module_name:
                 interface_first = target in adapter.interface_first
                 _patch(target, functools.partial(_consumer_hook, consumer=adapter, interface_first=interface_first))
-        for target in adapter.producers:
-            if target.split(":")[0] == module_name:
-                _patch_producer(target)
+        if _tracing():  # the stream a consumer passes matters to a trace only
+            for target in adapter.producers:
+                if target.split(":")[0] == module_name:
+                    _patch_producer(target)
 
 
 def _patch(target: str, make: Callable[[Any], Any]) -> None:
@@ -329,8 +330,10 @@ def _patch_producer(target: str) -> None:
     _replaced[(cls, "__dlpack__")] = original
 
 
-def _unpatch(adapter: LibraryAdapter | None = None) -> None:
+def _unpatch(adapter: LibraryAdapter | None = None, *, producers_only: bool = False) -> None:
     for (owner, attribute), original in list(_replaced.items()):
+        if producers_only and not isinstance(owner, type):
+            continue
         if adapter is not None:
             name = owner.__name__ if isinstance(owner, types.ModuleType) else owner.__module__
             if not any(t.split(":")[0] == name for t in (*adapter.consumers, *adapter.producers)):
@@ -347,9 +350,10 @@ def acquire() -> None:
         _users += 1
         if _users == 1:
             sys.meta_path.insert(0, _finder)
-            for module in _target_modules():
-                if module in sys.modules:
-                    _patch_module(module)
+        # Again when a trace joins the ordering mode: the producers' hooks are a trace's.
+        for module in _target_modules():
+            if module in sys.modules:
+                _patch_module(module)
 
 
 def release() -> None:
@@ -363,6 +367,8 @@ def release() -> None:
             with contextlib.suppress(ValueError):
                 sys.meta_path.remove(_finder)
             _unpatch()
+        elif not _tracing():  # the ordering mode alone
+            _unpatch(producers_only=True)
 
 
 def order_libraries(enabled: bool = True) -> None:

@@ -109,6 +109,20 @@ def test_tracing_off_wraps_nothing_and_a_trace_block_puts_every_hook_back():
     assert [(e["producer"], e["consumer"]) for e in t.events] == [("torch", "numpy")]
 
 
+def test_the_ordering_mode_alone_wraps_the_consumers_but_not_the_producers():
+    original_export = torch.Tensor.__dlpack__
+    handoff.order_libraries(True)
+    try:
+        assert np.from_dlpack.__handoff_original__ is not None
+        assert torch.Tensor.__dlpack__ is original_export, "the stream a consumer passes matters to a trace only"
+        with handoff.trace(libraries=True):
+            assert torch.Tensor.__dlpack__ is not original_export
+        assert torch.Tensor.__dlpack__ is original_export
+    finally:
+        handoff.order_libraries(False)
+    assert not hasattr(np.from_dlpack, "__handoff_original__")
+
+
 def test_a_library_imported_while_tracing_is_hooked_as_it_loads():
     code = """
         import sys, handoff
