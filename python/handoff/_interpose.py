@@ -174,6 +174,8 @@ def register_library(adapter: LibraryAdapter) -> None:
             _unpatch(previous)
         _registry[adapter.name] = adapter
         _library_of_type.clear()
+        global _targets  # noqa: PLW0603
+        _targets = None
         if _users:
             for module in {target.split(":")[0] for target in (*adapter.consumers, *adapter.producers)}:
                 if module in sys.modules:
@@ -278,8 +280,18 @@ class _PatchingLoader(importlib.abc.Loader):
 _finder = _Finder()
 
 
-def _target_modules() -> set[str]:
-    return {target.split(":")[0] for a in _registry.values() for target in (*a.consumers, *a.producers)}
+def _target_modules() -> frozenset[str]:
+    """The modules the hooks patch: asked at every import while hooks are in place, so remembered
+    until an adapter is registered."""
+    global _targets  # noqa: PLW0603
+    if _targets is None:
+        _targets = frozenset(
+            target.split(":")[0] for a in _registry.values() for target in (*a.consumers, *a.producers)
+        )
+    return _targets
+
+
+_targets: frozenset[str] | None = None
 
 
 def _resolve(target: str) -> tuple[Any, str, Any] | None:
@@ -389,11 +401,6 @@ def order_libraries(enabled: bool = True) -> None:
         acquire()
     else:
         release()
-
-
-def ordering_libraries() -> bool:
-    """Whether the ordering mode is on."""
-    return _ordering
 
 
 # --- one exchange --------------------------------------------------------------------------------
@@ -547,6 +554,7 @@ def _exchange(
         except Exception as error:  # noqa: BLE001 - the program runs as it would without the ordering mode
             _warn_once(f"handoff could not order an exchange from {producer_name} to {consumer.name}: {error}")
 
+    seen = _Seen(protocol, producer_name, consumer.name, device, producer_stream, consumer_stream)
     exchange = _Exchange(argument, device)
     _local.exchange = exchange
     # A producer or consumer built on handoff exchanges through it inside: this event covers those.
@@ -556,7 +564,6 @@ def _exchange(
     except BaseException as error:
         _local.exchange = None
         _handoff._interposed_mute(False)
-        seen = _Seen(protocol, producer_name, consumer.name, device, producer_stream, consumer_stream)
         seen.record("import", exchange.stream_argument, "refused", ordered, f"{type(error).__name__}: {error}"[:200])
         raise
     _local.exchange = None
@@ -566,7 +573,6 @@ def _exchange(
         _keep_until_done(result, argument, device, consumer_stream)
     if not tracing:
         return result
-    seen = _Seen(protocol, producer_name, consumer.name, device, producer_stream, consumer_stream)
     seen.shape, seen.dtype, seen.nbytes = _describe(result, argument)
     hazard = ""
     if exchange.producer_device is not None and exchange.producer_device != device[1]:

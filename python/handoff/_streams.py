@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from contextlib import ExitStack
+from contextlib import AbstractContextManager
 from contextvars import ContextVar, Token
+from typing import Any
 
 from . import _handoff
 
@@ -16,7 +17,7 @@ _current = _handoff._stream_var
 # context, not in the block object, so that one block object may be entered by several threads or
 # tasks at once; each entry names its block, so that a block leaves with its own token even when
 # blocks interleave (a generator's block entered inside ours and suspended while ours ends).
-_entered: ContextVar[tuple[tuple[stream, Token[Stream | None], ExitStack | None], ...]] = ContextVar(
+_entered: ContextVar[tuple[tuple[stream, Token[Stream | None], AbstractContextManager[Any] | None], ...]] = ContextVar(
     "handoff.stream_tokens", default=()
 )
 
@@ -118,8 +119,8 @@ class stream:
             from ._interpose import frameworks_on
 
             assert self._stream is not None
-            frameworks = ExitStack()
-            frameworks.enter_context(frameworks_on(self._stream.handle, self._stream.device or 0))
+            frameworks = frameworks_on(self._stream.handle, self._stream.device or 0)
+            frameworks.__enter__()
         token = _current.set(self._stream)
         _entered.set((*_entered.get(), (self, token, frameworks)))
         return self._stream
@@ -133,7 +134,7 @@ class stream:
                 _current.reset(entered[i][1])
                 frameworks = entered[i][2]
                 if frameworks is not None:
-                    frameworks.close()
+                    frameworks.__exit__(None, None, None)
                 return
         # Entered in another context (a generator closed elsewhere): nothing of this one to restore.
 

@@ -148,7 +148,7 @@ class trace:
         """Writes the trace as Chrome trace JSON, with the raw events and graph under ``"handoff"``."""
         graph = self.graph if not self.active else _snapshot_graph()
         data = chrome_trace(self.events, graph=graph, pid=os.getpid())
-        data["handoff"].update(dropped=self.dropped, limit=self._limit, ppid=os.getppid())
+        data["handoff"].update(dropped=self.dropped, limit=self._limit)
         Path(path).write_text(dumps(data), encoding="utf-8")
 
 

@@ -23,7 +23,7 @@ import pytest
 
 import handoff
 
-from support import BACKEND, needs_sim, needs_two_devices, pending_write, run_python
+from support import BACKEND, DEVICE_TYPE, needs_sim, needs_two_devices, pending_write, run_python
 
 THIS_FILE = Path(__file__).resolve()
 
@@ -354,6 +354,39 @@ def serving_child(runtime_dir: Path) -> Iterator[tuple[subprocess.Popen, str]]:
 def go_on(child: subprocess.Popen, steps: int = 1) -> None:
     child.stdin.write("\n" * steps)
     child.stdin.flush()
+
+
+SERVING_WHILE_RELEASING = """
+import socket, sys, threading, handoff
+from handoff import sim
+path = handoff.serve_trace()
+stream = sim.Stream(non_blocking=True)
+running, finish = threading.Event(), threading.Event()
+
+class Owner:  # its release runs on the runtime's service thread, and holds it there
+    def __del__(self):
+        running.set()
+        finish.wait(60)
+
+handoff._handoff._interposed_keep(Owner(), ({device_type}, 0), stream.handle)
+assert running.wait(60), "the release did not run"
+clients = [socket.socket(socket.AF_UNIX) for _ in range(17)]
+for client in clients:
+    client.settimeout(30)
+    client.connect(path)
+lines = [client.makefile("r").readline() for client in clients]
+finish.set()
+print(sum('"hello"' in line for line in lines), sum("16 clients are attached already" in line for line in lines))
+"""
+
+
+@needs_sim
+def test_the_socket_serves_while_the_service_thread_runs_a_release_and_refuses_clients_past_sixteen():
+    # Serving on the thread that runs the deferred releases, a busy release held every client (and
+    # idle clients delayed the releases); past 16 clients, memory grew with each.
+    result = run_python(SERVING_WHILE_RELEASING.format(device_type=DEVICE_TYPE))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["16", "1"]
 
 
 def test_a_served_trace_streams_each_exchange_to_an_attached_client(tmp_path):

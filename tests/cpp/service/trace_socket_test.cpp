@@ -69,6 +69,18 @@ class line_client {
   std::string buffer_;
 };
 
+// Reads `client`'s lines up to {"last":true} (published after the drops): whether a
+// {"dropped":N} came among them.
+bool told_of_drops(line_client& client)
+{
+  bool told = false;
+  while (const auto line = client.line()) {
+    if (line->rfind(R"({"dropped":)", 0) == 0) { told = true; }
+    if (*line == R"({"last":true})") { break; }
+  }
+  return told;
+}
+
 class TraceSocketTest : public ::testing::Test {
  protected:
   void SetUp() override
@@ -175,12 +187,7 @@ TEST_F(TraceSocketTest, ASlowClientIsDroppedFromNotWaitedForAndToldHowMuch)
   ASSERT_TRUE(eventually([&] { return socket.dropped() > 0; }));
   service_.drain();
   socket.publish(R"({"last":true})");
-  bool told = false;
-  while (const auto line = slow.line()) {
-    if (line->rfind(R"({"dropped":)", 0) == 0) { told = true; }
-    if (*line == R"({"last":true})") { break; }
-  }
-  EXPECT_TRUE(told) << "the client is told how many lines it missed";
+  EXPECT_TRUE(told_of_drops(slow)) << "the client is told how many lines it missed";
 }
 
 TEST_F(TraceSocketTest, ClientsPastTheMostServedAreRefusedAndTheOthersStayServed)
@@ -216,12 +223,7 @@ TEST_F(TraceSocketTest, LinesTheServingThreadHasNotTakenYetAreBoundedToo)
   unblock.set_value();
   own.drain();
   socket.publish(R"({"last":true})");
-  bool told = false;
-  while (const auto line = client.line()) {
-    if (line->rfind(R"({"dropped":)", 0) == 0) { told = true; }
-    if (*line == R"({"last":true})") { break; }
-  }
-  EXPECT_TRUE(told) << "the client is told how many lines it missed";
+  EXPECT_TRUE(told_of_drops(client)) << "the client is told how many lines it missed";
 }
 
 TEST_F(TraceSocketTest, GarbageAndAClientThatVanishesLeaveTheOthersServed)
