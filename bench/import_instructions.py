@@ -56,9 +56,9 @@ ORDERED = {  # name: (set-up, the argument)
 }
 
 
-def instructions(setup: str, argument: str, calls: int, backend: str = "auto") -> tuple[int, int]:
+def instructions(setup: str, argument: str, calls: int, backend: str = "auto", call: str = "f(a)") -> tuple[int, int]:
     """Instructions of the calling thread, and of all other threads together."""
-    program = f"import numpy as np\n{setup}\na = {argument}\nfor _ in range({calls}): f(a)\n"
+    program = f"import numpy as np\n{setup}\na = {argument}\nfor _ in range({calls}): {call}\n"
     # A fixed hash seed: the type attribute cache's hits and misses depend on the strings' hashes.
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "HANDOFF_BACKEND": backend}
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,8 +88,9 @@ def instructions(setup: str, argument: str, calls: int, backend: str = "auto") -
 
 
 @functools.cache  # NumPy's own import is the reference of both tables
-def per_call(setup: str, argument: str, backend: str = "auto") -> tuple[float, float]:
-    once, twice = instructions(setup, argument, N, backend), instructions(setup, argument, 2 * N, backend)
+def per_call(setup: str, argument: str, backend: str = "auto", call: str = "f(a)") -> tuple[float, float]:
+    once = instructions(setup, argument, N, backend, call)
+    twice = instructions(setup, argument, 2 * N, backend, call)
     return (twice[0] - once[0]) / N, (twice[1] - once[1]) / N
 
 

@@ -69,51 +69,6 @@ std::optional<DLPackVersion> requested_version(py::handle max_version)
   return DLPackVersion{field(PyTuple_GET_ITEM(raw, 0)), field(PyTuple_GET_ITEM(raw, 1))};
 }
 
-// CUDA Array Interface v3 of CUDA-resident data; `stream` is where the data is ready, so that the
-// consumer can order its work after it (None when unknown: nothing to wait for).
-py::dict cuda_array_interface(const array& view)
-{
-  if (!is_cuda_device(view.device().device_type)) {
-    throw py::attribute_error(
-      fmt::format("__cuda_array_interface__ is for CUDA memory; this array is on {}", device_text(view.device())));
-  }
-  std::string type;
-  try {
-    type = typestr(view.dtype());
-  } catch (const buffer_error& e) {
-    throw py::attribute_error(e.what());
-  }
-  py::dict out;
-  out["shape"] = int_tuple(view.shape());
-  out["typestr"] = type;
-  // "For zero-size arrays, use 0 here" (the interface's `data`).
-  const std::uintptr_t data = view.size() == 0 ? 0 : reinterpret_cast<std::uintptr_t>(view.data());
-  out["data"] = py::make_tuple(data, view.readonly());
-  out["strides"] = view.is_c_contiguous() ? py::object(py::none()) : py::object(byte_strides(view));
-  py::list descr;
-  descr.append(py::make_tuple("", type));
-  out["descr"] = descr;
-  out["version"] = 3;
-  const auto ready = module_exchange().interface_stream(view);
-  out["stream"] = ready ? py::object(py::int_(*ready)) : py::object(py::none());
-  return out;
-}
-
-py::dict array_interface(const array& view)
-{
-  if (view.device().device_type != kDLCPU) {
-    throw py::attribute_error(
-      fmt::format("__array_interface__ is for CPU arrays; this one is on {}", device_text(view.device())));
-  }
-  py::dict out;
-  out["shape"] = int_tuple(view.shape());
-  out["typestr"] = typestr(view.dtype());
-  out["data"] = py::make_tuple(reinterpret_cast<std::uintptr_t>(view.data()), view.readonly());
-  out["strides"] = view.is_c_contiguous() ? py::object(py::none()) : py::object(byte_strides(view));
-  out["version"] = 3;
-  return out;
-}
-
 // ---------------------------------------------------------------------------------------------
 // The type
 
@@ -282,13 +237,6 @@ PyObject* method_reduce(PyObject* /*self*/, PyObject* /*protocol*/) noexcept
   return nullptr;
 }
 
-// PyMethodDef stores every calling convention as a PyCFunction.
-template <typename Function>
-PyCFunction as_cfunction(Function* function) noexcept
-{
-  return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(function));
-}
-
 PyGetSetDef array_getset[] = {
   {"shape", get_shape, nullptr, "The extent of each axis, a tuple of ints.", nullptr},
   {"strides", get_strides, nullptr, "Strides in bytes, as NumPy reports them.", nullptr},
@@ -333,6 +281,51 @@ constexpr const char* array_doc =
   "(and every capsule exported from it) is gone, the producer is released.";
 
 }  // namespace
+
+// CUDA Array Interface v3 of CUDA-resident data; `stream` is where the data is ready, so that the
+// consumer can order its work after it (None when unknown: nothing to wait for).
+py::dict cuda_array_interface(const array& view)
+{
+  if (!is_cuda_device(view.device().device_type)) {
+    throw py::attribute_error(
+      fmt::format("__cuda_array_interface__ is for CUDA memory; this array is on {}", device_text(view.device())));
+  }
+  std::string type;
+  try {
+    type = typestr(view.dtype());
+  } catch (const buffer_error& e) {
+    throw py::attribute_error(e.what());
+  }
+  py::dict out;
+  out["shape"] = int_tuple(view.shape());
+  out["typestr"] = type;
+  // "For zero-size arrays, use 0 here" (the interface's `data`).
+  const std::uintptr_t data = view.size() == 0 ? 0 : reinterpret_cast<std::uintptr_t>(view.data());
+  out["data"] = py::make_tuple(data, view.readonly());
+  out["strides"] = view.is_c_contiguous() ? py::object(py::none()) : py::object(byte_strides(view));
+  py::list descr;
+  descr.append(py::make_tuple("", type));
+  out["descr"] = descr;
+  out["version"] = 3;
+  const auto ready = module_exchange().interface_stream(view);
+  out["stream"] = ready ? py::object(py::int_(*ready)) : py::object(py::none());
+  return out;
+}
+
+py::dict array_interface(const array& view)
+{
+  if (view.device().device_type != kDLCPU) {
+    throw py::attribute_error(
+      fmt::format("__array_interface__ is for CPU arrays; this one is on {}", device_text(view.device())));
+  }
+  py::dict out;
+  out["shape"] = int_tuple(view.shape());
+  out["typestr"] = typestr(view.dtype());
+  out["data"] = py::make_tuple(reinterpret_cast<std::uintptr_t>(view.data()), view.readonly());
+  out["strides"] = view.is_c_contiguous() ? py::object(py::none()) : py::object(byte_strides(view));
+  out["version"] = 3;
+  return out;
+}
 
 py::capsule export_dlpack(const array& view, py::handle stream, py::handle max_version, py::handle dl_device,
                           py::handle copy)

@@ -18,6 +18,13 @@ void bind_array(py::module_& m);
 [[nodiscard]] py::capsule export_dlpack(const array& view, py::handle stream, py::handle max_version,
                                         py::handle dl_device, py::handle copy);
 
+/// CUDA Array Interface v3 of CUDA-resident `view`, its `stream` the one the data is ready on (None
+/// when unknown). @throws py::attribute_error for data elsewhere, or a dtype the interface lacks.
+[[nodiscard]] py::dict cuda_array_interface(const array& view);
+
+/// NumPy's array interface v3 of CPU `view`. @throws py::attribute_error for data elsewhere.
+[[nodiscard]] py::dict array_interface(const array& view);
+
 /// Wraps a view as a new `handoff.Array`, a view in the ownership graph of data made by `library`
 /// (null: the library of the import in progress, if any). @throws py::error_already_set when out
 /// of memory.

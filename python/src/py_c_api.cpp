@@ -4,8 +4,10 @@
 #include "py_c_api.hpp"
 
 #include "py_array.hpp"
+#include "py_dlpack_class.hpp"
 #include "py_errors.hpp"
 #include "py_exchange.hpp"
+#include "py_extension_views.hpp"
 #include "py_view.hpp"
 
 #include <handoff/python_c_api.h>
@@ -28,22 +30,8 @@ PyObject* view(const handoff_array_desc* desc, PyObject* owner) noexcept
 {
   return python_entry([&] {
     HANDOFF_EXPECTS(desc != nullptr, value_error, "view: the description is NULL");
-    HANDOFF_EXPECTS(desc->ndim >= 0 && (desc->ndim == 0 || desc->shape != nullptr), value_error,
-                    fmt::format("view: the shape is missing or ndim ({}) is negative", desc->ndim));
-    const auto rank = static_cast<std::size_t>(desc->ndim);
-    array_layout layout;
-    layout.data = desc->data;
-    layout.device = desc->device;
-    layout.dtype = desc->dtype;
-    layout.readonly = desc->readonly != 0;
-    layout.shape = std::span<const std::int64_t>{desc->shape, rank};
-    if (desc->strides != nullptr) {
-      layout.strides = std::span<const std::int64_t>{desc->strides, rank};
-    } else {
-      layout.strides = contiguous_strides(layout.shape);
-    }
     const py::object stream = desc->stream == 0 ? py::object(py::none()) : py::object(py::int_(desc->stream));
-    return make_array(std::move(layout), none_if_null(owner), stream);
+    return make_array(layout_of(*desc), none_if_null(owner), stream);
   });
 }
 
@@ -90,20 +78,71 @@ int describe(PyObject* object, handoff_array_info* out) noexcept
                  object != nullptr ? Py_TYPE(object)->tp_name : "NULL");
     return -1;
   }
-  const auto ready = view->owner().ready_on();
-  const std::intptr_t stream =
-    ready ? stream_value_of(view->device().device_type, static_cast<std::uint64_t>(ready->stream)) : 0;
-  *out = handoff_array_info{
-    .data = view->data(),
-    .ndim = view->ndim(),
-    .shape = view->shape().data(),
-    .strides = view->strides().data(),
-    .dtype = view->dtype(),
-    .device = view->device(),
-    .stream = stream,
-    .readonly = view->readonly() ? 1 : 0,
-  };
+  *out = array_info(*view);
   return 0;
+}
+
+int import_view(PyObject* object, PyObject* stream, handoff_view** out, handoff_array_info* info) noexcept
+{
+  if (object == nullptr || out == nullptr || info == nullptr) {
+    PyErr_SetString(PyExc_ValueError, "import_view: the object or an output is NULL");
+    return -1;
+  }
+  *out = nullptr;
+  try {
+    *out = import_extension_view(object, none_if_null(stream));
+    *info = (*out)->info;
+    return 0;
+  } catch (const no_array_protocol&) {
+    return 1;  // it does not fit: nothing raised
+  } catch (...) {
+    raise_current_exception();
+    return -1;
+  }
+}
+
+handoff_view* make_view(const handoff_array_desc* desc, PyObject* owner, handoff_array_info* info) noexcept
+{
+  try {
+    HANDOFF_EXPECTS(desc != nullptr && info != nullptr, value_error, "make_view: the description or output is NULL");
+    const py::object stream = desc->stream == 0 ? py::object(py::none()) : py::object(py::int_(desc->stream));
+    handoff_view* made = describe_extension_view(layout_of(*desc), none_if_null(owner), stream);
+    *info = made->info;
+    return made;
+  } catch (...) {
+    raise_current_exception();
+    return nullptr;
+  }
+}
+
+void retain_view(handoff_view* view) noexcept
+{
+  if (view != nullptr) { ++view->references; }
+}
+
+void release_view(handoff_view* view) noexcept
+{
+  release_extension_view(view);
+}
+
+PyObject* view_to_python(handoff_view* view, int framework) noexcept
+{
+  return python_entry([&] {
+    HANDOFF_EXPECTS(view != nullptr, value_error, "view_to_python: the view is NULL");
+    return extension_view_to_python(*view, framework);
+  });
+}
+
+int def_dlpack(PyObject* type, handoff_describe_fn describe, void* context, PyObject* context_owner) noexcept
+{
+  try {
+    HANDOFF_EXPECTS(type != nullptr, value_error, "def_dlpack: the type is NULL");
+    python::def_dlpack(type, describe, context, none_if_null(context_owner));
+    return 0;
+  } catch (...) {
+    raise_current_exception();
+    return -1;
+  }
 }
 
 const handoff_py_api table{
@@ -114,6 +153,12 @@ const handoff_py_api table{
   .asarray = asarray,
   .describe = describe,
   .import_array = import_array,
+  .import_view = import_view,
+  .make_view = make_view,
+  .retain_view = retain_view,
+  .release_view = release_view,
+  .view_to_python = view_to_python,
+  .def_dlpack = def_dlpack,
 };
 
 }  // namespace

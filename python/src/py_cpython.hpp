@@ -98,4 +98,11 @@ class call_argument {
   PyObject* object_{nullptr};
 };
 
+/// A function of any calling convention as PyMethodDef stores it, a PyCFunction.
+template <typename Function>
+PyCFunction as_cfunction(Function* function) noexcept
+{
+  return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(function));
+}
+
 }  // namespace handoff::python

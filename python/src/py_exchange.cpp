@@ -75,9 +75,6 @@ named_stream consumer_stream(py::handle stream)
   return stream_named_by(py::reinterpret_steal<py::object>(block));
 }
 
-namespace {
-
-// True for NumPy's arrays (not subclasses), which live on the host: their device need not be asked.
 bool is_numpy_array(PyObject* x) noexcept
 {
   PyTypeObject* type = Py_TYPE(x);
@@ -86,6 +83,8 @@ bool is_numpy_array(PyObject* x) noexcept
   cached.ndarray = type;  // only NumPy names a type so; kept alive by the numpy module
   return true;
 }
+
+namespace {
 
 // True when `x` has a `__dlpack__` attribute. Looked up on the type first (the type's attribute
 // cache answers without allocating); only objects without it there pay for a full getattr.
@@ -235,12 +234,6 @@ PyObject* import_entry(PyObject* /*module*/, PyObject* const* args, Py_ssize_t n
     raise_current_exception();
     return nullptr;
   }
-}
-
-template <typename Function>
-PyCFunction as_cfunction(Function* function) noexcept
-{
-  return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(function));
 }
 
 PyMethodDef import_functions[] = {

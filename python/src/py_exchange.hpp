@@ -34,6 +34,9 @@ void init_exchange(py::module_& m);
 /// @throws type_error for objects that are no stream, value_error for bad ints or handles.
 [[nodiscard]] named_stream consumer_stream(py::handle stream);
 
+/// True for NumPy's arrays (not subclasses), which live on the host: their device need not be asked.
+[[nodiscard]] bool is_numpy_array(PyObject* x) noexcept;
+
 /// handoff.from_dlpack(x, /, *, device=None, copy=None, stream=None)
 [[nodiscard]] py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::handle stream);
 

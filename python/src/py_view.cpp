@@ -103,12 +103,17 @@ py::object view(py::handle data_ptr, py::handle shape, py::handle dtype, py::han
 
 }  // namespace
 
-py::object make_array(array_layout layout, py::handle owner, py::handle stream)
+array described_view(array_layout&& layout, py::handle owner, py::handle stream)
 {
   // None: the stream is unknown, which is not DLPack's None (the default stream).
   const named_stream ready = stream.is_none() ? named_stream{} : stream_named_by(stream);
   producer_ref keep = owner.is_none() ? producer_ref{[] {}} : python_owner(owner);
-  return wrap(module_exchange().view(std::move(layout), std::move(keep), ready));
+  return module_exchange().view(std::move(layout), std::move(keep), ready);
+}
+
+py::object make_array(array_layout layout, py::handle owner, py::handle stream)
+{
+  return wrap(described_view(std::move(layout), owner, stream));
 }
 
 py::capsule exporter_dlpack(py::handle instance, py::handle exported, py::handle stream, py::handle max_version,

@@ -5,12 +5,12 @@
 
 #include <pybind11/pybind11.h>
 
-#include <handoff/array.hpp>
-
 namespace handoff::python {
 
 namespace py = pybind11;
 
+/// The view handoff.view makes of a checked `layout` (see make_array), as a C++ array.
+[[nodiscard]] array described_view(array_layout&& layout, py::handle owner, py::handle stream);
 /// handoff.view of a checked `layout`: `owner` (None or any object) is held until the last view,
 /// capsule and consumer stream using the memory are done; `stream` is the stream the data is ready
 /// on (None: unknown; an int in DLPack's convention or a stream object).

@@ -71,12 +71,18 @@ std::optional<DLDataTypeCode> typestr_kind(char kind) noexcept
 
 constexpr bool little_endian = std::endian::native == std::endian::little;
 
+// known_dtypes by code and bits, for a lookup instead of a search (imports ask it per array).
+constexpr std::size_t max_code = 31;
+constexpr std::size_t max_bits = 128;
+constexpr auto known_table = [] {
+  std::array<std::array<bool, max_bits + 1>, max_code + 1> table{};
+  for (const auto& known : known_dtypes) { table.at(known.dtype.code).at(known.dtype.bits) = true; }
+  return table;
+}();
+
 bool is_known(DLDataType dtype) noexcept
 {
-  for (const auto& known : known_dtypes) {
-    if (known.dtype == dtype) { return true; }
-  }
-  return false;
+  return dtype.lanes == 1 && dtype.code <= max_code && dtype.bits <= max_bits && known_table[dtype.code][dtype.bits];
 }
 
 }  // namespace

@@ -213,6 +213,11 @@ array exchange::import_host(array view, const import_request& request)
   return made;
 }
 
+void exchange::count_host_import() const noexcept
+{
+  count(counter::imports);
+}
+
 array exchange::share(const array& source, const named_stream& consumer)
 {
   operation_trace trace{trace::event_kind::import_data, "dlpack"};

@@ -127,7 +127,7 @@ extents element_strides(std::span<const std::int64_t> shape, std::span<const std
   const auto size = static_cast<std::int64_t>(item);
   extents out;
   out.reserve(bytes.size());
-  std::vector<std::int64_t> contiguous;  // made only for an axis that needs it
+  extents contiguous;  // made only for an axis that needs it
   for (std::size_t i = 0; i < bytes.size(); ++i) {
     if (bytes[i] % size == 0) {
       out.push_back(bytes[i] / size);

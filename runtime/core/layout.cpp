@@ -137,9 +137,10 @@ void fill_contiguous_strides(std::span<const std::int64_t> shape, std::int64_t* 
 
 }  // namespace detail
 
-std::vector<std::int64_t> contiguous_strides(std::span<const std::int64_t> shape)
+extents contiguous_strides(std::span<const std::int64_t> shape)
 {
-  std::vector<std::int64_t> strides(shape.size());
+  extents strides;
+  strides.resize(shape.size());
   detail::fill_contiguous_strides(shape, strides.data());
   return strides;
 }

@@ -129,7 +129,7 @@ void require_known_range(context& ctx, const array& view)
 
 }  // namespace
 
-array make_view(context* ctx, array_layout layout, producer_ref owner, stream_request ready,
+array make_view(context* ctx, array_layout&& layout, producer_ref owner, stream_request ready,
                 std::shared_ptr<const void> ready_owner)
 {
   array view{std::move(layout), std::move(owner)};

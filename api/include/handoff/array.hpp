@@ -290,7 +290,7 @@ struct byte_range {
 [[nodiscard]] std::optional<byte_range> byte_range_of(const array_layout& layout) noexcept;
 
 /// Row-major strides, in elements, for `shape`.
-[[nodiscard]] std::vector<std::int64_t> contiguous_strides(std::span<const std::int64_t> shape);
+[[nodiscard]] extents contiguous_strides(std::span<const std::int64_t> shape);
 
 /// The row-major layout of `shape` and `dtype` on `device`, with no data yet, and its size in bytes.
 /// @throws value_error for a negative or overflowing shape, buffer_error for a dtype DLPack does

@@ -164,6 +164,11 @@ class exchange {
   /// protocol): `device` and `copy` applied.
   [[nodiscard]] array import_host(array view, const import_request& request);
 
+  /// Counts an import of host data that a front end holds without a view (a C++ extension's
+  /// argument read through the buffer protocol): host data needs no binding or transfer, so this
+  /// is all of the policy that applies. Traced imports go through import_host.
+  void count_host_import() const noexcept;
+
   /// A new view of `source`'s data (a view handoff made) for `consumer`, ordered as exporting it to
   /// the consumer and importing the result would be, sharing `source`'s root producer instead of
   /// wrapping it: a chain of re-imports keeps one producer alive, not one per hop.

@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <memory>
 #if __cplusplus >= 202002L
 #include <span>
 #endif
@@ -58,6 +59,12 @@ inline const handoff_py_api& api()
                                              ", this extension was built for version " +
                                              std::to_string(HANDOFF_PY_API_MAJOR) + "; rebuild it");
               }
+              if (table->minor < HANDOFF_PY_API_MINOR) {
+                throw pybind11::import_error(
+                  "handoff's C API is version " + std::to_string(table->major) + "." + std::to_string(table->minor) +
+                  ", older than the " + std::to_string(HANDOFF_PY_API_MAJOR) + "." +
+                  std::to_string(HANDOFF_PY_API_MINOR) + " this extension was built for; upgrade handoff");
+              }
               return table;
             })
             .get_stored();
@@ -70,20 +77,88 @@ inline pybind11::object checked(PyObject* made)
   return pybind11::reinterpret_steal<pybind11::object>(made);
 }
 
-/// handoff.view of what `describe` says about `self`, holding `self`.
-template <typename T, typename Describe>
-pybind11::object view_of(pybind11::handle self, const Describe& describe)
-{
-  const array_desc d = describe(pybind11::cast<const T&>(self));
-  if (!d.strides.empty() && d.strides.size() != d.shape.size()) {
-    throw pybind11::value_error("array_desc: strides has " + std::to_string(d.strides.size()) +
-                                " entries but shape has " + std::to_string(d.shape.size()) + " dimensions");
+/// One reference to a view the table made (handoff_view), which needs the GIL as a
+/// pybind11::object does.
+class view_ref {
+ public:
+  view_ref() noexcept = default;
+  /// Takes over the reference `adopted` holds.
+  explicit view_ref(handoff_view* adopted) noexcept : view_(adopted) {}
+  view_ref(const view_ref& other) noexcept : view_(other.view_)
+  {
+    if (view_ != nullptr) { api().retain_view(view_); }
   }
-  const handoff_array_desc c{d.data,         static_cast<std::int32_t>(d.shape.size()),
-                             d.shape.data(), d.strides.empty() ? nullptr : d.strides.data(),
-                             d.dtype,        d.device,
-                             d.stream,       d.readonly ? 1 : 0};
-  return checked(api().view(&c, self.ptr()));
+  view_ref(view_ref&& other) noexcept : view_(std::exchange(other.view_, nullptr)) {}
+  view_ref& operator=(const view_ref& other) noexcept
+  {
+    view_ref copy(other);
+    std::swap(view_, copy.view_);
+    return *this;
+  }
+  view_ref& operator=(view_ref&& other) noexcept
+  {
+    view_ref moved(std::move(other));
+    std::swap(view_, moved.view_);
+    return *this;
+  }
+  ~view_ref()
+  {
+    if (view_ != nullptr) { api().release_view(view_); }
+  }
+
+  [[nodiscard]] handoff_view* get() const noexcept { return view_; }
+  [[nodiscard]] explicit operator bool() const noexcept { return view_ != nullptr; }
+
+ private:
+  handoff_view* view_ = nullptr;
+};
+
+/// A view of `desc`'s memory holding `owner` (may be null), its description into `info`.
+inline view_ref make_view(const handoff_array_desc& desc, pybind11::handle owner, handoff_array_info& info)
+{
+  handoff_view* made = api().make_view(&desc, owner.ptr(), &info);
+  if (made == nullptr) { throw pybind11::error_already_set(); }
+  return view_ref(made);
+}
+
+/// def_dlpack's description of `T`'s instances: what `Describe` says, kept per thread until the
+/// table has read it (before this thread's next call).
+template <typename T, typename Describe>
+int describe_instance(PyObject* self, void* context, handoff_array_desc* out) noexcept
+{
+  thread_local array_desc described;
+  try {
+    // pybind11::cast's caster, its type's record looked up once rather than per call.
+    static const pybind11::detail::type_info* const type = pybind11::detail::get_type_info(typeid(T), true);
+    pybind11::detail::type_caster_generic instance(type);
+    if (!instance.load(self, /*convert=*/false)) { throw pybind11::cast_error("def_dlpack: not an instance"); }
+    described = (*static_cast<const Describe*>(context))(*static_cast<const T*>(instance.value));
+    if (!described.strides.empty() && described.strides.size() != described.shape.size()) {
+      throw pybind11::value_error("array_desc: strides has " + std::to_string(described.strides.size()) +
+                                  " entries but shape has " + std::to_string(described.shape.size()) + " dimensions");
+    }
+    *out = handoff_array_desc{described.data,         static_cast<std::int32_t>(described.shape.size()),
+                              described.shape.data(), described.strides.empty() ? nullptr : described.strides.data(),
+                              described.dtype,        described.device,
+                              described.stream,       described.readonly ? 1 : 0};
+    return 0;
+  } catch (...) {
+    pybind11::detail::try_translate_exceptions();  // sets the Python error pybind11 would
+    return -1;
+  }
+}
+
+/// The view as a handoff.Array (a new reference).
+inline pybind11::object python_array(const view_ref& view)
+{
+  return checked(api().view_to_python(view.get(), HANDOFF_FRAMEWORK_HANDOFF));
+}
+
+/// DLPack's stream=-1 (borrowed: made once, kept for the process).
+inline PyObject* unordered_stream()
+{
+  PYBIND11_CONSTINIT static pybind11::gil_safe_call_once_and_store<pybind11::object> storage;
+  return storage.call_once_and_store_result([] { return pybind11::int_(-1); }).get_stored().ptr();
 }
 
 }  // namespace detail
@@ -97,40 +172,13 @@ pybind11::object view_of(pybind11::handle self, const Describe& describe)
 template <typename Class, typename Describe>
 void def_dlpack(Class& cls, Describe describe)
 {
-  namespace pyb = pybind11;
   using T = typename Class::type;
-  cls.def(
-    "__dlpack__",
-    [describe](pyb::handle self, pyb::handle stream, pyb::handle max_version, pyb::handle dl_device, pyb::handle copy) {
-      const pyb::object exported = detail::view_of<T>(self, describe);
-      return detail::checked(detail::api().export_dlpack(self.ptr(), exported.ptr(), stream.ptr(), max_version.ptr(),
-                                                         dl_device.ptr(), copy.ptr()));
-    },
-    pyb::kw_only(), pyb::arg("stream") = pyb::none(), pyb::arg("max_version") = pyb::none(),
-    pyb::arg("dl_device") = pyb::none(), pyb::arg("copy") = pyb::none(),
-    "Exports the data as a DLPack capsule, ordered for the consumer's stream (handoff.Array.__dlpack__).");
-  cls.def(
-    "__dlpack_device__",
-    [describe](const T& value) {
-      const DLDevice device = describe(value).device;
-      return pyb::make_tuple(static_cast<int>(device.device_type), device.device_id);
-    },
-    "The (device_type, device_id) of the data, with DLPack's codes.");
-  cls.def_property_readonly(
-    "__cuda_array_interface__",
-    [describe](pyb::handle self) -> pyb::object {
-      // A named object, not an accessor of a temporary: the accessor would outlive the view.
-      const pyb::object exported = detail::view_of<T>(self, describe);
-      return exported.attr("__cuda_array_interface__");
-    },
-    "CUDA Array Interface v3 of CUDA memory, with the stream the data is ready on.");
-  cls.def_property_readonly(
-    "__array_interface__",
-    [describe](pyb::handle self) -> pyb::object {
-      const pyb::object exported = detail::view_of<T>(self, describe);
-      return exported.attr("__array_interface__");
-    },
-    "NumPy's array interface v3 of CPU memory (strides in bytes, None when row-major).");
+  auto held = std::make_unique<Describe>(std::move(describe));
+  const pybind11::capsule owner(held.get(), [](void* context) { delete static_cast<Describe*>(context); });
+  void* context = held.release();  // the capsule owns it
+  if (detail::api().def_dlpack(cls.ptr(), &detail::describe_instance<T, Describe>, context, owner.ptr()) != 0) {
+    throw pybind11::error_already_set();
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -448,52 +496,37 @@ struct accepts_anything {
 template <>
 struct constraint<numpy> : accepts_anything {
   static constexpr auto name = pyd::const_name("returned as numpy");
-  static constexpr const char* module = "numpy";
 };
 template <>
 struct constraint<pytorch> : accepts_anything {
   static constexpr auto name = pyd::const_name("returned as torch");
-  static constexpr const char* module = "torch";
 };
 template <>
 struct constraint<jax> : accepts_anything {
   static constexpr auto name = pyd::const_name("returned as jax");
-  static constexpr const char* module = "jax.dlpack";
 };
 template <>
 struct constraint<cupy> : accepts_anything {
   static constexpr auto name = pyd::const_name("returned as cupy");
-  static constexpr const char* module = "cupy";
 };
 template <>
 struct constraint<array_api> : accepts_anything {
   static constexpr auto name = pyd::const_name("returned as handoff.Array");
 };
 
+// The framework a tag returns arrays as (a handoff_framework); -1 for the other constraints.
 template <typename C>
-inline constexpr bool is_framework_v =
-  std::is_same_v<C, numpy> || std::is_same_v<C, pytorch> || std::is_same_v<C, jax> || std::is_same_v<C, cupy>;
-
-// The framework a returned array becomes (void: a handoff.Array); at most one tag.
-template <typename... C>
-struct framework_of {
-  using type = void;
-};
-template <typename C, typename... Rest>
-struct framework_of<C, Rest...> {
-  using type = std::conditional_t<is_framework_v<C>, C, typename framework_of<Rest...>::type>;
-};
-
-// The framework's from_dlpack, imported once per process (the module stays loaded).
-template <typename Framework>
-const pybind11::object& from_dlpack_of()
-{
-  PYBIND11_CONSTINIT static pybind11::gil_safe_call_once_and_store<pybind11::object> storage;
-  return storage
-    .call_once_and_store_result(
-      [] { return pybind11::module_::import(constraint<Framework>::module).attr("from_dlpack"); })
-    .get_stored();
-}
+struct framework_tag : std::integral_constant<int, -1> {};
+template <>
+struct framework_tag<numpy> : std::integral_constant<int, HANDOFF_FRAMEWORK_NUMPY> {};
+template <>
+struct framework_tag<pytorch> : std::integral_constant<int, HANDOFF_FRAMEWORK_TORCH> {};
+template <>
+struct framework_tag<jax> : std::integral_constant<int, HANDOFF_FRAMEWORK_JAX> {};
+template <>
+struct framework_tag<cupy> : std::integral_constant<int, HANDOFF_FRAMEWORK_CUPY> {};
+template <>
+struct framework_tag<array_api> : std::integral_constant<int, HANDOFF_FRAMEWORK_HANDOFF> {};
 
 template <>
 struct constraint<orders_itself> : accepts_anything {
@@ -593,15 +626,15 @@ class array {
   /// The number of dimensions an ndim<N> or shape<...> constraint fixes (-1: none).
   static constexpr int static_ndim = std::max({-1, detail::ndim_of<Constraints>::value...});
 
-  /// The framework a returned array reaches Python as (void: a handoff.Array).
-  using framework = typename detail::framework_of<Constraints...>::type;
-  static_assert((0 + ... + (detail::is_framework_v<Constraints> || std::is_same_v<Constraints, array_api> ? 1 : 0)) <=
-                  1,
+  /// The framework a returned array reaches Python as (a handoff_framework).
+  static constexpr int framework =
+    std::max({int{HANDOFF_FRAMEWORK_HANDOFF}, detail::framework_tag<Constraints>::value...});
+  static_assert((0 + ... + (detail::framework_tag<Constraints>::value >= 0 ? 1 : 0)) <= 1,
                 "handoff::pybind::array: at most one framework tag");
 
   array() = default;
-  array(pybind11::object handoff_array, const handoff_array_info& info) : object_(std::move(handoff_array)), info_(info)
-  {}
+  /// An array of the view `view` holds, described by `info`.
+  array(detail::view_ref view, const handoff_array_info& info) : view_(std::move(view)), info_(info) {}
 
   /// An array of C++ memory, as nb::ndarray(data, shape, owner): `owner` (a capsule, `self`, any
   /// object) is kept alive as long as the array or anything exported from it. `strides` in elements
@@ -701,10 +734,16 @@ class array {
   {
     return info_.stream;
   }
-  /// The handoff.Array holding the data.
-  [[nodiscard]] const pybind11::object& object() const noexcept
+  /// The data as a handoff.Array (None for a default-constructed array).
+  [[nodiscard]] pybind11::object object() const
   {
-    return object_;
+    return view_ ? detail::python_array(view_) : pybind11::none();
+  }
+  /// The data as the tagged framework's array (a handoff.Array without a tag), as returning the
+  /// array to Python makes it; None for a default-constructed array.
+  [[nodiscard]] pybind11::object to_python() const
+  {
+    return view_ ? detail::checked(detail::api().view_to_python(view_.get(), framework)) : pybind11::none();
   }
 
   /// Typed element access (const with `ro`); needs a scalar type among the constraints. Host data
@@ -750,13 +789,11 @@ class array {
       device,
       0,
       read_only ? 1 : 0};
-    const handoff_py_api& api = detail::api();
-    object_ = detail::checked(api.view(&desc, owner.ptr()));
-    if (api.describe(object_.ptr(), &info_) != 0) { throw pybind11::error_already_set(); }
+    view_ = detail::make_view(desc, owner, info_);
     if (!accepts(info_)) { throw pybind11::value_error("handoff::pybind::array: " + mismatch(info_)); }
   }
 
-  pybind11::object object_;
+  detail::view_ref view_;
   handoff_array_info info_{};
 };
 
@@ -814,47 +851,27 @@ struct type_caster<handoff::pybind::array<Constraints...>> {
   // Under explain_mismatches, a misfit records why.
   bool load(handle source, bool /*convert*/)
   {
-    const handoff_py_api& api = handoff::pybind::detail::api();
+    namespace hpd = handoff::pybind::detail;
     // None: the enclosing handoff.stream block's stream, else the device's default stream.
-    const object stream = value_type::self_ordered ? object(int_(-1)) : object(none());
-    PyObject* made = nullptr;
-    if (api.minor >= 1) {
-      const int status = api.import_array(source.ptr(), stream.ptr(), &made);
-      if (status == 1) { return no_protocol(source); }
-      if (status != 0) { throw error_already_set(); }
-    } else {  // a handoff older than the table's import_array: its asarray's TypeError is "no protocol"
-      made = api.asarray(source.ptr(), stream.ptr());
-      if (made == nullptr) {
-        if (!PyErr_ExceptionMatches(PyExc_TypeError)) { throw error_already_set(); }
-        PyErr_Clear();
-        return no_protocol(source);
-      }
-    }
-    object imported = reinterpret_steal<object>(made);
+    PyObject* stream = value_type::self_ordered ? hpd::unordered_stream() : Py_None;
+    handoff_view* made = nullptr;
     handoff_array_info info{};
-    if (api.describe(imported.ptr(), &info) != 0) {
-      PyErr_Clear();
-      return false;
-    }
+    const int status = hpd::api().import_view(source.ptr(), stream, &made, &info);
+    if (status == 1) { return no_protocol(source); }
+    if (status != 0) { throw error_already_set(); }
+    hpd::view_ref imported(made);
     if (!value_type::accepts(info)) {
-      handoff::pybind::detail::record_mismatch(value_type::signature.text,
-                                               [&info] { return value_type::mismatch(info); });
+      hpd::record_mismatch(value_type::signature.text, [&info] { return value_type::mismatch(info); });
       return false;
     }
     value = value_type(std::move(imported), info);
     return true;
   }
 
-  // A handoff.Array, or the tagged framework's array made from it by the framework's from_dlpack.
+  // A handoff.Array, or the tagged framework's array (numpy.ndarray, torch.Tensor, ...).
   static handle cast(const value_type& source, return_value_policy /*policy*/, handle /*parent*/)
   {
-    if (!source.object()) { return none().release(); }  // a default-constructed array holds nothing
-    using framework = typename value_type::framework;
-    if constexpr (std::is_void_v<framework>) {
-      return source.object().inc_ref();
-    } else {
-      return handoff::pybind::detail::from_dlpack_of<framework>()(source.object()).release();
-    }
+    return source.to_python().release();
   }
 
  private:

@@ -21,7 +21,7 @@ extern "C" {
 
 #define HANDOFF_PY_API_CAPSULE "handoff._handoff._C_API"
 #define HANDOFF_PY_API_MAJOR 1
-#define HANDOFF_PY_API_MINOR 1
+#define HANDOFF_PY_API_MINOR 2
 
 /* Memory an extension describes: what handoff.view takes. */
 typedef struct handoff_array_desc {
@@ -48,6 +48,23 @@ typedef struct handoff_array_info {
   int32_t readonly;
 } handoff_array_info;
 
+/* Since minor 2. A view of imported or described data that an extension holds without a Python
+ * object (what <handoff/pybind11.hpp>'s array holds): reference-counted, under the GIL. */
+typedef struct handoff_view handoff_view;
+
+/* Since minor 2. What an instance of a def_dlpack class holds: fills *out (its pointers valid until
+ * the next call on the calling thread) and returns 0, or returns -1 with a Python error set. */
+typedef int (*handoff_describe_fn)(PyObject* self, void* context, handoff_array_desc* out);
+
+/* Since minor 2. What view_to_python returns a view as. */
+typedef enum handoff_framework {
+  HANDOFF_FRAMEWORK_HANDOFF = 0, /* a handoff.Array */
+  HANDOFF_FRAMEWORK_NUMPY = 1,   /* numpy.ndarray */
+  HANDOFF_FRAMEWORK_TORCH = 2,   /* torch.Tensor */
+  HANDOFF_FRAMEWORK_JAX = 3,     /* jax.Array */
+  HANDOFF_FRAMEWORK_CUPY = 4     /* cupy.ndarray */
+} handoff_framework;
+
 typedef struct handoff_py_api {
   uint32_t major;
   uint32_t minor;
@@ -67,6 +84,22 @@ typedef struct handoff_py_api {
    * something else); -1 with the Python error any other failure raised (the producer's own,
    * handoff.DeviceError, KeyboardInterrupt, MemoryError), which a caller must let propagate. */
   int (*import_array)(PyObject* object, PyObject* stream, PyObject** out);
+  /* Since minor 2: views without a Python object. */
+  /* import_array's import as a view: 0 with *out a new view and *info its description (valid while the
+   * view lives); 1, nothing set, when `object` speaks no array protocol; -1 with the Python error. */
+  int (*import_view)(PyObject* object, PyObject* stream, handoff_view** out, handoff_array_info* info);
+  /* view()'s view of `desc`'s memory, holding `owner` (may be NULL), as a new view; NULL with the error. */
+  handoff_view* (*make_view)(const handoff_array_desc* desc, PyObject* owner, handoff_array_info* info);
+  void (*retain_view)(handoff_view* view);
+  void (*release_view)(handoff_view* view);
+  /* The view as a `framework` array (handoff_framework), zero-copy, holding the view's data: through
+   * the framework's from_dlpack, which orders device data for its current stream. A new reference. */
+  PyObject* (*view_to_python)(handoff_view* view, int framework);
+  /* Gives `type` __dlpack__, __dlpack_device__, __cuda_array_interface__ (CUDA memory only) and
+   * __array_interface__ (CPU memory only), with handoff.Array's semantics, for the memory `describe`
+   * says an instance holds (called with `context`, which `context_owner` keeps valid: it is held
+   * as long as the methods; may be NULL). Exported data holds the instance. 0, or -1 with the error. */
+  int (*def_dlpack)(PyObject* type, handoff_describe_fn describe, void* context, PyObject* context_owner);
 } handoff_py_api;
 
 /* NOLINTEND(modernize-use-using) */

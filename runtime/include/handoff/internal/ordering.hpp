@@ -36,7 +36,7 @@ void require_stream_ordered(const context& ctx, const array& view);
 /// `ready_owner`; order none: unknown). Without a backend device memory is exchanged as it comes.
 /// @throws value_error for a bad layout, or memory that is not the claimed device's (or that runs past
 ///         its allocation); device_error when the backend is of the other device family.
-[[nodiscard]] array make_view(context* ctx, array_layout layout, producer_ref owner, stream_request ready,
+[[nodiscard]] array make_view(context* ctx, array_layout&& layout, producer_ref owner, stream_request ready,
                               std::shared_ptr<const void> ready_owner = {});
 
 /// Export half: orders the work pending on the stream `view` is ready on (its producer's last

@@ -1,0 +1,168 @@
+#include "py_extension_views.hpp"
+
+#include "py_array.hpp"
+#include "py_exchange.hpp"
+#include "py_numpy.hpp"
+#include "py_view.hpp"
+
+#include <handoff/dtype.hpp>
+#include <handoff/error.hpp>
+#include <handoff/interface.hpp>
+#include <handoff/stream_value.hpp>
+#include <handoff/trace.hpp>
+
+#include <fmt/format.h>
+
+#include <array>
+#include <memory>
+
+namespace handoff::python {
+namespace {
+
+handoff_array_info info_of(const array_layout& layout, std::intptr_t stream)
+{
+  return handoff_array_info{
+    .data = layout.data,
+    .ndim = static_cast<std::int32_t>(layout.shape.size()),
+    .shape = layout.shape.data(),
+    .strides = layout.strides.data(),
+    .dtype = layout.dtype,
+    .device = layout.device,
+    .stream = stream,
+    .readonly = layout.readonly ? 1 : 0,
+  };
+}
+
+// The view of a NumPy array, read from its fields and holding a reference to it, as its own
+// __dlpack__ capsule would; null where the general import must decide (a subclass, which may
+// override __dlpack__; a trace, which records the import as asarray's; what DLPack would refuse).
+std::unique_ptr<handoff_view> numpy_view(PyObject* object)
+{
+  if (!is_numpy_array(object) || trace::enabled()) { return nullptr; }
+  std::optional<array_layout> layout = numpy_array_layout(object);
+  if (!layout) { return nullptr; }
+  auto made = std::make_unique_for_overwrite<handoff_view>();  // no zeroing of what is written below
+  made->host.emplace(std::move(*layout));
+  made->owner = py::reinterpret_borrow<py::object>(object);
+  made->library = "numpy";
+  made->info = info_of(*made->host, 0);
+  module_exchange().count_host_import();
+  return made;
+}
+
+// The runtime's view held by `view`, registered in the ownership graph.
+const array& hold(handoff_view& view, array&& made)
+{
+  view.held.emplace(std::move(made));
+  view.node.emplace(*view.held, "handoff::pybind::array", view.library);
+  return *view.held;
+}
+
+// The view's handoff.Array, made once.
+const py::object& python_object(handoff_view& view)
+{
+  if (!view.python) { view.python = wrap(array{runtime_view(view)}, view.library); }
+  return view.python;
+}
+
+// Where extension_view_to_python finds each framework's from_dlpack (imported once, kept).
+py::handle from_dlpack_of(int framework)
+{
+  static constexpr std::array<const char*, 5> modules{nullptr, "numpy", "torch", "jax.dlpack", "cupy"};
+  static std::array<PyObject*, 5> functions{};
+  PyObject*& function = functions.at(static_cast<std::size_t>(framework));
+  if (function == nullptr) {
+    py::object found = py::module_::import(modules.at(static_cast<std::size_t>(framework))).attr("from_dlpack");
+    function = found.release().ptr();
+  }
+  return function;
+}
+
+}  // namespace
+
+array_layout layout_of(const handoff_array_desc& desc)
+{
+  HANDOFF_EXPECTS(desc.ndim >= 0 && (desc.ndim == 0 || desc.shape != nullptr), value_error,
+                  fmt::format("view: the shape is missing or ndim ({}) is negative", desc.ndim));
+  const auto rank = static_cast<std::size_t>(desc.ndim);
+  array_layout layout;
+  layout.data = desc.data;
+  layout.device = desc.device;
+  layout.dtype = desc.dtype;
+  layout.readonly = desc.readonly != 0;
+  layout.shape = std::span<const std::int64_t>{desc.shape, rank};
+  if (desc.strides != nullptr) {
+    layout.strides = std::span<const std::int64_t>{desc.strides, rank};
+  } else {
+    layout.strides = contiguous_strides(layout.shape);
+  }
+  return layout;
+}
+
+handoff_array_info array_info(const array& view)
+{
+  const auto ready = view.owner().ready_on();
+  return info_of(view.layout(),
+                 ready ? stream_value_of(view.device().device_type, static_cast<std::uint64_t>(ready->stream)) : 0);
+}
+
+handoff_view* import_extension_view(py::handle object, py::handle stream)
+{
+  std::unique_ptr<handoff_view> made = numpy_view(object.ptr());
+  if (!made) {
+    made = std::make_unique<handoff_view>();
+    made->python = asarray(object, py::none(), py::none(), stream);
+    made->info = array_info(*as_array(made->python));
+  }
+  return made.release();
+}
+
+handoff_view* describe_extension_view(array_layout layout, py::handle owner, py::handle stream)
+{
+  auto made = std::make_unique<handoff_view>();
+  if (layout.device.device_type == kDLCPU && stream.is_none() && !trace::enabled()) {
+    validate_layout(layout);  // what handoff.view checks of host memory
+    made->host.emplace(std::move(layout));
+    made->owner = py::reinterpret_borrow<py::object>(owner);
+    made->info = info_of(*made->host, 0);
+  } else {
+    made->info = array_info(hold(*made, described_view(std::move(layout), owner, stream)));
+  }
+  return made.release();
+}
+
+void release_extension_view(handoff_view* view) noexcept
+{
+  if (view != nullptr && --view->references == 0) { delete view; }
+}
+
+const array& runtime_view(handoff_view& view)
+{
+  if (view.python) { return *as_array(view.python); }
+  if (view.held) { return *view.held; }
+  return hold(view, described_view(array_layout{*view.host}, view.owner, py::none()));
+}
+
+py::object extension_view_to_python(handoff_view& view, int framework)
+{
+  HANDOFF_EXPECTS(framework >= HANDOFF_FRAMEWORK_HANDOFF && framework <= HANDOFF_FRAMEWORK_CUPY, value_error,
+                  fmt::format("view_to_python: {} is no handoff_framework", framework));
+  if (framework == HANDOFF_FRAMEWORK_HANDOFF) { return python_object(view); }
+  // NumPy's array of host data is made directly, the same array numpy.from_dlpack would make
+  // without the export; its base keeps the data: the described memory's owner, else the view. A
+  // trace records the export instead.
+  if (framework == HANDOFF_FRAMEWORK_NUMPY && !trace::enabled()) {
+    py::object base = view.host && !view.owner.is_none() ? view.owner : py::object{};
+    if (!base) {
+      ++view.references;
+      base = py::capsule(&view, "handoff.view", [](PyObject* capsule) {
+        release_extension_view(static_cast<handoff_view*>(PyCapsule_GetPointer(capsule, "handoff.view")));
+      });
+    }
+    const array_layout& layout = view.host ? *view.host : runtime_view(view).layout();
+    if (py::object made = numpy_array_of(layout, std::move(base)); !made.is_none()) { return made; }
+  }
+  return from_dlpack_of(framework)(python_object(view));
+}
+
+}  // namespace handoff::python

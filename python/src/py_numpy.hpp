@@ -1,0 +1,27 @@
+// NumPy's arrays read and made through NumPy's own C API (its documented array fields, and the table
+// `_ARRAY_API` it publishes, read at run time): handoff neither links nor needs NumPy.
+#pragma once
+
+#include <handoff/array.hpp>
+
+#include <pybind11/pybind11.h>
+
+#include <optional>
+
+namespace handoff::python {
+
+namespace py = pybind11;
+
+/// The layout of `ndarray`, an instance of numpy.ndarray itself (is_numpy_array), read from the
+/// fields NumPy's C API documents: what its __dlpack__ would describe, without the capsule. nullopt
+/// for what DLPack refuses or describes otherwise (a swapped byte order, a dtype it lacks, strides
+/// that are no multiple of the item): numpy's own __dlpack__ then says what it makes of it.
+[[nodiscard]] std::optional<array_layout> numpy_array_layout(PyObject* ndarray) noexcept;
+
+/// A numpy.ndarray of `layout`'s memory, zero-copy, writable unless it is read-only, `base`
+/// kept alive as its base; None when NumPy cannot hold it so (data off the host, a dtype NumPy
+/// has no type for, more dimensions than it takes): numpy.from_dlpack then says what it makes of it.
+/// @throws py::error_already_set when NumPy cannot be imported or fails.
+[[nodiscard]] py::object numpy_array_of(const array_layout& layout, py::object base);
+
+}  // namespace handoff::python
