@@ -142,6 +142,13 @@ hp::array<float> with_strides(std::int64_t count)
                     : hp::array<float>(&value, {1}, py::none(), {1, 1});
 }
 
+// Any array of the host, returned as a numpy.ndarray of the same memory (made directly by NumPy's C
+// API, its base holding the data).
+hp::array<hp::numpy, hp::device::cpu, hp::ro> as_numpy(hp::array<hp::numpy, hp::device::cpu, hp::ro> values)
+{
+  return values;
+}
+
 // What the accessors say about any array, writable or read-only.
 py::dict describe(const hp::array<hp::ro>& values)
 {
@@ -185,6 +192,7 @@ PYBIND11_MODULE(tensor_example, m)
   m.def("arange_torch", &arange<hp::pytorch>, py::arg("n"));
   m.def("arange_jax", &arange<hp::jax>, py::arg("n"));
   m.def("column_major", &column_major);
+  m.def("as_numpy", &as_numpy, py::arg("values"));
   m.def("with_strides", &with_strides, py::arg("count"));
   m.def("buffers_freed", [] { return buffers_freed; });
   // A failed call's TypeError then also says why each array argument did not fit.

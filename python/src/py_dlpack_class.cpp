@@ -107,7 +107,7 @@ void def_dlpack(py::handle type, handoff_describe_fn describe, void* context, py
   const py::capsule shared(held.get(), capsule_name, [](PyObject* capsule) {
     delete static_cast<described_class*>(PyCapsule_GetPointer(capsule, capsule_name));
   });
-  held.release();  // the capsule owns it
+  static_cast<void>(held.release());  // the capsule owns it
   const py::object module_name = py::str("handoff");
   const auto function = [&](PyMethodDef& def) {
     return py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, shared.ptr(), module_name.ptr()));

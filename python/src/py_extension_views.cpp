@@ -3,11 +3,11 @@
 #include "py_array.hpp"
 #include "py_exchange.hpp"
 #include "py_numpy.hpp"
+#include "py_trace.hpp"
 #include "py_view.hpp"
 
-#include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
-#include <handoff/interface.hpp>
+#include <handoff/internal/trace_scope.hpp>
 #include <handoff/stream_value.hpp>
 #include <handoff/trace.hpp>
 
@@ -110,6 +110,10 @@ handoff_view* import_extension_view(py::handle object, py::handle stream)
 {
   std::unique_ptr<handoff_view> made = numpy_view(object.ptr());
   if (!made) {
+    // Traced as handoff.asarray's own imports are, the consumer being the extension.
+    const producer_naming naming{object.ptr()};
+    trace::exchange_scope scope{trace::event_kind::import_data, "dlpack"};
+    if (scope.active()) { scope.event().consumer = "handoff::pybind"; }
     made = std::make_unique<handoff_view>();
     made->python = asarray(object, py::none(), py::none(), stream);
     made->info = array_info(*as_array(made->python));

@@ -44,12 +44,25 @@ const numpy_api& numpy()
   return *loaded;
 }
 
+// NumPy's type numbers (NPY_TYPES) of the dtypes DLPack has; each unsigned type follows its signed one.
+enum npy_type : int {
+  npy_bool = 0,
+  npy_byte = 1,
+  npy_short = 3,
+  npy_int = 5,
+  npy_long = 7,
+  npy_longlong = 9,
+  npy_float = 11,
+  npy_double = 12,
+  npy_cfloat = 14,
+  npy_cdouble = 15,
+  npy_half = 23,
+};
+constexpr int npy_int64 = sizeof(long) == 8 ? npy_long : npy_longlong;
+
 // NumPy's type number for a DLPack dtype; nullopt for those NumPy has no type for.
 std::optional<int> numpy_type(DLDataType dtype)
 {
-  enum : int { npy_bool = 0, npy_byte = 1, npy_short = 3, npy_int = 5, npy_long = 7, npy_longlong = 9 };
-  enum : int { npy_float = 11, npy_double = 12, npy_cfloat = 14, npy_cdouble = 15, npy_half = 23 };
-  constexpr int npy_int64 = sizeof(long) == 8 ? npy_long : npy_longlong;
   if (dtype.lanes != 1) { return std::nullopt; }
   const auto signed_type = [](std::uint8_t bits) -> std::optional<int> {
     switch (bits) {
@@ -71,7 +84,7 @@ std::optional<int> numpy_type(DLDataType dtype)
     case kDLInt:
       return signed_type(dtype.bits);
     case kDLUInt:
-      if (auto type = signed_type(dtype.bits)) { return *type + 1; }  // each unsigned type follows its signed one
+      if (auto type = signed_type(dtype.bits)) { return *type + 1; }
       return std::nullopt;
     case kDLFloat:
       return dtype.bits == 16   ? std::optional<int>(npy_half)
@@ -120,37 +133,37 @@ std::optional<DLDataType> dlpack_type(int type_num)
   };
   constexpr int long_bits = 8 * sizeof(long);
   switch (type_num) {
-    case 0:
+    case npy_bool:
       return make(kDLBool, 8);
-    case 1:
+    case npy_byte:
       return make(kDLInt, 8);
-    case 2:
+    case npy_byte + 1:
       return make(kDLUInt, 8);
-    case 3:
+    case npy_short:
       return make(kDLInt, 16);
-    case 4:
+    case npy_short + 1:
       return make(kDLUInt, 16);
-    case 5:
+    case npy_int:
       return make(kDLInt, 32);
-    case 6:
+    case npy_int + 1:
       return make(kDLUInt, 32);
-    case 7:
+    case npy_long:
       return make(kDLInt, long_bits);
-    case 8:
+    case npy_long + 1:
       return make(kDLUInt, long_bits);
-    case 9:
+    case npy_longlong:
       return make(kDLInt, 64);
-    case 10:
+    case npy_longlong + 1:
       return make(kDLUInt, 64);
-    case 11:
+    case npy_float:
       return make(kDLFloat, 32);
-    case 12:
+    case npy_double:
       return make(kDLFloat, 64);
-    case 14:
+    case npy_cfloat:
       return make(kDLComplex, 64);
-    case 15:
+    case npy_cdouble:
       return make(kDLComplex, 128);
-    case 23:
+    case npy_half:
       return make(kDLFloat, 16);
     default:
       return std::nullopt;

@@ -392,3 +392,150 @@ def test_an_array_of_cpp_memory_with_strides_that_do_not_fit_is_a_value_error():
     assert te.with_strides(1).shape == (1,)
     with pytest.raises(ValueError, match="2 strides for 1 dimensions"):
         te.with_strides(2)
+
+
+# ------------------------------------------------------------------------------------------------
+# NumPy arguments and results without a Python object of handoff's in between
+
+NUMPY_ARGUMENTS = {
+    "float32 2-d": np.arange(6, dtype=np.float32).reshape(2, 3),
+    "column-major": np.asfortranarray(np.arange(6, dtype=np.float64).reshape(2, 3)),
+    "reversed": np.arange(5, dtype=np.int16)[::-1],
+    "every other": np.arange(10, dtype=np.uint32)[::2],
+    "0-d": np.array(3, dtype=np.int64),
+    "empty": np.zeros((0, 4), dtype=np.uint8),
+    "bool": np.array([True, False]),
+    "float16": np.ones(3, dtype=np.float16),
+    "complex64": np.ones(2, dtype=np.complex64),
+    "complex128": np.ones(2, dtype=np.complex128),
+    "int8": np.ones(2, dtype=np.int8),
+    "uint64": np.ones(2, dtype=np.uint64),
+    "longlong": np.ones(2, dtype=np.longlong),
+}
+
+
+@pytest.mark.parametrize("values", NUMPY_ARGUMENTS.values(), ids=NUMPY_ARGUMENTS.keys())
+def test_a_numpy_argument_is_what_its_dlpack_export_describes(values):
+    # te.describe(values) reads the array's fields; handoff.asarray(values) imports its __dlpack__.
+    assert te.describe(values) == te.describe(handoff.asarray(values))
+    read_only = values.copy()
+    read_only.flags.writeable = False
+    assert te.describe(read_only)["readonly"] is True
+    assert te.describe(read_only) == te.describe(handoff.asarray(read_only))
+
+
+def test_a_numpy_argument_dlpack_refuses_raises_as_asarray_does():
+    swapped = np.ones(3, dtype=">f4")
+    odd_stride = np.lib.stride_tricks.as_strided(np.zeros(16, np.uint8).view(np.float32), shape=(2,), strides=(6,))
+    for refused in (swapped, odd_stride, np.ones(2, dtype=np.longdouble)):
+        with pytest.raises(Exception) as general:
+            handoff.asarray(refused)
+        with pytest.raises(type(general.value)):
+            te.describe(refused)
+
+
+def test_a_numpy_subclass_is_asked_through_its_own_dlpack():
+    class Counting(np.ndarray):
+        calls = 0
+
+        def __dlpack__(self, **kwargs):
+            Counting.calls += 1
+            return super().__dlpack__(**kwargs)
+
+    values = np.ones(4, np.float32).view(Counting)
+    assert te.sum(values) == 4.0
+    assert Counting.calls == 1, "a subclass may override __dlpack__: the general import asks it"
+
+
+def test_a_numpy_argument_is_counted_and_traced():
+    values = np.ones(3, np.float32)
+    before = handoff.stats()["imports"]
+    assert te.sum(values) == 3.0
+    assert handoff.stats()["imports"] == before + 1
+    with handoff.trace() as trace:
+        te.sum(values)
+    imports = [event for event in trace.events if event["kind"] == "import"]
+    assert len(imports) == 1
+    assert (imports[0]["producer"], imports[0]["consumer"]) == ("numpy", "handoff::pybind")
+
+
+def test_a_held_numpy_argument_keeps_the_array_alive_and_exports_its_memory(settled):
+    values = np.arange(4, dtype=np.float32)
+    address = values.ctypes.data
+    watch = weakref.ref(values)
+    kept = te.Held(values)
+    del values
+    gc.collect()
+    assert watch() is not None, "the C++ object's array holds the NumPy array"
+    exported = np.from_dlpack(kept)
+    assert exported.ctypes.data == address and exported.tolist() == [0.0, 1.0, 2.0, 3.0]
+    del kept, exported
+    gc.collect()
+    assert watch() is None
+
+
+def test_an_argument_returned_as_numpy_is_the_same_memory(torch):
+    values = np.arange(6, dtype=np.float32).reshape(2, 3)[:, ::2]
+    again = te.as_numpy(values)
+    # NumPy bases a view on the array that owns the memory, the argument's own base here.
+    assert isinstance(again, np.ndarray) and again.base is values.base
+    assert again.ctypes.data == values.ctypes.data and again.strides == values.strides
+    assert again.tolist() == values.tolist() and again.flags.writeable
+    tensor = torch.arange(4, dtype=torch.float64)
+    from_torch = te.as_numpy(tensor)
+    assert from_torch.ctypes.data == tensor.data_ptr() and from_torch.tolist() == [0.0, 1.0, 2.0, 3.0]
+    watch = weakref.ref(tensor)
+    del tensor
+    gc.collect()
+    assert watch() is not None, "the NumPy array's base holds the tensor"
+    del from_torch
+    gc.collect()
+    assert watch() is None
+
+
+def test_a_numpy_result_of_cpp_memory_is_based_on_its_owner(settled):
+    freed = te.buffers_freed()
+    made = te.arange_numpy(4)
+    assert type(made.base).__name__ == "PyCapsule", "the owner the C++ code gave, not a wrapper"
+    assert made.flags.writeable and made.flags.c_contiguous and made.flags.owndata is False
+    assert made.dtype == np.float32 and made.tolist() == [0.0, 1.0, 2.0, 3.0]
+    view = made[1:]
+    del made
+    gc.collect()
+    assert te.buffers_freed() == freed, "a view of the result keeps the owner"
+    del view
+    gc.collect()
+    assert te.buffers_freed() == freed + 1
+
+
+def test_a_numpy_result_under_a_trace_is_recorded_as_an_export(settled):
+    with handoff.trace() as trace:
+        made = te.arange_numpy(3)
+    assert made.tolist() == [0.0, 1.0, 2.0]
+    assert any(event["kind"] == "export" for event in trace.events), "traced: through numpy.from_dlpack"
+
+
+# ------------------------------------------------------------------------------------------------
+# def_dlpack's methods
+
+
+def test_def_dlpack_methods_take_dlpack_arguments_only():
+    t = te.Tensor(1, 2, 1.0)
+    with pytest.raises(TypeError):
+        t.__dlpack__(None)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'strem'"):
+        t.__dlpack__(strem=None)
+    with pytest.raises(TypeError):
+        t.__dlpack_device__(1)
+    with pytest.raises(TypeError, match=r"__dlpack__ of .*Tensor called on a int"):
+        te.Tensor.__dlpack__(1)
+    assert "DLPack capsule" in te.Tensor.__dlpack__.__doc__
+    capsule = t.__dlpack__(stream=None, max_version=(1, 0), dl_device=(1, 0), copy=False)
+    assert type(capsule).__name__ == "PyCapsule"
+
+
+def test_a_describe_that_raises_propagates():
+    held = te.Held(np.ones(2, np.float32))
+    assert held.__dlpack_device__() == (1, 0)
+    with pytest.raises(BufferError):  # the array API's copy=False where a copy is needed
+        held.__dlpack__(dl_device=(2, 0), copy=False)

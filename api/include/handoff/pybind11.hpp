@@ -131,7 +131,10 @@ int describe_instance(PyObject* self, void* context, handoff_array_desc* out) no
     // pybind11::cast's caster, its type's record looked up once rather than per call.
     static const pybind11::detail::type_info* const type = pybind11::detail::get_type_info(typeid(T), true);
     pybind11::detail::type_caster_generic instance(type);
-    if (!instance.load(self, /*convert=*/false)) { throw pybind11::cast_error("def_dlpack: not an instance"); }
+    if (!instance.load(self, /*convert=*/false)) {
+      throw pybind11::type_error(std::string("__dlpack__ of ") + type->type->tp_name + " called on a " +
+                                 Py_TYPE(self)->tp_name);
+    }
     described = (*static_cast<const Describe*>(context))(*static_cast<const T*>(instance.value));
     if (!described.strides.empty() && described.strides.size() != described.shape.size()) {
       throw pybind11::value_error("array_desc: strides has " + std::to_string(described.strides.size()) +
