@@ -6,6 +6,7 @@
 #include "py_array_exchange_api.hpp"
 
 #include "py_array.hpp"
+#include "py_dlpack_class.hpp"
 #include "py_errors.hpp"
 #include "py_exchange.hpp"
 #include "py_gil.hpp"
@@ -43,15 +44,17 @@ named_stream work_stream(DLDevice device)
   return stream_named_by(work_stream_object(device));
 }
 
-// The handoff.Array a table function was given. @throws type_error for anything else.
-const array& array_argument(void* py_object, const char* function)
+// The array a table function was given: a handoff.Array's, or the view of what an instance of a
+// def_dlpack class describes, made into `described`. @throws type_error for anything else.
+const array& array_argument(void* py_object, const char* function, std::optional<array>& described)
 {
   const py::handle object{static_cast<PyObject*>(py_object)};
-  const array* view = py_object != nullptr ? as_array(object) : nullptr;
-  HANDOFF_EXPECTS(view != nullptr, type_error,
-                  fmt::format("{}: expected a handoff.Array, got {}", function,
+  if (const array* view = py_object != nullptr ? as_array(object) : nullptr) { return *view; }
+  if (py_object != nullptr) { described = described_instance(object.ptr()); }
+  HANDOFF_EXPECTS(described.has_value(), type_error,
+                  fmt::format("{}: expected a handoff.Array or an instance of a def_dlpack class, got {}", function,
                               py_object != nullptr ? type_name(object) : std::string{"NULL"}));
-  return *view;
+  return *described;
 }
 
 template <typename Pointer>
@@ -80,7 +83,8 @@ int managed_tensor_from_py_object(void* py_object, DLManagedTensorVersioned** ou
     const trace::exchange_scope scope{trace::event_kind::export_data, "dlpack-c-api"};
     expect_output(out, function);
     *out = nullptr;
-    const array& view = array_argument(py_object, function);
+    std::optional<array> described;
+    const array& view = array_argument(py_object, function, described);
     *out = module_exchange().hand_over(view, work_stream(view.device()));
   });
 }
@@ -91,7 +95,13 @@ int dltensor_from_py_object(void* py_object, DLTensor* out) noexcept
     constexpr const char* function = "dltensor_from_py_object_no_sync";
     trace::exchange_scope scope{trace::event_kind::export_data, "dlpack-c-api"};
     expect_output(out, function);
-    const array& view = array_argument(py_object, function);
+    std::optional<array> described;
+    const array& view = array_argument(py_object, function, described);
+    // A class's instance describes its memory per call: nothing of it outlives the call to lend.
+    HANDOFF_EXPECTS(!described, buffer_error,
+                    fmt::format("{}: a {} describes its memory on each call and holds no shape or strides to lend; "
+                                "use managed_tensor_from_py_object_no_sync",
+                                function, type_name(py::handle{static_cast<PyObject*>(py_object)})));
     scope.set_view(view);
     HANDOFF_EXPECTS(!view.readonly(), buffer_error,
                     fmt::format("{}: the array is read-only and a DLTensor cannot say so; use "

@@ -5,6 +5,7 @@
 
 #include "py_arguments.hpp"
 #include "py_array.hpp"
+#include "py_array_exchange_api.hpp"
 #include "py_cpython.hpp"
 #include "py_errors.hpp"
 #include "py_extension_views.hpp"
@@ -18,6 +19,7 @@ namespace handoff::python {
 namespace {
 
 constexpr const char* capsule_name = "handoff.dlpack_class";
+PyObject* class_attribute = nullptr;  // "__handoff_dlpack_class__": the shared capsule, on the type
 
 // What a class's methods share: how to describe an instance.
 struct described_class {
@@ -101,6 +103,8 @@ void def_dlpack(py::handle type, handoff_describe_fn describe, void* context, py
                   "def_dlpack: expected a type and a describe function");
   if (dlpack_signature == nullptr) {
     dlpack_signature = new signature("__dlpack__", 1, {"stream", "max_version", "dl_device", "copy"});
+    class_attribute = PyUnicode_InternFromString("__handoff_dlpack_class__");
+    if (class_attribute == nullptr) { throw py::error_already_set(); }
   }
   auto held = std::make_unique<described_class>(
     described_class{describe, context, py::reinterpret_borrow<py::object>(context_owner)});
@@ -124,6 +128,20 @@ void def_dlpack(py::handle type, handoff_describe_fn describe, void* context, py
               property(function(class_methods[2]), py::none(), py::none(), class_methods[2].ml_doc));
   py::setattr(type, "__array_interface__",
               property(function(class_methods[3]), py::none(), py::none(), class_methods[3].ml_doc));
+  // handoff.Array's table takes the class's instances too (described_instance): both forms.
+  py::setattr(type, class_attribute, shared);
+  py::setattr(type, "__dlpack_c_exchange_api__", array_exchange_api_capsule());
+  py::setattr(
+    type, "__c_dlpack_exchange_api__",
+    py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(const_cast<DLPackExchangeAPI*>(&array_exchange_api()))));
+}
+
+std::optional<array> described_instance(PyObject* object)
+{
+  if (class_attribute == nullptr) { return std::nullopt; }  // no class was given the methods
+  PyObject* shared = _PyType_Lookup(Py_TYPE(object), class_attribute);
+  if (shared == nullptr || !PyCapsule_IsValid(shared, capsule_name)) { return std::nullopt; }
+  return view_of(class_of(shared), object);
 }
 
 }  // namespace handoff::python

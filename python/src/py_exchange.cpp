@@ -5,6 +5,7 @@
 
 #include "py_arguments.hpp"
 #include "py_array.hpp"
+#include "py_array_exchange_api.hpp"
 #include "py_capsule.hpp"
 #include "py_cpython.hpp"
 #include "py_errors.hpp"
@@ -291,7 +292,10 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
   // producer may honour them itself (a copy made by the producer, in its own stream order).
   if (device.is_none() && copy.is_none() && !is_numpy_array(x.ptr())) {
     // What the producer's __dlpack__ refuses stays refused: that call says why.
-    if (const DLPackExchangeAPI* api = exchange_api_of(Py_TYPE(x.ptr())); api != nullptr && !requires_grad(x.ptr())) {
+    // handoff's own table (a def_dlpack class offers it) is not asked: the class's __dlpack__
+    // exports the same view.
+    if (const DLPackExchangeAPI* api = exchange_api_of(Py_TYPE(x.ptr()));
+        api != nullptr && api != &array_exchange_api() && !requires_grad(x.ptr())) {
       trace_protocol("dlpack-c-api");
       if (DLManagedTensorVersioned* tensor = managed_tensor_of(*api, x.ptr())) {
         table_producer_object producer{*api, x.ptr()};

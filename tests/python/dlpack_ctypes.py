@@ -88,6 +88,36 @@ def new_capsule(pointer: int, name: bytes | None, destructor: object = None) -> 
     return _api.PyCapsule_New(pointer, name, None if destructor is None else ctypes.cast(destructor, ctypes.c_void_p))
 
 
+# The DLPack C exchange API's table (DLPack 1.2/1.3's DLPackExchangeAPI).
+TENSOR_OUT = ctypes.POINTER(ctypes.POINTER(DLManagedTensorVersioned))
+SET_ERROR = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p)
+ALLOCATOR = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(DLTensor), TENSOR_OUT, ctypes.c_void_p, SET_ERROR)
+FROM_PY_OBJECT = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, TENSOR_OUT)
+TO_PY_OBJECT = ctypes.PYFUNCTYPE(
+    ctypes.c_int, ctypes.POINTER(DLManagedTensorVersioned), ctypes.POINTER(ctypes.c_void_p)
+)
+DLTENSOR_FROM_PY_OBJECT = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.POINTER(DLTensor))
+CURRENT_WORK_STREAM = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p))
+
+
+class DLPackExchangeAPI(ctypes.Structure):
+    _fields_ = [
+        ("version", DLPackVersion),
+        ("prev_api", ctypes.c_void_p),
+        ("managed_tensor_allocator", ALLOCATOR),
+        ("managed_tensor_from_py_object_no_sync", FROM_PY_OBJECT),
+        ("managed_tensor_to_py_object_no_sync", TO_PY_OBJECT),
+        ("dltensor_from_py_object_no_sync", DLTENSOR_FROM_PY_OBJECT),
+        ("current_work_stream", CURRENT_WORK_STREAM),
+    ]
+
+
+def exchange_api_of(producer_type: type) -> DLPackExchangeAPI:
+    """The table a type offers as `__dlpack_c_exchange_api__` (DLPack 1.3's capsule)."""
+    capsule = producer_type.__dlpack_c_exchange_api__  # type: ignore[attr-defined]
+    return DLPackExchangeAPI.from_address(_api.PyCapsule_GetPointer(capsule, b"dlpack_exchange_api"))
+
+
 # A capsule destructor receives the capsule as a raw PyObject*: these take it so, unlike `_api`'s
 # functions of the same names (indexing makes a new function object, whose types are its own).
 CAPSULE_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)

@@ -22,50 +22,26 @@ import handoff
 from dlpack_ctypes import (
     CPU,
     FLAG_READ_ONLY,
+    SET_ERROR,
     DLDataType,
     DLDevice,
     DLManagedTensorVersioned,
-    DLPackVersion,
+    DLPackExchangeAPI,
     DLTensor,
     HandMadeTensor,
     capsule_name,
+    exchange_api_of,
 )
 from support import CUDA_ORDERING_REFUSED, DEVICE_TYPE, SIM, needs_sim, pending_write, run_python
 
 if SIM:
     from handoff import sim
 
-TENSOR_OUT = ctypes.POINTER(ctypes.POINTER(DLManagedTensorVersioned))
-SET_ERROR = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p)
-ALLOCATOR = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(DLTensor), TENSOR_OUT, ctypes.c_void_p, SET_ERROR)
-FROM_PY_OBJECT = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, TENSOR_OUT)
-TO_PY_OBJECT = ctypes.PYFUNCTYPE(
-    ctypes.c_int, ctypes.POINTER(DLManagedTensorVersioned), ctypes.POINTER(ctypes.c_void_p)
-)
-DLTENSOR_FROM_PY_OBJECT = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.POINTER(DLTensor))
-CURRENT_WORK_STREAM = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p))
-
-
-class DLPackExchangeAPI(ctypes.Structure):
-    _fields_ = [
-        ("version", DLPackVersion),
-        ("prev_api", ctypes.c_void_p),
-        ("managed_tensor_allocator", ALLOCATOR),
-        ("managed_tensor_from_py_object_no_sync", FROM_PY_OBJECT),
-        ("managed_tensor_to_py_object_no_sync", TO_PY_OBJECT),
-        ("dltensor_from_py_object_no_sync", DLTENSOR_FROM_PY_OBJECT),
-        ("current_work_stream", CURRENT_WORK_STREAM),
-    ]
-
-
-_get_pointer = ctypes.pythonapi["PyCapsule_GetPointer"]
-_get_pointer.restype = ctypes.c_void_p
-_get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 _dec_ref = ctypes.pythonapi["Py_DecRef"]
 _dec_ref.argtypes = [ctypes.c_void_p]
 
 CAPSULE = handoff.Array.__dlpack_c_exchange_api__
-API = DLPackExchangeAPI.from_address(_get_pointer(CAPSULE, b"dlpack_exchange_api"))
+API = exchange_api_of(handoff.Array)
 
 
 def export(x: object) -> ctypes._Pointer:
@@ -194,7 +170,7 @@ def test_a_dltensor_views_the_array_while_it_lives():
 
 @pytest.mark.parametrize("call", [export, dltensor], ids=["managed", "dltensor"])
 def test_only_handoff_arrays_are_taken(call):
-    with pytest.raises(TypeError, match=r"expected a handoff\.Array, got ndarray"):
+    with pytest.raises(TypeError, match=r"expected a handoff\.Array or an instance of a def_dlpack class, got ndarray"):
         call(np.zeros(3))
 
 

@@ -8,6 +8,7 @@ folder); the tests skip, saying so, where it was not built.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import sys
@@ -19,7 +20,7 @@ import pytest
 
 import handoff
 
-from dlpack_ctypes import CUDA, HandMadeTensor
+from dlpack_ctypes import CUDA, DLManagedTensorVersioned, DLTensor, HandMadeTensor, exchange_api_of
 from support import CUDA_ORDERING_REFUSED, SIM, needs_sim, pending_write
 
 if SIM:
@@ -539,3 +540,40 @@ def test_a_describe_that_raises_propagates():
     assert held.__dlpack_device__() == (1, 0)
     with pytest.raises(BufferError):  # the array API's copy=False where a copy is needed
         held.__dlpack__(dl_device=(2, 0), copy=False)
+
+
+def test_a_def_dlpack_class_offers_the_c_exchange_api_in_both_forms(settled):
+    assert te.Tensor.__c_dlpack_exchange_api__ == handoff.Array.__c_dlpack_exchange_api__
+    api = exchange_api_of(te.Tensor)
+    t = te.Tensor(2, 3, 1.5)
+    address = np.asarray(t).ctypes.data
+    out = ctypes.POINTER(DLManagedTensorVersioned)()
+    assert api.managed_tensor_from_py_object_no_sync(t, ctypes.byref(out)) == 0
+    tensor = out.contents.dl_tensor
+    assert tensor.data == address and [tensor.shape[i] for i in range(tensor.ndim)] == [2, 3]
+    watch = weakref.ref(t)
+    del t
+    gc.collect()
+    assert watch() is not None, "the tensor handed out keeps the instance"
+    out.contents.deleter(out)
+    gc.collect()
+    assert watch() is None
+    with pytest.raises(BufferError, match="describes its memory on each call"):
+        api.dltensor_from_py_object_no_sync(te.Tensor(1, 1), ctypes.byref(DLTensor()))
+    assert handoff.from_dlpack(te.Tensor(1, 2, 4.0)).shape == (1, 2), "handoff asks __dlpack__, not its own table"
+
+
+@needs_sim
+def test_a_def_dlpack_instance_handed_out_through_the_table_orders_the_work_stream(sim_streams):
+    # Held describes a device array ready on `producer`; the table makes the work stream wait.
+    # Negative control: test_negative_control_the_consumer_stream_races_without_the_import.
+    producer, consumer = sim_streams
+    pending = pending_write(producer, 1024)
+    held = te.Held(
+        handoff.view(pending.data_ptr, (1024,), "float32", device=pending.device, owner=pending, stream=producer)
+    )
+    out = ctypes.POINTER(DLManagedTensorVersioned)()
+    with handoff.stream(consumer):
+        assert exchange_api_of(te.Held).managed_tensor_from_py_object_no_sync(held, ctypes.byref(out)) == 0
+    assert sim.to_numpy(pending, stream=consumer)[[0, -1]].tolist() == [1.0, 1.0]
+    out.contents.deleter(out)
