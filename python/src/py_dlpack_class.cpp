@@ -101,10 +101,10 @@ void def_dlpack(py::handle type, handoff_describe_fn describe, void* context, py
 {
   HANDOFF_EXPECTS(PyType_Check(type.ptr()) != 0 && describe != nullptr, type_error,
                   "def_dlpack: expected a type and a describe function");
-  if (dlpack_signature == nullptr) {
-    dlpack_signature = new signature("__dlpack__", 1, {"stream", "max_version", "dl_device", "copy"});
+  if (class_attribute == nullptr) {
     class_attribute = PyUnicode_InternFromString("__handoff_dlpack_class__");
     if (class_attribute == nullptr) { throw py::error_already_set(); }
+    dlpack_signature = new signature("__dlpack__", 1, {"stream", "max_version", "dl_device", "copy"});
   }
   auto held = std::make_unique<described_class>(
     described_class{describe, context, py::reinterpret_borrow<py::object>(context_owner)});
@@ -113,14 +113,14 @@ void def_dlpack(py::handle type, handoff_describe_fn describe, void* context, py
   });
   static_cast<void>(held.release());  // the capsule owns it
   const py::object module_name = py::str("handoff");
+  const auto checked = [](PyObject* made) {
+    if (made == nullptr) { throw py::error_already_set(); }
+    return py::reinterpret_steal<py::object>(made);
+  };
   const auto function = [&](PyMethodDef& def) {
-    return py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, shared.ptr(), module_name.ptr()));
+    return checked(PyCFunction_NewEx(&def, shared.ptr(), module_name.ptr()));
   };
-  const auto method = [&](PyMethodDef& def) {
-    const py::object bound = function(def);
-    if (!bound) { throw py::error_already_set(); }
-    return py::reinterpret_steal<py::object>(PyInstanceMethod_New(bound.ptr()));
-  };
+  const auto method = [&](PyMethodDef& def) { return checked(PyInstanceMethod_New(function(def).ptr())); };
   const py::object property = py::module_::import("builtins").attr("property");
   py::setattr(type, "__dlpack__", method(class_methods[0]));
   py::setattr(type, "__dlpack_device__", method(class_methods[1]));

@@ -153,15 +153,17 @@ py::object extension_view_to_python(handoff_view& view, int framework)
                   fmt::format("view_to_python: {} is no handoff_framework", framework));
   if (framework == HANDOFF_FRAMEWORK_HANDOFF) { return python_object(view); }
   // NumPy's array of host data is made directly, the same array numpy.from_dlpack would make
-  // without the export; its base keeps the data: the described memory's owner, else the view. A
-  // trace records the export instead.
+  // without the export; its base keeps the data: the owner of writable host memory, else the view
+  // (NumPy lets an array be made writable again when its base is). A trace records the export.
   if (framework == HANDOFF_FRAMEWORK_NUMPY && !trace::enabled()) {
-    py::object base = view.host && !view.owner.is_none() ? view.owner : py::object{};
-    if (!base) {
-      ++view.references;
+    py::object base;
+    if (view.host && !view.host->readonly && !view.owner.is_none()) {
+      base = view.owner;
+    } else {
       base = py::capsule(&view, "handoff.view", [](PyObject* capsule) {
         release_extension_view(static_cast<handoff_view*>(PyCapsule_GetPointer(capsule, "handoff.view")));
       });
+      ++view.references;  // the capsule's, once it exists
     }
     const array_layout& layout = view.host ? *view.host : runtime_view(view).layout();
     if (py::object made = numpy_array_of(layout, std::move(base)); !made.is_none()) { return made; }

@@ -176,6 +176,13 @@ std::optional<array_layout> numpy_array_layout(PyObject* ndarray) noexcept
 {
   const auto& fields = *reinterpret_cast<const numpy_array_fields*>(ndarray);
   const auto& descr = *reinterpret_cast<const numpy_descr_fields*>(fields.descr);
+  // NumPy's __dlpack_device__ reports the device of a DLPack capsule at the root of the array's
+  // bases (pinned or managed memory imported by numpy.from_dlpack): not host memory to assume.
+  PyObject* root = fields.base;
+  while (root != nullptr && Py_TYPE(root) == Py_TYPE(ndarray)) {
+    root = reinterpret_cast<const numpy_array_fields*>(root)->base;
+  }
+  if (root != nullptr && PyCapsule_CheckExact(root)) { return std::nullopt; }
   constexpr char swapped = std::endian::native == std::endian::little ? '>' : '<';
   const std::optional<DLDataType> dtype = dlpack_type(descr.type_num);
   if (!dtype || descr.byteorder == swapped) { return std::nullopt; }
@@ -209,8 +216,11 @@ py::object numpy_array_of(const array_layout& layout, py::object base)
   }
   PyObject* descr = np.descr_from_type(*type);  // a new reference, which new_from_descr steals
   if (descr == nullptr) { throw py::error_already_set(); }
-  auto made = py::reinterpret_steal<py::object>(np.new_from_descr(
-    np.ndarray, descr, ndim, dims.data(), strides.data(), layout.data, layout.readonly ? 0 : writeable_flag, nullptr));
+  // NumPy allocates where the data is NULL (an empty array may have none): it gets an address.
+  static std::byte no_data;
+  void* data = layout.data != nullptr ? layout.data : &no_data;
+  auto made = py::reinterpret_steal<py::object>(np.new_from_descr(np.ndarray, descr, ndim, dims.data(), strides.data(),
+                                                                  data, layout.readonly ? 0 : writeable_flag, nullptr));
   if (!made) { throw py::error_already_set(); }
   if (np.set_base_object(made.ptr(), base.release().ptr()) != 0) { throw py::error_already_set(); }  // steals base
   return made;

@@ -20,7 +20,7 @@ import pytest
 
 import handoff
 
-from dlpack_ctypes import CUDA, DLManagedTensorVersioned, DLTensor, HandMadeTensor, exchange_api_of
+from dlpack_ctypes import CUDA, CUDA_HOST, DLManagedTensorVersioned, DLTensor, HandMadeTensor, exchange_api_of
 from support import CUDA_ORDERING_REFUSED, SIM, needs_sim, pending_write
 
 if SIM:
@@ -435,6 +435,37 @@ def test_a_numpy_argument_dlpack_refuses_raises_as_asarray_does():
             te.describe(refused)
 
 
+def outcome(call, *arguments):
+    """What a call returned, or the type of what it raised."""
+    try:
+        return call(*arguments)
+    except Exception as error:  # noqa: BLE001 - the outcome is compared, whatever it is
+        return type(error)
+
+
+def test_a_numpy_array_over_pinned_memory_is_not_taken_for_host_memory():
+    # NumPy's __dlpack_device__ reports the device of the DLPack capsule its data came from.
+    class Pinned:
+        def __init__(self) -> None:
+            self.values = np.zeros(4, np.float32)
+            self.tensor = HandMadeTensor(self.values.ctypes.data, (4,), device=(CUDA_HOST, 0))
+
+        def __dlpack__(self, **kwargs):
+            return self.tensor.capsule()
+
+        def __dlpack_device__(self):
+            return (CUDA_HOST, 0)
+
+    producer = Pinned()
+    pinned = np.from_dlpack(producer)
+    assert pinned.__dlpack_device__() == (CUDA_HOST, 0)
+    described, imported = outcome(te.describe, pinned), outcome(handoff.asarray, pinned)
+    if isinstance(imported, handoff.Array):
+        assert described["device"] == imported.device == (CUDA_HOST, 0)
+    else:
+        assert described is imported, "refused as asarray refuses it"
+
+
 def test_a_numpy_subclass_is_asked_through_its_own_dlpack():
     class Counting(np.ndarray):
         calls = 0
@@ -492,6 +523,25 @@ def test_an_argument_returned_as_numpy_is_the_same_memory(torch):
     del from_torch
     gc.collect()
     assert watch() is None
+
+
+def test_a_read_only_result_cannot_be_made_writable_through_its_base():
+    values = np.zeros(3, np.float32)
+    read_only = values[:]
+    read_only.flags.writeable = False
+    again = te.as_numpy(read_only)
+    assert not again.flags.writeable
+    with pytest.raises(ValueError, match="WRITEABLE"):
+        again.flags.writeable = True
+
+
+def test_an_empty_numpy_result_is_still_a_view_of_its_owner(settled):
+    freed = te.buffers_freed()
+    empty = te.arange_numpy(0)
+    assert empty.shape == (0,) and type(empty.base).__name__ == "PyCapsule", "NumPy allocated nothing of its own"
+    del empty
+    gc.collect()
+    assert te.buffers_freed() == freed + 1
 
 
 def test_a_numpy_result_of_cpp_memory_is_based_on_its_owner(settled):

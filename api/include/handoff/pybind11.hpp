@@ -6,13 +6,18 @@
 // handoff whose table has the same major version. At run time it needs the `handoff` Python package:
 // the first use imports handoff._handoff for its C API capsule (_C_API), and raises ImportError where
 // handoff is not installed. Include dir: handoff.get_include(); CMake: find_package(handoff) in
-// handoff.get_cmake_dir(), target handoff::pybind11. C++17 is enough (the example is built so).
+// handoff.get_cmake_dir(), target handoff::pybind11. C++17 is enough (the example is built so), with
+// pybind11 2.13.6 or later.
 #pragma once
 
 #include <handoff/python_c_api.h>
 
 #include <pybind11/gil_safe_call_once.h>
 #include <pybind11/pybind11.h>
+
+#if PYBIND11_VERSION_HEX < 0x020D0600
+#error "<handoff/pybind11.hpp> needs pybind11 2.13.6 or later (pybind11::detail::try_translate_exceptions)"
+#endif
 
 #include <algorithm>
 #include <complex>
