@@ -464,6 +464,14 @@ def test_a_numpy_array_over_pinned_memory_is_not_taken_for_host_memory():
         assert described["device"] == imported.device == (CUDA_HOST, 0)
     else:
         assert described is imported, "refused as asarray refuses it"
+    # The tensor's deleter (a ctypes callback of `producer`) runs when the last release does, which
+    # a device backend defers until its consumer stream is done: `producer` must outlive it.
+    del pinned, imported
+    gc.collect()
+    if SIM:
+        sim.synchronize()
+        sim.drain()
+    assert producer.tensor.deleted == 1
 
 
 def test_a_numpy_subclass_is_asked_through_its_own_dlpack():
