@@ -30,8 +30,7 @@ PyObject* view(const handoff_array_desc* desc, PyObject* owner) noexcept
 {
   return python_entry([&] {
     HANDOFF_EXPECTS(desc != nullptr, value_error, "view: the description is NULL");
-    const py::object stream = desc->stream == 0 ? py::object(py::none()) : py::object(py::int_(desc->stream));
-    return make_array(layout_of(*desc), none_if_null(owner), stream);
+    return make_array(layout_of(*desc), none_if_null(owner), ready_stream_of(*desc));
   });
 }
 
@@ -52,6 +51,22 @@ PyObject* asarray(PyObject* object, PyObject* stream) noexcept
   });
 }
 
+// Runs an import for a caller that may try something else: 0 when it made one; 1, nothing raised,
+// when the object speaks no array protocol (it does not fit); -1 with any other failure's error.
+template <typename Import>
+int import_if_it_fits(Import&& import) noexcept
+{
+  try {
+    import();
+    return 0;
+  } catch (const no_array_protocol&) {
+    return 1;
+  } catch (...) {
+    raise_current_exception();
+    return -1;
+  }
+}
+
 int import_array(PyObject* object, PyObject* stream, PyObject** out) noexcept
 {
   if (out == nullptr || object == nullptr) {
@@ -59,15 +74,8 @@ int import_array(PyObject* object, PyObject* stream, PyObject** out) noexcept
     return -1;
   }
   *out = nullptr;
-  try {
-    *out = python::asarray(object, py::none(), py::none(), none_if_null(stream)).release().ptr();
-    return 0;
-  } catch (const no_array_protocol&) {
-    return 1;  // it does not fit: nothing raised
-  } catch (...) {
-    raise_current_exception();
-    return -1;
-  }
+  return import_if_it_fits(
+    [&] { *out = python::asarray(object, py::none(), py::none(), none_if_null(stream)).release().ptr(); });
 }
 
 int describe(PyObject* object, handoff_array_info* out) noexcept
@@ -89,24 +97,17 @@ int import_view(PyObject* object, PyObject* stream, handoff_view** out, handoff_
     return -1;
   }
   *out = nullptr;
-  try {
+  return import_if_it_fits([&] {
     *out = import_extension_view(object, none_if_null(stream));
     *info = (*out)->info;
-    return 0;
-  } catch (const no_array_protocol&) {
-    return 1;  // it does not fit: nothing raised
-  } catch (...) {
-    raise_current_exception();
-    return -1;
-  }
+  });
 }
 
 handoff_view* make_view(const handoff_array_desc* desc, PyObject* owner, handoff_array_info* info) noexcept
 {
   try {
     HANDOFF_EXPECTS(desc != nullptr && info != nullptr, value_error, "make_view: the description or output is NULL");
-    const py::object stream = desc->stream == 0 ? py::object(py::none()) : py::object(py::int_(desc->stream));
-    handoff_view* made = describe_extension_view(layout_of(*desc), none_if_null(owner), stream);
+    handoff_view* made = describe_extension_view(layout_of(*desc), none_if_null(owner), ready_stream_of(*desc));
     *info = made->info;
     return made;
   } catch (...) {
@@ -117,7 +118,7 @@ handoff_view* make_view(const handoff_array_desc* desc, PyObject* owner, handoff
 
 void retain_view(handoff_view* view) noexcept
 {
-  if (view != nullptr) { ++view->references; }
+  retain_extension_view(view);
 }
 
 void release_view(handoff_view* view) noexcept

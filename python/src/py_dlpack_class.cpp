@@ -59,8 +59,7 @@ handoff_array_desc description(const described_class& cls, PyObject* self)
 array view_of(const described_class& cls, PyObject* self)
 {
   const handoff_array_desc desc = description(cls, self);
-  const py::object stream = desc.stream == 0 ? py::object(py::none()) : py::object(py::int_(desc.stream));
-  return described_view(layout_of(desc), self, stream);
+  return described_view(layout_of(desc), self, ready_stream_of(desc));
 }
 
 const signature* dlpack_signature = nullptr;

@@ -99,6 +99,11 @@ array_layout layout_of(const handoff_array_desc& desc)
   return layout;
 }
 
+py::object ready_stream_of(const handoff_array_desc& desc)
+{
+  return desc.stream == 0 ? py::object(py::none()) : py::object(py::int_(desc.stream));
+}
+
 handoff_array_info array_info(const array& view)
 {
   const auto ready = view.owner().ready_on();
@@ -135,6 +140,11 @@ handoff_view* describe_extension_view(array_layout layout, py::handle owner, py:
   return made.release();
 }
 
+void retain_extension_view(handoff_view* view) noexcept
+{
+  if (view != nullptr) { ++view->references; }
+}
+
 void release_extension_view(handoff_view* view) noexcept
 {
   if (view != nullptr && --view->references == 0) { delete view; }
@@ -163,7 +173,7 @@ py::object extension_view_to_python(handoff_view& view, int framework)
       base = py::capsule(&view, "handoff.view", [](PyObject* capsule) {
         release_extension_view(static_cast<handoff_view*>(PyCapsule_GetPointer(capsule, "handoff.view")));
       });
-      ++view.references;  // the capsule's, once it exists
+      retain_extension_view(&view);  // the capsule's, once it exists
     }
     const array_layout& layout = view.host ? *view.host : runtime_view(view).layout();
     if (py::object made = numpy_array_of(layout, std::move(base)); !made.is_none()) { return made; }

@@ -37,6 +37,10 @@ namespace py = pybind11;
 /// @throws value_error for a description without one.
 [[nodiscard]] array_layout layout_of(const handoff_array_desc& desc);
 
+/// The stream `desc` says its data is ready on, as handoff.view takes it: None when unknown (0),
+/// else the native handle as an int.
+[[nodiscard]] py::object ready_stream_of(const handoff_array_desc& desc);
+
 /// What an extension is told of `view`: its layout, and the stream its data is ready on.
 [[nodiscard]] handoff_array_info array_info(const array& view);
 
@@ -48,6 +52,9 @@ namespace py = pybind11;
 /// The view handoff.view makes of `layout`, held by `owner` (None: nothing), ready on `stream`
 /// (None: unknown). @throws what handoff.view throws.
 [[nodiscard]] handoff_view* describe_extension_view(array_layout layout, py::handle owner, py::handle stream);
+
+/// Takes one more reference to `view`. Under the GIL.
+void retain_extension_view(handoff_view* view) noexcept;
 
 /// Lets go of one reference to `view`, deleting it with the last. Under the GIL.
 void release_extension_view(handoff_view* view) noexcept;

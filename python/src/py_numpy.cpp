@@ -1,5 +1,7 @@
 #include "py_numpy.hpp"
 
+#include <handoff/dtype.hpp>
+
 #include <array>
 #include <bit>
 #include <climits>
@@ -44,60 +46,59 @@ const numpy_api& numpy()
   return *loaded;
 }
 
-// NumPy's type numbers (NPY_TYPES) of the dtypes DLPack has; each unsigned type follows its signed one.
-enum npy_type : int {
-  npy_bool = 0,
-  npy_byte = 1,
-  npy_short = 3,
-  npy_int = 5,
-  npy_long = 7,
-  npy_longlong = 9,
-  npy_float = 11,
-  npy_double = 12,
-  npy_cfloat = 14,
-  npy_cdouble = 15,
-  npy_half = 23,
+// NumPy's type numbers (NPY_TYPES) of the dtypes DLPack has, with their DLPack dtype: the one
+// table both directions read. Where two NumPy types have one dtype (long and long long of 64
+// bits), the first is the one made.
+struct numpy_dtype {
+  int type_num;
+  DLDataType dtype;
 };
-constexpr int npy_int64 = sizeof(long) == 8 ? npy_long : npy_longlong;
+constexpr DLDataType make_dtype(DLDataTypeCode code, std::size_t bits) noexcept
+{
+  return DLDataType{static_cast<std::uint8_t>(code), static_cast<std::uint8_t>(bits), 1};
+}
+constexpr std::array numpy_dtypes{
+  numpy_dtype{0, make_dtype(kDLBool, 8)},                 // NPY_BOOL
+  numpy_dtype{1, make_dtype(kDLInt, 8)},                  // NPY_BYTE
+  numpy_dtype{2, make_dtype(kDLUInt, 8)},                 // NPY_UBYTE
+  numpy_dtype{3, make_dtype(kDLInt, 16)},                 // NPY_SHORT
+  numpy_dtype{4, make_dtype(kDLUInt, 16)},                // NPY_USHORT
+  numpy_dtype{5, make_dtype(kDLInt, 32)},                 // NPY_INT
+  numpy_dtype{6, make_dtype(kDLUInt, 32)},                // NPY_UINT
+  numpy_dtype{7, make_dtype(kDLInt, 8 * sizeof(long))},   // NPY_LONG
+  numpy_dtype{8, make_dtype(kDLUInt, 8 * sizeof(long))},  // NPY_ULONG
+  numpy_dtype{9, make_dtype(kDLInt, 64)},                 // NPY_LONGLONG
+  numpy_dtype{10, make_dtype(kDLUInt, 64)},               // NPY_ULONGLONG
+  numpy_dtype{11, make_dtype(kDLFloat, 32)},              // NPY_FLOAT
+  numpy_dtype{12, make_dtype(kDLFloat, 64)},              // NPY_DOUBLE
+  numpy_dtype{14, make_dtype(kDLComplex, 64)},            // NPY_CFLOAT
+  numpy_dtype{15, make_dtype(kDLComplex, 128)},           // NPY_CDOUBLE
+  numpy_dtype{23, make_dtype(kDLFloat, 16)},              // NPY_HALF
+};
 
 // NumPy's type number for a DLPack dtype; nullopt for those NumPy has no type for.
-std::optional<int> numpy_type(DLDataType dtype)
+std::optional<int> numpy_type(DLDataType dtype) noexcept
 {
-  if (dtype.lanes != 1) { return std::nullopt; }
-  const auto signed_type = [](std::uint8_t bits) -> std::optional<int> {
-    switch (bits) {
-      case 8:
-        return npy_byte;
-      case 16:
-        return npy_short;
-      case 32:
-        return npy_int;
-      case 64:
-        return npy_int64;
-      default:
-        return std::nullopt;
-    }
-  };
-  switch (dtype.code) {
-    case kDLBool:
-      return dtype.bits == 8 ? std::optional<int>(npy_bool) : std::nullopt;
-    case kDLInt:
-      return signed_type(dtype.bits);
-    case kDLUInt:
-      if (auto type = signed_type(dtype.bits)) { return *type + 1; }
-      return std::nullopt;
-    case kDLFloat:
-      return dtype.bits == 16   ? std::optional<int>(npy_half)
-             : dtype.bits == 32 ? std::optional<int>(npy_float)
-             : dtype.bits == 64 ? std::optional<int>(npy_double)
-                                : std::nullopt;
-    case kDLComplex:
-      return dtype.bits == 64    ? std::optional<int>(npy_cfloat)
-             : dtype.bits == 128 ? std::optional<int>(npy_cdouble)
-                                 : std::nullopt;
-    default:
-      return std::nullopt;
+  for (const numpy_dtype& known : numpy_dtypes) {
+    if (known.dtype == dtype) { return known.type_num; }
   }
+  return std::nullopt;
+}
+
+// The DLPack dtype of a NumPy type number, by a lookup (an argument's import asks it); a dtype
+// of no bits for the types DLPack lacks (long double, objects, strings, dates, structures).
+constexpr std::size_t max_type_num = 23;
+constexpr auto dtypes_by_type_num = [] {
+  std::array<DLDataType, max_type_num + 1> table{};
+  for (const numpy_dtype& known : numpy_dtypes) { table.at(static_cast<std::size_t>(known.type_num)) = known.dtype; }
+  return table;
+}();
+
+std::optional<DLDataType> dlpack_type(int type_num) noexcept
+{
+  if (type_num < 0 || static_cast<std::size_t>(type_num) > max_type_num) { return std::nullopt; }
+  const DLDataType dtype = dtypes_by_type_num[static_cast<std::size_t>(type_num)];
+  return dtype.bits != 0 ? std::optional<DLDataType>(dtype) : std::nullopt;
 }
 
 // The public fields of NumPy's array and dtype objects, as its C API declares them
@@ -123,52 +124,6 @@ struct numpy_descr_fields {
 };
 
 constexpr int writeable_flag = 0x400;  // NPY_ARRAY_WRITEABLE
-
-// The DLPack dtype of a NumPy type number, for the types DLPack has (not long double, objects,
-// strings, dates, structures).
-std::optional<DLDataType> dlpack_type(int type_num)
-{
-  const auto make = [](DLDataTypeCode code, int bits) {
-    return DLDataType{static_cast<std::uint8_t>(code), static_cast<std::uint8_t>(bits), 1};
-  };
-  constexpr int long_bits = 8 * sizeof(long);
-  switch (type_num) {
-    case npy_bool:
-      return make(kDLBool, 8);
-    case npy_byte:
-      return make(kDLInt, 8);
-    case npy_byte + 1:
-      return make(kDLUInt, 8);
-    case npy_short:
-      return make(kDLInt, 16);
-    case npy_short + 1:
-      return make(kDLUInt, 16);
-    case npy_int:
-      return make(kDLInt, 32);
-    case npy_int + 1:
-      return make(kDLUInt, 32);
-    case npy_long:
-      return make(kDLInt, long_bits);
-    case npy_long + 1:
-      return make(kDLUInt, long_bits);
-    case npy_longlong:
-      return make(kDLInt, 64);
-    case npy_longlong + 1:
-      return make(kDLUInt, 64);
-    case npy_float:
-      return make(kDLFloat, 32);
-    case npy_double:
-      return make(kDLFloat, 64);
-    case npy_cfloat:
-      return make(kDLComplex, 64);
-    case npy_cdouble:
-      return make(kDLComplex, 128);
-    case npy_half:
-      return make(kDLFloat, 16);
-    default:
-      return std::nullopt;
-  }
-}
 
 }  // namespace
 
