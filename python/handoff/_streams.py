@@ -119,7 +119,7 @@ class stream:
             from ._interpose import frameworks_on
 
             assert self._stream is not None
-            frameworks = frameworks_on(self._stream.handle, self._stream.device or 0)
+            frameworks = frameworks_on(self._stream.handle, self._stream.device)
             frameworks.__enter__()
         token = _current.set(self._stream)
         _entered.set((*_entered.get(), (self, token, frameworks)))

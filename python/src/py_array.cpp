@@ -338,10 +338,16 @@ py::capsule export_dlpack(const array& view, py::handle stream, py::handle max_v
   }
   request.copy = copy_argument(copy);
   // A stream handle is certain to be alive when the export is released only if something holds it:
-  // the stream object of the enclosing handoff.stream block, when the handle is that block's.
+  // the stream object of the enclosing handoff.stream block, when the handle is that block's; else
+  // that of the library whose current stream it is (the consumer passes its own: CuPy, PyTorch).
   if (request.stream) {
     const stream_request consumer = classify_stream(view.device().device_type, request.stream);
-    if (consumer.order == stream_order::handle) { request.stream_owner = enclosing_stream_owner(consumer.handle); }
+    if (consumer.order == stream_order::handle) {
+      request.stream_owner = enclosing_stream_owner(consumer.handle);
+      if (!request.stream_owner && current_export_release() == export_release::known_streams) {
+        request.stream_owner = framework_stream_owner(consumer.handle, view.device());
+      }
+    }
   }
   const exported_tensor made = module_exchange().export_dlpack(view, request);
   return made.versioned != nullptr ? make_capsule(made.versioned) : make_capsule(made.legacy);

@@ -329,6 +329,35 @@ void exchange::order_hand_over(const array& view, const named_stream& consumer) 
   }
 }
 
+// --- streams and memory, for a front end that orders other libraries' exchanges -----------------------
+
+std::optional<stream_binding> exchange::bind_stream(DLDevice data, const named_stream& stream) const
+{
+  if (!has_streams(data.device_type)) { return std::nullopt; }
+  const stream_request request = request_for(stream, data.device_type);
+  context* ctx = device_context();
+  if (ctx == nullptr || (ctx->backend().device_type() == kDLROCM) != is_rocm_device(data.device_type)) {
+    return std::nullopt;
+  }
+  device::backend& backend = ctx->backend();
+  const auto handle = resolve_stream(backend, request);
+  if (!handle) { return std::nullopt; }
+  const int device = is_host_accessible(data.device_type) ? backend.stream_device(*handle) : data.device_id;
+  return stream_binding{.ctx = ctx, .device = device, .stream = *handle, .stream_owner = stream.owner};
+}
+
+bool exchange::may_release_after(const named_stream& stream, DLDeviceType type) const
+{
+  return alive_at_release(request_for(stream, type), stream.owner);
+}
+
+std::optional<DLDevice> exchange::device_of(const void* data) const
+{
+  const context* ctx = device_context();
+  if (ctx == nullptr) { return std::nullopt; }
+  return dlpack_device_of(ctx->backend().attributes(data), ctx->backend().device_type());
+}
+
 std::optional<std::int64_t> exchange::interface_stream(const array& view) const
 {
   const auto ready = published_ready_stream(view);

@@ -23,16 +23,13 @@ namespace {
 
 std::atomic<export_release> export_release_policy{export_release::known_streams};
 
-// Whether the consumer stream of an export is certain to be alive when the export is released: a
-// default stream always is; a stream handle when the export holds its owner, or the application
-// vouches for every consumer stream.
+}  // namespace
+
 bool alive_at_release(stream_request consumer, const std::shared_ptr<const void>& owner) noexcept
 {
   if (consumer.order != stream_order::handle || owner) { return true; }
   return current_export_release() == export_release::every_stream;
 }
-
-}  // namespace
 
 // An export handed over with no ordering: the trace asks the producer's stream whether it is idle.
 void note_unordered_export(const array& view) noexcept

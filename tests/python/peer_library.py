@@ -1,8 +1,9 @@
 """Small array libraries on the simulated device that exchange as PyTorch's and CuPy's CUDA paths do,
-without going through handoff's hooks themselves: a current stream per library, a ``from_dlpack`` that
-passes it to the producer, and a ``__dlpack__`` that honours the ``stream`` argument or, like
-cuda.core's or nanobind's, ignores it. For the tests and the demo of ``handoff-trace run --order``
-(examples/cross_library.py).
+without going through handoff's hooks themselves: a current stream per library (a stream object,
+which the library's adapter gives handoff, as CuPy's does: a stream object destroys its stream when it
+goes), a ``from_dlpack`` that asks the producer as PyTorch 2.13's ``torch.utils.dlpack.from_dlpack``
+does, and a ``__dlpack__`` that honours the ``stream`` argument or, like cuda.core's or nanobind's,
+ignores it. For the tests and the demo of ``handoff-trace run --order`` (examples/cross_library.py).
 
     torchlike = make_library("simtorch")
     careless = make_library("simnano", honours_stream=False)
@@ -91,13 +92,28 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
         """Imports `producer` as Numba does: through its CUDA Array Interface first."""
         return Array(handoff.asarray(producer))
 
-    def from_dlpack(producer: Any) -> Array:
-        """Imports `producer` as PyTorch does: asks its ``__dlpack__`` for the data, passing the
-        library's current stream, and keeps the capsule (its producer) until the array goes, with no
-        stream-ordered release of its own."""
-        value = stream_value()
-        capsule = producer.__dlpack__(stream=DEFAULT_STREAM if value is None else value, max_version=(1, 0))
-        return Array(handoff.from_dlpack(_Capsule(capsule, producer.__dlpack_device__()), stream=-1))
+    def from_dlpack(ext_tensor: Any) -> Array:
+        """Imports `ext_tensor` as PyTorch 2.13's ``from_dlpack(ext_tensor)`` does: asks its
+        ``__dlpack_device__``, then its ``__dlpack__`` with ``max_version=(1, 0)`` and, for CUDA and
+        ROCm data only, the library's current stream (CUDA's legacy default stream as 1), retried
+        without ``max_version`` on a TypeError; it keeps the capsule (its producer) until the array's
+        data goes, with no stream-ordered release of its own."""
+        device = ext_tensor.__dlpack_device__()
+        kwargs: dict[str, Any] = {"max_version": (1, 0)}
+        if device[0] in (2, 10):  # kDLCUDA, kDLROCM
+            value = stream_value()
+            kwargs["stream"] = DEFAULT_STREAM if value is None else value
+        try:
+            capsule = ext_tensor.__dlpack__(**kwargs)
+        except TypeError:
+            kwargs.pop("max_version")
+            capsule = ext_tensor.__dlpack__(**kwargs)
+        return Array(handoff.from_dlpack(_Capsule(capsule, device), stream=-1))
+
+    def view(array: Array) -> Array:
+        """A new array of the same data, as a PyTorch view shares its tensor's storage: the data stays
+        while either is alive."""
+        return Array(handoff.from_dlpack(array._data, stream=-1))
 
     def to_numpy(array: Array) -> Any:
         """Reads the array on the library's current stream (what a kernel there would see)."""
@@ -110,6 +126,7 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
     library.zeros = zeros  # type: ignore[attr-defined]
     library.fill = fill  # type: ignore[attr-defined]
     library.from_dlpack = from_dlpack  # type: ignore[attr-defined]
+    library.view = view  # type: ignore[attr-defined]
     library.as_array = as_array  # type: ignore[attr-defined]
     library.to_numpy = to_numpy  # type: ignore[attr-defined]
     sys.modules[name] = library
@@ -120,7 +137,8 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
                 consumers=(f"{name}:from_dlpack", f"{name}:as_array"),
                 interface_first=(f"{name}:as_array",),
                 producers=(f"{name}:Array",),
-                current_stream=lambda device: stream_value(),
+                # The stream object (CuPy's adapter gives CuPy's), or the default stream's value.
+                current_stream=lambda device: DEFAULT_STREAM if current[0] is None else current[0],
                 use_stream=lambda handle, device: use(handle),
                 ignores_stream=not honours_stream,
             )

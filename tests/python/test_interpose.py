@@ -9,6 +9,7 @@ ordering mode reads stale data.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 
 import handoff
-from handoff import _interpose
+from handoff._adapters import registry
 
 from support import BACKEND, needs_sim, needs_two_devices, settle_sim
 
@@ -315,23 +316,22 @@ def test_the_ordering_mode_from_the_environment_fixes_an_unchanged_program(tmp_p
 
 
 @needs_sim
-def test_the_ordering_mode_keeps_the_producer_until_the_consumers_array_is_gone_and_its_stream_done(peers):
-    _, _, _, consumer = peers
-
-    class Owner:
-        pass
-
-    for keep in (True, False):  # the negative control: without the keep, the producer goes at once
-        result, producer_object = Owner(), Owner()
-        gone = weakref.ref(producer_object)
-        busy = sim.zeros(N, "float32")
-        sim.fill(busy, 2.0, stream=consumer, delay=SLOW)  # the consumer's stream still works
-        if keep:
-            _interpose._keep_until_done(result, producer_object, (sim_device_type(), 0), consumer.handle)
-        del producer_object, result
-        assert (gone() is not None) == keep
-        settle_sim()
-        assert gone() is None
+@pytest.mark.parametrize("ordering", [True, False], ids=["ordered", "negative-control-unordered"])
+def test_the_ordering_mode_keeps_the_producer_until_the_consumers_array_is_gone_and_its_stream_done(peers, ordering):
+    careless, torchlike, producer, consumer = peers
+    handoff.order_libraries(ordering)
+    x = pending(careless, producer)
+    gone = weakref.ref(x)
+    with careless.use(producer), torchlike.use(consumer):
+        y = torchlike.from_dlpack(x)
+        torchlike.fill(y, 2.0, delay=SLOW)  # the consumer's kernel, still running on its stream
+    del x, y
+    gc.collect()
+    # Ordered, the producer is kept until the work the consumer's stream had when its array went is
+    # done; unordered, it goes with the array, while that work still reads its memory.
+    assert (gone() is not None) == ordering
+    settle_sim()
+    assert gone() is None
 
 
 @needs_sim
@@ -450,7 +450,7 @@ def test_one_stream_block_sets_every_frameworks_current_stream_and_restores_each
             x = pending(careless, consumer)  # careless's own block nests inside
             with handoff.trace(libraries=True) as t:
                 seen = torchlike.to_numpy(torchlike.from_dlpack(x))
-        assert _interpose._registry["simtorch"].current_stream(0) == producer.handle, "restored"
+        assert registry.get("simtorch").current_stream(0) is producer, "restored"
     assert (seen == 1).all(), "one stream: nothing needed ordering"
     (event,) = [e for e in t.events if e["interposed"]]
     assert event["consumer_stream"] == consumer.handle and event["hazard"] is None

@@ -213,6 +213,28 @@ class exchange {
   /// hand_over for a consumer that borrows the view's own description (a bare DLTensor).
   void lend(const array& view, const named_stream& consumer);
 
+  // --- streams and memory, for a front end that orders other libraries' exchanges ---------------
+
+  /// The stream `stream` names for work on data of `data` (its handle resolved by the stream table of
+  /// the device type), bound on the device whose streams order that data: the data's device, or for
+  /// pinned and managed memory, which DLPack numbers device 0 whatever device works on it, the
+  /// stream's own. `stream.owner` goes with it. nullopt for data without streams, where no context
+  /// serves that device type, or for stream=-1.
+  /// @throws value_error for a stream the device type does not take; device_error when the backend
+  ///         cannot tell a stream's device (a destroyed stream).
+  [[nodiscard]] std::optional<stream_binding> bind_stream(DLDevice data, const named_stream& stream) const;
+
+  /// Whether a release deferred behind `stream` (for data of `type`) is certain to find it alive, as
+  /// exports decide for their consumer's stream (export_release): a default stream, a stream its
+  /// owner keeps alive, or any stream when the application vouches for every consumer stream.
+  /// @throws value_error for a stream the device type does not take.
+  [[nodiscard]] bool may_release_after(const named_stream& stream, DLDeviceType type) const;
+
+  /// The DLPack device of the memory at `data`, as an import of a CUDA Array Interface names it;
+  /// nullopt where no context serves device memory or the backend does not know the memory.
+  /// @throws buffer_error for managed memory on ROCm, which DLPack has no device type for.
+  [[nodiscard]] std::optional<DLDevice> device_of(const void* data) const;
+
   /// The stream to tell a consumer that may synchronize it, rather than wait on it, that `view`'s
   /// data is ready on (the CUDA Array Interface's `stream`), as a DLPack stream value; nullopt when
   /// none is known. A stream synchronization of the legacy default stream waits only for work

@@ -15,6 +15,11 @@ namespace handoff {
 /// ordering: the trace asks the producer's stream whether it is idle (an unordered hazard).
 void note_unordered_export(const array& view) noexcept;
 
+/// Whether a consumer stream `consumer` asks for is certain to be alive when a release deferred behind
+/// it runs: a default stream always is; a stream handle when `owner` keeps it, or the application
+/// vouches for every consumer stream (export_release::every_stream).
+[[nodiscard]] bool alive_at_release(stream_request consumer, const std::shared_ptr<const void>& owner) noexcept;
+
 /// The stream a validated DLPack request names on `backend`; nullopt when it asks for no ordering.
 [[nodiscard]] std::optional<device::stream_handle> resolve_stream(device::backend& backend, stream_request request);
 
