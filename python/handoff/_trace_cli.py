@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from ._trace import chrome_trace, dumps, format_event, graph_to_dot, summary
+from ._trace import _plural, chrome_trace, dumps, exchanges_between_libraries, format_event, graph_to_dot, summary
 
 Trace = dict[str, Any]
 
@@ -301,13 +301,34 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _say_what_the_graph_holds(graph: dict[str, Any], exchanges: list[dict[str, Any]]) -> None:
+    """The ownership graph holds handoff's own arrays: a program that never calls handoff has none, and
+    its exchanges (which the hooks saw) are drawn beside it instead; said on stderr."""
+    if exchanges:
+        count = sum(pair["imports"] for pair in exchanges)
+        print(
+            f"handoff-trace: the ownership graph holds handoff's own arrays; the trace saw {_plural(count, 'exchange')} "
+            "between other libraries, drawn beside it with a node per library (handoff-trace show lists each)",
+            file=sys.stderr,
+        )
+    elif not graph.get("nodes"):
+        print(
+            "handoff-trace: the ownership graph is empty: no array handoff made or exported was alive when the "
+            "trace ended, and the trace saw no exchange between other libraries",
+            file=sys.stderr,
+        )
+
+
 def cmd_graph(args: argparse.Namespace) -> int:
     trace = load_trace(args.file)
     graph = trace.get("graph")
     if not isinstance(graph, dict):
         raise CommandError(f"{args.file}: the trace holds no ownership graph")
+    exchanges = exchanges_between_libraries(trace["events"])
+    _say_what_the_graph_holds(graph, exchanges)
     if args.format in ("dot", "json"):
-        text = graph_to_dot(graph) if args.format == "dot" else json.dumps(graph, indent=2) + "\n"
+        shown = {**graph, "exchanges": exchanges} if exchanges else graph
+        text = graph_to_dot(graph, exchanges) if args.format == "dot" else json.dumps(shown, indent=2) + "\n"
         if args.output:
             Path(args.output).write_text(text, encoding="utf-8")
             print(f"wrote {args.output}", file=sys.stderr)
@@ -329,7 +350,7 @@ def cmd_graph(args: argparse.Namespace) -> int:
         output = Path(args.file).with_suffix(f".{args.format}")
     result = subprocess.run(
         [dot, f"-T{args.format}", "-o", str(output)],
-        input=graph_to_dot(graph),
+        input=graph_to_dot(graph, exchanges),
         text=True,
         capture_output=True,
         check=False,

@@ -9,12 +9,17 @@ ordering mode reads stale data.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import importlib
+import importlib.metadata
 import json
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
+import types
 import weakref
 from pathlib import Path
 
@@ -22,9 +27,10 @@ import numpy as np
 import pytest
 
 import handoff
+from handoff import _interposed
 from handoff._adapters import registry
 
-from support import BACKEND, needs_sim, needs_two_devices, settle_sim
+from support import BACKEND, needs_sim, needs_two_devices, run_python, settle_sim
 
 torch = pytest.importorskip("torch")
 
@@ -459,3 +465,427 @@ def test_one_stream_block_sets_every_frameworks_current_stream_and_restores_each
 def test_a_framework_stream_block_needs_a_stream():
     with pytest.raises(ValueError, match="name the stream the frameworks should use"):
         handoff.stream(None, frameworks=True)
+
+
+# --- the hooks as the program sees them: pickling, reloads, keywords, adapters ------------------------
+
+
+@pytest.mark.parametrize("mode", ["traced", "ordering"])
+def test_a_hooked_consumer_pickles_as_what_it_wraps_and_its_aliases_stay_one_function(mode):
+    jax_dlpack = pytest.importorskip("jax.dlpack")
+    originals = (torch.from_dlpack, jax_dlpack.from_dlpack)
+    with contextlib.ExitStack() as hooks:
+        if mode == "traced":
+            hooks.enter_context(handoff.trace(libraries=True))
+        else:
+            handoff.order_libraries(True)
+            hooks.callback(handoff.order_libraries, False)
+        assert torch.from_dlpack is not originals[0], "hooked"
+        assert torch.from_dlpack is torch.utils.dlpack.from_dlpack, "the aliases are one function, as before"
+        for hooked in (torch.from_dlpack, jax_dlpack.from_dlpack):
+            assert pickle.loads(pickle.dumps(hooked)) is hooked
+        pickled = pickle.dumps((torch.from_dlpack, jax_dlpack.from_dlpack))
+    # Where no hooks are in place (a worker process of a pool), it is what it wraps.
+    assert pickle.loads(pickled) == originals
+
+
+def test_a_module_reloaded_while_hooked_is_hooked_again_and_only_what_is_still_ours_is_put_back(tmp_path, monkeypatch):
+    module = tmp_path / "reloaded_library.py"
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def write(version: int) -> None:
+        module.write_text(f"def from_dlpack(x):\n    return 'v{version}'\n")
+        stamp = module.stat().st_mtime + version  # a newer time: reload reads the new source
+        os.utime(module, (stamp, stamp))
+
+    write(1)
+    library = importlib.import_module("reloaded_library")
+    monkeypatch.setitem(sys.modules, "reloaded_library", library)  # removed again at the end
+    handoff.register_library(handoff.LibraryAdapter("reloaded_library", consumers=("reloaded_library:from_dlpack",)))
+    with handoff.trace(libraries=True) as t:
+        library.from_dlpack(np.arange(3.0))
+        write(2)
+        importlib.invalidate_caches()
+        importlib.reload(library)
+        assert library.from_dlpack(np.arange(3.0)) == "v2"
+    assert [e["consumer"] for e in t.events if e["interposed"]] == ["reloaded_library"] * 2, "both calls seen"
+    assert library.from_dlpack(np.arange(3.0)) == "v2", "the reloaded function is put back, not the old one"
+    assert not hasattr(library.from_dlpack, "__handoff_original__")
+
+    def mine(x):
+        return "mine"
+
+    with handoff.trace(libraries=True):
+        library.from_dlpack = mine  # the program's own patch, made while hooked
+    assert library.from_dlpack is mine, "what is no longer the hooks' own stays"
+
+
+def test_an_array_given_by_keyword_is_an_exchange_as_one_given_by_position():
+    with handoff.trace(libraries=True) as t:
+        by_position = torch.from_dlpack(np.arange(3.0))
+        by_keyword = torch.from_dlpack(ext_tensor=np.arange(3.0))  # PyTorch 2.13's parameter
+    assert torch.equal(by_position, by_keyword)
+    assert [(e["producer"], e["consumer"]) for e in t.events if e["interposed"]] == [("numpy", "torch")] * 2
+
+
+class NoSignature:
+    """A consumer function whose signature Python cannot read (a C or Cython function: CuPy builds with
+    binding=False), which takes the array as `array`."""
+
+    @property
+    def __signature__(self):
+        raise ValueError("no signature found for builtin")
+
+    def __call__(self, array=None, *, copy=None):
+        return np.from_dlpack(array)
+
+
+def test_a_consumer_without_a_signature_takes_the_array_by_the_keyword_its_adapter_names(monkeypatch):
+    library = types.ModuleType("unsigned_library")
+    library.from_dlpack = NoSignature()
+    monkeypatch.setitem(sys.modules, "unsigned_library", library)
+    handoff.register_library(
+        handoff.LibraryAdapter("unsigned_library", consumers=("unsigned_library:from_dlpack(array)",))
+    )
+    with handoff.trace(libraries=True) as t:
+        library.from_dlpack(torch.arange(2.0))
+        library.from_dlpack(array=torch.arange(2.0))
+    assert [e["producer"] for e in t.events if e["interposed"]] == ["torch", "torch"]
+    with pytest.raises(ValueError, match="'arr ay' is not a parameter name"):
+        handoff.LibraryAdapter("bad", consumers=("bad:f(arr ay)",))
+
+
+def test_an_adapters_consumers_given_as_a_generator_are_kept():
+    adapter = handoff.LibraryAdapter(
+        "generated", consumers=(f"generated:{name}" for name in ("from_dlpack", "asarray"))
+    )
+    assert adapter.consumers == ("generated:from_dlpack", "generated:asarray")
+
+
+def test_the_release_check_counts_references_as_this_python_does():
+    # `sys.getrefcount(...) > 3` was a constant of one CPython version: the check measures its own.
+    held = Refusing()
+    assert _interposed._references(weakref.ref(held)) - _interposed._OWN_REFERENCES == 1
+
+
+# --- programs that never import handoff: the environment, the trace file, its graph ---------------
+
+
+PLAIN_PROGRAM = """
+import numpy as np, torch, sys
+np.from_dlpack(torch.arange(3.0))
+print("handoff" in sys.modules)
+"""
+
+
+def installed_pth() -> Path | None:
+    """handoff.pth as the installed distribution lists it (None for a package on PYTHONPATH)."""
+    try:
+        files = importlib.metadata.files("handoff") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    found = [f for f in files if f.name == "handoff.pth"]
+    return Path(found[0].locate()) if found else None
+
+
+needs_pth = pytest.mark.skipif(
+    installed_pth() is None or not Path(handoff.__file__).is_relative_to(Path(str(installed_pth())).parent),
+    reason="handoff is not installed as a distribution here (its handoff.pth is installed with it)",
+)
+
+
+@needs_pth
+def test_the_environment_traces_a_program_that_never_imports_handoff(tmp_path):
+    # The handoff.pth installed beside the package imports handoff at start-up only where asked.
+    plain = run_python(PLAIN_PROGRAM)
+    assert plain.returncode == 0 and plain.stdout.strip() == "False", "unset, nothing is imported"
+    traced = run_python(PLAIN_PROGRAM, HANDOFF_TRACE=str(tmp_path / "trace-%p.json"))
+    assert traced.returncode == 0, traced.stderr
+    (saved,) = tmp_path.glob("trace-*.json")
+    events = json.loads(saved.read_text())["handoff"]["events"]
+    assert [(e["producer"], e["consumer"], e["where"]) for e in events] == [("torch", "numpy", "<string>:3")]
+    hooked = "import sys, torch; print('handoff' in sys.modules, hasattr(torch.from_dlpack, '__handoff_original__'))"
+    assert run_python(hooked).stdout.split() == ["False", "False"]
+    assert run_python(hooked, HANDOFF_ORDER="1").stdout.split() == ["True", "True"], "the ordering mode's hooks"
+
+
+def test_a_trace_file_keeps_each_event_once(tmp_path):
+    with handoff.trace(tmp_path / "trace.json", libraries=True):
+        np.from_dlpack(torch.arange(3.0))
+    text = (tmp_path / "trace.json").read_text()
+    assert text.count('"time_ns"') == 1, "under 'handoff', not again in the Perfetto slice"
+    (exchange,) = [e["args"]["exchange"] for e in json.loads(text)["traceEvents"] if e["ph"] == "X"]
+    assert "torch -> numpy" in exchange
+
+
+def test_the_graph_of_a_program_that_never_calls_handoff_draws_its_exchanges_and_says_so(tmp_path):
+    with handoff.trace(tmp_path / "trace.json", libraries=True):
+        np.from_dlpack(torch.arange(3.0))
+        torch.from_dlpack(np.ones(2))
+    command = [sys.executable, "-m", "handoff._trace_cli", "graph", str(tmp_path / "trace.json"), "--format"]
+    dot = subprocess.run([*command, "dot"], capture_output=True, text=True, timeout=120, check=True)
+    assert '"library:torch" -> "library:numpy" [label="1 import (dlpack)"]' in dot.stdout
+    assert '"library:numpy" -> "library:torch"' in dot.stdout
+    assert "the trace saw 2 exchanges between other libraries" in dot.stderr
+    shown = json.loads(
+        subprocess.run([*command, "json"], capture_output=True, text=True, timeout=120, check=True).stdout
+    )
+    assert [(p["producer"], p["consumer"], p["imports"]) for p in shown["exchanges"]] == [
+        ("torch", "numpy", 1),
+        ("numpy", "torch", 1),
+    ]
+
+
+def test_a_consumer_that_copies_what_it_was_handed_is_recorded_with_the_data_handed_and_a_note():
+    jnp = pytest.importorskip("jax.numpy")
+    with handoff.trace(libraries=True) as t:
+        jnp.from_dlpack(torch.arange(6))  # JAX without x64 makes an int32 copy of int64 data
+        jnp.from_dlpack(torch.arange(6.0))  # negative control: a float32 view, no copy to note
+    copied, viewed = [e for e in t.events if e["interposed"]]
+    assert (copied["dtype"], copied["nbytes"]) == ("int64", 48)
+    assert copied["detail"] == "jax made a copy: int32[6] of the int64[6] it was handed"
+    assert viewed["dtype"] == "float32" and not viewed["detail"]
+
+
+# --- the ordering mode's streams and keep-alive, on the simulator ----------------------------------
+
+
+@needs_sim
+@pytest.mark.parametrize("ordering", [True, False], ids=["ordered", "negative-control-unordered"])
+def test_an_array_given_by_keyword_is_ordered_as_one_given_by_position(peers, ordering):
+    careless, torchlike, producer, consumer = peers
+    handoff.order_libraries(ordering)
+    x = pending(careless, producer)
+    with careless.use(producer), torchlike.use(consumer):
+        seen = torchlike.to_numpy(torchlike.from_dlpack(ext_tensor=x))
+    assert (seen == (1 if ordering else 0)).all()
+
+
+class Answer:
+    """A library whose adapter answers `current_stream` with whatever a test gives it."""
+
+    def __init__(self, name: str, answer: object) -> None:
+        self.answer = answer
+        self.module = types.ModuleType(name)
+        self.module.from_dlpack = lambda x: handoff.from_dlpack(x, stream=-1)
+        sys.modules[name] = self.module
+        handoff.register_library(
+            handoff.LibraryAdapter(name, consumers=(f"{name}:from_dlpack",), current_stream=lambda device: self.answer)
+        )
+
+
+@needs_sim
+@pytest.mark.parametrize(
+    ("answer", "named"),
+    [("stream 7", "str"), (2**70, "int"), (object(), "object")],
+    ids=["a string", "an int over 64 bits", "an object that is no stream"],
+)
+def test_an_adapters_current_stream_that_names_no_stream_is_said_once_and_the_call_goes_on(peers, capfd, answer, named):
+    library = Answer(f"answers_{named}", answer).module
+    x = peers[0].zeros(N)
+    capfd.readouterr()
+    with handoff.trace(libraries=True) as t:
+        for _ in range(2):
+            assert library.from_dlpack(x).shape == (N,)
+    handoff.order_libraries(True)
+    assert library.from_dlpack(x).shape == (N,), "ordered or not, the program runs as without hooks"
+    handoff.order_libraries(False)
+    events = [e for e in t.events if e["interposed"]]
+    assert len(events) == 2 and all(e["consumer_stream"] is None for e in events), "each seen, without it"
+    said = capfd.readouterr().err
+    assert said.count(f"the library adapter 'answers_{named}': current_stream(0) returned") == 1, said
+
+
+@needs_sim
+def test_an_adapters_current_stream_may_be_the_stream_object_which_is_held(peers):
+    careless, _, producer, _ = peers
+    stream = sim.Stream(non_blocking=True)
+    library = Answer("answers_object", stream).module
+    x = pending(careless, producer)
+    handoff.order_libraries(True)
+    with careless.use(producer), handoff.trace(libraries=True) as t:
+        y = library.from_dlpack(x)
+    (event,) = [e for e in t.events if e["interposed"]]
+    assert (event["consumer_stream"], event["interposed"]) == (stream.handle, "ordered")
+    assert (sim.to_numpy(y, stream=stream) == 1).all()
+
+
+def make_short_lived(name: str, *, objects: bool):
+    """A consumer library whose current stream is a stream object it drops (CuPy's `with
+    cupy.cuda.Stream(): y = cupy.asarray(x)`), its adapter giving the object or, as older adapters
+    did, its bare handle."""
+    library = make_library(name, register=False)
+    current: list = [None]
+    library.use_short_lived = lambda stream: current.__setitem__(0, stream)
+    handoff.register_library(
+        handoff.LibraryAdapter(
+            name,
+            consumers=(f"{name}:from_dlpack",),
+            current_stream=lambda device: current[0] if objects or current[0] is None else current[0].handle,
+        )
+    )
+    return library, current
+
+
+@needs_sim
+@pytest.mark.parametrize("mode", ["ordering", "tracing"])
+@pytest.mark.parametrize("objects", [True, False], ids=["stream-object", "bare-handle"])
+def test_a_consumer_stream_destroyed_before_its_array_is_never_used_after_it_is_gone(peers, mode, objects):
+    careless, _, producer, _ = peers
+    consumer, current = make_short_lived(f"short_lived_{mode}_{objects}", objects=objects)
+    sim.clear_violations()
+    x = pending(careless, producer)
+    gone = weakref.ref(x)
+    with contextlib.ExitStack() as block:
+        if mode == "ordering":
+            handoff.order_libraries(True)
+        else:
+            block.enter_context(handoff.trace(libraries=True))
+        stream = sim.Stream(non_blocking=True)
+        current[0] = stream
+        with careless.use(producer):
+            y = consumer.from_dlpack(x)
+        current[0] = None
+        del x, stream  # the library's stream object goes first: destroyed, unless handoff holds it
+        gc.collect()
+        del y
+        settle_sim()
+    assert sim.violations() == [], "no work was put on a destroyed stream"
+    assert gone() is None, "the producer was released"
+
+
+@needs_sim
+@pytest.mark.parametrize("ordering", [True, False], ids=["ordered", "negative-control-unordered"])
+def test_the_ordering_mode_releases_the_producer_after_the_consumers_storage_not_its_first_wrapper(peers, ordering):
+    careless, torchlike, producer, consumer = peers
+    handoff.order_libraries(ordering)
+    x = pending(careless, producer)
+    gone = weakref.ref(x)
+    with careless.use(producer), torchlike.use(consumer):
+        y = torchlike.from_dlpack(x)
+        view = torchlike.view(y)  # shares y's storage, as a PyTorch view does
+    del x, y
+    settle_sim()
+    assert gone() is not None, "the view still holds the data"
+    with torchlike.use(consumer):
+        torchlike.fill(view, 3.0, delay=SLOW)  # later work of the consumer's, through the view
+    del view
+    gc.collect()
+    # Ordered, the release waits for the work the consumer's stream had when its storage went.
+    assert (gone() is not None) == ordering
+    settle_sim()
+    assert gone() is None
+
+
+@needs_sim
+@pytest.mark.parametrize("policy", ["known-streams", "every-stream"])
+def test_the_ordering_mode_keeps_the_producer_behind_a_bare_handle_only_where_the_policy_vouches_for_it(peers, policy):
+    careless, _, producer, _ = peers
+    consumer, current = make_short_lived(f"bare_{policy.replace('-', '_')}", objects=False)
+    stream = sim.Stream(non_blocking=True)
+    handoff.order_libraries(True)
+    handoff.set_export_release(policy)
+    try:
+        x = pending(careless, producer)
+        gone = weakref.ref(x)
+        current[0] = stream
+        with careless.use(producer), handoff.trace(libraries=True) as t:
+            y = consumer.from_dlpack(x)
+        current[0] = None
+        sim.fill(y._data, 2.0, stream=stream, delay=SLOW)
+        del x, y
+        gc.collect()
+        if policy == "every-stream":
+            assert gone() is not None, "kept until the stream's work is done"
+        else:
+            sim.drain()  # the releases that wait for other streams than this one
+            gc.collect()
+            assert gone() is None, "a release never waits for a stream that may be destroyed first"
+    finally:
+        handoff.set_export_release("known-streams")
+    (event,) = [e for e in t.events if e["interposed"]]
+    assert (event["action"], event["interposed"]) == ("wait", "ordered"), "ordered either way"
+    assert ("is a bare handle that may be destroyed first" in event["detail"]) == (policy == "known-streams")
+    settle_sim()
+
+
+@needs_sim
+@pytest.mark.parametrize("knows", [True, False], ids=["negative-control-known", "no-current-stream"])
+def test_an_exchange_the_ordering_mode_cannot_order_is_flagged_saying_why_and_how(peers, knows):
+    careless, _, producer, consumer = peers
+    name = "streamless_consumer"
+    library = make_library(name, register=False)
+    handoff.register_library(
+        handoff.LibraryAdapter(
+            name,
+            consumers=(f"{name}:from_dlpack",),
+            current_stream=(lambda device: consumer) if knows else None,  # cuda.core, MLX, tvm-ffi have none
+        )
+    )
+    sim.synchronize()
+    x = careless.zeros(N)  # nothing pending: flagged all the same, as the mode promised an order
+    handoff.order_libraries(True)
+    with careless.use(producer), library.use(consumer), handoff.trace(libraries=True) as t:
+        library.from_dlpack(x)
+    (event,) = [e for e in t.events if e["interposed"]]
+    if knows:
+        assert (event["interposed"], event["hazard"]) == ("ordered", None)
+    else:
+        assert (event["interposed"], event["hazard"], event["action"]) == ("observed", "unordered", "unordered")
+        assert f"handoff knows no current stream of {name}" in event["detail"]
+        assert "current_stream" in event["detail"] and "frameworks=True" in event["detail"]
+
+
+@needs_sim
+@pytest.mark.parametrize("current", [True, False], ids=["the-librarys-current-stream", "negative-control-another"])
+def test_an_export_to_a_bare_handle_holds_the_stream_object_of_the_library_whose_current_stream_it_is(current):
+    library = make_library("holds_its_streams")
+    stream = library.Stream()
+    handle = stream.handle
+    data = sim.zeros(N, "float32")
+    sim.synchronize()
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    gone = weakref.ref(owner)
+    view = handoff.view(data.data_ptr, (N,), "float32", device=data.device, owner=owner)
+    del owner
+    with library.use(stream) if current else contextlib.nullcontext():
+        capsule = view.__dlpack__(stream=handle, max_version=(1, 0))  # a CuPy consumer passes its stream
+    imported = handoff.from_dlpack(capsule, stream=-1)
+    sim.fill(imported, 2.0, stream=stream, delay=SLOW)  # the consumer's work on the data
+    sim.clear_violations()
+    del view, capsule, imported, stream  # the library drops its stream object too
+    gc.collect()
+    # Held, the stream outlives the release that waits for it; unheld, nothing waits.
+    assert (gone() is not None) == current
+    settle_sim()
+    assert gone() is None and sim.violations() == []
+
+
+@needs_sim
+@needs_two_devices
+def test_a_framework_stream_block_and_pinned_data_ask_for_the_device_that_works_on_them(peers):
+    asked: list = []
+    library = make_library("device_spy", register=False)
+    handoff.register_library(
+        handoff.LibraryAdapter(
+            "device_spy",
+            consumers=("device_spy:from_dlpack",),
+            current_stream=lambda device: asked.append(("current_stream", device)),
+            use_stream=lambda handle, device: asked.append(("use_stream", device)),
+        )
+    )
+    far = sim.Stream(1, non_blocking=True)
+    with handoff.stream(handoff.Stream(far.handle), frameworks=True):  # no device said: the stream's own
+        pass
+    pinned = peers[0].Array(sim.zeros(N, "float32", memory="pinned"))  # DLPack says device 0 of pinned memory
+    sim.set_device(1)
+    try:
+        with handoff.trace(libraries=True):
+            library.from_dlpack(pinned)
+    finally:
+        sim.set_device(0)
+    assert asked == [("use_stream", 1), ("current_stream", 1)]
