@@ -215,11 +215,12 @@ PyObject* get_cuda_array_interface(PyObject* self, void* /*closure*/) noexcept
   return python_entry([self] { return py::object(cuda_array_interface(view_of(self))); });
 }
 
-PyObject* method_dlpack(PyObject* self, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames) noexcept
+// Not noexcept: the owner of a bare consumer stream is looked up in Python (see python_code_entry).
+PyObject* method_dlpack(PyObject* self, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames)
 {
   PyObject* arguments[4];  // stream, max_version, dl_device, copy
   if (!dlpack_signature->parse(args, nargsf, kwnames, arguments)) { return nullptr; }
-  return python_entry(
+  return python_code_entry(
     [&] { return py::object(export_dlpack(view_of(self), arguments[0], arguments[1], arguments[2], arguments[3])); });
 }
 

@@ -64,11 +64,12 @@ array view_of(const described_class& cls, PyObject* self)
 
 const signature* dlpack_signature = nullptr;
 
-PyObject* class_dlpack(PyObject* self, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames) noexcept
+// Not noexcept: the describe function and the consumer stream's owner lookup run Python code.
+PyObject* class_dlpack(PyObject* self, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames)
 {
   PyObject* arguments[4];  // stream, max_version, dl_device, copy
   if (!dlpack_signature->parse(args, nargsf, kwnames, arguments)) { return nullptr; }
-  return python_entry([&] {
+  return python_code_entry([&] {
     return py::object(
       export_dlpack(view_of(instance_class(self), self), arguments[0], arguments[1], arguments[2], arguments[3]));
   });

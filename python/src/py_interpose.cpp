@@ -280,7 +280,9 @@ void mute(bool on)
 
 std::shared_ptr<const void> framework_stream_owner(std::uint64_t handle, DLDevice data)
 {
-  if (stream_owner_lookup == nullptr) { return {}; }
+  // Once Python's exit has begun, no library's Python code is run: a daemon thread exporting then
+  // would be ended inside it (and the export's caller may be noexcept). The release then does not wait.
+  if (stream_owner_lookup == nullptr || python_is_closing()) { return {}; }
   const std::optional<int> device = work_device_of(data);
   if (!device) { return {}; }
   const py::object found =

@@ -19,6 +19,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import time
 import types
 import weakref
 from pathlib import Path
@@ -321,17 +322,25 @@ def test_the_ordering_mode_from_the_environment_fixes_an_unchanged_program(tmp_p
     assert [e["interposed"] for e in section["events"] if e["interposed"]] == ["ordered"]
 
 
-@needs_sim
-@pytest.mark.parametrize("ordering", [True, False], ids=["ordered", "negative-control-unordered"])
-def test_the_ordering_mode_keeps_the_producer_until_the_consumers_array_is_gone_and_its_stream_done(peers, ordering):
+def imported_by_torchlike(peers, ordering: bool) -> tuple:
+    """An array of the careless library's with a write pending, imported by the PyTorch-like one with
+    the ordering mode on or off: (the import, a weak reference to the producer's array)."""
     careless, torchlike, producer, consumer = peers
     handoff.order_libraries(ordering)
     x = pending(careless, producer)
     gone = weakref.ref(x)
     with careless.use(producer), torchlike.use(consumer):
-        y = torchlike.from_dlpack(x)
+        return torchlike.from_dlpack(x), gone
+
+
+@needs_sim
+@pytest.mark.parametrize("ordering", [True, False], ids=["ordered", "negative-control-unordered"])
+def test_the_ordering_mode_keeps_the_producer_until_the_consumers_array_is_gone_and_its_stream_done(peers, ordering):
+    _, torchlike, _, consumer = peers
+    y, gone = imported_by_torchlike(peers, ordering)
+    with torchlike.use(consumer):
         torchlike.fill(y, 2.0, delay=SLOW)  # the consumer's kernel, still running on its stream
-    del x, y
+    del y
     gc.collect()
     # Ordered, the producer is kept until the work the consumer's stream had when its array went is
     # done; unordered, it goes with the array, while that work still reads its memory.
@@ -757,14 +766,10 @@ def test_a_consumer_stream_destroyed_before_its_array_is_never_used_after_it_is_
 @needs_sim
 @pytest.mark.parametrize("ordering", [True, False], ids=["ordered", "negative-control-unordered"])
 def test_the_ordering_mode_releases_the_producer_after_the_consumers_storage_not_its_first_wrapper(peers, ordering):
-    careless, torchlike, producer, consumer = peers
-    handoff.order_libraries(ordering)
-    x = pending(careless, producer)
-    gone = weakref.ref(x)
-    with careless.use(producer), torchlike.use(consumer):
-        y = torchlike.from_dlpack(x)
-        view = torchlike.view(y)  # shares y's storage, as a PyTorch view does
-    del x, y
+    _, torchlike, _, consumer = peers
+    y, gone = imported_by_torchlike(peers, ordering)
+    view = torchlike.view(y)  # shares y's storage, as a PyTorch view does
+    del y
     settle_sim()
     assert gone() is not None, "the view still holds the data"
     with torchlike.use(consumer):
@@ -889,3 +894,138 @@ def test_a_framework_stream_block_and_pinned_data_ask_for_the_device_that_works_
     finally:
         sim.set_device(0)
     assert asked == [("use_stream", 1), ("current_stream", 1)]
+
+
+# --- on a GPU: PyTorch and CuPy as they are ------------------------------------------------------
+
+CUDA_USABLE = (
+    BACKEND == "cuda" and not handoff.runtime_info().get("backend_error") and handoff.runtime_info()["device_count"] > 0
+)
+needs_gpu = pytest.mark.skipif(not CUDA_USABLE, reason=f"needs HANDOFF_BACKEND=cuda and a GPU (backend {BACKEND!r})")
+GPU_N = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def cuda_libraries():
+    """PyTorch and CuPy on the GPU, and the torch.cuda._sleep cycles that keep a stream busy for about
+    0.15 s (a consumer that is not ordered always reads first)."""
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch has no CUDA device here")
+    cupy = pytest.importorskip("cupy")
+    cupy.zeros(8, dtype=cupy.float32).fill(1.0)  # CuPy compiles its kernels now, not behind a spin
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(100_000_000)
+    start.record()
+    torch.cuda._sleep(100_000_000)
+    end.record()
+    end.synchronize()
+    return torch, cupy, int(100_000_000 * 0.15 * 1000 / start.elapsed_time(end))
+
+
+class CarelessTensor:
+    """A PyTorch tensor handed on by a wrapper that ignores `stream` (as cuda.core's and nanobind's
+    arrays do), registered as the library `careless_gpu`."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def __dlpack__(self, *, stream=None, **kwargs):
+        return self.tensor.__dlpack__(stream=-1, **kwargs)
+
+    def __dlpack_device__(self):
+        return self.tensor.__dlpack_device__()
+
+
+CarelessTensor.__module__ = "careless_gpu"
+
+
+@pytest.fixture
+def careless_gpu(cuda_libraries):
+    """Makes a tensor whose fill of 1.0 is queued behind a spin on a PyTorch stream, handed on
+    carelessly: (the careless wrapper, a weak reference to the tensor). The ordering mode is off, and
+    everything settled, afterwards."""
+    torch, cupy, cycles = cuda_libraries
+    producer = torch.cuda.Stream()
+    handoff.register_library(
+        handoff.LibraryAdapter("careless_gpu", ignores_stream=True, current_stream=lambda device: producer)
+    )
+
+    def make() -> tuple:
+        x = torch.zeros(GPU_N, device="cuda")
+        torch.cuda.synchronize()
+        with torch.cuda.stream(producer):
+            torch.cuda._sleep(cycles)
+            x.fill_(1.0)
+        return CarelessTensor(x), weakref.ref(x)
+
+    yield make, cupy, cycles
+    handoff.order_libraries(False)
+    torch.cuda.synchronize()
+    deadline = time.monotonic() + 10
+    while handoff.stats()["pending_releases"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def spin_cupy_stream(cycles: int, stream) -> None:
+    with torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)):
+        torch.cuda._sleep(cycles)
+
+
+@needs_gpu
+@pytest.mark.parametrize("ordering", [True, pytest.param(False, marks=pytest.mark.negative_control)])
+def test_gpu_the_ordering_mode_holds_a_cupy_stream_the_program_drops_until_the_release_is_done(careless_gpu, ordering):
+    make, cupy, cycles = careless_gpu
+    handoff.order_libraries(ordering)
+    careless, _ = make()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    held = weakref.ref(stream)
+    with stream:
+        y = cupy.from_dlpack(careless)
+        first = float(y[0].get())  # on the stream: ordered, after the producer's fill
+        spin_cupy_stream(cycles, stream)  # the consumer's work, still queued when the program lets go
+    assert first == (1.0 if ordering else 0.0)
+    del stream
+    gc.collect()
+    # Held, the stream outlives the release that waits for it; unheld, CuPy destroys it at once.
+    assert (held() is not None) == ordering
+    del y
+
+
+@needs_gpu
+@pytest.mark.parametrize("ordering", [True, pytest.param(False, marks=pytest.mark.negative_control)])
+def test_gpu_the_ordering_mode_keeps_the_producer_while_a_cupy_view_of_the_import_is_used(careless_gpu, ordering):
+    make, cupy, cycles = careless_gpu
+    handoff.order_libraries(ordering)
+    careless, gone = make()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        y = cupy.from_dlpack(careless)
+        view = y[::2]  # shares y's memory
+        del y, careless
+        stream.synchronize()
+        spin_cupy_stream(cycles, stream)  # later work through the view, still queued
+        view *= 2
+    del view
+    gc.collect()
+    # Ordered, the tensor is kept until that work is done; unordered, it goes with CuPy's memory.
+    assert (gone() is not None) == ordering
+
+
+@needs_gpu
+@pytest.mark.parametrize("current", [True, pytest.param(False, marks=pytest.mark.negative_control)])
+def test_gpu_an_export_to_cupys_current_stream_holds_it_until_its_release(cuda_libraries, current):
+    torch, cupy, cycles = cuda_libraries
+    view = handoff.from_dlpack(torch.ones(GPU_N, device="cuda"))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    held = weakref.ref(stream)
+    with stream if current else contextlib.nullcontext():
+        capsule = view.__dlpack__(stream=stream.ptr, max_version=(1, 0))  # what CuPy passes: its current stream
+    with stream:
+        y = cupy.from_dlpack(capsule)
+        spin_cupy_stream(cycles, stream)
+        y *= 2
+    del view, capsule, y, stream
+    gc.collect()
+    # Its release waits for the stream's work: held, the stream stays until then; unheld, nothing waits.
+    assert (held() is not None) == current
+    torch.cuda.synchronize()
