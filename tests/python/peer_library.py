@@ -84,9 +84,9 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
         sim.synchronize()
         return Array(data)
 
-    def fill(array: Array, value: float, delay: float = 0.0) -> None:
-        """Enqueues a write of `value` on the current stream, taking `delay` seconds."""
-        sim.fill(array._data, value, stream=current[0] or handoff.Stream(DEFAULT_STREAM), delay=delay)
+    def fill(array: Array, value: float) -> None:
+        """Enqueues a write of `value` on the current stream (held there by a `sim.hold` of it)."""
+        sim.fill(array._data, value, stream=current[0] or handoff.Stream(DEFAULT_STREAM))
 
     def as_array(producer: Any) -> Array:
         """Imports `producer` as Numba does: through its CUDA Array Interface first."""
@@ -115,9 +115,10 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
         while either is alive."""
         return Array(handoff.from_dlpack(array._data, stream=-1))
 
-    def to_numpy(array: Array) -> Any:
-        """Reads the array on the library's current stream (what a kernel there would see)."""
-        return sim.to_numpy(array._data, stream=current[0] or handoff.Stream(DEFAULT_STREAM))
+    def to_numpy(array: Array, *, wait: bool = True) -> Any:
+        """Reads the array on the library's current stream (what a kernel there would see): the values,
+        or with `wait=False` the read in progress (sim.PendingCopy: done(), result())."""
+        return sim.to_numpy(array._data, stream=current[0] or handoff.Stream(DEFAULT_STREAM), wait=wait)
 
     library.Stream = lambda: sim.Stream(non_blocking=True)  # type: ignore[attr-defined]
     library.synchronize = sim.synchronize  # type: ignore[attr-defined]

@@ -4,7 +4,7 @@ handoff.trace(libraries=True)) and, in the ordering mode, ordered.
 On the CPU, real libraries (NumPy, PyTorch, JAX) in programs that never import handoff; on the
 simulator, small peer libraries written in the tests (peer_library.py) that behave as PyTorch's and
 CuPy's CUDA paths do, with a negative control for each ordering: the same program without the
-ordering mode reads stale data.
+ordering mode reads stale data. Races are held with the simulator's gate (`sim.hold`), never timed.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ if BACKEND.startswith("sim"):
 
     from handoff import sim
 
-SLOW = 0.2  # seconds a producer's write takes: an unordered reader always wins
 N = 4096
 
 
@@ -250,20 +249,42 @@ def peers():
     settle_sim()
 
 
-def pending(library, stream):
-    """An array of `library` whose write of 1.0 is still running on `stream`, its current stream."""
+def write(library, array, stream, value: float = 1.0) -> None:
+    """Enqueues `library`'s write of `value` to `array` on `stream`, its current stream (inside a
+    `sim.hold(stream)` block, it waits there until the block ends)."""
     with library.use(stream):
-        array = library.zeros(N)
-        library.fill(array, 1.0, delay=SLOW)
+        library.fill(array, value)
+
+
+def written(library, stream):
+    """An array of `library`'s whose write of 1.0 on `stream` is done."""
+    array = library.zeros(N)
+    write(library, array, stream)
+    sim.synchronize()
     return array
+
+
+def read_during_held_write(producer_library, consumer_library, producer, consumer, *, by_keyword: bool = False):
+    """An array of the producer library's, written (1.0) on `producer` while that stream is held, and
+    imported by the consumer library on `consumer` meanwhile (by position, or by keyword as
+    `ext_tensor`): (whether the consumer's read waited for the held write, the values it read once
+    the hold ended)."""
+    x = producer_library.zeros(N)
+    with sim.hold(producer), producer_library.use(producer), consumer_library.use(consumer):
+        producer_library.fill(x, 1.0)
+        y = consumer_library.from_dlpack(ext_tensor=x) if by_keyword else consumer_library.from_dlpack(x)
+        read = consumer_library.to_numpy(y, wait=False)
+        waited = not read.done() and sim.pending(consumer) > 0
+    return waited, read.result()
 
 
 @needs_sim
 def test_a_producer_that_ignores_stream_is_flagged_unordered_and_reads_stale_data(peers):
     careless, torchlike, producer, consumer = peers
-    x = pending(careless, producer)
-    with careless.use(producer), torchlike.use(consumer), handoff.trace(libraries=True) as t:
-        seen = torchlike.to_numpy(torchlike.from_dlpack(x))
+    x = careless.zeros(N)
+    with sim.hold(producer), careless.use(producer), torchlike.use(consumer), handoff.trace(libraries=True) as t:
+        careless.fill(x, 1.0)
+        seen = torchlike.to_numpy(torchlike.from_dlpack(x))  # not held: it does not wait for the write
     assert (seen == 0).all(), "the negative control: unordered, the consumer reads before the write"
     (event,) = [e for e in t.events if e["interposed"]]
     assert (event["producer"], event["consumer"], event["action"]) == ("simnano", "simtorch", "unordered")
@@ -277,10 +298,9 @@ def test_a_producer_that_ignores_stream_is_flagged_unordered_and_reads_stale_dat
 def test_the_ordering_mode_removes_the_race_and_marks_the_exchange_ordered(peers):
     careless, torchlike, producer, consumer = peers
     handoff.order_libraries(True)
-    x = pending(careless, producer)
-    with careless.use(producer), torchlike.use(consumer), handoff.trace(libraries=True) as t:
-        seen = torchlike.to_numpy(torchlike.from_dlpack(x))
-    assert (seen == 1).all(), "ordered: the consumer's stream waited for the producer's write"
+    with handoff.trace(libraries=True) as t:
+        waited, seen = read_during_held_write(careless, torchlike, producer, consumer)
+    assert waited and (seen == 1).all(), "ordered: the consumer's stream waited for the producer's write"
     (event,) = [e for e in t.events if e["interposed"]]
     assert (event["action"], event["hazard"], event["interposed"]) == ("wait", None, "ordered")
     assert "1 ordered by handoff's hooks" in t.summary()
@@ -290,10 +310,9 @@ def test_the_ordering_mode_removes_the_race_and_marks_the_exchange_ordered(peers
 def test_a_producer_that_honours_stream_is_ordered_by_itself_and_no_hazard(peers):
     _, torchlike, producer, consumer = peers
     other = make_library("simcupy")
-    x = pending(other, producer)
-    with other.use(producer), torchlike.use(consumer), handoff.trace(libraries=True) as t:
-        seen = torchlike.to_numpy(torchlike.from_dlpack(x))
-    assert (seen == 1).all()
+    with handoff.trace(libraries=True) as t:
+        waited, seen = read_during_held_write(other, torchlike, producer, consumer)
+    assert waited and (seen == 1).all()
     (event,) = [e for e in t.events if e["interposed"]]
     assert (event["action"], event["hazard"], event["stream_argument"]) == ("wait", None, consumer.handle)
 
@@ -307,65 +326,87 @@ def test_the_ordering_mode_from_the_environment_fixes_an_unchanged_program(tmp_p
         from peer_library import make_library
         careless, torchlike = make_library("simnano", honours_stream=False), make_library("simtorch")
         producer, consumer = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)
-        with careless.use(producer), torchlike.use(consumer):
-            x = careless.zeros({N})
-            careless.fill(x, 1.0, delay={SLOW})
-            print(torchlike.to_numpy(torchlike.from_dlpack(x)).min())
+        x = careless.zeros({N})
+        with sim.hold(producer), careless.use(producer), torchlike.use(consumer):
+            careless.fill(x, 1.0)
+            read = torchlike.to_numpy(torchlike.from_dlpack(x), wait=False)
+            waited = not read.done()
+        print(waited, read.result().min())
         sim.synchronize()
     """
     racy, section = trace_run(tmp_path, script)
     assert racy.returncode == 0, racy.stderr
-    assert racy.stdout.strip() == "0.0" and "HAZARDS (1)" in racy.stderr and "unordered" in racy.stderr
+    assert racy.stdout.split() == ["False", "0.0"] and "HAZARDS (1)" in racy.stderr and "unordered" in racy.stderr
     fixed, section = trace_run(tmp_path, script, "--order")
     assert fixed.returncode == 0, fixed.stderr
-    assert fixed.stdout.strip() == "1.0" and "no hazards" in fixed.stderr
+    assert fixed.stdout.split() == ["True", "1.0"] and "no hazards" in fixed.stderr
     assert [e["interposed"] for e in section["events"] if e["interposed"]] == ["ordered"]
 
 
 def imported_by_torchlike(peers, ordering: bool) -> tuple:
-    """An array of the careless library's with a write pending, imported by the PyTorch-like one with
-    the ordering mode on or off: (the import, a weak reference to the producer's array)."""
+    """An array of the careless library's, imported by the PyTorch-like one with the ordering mode on
+    or off: (the import, a weak reference to the producer's array, the producer's memory). The caller
+    keeps the memory until its test ends: a release tests that the producer (its Python object) goes,
+    and freeing the memory meanwhile would wait for the held work."""
     careless, torchlike, producer, consumer = peers
     handoff.order_libraries(ordering)
-    x = pending(careless, producer)
+    x = written(careless, producer)
     gone = weakref.ref(x)
     with careless.use(producer), torchlike.use(consumer):
-        return torchlike.from_dlpack(x), gone
+        return torchlike.from_dlpack(x), gone, x._data
+
+
+def released_while_held(gone, held: bool) -> None:
+    """Inside a hold of the consumer's stream, after its array went: asserts that the producer is kept
+    (`held`: its release waits for the held work) or released while the work is still held (a release
+    that waits for no held work runs on the service thread once the streams it waits for are seen
+    done: polled for, as sim.drain inside a hold would wait for the held work too). The producer's
+    memory must outlive the hold (see imported_by_torchlike)."""
+    gc.collect()
+    if held:
+        assert gone() is not None, "kept until the work the consumer's stream had is done"
+        return
+    deadline = time.monotonic() + 30
+    while gone() is not None and time.monotonic() < deadline:
+        time.sleep(0.001)
+        gc.collect()
+    assert gone() is None, "released with the consumer's array, whatever its stream still does"
 
 
 @needs_sim
 @pytest.mark.parametrize("ordering", [True, False], ids=["ordered", "negative-control-unordered"])
 def test_the_ordering_mode_keeps_the_producer_until_the_consumers_array_is_gone_and_its_stream_done(peers, ordering):
     _, torchlike, _, consumer = peers
-    y, gone = imported_by_torchlike(peers, ordering)
-    with torchlike.use(consumer):
-        torchlike.fill(y, 2.0, delay=SLOW)  # the consumer's kernel, still running on its stream
-    del y
-    gc.collect()
-    # Ordered, the producer is kept until the work the consumer's stream had when its array went is
-    # done; unordered, it goes with the array, while that work still reads its memory.
-    assert (gone() is not None) == ordering
+    y, gone, _memory = imported_by_torchlike(peers, ordering)
+    with sim.hold(consumer):
+        write(torchlike, y, consumer, 2.0)  # the consumer's kernel, still running on its stream
+        del y
+        # Ordered, the producer is kept until the work the consumer's stream had when its array went
+        # is done; unordered, it goes with the array, while that work still reads its memory.
+        released_while_held(gone, held=ordering)
     settle_sim()
     assert gone() is None
 
 
 @needs_sim
-@pytest.mark.parametrize("settled_first", [False, True], ids=["busy", "negative-control-idle"])
+@pytest.mark.parametrize("busy", [True, False], ids=["busy", "negative-control-idle"])
 def test_the_consumers_array_dropped_while_its_stream_works_with_the_last_producer_reference_is_released_early(
-    peers, settled_first
+    peers, busy
 ):
     other, torchlike, producer, consumer = make_library("simcupy"), *peers[1:]
-    x = pending(other, producer)
-    sim.synchronize()
-    with torchlike.use(consumer), handoff.trace(libraries=True) as t:
+    x = written(other, producer)
+    _memory = x._data  # freed only after the hold: freeing it would wait for the held work
+    held = sim.hold(consumer) if busy else contextlib.nullcontext()
+    with held, torchlike.use(consumer), handoff.trace(libraries=True) as t:
         y = torchlike.from_dlpack(x)
-        torchlike.fill(y, 2.0, delay=SLOW)  # the consumer's kernel, still running on its stream
+        if busy:
+            torchlike.fill(y, 2.0)  # the consumer's kernel, still running on its stream
+        else:
+            sim.synchronize()  # the consumer's stream is done
         del x  # the consumer's array holds the producer's last reference now
-        if settled_first:
-            sim.synchronize()
         del y
     releases = [e for e in t.events if e["interposed"] and e["kind"] == "release"]
-    if settled_first:
+    if not busy:
         assert releases == [], "the consumer's work was done: nothing to flag"
     else:
         (event,) = releases
@@ -377,11 +418,10 @@ def test_the_consumers_array_dropped_while_its_stream_works_with_the_last_produc
 def test_a_producer_still_held_elsewhere_is_not_released_early(peers):
     _, torchlike, producer, consumer = peers
     other = make_library("simcupy")
-    x = pending(other, producer)
-    sim.synchronize()
-    with torchlike.use(consumer), handoff.trace(libraries=True) as t:
+    x = written(other, producer)
+    with sim.hold(consumer), torchlike.use(consumer), handoff.trace(libraries=True) as t:
         y = torchlike.from_dlpack(x)
-        torchlike.fill(y, 2.0, delay=SLOW)
+        torchlike.fill(y, 2.0)
         del y  # x is still the program's: its memory stays
     assert [e for e in t.events if e["interposed"] and e["kind"] == "release"] == []
 
@@ -391,8 +431,7 @@ def test_a_producer_still_held_elsewhere_is_not_released_early(peers):
 def test_a_producer_called_while_another_device_is_current_is_a_cross_device_hazard(peers):
     _, torchlike, _, _ = peers
     other = make_library("simcupy")
-    x = pending(other, sim.Stream(0, non_blocking=True))
-    sim.synchronize()
+    x = written(other, sim.Stream(0, non_blocking=True))
     consumer = sim.Stream(0, non_blocking=True)
     hazards = []
     for current in (1, 0):  # the negative control: the data's own device current
@@ -420,8 +459,7 @@ def test_a_consumer_stream_on_another_device_is_a_cross_device_hazard(peers):
     other = make_library("simcupy")
     data_stream, far = sim.Stream(0, non_blocking=True), sim.Stream(1, non_blocking=True)
     for consumer, hazard in ((far, "cross-device"), (sim.Stream(0, non_blocking=True), None)):  # negative control
-        x = pending(other, data_stream)
-        sim.synchronize()
+        x = written(other, data_stream)
         with torchlike.use(consumer), handoff.trace(libraries=True) as t:
             torchlike.from_dlpack(x)
         (event,) = [e for e in t.events if e["interposed"]]
@@ -462,7 +500,8 @@ def test_one_stream_block_sets_every_frameworks_current_stream_and_restores_each
     with torchlike.use(producer):
         with handoff.stream(consumer, frameworks=True):
             assert handoff.current_stream() == handoff.as_stream(consumer)
-            x = pending(careless, consumer)  # careless's own block nests inside
+            x = careless.zeros(N)
+            write(careless, x, consumer)  # careless's own block nests inside
             with handoff.trace(libraries=True) as t:
                 seen = torchlike.to_numpy(torchlike.from_dlpack(x))
         assert registry.get("simtorch").current_stream(0) is producer, "restored"
@@ -664,9 +703,8 @@ def test_a_consumer_that_copies_what_it_was_handed_is_recorded_with_the_data_han
 def test_an_array_given_by_keyword_is_ordered_as_one_given_by_position(peers, ordering):
     careless, torchlike, producer, consumer = peers
     handoff.order_libraries(ordering)
-    x = pending(careless, producer)
-    with careless.use(producer), torchlike.use(consumer):
-        seen = torchlike.to_numpy(torchlike.from_dlpack(ext_tensor=x))
+    waited, seen = read_during_held_write(careless, torchlike, producer, consumer, by_keyword=True)
+    assert waited == ordering
     assert (seen == (1 if ordering else 0)).all()
 
 
@@ -710,13 +748,15 @@ def test_an_adapters_current_stream_may_be_the_stream_object_which_is_held(peers
     careless, _, producer, _ = peers
     stream = sim.Stream(non_blocking=True)
     library = Answer("answers_object", stream).module
-    x = pending(careless, producer)
+    x = careless.zeros(N)
     handoff.order_libraries(True)
-    with careless.use(producer), handoff.trace(libraries=True) as t:
-        y = library.from_dlpack(x)
+    with sim.hold(producer), careless.use(producer), handoff.trace(libraries=True) as t:
+        careless.fill(x, 1.0)
+        read = sim.to_numpy(library.from_dlpack(x), stream=stream, wait=False)
+        assert not read.done(), "the adapter's stream waits for the producer's"
     (event,) = [e for e in t.events if e["interposed"]]
     assert (event["consumer_stream"], event["interposed"]) == (stream.handle, "ordered")
-    assert (sim.to_numpy(y, stream=stream) == 1).all()
+    assert (read.result() == 1).all()
 
 
 def make_short_lived(name: str, *, objects: bool):
@@ -743,7 +783,7 @@ def test_a_consumer_stream_destroyed_before_its_array_is_never_used_after_it_is_
     careless, _, producer, _ = peers
     consumer, current = make_short_lived(f"short_lived_{mode}_{objects}", objects=objects)
     sim.clear_violations()
-    x = pending(careless, producer)
+    x = written(careless, producer)
     gone = weakref.ref(x)
     with contextlib.ExitStack() as block:
         if mode == "ordering":
@@ -767,17 +807,16 @@ def test_a_consumer_stream_destroyed_before_its_array_is_never_used_after_it_is_
 @pytest.mark.parametrize("ordering", [True, False], ids=["ordered", "negative-control-unordered"])
 def test_the_ordering_mode_releases_the_producer_after_the_consumers_storage_not_its_first_wrapper(peers, ordering):
     _, torchlike, _, consumer = peers
-    y, gone = imported_by_torchlike(peers, ordering)
+    y, gone, _memory = imported_by_torchlike(peers, ordering)
     view = torchlike.view(y)  # shares y's storage, as a PyTorch view does
     del y
     settle_sim()
     assert gone() is not None, "the view still holds the data"
-    with torchlike.use(consumer):
-        torchlike.fill(view, 3.0, delay=SLOW)  # later work of the consumer's, through the view
-    del view
-    gc.collect()
-    # Ordered, the release waits for the work the consumer's stream had when its storage went.
-    assert (gone() is not None) == ordering
+    with sim.hold(consumer):
+        write(torchlike, view, consumer, 3.0)  # later work of the consumer's, through the view
+        del view
+        # Ordered, the release waits for the work the consumer's stream had when its storage went.
+        released_while_held(gone, held=ordering)
     settle_sim()
     assert gone() is None
 
@@ -791,21 +830,17 @@ def test_the_ordering_mode_keeps_the_producer_behind_a_bare_handle_only_where_th
     handoff.order_libraries(True)
     handoff.set_export_release(policy)
     try:
-        x = pending(careless, producer)
-        gone = weakref.ref(x)
+        x = written(careless, producer)
+        gone, _memory = weakref.ref(x), x._data  # the memory outlives the hold (see imported_by_torchlike)
         current[0] = stream
         with careless.use(producer), handoff.trace(libraries=True) as t:
             y = consumer.from_dlpack(x)
         current[0] = None
-        sim.fill(y._data, 2.0, stream=stream, delay=SLOW)
-        del x, y
-        gc.collect()
-        if policy == "every-stream":
-            assert gone() is not None, "kept until the stream's work is done"
-        else:
-            sim.drain()  # the releases that wait for other streams than this one
-            gc.collect()
-            assert gone() is None, "a release never waits for a stream that may be destroyed first"
+        with sim.hold(stream):
+            sim.fill(y._data, 2.0, stream=stream)
+            del x, y
+            # Only where the policy vouches for bare handles does a release wait for one.
+            released_while_held(gone, held=policy == "every-stream")
     finally:
         handoff.set_export_release("known-streams")
     (event,) = [e for e in t.events if e["interposed"]]
@@ -860,12 +895,13 @@ def test_an_export_to_a_bare_handle_holds_the_stream_object_of_the_library_whose
     with library.use(stream) if current else contextlib.nullcontext():
         capsule = view.__dlpack__(stream=handle, max_version=(1, 0))  # a CuPy consumer passes its stream
     imported = handoff.from_dlpack(capsule, stream=-1)
-    sim.fill(imported, 2.0, stream=stream, delay=SLOW)  # the consumer's work on the data
     sim.clear_violations()
-    del view, capsule, imported, stream  # the library drops its stream object too
-    gc.collect()
-    # Held, the stream outlives the release that waits for it; unheld, nothing waits.
-    assert (gone() is not None) == current
+    with sim.hold(stream):
+        sim.fill(imported, 2.0, stream=stream)  # the consumer's work on the data
+        del view, capsule, imported
+        # Held, the stream outlives the release that waits for its work; unheld, nothing waits.
+        released_while_held(gone, held=current)
+    del stream  # the library drops its stream object too
     settle_sim()
     assert gone() is None and sim.violations() == []
 
