@@ -16,7 +16,7 @@ import dataclasses
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import _handoff
@@ -229,6 +229,8 @@ def exchange(
 ) -> Any:
     """Calls the consumer `original` as the program did, seen (tracing) and ordered (ordering)."""
     argument = consumer.argument(args, kwargs)
+    if argument is _MISSING:  # no array given: the consumer's own call says what is wrong
+        return original(*args, **kwargs)
     producer_name, producer = registry.library_of(argument)
     protocol = _protocol_of(argument, consumer.interface_first)
     if protocol is None or producer_name in (None, consumer.adapter.name, "handoff"):
@@ -265,16 +267,27 @@ def exchange(
         _local.exchange = None
         _handoff._interposed_mute(False)
         if tracing:
-            seen.stream_argument = in_progress.stream_argument
-            seen.record(Kind.import_data, Action.refused, Hazard.none, f"{type(error).__name__}: {error}"[:200])
+            with _never_breaking():
+                seen.stream_argument = in_progress.stream_argument
+                seen.record(Kind.import_data, Action.refused, Hazard.none, f"{type(error).__name__}: {error}"[:200])
         raise
     _local.exchange = None
     _handoff._interposed_mute(False)
     if tracing:
-        seen.stream_argument = in_progress.stream_argument
-        action = _Classified(seen, in_progress, producer, interface_stream is not None, ordering)
-        _record(seen, action, result, argument)
+        with _never_breaking():
+            seen.stream_argument = in_progress.stream_argument
+            how = _classify(seen, in_progress, producer, interface_stream is not None, ordering)
+            _record(seen, how, result, argument)
     return result
+
+
+@contextlib.contextmanager
+def _never_breaking() -> Iterator[None]:
+    """A tracing tool never breaks the program it watches: what fails to be recorded is said once."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001
+        _warn_once(f"record:{type(error).__name__}", f"handoff could not record an exchange: {error!r}")
 
 
 def _order(seen: Any) -> bool:
@@ -326,31 +339,24 @@ def _import(argument: Any, protocol: Any, consumer_stream: Any) -> Any:
         return argument
 
 
-@dataclasses.dataclass
-class _Classified:
-    """How the consumer's stream came to be ordered after the producer's, and why, in words."""
-
-    action: Any
-    hazard: Any
-    detail: str
-
-    def __init__(
-        self, seen: Any, call: _InFlight, producer: LibraryAdapter | None, interface_stream: bool, ordering: bool
-    ) -> None:
-        self.hazard = Hazard.none
-        device = call.device
-        if call.producer_device is not None and call.producer_device != device[1]:
-            self.hazard, self.action = Hazard.cross_device, Action.unordered
-            self.detail = (
-                f"the producer's __dlpack__ ran while device {call.producer_device} was current: it ordered that "
-                f"device's streams, not those of device {device[1]}, where the data is"
-            )
-            return
-        ignores = (producer is not None and producer.ignores_stream) or _made_by_nanobind(call.argument)
-        self.action, self.detail = _action(seen, device, call.stream_argument, ignores, interface_stream)
-        if ordering and self.action == Action.unordered and device[0] != _CPU:
-            # Flagged whatever the producer's stream has pending: the mode promised to order it.
-            self.hazard, self.detail = Hazard.unordered, f"the ordering mode could not order {_why_not_ordered(seen)}"
+def _classify(
+    seen: Any, call: _InFlight, producer: LibraryAdapter | None, interface_stream: bool, ordering: bool
+) -> tuple[Any, Any, str]:
+    """How the consumer's stream came to be ordered after the producer's: (action, hazard, why)."""
+    device = call.device
+    if call.producer_device is not None and call.producer_device != device[1]:
+        return (
+            Action.unordered,
+            Hazard.cross_device,
+            f"the producer's __dlpack__ ran while device {call.producer_device} was current: it ordered that "
+            f"device's streams, not those of device {device[1]}, where the data is",
+        )
+    ignores = (producer is not None and producer.ignores_stream) or _made_by_nanobind(call.argument)
+    action, detail = _action(seen, device, call.stream_argument, ignores, interface_stream)
+    if ordering and action == Action.unordered and device[0] != _CPU:
+        # Flagged whatever the producer's stream has pending: the mode promised to order it.
+        return action, Hazard.unordered, f"the ordering mode could not order {_why_not_ordered(seen)}"
+    return action, Hazard.none, detail
 
 
 def _action(
@@ -385,13 +391,14 @@ def _made_by_nanobind(value: Any) -> bool:
     return type(type(value)).__name__.startswith("nb_type")
 
 
-def _record(seen: Any, how: _Classified, result: Any, argument: Any) -> None:
+def _record(seen: Any, how: tuple[Any, Any, str], result: Any, argument: Any) -> None:
     """Records the consumer's import, and watches the release of what it imported."""
     handed = _description(argument) or _description(result)
     if handed is not None:
         seen.shape, seen.dtype, seen.nbytes = handed
+    action, hazard, detail = how
     copy = _copy_note(seen.consumer, handed, result, argument)
-    seen.record(Kind.import_data, how.action, how.hazard, "; ".join(filter(None, (how.detail, copy))))
+    seen.record(Kind.import_data, action, hazard, "; ".join(filter(None, (detail, copy))))
     if not seen.ordered and seen.consumer_stream is not None:
         _watch_release(result, argument, seen)
 
@@ -437,7 +444,7 @@ def _check_release(producer: weakref.ref[Any], seen: Any) -> None:
     # Besides the count's own: the consumer's capsule's, which it gives up next, and no other.
     if _references(producer) - _OWN_REFERENCES != 1:
         return  # gone already, or kept by someone else: its memory stays
-    with contextlib.suppress(Exception):  # tracing never breaks the program (a finalizer's error neither)
+    with _never_breaking():  # nor does a finalizer's error
         if not seen.consumer_stream_busy():
             return
         seen.record(
