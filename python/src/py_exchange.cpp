@@ -25,6 +25,7 @@
 #include <array>
 #include <cstring>
 #include <exception>
+#include <utility>
 
 namespace handoff::python {
 namespace {
@@ -58,8 +59,34 @@ py::object enclosing_stream()
   return py::reinterpret_steal<py::object>(value);  // the block stored a handoff.Stream
 }
 
+py::object enclosing_stream_for(DLDevice device)
+{
+  if (!has_streams(device.device_type)) { return py::none(); }
+  py::object block = enclosing_stream();
+  if (block.is_none()) { return block; }
+  const py::object on = block.attr("device");
+  return on.is_none() || on.cast<long long>() == device.device_id ? block : py::object(py::none());
+}
+
+namespace {
+// The framework whose from_dlpack this thread is calling (framework_call), if any.
+thread_local const framework_stream* calling_framework = nullptr;
+}  // namespace
+
+framework_call::framework_call(const framework_stream& stream) noexcept
+    : outer_(std::exchange(calling_framework, &stream))
+{}
+
+framework_call::~framework_call()
+{
+  calling_framework = outer_;
+}
+
 std::shared_ptr<const void> enclosing_stream_owner(std::uint64_t handle)
 {
+  if (const framework_stream* framework = calling_framework) {
+    if (!framework->handle || *framework->handle == handle) { return framework->owner; }
+  }
   const py::object block = enclosing_stream();
   if (block.is_none()) { return {}; }
   py::object source = block.attr("_source");  // the stream object handoff.as_stream was given, or None
@@ -295,7 +322,7 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
     // handoff's own table (a def_dlpack class offers it) is not asked: the class's __dlpack__
     // exports the same view.
     if (const DLPackExchangeAPI* api = exchange_api_of(Py_TYPE(x.ptr()));
-        api != nullptr && api != &array_exchange_api() && !requires_grad(x.ptr())) {
+        api != nullptr && !is_handoff_exchange_api(api) && !requires_grad(x.ptr())) {
       trace_protocol("dlpack-c-api");
       if (DLManagedTensorVersioned* tensor = managed_tensor_of(*api, x.ptr())) {
         table_producer_object producer{*api, x.ptr()};

@@ -121,6 +121,13 @@ gil_batch* gil_batch::current() noexcept
   return open_batch;
 }
 
+void gil_batch::hand_back() noexcept
+{
+  if (held_) { PyGILState_Release(state_); }
+  held_ = false;
+  asked_ = false;
+}
+
 bool gil_batch::take() noexcept
 {
   if (!asked_) {
@@ -152,6 +159,15 @@ void run_deleter_with_gil(void (*invoke)(void*) noexcept, void* tensor) noexcept
 
 void run_without_gil(void (*body)(void*), void* state)
 {
+  if (gil_batch* batch = gil_batch::current()) {
+    batch->hand_back();  // the batch's next Python part takes it again
+    body(state);
+    return;
+  }
+  if (!holds_gil()) {  // a thread of the runtime's, outside Python
+    body(state);
+    return;
+  }
   without_gil([body, state] { body(state); });
 }
 

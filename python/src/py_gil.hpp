@@ -62,8 +62,10 @@ class gil_scope {
 };
 
 /// The GIL for a batch of work on a thread that does not hold it (the releases a stream let go
-/// together): the first with_gil inside the batch takes it, and it is kept until the batch ends, so
-/// that a busy interpreter hands it over once per batch. Batches do not nest.
+/// together): the first with_gil inside the batch takes it, and it is kept across the batch's
+/// Python parts, so that a busy interpreter hands it over once per batch, not once per release; a
+/// part that blocks the host (run_without_gil: a free that waits for its device) hands it back
+/// first, and the next Python part takes it again. Batches do not nest.
 class gil_batch {
  public:
   gil_batch() noexcept;
@@ -77,6 +79,8 @@ class gil_batch {
   [[nodiscard]] static gil_batch* current() noexcept;
   /// Takes the GIL unless the batch did already; false once the gate is closed.
   [[nodiscard]] bool take() noexcept;
+  /// Lets go of the GIL, if the batch holds it, until the next take().
+  void hand_back() noexcept;
 
  private:
   PyGILState_STATE state_{};
@@ -149,7 +153,9 @@ void run_deleter_with_gil(void (*invoke)(void*) noexcept, void* tensor) noexcept
 void run_releases_in_gil_batch(void (*body)(void*) noexcept, void* state) noexcept;
 
 /// The blocking section handoff uses in Python (set_blocking_section): the host waits with the GIL
-/// released, so that other threads run meanwhile.
+/// released, so that other threads run meanwhile (and a host function queued on the device that
+/// needs the GIL can run): a Python thread releases it around the wait, a batch of releases hands
+/// it back, a thread that does not hold it just waits.
 void run_without_gil(void (*body)(void*), void* state);
 
 }  // namespace handoff::python

@@ -389,3 +389,24 @@ def test_a_failing_current_work_stream_falls_back_without_leaking(streams):
     gc.collect()
     sim.drain()
     assert producer.tensor.deleted == 1, "the table's tensor is deleted exactly once"
+
+
+@needs_sim
+@pytest.mark.parametrize("consumer", [None, -1], ids=["ordered", "stream=-1"])
+def test_a_table_tensor_is_checked_at_the_door_as_every_import(consumer):
+    # Past its allocation (a crash when read, before), or of the device family the backend does not
+    # order: refused as a capsule of it is, not passed over for __dlpack__.
+    small = sim.zeros((6,), "float32")
+    other_family = 2 if BACKEND == "sim-rocm" else 10
+    for device_type, error, match in (
+        (DEVICE_TYPE, ValueError, "run past the end of their allocation"),
+        (other_family, handoff.DeviceError, "cannot be ordered by the"),
+    ):
+        shape = (1 << 24,) if device_type == DEVICE_TYPE else (6,)
+        table = Table()
+        producer = table.producer(small, HandMadeTensor(small.data_ptr, shape, device=(device_type, 0)))
+        with pytest.raises(error, match=match):
+            handoff.from_dlpack(producer, stream=consumer)
+        assert (table.calls["from_py"], producer.dlpack_calls) == (1, 0)
+        gc.collect()
+        assert producer.tensor.deleted == 1

@@ -4,6 +4,7 @@ test_fuzz_hypothesis.py), and exit with threads inside handoff."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import textwrap
 
@@ -12,7 +13,7 @@ import pytest
 
 import handoff
 
-from dlpack_ctypes import CPU, CUDA, ROCM, HandMadeTensor, capsule_name
+from dlpack_ctypes import CPU, CUDA, ROCM, HandMadeTensor, capsule_name, exchange_api_of
 from support import BACKEND, DEVICE_COUNT, needs_sim, needs_two_devices, run_python
 
 # A stream value every backend accepts for the arrays of the test: a CPU array takes None only, so
@@ -201,6 +202,85 @@ def test_an_empty_capsule_on_a_device_the_backend_lacks_is_refused(device_id, li
     gc.collect()
     sim.drain()
     assert tensor.deleted == 1
+
+
+# --- every import passes one door ------------------------------------------------------------
+# A tensor claiming 16M floats over a 6-float allocation was accepted by every import but
+# handoff.view, and reading it crashed the process; data of the device family the backend does not
+# order was accepted by from_dlpack and refused by the C exchange API's to_py.
+
+
+# Each import path, ordered onto the default stream or not at all (the C exchange API's to_py has no
+# consumer stream: the data is ready on its work stream).
+IMPORT_PATHS = [("capsule", None), ("capsule", -1), ("producer", None), ("producer", -1), ("to_py", None)]
+
+
+def to_py_object(tensor: HandMadeTensor) -> object:
+    """handoff.Array's C exchange API table asked to import `tensor` (managed_tensor_to_py_object_no_sync)."""
+    out = ctypes.c_void_p()
+    status = exchange_api_of(handoff.Array).managed_tensor_to_py_object_no_sync(
+        ctypes.pointer(tensor.managed), ctypes.byref(out)
+    )
+    assert status == 0, "a failed call raises"
+    return ctypes.cast(out, ctypes.py_object).value
+
+
+@needs_sim
+@pytest.mark.parametrize(("path", "consumer"), IMPORT_PATHS)
+def test_an_import_past_its_allocation_is_refused_on_every_path(path, consumer, live):
+    from handoff import sim
+
+    small = sim.zeros((6,), "float32")
+    tensor = HandMadeTensor(small.data_ptr, (1 << 24,), device=(DEVICE_MEMORY, 0))
+    with pytest.raises(ValueError, match="run past the end of their allocation"):
+        if path == "capsule":
+            handoff.from_dlpack(tensor.capsule(), stream=consumer)
+        elif path == "producer":
+            handoff.from_dlpack(Produces(tensor, (DEVICE_MEMORY, 0)), stream=consumer)
+        else:
+            to_py_object(tensor)
+    gc.collect()
+    assert tensor.deleted == 1
+
+
+@needs_sim
+def test_a_cuda_array_interface_past_its_allocation_is_refused(live):
+    from handoff import sim
+
+    small = sim.zeros((6,), "float32")
+    interface = {"shape": (1 << 24,), "typestr": "<f4", "data": (small.data_ptr, False), "version": 3}
+    with pytest.raises(ValueError, match="run past the end of their allocation"):
+        handoff.asarray(CudaArrayInterface(interface))
+
+
+@needs_sim
+@pytest.mark.parametrize(("path", "consumer"), IMPORT_PATHS)
+def test_data_of_the_other_device_family_is_refused_on_every_path(path, consumer, live):
+    host = np.arange(6, dtype=np.float32)
+    tensor = HandMadeTensor(host.ctypes.data, (6,), device=(FOREIGN_DEVICE, 0))
+    with pytest.raises(handoff.DeviceError, match="cannot be ordered by the"):
+        if path == "capsule":
+            handoff.from_dlpack(tensor.capsule(), stream=consumer)
+        elif path == "producer":
+            handoff.from_dlpack(Produces(tensor, (FOREIGN_DEVICE, 0)), stream=consumer)
+        else:
+            to_py_object(tensor)
+    gc.collect()
+    assert tensor.deleted == 1
+
+
+class Produces:
+    """A producer whose __dlpack__ hands out `tensor` (whatever it is asked), claiming `device`."""
+
+    def __init__(self, tensor: HandMadeTensor, device: tuple[int, int]) -> None:
+        self.tensor = tensor
+        self.device = device
+
+    def __dlpack__(self, **_kwargs: object) -> object:
+        return self.tensor.capsule()
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.device
 
 
 class CudaArrayInterface:

@@ -220,7 +220,11 @@ class exchange {
   [[nodiscard]] std::optional<std::int64_t> interface_stream(const array& view) const;
 
  private:
+  // Admits `view` (internal/ordering.hpp's admit) and binds it to `consumer`'s stream: nullopt for
+  // host data, data the consumer orders itself (stream=-1), or with no backend.
   [[nodiscard]] std::optional<stream_binding> consumer_binding(const array& view, const named_stream& consumer) const;
+  // device_context(), or null where the backend cannot be used.
+  [[nodiscard]] context* usable_context() const noexcept;
   void bind_to_consumer(const array& view, const named_stream& consumer) const;
   void order_hand_over(const array& view, const named_stream& consumer) const;
   void require_ordering(DLDeviceType type) const;

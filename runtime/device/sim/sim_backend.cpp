@@ -625,6 +625,15 @@ std::uint64_t sim_backend::context_id(int device)
   return impl_->devices[static_cast<std::size_t>(device)].context_id;
 }
 
+std::uint64_t sim_backend::current_context_id()
+{
+  const call_with c{"current_device", ""};
+  impl_->open(c);
+  std::lock_guard lock(impl_->mutex);
+  const auto it = impl_->current.find(this_thread_key());
+  return it == impl_->current.end() ? 0 : impl_->devices[static_cast<std::size_t>(it->second)].context_id;
+}
+
 std::vector<std::string> sim_backend::violations()
 {
   std::lock_guard lock(impl_->mutex);

@@ -8,8 +8,13 @@
 
 #include "support/backend_fixture.hpp"
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <memory>
 #include <optional>
 #include <thread>
 
@@ -117,6 +122,52 @@ TEST_P(ContextTest, AFailedPollIsAskedAgainAndTheProducerReleased)
   sim().inject_fault("query_event", 2, "cudaErrorLaunchFailure");
   ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
   EXPECT_EQ(released.load(), 1) << "a transient failure abandoned the release";
+}
+
+// The device could not be made current three times in a row: where the release is asked for, where
+// its event would be recorded, and where the fallback waits for the stream. One that fails and then
+// works again must neither abandon the release nor keep its producer.
+TEST_P(ContextTest, ATransientFailureOfTheFallbackIsAskedAgainAndTheProducerReleased)
+{
+  HANDOFF_REQUIRE_SIM("faults are injected into the simulator");
+  const auto consumer = stream_on(0);
+  float* data = allocate_on(0);
+  const auto reader = stream_on(0);
+  std::atomic<int> released{0};
+  std::atomic<float> seen_at_release{-1.0F};
+  const auto pending_before = stats().pending_releases;
+  fill(consumer, data, 4.0F, slow / 4);
+  sim().inject_fault("push_current_device", 3, "cudaErrorLaunchFailure");
+  std::thread([&] {  // a thread with no device current, as a Python thread dropping a view may be
+    producer_ref owner{[&] {
+      seen_at_release = read(data, reader).front();
+      ++released;
+    }};
+    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+  }).join();
+  EXPECT_EQ(stats().pending_releases, pending_before + 1) << "a release being retried is pending";
+  ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
+  sim().clear_faults();
+  EXPECT_EQ(released.load(), 1) << "a transient failure abandoned the release";
+  EXPECT_EQ(seen_at_release.load(), 4.0F) << "released before the consumer stream was done";
+  EXPECT_EQ(stats().pending_releases, pending_before);
+}
+
+TEST_P(ContextTest, AFallbackThatKeepsFailingAbandonsTheReleaseAndKeepsTheProducer)
+{
+  HANDOFF_REQUIRE_SIM("faults are injected into the simulator");
+  const auto consumer = stream_on(0);
+  std::atomic<int> released{0};
+  const auto pending_before = stats().pending_releases;
+  sim().inject_fault("push_current_device", 1'000'000, "cudaErrorLaunchFailure");
+  std::thread([&] {
+    producer_ref owner{[&] { ++released; }};
+    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+  }).join();
+  ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
+  sim().clear_faults();
+  EXPECT_EQ(released.load(), 0) << "released although nothing said the consumer was done";
+  EXPECT_EQ(stats().pending_releases, pending_before) << "an abandoned release is no longer pending";
 }
 
 TEST_P(ContextTest, AStreamThatKeepsFailingHasItsReleasesAbandonedAndTheProducerKept)
@@ -291,6 +342,137 @@ TEST_P(ContextTest, ExitAbandonsAtOnceTheReleasesOfADeviceWithAStickyError)
   // Bounded by the device error, not by the exit limit (a hang before; 10 s after a bound alone).
   EXPECT_LT(took, context::exit_drain_limit / 2);
   sim().clear_sticky_fault(0);
+}
+
+// Daemon threads still exchanging at exit: the wait is for what was pending when it began, not
+// for the releases that keep arriving (it took the whole limit, then blamed a capture).
+TEST_P(ContextTest, ExitWaitsForWhatWasPendingWhenItBeganNotForReleasesThatKeepArriving)
+{
+  const auto slow_consumer = stream_on(0);
+  const auto busy = stream_on(0);
+  std::atomic<int> released{0};
+  std::atomic<bool> stop{false};
+  context exiting{b(), std::make_unique<detail::service_thread>()};
+  delay(slow_consumer, slow);
+  {
+    producer_ref owner{[&] { ++released; }};
+    owner.release_after({.ctx = &exiting, .device = 0, .stream = slow_consumer, .stream_owner = nullptr});
+  }
+  std::thread exchanging([&] {  // two releases pending at any time, each behind 1 ms of work
+    std::atomic<int> outstanding{0};
+    while (!stop.load()) {
+      if (outstanding.load() >= 2) {
+        std::this_thread::sleep_for(std::chrono::microseconds{100});
+        continue;
+      }
+      delay(busy, std::chrono::milliseconds{1});
+      ++outstanding;
+      producer_ref owner{[&] { --outstanding; }};
+      owner.release_after({.ctx = &exiting, .device = 0, .stream = busy, .stream_owner = nullptr});
+    }
+    exiting.drain();  // `outstanding` goes with this thread
+  });
+  const auto start = std::chrono::steady_clock::now();
+  const bool drained = exiting.drain_at_exit(context::exit_drain_limit);
+  const auto took = std::chrono::steady_clock::now() - start;
+  stop = true;
+  exchanging.join();
+  EXPECT_TRUE(drained) << "a release pending when the wait began was left";
+  EXPECT_EQ(released.load(), 1);
+  EXPECT_LT(took, context::exit_drain_limit / 2) << "the exit waited for releases asked for meanwhile";
+  b().synchronize_stream(busy);
+}
+
+// A release asked for after the exit's wait (a thread still exchanging) while as many were left
+// as the wait left: it was taken for one of those and abandoned without a word.
+TEST_P(ContextTest, AReleaseAskedForAfterTheExitsWaitIsWaitedForWhenTheContextGoes)
+{
+  const auto first = stream_on(0);
+  const auto second = stream_on(0);
+  std::atomic<int> released{0};
+  {
+    context exiting{b(), std::make_unique<detail::service_thread>()};
+    delay(first, slow / 4);
+    {
+      producer_ref owner{[&] { ++released; }};
+      owner.release_after({.ctx = &exiting, .device = 0, .stream = first, .stream_owner = nullptr});
+    }
+    EXPECT_FALSE(exiting.drain_at_exit(std::chrono::milliseconds{1})) << "the stream's work was done already";
+    ASSERT_TRUE(exiting.drain_for(std::chrono::seconds{10}));
+    delay(second, slow / 4);
+    producer_ref owner{[&] { ++released; }};
+    owner.release_after({.ctx = &exiting, .device = 0, .stream = second, .stream_owner = nullptr});
+  }
+  EXPECT_EQ(released.load(), 2) << "the release asked for after the exit's wait was left unrun";
+}
+
+TEST_P(ContextTest, AReleaseRunsWithItsStreamsDeviceCurrent)
+{
+  // A peer's finalizer that a release runs must find the device it frees on current, not bind
+  // device 0 on the service thread.
+  HANDOFF_REQUIRE_TWO_DEVICES();
+  const auto consumer = stream_on(1);
+  std::atomic<int> current_at_release{-1};
+  delay(consumer, slow / 4);
+  {
+    producer_ref owner{[&] { current_at_release = b().device_is_current(1) ? 1 : 0; }};
+    owner.release_after({.ctx = &ctx(), .device = 1, .stream = consumer, .stream_owner = nullptr});
+  }
+  ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
+  EXPECT_EQ(current_at_release.load(), 1) << "the release ran with another device current, or none";
+}
+
+TEST_P(ContextTest, AStreamNamedAgainWithItsOwnerKeepsTheOwnerUntilTheRelease)
+{
+  const auto consumer = stream_on(0);
+  std::atomic<bool> released{false};
+  std::atomic<bool> owner_gone{false};
+  std::atomic<bool> owner_gone_before_release{false};
+  {
+    producer_ref owner{[&] {
+      owner_gone_before_release = owner_gone.load();
+      released = true;
+    }};
+    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+    std::shared_ptr<const void> stream_owner{&owner_gone, [&](const void*) { owner_gone = true; }};
+    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = std::move(stream_owner)});
+    delay(consumer, slow);
+  }
+  EXPECT_FALSE(owner_gone.load()) << "the stream's owner went while a release was still to run on it";
+  ctx().drain();
+  EXPECT_TRUE(released.load());
+  EXPECT_FALSE(owner_gone_before_release.load());
+  EXPECT_TRUE(owner_gone.load());
+}
+
+// The thread that forks is the child's one thread: its end (at the child's exit) must not order the
+// parent's legacy stream, on a device the child may not use, through a context whose threads (and a
+// mutex one of them may have held) the child has not.
+TEST_P(ContextTest, AForkedChildsExitOrdersNothingOnItsParentsDevice)
+{
+  HANDOFF_REQUIRE_SIM("the child tells the simulator's faults apart");
+  (void)ctx().thread_independent(0, b().per_thread_default_stream());  // this thread's end orders device 0
+  static device::sim_backend* parents = nullptr;
+  parents = &sim();
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    parents->inject_fault("current_device", 1, "cudaErrorLaunchFailure");  // what the thread's end asks first
+    std::atexit([] {  // after the thread's end, which runs first
+      bool untouched = false;
+      try {
+        (void)parents->current_device();
+      } catch (const device_error&) {
+        untouched = true;  // the fault was still there
+      }
+      std::_Exit(untouched ? 0 : 1);
+    });
+    std::exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the child's exit used its parent's device";
 }
 
 TEST_P(ContextTest, ReleasesShareAndReuseTheirEvents)

@@ -1,3 +1,4 @@
+#include <handoff/device_guard.hpp>
 #include <handoff/error.hpp>
 #include <handoff/event_pool.hpp>
 #include <handoff/internal/sim.hpp>
@@ -44,6 +45,26 @@ TEST_P(EventPoolTest, PoolsArePerDevice)
   // Backends refuse to record an event on another device's stream: this proves its device.
   b().record_event(on_one.get(), stream_on(1));
   b().set_current_device(0);
+}
+
+TEST_P(EventPoolTest, AnEventIsMadeInTheContextItIsPooledFor)
+{
+  // Pooled as device 1's, it was made in whatever context was current (device 0's): recording it
+  // on device 1's stream then failed. It is made with device 1 current, and handed out where
+  // device 1's context is.
+  HANDOFF_REQUIRE_TWO_DEVICES();
+  event_pool events{b()};
+  const auto on_one = stream_on(1);
+  b().set_current_device(0);
+  {
+    const pooled_event made = events.acquire(1);
+    EXPECT_NO_THROW(b().record_event(made.get(), on_one)) << "the event is not device 1's";
+  }
+  const device_guard on{b(), 1};
+  const auto before = stats();
+  const pooled_event again = events.acquire(1);
+  EXPECT_EQ(stats().events_reused - before.events_reused, 1U) << "device 1's context did not find its event";
+  EXPECT_NO_THROW(b().record_event(again.get(), on_one));
 }
 
 TEST_P(EventPoolTest, ConcurrentBorrowersGetDistinctEvents)

@@ -256,6 +256,38 @@ TEST_P(ExchangeTest, AdoptedDataIsReadyOnItsWorkStreamAndReleasedAfterIt)
   EXPECT_EQ(released.load(), 1);
 }
 
+// Every import passes one door, whatever its protocol and whether or not it is ordered: the bytes
+// a view reaches are checked against their allocation, and data of the other device family is refused.
+TEST_P(ExchangeTest, EveryImportIsCheckedAgainstItsAllocationAndItsDeviceFamily)
+{
+  std::atomic<int> released{0};
+  const auto described = [&](std::int64_t elements, DLDeviceType type) {
+    array_layout layout = device_view(allocate_on(0), 0).layout();
+    layout.shape = std::vector<std::int64_t>{elements};
+    layout.device.device_type = type;
+    return array{std::move(layout), producer_ref{[&] { ++released; }}};
+  };
+  const auto past_the_end = [&] { return described(static_cast<std::int64_t>(n) * 4096, b().device_type()); };
+  const auto other_family = [&] { return described(1, b().device_type() == kDLCUDA ? kDLROCM : kDLCUDA); };
+  const named_stream unordered = named_stream::dlpack(-1);
+  for (const named_stream& consumer : {named_stream{}, unordered}) {
+    EXPECT_THROW((void)ex().import(past_the_end(), onto(consumer), honest(past_the_end().device())), value_error);
+    EXPECT_THROW((void)ex().import(other_family(), onto(consumer), honest(other_family().device())), device_error);
+    scripted_table table;
+    EXPECT_THROW((void)ex().import_from_table(export_versioned(past_the_end()), consumer, table), value_error);
+    EXPECT_THROW((void)ex().import_from_table(export_versioned(other_family()), consumer, table), device_error);
+    cuda_interface interface{.layout = past_the_end().layout(), .stream = std::nullopt};
+    EXPECT_THROW((void)ex().import_interface(std::move(interface), producer_ref{[] {}}, onto(consumer)), value_error);
+  }
+  EXPECT_THROW((void)ex().adopt(past_the_end(), {}), value_error);
+  EXPECT_THROW((void)ex().adopt(other_family(), {}), device_error);
+  EXPECT_NO_THROW((void)ex().import(described(static_cast<std::int64_t>(n), b().device_type()), onto(unordered),
+                                    honest({b().device_type(), 0})))
+    << "the allocation's own extent";
+  ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
+  EXPECT_EQ(released.load(), 17) << "each refused import's producer was released once";
+}
+
 // --- a library's own memory ----------------------------------------------------------------------
 
 TEST_P(ExchangeTest, AViewIsCheckedAgainstItsDeviceAndRecordsItsReadyStream)

@@ -200,6 +200,28 @@ TEST_P(OrderingTest, BindImportMakesTheConsumerTheReadyStreamAndDefersRelease)
   EXPECT_TRUE(released.load());
 }
 
+// torch.cuda.graph: a view imported while its stream captures is read by every launch of the graph,
+// however soon after the capture it is dropped.
+TEST_P(OrderingTest, AViewImportedDuringACaptureIsKeptUntilTheGraphIsGoneThoughDroppedAfterIt)
+{
+  HANDOFF_REQUIRE_SIM("the device interface cannot begin or end a capture");
+  const auto consumer = stream_on(0, /*non_blocking=*/false);
+  std::atomic<int> released{0};
+  std::optional<array> view{device_view(allocate_on(0), 0, [&] { ++released; })};
+  sim().begin_capture(consumer);
+  bind_import(ctx(), *view, 0, consumer);
+  delay(consumer, slow / 4);  // a node of the graph: each launch reads the data this long
+  std::optional<device::sim_graph> graph{sim().end_capture(consumer)};
+  view.reset();  // after the capture: the release's event is recorded outside the graph
+  sim().launch_graph(*graph, consumer);
+  b().synchronize_stream(consumer);
+  ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
+  EXPECT_EQ(released.load(), 0) << "released while the graph that reads the data can still be launched";
+  graph.reset();
+  ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
+  EXPECT_EQ(released.load(), 1);
+}
+
 TEST_P(OrderingTest, InterfaceImportMakesTheLegacyDefaultProducerWaitForTheConsumerAtRelease)
 {
   const auto before = stats().waits_inserted;

@@ -74,6 +74,7 @@ class sim_backend final : public backend {
   void push_current_device(int device) override;
   void pop_current_device() noexcept override;
   [[nodiscard]] std::uint64_t context_id(int device) override;
+  [[nodiscard]] std::uint64_t current_context_id() override;
   [[nodiscard]] stream_handle legacy_default_stream() const noexcept override;
   /// "sim": 2 on every thread. "sim-rocm": a value > 2 that names the calling thread's stream.
   [[nodiscard]] stream_handle per_thread_default_stream() const noexcept override;
