@@ -136,8 +136,8 @@ hp::array<Tag..., float, hp::ndim<1>> arange(std::int64_t n)
 // ordered after that stream; a framework's array keeps `owner` until the framework's stream is done.
 template <typename... Tag>
 hp::array<Tag..., float, hp::ndim<1>> device_result(std::uintptr_t data_ptr, std::int64_t n,
-                                                    std::tuple<int, int> device,
-                                                    std::optional<std::intptr_t> stream, py::object owner)
+                                                    std::tuple<int, int> device, std::optional<std::intptr_t> stream,
+                                                    py::object owner)
 {
   const DLDevice on{static_cast<DLDeviceType>(std::get<0>(device)), std::get<1>(device)};
   return {reinterpret_cast<float*>(data_ptr), {n}, owner, {}, on, stream.value_or(hp::enclosing_stream)};

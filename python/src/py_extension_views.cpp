@@ -91,7 +91,8 @@ framework_stream consumer_stream_of(int framework, DLDevice device)
     return {.handle = stream.attr("ptr").cast<std::uint64_t>(), .owner = stream_keep_alive(stream)};
   }
   static const int lives_for_the_process = 0;
-  return {.handle = std::nullopt, .owner = std::shared_ptr<const void>{std::shared_ptr<const void>{}, &lives_for_the_process}};
+  return {.handle = std::nullopt,
+          .owner = std::shared_ptr<const void>{std::shared_ptr<const void>{}, &lives_for_the_process}};
 }
 
 }  // namespace
@@ -180,7 +181,9 @@ py::object extension_view_to_python(handoff_view& view, int framework)
                   fmt::format("view_to_python: {} is no handoff_framework", framework));
   if (framework == HANDOFF_FRAMEWORK_HANDOFF) { return python_object(view); }
   // What NumPy cannot hold is refused naming why, not with numpy.from_dlpack's bare RuntimeError.
-  if (framework == HANDOFF_FRAMEWORK_NUMPY) { require_numpy_can_hold(view.host ? *view.host : runtime_view(view).layout()); }
+  if (framework == HANDOFF_FRAMEWORK_NUMPY) {
+    require_numpy_can_hold(view.host ? *view.host : runtime_view(view).layout());
+  }
   // NumPy's array of host data is made directly, the same array numpy.from_dlpack would make
   // without the export; its base keeps the data: the owner of writable host memory, else the view
   // (NumPy lets an array be made writable again when its base is). A trace records the export.

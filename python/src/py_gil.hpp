@@ -88,25 +88,33 @@ class gil_batch {
   bool held_{false};
 };
 
+/// True on a thread while a with_gil body runs: Python code may be on its stack.
+extern thread_local bool python_part_running;
+
 /// Runs `body` (it touches Python objects, and must not throw) holding the GIL, from any thread: at
 /// once where the thread holds it (as a consumer dropping what it imported usually does), else once
-/// taken (for the rest of the batch, inside a gil_batch). Not at all while the interpreter finalizes
-/// or once the gate is closed: the process then keeps what `body` would have released.
+/// taken (for the batch's Python parts, inside a gil_batch). Not at all while the interpreter
+/// finalizes or once the gate is closed: the process then keeps what `body` would have released.
 template <typename Body>
 void with_gil(Body&& body) noexcept
 {
   if (interpreter_finalizing()) { return; }
-  if (holds_gil()) {
+  const auto run = [&body] {
+    const bool outer = std::exchange(python_part_running, true);
     body();
+    python_part_running = outer;
+  };
+  if (holds_gil()) {
+    run();
     return;
   }
   if (gil_batch* batch = gil_batch::current()) {
-    if (batch->take()) { body(); }
+    if (batch->take()) { run(); }
     return;
   }
   PyGILState_STATE state{};
   if (!ensure_gil(state)) { return; }
-  body();
+  run();
   PyGILState_Release(state);
 }
 

@@ -164,9 +164,9 @@ void require_numpy_can_hold(const array_layout& layout)
                   fmt::format("NumPy has no dtype for {} data; return it untagged (a handoff.Array) or as a framework "
                               "that has one",
                               dtype_name(layout.dtype)));
-  HANDOFF_EXPECTS(layout.shape.size() <= numpy_max_dims, buffer_error,
-                  fmt::format("NumPy holds at most {} dimensions, and the array has {}", numpy_max_dims,
-                              layout.shape.size()));
+  HANDOFF_EXPECTS(
+    layout.shape.size() <= numpy_max_dims, buffer_error,
+    fmt::format("NumPy holds at most {} dimensions, and the array has {}", numpy_max_dims, layout.shape.size()));
 }
 
 py::object numpy_array_of(const array_layout& layout, py::object base)

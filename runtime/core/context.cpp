@@ -116,7 +116,7 @@ struct context::impl {
   bool release_with_graph(pending_release* pending) noexcept;
   void hold_back(device::stream_handle producer, device::stream_handle consumer, device::event_handle reached) noexcept;
   template <typename Change>
-  void tally(const pending_release& pending, Change change) noexcept;
+  void tally(const pending_release& pending, Change change);  // throws what `change` throws
   void finished_one(const pending_release& pending) noexcept;
   void run_releases(std::vector<pending_release*>& releases) noexcept;
   void order_legacy_after_this_thread(int device) noexcept;
@@ -127,10 +127,10 @@ struct context::impl {
   event_pool& events_;
   std::mutex pending_mutex_;
   std::condition_variable none_pending_;
-  release_tally all_;                        // every deferred release not yet run
+  release_tally all_;                         // every deferred release not yet run
   std::optional<release_tally> before_exit_;  // those asked for before drain_at_exit began
-  std::uint64_t next_sequence_{0};           // the order releases are asked for in
-  std::uint64_t exit_cutoff_{0};             // the sequence of the first release asked for after that
+  std::uint64_t next_sequence_{0};            // the order releases are asked for in
+  std::uint64_t exit_cutoff_{0};              // the sequence of the first release asked for after that
   std::mutex watch_mutex_;
   std::list<release_group> watched_;  // recorded; the executor polls their events
   bool polling_{false};               // a poll is scheduled (guarded by watch_mutex_)
@@ -176,7 +176,7 @@ struct context::impl::release_group {
   stream_key where;
   pooled_event reached;
   std::vector<pending_release*> releases;
-  bool sealed{false};  // a poll looked at the event: a release joining it now would not be seen
+  bool sealed{false};           // a poll looked at the event: a release joining it now would not be seen
   failure_streak failed_polls;  // that could not ask about the event
 };
 
@@ -244,7 +244,7 @@ context::impl::~impl()
 
 // Applies `change` to the tallies `pending` is counted in. Call with pending_mutex_ held.
 template <typename Change>
-void context::impl::tally(const pending_release& pending, Change change) noexcept
+void context::impl::tally(const pending_release& pending, Change change)
 {
   change(all_);
   if (before_exit_ && pending.sequence < exit_cutoff_) { change(*before_exit_); }
@@ -255,7 +255,9 @@ void context::impl::finished_one(const pending_release& pending) noexcept
 {
   std::lock_guard lock{pending_mutex_};
   tally(pending, [where = pending.where](release_tally& t) {
-    if (const auto it = t.by_stream.find(where); it != t.by_stream.end() && --it->second == 0) { t.by_stream.erase(it); }
+    if (const auto it = t.by_stream.find(where); it != t.by_stream.end() && --it->second == 0) {
+      t.by_stream.erase(it);
+    }
     --t.pending;
   });
   detail::pending_releases_changed(-1);
@@ -303,7 +305,9 @@ bool context::impl::drain_at_exit(std::chrono::nanoseconds limit) noexcept
     std::lock_guard lock{pending_mutex_};
     before_exit_ = all_;
     exit_cutoff_ = next_sequence_;
-    for (const auto& [where, count] : before_exit_->by_stream) { probes.push_back({.where = where, .event = {}, .settled = false, .failures = {}, .failure = {}}); }
+    for (const auto& [where, count] : before_exit_->by_stream) {
+      probes.push_back({.where = where, .event = {}, .settled = false, .failures = {}, .failure = {}});
+    }
   } catch (...) {  // out of memory: nothing to wait with
     return false;
   }
@@ -467,14 +471,13 @@ void context::impl::release_after(int device, device::stream_handle stream, std:
   }
   bool counted = false;
   try {
-    pending = new pending_release{
-      .shared = shared_,
-      .where = {device, stream},
-      .sequence = 0,  // given with the count, below
-      .release_producer = std::move(release),
-      .producer = producer,
-      .graph_gone = false,
-      .failed_waits = {}};
+    pending = new pending_release{.shared = shared_,
+                                  .where = {device, stream},
+                                  .sequence = 0,  // given with the count, below
+                                  .release_producer = std::move(release),
+                                  .producer = producer,
+                                  .graph_gone = false,
+                                  .failed_waits = {}};
     {
       std::lock_guard lock{pending_mutex_};
       pending->sequence = next_sequence_++;

@@ -60,7 +60,7 @@ pooled_event event_pool::acquire(int device)
   const std::uint64_t context = backend_.current_context_id();
   if (auto idle = take_idle(device, context)) { return std::move(*idle); }
   const std::uint64_t primary = backend_.context_id(device);  // asked on a miss only: a reset is rare
-  const auto event = backend_.create_event();  // outside the lock: may be slow, may throw
+  const auto event = backend_.create_event();                 // outside the lock: may be slow, may throw
   count(counter::events_created);
   HANDOFF_LOG_DEBUG("event pool: created event {:#x} on device {}", static_cast<std::uintptr_t>(event), device);
   try {

@@ -92,10 +92,8 @@ std::optional<stream_binding> exchange::consumer_binding(const array& view, cons
   if (ctx == nullptr) { return std::nullopt; }
   const int device = admit(*ctx, view);  // every import passes it, ordered or not
   if (!ordered) { return std::nullopt; }
-  return stream_binding{.ctx = ctx,
-                        .device = device,
-                        .stream = *resolve_stream(ctx->backend(), request),
-                        .stream_owner = consumer.owner};
+  return stream_binding{
+    .ctx = ctx, .device = device, .stream = *resolve_stream(ctx->backend(), request), .stream_owner = consumer.owner};
 }
 
 context* exchange::usable_context() const noexcept

@@ -115,7 +115,8 @@ void require_known_range(context& ctx, const array& view, const device::pointer_
   };
   HANDOFF_EXPECTS(!wraps, value_error, fmt::format("{} wrap around the address space", extent()));
   device::backend& b = ctx.backend();
-  const device::pointer_attributes start = first == address ? at_data : b.attributes(reinterpret_cast<const void*>(first));
+  const device::pointer_attributes start =
+    first == address ? at_data : b.attributes(reinterpret_cast<const void*>(first));
   HANDOFF_EXPECTS(start.kind != device::memory_kind::unregistered, value_error,
                   fmt::format("{} start outside any allocation of the {} backend", extent(), b.name()));
   const auto base = reinterpret_cast<std::uintptr_t>(start.base);

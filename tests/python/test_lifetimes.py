@@ -4,6 +4,8 @@ and at interpreter shutdown."""
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
 import sys
 import threading
 import weakref
@@ -398,7 +400,6 @@ def test_a_transient_failure_of_a_deferred_release_is_asked_again(sim_streams):
     assert handoff.stats()["pending_releases"] == before
 
 
-
 @needs_sim
 def test_a_view_imported_during_a_capture_is_kept_for_the_graphs_launches():
     # torch.cuda.graph: the graph reads the data at every launch, however soon after the capture
@@ -427,3 +428,60 @@ def test_a_view_imported_during_a_capture_is_kept_for_the_graphs_launches():
     sim.drain()
     gc.collect()
     assert alive() is None
+
+
+# A batch of releases: a Python producer's, then a copy in pinned memory, whose free waits for the
+# device. The batch held the GIL through the free, which waits for work this thread holds back
+# until it gets the GIL: a deadlock (and every Python thread stalled by any such free).
+RELEASE_BATCH = """
+import threading, weakref
+import handoff
+from handoff import sim
+
+consumer, busy = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)
+pinned = sim.zeros((1024,), "float32", memory="pinned")
+copy = handoff.from_dlpack(pinned, copy=True)  # pinned too: its free waits for the device
+imported_copy = handoff.from_dlpack(copy, stream=consumer)
+del copy
+
+
+class Owner:
+    pass
+
+
+owner = Owner()
+finalized = threading.Event()
+weakref.finalize(owner, finalized.set)
+data = sim.zeros((16,), "float32")
+imported_view = handoff.from_dlpack(
+    handoff.view(data.data_ptr, (16,), "float32", device=data.device, owner=owner), stream=consumer
+)
+del owner
+with sim.hold(busy):
+    sim.fill(data, 1.0, stream=busy)  # work the free waits for
+    with sim.hold(consumer):  # both released in one batch once the consumer's work is done
+        del imported_view  # its Python part first
+        del imported_copy
+    finalized.wait()  # the batch runs: the free waits for `busy`, which this thread must let go
+print("let go", flush=True)
+sim.synchronize()
+sim.drain()
+print("released", flush=True)
+"""
+
+
+@needs_sim
+def test_a_release_batch_holds_the_gil_only_for_its_python_parts():
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", RELEASE_BATCH],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "HANDOFF_BACKEND": handoff.runtime_info()["backend"]},
+            check=False,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"deadlock: the batch held the GIL through a free that waits for the device ({e.stdout!r})")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split("\n")[:2] == ["let go", "released"]

@@ -20,7 +20,7 @@ import pytest
 
 import handoff
 
-from dlpack_ctypes import CUDA, CUDA_HOST, DLManagedTensorVersioned, DLTensor, HandMadeTensor, exchange_api_of
+from dlpack_ctypes import CUDA, CUDA_HOST, DLManagedTensorVersioned, HandMadeTensor, exchange_api_of
 from support import CUDA_ORDERING_REFUSED, SIM, needs_sim, pending_write, run_python
 
 if SIM:
@@ -398,7 +398,10 @@ def test_an_array_of_cpp_memory_with_strides_that_do_not_fit_is_a_value_error():
 @pytest.mark.parametrize(
     ("make", "why"),
     [
-        (lambda raw: handoff.view(raw.ctypes.data, (8,), "bfloat16", device=(1, 0), owner=raw), "no dtype for bfloat16"),
+        (
+            lambda raw: handoff.view(raw.ctypes.data, (8,), "bfloat16", device=(1, 0), owner=raw),
+            "no dtype for bfloat16",
+        ),
         (
             lambda raw: handoff.view(raw.ctypes.data, (1,) * 80, "float32", device=(1, 0), owner=raw),
             "at most 64 dimensions, and the array has 80",

@@ -668,8 +668,7 @@ class array {
   /// The same with the extents as pointer and count (`strides` may be null: row-major).
   template <typename S = scalar, std::enable_if_t<!std::is_void_v<S>, int> = 0>
   array(pointer data, std::size_t ndim, const std::int64_t* shape, pybind11::handle owner,
-        const std::int64_t* strides = nullptr, DLDevice device = {kDLCPU, 0},
-        std::intptr_t stream = enclosing_stream)
+        const std::int64_t* strides = nullptr, DLDevice device = {kDLCPU, 0}, std::intptr_t stream = enclosing_stream)
       : array(data, ndim, shape, owner, strides != nullptr ? ndim : 0, strides, device, stream)
   {}
 #if __cplusplus >= 202002L

@@ -144,7 +144,8 @@ TEST_P(ContextTest, ATransientFailureOfTheFallbackIsAskedAgainAndTheProducerRele
       ++released;
     }};
     owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
-  }).join();
+  })
+    .join();
   EXPECT_EQ(stats().pending_releases, pending_before + 1) << "a release being retried is pending";
   ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
   sim().clear_faults();
@@ -458,7 +459,7 @@ TEST_P(ContextTest, AForkedChildsExitOrdersNothingOnItsParentsDevice)
   ASSERT_GE(child, 0);
   if (child == 0) {
     parents->inject_fault("current_device", 1, "cudaErrorLaunchFailure");  // what the thread's end asks first
-    std::atexit([] {  // after the thread's end, which runs first
+    std::atexit([] {                                                       // after the thread's end, which runs first
       bool untouched = false;
       try {
         (void)parents->current_device();

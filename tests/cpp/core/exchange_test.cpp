@@ -276,7 +276,9 @@ TEST_P(ExchangeTest, EveryImportIsCheckedAgainstItsAllocationAndItsDeviceFamily)
     scripted_table table;
     EXPECT_THROW((void)ex().import_from_table(export_versioned(past_the_end()), consumer, table), value_error);
     EXPECT_THROW((void)ex().import_from_table(export_versioned(other_family()), consumer, table), device_error);
-    cuda_interface interface{.layout = past_the_end().layout(), .stream = std::nullopt};
+    cuda_interface interface {
+      .layout = past_the_end().layout(), .stream = std::nullopt
+    };
     EXPECT_THROW((void)ex().import_interface(std::move(interface), producer_ref{[] {}}, onto(consumer)), value_error);
   }
   EXPECT_THROW((void)ex().adopt(past_the_end(), {}), value_error);
