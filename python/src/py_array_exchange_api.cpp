@@ -212,14 +212,12 @@ const DLPackExchangeAPI table{
   .current_work_stream = current_work_stream,
 };
 
-const DLPackExchangeAPI class_table{
-  .header = {.version = exchange_api_version, .prev_api = nullptr},
-  .managed_tensor_allocator = managed_tensor_allocator,
-  .managed_tensor_from_py_object_no_sync = managed_tensor_from_py_object,
-  .managed_tensor_to_py_object_no_sync = managed_tensor_to_py_object,
-  .dltensor_from_py_object_no_sync = nullptr,
-  .current_work_stream = current_work_stream,
-};
+// def_dlpack classes': handoff.Array's, without the slot they cannot serve (class_exchange_api).
+const DLPackExchangeAPI class_table = [] {
+  DLPackExchangeAPI without_dltensor = table;
+  without_dltensor.dltensor_from_py_object_no_sync = nullptr;
+  return without_dltensor;
+}();
 
 }  // namespace
 
