@@ -765,6 +765,36 @@ bool sim_backend::held(stream_handle stream)
   return !gates.empty();
 }
 
+bool sim_backend::waits_for_hold(stream_handle stream)
+{
+  const call_with c{"waits_for_hold", "{:#x}", raw(stream)};
+  impl_->open(c);
+  std::lock_guard lock(impl_->mutex);
+  const auto& queued = impl_->stream(c, stream).queued;
+  return !queued.empty() && impl_->pool.closed_gate_before(queued.back(), any_holder) != nullptr;
+}
+
+void sim_backend::synchronize_unheld()
+{
+  const call_with c{"synchronize_unheld", ""};
+  impl_->open(c);
+  std::vector<node_ptr> runnable;
+  {
+    std::lock_guard lock(impl_->mutex);
+    impl_->check_unsafe_call(c);
+    const auto collect = [&](const node_ptr& n) {
+      if (!is_done(n) && !impl_->pool.closed_gate_before(n, any_holder)) { runnable.push_back(n); }
+    };
+    for (int d = 0; d < impl_->device_count; ++d) {
+      impl_->for_each_stream(d,
+                             [&](const stream_state& s) { std::for_each(s.queued.begin(), s.queued.end(), collect); });
+      const auto& retired = impl_->devices[static_cast<std::size_t>(d)].retired;
+      std::for_each(retired.begin(), retired.end(), collect);
+    }
+  }
+  for (const auto& n : runnable) { wait_for(n); }
+}
+
 std::size_t sim_backend::holds_of_this_thread()
 {
   std::lock_guard lock(impl_->mutex);

@@ -519,6 +519,8 @@ TEST_P(DeviceTest, InjectedFaultsFailEachOperationOnce)
     {"hold", [&] { s.hold(blocking).release(); }},
     {"pending", [&] { (void)s.pending(blocking); }},
     {"held", [&] { (void)s.held(blocking); }},
+    {"waits_for_hold", [&] { (void)s.waits_for_hold(blocking); }},
+    {"synchronize_unheld", [&] { s.synchronize_unheld(); }},
   };
 
   const std::string name = err("cudaErrorLaunchFailure", "hipErrorLaunchFailure");

@@ -245,6 +245,7 @@ TEST_P(SimRulesTest, EveryCallThatTakesADestroyedStreamOrEventFailsAsCudaDoes)
     {"hold", [&] { (void)sim.hold(s); }},
     {"pending", [&] { (void)sim.pending(s); }},
     {"held", [&] { (void)sim.held(s); }},
+    {"waits_for_hold", [&] { (void)sim.waits_for_hold(s); }},
   };
   const std::string invalid = err("cudaErrorInvalidResourceHandle", "hipErrorInvalidHandle");
   for (const auto& [name, call] : calls) {
@@ -359,13 +360,16 @@ TEST_P(SimRulesTest, AHoldKeepsWhatIsEnqueuedOnItsStreamFromRunningUntilItEnds)
   auto hold = sim.hold(s);
   EXPECT_TRUE(sim.held(s));
   EXPECT_EQ(sim.pending(s), 0U) << "the hold itself is not an operation pending()";
+  EXPECT_FALSE(sim.waits_for_hold(s)) << "nothing is enqueued after the hold yet";
   sim.enqueue_fill(s, data, n, 1.0F);
   EXPECT_EQ(sim.pending(s), 1U);
+  EXPECT_TRUE(sim.waits_for_hold(s));
   EXPECT_FALSE(sim.query_stream(s));
   EXPECT_EQ(data[0], 0.0F) << "held work ran";
   hold.release();
   EXPECT_FALSE(hold.active());
   EXPECT_FALSE(sim.held(s));
+  EXPECT_FALSE(sim.waits_for_hold(s));
   sim.synchronize_stream(s);
   EXPECT_EQ(sim.pending(s), 0U);
   EXPECT_EQ(data[n - 1], 1.0F);
@@ -424,6 +428,8 @@ TEST_P(SimRulesTest, AHeldLegacyStreamHoldsWhatImplicitSynchronizationMakesWaitF
     sim.enqueue_fill(blocking, blocked, n, 1.0F);  // waits for the legacy stream's earlier work
     sim.enqueue_fill(non_blocking, free_running, n, 2.0F);
     EXPECT_EQ(sim.pending(blocking), 1U);
+    EXPECT_TRUE(sim.waits_for_hold(blocking));
+    EXPECT_FALSE(sim.waits_for_hold(non_blocking));
     EXPECT_FALSE(sim.held(blocking)) << "held() names the stream the hold was begun on";
     sim.synchronize_stream(non_blocking);
     EXPECT_EQ(free_running[0], 2.0F);
@@ -505,10 +511,12 @@ TEST_P(SimRulesTest, AnEventWaitKeepsTheConsumerWaitingWhileTheProducerIsHeld)
     sim.enqueue_fill(producer, data, n, 6.0F);
     sim.record_event(ready, producer);
     sim.copy_async(&unordered, data, sizeof(float), consumer);
+    EXPECT_FALSE(sim.waits_for_hold(consumer));
     sim.synchronize_stream(consumer);  // not behind the hold: this thread may wait
     EXPECT_EQ(unordered, 0.0F) << "the negative control must read the old data";
     sim.stream_wait_event(consumer, ready);
     sim.copy_async(&ordered, data, sizeof(float), consumer);
+    EXPECT_TRUE(sim.waits_for_hold(consumer));
     EXPECT_EQ(sim.pending(consumer), 2U) << "the consumer's wait and read wait for the producer";
     EXPECT_FALSE(sim.query_stream(consumer));
     EXPECT_EQ(ordered, -1.0F);
@@ -518,6 +526,35 @@ TEST_P(SimRulesTest, AnEventWaitKeepsTheConsumerWaitingWhileTheProducerIsHeld)
   sim.destroy_event(ready);
   sim.destroy_stream(producer);
   sim.destroy_stream(consumer);
+}
+
+TEST_P(SimRulesTest, SynchronizeUnheldWaitsForWhatCanRunAndNotForWhatIsHeld)
+{
+  float* held_data = zeros();
+  float* free_data = zeros();
+  float* behind_data = zeros();
+  const auto held = sim.create_stream(true);
+  const auto free_running = sim.create_stream(true);
+  const auto behind = sim.create_stream(true);
+  const auto e = sim.create_event();
+  {
+    const auto hold = sim.hold(held);
+    sim.enqueue_fill(held, held_data, n, 1.0F);
+    sim.record_event(e, held);
+    sim.stream_wait_event(behind, e);
+    sim.enqueue_fill(behind, behind_data, n, 3.0F);  // waits for the hold through the event
+    sim.enqueue_fill(free_running, free_data, n, 2.0F, 20ms);
+    sim.synchronize_unheld();
+    EXPECT_EQ(free_data[n - 1], 2.0F);
+    EXPECT_EQ(sim.pending(free_running), 0U);
+    EXPECT_EQ(held_data[0], 0.0F);
+    EXPECT_EQ(behind_data[0], 0.0F);
+    EXPECT_EQ(sim.pending(behind), 2U);
+  }
+  sim.synchronize_device();
+  EXPECT_EQ(behind_data[0], 3.0F);
+  sim.destroy_event(e);
+  for (const auto st : {held, free_running, behind}) { sim.destroy_stream(st); }
 }
 
 TEST_P(SimRulesTest, AHoldIsRefusedOnADestroyedOrCapturingStream)

@@ -194,6 +194,15 @@ class sim_backend final : public backend {
   [[nodiscard]] std::size_t pending(stream_handle stream);
   /// True while a hold begun on `stream` is active.
   [[nodiscard]] bool held(stream_handle stream);
+  /// True while the last operation enqueued on `stream` (holds aside) cannot run before an active
+  /// hold ends: one on `stream` itself, or one it waits for through other streams, events and CUDA's
+  /// implicit synchronization. An answer of the work's dependencies, not of its timing: what a test
+  /// asserts to show that a consumer waits for a held producer.
+  [[nodiscard]] bool waits_for_hold(stream_handle stream);
+  /// Waits for all the work enqueued on every device that does not wait for an active hold: what
+  /// can run has run when it returns, what is held has not. For a test's negative assertion inside
+  /// a hold ("nothing was freed, written or read yet"), in place of a sleep.
+  void synchronize_unheld();
   /// How many holds the calling thread keeps active.
   [[nodiscard]] std::size_t holds_of_this_thread();
 
