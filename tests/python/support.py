@@ -88,12 +88,12 @@ def sim_leak_check() -> Iterator[None]:
 
 
 def pending_write(stream: object, n: int = 4096) -> handoff.Array:
-    """Simulator memory of `n` float32 zeros whose write of 1.0 is still running on `stream`."""
+    """Simulator memory of `n` float32 zeros whose write of 1.0 is enqueued on `stream`: still pending
+    while the caller holds `stream` (`with sim.hold(stream):`)."""
     from handoff import sim
 
     memory = sim.zeros(n, "float32")
-    sim.synchronize()
-    sim.fill(memory, 1.0, stream=stream, delay=0.2)
+    sim.fill(memory, 1.0, stream=stream)
     return memory
 
 
