@@ -79,9 +79,7 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
             current[0] = previous
 
     def zeros(n: int) -> Array:
-        data = sim.zeros(n, "float32")
-        sim.synchronize()
-        return Array(data)
+        return Array(sim.zeros(n, "float32"))  # zeroed and ready: nothing is enqueued
 
     def fill(array: Array, value: float, delay: float = 0.0) -> None:
         """Enqueues a write of `value` on the current stream, taking `delay` seconds."""
@@ -99,9 +97,10 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
         capsule = producer.__dlpack__(stream=DEFAULT_STREAM if value is None else value, max_version=(1, 0))
         return Array(handoff.from_dlpack(_Capsule(capsule, producer.__dlpack_device__()), stream=-1))
 
-    def to_numpy(array: Array) -> Any:
-        """Reads the array on the library's current stream (what a kernel there would see)."""
-        return sim.to_numpy(array._data, stream=current[0] or handoff.Stream(DEFAULT_STREAM))
+    def to_numpy(array: Array, wait: bool = True) -> Any:
+        """Reads the array on the library's current stream (what a kernel there would see); with
+        `wait` False, returns the read enqueued (a sim.PendingCopy), for a test that holds a stream."""
+        return sim.to_numpy(array._data, stream=current[0] or handoff.Stream(DEFAULT_STREAM), wait=wait)
 
     library.Stream = lambda: sim.Stream(non_blocking=True)  # type: ignore[attr-defined]
     library.synchronize = sim.synchronize  # type: ignore[attr-defined]
