@@ -13,7 +13,7 @@ import pytest
 import handoff
 
 from dlpack_ctypes import CPU, CUDA, ROCM, HandMadeTensor, capsule_name
-from support import BACKEND, DEVICE_COUNT, needs_sim, needs_two_devices, run_python
+from support import BACKEND, DEVICE_COUNT, needs_sim, needs_two_devices, run_python, waiting_read
 
 # A stream value every backend accepts for the arrays of the test: a CPU array takes None only, so
 # a stream is asked for through a producer that claims a device.
@@ -224,15 +224,17 @@ def test_a_cuda_array_interface_onto_a_stream_object_for_the_default_stream(how)
 
     source = sim.zeros(1024)
     producer = sim.Stream(non_blocking=True)
-    sim.fill(source, 5.0, stream=producer, delay=0.1)
-    cai = {"shape": (1024,), "typestr": "<f4", "data": (source.data_ptr, False), "version": 3,
-           "stream": int(producer.handle)}  # fmt: skip
-    if how == "argument":
-        view = handoff.asarray(CudaArrayInterface(cai), stream=handoff.Stream(0))
-    else:
-        with handoff.stream(handoff.Stream(0)):
-            view = handoff.asarray(CudaArrayInterface(cai))
-    assert sim.to_numpy(view, stream=CONSUMER_STREAM)[0] == 5.0
+    with sim.hold(producer):
+        sim.fill(source, 5.0, stream=producer)
+        cai = {"shape": (1024,), "typestr": "<f4", "data": (source.data_ptr, False), "version": 3,
+               "stream": int(producer.handle)}  # fmt: skip
+        if how == "argument":
+            view = handoff.asarray(CudaArrayInterface(cai), stream=handoff.Stream(0))
+        else:
+            with handoff.stream(handoff.Stream(0)):
+                view = handoff.asarray(CudaArrayInterface(cai))
+        read = waiting_read(view, CONSUMER_STREAM)
+    assert read.result()[0] == 5.0
     del view
     sim.synchronize()
 
@@ -243,11 +245,13 @@ def test_cuda_array_interface_stream_values_are_cuda_numbered_on_every_platform(
     from handoff import sim
 
     source = sim.zeros(1024)
-    sim.fill(source, 3.0, stream=CONSUMER_STREAM, delay=0.1)  # the platform's default stream
     consumer = sim.Stream(non_blocking=True)  # no implicit synchronization with the default stream
-    cai = {"shape": (1024,), "typestr": "<f4", "data": (source.data_ptr, False), "version": 3, "stream": 1}
-    view = handoff.asarray(CudaArrayInterface(cai), stream=consumer)
-    assert sim.to_numpy(view, stream=consumer)[0] == 3.0
+    with sim.hold(CONSUMER_STREAM):
+        sim.fill(source, 3.0, stream=CONSUMER_STREAM)  # the platform's default stream
+        cai = {"shape": (1024,), "typestr": "<f4", "data": (source.data_ptr, False), "version": 3, "stream": 1}
+        view = handoff.asarray(CudaArrayInterface(cai), stream=consumer)
+        read = waiting_read(view, consumer)
+    assert read.result()[0] == 3.0
     del view
     sim.synchronize()
 
