@@ -123,11 +123,14 @@ TEST_P(SimRulesTest, ALaunchIsOrderedOnItsStreamAndKeepsForkedBranchesInOrder)
   sim.enqueue_fill(s, data, n, 3.0F);
   const sim_graph graph = sim.end_capture(s);
 
-  sim.enqueue_sleep(s, 50ms);  // the launch must wait for this too
-  sim.launch_graph(graph, s);
-  sim.enqueue_fill(s, data, n, 4.0F);  // and this for the whole launch
   const auto reader = sim.create_stream(true);
-  EXPECT_EQ(first(data, reader), 0.0F) << "the launch started before the stream's earlier work";
+  {
+    const auto held = sim.hold(s);  // the launch must wait for the stream's earlier work, this hold too
+    sim.launch_graph(graph, s);
+    sim.enqueue_fill(s, data, n, 4.0F);  // and this for the whole launch
+    sim.synchronize_unheld();
+    EXPECT_EQ(first(data, reader), 0.0F) << "the launch started before the stream's earlier work";
+  }
   sim.synchronize_stream(s);
   EXPECT_EQ(first(data, reader), 4.0F);
 
@@ -146,19 +149,20 @@ TEST_P(SimRulesTest, AStickyErrorHaltsItsDeviceForGood)
 {
   const auto s = sim.create_stream(true);
   std::atomic<int> calls{0};
-  sim.enqueue_sleep(s, 50ms);
-  sim.launch_host_func(s, &count, &calls);
   const auto e = sim.create_event();
-
-  sim.inject_sticky_fault(0, err("cudaErrorIllegalAddress", "hipErrorIllegalAddress"));
   const std::string sticky = err("cudaErrorIllegalAddress", "hipErrorIllegalAddress");
-  EXPECT_DEVICE_ERROR(sim.synchronize_stream(s), sticky);
-  EXPECT_DEVICE_ERROR(sim.synchronize_device(), sticky);
-  EXPECT_DEVICE_ERROR(sim.record_event(e, s), sticky);
-  EXPECT_DEVICE_ERROR((void)sim.create_stream(true), sticky);
-  EXPECT_DEVICE_ERROR(sim.launch_host_func(s, &count, &calls), sticky);
-  EXPECT_DEVICE_ERROR(sim.set_current_device(0), sticky);
-  std::this_thread::sleep_for(100ms);  // past the sleep the host function was queued behind
+  {
+    const auto held = sim.hold(s);  // the host function is queued behind it when the fault comes
+    sim.launch_host_func(s, &count, &calls);
+    sim.inject_sticky_fault(0, sticky);
+    EXPECT_DEVICE_ERROR(sim.synchronize_stream(s), sticky);
+    EXPECT_DEVICE_ERROR(sim.synchronize_device(), sticky);
+    EXPECT_DEVICE_ERROR(sim.record_event(e, s), sticky);
+    EXPECT_DEVICE_ERROR((void)sim.create_stream(true), sticky);
+    EXPECT_DEVICE_ERROR(sim.launch_host_func(s, &count, &calls), sticky);
+    EXPECT_DEVICE_ERROR(sim.set_current_device(0), sticky);
+  }
+  sim.synchronize_unheld();  // past the hold the host function was queued behind
   EXPECT_EQ(calls.load(), 0) << "a host function queued before the fault ran";
 
   if (sim.device_count() > 1) {  // another device is not affected
@@ -272,19 +276,26 @@ TEST_P(SimRulesTest, AThreadsStateEndsWithItButItsEnqueuedWorkStillRuns)
 {
   float* data = zeros();
   const std::size_t before = sim.threads_with_state();
+  const auto gate = sim.create_stream(true);
+  const auto opened = sim.create_event();
   stream_handle its_default{};
   std::size_t while_alive = 0;
-  std::thread worker{[&] {
-    sim.set_current_device(sim.device_count() - 1);
-    sim.set_current_device(0);
-    its_default = sim.per_thread_default_stream();
-    sim.enqueue_sleep(its_default, 50ms);  // still running when the thread has ended
-    sim.enqueue_fill(its_default, data, n, 3.0F);
-    while_alive = sim.threads_with_state();
-  }};
-  worker.join();
-  EXPECT_EQ(while_alive, before + 1);
-  EXPECT_EQ(sim.threads_with_state(), before) << "the ended thread's state was kept";
+  {
+    const auto held = sim.hold(gate);
+    sim.record_event(opened, gate);  // done when the hold ends
+    std::thread worker{[&] {
+      sim.set_current_device(sim.device_count() - 1);
+      sim.set_current_device(0);
+      its_default = sim.per_thread_default_stream();
+      sim.stream_wait_event(its_default, opened);  // still queued when the thread has ended
+      sim.enqueue_fill(its_default, data, n, 3.0F);
+      while_alive = sim.threads_with_state();
+    }};
+    worker.join();
+    EXPECT_EQ(while_alive, before + 1);
+    EXPECT_EQ(sim.threads_with_state(), before) << "the ended thread's state was kept";
+    EXPECT_EQ(data[0], 0.0F);
+  }
   sim.synchronize_device();  // waits for the ended thread's work, as for a destroyed stream's
   EXPECT_EQ(first(data, sim.legacy_default_stream()), 3.0F);
   if (rocm()) {
@@ -296,6 +307,8 @@ TEST_P(SimRulesTest, AThreadsStateEndsWithItButItsEnqueuedWorkStillRuns)
     sim.clear_violations();
   }
   EXPECT_TRUE(sim.violations().empty());
+  sim.destroy_event(opened);
+  sim.destroy_stream(gate);
 }
 
 TEST_P(SimRulesTest, AHostFunctionMayNotCallTheRuntime)
