@@ -104,8 +104,9 @@ class test_device {
   /// Holds `stream` until the returned hold ends: its work enqueued from now on waits, so that a test
   /// holds a race exactly as long as its assertions need. The simulator's hold (sim_backend::hold); on
   /// a GPU, a host function that waits for the release, and so holds the device's host-function
-  /// thread meanwhile. Inside a hold, never wait on this thread for the held work: the simulator
-  /// refuses (handoffErrorHoldDeadlock), a GPU waits for ever.
+  /// thread meanwhile (a second hold's host function starts only once the first hold has ended).
+  /// Inside a hold, never wait on this thread for the held work: the simulator refuses
+  /// (handoffErrorHoldDeadlock), a GPU waits for ever.
   [[nodiscard]] test_hold hold(device::stream_handle stream);
   /// True when the last work enqueued on `stream` waits for a hold: on the simulator, an answer of
   /// its dependencies (sim_backend::waits_for_hold); on a GPU, that it is not done yet.
