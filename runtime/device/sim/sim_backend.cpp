@@ -842,9 +842,13 @@ void sim_backend::free_sync(void* ptr)
     impl_->check_alive(c, device);
     it->second.free_pending = true;
     tails = impl_->device_tails_locked(device);
-    if (impl_->own_hold_before(tails)) {
-      // The calling thread holds work that cudaFree's synchronization would wait for, and could
-      // never return: the allocation goes once that work is done instead, without waiting.
+    const bool held = std::any_of(tails.begin(), tails.end(), [&](const node_ptr& t) {
+      return impl_->pool.closed_gate_before(t, any_holder) != nullptr;
+    });
+    if (held) {
+      // cudaFree's synchronization would wait for a test's hold: for ever on the thread that holds
+      // it, and on another while it keeps what the holder needs to end the hold (a deleter run with
+      // Python's GIL). The allocation goes once the device's work is done instead, without waiting.
       const auto base = it->first;
       auto freed = impl_->pool.submit(
         impl_->submission(device, {.body = [state = impl_.get(), base] { state->release_allocation(base); },

@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <future>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -506,6 +507,26 @@ TEST_P(SimRulesTest, AWaitForHeldWorkFailsOnTheHoldingThreadAndWaitsOnOthers)
   sim.synchronize_device();  // waits for the free too
   EXPECT_EQ(sim.live_allocations(), 1U);
   sim.destroy_event(e);
+  sim.destroy_stream(s);
+}
+
+TEST_P(SimRulesTest, AFreeOnAnyThreadReturnsAtOnceWhileTheDevicesWorkWaitsForAHold)
+{
+  // A deleter on another thread may free while it keeps what the holding thread needs to end its
+  // hold (Python's GIL): cudaFree's synchronization must not wait for the hold there either.
+  float* data = zeros();
+  const auto s = sim.create_stream(true);
+  const std::size_t before = sim.live_allocations();
+  void* memory = sim.allocate_managed(64);
+  {
+    const auto held = sim.hold(s);
+    sim.enqueue_fill(s, data, n, 1.0F);
+    auto freed = std::async(std::launch::async, [&] { sim.free_sync(memory); });
+    ASSERT_EQ(freed.wait_for(std::chrono::seconds{60}), std::future_status::ready) << "the free waited for the hold";
+    EXPECT_EQ(sim.live_allocations(), before + 1) << "freed before the device's work was done";
+  }
+  sim.synchronize_device();
+  EXPECT_EQ(sim.live_allocations(), before);
   sim.destroy_stream(s);
 }
 

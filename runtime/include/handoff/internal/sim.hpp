@@ -130,7 +130,7 @@ class sim_backend final : public backend {
   [[nodiscard]] void* allocate_pinned_host(std::size_t bytes) override;
   [[nodiscard]] void* allocate_managed(std::size_t bytes) override;
   /// Frees any allocation of this backend (device memory too) once all work on its device is done,
-  /// waiting for it; on a thread whose hold (hold()) that work waits for, without waiting.
+  /// waiting for it; while that work waits for a hold (hold()), without waiting.
   void free_sync(void* ptr) override;
   void copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream) override;
   void release_with_capture(stream_handle stream, void (*release)(void* data) noexcept, void* data) override;
@@ -184,8 +184,9 @@ class sim_backend final : public backend {
   ///
   /// A blocking call on the thread that began the hold (synchronize_stream, synchronize_event,
   /// synchronize_device, reset_device) that would wait for held work can never return: it fails
-  /// instead with device_error hold_deadlock_error; free_sync returns at once and frees the memory
-  /// once the device's work is done. Other threads' waits just wait.
+  /// instead with device_error hold_deadlock_error. Other threads' waits just wait, but free_sync,
+  /// which a deleter may call while it holds what the holder needs (Python's GIL), returns at once
+  /// on any thread while the device's work waits for a hold, and frees once that work is done.
   /// @throws device_error as an enqueue would (a destroyed stream: cudaErrorInvalidResourceHandle),
   ///         and cudaErrorStreamCaptureUnsupported for a capturing stream (its work runs at launches).
   [[nodiscard]] sim_hold hold(stream_handle stream);
