@@ -166,6 +166,8 @@ named_stream stream_named_by(py::handle stream)
 
 py::object stream_argument_for(const named_stream& stream, DLDeviceType device)
 {
+  // The producer of pinned memory is not given the consumer's stream: checked here instead.
+  if (is_pinned_host(device)) { (void)request_for(stream, device); }
   const auto value = dlpack_stream_value(stream, device);
   return value ? py::object(py::int_(*value)) : py::object(py::none());
 }
