@@ -105,10 +105,19 @@ def test_pinned_memory_is_asked_for_with_none_and_the_consumer_ordered_after_the
     producer, consumer = sim_streams
     source = sim.zeros(N, memory="pinned")
     sim.synchronize()
-    sim.fill(source, 7.0, stream=producer, delay=0.05)
     forwarded = DlpackOnly(source)
-    view = handoff.from_dlpack(forwarded, stream=consumer if ordered else -1)
+    with sim.hold(producer):
+        sim.fill(source, 7.0, stream=producer)
+        view = handoff.from_dlpack(forwarded, stream=consumer if ordered else -1)
+        read = sim.to_numpy(view, stream=consumer, wait=False)
+        if ordered:
+            assert not read.done() and sim.pending(consumer) > 0, "the consumer must wait for the held producer"
+        else:
+            assert sim.to_numpy(view, stream=consumer)[0] == 0.0, "the negative control reads before the write"
     assert [call.get("stream") for call in forwarded.calls] == [None if ordered else -1]
     assert view.device == source.device
-    seen = sim.to_numpy(view, stream=consumer)
-    assert (seen[0], seen[-1]) == ((7.0, 7.0) if ordered else (0.0, 0.0))
+    if ordered:
+        seen = read.result()
+        assert (seen[0], seen[-1]) == (7.0, 7.0)
+    else:
+        read.result()
