@@ -145,8 +145,9 @@ class stream:
         entry.close()
 
     def _entered_elsewhere(self) -> _Entry | None:
-        """The entry a block left here, though not entered in this context, leaves: this thread's
-        newest, else the newest."""
+        """The entry that leaving the block ends when this context lists none of its entries (a
+        generator's block finished in another context than its own): this thread's newest, else the
+        newest."""
         entries = list(self._entries)
         thread = threading.get_ident()
         mine = [entry for entry in entries if entry.thread == thread]

@@ -74,12 +74,11 @@ struct socket_owner {
 
 socket_owner this_process()
 {
-  socket_owner owner{.uid = ::geteuid()};
   // NOLINTBEGIN(concurrency-mt-unsafe): read at start
-  if (const char* runtime = std::getenv("XDG_RUNTIME_DIR"); runtime != nullptr) { owner.runtime_dir = runtime; }
-  if (const char* tmp = std::getenv("TMPDIR"); tmp != nullptr) { owner.tmp_dir = tmp; }
+  const char* runtime = std::getenv("XDG_RUNTIME_DIR");
+  const char* tmp = std::getenv("TMPDIR");
   // NOLINTEND(concurrency-mt-unsafe)
-  return owner;
+  return {.uid = ::geteuid(), .runtime_dir = runtime != nullptr ? runtime : "", .tmp_dir = tmp != nullptr ? tmp : ""};
 }
 
 std::string read_file(const std::filesystem::path& path)
@@ -116,7 +115,7 @@ std::vector<socket_owner> possible_owners(int pid)
   if (!uid) { return {self}; }  // no such process (the caller says so), or no /proc
   std::vector<socket_owner> owners;
   if (const std::string environment = read_file(proc / "environ"); !environment.empty()) {
-    socket_owner owner{.uid = *uid};
+    socket_owner owner{.uid = *uid, .runtime_dir = {}, .tmp_dir = {}};
     for (std::string_view rest = environment; !rest.empty();) {
       const std::string_view entry = rest.substr(0, rest.find('\0'));
       rest.remove_prefix(std::min(entry.size() + 1, rest.size()));
@@ -126,7 +125,7 @@ std::vector<socket_owner> possible_owners(int pid)
     owners.push_back(std::move(owner));
   } else if (*uid != self.uid) {
     owners.push_back({.uid = *uid, .runtime_dir = fmt::format("/run/user/{}", *uid), .tmp_dir = self.tmp_dir});
-    owners.push_back({.uid = *uid});
+    owners.push_back({.uid = *uid, .runtime_dir = {}, .tmp_dir = {}});
   }
   if (*uid == self.uid) { owners.push_back(self); }
   return owners;
