@@ -202,6 +202,46 @@ def test_a_block_still_open_keeps_its_stream_when_a_block_entered_before_it_ends
     assert handoff.current_stream() is None
 
 
+@needs_sim
+@pytest.mark.parametrize("ordered", [True, pytest.param(False, marks=pytest.mark.negative_control)])
+def test_imports_in_a_block_still_open_are_ordered_onto_its_stream_when_a_block_entered_before_it_ends(ordered):
+    from handoff import sim
+
+    producer, first_stream, second_stream = (sim.Stream(non_blocking=True) for _ in range(3))
+    source = sim.zeros(4)
+
+    def reader():
+        with handoff.stream(second_stream):
+            yield
+            with sim.hold(producer):
+                sim.fill(source, 7.0, stream=producer)
+                if ordered:
+                    read = sim.to_numpy(handoff.from_dlpack(source), stream=second_stream, wait=False)
+                    assert not read.done() and sim.pending(second_stream) > 0, "the block's stream waits"
+                else:  # the negative control: not held, the read returns before the write
+                    stale = sim.to_numpy(handoff.from_dlpack(source, stream=-1), stream=second_stream)
+            yield read.result() if ordered else stale
+
+    def other():
+        with handoff.stream(first_stream):
+            yield
+
+    def body():
+        first, second = other(), reader()
+        next(first)
+        next(second)  # entered after the first's block, beside it
+        for _ in first:  # the first's block ends first
+            pass
+        seen = next(second)
+        for _ in second:
+            pass
+        return seen
+
+    seen = contextvars.copy_context().run(body)
+    sim.synchronize()
+    assert (seen == (7.0 if ordered else 0.0)).all()
+
+
 def _batches(handle: int, seen: list[object]):
     with handoff.stream(handle):
         for i in range(3):
