@@ -36,9 +36,20 @@ namespace py = pybind11;
 
 /// The `stream` argument that names `stream` to the `__dlpack__` of data on `device`: None or an
 /// int (dlpack_stream_value).
+/// @throws value_error for a stream the device type does not take, where the producer is not given
+///         it to say so (pinned host memory).
 [[nodiscard]] py::object stream_argument_for(const named_stream& stream, DLDeviceType device);
 
-/// Binds `_resolve_stream`, `_check_stream` and `_set_stream_type`, which handoff._streams uses.
+/// The stream of the innermost open `handoff.stream(...)` block of this context (a handoff.Stream),
+/// or None.
+[[nodiscard]] py::object enclosing_stream();
+
+/// What keeps stream `handle` alive when the enclosing `handoff.stream(...)` block names it by a
+/// stream object (CuPy's, PyTorch's, ...); empty otherwise (no block, a bare handle, another stream).
+[[nodiscard]] std::shared_ptr<const void> enclosing_stream_owner(std::uint64_t handle);
+
+/// Creates `_stream_var`, the context variable of the open `handoff.stream(...)` blocks, and binds
+/// `_resolve_stream`, `_check_stream` and `_set_stream_type`, which handoff._streams uses.
 void bind_streams(py::module_& m);
 
 }  // namespace handoff::python

@@ -117,3 +117,19 @@ def behind(held: object, stream: object) -> None:
     marker = sim.zeros(1)
     sim.fill(marker, 0.0, stream=held)
     handoff.from_dlpack(marker, stream=stream)
+
+
+class DlpackOnly:
+    """Forwards the DLPack protocol only, recording the keyword arguments of each `__dlpack__` call:
+    a consumer goes through `__dlpack__`, not through a producer's DLPack C exchange API."""
+
+    def __init__(self, array: object) -> None:
+        self.array = array
+        self.calls: list[dict] = []
+
+    def __dlpack__(self, **kwargs):
+        self.calls.append(kwargs)
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()

@@ -166,7 +166,7 @@ FOREIGN_DELETER_AT_EXIT = textwrap.dedent(
     from dlpack_ctypes import HandMadeTensor, CUDA
 
     source = sim.zeros(1024)
-    # A producer whose deleter takes the GIL, as CuPy's and PyTorch's do (a ctypes callback does).
+    # A producer whose deleter takes the GIL, as CuPy 14's does (`with gil`; a ctypes callback does).
     tensor = HandMadeTensor(source.__cuda_array_interface__["data"][0], (1024,), device=(CUDA, 0))
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(tensor))  # its deleter's code outlives the interpreter
 
