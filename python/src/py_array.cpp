@@ -10,6 +10,7 @@
 #include "py_exchange.hpp"
 #include "py_gil.hpp"
 #include "py_owners.hpp"
+#include "py_streams.hpp"
 #include "py_trace.hpp"
 
 #include <handoff/dtype.hpp>

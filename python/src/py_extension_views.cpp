@@ -4,6 +4,7 @@
 #include "py_exchange.hpp"
 #include "py_numpy.hpp"
 #include "py_owners.hpp"
+#include "py_streams.hpp"
 #include "py_trace.hpp"
 #include "py_view.hpp"
 

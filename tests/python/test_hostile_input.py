@@ -14,7 +14,7 @@ import pytest
 import handoff
 
 from dlpack_ctypes import CPU, CUDA, ROCM, HandMadeTensor, capsule_name, exchange_api_of
-from support import BACKEND, DEVICE_COUNT, needs_sim, needs_two_devices, run_python
+from support import BACKEND, DEVICE_COUNT, needs_sim, needs_two_devices, run_python, waiting_read
 
 # A stream value every backend accepts for the arrays of the test: a CPU array takes None only, so
 # a stream is asked for through a producer that claims a device.
@@ -33,17 +33,21 @@ class CudaStreamProtocol:
         return (0, self.handle)
 
 
-class TorchLike:
+class CudaStreamAttribute:
+    """Names any handle as PyTorch's streams name theirs (`.cuda_stream`): no peer's stream."""
+
     def __init__(self, handle):
         self.cuda_stream = handle
 
 
-class CupyLike:
+class PtrAttribute:
+    """Names any handle as CuPy's streams name theirs (`.ptr`): no peer's stream."""
+
     def __init__(self, handle):
         self.ptr = handle
 
 
-@pytest.mark.parametrize("kind", [CudaStreamProtocol, TorchLike, CupyLike, int])
+@pytest.mark.parametrize("kind", [CudaStreamProtocol, CudaStreamAttribute, PtrAttribute, int])
 @pytest.mark.parametrize("handle", [2**63, 2**64, 2**80])
 def test_stream_objects_with_handles_outside_the_native_range_are_value_errors(kind, handle, live):
     with pytest.raises(ValueError, match=r"native range|out of range"):
@@ -294,15 +298,17 @@ def test_a_cuda_array_interface_onto_a_stream_object_for_the_default_stream(how)
 
     source = sim.zeros(1024)
     producer = sim.Stream(non_blocking=True)
-    sim.fill(source, 5.0, stream=producer, delay=0.1)
-    cai = {"shape": (1024,), "typestr": "<f4", "data": (source.data_ptr, False), "version": 3,
-           "stream": int(producer.handle)}  # fmt: skip
-    if how == "argument":
-        view = handoff.asarray(CudaArrayInterface(cai), stream=handoff.Stream(0))
-    else:
-        with handoff.stream(handoff.Stream(0)):
-            view = handoff.asarray(CudaArrayInterface(cai))
-    assert sim.to_numpy(view, stream=CONSUMER_STREAM)[0] == 5.0
+    with sim.hold(producer):
+        sim.fill(source, 5.0, stream=producer)
+        cai = {"shape": (1024,), "typestr": "<f4", "data": (source.data_ptr, False), "version": 3,
+               "stream": int(producer.handle)}  # fmt: skip
+        if how == "argument":
+            view = handoff.asarray(CudaArrayInterface(cai), stream=handoff.Stream(0))
+        else:
+            with handoff.stream(handoff.Stream(0)):
+                view = handoff.asarray(CudaArrayInterface(cai))
+        read = waiting_read(view, CONSUMER_STREAM)
+    assert read.result()[0] == 5.0
     del view
     sim.synchronize()
 
@@ -313,11 +319,13 @@ def test_cuda_array_interface_stream_values_are_cuda_numbered_on_every_platform(
     from handoff import sim
 
     source = sim.zeros(1024)
-    sim.fill(source, 3.0, stream=CONSUMER_STREAM, delay=0.1)  # the platform's default stream
     consumer = sim.Stream(non_blocking=True)  # no implicit synchronization with the default stream
-    cai = {"shape": (1024,), "typestr": "<f4", "data": (source.data_ptr, False), "version": 3, "stream": 1}
-    view = handoff.asarray(CudaArrayInterface(cai), stream=consumer)
-    assert sim.to_numpy(view, stream=consumer)[0] == 3.0
+    with sim.hold(CONSUMER_STREAM):
+        sim.fill(source, 3.0, stream=CONSUMER_STREAM)  # the platform's default stream
+        cai = {"shape": (1024,), "typestr": "<f4", "data": (source.data_ptr, False), "version": 3, "stream": 1}
+        view = handoff.asarray(CudaArrayInterface(cai), stream=consumer)
+        read = waiting_read(view, consumer)
+    assert read.result()[0] == 3.0
     del view
     sim.synchronize()
 

@@ -32,7 +32,6 @@ if BACKEND.startswith("sim"):
 
     from handoff import sim
 
-SLOW = 0.2  # seconds a producer's write takes: an unordered reader always wins
 N = 4096
 
 
@@ -243,20 +242,22 @@ def peers():
 
 
 def pending(library, stream):
-    """An array of `library` whose write of 1.0 is still running on `stream`, its current stream."""
+    """An array of `library` whose write of 1.0 is enqueued on `stream`, its current stream: still
+    pending while the caller holds `stream` (sim.hold)."""
     with library.use(stream):
         array = library.zeros(N)
-        library.fill(array, 1.0, delay=SLOW)
+        library.fill(array, 1.0)
     return array
 
 
 @needs_sim
 def test_a_producer_that_ignores_stream_is_flagged_unordered_and_reads_stale_data(peers):
     careless, torchlike, producer, consumer = peers
-    x = pending(careless, producer)
-    with careless.use(producer), torchlike.use(consumer), handoff.trace(libraries=True) as t:
-        seen = torchlike.to_numpy(torchlike.from_dlpack(x))
-    assert (seen == 0).all(), "the negative control: unordered, the consumer reads before the write"
+    with sim.hold(producer):
+        x = pending(careless, producer)
+        with careless.use(producer), torchlike.use(consumer), handoff.trace(libraries=True) as t:
+            seen = torchlike.to_numpy(torchlike.from_dlpack(x))
+        assert (seen == 0).all(), "the negative control: unordered, the consumer reads before the write"
     (event,) = [e for e in t.events if e["interposed"]]
     assert (event["producer"], event["consumer"], event["action"]) == ("simnano", "simtorch", "unordered")
     assert event["hazard"] == "unordered" and event["interposed"] == "observed"
@@ -269,10 +270,12 @@ def test_a_producer_that_ignores_stream_is_flagged_unordered_and_reads_stale_dat
 def test_the_ordering_mode_removes_the_race_and_marks_the_exchange_ordered(peers):
     careless, torchlike, producer, consumer = peers
     handoff.order_libraries(True)
-    x = pending(careless, producer)
-    with careless.use(producer), torchlike.use(consumer), handoff.trace(libraries=True) as t:
-        seen = torchlike.to_numpy(torchlike.from_dlpack(x))
-    assert (seen == 1).all(), "ordered: the consumer's stream waited for the producer's write"
+    with sim.hold(producer):
+        x = pending(careless, producer)
+        with careless.use(producer), torchlike.use(consumer), handoff.trace(libraries=True) as t:
+            read = torchlike.to_numpy(torchlike.from_dlpack(x), wait=False)
+        assert sim.waits_for_hold(consumer), "ordered: the consumer's stream waits for the producer's write"
+    assert (read.result() == 1).all(), "ordered: the consumer's stream waited for the producer's write"
     (event,) = [e for e in t.events if e["interposed"]]
     assert (event["action"], event["hazard"], event["interposed"]) == ("wait", None, "ordered")
     assert "1 ordered by handoff's hooks" in t.summary()
@@ -282,10 +285,12 @@ def test_the_ordering_mode_removes_the_race_and_marks_the_exchange_ordered(peers
 def test_a_producer_that_honours_stream_is_ordered_by_itself_and_no_hazard(peers):
     _, torchlike, producer, consumer = peers
     other = make_library("simcupy")
-    x = pending(other, producer)
-    with other.use(producer), torchlike.use(consumer), handoff.trace(libraries=True) as t:
-        seen = torchlike.to_numpy(torchlike.from_dlpack(x))
-    assert (seen == 1).all()
+    with sim.hold(producer):
+        x = pending(other, producer)
+        with other.use(producer), torchlike.use(consumer), handoff.trace(libraries=True) as t:
+            read = torchlike.to_numpy(torchlike.from_dlpack(x), wait=False)
+        assert sim.waits_for_hold(consumer)
+    assert (read.result() == 1).all()
     (event,) = [e for e in t.events if e["interposed"]]
     assert (event["action"], event["hazard"], event["stream_argument"]) == ("wait", None, consumer.handle)
 
@@ -301,8 +306,11 @@ def test_the_ordering_mode_from_the_environment_fixes_an_unchanged_program(tmp_p
         producer, consumer = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)
         with careless.use(producer), torchlike.use(consumer):
             x = careless.zeros({N})
-            careless.fill(x, 1.0, delay={SLOW})
-            print(torchlike.to_numpy(torchlike.from_dlpack(x)).min())
+            with sim.hold(producer):  # the producer's write waits for the block's end
+                careless.fill(x, 1.0)
+                read = torchlike.to_numpy(torchlike.from_dlpack(x), wait=False)
+                sim.synchronize_unheld()  # a read that does not wait for the write runs now
+            print(read.result().min())
         sim.synchronize()
     """
     racy, section = trace_run(tmp_path, script)
@@ -325,11 +333,12 @@ def test_the_ordering_mode_keeps_the_producer_until_the_consumers_array_is_gone_
         result, producer_object = Owner(), Owner()
         gone = weakref.ref(producer_object)
         busy = sim.zeros(N, "float32")
-        sim.fill(busy, 2.0, stream=consumer, delay=SLOW)  # the consumer's stream still works
-        if keep:
-            _interpose._keep_until_done(result, producer_object, (sim_device_type(), 0), consumer.handle)
-        del producer_object, result
-        assert (gone() is not None) == keep
+        with sim.hold(consumer):
+            sim.fill(busy, 2.0, stream=consumer)  # the consumer's stream still works
+            if keep:
+                _interpose._keep_until_done(result, producer_object, (sim_device_type(), 0), consumer.handle)
+            del producer_object, result
+            assert (gone() is not None) == keep
         settle_sim()
         assert gone() is None
 
@@ -343,12 +352,15 @@ def test_the_consumers_array_dropped_while_its_stream_works_with_the_last_produc
     x = pending(other, producer)
     sim.synchronize()
     with torchlike.use(consumer), handoff.trace(libraries=True) as t:
-        y = torchlike.from_dlpack(x)
-        torchlike.fill(y, 2.0, delay=SLOW)  # the consumer's kernel, still running on its stream
-        del x  # the consumer's array holds the producer's last reference now
+        with sim.hold(consumer):
+            y = torchlike.from_dlpack(x)
+            torchlike.fill(y, 2.0)  # the consumer's kernel, still queued on its stream
+            del x  # the consumer's array holds the producer's last reference now
+            if not settled_first:
+                del y
         if settled_first:
             sim.synchronize()
-        del y
+            del y
     releases = [e for e in t.events if e["interposed"] and e["kind"] == "release"]
     if settled_first:
         assert releases == [], "the consumer's work was done: nothing to flag"
@@ -364,9 +376,9 @@ def test_a_producer_still_held_elsewhere_is_not_released_early(peers):
     other = make_library("simcupy")
     x = pending(other, producer)
     sim.synchronize()
-    with torchlike.use(consumer), handoff.trace(libraries=True) as t:
+    with torchlike.use(consumer), handoff.trace(libraries=True) as t, sim.hold(consumer):
         y = torchlike.from_dlpack(x)
-        torchlike.fill(y, 2.0, delay=SLOW)
+        torchlike.fill(y, 2.0)  # still queued on the consumer's stream
         del y  # x is still the program's: its memory stays
     assert [e for e in t.events if e["interposed"] and e["kind"] == "release"] == []
 
@@ -414,13 +426,13 @@ def test_a_consumer_stream_on_another_device_is_a_cross_device_hazard(peers):
 
 
 class InterfaceOnly:
-    """A producer that offers only the CUDA Array Interface (as Numba's arrays do), with or without
-    the stream its data is ready on."""
+    """A producer that offers only the CUDA Array Interface, as numba-cuda 0.30's device arrays do,
+    with the stream its data is ready on or, as numba says of its default stream, `"stream": None`."""
 
     def __init__(self, data, with_stream: bool) -> None:
         interface = dict(data.__cuda_array_interface__)
         if not with_stream:
-            interface.pop("stream", None)
+            interface["stream"] = None
         self.__cuda_array_interface__ = interface
         self._data = data
 

@@ -21,7 +21,7 @@ import pytest
 import handoff
 
 from dlpack_ctypes import CUDA, CUDA_HOST, DLManagedTensorVersioned, HandMadeTensor, exchange_api_of
-from support import CUDA_ORDERING_REFUSED, SIM, needs_sim, pending_write, run_python
+from support import CUDA_ORDERING_REFUSED, SIM, needs_sim, pending_write, run_python, waiting_read
 
 if SIM:
     from handoff import sim
@@ -95,12 +95,16 @@ def test_a_mismatch_lists_the_accepted_signature(call, argument, signature):
 @needs_sim
 def test_a_device_argument_is_ordered_onto_the_consumer_stream(sim_streams):
     producer, consumer = sim_streams
-    pending = pending_write(producer, 3 * 1024)
-    with handoff.stream(consumer):
-        imported = te.rows_of_three(
-            handoff.view(pending.data_ptr, (1024, 3), "float32", device=pending.device, owner=pending, stream=producer)
-        )
-    assert sim.to_numpy(imported, stream=consumer)[[0, -1]].tolist() == [[1.0] * 3] * 2
+    with sim.hold(producer):
+        pending = pending_write(producer, 3 * 1024)
+        with handoff.stream(consumer):
+            imported = te.rows_of_three(
+                handoff.view(
+                    pending.data_ptr, (1024, 3), "float32", device=pending.device, owner=pending, stream=producer
+                )
+            )
+        read = waiting_read(imported, consumer)
+    assert read.result()[[0, -1]].tolist() == [[1.0] * 3] * 2
 
 
 @needs_sim
@@ -108,12 +112,15 @@ def test_a_parameter_that_orders_itself_gets_no_wait(sim_streams):
     # hp::orders_itself: the function promised to order its own work (stream=-1); handoff inserts
     # nothing, so a read on the consumer stream at once races the producer, as it must here.
     producer, consumer = sim_streams
-    pending = pending_write(producer, 3 * 1024)
-    with handoff.stream(consumer):
-        imported = te.rows_of_three_unordered(
-            handoff.view(pending.data_ptr, (1024, 3), "float32", device=pending.device, owner=pending, stream=producer)
-        )
-    assert sim.to_numpy(imported, stream=consumer)[0].tolist() == [0.0] * 3, "expected stale data: nothing waited"
+    with sim.hold(producer):
+        pending = pending_write(producer, 3 * 1024)
+        with handoff.stream(consumer):
+            imported = te.rows_of_three_unordered(
+                handoff.view(
+                    pending.data_ptr, (1024, 3), "float32", device=pending.device, owner=pending, stream=producer
+                )
+            )
+        assert sim.to_numpy(imported, stream=consumer)[0].tolist() == [0.0] * 3, "expected stale data: nothing waited"
 
 
 class CudaClaimingProducer:
@@ -147,8 +154,9 @@ def test_cuda_data_where_cuda_cannot_start_is_taken_only_by_a_parameter_that_ord
 @needs_sim
 def test_negative_control_the_consumer_stream_races_without_the_import(sim_streams):
     producer, consumer = sim_streams
-    pending = pending_write(producer, 3 * 1024)
-    assert sim.to_numpy(pending, stream=consumer)[0] == 0.0, "expected stale data without ordering"
+    with sim.hold(producer):
+        pending = pending_write(producer, 3 * 1024)
+        assert sim.to_numpy(pending, stream=consumer)[0] == 0.0, "expected stale data without ordering"
 
 
 class RaisingProducer:
@@ -800,14 +808,16 @@ def test_a_def_dlpack_instance_handed_out_through_the_table_orders_the_work_stre
     # Held describes a device array ready on `producer`; the table makes the work stream wait.
     # Negative control: test_negative_control_the_consumer_stream_races_without_the_import.
     producer, consumer = sim_streams
-    pending = pending_write(producer, 1024)
-    held = te.Held(
-        handoff.view(pending.data_ptr, (1024,), "float32", device=pending.device, owner=pending, stream=producer)
-    )
-    out = ctypes.POINTER(DLManagedTensorVersioned)()
-    with handoff.stream(consumer):
-        assert exchange_api_of(te.Held).managed_tensor_from_py_object_no_sync(held, ctypes.byref(out)) == 0
-    assert sim.to_numpy(pending, stream=consumer)[[0, -1]].tolist() == [1.0, 1.0]
+    with sim.hold(producer):
+        pending = pending_write(producer, 1024)
+        held = te.Held(
+            handoff.view(pending.data_ptr, (1024,), "float32", device=pending.device, owner=pending, stream=producer)
+        )
+        out = ctypes.POINTER(DLManagedTensorVersioned)()
+        with handoff.stream(consumer):
+            assert exchange_api_of(te.Held).managed_tensor_from_py_object_no_sync(held, ctypes.byref(out)) == 0
+        read = waiting_read(pending, consumer)
+    assert read.result()[[0, -1]].tolist() == [1.0, 1.0]
     out.contents.deleter(out)
     del held
     sim.synchronize()

@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <memory>
 #include <optional>
+#include <span>
 #include <thread>
 
 namespace {
@@ -32,16 +33,19 @@ TEST_P(ContextTest, ReleaseWaitsForTheConsumerStream)
   std::atomic<float> seen_at_release{-1.0F};
   const auto before = stats();
   {
-    producer_ref owner{[&] {
-      // The consumer's write must be complete by now: any stream sees it.
-      seen_at_release = read(data, reader).front();
-      released = true;
-    }};
-    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
-    fill(consumer, data, 5.0F, slow);  // consumer work still using the memory
+    const auto consumer_works = hold(consumer);
+    {
+      producer_ref owner{[&] {
+        // The consumer's write must be complete by now: any stream sees it.
+        seen_at_release = read(data, reader).front();
+        released = true;
+      }};
+      owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+      fill(consumer, data, 5.0F);  // consumer work still using the memory
+    }
+    EXPECT_FALSE(released.load()) << "released before the consumer stream was done";
+    EXPECT_EQ(stats().deferred_releases, before.deferred_releases + 1);
   }
-  EXPECT_FALSE(released.load()) << "released before the consumer stream was done";
-  EXPECT_EQ(stats().deferred_releases, before.deferred_releases + 1);
   ctx().drain();
   EXPECT_TRUE(released.load());
   EXPECT_EQ(seen_at_release.load(), 5.0F);
@@ -54,19 +58,21 @@ TEST_P(ContextTest, TheConsumerStreamsOwnerOutlivesTheRelease)
   std::atomic<bool> owner_gone{false};
   std::atomic<bool> owner_gone_before_release{false};
   {
-    producer_ref owner{[&] {
-      owner_gone_before_release = owner_gone.load();
-      released = true;
-    }};
-    // Named first by a caller that holds nothing (an export to a bare handle): the owner named
-    // next must still be kept (the first binding was, and the owner went at once).
-    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
-    // The stream's owner (a Python stream object, say), held by nothing else.
-    std::shared_ptr<const void> stream_owner{&owner_gone, [&](const void*) { owner_gone = true; }};
-    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = std::move(stream_owner)});
-    delay(consumer, slow);
+    const auto consumer_works = hold(consumer);
+    {
+      producer_ref owner{[&] {
+        owner_gone_before_release = owner_gone.load();
+        released = true;
+      }};
+      // Named first by a caller that holds nothing (an export to a bare handle): the owner named
+      // next must still be kept (the first binding was, and the owner went at once).
+      owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+      // The stream's owner (a Python stream object, say), held by nothing else.
+      std::shared_ptr<const void> stream_owner{&owner_gone, [&](const void*) { owner_gone = true; }};
+      owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = std::move(stream_owner)});
+    }
+    EXPECT_FALSE(owner_gone.load()) << "the stream's owner went while a release was still to run on it";
   }
-  EXPECT_FALSE(owner_gone.load()) << "the stream's owner went while a release was still to run on it";
   ctx().drain();
   EXPECT_TRUE(released.load());
   EXPECT_FALSE(owner_gone_before_release.load());
@@ -82,17 +88,22 @@ TEST_P(ContextTest, AReleaseWaitsForEveryStreamTheDataWasHandedTo)
   std::atomic<int> releases{0};
   std::atomic<float> seen_at_release{-1.0F};
   {
-    producer_ref owner{[&] {
-      seen_at_release = read(data, reader).front();
-      ++releases;
-    }};
-    owner.release_after({.ctx = &ctx(), .device = 0, .stream = first, .stream_owner = nullptr});
-    owner.release_after({.ctx = &ctx(), .device = 0, .stream = second, .stream_owner = nullptr});
-    owner.release_after({.ctx = &ctx(), .device = 0, .stream = first, .stream_owner = nullptr});  // added once
-    delay(first, slow / 4);
-    fill(second, data, 6.0F, slow);  // the slower consumer still uses the memory
+    const auto second_works = hold(second);
+    {
+      const auto first_works = hold(first);
+      producer_ref owner{[&] {
+        seen_at_release = read(data, reader).front();
+        ++releases;
+      }};
+      owner.release_after({.ctx = &ctx(), .device = 0, .stream = first, .stream_owner = nullptr});
+      owner.release_after({.ctx = &ctx(), .device = 0, .stream = second, .stream_owner = nullptr});
+      owner.release_after({.ctx = &ctx(), .device = 0, .stream = first, .stream_owner = nullptr});  // added once
+      fill(second, data, 6.0F);  // the slower consumer still uses the memory
+    }
+    // The first consumer may be done; the second still works. (No wait for the first here: on a GPU,
+    // the first hold's host function runs only after the second's, which this thread holds.)
+    EXPECT_EQ(releases.load(), 0) << "released before both consumer streams were done";
   }
-  EXPECT_EQ(releases.load(), 0) << "released before both consumer streams were done";
   ctx().drain();
   EXPECT_EQ(releases.load(), 1);
   EXPECT_EQ(seen_at_release.load(), 6.0F);
@@ -117,12 +128,14 @@ TEST_P(ContextTest, AFailedPollIsAskedAgainAndTheProducerReleased)
   HANDOFF_REQUIRE_SIM("faults are injected into the simulator");
   const auto consumer = stream_on(0);
   std::atomic<int> released{0};
-  delay(consumer, slow / 4);
   {
-    producer_ref owner{[&] { ++released; }};
-    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+    const auto consumer_works = hold(consumer);  // the release waits: its polls fail, then succeed
+    {
+      producer_ref owner{[&] { ++released; }};
+      owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+    }
+    sim().inject_fault("query_event", 2, "cudaErrorLaunchFailure");
   }
-  sim().inject_fault("query_event", 2, "cudaErrorLaunchFailure");
   ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
   EXPECT_EQ(released.load(), 1) << "a transient failure abandoned the release";
 }
@@ -179,12 +192,14 @@ TEST_P(ContextTest, AStreamThatKeepsFailingHasItsReleasesAbandonedAndTheProducer
   HANDOFF_REQUIRE_SIM("faults are injected into the simulator");
   const auto consumer = stream_on(0);
   std::atomic<int> released{0};
-  delay(consumer, slow / 4);
   {
-    producer_ref owner{[&] { ++released; }};
-    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+    const auto consumer_works = hold(consumer);  // the release waits, and every poll fails
+    {
+      producer_ref owner{[&] { ++released; }};
+      owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+    }
+    sim().inject_fault("query_event", 1'000'000, "cudaErrorLaunchFailure");
   }
-  sim().inject_fault("query_event", 1'000'000, "cudaErrorLaunchFailure");
   ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
   sim().clear_faults();
   EXPECT_EQ(released.load(), 0) << "released although nothing said the consumer was done";
@@ -197,37 +212,58 @@ TEST_P(ContextTest, AStreamThatKeepsFailingHasItsReleasesAbandonedAndTheProducer
 TEST_P(ContextTest, AThreadsEndOrdersTheLegacyStreamAfterItsPerThreadStream)
 {
   float* data = allocate_on(0);
-  std::thread worker([&] {
-    const auto named = ctx().thread_independent(0, b().per_thread_default_stream());
-    EXPECT_EQ(named, b().legacy_default_stream());
-    device_guard on{b(), 0};
-    fill(b().per_thread_default_stream(), data, 8.0F, slow);
-  });
-  worker.join();
-  EXPECT_EQ(read(data, b().legacy_default_stream()).front(), 8.0F);
+  const auto gate = stream_on(0);
+  const auto opened = b().create_event();
+  std::span<const float> seen;
+  {
+    const auto held = hold(gate);
+    b().record_event(opened, gate);  // done when the hold ends
+    std::thread worker([&] {
+      const auto named = ctx().thread_independent(0, b().per_thread_default_stream());
+      EXPECT_EQ(named, b().legacy_default_stream());
+      device_guard on{b(), 0};
+      b().stream_wait_event(b().per_thread_default_stream(), opened);  // its stream waits for the hold
+      fill(b().per_thread_default_stream(), data, 8.0F);
+    });
+    worker.join();
+    seen = read_later(data, b().legacy_default_stream());
+    EXPECT_TRUE(held_back(b().legacy_default_stream())) << "the legacy stream does not wait for the ended thread's";
+  }
+  b().synchronize_device();
+  EXPECT_EQ(seen.front(), 8.0F);
+  b().destroy_event(opened);
 }
 
 TEST_P(ContextTest, NegativeControlAnEndedThreadsStreamNotNamedToTheContextIsNotOrdered)
 {
   HANDOFF_REQUIRE_SIM("only the simulator drops an ended thread's stream from the legacy stream's order");
   float* data = allocate_on(0);
-  std::thread worker([&] {
-    device_guard on{b(), 0};
-    fill(b().per_thread_default_stream(), data, 8.0F, slow);
-  });
-  worker.join();
-  EXPECT_EQ(read(data, b().legacy_default_stream()).front(), 0.0F);
+  const auto gate = stream_on(0);
+  const auto opened = b().create_event();
+  {
+    const auto held = hold(gate);
+    b().record_event(opened, gate);
+    std::thread worker([&] {
+      device_guard on{b(), 0};
+      b().stream_wait_event(b().per_thread_default_stream(), opened);
+      fill(b().per_thread_default_stream(), data, 8.0F);
+    });
+    worker.join();
+    EXPECT_EQ(read(data, b().legacy_default_stream()).front(), 0.0F);
+  }
   b().synchronize_device();
+  b().destroy_event(opened);
 }
 
 // torch.cuda.graph: the captured work reads the data at every launch, long after the capture ended.
 TEST_P(ContextTest, AReleaseDuringCaptureWaitsUntilTheGraphIsDestroyedAndItsLaunchesAreDone)
 {
   HANDOFF_REQUIRE_SIM("the device interface cannot begin or end a capture");
+  float* data = allocate_on(0);
   const auto consumer = stream_on(0, /*non_blocking=*/false);
   std::atomic<int> released{0};
   sim().begin_capture(consumer);
-  delay(consumer, slow);  // a node of the graph: each launch takes this long
+  sim().enqueue_fill(consumer, data, n, 1.0F);  // a node of the graph: each launch writes the data
   {
     producer_ref owner{[&] { ++released; }};
     owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
@@ -235,12 +271,16 @@ TEST_P(ContextTest, AReleaseDuringCaptureWaitsUntilTheGraphIsDestroyedAndItsLaun
   std::optional<device::sim_graph> graph{sim().end_capture(consumer)};
   ASSERT_EQ(graph->size(), 1U) << "the release went into the graph";
   sim().launch_graph(*graph, consumer);
-  std::this_thread::sleep_for(slow / 4);
-  EXPECT_EQ(released.load(), 0) << "released while the graph that reads the data can still be launched";
-  sim().launch_graph(*graph, consumer);
-  graph.reset();  // the program lets go of the graph while a launch still runs
-  std::this_thread::sleep_for(slow / 4);
-  EXPECT_EQ(released.load(), 0) << "released while a launch of the graph still runs";
+  b().synchronize_stream(consumer);
+  ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));  // waits for no release bound to a graph
+  EXPECT_EQ(released.load(), 0) << "released while the graph that writes the data can still be launched";
+  {
+    const auto held = hold(consumer);
+    sim().launch_graph(*graph, consumer);
+    graph.reset();  // the program lets go of the graph while a launch is still to run
+    sim().synchronize_unheld();
+    EXPECT_EQ(released.load(), 0) << "released while a launch of the graph still runs";
+  }
   b().synchronize_stream(consumer);  // the launch is done: the graph is gone, drain() waits for its release
   ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
   EXPECT_EQ(released.load(), 1);
@@ -253,12 +293,15 @@ TEST_P(ContextTest, AReleaseOnAConsumerStreamOfAnotherDeviceWaitsForItByAnEventO
   float* data = allocate_on(0);
   std::atomic<int> released{0};
   const auto before = stats();
-  fill(consumer, data, 3.0F, slow);  // a peer reads or writes the data on device 1
   {
-    producer_ref owner{[&] { ++released; }};
-    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+    const auto consumer_works = hold(consumer);
+    fill(consumer, data, 3.0F);  // a peer reads or writes the data on device 1
+    {
+      producer_ref owner{[&] { ++released; }};
+      owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+    }
+    EXPECT_EQ(released.load(), 0);
   }
-  EXPECT_EQ(released.load(), 0);
   ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
   EXPECT_EQ(released.load(), 1);
   EXPECT_EQ(stats().deferred_releases, before.deferred_releases + 1)
@@ -293,12 +336,14 @@ TEST_P(ContextTest, ReleasesPolledWhileAnotherThreadCapturesInGlobalModeLeaveThe
   const auto consumer = stream_on(0);
   const auto capturing = stream_on(0, /*non_blocking=*/true);
   std::atomic<int> released{0};
-  delay(consumer, slow);
   {
-    producer_ref owner{[&] { ++released; }};
-    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+    const auto consumer_works = hold(consumer);  // the release is still pending when the capture begins
+    {
+      producer_ref owner{[&] { ++released; }};
+      owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+    }
+    sim().begin_capture(capturing);
   }
-  sim().begin_capture(capturing);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds{10};
   while (released.load() == 0 && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds{5});
@@ -316,9 +361,9 @@ TEST_P(ContextTest, ExitWaitsOnlyForTheStreamsWithPendingReleases)
   std::atomic<bool> released{false};
   {
     context exiting{b(), std::make_unique<detail::service_thread>()};
+    const auto consumer_works = hold(consumer);  // ends first: the release is pending as the exit begins
     producer_ref owner{[&] { released = true; }};
     owner.release_after({.ctx = &exiting, .device = device, .stream = consumer, .stream_owner = nullptr});
-    delay(consumer, slow);
     // Synchronizing a whole device would make a context on every device of a real GPU.
     sim().inject_fault("synchronize_device", 1, "cudaErrorLaunchFailure");
   }
@@ -335,10 +380,10 @@ TEST_P(ContextTest, ExitAbandonsAtOnceTheReleasesOfADeviceWithAStickyError)
   const auto start = std::chrono::steady_clock::now();
   {
     context exiting{b(), std::make_unique<detail::service_thread>()};
+    const auto consumer_works = hold(consumer);
     producer_ref owner{[&] { released = true; }};
     owner.release_after({.ctx = &exiting, .device = 0, .stream = consumer, .stream_owner = nullptr});
-    delay(consumer, slow);
-    // The release's host function is queued behind the sleep and will never run.
+    // The release's event is queued behind the hold, and the device halts before it ends.
     sim().inject_sticky_fault(0, "cudaErrorIllegalAddress");
   }
   const auto took = std::chrono::steady_clock::now() - start;
@@ -465,8 +510,10 @@ TEST_P(ContextTest, ReleasesShareAndReuseTheirEvents)
     owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
   };
   const auto before = stats();
-  delay(consumer, slow);  // all 300 pending at once, whatever the machine's load
-  for (int i = 0; i < 300; ++i) { release(); }
+  {
+    const auto consumer_works = hold(consumer);  // all 300 pending at once, whatever the machine's load
+    for (int i = 0; i < 300; ++i) { release(); }
+  }
   ctx().drain();
   const auto burst = stats().events_created - before.events_created;
   EXPECT_GE(burst, 1U);
@@ -515,11 +562,15 @@ TEST_P(ContextTest, AnEnqueueFailureFallsBackToWaitingForTheStream)
   const auto consumer = stream_on(0);
   const auto reader = stream_on(0);
   std::atomic<float> seen_at_release{-1.0F};
-  fill(consumer, data, 7.0F, slow);
-  sim().inject_fault("record_event", 1, "cudaErrorLaunchFailure");
   {
-    producer_ref owner{[&] { seen_at_release = read(data, reader).front(); }};
-    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+    const auto consumer_works = hold(consumer);
+    fill(consumer, data, 7.0F);
+    sim().inject_fault("record_event", 1, "cudaErrorLaunchFailure");
+    {
+      producer_ref owner{[&] { seen_at_release = read(data, reader).front(); }};
+      owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+    }
+    EXPECT_EQ(seen_at_release.load(), -1.0F) << "released before the consumer stream was done";
   }
   ctx().drain();
   EXPECT_EQ(seen_at_release.load(), 7.0F);  // never early, even when the event path fails
