@@ -198,7 +198,13 @@ array exchange::import_interface(cuda_interface interface, producer_ref owner, c
   }
   const DLDeviceType type = layout.device.device_type;
   array view{std::move(layout), std::move(owner)};
-  const int device = admit(ctx, view);  // every byte, as a DLPack import's
+  const int device = [&] {  // every byte, as a DLPack import's
+    try {
+      return admit(ctx, view);
+    } catch (const value_error& e) {
+      throw value_error(fmt::format("__cuda_array_interface__ 'data': {}", e.what()));
+    }
+  }();
   const auto consumer_stream = resolve_stream(backend, request_for(request.consumer, type));
   // The interface numbers streams as CUDA does (1: legacy default, 2: per-thread default) on every
   // platform; the backend resolves those to its own default streams.

@@ -111,7 +111,10 @@ void require_known_range(context& ctx, const array& view, const device::pointer_
   const bool wraps =
     __builtin_add_overflow(address, range->low, &first) || __builtin_add_overflow(address, range->high - 1, &last);
   const auto extent = [&] {
-    return fmt::format("the array's {} bytes from {:#x}", range->high - range->low, wraps ? address : first);
+    // In unsigned arithmetic: a range from far below the data to far above it spans more than
+    // int64_t counts.
+    const auto bytes = static_cast<std::uint64_t>(range->high) - static_cast<std::uint64_t>(range->low);
+    return fmt::format("the array's {} bytes from {:#x}", bytes, wraps ? address : first);
   };
   HANDOFF_EXPECTS(!wraps, value_error, fmt::format("{} wrap around the address space", extent()));
   device::backend& b = ctx.backend();
