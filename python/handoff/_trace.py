@@ -21,7 +21,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Union
 
-from . import _handoff
+from . import _handoff, _settings
 
 __all__ = [
     "chrome_trace",
@@ -71,8 +71,7 @@ class trace:
     """
 
     def __init__(self, path: PathLike | None = None, *, limit: int | None = None, libraries: bool = False) -> None:
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            raise ValueError(f"limit must be None or an int >= 1, not {limit!r}")
+        _settings.check_limit(limit)
         self._path: str | None = os.fspath(path) if path is not None else None
         self._limit = limit
         self._libraries = bool(libraries)

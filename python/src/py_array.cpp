@@ -10,6 +10,7 @@
 #include "py_exchange.hpp"
 #include "py_gil.hpp"
 #include "py_owners.hpp"
+#include "py_streams.hpp"
 #include "py_trace.hpp"
 
 #include <handoff/dtype.hpp>
@@ -413,7 +414,8 @@ void bind_array(py::module_& m)
   const py::object table_address =
     py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(const_cast<DLPackExchangeAPI*>(&array_exchange_api())));
   if (!table_address ||
-      PyObject_SetAttrString(type, "__dlpack_c_exchange_api__", array_exchange_api_capsule().ptr()) != 0 ||
+      PyObject_SetAttrString(type, "__dlpack_c_exchange_api__", exchange_api_capsule(array_exchange_api()).ptr()) !=
+        0 ||
       PyObject_SetAttrString(type, "__c_dlpack_exchange_api__", table_address.ptr()) != 0) {
     throw py::error_already_set();
   }

@@ -176,7 +176,7 @@ def set_export_release(policy: _ExportRelease) -> _ExportRelease: ...
 
 # --- for the handoff package -----------------------------------------------------------------
 
-_stream_var: ContextVar[Stream | None]
+_stream_var: ContextVar[tuple[Any, ...]]  # the open handoff.stream blocks, innermost last
 # The C functions extensions call (<handoff/python_c_api.h>, through <handoff/pybind11.hpp>).
 _C_API: CapsuleType
 

@@ -35,6 +35,14 @@ void require_stream_ordered(const context& ctx, const array& view);
 ///         device memory that the backend does not know.
 [[nodiscard]] int owning_device(context& ctx, const array& view);
 
+/// The door every view of device data passes, made by a library (make_view) or imported by any
+/// protocol: data of the other device family is refused, and so is memory that is not device memory
+/// of the device it claims, or that any byte of the view runs past. Returns the owning device. One
+/// pointer query in the usual case (a view within its allocation), as owning_device.
+/// @throws device_error for data `ctx`'s backend does not order (require_stream_ordered);
+///         value_error for memory that is not the claimed device's, or that runs past its allocation.
+[[nodiscard]] int admit(context& ctx, const array& view);
+
 /// A view of memory a library describes itself: `layout` checked as an array's; for CUDA or ROCm
 /// memory with a backend (`ctx`), the memory checked against the device it claims (every byte it
 /// reaches, not only the first), and the data recorded as ready on `ready` (kept alive by
