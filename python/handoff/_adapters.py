@@ -222,6 +222,13 @@ class _Registry:
             self._library_of_type = {}
         return previous
 
+    def remove(self, name: str) -> LibraryAdapter | None:
+        """Forgets the adapter named `name`; the one it forgot, if any."""
+        with self._lock:
+            removed = self._adapters.pop(name, None)
+            self._library_of_type = {}
+        return removed
+
     def modules(self) -> set[str]:
         return set().union(*(adapter.modules() for adapter in self.adapters()))
 

@@ -51,7 +51,7 @@ def test_a_boolean_setting_that_is_neither_stays_off_with_a_warning(value, monke
     assert "[warning]" in logged and f"HANDOFF_TRACE_SOCKET={value!r} is neither on" in logged
 
 
-CHECK_MODES = "import handoff, handoff._interpose as i, handoff._process_trace as p; print(i._ordering, p._socket_path is not None)"
+CHECK_MODES = "import handoff, handoff._interpose as i, handoff._process_trace as p; print(i._hooks.ordering, p._socket_path is not None)"
 
 
 @pytest.mark.parametrize(

@@ -488,7 +488,8 @@ class PerThreadLibrary:
 
 @pytest.fixture
 def per_thread_library(monkeypatch: pytest.MonkeyPatch):
-    from handoff import _interpose, _streams
+    from handoff import _streams
+    from handoff._adapters import registry
 
     library = PerThreadLibrary()
     monkeypatch.setitem(sys.modules, library.name, types.ModuleType(library.name))
@@ -497,7 +498,7 @@ def per_thread_library(monkeypatch: pytest.MonkeyPatch):
         handoff.LibraryAdapter(library.name, current_stream=library.current, use_stream=library.use)
     )
     yield library
-    del _interpose._registry[library.name]
+    registry.remove(library.name)
 
 
 def test_frameworks_blocks_of_interleaved_tasks_restore_the_frameworks_stream(
