@@ -213,7 +213,7 @@ const DLPackExchangeAPI table{
 };
 
 // def_dlpack classes': handoff.Array's, without the slot they cannot serve (class_exchange_api).
-const DLPackExchangeAPI class_table = [] {
+const DLPackExchangeAPI class_table = []() noexcept {
   DLPackExchangeAPI without_dltensor = table;
   without_dltensor.dltensor_from_py_object_no_sync = nullptr;
   return without_dltensor;
