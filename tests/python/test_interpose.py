@@ -330,6 +330,7 @@ def test_the_ordering_mode_from_the_environment_fixes_an_unchanged_program(tmp_p
         with sim.hold(producer), careless.use(producer), torchlike.use(consumer):
             careless.fill(x, 1.0)
             read = torchlike.to_numpy(torchlike.from_dlpack(x), wait=False)
+            sim.synchronize_unheld()  # a read that does not wait for the held write runs now
             waited = not read.done()
         print(waited, read.result().min())
         sim.synchronize()
