@@ -15,6 +15,8 @@
 #include "py_streams.hpp"
 #include "py_trace.hpp"
 
+#include <handoff/context.hpp>
+#include <handoff/device.hpp>
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
 #include <handoff/stream.hpp>
@@ -176,6 +178,40 @@ dlpack_result request_capsule(py::handle x, py::handle stream, py::handle device
   return {call_dlpack(x, legacy_args), true};
 }
 
+// The DLPack stream values of CUDA's default streams.
+constexpr std::int64_t legacy_default_value = 1;
+constexpr std::int64_t per_thread_default_value = 2;
+
+// True when `argument`, passed to the producer of CUDA data, names the per-thread default stream.
+bool names_the_per_thread_stream(const std::optional<DLDevice>& claimed, py::handle argument) noexcept
+{
+  if (!claimed || !is_cuda_device(claimed->device_type) || !is_int(argument.ptr())) { return false; }
+  const int64_reading value = read_int64(argument.ptr());
+  return value.fits() && value.value == per_thread_default_value;
+}
+
+// Asks a producer that refused the per-thread default stream (PyTorch's __dlpack__: BufferError
+// "per-thread default stream is not supported.") for the legacy default stream instead, which it
+// orders its work before; the consumer's per-thread stream is then ordered after the legacy one.
+// Refused while a blocking stream of the current device (the data's) captures into a graph: the
+// producer's use of the legacy stream would invalidate the capture.
+dlpack_result request_through_the_legacy_stream(const exchange& on, py::handle x, const py::error_already_set& refusal,
+                                                py::handle device, py::handle copy)
+{
+  if (context* ctx = on.device_context()) {
+    device::backend& b = ctx->backend();
+    HANDOFF_EXPECTS(
+      b.stream_capture_status(b.legacy_default_stream()) == device::capture_status::none, buffer_error,
+      fmt::format("{}.__dlpack__ refuses the per-thread default stream (stream=2: {}); it is not asked for the "
+                  "legacy default stream instead while a blocking stream of the device captures into a graph, as "
+                  "that use of the legacy stream would invalidate the capture: import outside the capture, or "
+                  "consume on a non-blocking stream of your own",
+                  type_name(x), py::str(refusal.value()).cast<std::string>()));
+  }
+  const call_argument legacy_stream{py::int_(legacy_default_value)};
+  return request_capsule(x, legacy_stream.get(), device, copy);
+}
+
 // What a producer's DLPack C exchange API table cannot say, asked of its Python object.
 class table_producer_object final : public table_producer {
  public:
@@ -335,20 +371,28 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
   const call_argument dl_device{target
                                   ? py::object(py::make_tuple(static_cast<int>(target->device_type), target->device_id))
                                   : py::object(py::none())};
+  bool through_legacy_stream = false;
   auto [capsule, legacy] = [&] {
     std::optional<producer_device_scope> on_data;
     if (claimed) { on_data.emplace(on, *claimed); }
-    return request_capsule(x, producer_arg.get(), dl_device.get(), copy);
+    try {
+      return request_capsule(x, producer_arg.get(), dl_device.get(), copy);
+    } catch (const py::error_already_set& e) {
+      if (!e.matches(PyExc_BufferError) || !names_the_per_thread_stream(claimed, producer_arg.get())) { throw; }
+      through_legacy_stream = true;
+      return request_through_the_legacy_stream(on, x, e, dl_device.get(), copy);
+    }
   }();
-  // Pinned host memory is asked for with None (stream_argument_for): the consumer stream then waits
-  // for the default stream, as DLPack reads None.
+  // Pinned host memory is asked for with None (stream_argument_for), and a producer that refuses
+  // the per-thread default stream with 1: the consumer stream then waits for the legacy default
+  // stream, as DLPack reads both.
   const bool none_for_pinned = claimed && is_pinned_host(claimed->device_type) && producer_arg.get().is_none();
   return wrap(on.import(consume_capsule(capsule), request,
                         {.name = type_name(x),
                          .claimed = claimed,
                          .honoured_arguments = !legacy,
-                         .ordered_for_consumer = !producer_arg.get().is_none(),
-                         .ordered_for_default_stream = none_for_pinned}));
+                         .ordered_for_consumer = !producer_arg.get().is_none() && !through_legacy_stream,
+                         .ordered_for_default_stream = none_for_pinned || through_legacy_stream}));
 }
 
 py::object asarray(py::handle x, py::handle device, py::handle copy, py::handle stream)

@@ -785,6 +785,46 @@ def test_a_pinned_tensor_is_accepted_as_host_memory_on_every_path(
     assert np.from_dlpack(view).tolist() == t.tolist()
 
 
+def test_torch_from_dlpack_of_pinned_memory_says_how_to_import_it_without_a_copy(torch, settled_views):
+    # PyTorch imports no kDLCUDAHost capsule ("Unsupported device_type: 3") and never asks for the
+    # data on the CPU: handoff's export says what to do instead, and that way shares the memory.
+    if tuple(int(part) for part in torch.__version__.split(".")[:2]) > (2, 13):
+        pytest.skip(f"PyTorch {torch.__version__} is newer than the releases known to refuse pinned memory")
+    pinned = torch.arange(float(N)).pin_memory()
+    view = handoff.view(pinned.data_ptr(), (N,), "float32", device=(3, 0), owner=pinned)
+    with pytest.raises(BufferError, match=r"torch\.from_dlpack\(handoff\.from_dlpack\(x, device='cpu'\)\)"):
+        torch.from_dlpack(view)
+    tensor = torch.from_dlpack(handoff.from_dlpack(view, device="cpu"))
+    assert tensor.data_ptr() == pinned.data_ptr()
+    assert tensor[-1].item() == N - 1
+
+
+PER_THREAD_IMPORTS = {
+    "copy=False": (lambda t: t, {"copy": False}),
+    "device": (lambda t: t, {"device": "its own"}),
+    "__dlpack__": (DlpackOnly, {}),
+}
+
+
+@pytest.mark.parametrize("through, arguments", PER_THREAD_IMPORTS.values(), ids=PER_THREAD_IMPORTS)
+@pytest.mark.parametrize("ordered", [True, NEGATIVE_CONTROL])
+def test_a_pytorch_tensor_is_imported_onto_the_per_thread_stream_through_the_legacy_one(
+    torch, spin_cycles, torch_streams, through, arguments, ordered, settled_views, torch_out
+):
+    # PyTorch's __dlpack__ refuses stream=2, and a torch.Tensor reaches it with `device` or `copy`
+    # (its DLPack C exchange API takes neither): handoff asks it for the legacy stream (1), which
+    # then waits for PyTorch's current stream, and orders the per-thread stream after the legacy
+    # one. The negative control imports with stream=-1.
+    producer, _ = torch_streams
+    x = torch_pending(torch, spin_cycles, producer)
+    if arguments.get("device") == "its own":
+        arguments = {"device": (CUDA, x.device.index)}
+    with torch.cuda.stream(producer):  # the stream PyTorch orders: its current one
+        view = handoff.from_dlpack(through(x), stream=2 if ordered else -1, **arguments)
+    expected = DONE if ordered else STALE
+    assert read_with_torch(torch, torch_out, view if ordered else Unordered(view), 2) == (expected, expected)
+
+
 def test_exchanges_after_numba_resets_the_context_use_fresh_events(numba_cuda):
     # numba-cuda's cuda.close() resets the primary context, destroying every event made in it: the
     # pool must not hand out the old context's events.

@@ -130,3 +130,64 @@ def test_pinned_memory_is_asked_for_with_none_and_the_consumer_ordered_after_the
         assert (seen[0], seen[-1]) == (7.0, 7.0)
     else:
         read.result()
+
+
+class PinnedExporter(handoff.Exporter):
+    """A library's array over pinned memory, exporting through handoff.Exporter."""
+
+    def __init__(self, memory):
+        self.memory = memory
+
+    def __handoff_array__(self):
+        return self.memory
+
+
+PINNED_PRODUCERS = {"handoff.Array": lambda memory: memory, "Exporter": PinnedExporter}
+TORCH_IMPORTS = {
+    "from_dlpack": lambda torch, x: torch.from_dlpack(x),
+    "device='cpu'": lambda torch, x: torch.from_dlpack(x, device="cpu"),
+    "copy=True": lambda torch, x: torch.from_dlpack(x, copy=True),
+}
+
+
+@pytest.mark.parametrize("producer", PINNED_PRODUCERS.values(), ids=PINNED_PRODUCERS)
+@pytest.mark.parametrize("torch_import", TORCH_IMPORTS.values(), ids=TORCH_IMPORTS)
+def test_torch_from_dlpack_of_pinned_memory_is_refused_saying_how_to_import_it_without_a_copy(
+    torch, producer, torch_import
+):
+    # PyTorch 2.13's from_dlpack asks for the data where __dlpack_device__ says it is (never on the
+    # CPU: dl_device only for the device its caller names, and pinned memory is none of PyTorch's),
+    # and its import refuses a kDLCUDAHost capsule ("Unsupported device_type: 3"). Its `copy=True`
+    # copies after that import, and `device='cpu'` moves after it.
+    source = sim.zeros(N, memory="pinned")
+    sim.fill(source, 3.0, stream=sim.Stream(non_blocking=True))
+    sim.synchronize()
+    pinned = source.device[0]
+    refusal = rf"PyTorch 2\.\d+\S* imports no .* capsule \(DLPack device type {pinned}\)"
+    with pytest.raises(BufferError, match=refusal) as refused:
+        torch_import(torch, producer(source))
+    assert "torch.from_dlpack(handoff.from_dlpack(x, device='cpu'))" in str(refused.value)
+    # What the error says to do: a CPU tensor of the same memory.
+    tensor = torch.from_dlpack(handoff.from_dlpack(producer(source), device="cpu"))
+    assert tensor.data_ptr() == source.data_ptr, "the pinned memory must be reused, not copied"
+    assert tensor[0].item() == 3.0 and tensor[-1].item() == 3.0
+    tensor[0] = 4.0
+    assert np.from_dlpack(handoff.from_dlpack(source, device="cpu"))[0] == 4.0
+
+
+def test_pinned_memory_asked_for_on_the_cpu_reaches_torch_without_a_copy(torch):
+    # The array API's way, which PyTorch's from_dlpack never takes but a capsule carries to it.
+    source = sim.zeros(N, memory="pinned")
+    sim.synchronize()
+    tensor = torch.from_dlpack(source.__dlpack__(dl_device=(CPU, 0), max_version=(1, 1)))
+    assert tensor.data_ptr() == source.data_ptr
+
+
+def test_a_pytorch_that_may_import_pinned_memory_gets_it_as_it_is(torch, monkeypatch):
+    # Only the PyTorch releases known to refuse it (through 2.13) are told what to do instead; a
+    # later one gets the capsule DLPack describes, kDLCUDAHost (this 2.13 then refuses it itself).
+    source = sim.zeros(N, memory="pinned")
+    sim.synchronize()
+    monkeypatch.setattr(torch, "__version__", "2.14.0")
+    with pytest.raises(BufferError, match=rf"^Unsupported device_type: {source.device[0]}$"):
+        torch.from_dlpack(source)

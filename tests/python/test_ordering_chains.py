@@ -24,6 +24,7 @@ from support import (
     BACKEND,
     DEFAULT_STREAM,
     SIM_ROCM,
+    DlpackOnly,
     behind,
     needs_sim,
     needs_two_devices,
@@ -284,3 +285,51 @@ def test_negative_control_a_producer_asked_for_no_sync_shows_the_race(new_stream
         source, value = pending_write(producer)
         view = handoff.from_dlpack(source, stream=-1)
         assert sim.to_numpy(view, stream=DEFAULT_STREAM)[0] != value, "expected stale data without ordering"
+
+
+PER_THREAD_ARGUMENTS = {"stream=2": {}, "device": {"device": (2, 0)}, "copy=False": {"copy": False}}
+
+
+@per_thread_only
+@pytest.mark.parametrize("arguments", PER_THREAD_ARGUMENTS.values(), ids=PER_THREAD_ARGUMENTS)
+@pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "negative-control"])
+def test_a_producer_that_refuses_the_per_thread_stream_is_asked_for_the_legacy_one(ordered, arguments, new_stream):
+    # PyTorch's __dlpack__ refuses stream=2 (BufferError "per-thread default stream is not supported."),
+    # and a torch.Tensor reaches it with `device` or `copy` (its DLPack C exchange API has neither):
+    # it is asked again with 1, which makes the legacy stream wait for PyTorch's current stream, and
+    # the per-thread stream is ordered after the legacy one. The negative control asks for no ordering.
+    producer = new_stream()
+    source = sim.zeros(N)
+    sim.synchronize()
+    value = float(next(VALUES))
+    tensor = DlpackOnly(TorchTensor(source, producer.handle))
+    with sim.hold(producer):
+        sim.fill(source, value, stream=producer)
+        view = handoff.from_dlpack(tensor, stream=PER_THREAD if ordered else -1, **arguments)
+        read = sim.to_numpy(view, stream=PER_THREAD, wait=False)
+        if ordered:
+            assert not read.done() and sim.pending(PER_THREAD) > 0, "the per-thread stream must wait for the producer"
+        else:
+            assert sim.to_numpy(view, stream=PER_THREAD)[0] != value, "the negative control reads before the write"
+    assert [call.get("stream") for call in tensor.calls] == ([PER_THREAD, DEFAULT_STREAM] if ordered else [-1])
+    seen = read.result()
+    if ordered:
+        assert (seen[0], seen[-1]) == (value, value)
+
+
+@per_thread_only
+def test_a_producer_that_refuses_the_per_thread_stream_is_not_asked_for_the_legacy_one_during_a_capture(new_stream):
+    # Asked for the legacy stream, PyTorch would make it wait for its current stream: while a
+    # blocking stream captures, that use of the legacy stream would invalidate the capture.
+    producer = new_stream()
+    source = sim.zeros(N)
+    sim.synchronize()
+    tensor = DlpackOnly(TorchTensor(source, producer.handle))
+    sim.begin_capture(PER_THREAD)
+    try:
+        with pytest.raises(BufferError, match=r"refuses the per-thread default stream.*capture"):
+            handoff.from_dlpack(tensor, stream=PER_THREAD)
+    finally:
+        graph = sim.end_capture(PER_THREAD)  # the capture is still valid
+    assert [call.get("stream") for call in tensor.calls] == [PER_THREAD]
+    del graph

@@ -351,6 +351,19 @@ def test_device_memory_has_no_array_interface():
     assert handoff.from_dlpack(held).shape == (4,)
 
 
+@needs_sim
+def test_torch_from_dlpack_of_a_def_dlpack_object_over_pinned_memory_says_how_to_import_it(torch):
+    # PyTorch 2.13 imports no pinned host memory and never asks for it on the CPU (see
+    # test_memory_kinds_sim.py): a def_dlpack class's __dlpack__ says what to do, as handoff.Array's does.
+    source = sim.zeros((4,), memory="pinned")
+    sim.synchronize()
+    held = te.Held(source)
+    assert held.__dlpack_device__() == source.device, "pinned memory is reported as DLPack says"
+    with pytest.raises(BufferError, match=r"torch\.from_dlpack\(handoff\.from_dlpack\(x, device='cpu'\)\)"):
+        torch.from_dlpack(held)
+    assert torch.from_dlpack(handoff.from_dlpack(held, device="cpu")).data_ptr() == source.data_ptr
+
+
 # ------------------------------------------------------------------------------------------------
 # Arrays made in C++, returned as handoff.Array or as a framework's array
 
