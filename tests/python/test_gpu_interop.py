@@ -1106,7 +1106,7 @@ def test_the_ordering_mode_keeps_the_producer_while_a_view_of_the_consumers_tens
 @pytest.fixture(scope="module")
 def example():
     """examples/pybind11 (tensor_example), built where HANDOFF_PYBIND11_EXAMPLE or build/example-pybind11
-    says (the test command builds it; tools/gpu-check does not), or a skip."""
+    says (the test command and tools/gpu-check build it), or a skip."""
     folder = Path(os.environ.get("HANDOFF_PYBIND11_EXAMPLE", Path(__file__).parents[2] / "build" / "example-pybind11"))
     if not any(folder.glob("tensor_example*.so")):
         pytest.skip(f"examples/pybind11 is not built in {folder}")
