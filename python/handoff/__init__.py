@@ -46,6 +46,7 @@ from ._handoff import (
     stats,
     view,
 )
+from . import ipc
 from ._interpose import LibraryAdapter, order_libraries, register_library
 from ._process_trace import serve_trace
 from ._process_trace import start_from_environment as _start_tracing
@@ -85,6 +86,7 @@ __all__ = [
     "from_dlpack",
     "get_cmake_dir",
     "get_include",
+    "ipc",
     "order_libraries",
     "ownership_graph",
     "register_library",

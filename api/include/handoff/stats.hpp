@@ -5,7 +5,8 @@
 
 namespace handoff {
 
-/// A snapshot of the counters. Each is monotonic except the gauges `live_views` and `pending_releases`.
+/// A snapshot of the counters. Each is monotonic except the gauges `live_views`, `pending_releases`,
+/// `ipc_mappings_cached` and `ipc_pending_remote_releases`.
 struct stats_snapshot {
   std::uint64_t exports{0};            ///< tensors exported (__dlpack__)
   std::uint64_t imports{0};            ///< producers imported (from_dlpack, asarray)
@@ -17,6 +18,11 @@ struct stats_snapshot {
   std::uint64_t deferred_releases{0};  ///< releases deferred until a consumer stream was done
   std::int64_t live_views{0};          ///< producers currently kept alive by handoff
   std::int64_t pending_releases{0};    ///< deferred releases asked for and not yet run (nor given up)
+  std::uint64_t ipc_shares{0};         ///< arrays shared with other processes (ipc::share)
+  std::uint64_t ipc_opens{0};          ///< handles of other processes opened (ipc::open)
+  std::int64_t ipc_mappings_cached{0};  ///< gauge: mappings of other processes' memory open in this process
+  std::int64_t ipc_pending_remote_releases{0};  ///< gauge: opens of this process's shares by other
+                                                ///< processes not yet released there
 };
 
 [[nodiscard]] stats_snapshot stats() noexcept;

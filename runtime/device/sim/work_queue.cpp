@@ -202,4 +202,18 @@ node_ptr worker_pool::submit(work w, const std::vector<node_ptr>& deps)
   return n;
 }
 
+node_ptr worker_pool::submit_latch()
+{
+  auto n = std::make_shared<node>();
+  n->trivial = true;  // `pending` keeps the unit submit() would give back: open_latch gives it
+  std::lock_guard lock(state_->count_mutex);
+  ++state_->outstanding;
+  return n;
+}
+
+void worker_pool::open_latch(const node_ptr& latch)
+{
+  if (latch && latch->pending.fetch_sub(1, std::memory_order_acq_rel) == 1) { state_->start(latch); }
+}
+
 }  // namespace handoff::device::sim_detail

@@ -60,6 +60,13 @@ class worker_pool {
   /// A node that does `w` once every node in `deps` (null entries ignored) is done.
   node_ptr submit(work w, const std::vector<node_ptr>& deps);
 
+  /// A node that completes only when open_latch is called on it: work that depends on it waits for
+  /// something outside the graph (another process's record). Every latch must be opened, or the
+  /// pool's shutdown waits for ever.
+  node_ptr submit_latch();
+  /// Completes a latch from submit_latch; nothing for a latch already opened.
+  void open_latch(const node_ptr& latch);
+
  private:
   struct state;
   std::unique_ptr<state> state_;
