@@ -53,6 +53,9 @@ handle_fields unpack(const ipc_handle& handle)
   return fields;
 }
 
+// The watch's latches are gates no thread holds (a wait for one is no hold deadlock).
+constexpr gate_holder no_holder = 0;
+
 // How often the watch looks at other processes: soon after a change, backing off while nothing moves.
 constexpr std::chrono::microseconds min_watch_poll{20};
 constexpr std::chrono::milliseconds max_watch_poll{2};
@@ -76,10 +79,10 @@ ipc_watch::~ipc_watch()
 
 node_ptr ipc_watch::when(std::function<bool()> ready)
 {
-  node_ptr latch = pool_.submit_latch();
+  node_ptr latch = pool_.submit_gate(no_holder, {});
   std::lock_guard lock{mutex_};
   if (stopping_) {
-    pool_.open_latch(latch);
+    pool_.open_gate(latch);
     return latch;
   }
   watched_.push_back({latch, std::move(ready)});
@@ -96,7 +99,7 @@ void ipc_watch::stop() noexcept
     wake_.notify_one();
   }
   if (thread_.joinable()) { thread_.join(); }
-  for (auto& w : watched_) { pool_.open_latch(w.latch); }
+  for (auto& w : watched_) { pool_.open_gate(w.latch); }
   watched_.clear();
 }
 
@@ -121,7 +124,7 @@ void ipc_watch::run()
         ready = w.ready();
       } catch (...) {}
       if (ready) {
-        pool_.open_latch(w.latch);
+        pool_.open_gate(w.latch);
         opened = true;
       } else {
         waiting.push_back(std::move(w));

@@ -94,6 +94,9 @@ constexpr std::array operation_table{
   operation_info{"register_host_memory", "cudaHostRegister", "hipHostRegister"},
   operation_info{"stream_write_value", "cuStreamWriteValue64", "hipStreamWriteValue64"},
   operation_info{"stream_wait_value", "cuStreamWaitValue64", "hipStreamWaitValue64"},
+  operation_info{"hold", "simStreamHold", "simStreamHold"},
+  operation_info{"pending", "simStreamPending", "simStreamPending"},
+  operation_info{"held", "simStreamHeld", "simStreamHeld"},
 };
 
 // Not injectable: they are noexcept (a failure there can only be logged), or open what another
