@@ -25,11 +25,18 @@ TRANSPORT = "handoff"
 _DEVICE_LABELS = {1: "cpu", 2: "cuda", 10: "rocm"}
 
 try:  # Ray is optional: the module imports without it, register() says what is missing.
-    from ray.experimental.rdt.tensor_transport_manager import (
-        CommunicatorMetadata,
-        TensorTransportManager,
-        TensorTransportMetadata,
-    )
+    try:
+        from ray.experimental.rdt.tensor_transport_manager import (
+            CommunicatorMetadata,
+            TensorTransportManager,
+            TensorTransportMetadata,
+        )
+    except ImportError:  # Ray before the module was renamed rdt
+        from ray.experimental.gpu_object_manager.tensor_transport_manager import (
+            CommunicatorMetadata,
+            TensorTransportManager,
+            TensorTransportMetadata,
+        )
 except ImportError:  # pragma: no cover - exercised where Ray is absent
     TensorTransportManager = object  # type: ignore[assignment,misc]
 
@@ -138,7 +145,11 @@ def register() -> None:
     in the driver, before the actors that use it are created; calling it again does nothing."""
     try:
         from ray.experimental import register_tensor_transport
-        from ray.experimental.rdt.util import transport_manager_info
+
+        try:
+            from ray.experimental.rdt.util import transport_manager_info
+        except ImportError:
+            from ray.experimental.gpu_object_manager.util import transport_manager_info
     except ImportError as e:
         raise ImportError(
             "handoff.ray needs Ray with Ray Direct Transport (2.50 or later): pip install 'handoff[ray]'"

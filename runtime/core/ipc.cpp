@@ -141,7 +141,6 @@ class endpoint {
   std::size_t live_shares_{0};
   std::map<std::pair<context*, int>, std::vector<pooled_ipc_event>> idle_events_;
   bool values_only_{values_asked_for()};
-  std::uint64_t next_host_{0};
   std::uint64_t next_ready_{0};
   std::unique_ptr<executor> poller_;
   bool polling_{false};
@@ -243,7 +242,7 @@ shared endpoint::share(exchange& on, const array& x, const named_stream& ready, 
     h.flags |= host_memory;
     h.backend = "none";
     std::lock_guard lock{mutex_};
-    h.host_segment = ++next_host_;
+    h.host_segment = handoff::detail::next_shared_serial();
     try {
       record.host_copy = std::make_unique<shared_mapping>(shared_mapping::create(
         handoff::detail::shared_memory_name(host_kind, h.host_segment), std::max<std::size_t>(bytes, 1)));

@@ -62,7 +62,15 @@ std::string shared_memory_dir()
 shared_mapping shared_mapping::create(std::string_view name, std::size_t bytes)
 {
   const std::string path = path_of(name);
-  const descriptor file{::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600)};
+  constexpr int flags = O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW;
+  int made = ::open(path.c_str(), flags, 0600);
+  if (made < 0 && errno == EEXIST) {
+    // This process never makes a name twice (each carries its pid and a serial it never repeats):
+    // the file is a leftover of a killed process that had the same pid.
+    ::unlink(path.c_str());
+    made = ::open(path.c_str(), flags, 0600);
+  }
+  const descriptor file{made};
   if (file.fd < 0) { throw_errno(errno, fmt::format("cannot create shared memory {}", path)); }
   const auto fail = [&](std::string_view what) {
     const int error = errno;
@@ -136,6 +144,12 @@ void shared_mapping::reset() noexcept
   if (data_ != nullptr) { ::munmap(data_, size_); }
   data_ = nullptr;
   size_ = 0;
+}
+
+std::uint64_t next_shared_serial() noexcept
+{
+  static std::atomic<std::uint64_t> next{0};
+  return ++next;
 }
 
 std::string shared_memory_name(std::string_view kind, std::uint64_t serial)

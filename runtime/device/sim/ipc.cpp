@@ -151,7 +151,7 @@ void sim_backend::impl::free_memory(std::uintptr_t base, const allocation& info)
 
 void* sim_backend::impl::allocate_shareable_locked(const call& c, std::size_t bytes, int device)
 {
-  const std::uint64_t serial = ++next_shared;
+  const std::uint64_t serial = detail::next_shared_serial();
   std::shared_ptr<detail::shared_mapping> segment;
   try {
     segment = std::make_shared<detail::shared_mapping>(
@@ -341,7 +341,7 @@ event_handle sim_backend::create_event_with_flags(bool interprocess, bool disabl
   e->device = impl_->using_current(c);
   if (interprocess) {
     auto shared = std::make_shared<shared_event>();
-    shared->serial = ++impl_->next_shared;
+    shared->serial = detail::next_shared_serial();
     try {
       shared->mapping = detail::shared_mapping::create(detail::shared_memory_name("simevent", shared->serial),
                                                        sizeof(shared_event_state));

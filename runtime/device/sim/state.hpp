@@ -325,7 +325,6 @@ struct sim_backend::impl final : sim_detail::thread_state_owner {
 
   std::atomic<std::chrono::nanoseconds::rep> copy_duration{0};  // how long each copy_async occupies its stream
 
-  std::uint64_t next_shared{0};  // names this process's shared memory files
   // Memory other processes shared, mapped here: (their pid, their file's serial) -> base address.
   std::map<std::pair<int, std::uint64_t>, std::uintptr_t> imported;
   std::unique_ptr<sim_detail::ipc_watch> ipc_watcher;  // stopped before the pool drains

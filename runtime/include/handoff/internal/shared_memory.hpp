@@ -52,6 +52,9 @@ class shared_mapping {
   bool owner_{false};  // created here: its name is removed with it
 };
 
+/// A serial this process never gave before, for the names of its shared memory files.
+[[nodiscard]] std::uint64_t next_shared_serial() noexcept;
+
 /// The name of a shared memory file of `kind` ("ipc", "host", "sim", ...) made by this process:
 /// "handoff-<kind>.<pid>.<serial>", so that leftovers of a process that was killed are recognized.
 [[nodiscard]] std::string shared_memory_name(std::string_view kind, std::uint64_t serial);
