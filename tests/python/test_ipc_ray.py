@@ -47,18 +47,17 @@ def test_actors_hand_arrays_over_zero_copy_and_ordered(cluster):
 
     @ray.remote
     class Consumer:
-        def read(self, refs):
+        def read(self, array):
             import handoff
             from handoff import sim
 
-            array = ray.get(refs[0])
             stream = sim.Stream(non_blocking=True)
             with handoff.stream(stream):
                 ordered = handoff.from_dlpack(array)
             return type(array).__name__, float(sim.to_numpy(ordered, stream=stream).min())
 
     producer, consumer = Producer.remote(), Consumer.remote()
-    kind, smallest = ray.get(consumer.read.remote([producer.weights.remote(3.0)]))
+    kind, smallest = ray.get(consumer.read.remote(producer.weights.remote(3.0)))
     assert kind == "Array"
     assert smallest == 3.0
 
