@@ -59,7 +59,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    import torch.multiprocessing  # noqa: F401 - registers PyTorch's reductions
+    import torch.multiprocessing
 
     import handoff
 
@@ -74,7 +74,9 @@ def main() -> None:
 
         cached_source = sim.zeros(1 << 10, "float32")
         rows.append(("handoff, sim array, cached mapping", measure(ours, lambda: cached_source, args.count)))
-        rows.append(("handoff, sim array, first open", measure(ours, lambda: sim.zeros(1 << 10, "float32"), args.count)))
+        rows.append(
+            ("handoff, sim array, first open", measure(ours, lambda: sim.zeros(1 << 10, "float32"), args.count))
+        )
     host = np.ones(1 << 10, dtype=np.float32)
     rows.append(("handoff, NumPy array (copied once)", measure(ours, lambda: handoff.asarray(host), args.count)))
     shared_tensor = torch.ones(1 << 10).share_memory_()

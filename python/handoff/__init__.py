@@ -30,6 +30,7 @@ import atexit as _atexit
 import os as _os
 from pathlib import Path as _Path
 
+from . import ipc
 from ._exporter import Exporter
 from ._graph import ownership_graph
 from ._handoff import (
@@ -46,7 +47,6 @@ from ._handoff import (
     stats,
     view,
 )
-from . import ipc
 from ._interpose import LibraryAdapter, order_libraries, register_library
 from ._process_trace import serve_trace
 from ._process_trace import start_from_environment as _start_tracing

@@ -13,8 +13,7 @@ from __future__ import annotations
 import multiprocessing.reduction as _reduction
 from typing import Any
 
-from ._handoff import Array
-from ._handoff import _ipc
+from ._handoff import Array, _ipc
 
 __all__ = ["Handle", "open", "share"]
 
@@ -73,7 +72,9 @@ class Handle:
     def __repr__(self) -> str:
         d = self._description
         where = "host memory" if d["host_memory"] else f"{d['backend']} device {d['device'][1]}"
-        return f"handoff.ipc.Handle(shape={d['shape']}, dtype={d['dtype']!r}, {where}, producer_pid={d['producer_pid']})"
+        return (
+            f"handoff.ipc.Handle(shape={d['shape']}, dtype={d['dtype']!r}, {where}, producer_pid={d['producer_pid']})"
+        )
 
 
 def share(x: Any, /, *, stream: Any = None, copy: bool | None = None) -> Handle:
@@ -92,7 +93,7 @@ def share(x: Any, /, *, stream: Any = None, copy: bool | None = None) -> Handle:
     return handle
 
 
-def open(handle: Handle, /, *, stream: Any = None) -> Array:  # noqa: A001 - the contract's name
+def open(handle: Handle, /, *, stream: Any = None) -> Array:
     """Opens, in this process, a Handle another process of this node made: maps its memory
     zero-copy (once per allocation and process) and makes the consumer stream (``stream``, else the
     enclosing :func:`handoff.stream` block's, else the default) wait on the device for the share's

@@ -156,7 +156,7 @@ PYBIND11_MODULE(_handoff, m)
         without_gil([ctx] { (void)ctx->drain_at_exit(context::exit_drain_limit); });
       }
       without_gil([] { ipc::shutdown(); });  // this process's shared memory files go
-      close_python_gate();  // later releases leave their Python objects to the ending process
+      close_python_gate();                   // later releases leave their Python objects to the ending process
     },
     "Run at exit while Python is alive: waits for the stream-ordered releases still pending, then stops "
     "other threads from taking the GIL back.");

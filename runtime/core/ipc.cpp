@@ -67,9 +67,9 @@ struct pooled_ipc_event {
 
 // What the producer keeps for a live share.
 struct local_share {
-  std::optional<array> data;                   // the shared array (device memory), kept
-  std::optional<pooled_ipc_event> event;       // recorded for this share
-  std::unique_ptr<shared_mapping> host_copy;   // host memory: the copy in shared memory
+  std::optional<array> data;                  // the shared array (device memory), kept
+  std::optional<pooled_ipc_event> event;      // recorded for this share
+  std::unique_ptr<shared_mapping> host_copy;  // host memory: the copy in shared memory
 };
 
 // A control block of this process and the records of its slots.
@@ -126,7 +126,7 @@ class endpoint {
   void count_out(slot_ref where, std::uint32_t holds, std::vector<local_share>& freed) noexcept;  // mutex held
   /// Looks at the consumers of the live shares; `scheduled`: the service thread's poll, which schedules the next.
   void poll(bool scheduled) noexcept;
-  void start_polling() noexcept;  // mutex held
+  void start_polling() noexcept;                             // mutex held
   pooled_ipc_event acquire_event(context& ctx, int device);  // mutex held
   void* device_address(context& ctx, std::map<context*, void*>& known, const shared_mapping& mapping);
   remote_block& remote(const wire_handle& h);  // mutex held
@@ -162,9 +162,10 @@ endpoint::slot_ref endpoint::take_slot(std::uint32_t holds, std::uint32_t ticket
       try {
         return shared_mapping::create(handoff::detail::shared_memory_name(block_kind, index), sizeof(control_block));
       } catch (const std::system_error& e) {
-        throw buffer_error(fmt::format("cannot share between processes: {} (set HANDOFF_IPC_DIR to a folder the "
-                                       "processes share, such as a common /dev/shm)",
-                                       e.what()));
+        throw buffer_error(
+          fmt::format("cannot share between processes: {} (set HANDOFF_IPC_DIR to a folder the "
+                      "processes share, such as a common /dev/shm)",
+                      e.what()));
       }
     }();
     auto* shared = new (mapping.data()) control_block{};
@@ -172,8 +173,8 @@ endpoint::slot_ref endpoint::take_slot(std::uint32_t holds, std::uint32_t ticket
                       .token = handoff::detail::random_token(),
                       .pid = handoff::detail::this_process(),
                       .start_time = handoff::detail::this_process_start_time()};
-    blocks_.push_back(producer_block{.mapping = std::move(mapping), .shared = shared, .locals = {}, .live = {},
-                                     .device_address = {}});
+    blocks_.push_back(
+      producer_block{.mapping = std::move(mapping), .shared = shared, .locals = {}, .live = {}, .device_address = {}});
     for (std::uint32_t i = shares_per_block; i-- > 0;) { free_slots_.emplace_back(index, i); }
   }
   const auto [block, index] = free_slots_.back();
@@ -283,9 +284,10 @@ shared endpoint::share(exchange& on, const array& x, const named_stream& ready, 
     if (!ready_on || ready_on->ctx != ctx) { ready_on = binding_on(*ctx, x.device(), ready); }
     record.data = x;
   } else {
-    throw buffer_error(fmt::format("{} memory cannot be shared between processes: share device memory (or host "
-                                   "memory, which is copied into shared memory)",
-                                   device_type_name(type)));
+    throw buffer_error(
+      fmt::format("{} memory cannot be shared between processes: share device memory (or host "
+                  "memory, which is copied into shared memory)",
+                  device_type_name(type)));
   }
 
   std::unique_lock lock{mutex_};
@@ -306,9 +308,10 @@ shared endpoint::share(exchange& on, const array& x, const named_stream& ready, 
           record.event = acquire_event(*ctx, device);
         } catch (const device_error& e) {
           if (e.error_name() != "cudaErrorNotSupported" && e.error_name() != "hipErrorNotSupported") { throw; }
-          HANDOFF_LOG_INFO("handoff.ipc: interprocess events cannot be made here ({}); shares are ordered by stream "
-                           "memory operations instead",
-                           e.what());
+          HANDOFF_LOG_INFO(
+            "handoff.ipc: interprocess events cannot be made here ({}); shares are ordered by stream "
+            "memory operations instead",
+            e.what());
           values_only_ = true;
         }
       }
@@ -437,7 +440,8 @@ void endpoint::poll(bool scheduled) noexcept
     } else if (live_shares_ == 0 || stopped_) {
       polling_ = false;
     } else {
-      interval = changed ? std::chrono::nanoseconds{min_poll} : std::min<std::chrono::nanoseconds>(interval * 2, max_poll);
+      interval =
+        changed ? std::chrono::nanoseconds{min_poll} : std::min<std::chrono::nanoseconds>(interval * 2, max_poll);
       try {
         poller_->post_after(interval, [this] { poll(/*scheduled=*/true); });
       } catch (...) {
@@ -468,8 +472,7 @@ remote_block& endpoint::remote(const wire_handle& h)
   HANDOFF_EXPECTS(mapping->size() == sizeof(control_block) && shared->header.magic == block_magic &&
                     shared->header.token == h.block_token && shared->header.pid == h.pid,
                   value_error, "a forged or stale handoff IPC handle: it does not match its producer's shares");
-  return blocks.emplace(h.block, remote_block{std::make_shared<shared_mapping>(std::move(*mapping)), {}})
-    .first->second;
+  return blocks.emplace(h.block, remote_block{std::make_shared<shared_mapping>(std::move(*mapping)), {}}).first->second;
 }
 
 device::event_handle endpoint::opened_event(context& ctx, const wire_handle& h)
@@ -589,8 +592,8 @@ array endpoint::open(exchange& on, std::span<const std::byte> bytes, const named
       try {
         base = b.open_ipc_memory(h.memory);
       } catch (const device_error& e) {
-        throw buffer_error(fmt::format("cannot map the memory process {} shared (freed, or its process ended?): {}",
-                                       h.pid, e.what()));
+        throw buffer_error(
+          fmt::format("cannot map the memory process {} shared (freed, or its process ended?): {}", h.pid, e.what()));
       }
       it = mappings_.emplace(key, open_mapping{base, 0, ctx, device, nullptr}).first;
       handoff::detail::ipc_mappings_changed(+1);

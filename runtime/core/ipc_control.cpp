@@ -141,9 +141,9 @@ wire_handle decode(std::span<const std::byte> bytes)
   HANDOFF_EXPECTS(is_handle, value_error,
                   "not a handoff IPC handle: its bytes do not begin as handoff.ipc.share writes them");
   const auto version = r.get<std::uint32_t>();
-  HANDOFF_EXPECTS(version == handle_version, value_error,
-                  fmt::format("a handoff IPC handle of version {}; this handoff reads version {}", version,
-                              handle_version));
+  HANDOFF_EXPECTS(
+    version == handle_version, value_error,
+    fmt::format("a handoff IPC handle of version {}; this handoff reads version {}", version, handle_version));
   wire_handle h;
   h.flags = r.get<std::uint32_t>();
   h.boot = r.get<std::array<std::byte, 16>>();

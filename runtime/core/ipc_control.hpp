@@ -3,8 +3,8 @@
 // the handle's wire format.
 #pragma once
 
-#include <handoff/device.hpp>
 #include <handoff/dlpack.h>
+#include <handoff/device.hpp>
 #include <handoff/internal/shared_memory.hpp>
 
 #include <array>
@@ -86,9 +86,9 @@ void take_ticket(share_slot& slot) noexcept;
 
 /// The handle's flags.
 enum handle_flags : std::uint32_t {
-  host_memory = 1U << 0U,      ///< a host memory copy in a shared memory file
-  value_ordered = 1U << 1U,    ///< ordered by a stream memory operation, not an event
-  in_flight = 1U << 2U,        ///< carries a ticket (a multiprocessing message)
+  host_memory = 1U << 0U,    ///< a host memory copy in a shared memory file
+  value_ordered = 1U << 1U,  ///< ordered by a stream memory operation, not an event
+  in_flight = 1U << 2U,      ///< carries a ticket (a multiprocessing message)
   read_only = 1U << 3U,
 };
 
@@ -109,8 +109,8 @@ struct wire_handle {
   std::vector<std::int64_t> strides;  // elements
   std::uint64_t offset{0};            // of the first element, from the allocation's base
   std::uint64_t allocation_size{0};
-  device::ipc_handle memory;  // device memory's handle
-  device::ipc_handle event;   // the share's event (event-ordered)
+  device::ipc_handle memory;      // device memory's handle
+  device::ipc_handle event;       // the share's event (event-ordered)
   std::uint64_t ready_value{0};   // the number the producer's stream writes (value-ordered)
   std::uint64_t host_segment{0};  // the serial of the host memory copy's file
 };

@@ -94,9 +94,9 @@ std::optional<shared_mapping> shared_mapping::open(std::string_view name)
   struct stat info {};
   if (::fstat(file.fd, &info) != 0) { throw_errno(errno, fmt::format("cannot read the size of {}", path)); }
   if (info.st_uid != ::geteuid()) {
-    throw std::system_error(EPERM, std::generic_category(),
-                            fmt::format("shared memory {} belongs to uid {}, not this process's {}", path,
-                                        info.st_uid, ::geteuid()));
+    throw std::system_error(
+      EPERM, std::generic_category(),
+      fmt::format("shared memory {} belongs to uid {}, not this process's {}", path, info.st_uid, ::geteuid()));
   }
   const auto bytes = static_cast<std::size_t>(info.st_size);
   if (bytes == 0) { return std::nullopt; }  // made but not sized yet: as good as absent

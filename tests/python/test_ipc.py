@@ -118,7 +118,7 @@ def test_a_handle_is_small_and_any_pickler_carries_it():
 
 
 def test_open_refuses_what_is_not_a_handle():
-    with pytest.raises(TypeError, match="expects a handoff.ipc.Handle"):
+    with pytest.raises(TypeError, match=r"expects a handoff\.ipc\.Handle"):
         ipc.open(b"not a handle")
     with pytest.raises(ValueError, match="not a handoff IPC handle"):
         ipc.Handle(b"\x00" * 64)
@@ -171,7 +171,9 @@ def test_the_producer_keeps_host_memory_until_the_consumer_released_it(agent):
     assert handoff.stats()["ipc_pending_remote_releases"] >= 1
     assert agent.run("result = float(numpy.asarray(a).sum())") == 24.0
     agent.run("del a")
-    wait_until(lambda: handoff.stats()["ipc_pending_remote_releases"] == 0, "the consumer's release reached the producer")
+    wait_until(
+        lambda: handoff.stats()["ipc_pending_remote_releases"] == 0, "the consumer's release reached the producer"
+    )
 
 
 def test_a_released_share_cannot_be_opened(agent):
@@ -343,11 +345,14 @@ def test_stream_memory_operations_order_where_events_cannot_be_made():
             "gate = sim.hold(s); gate.__enter__(); sim.fill(a, 4.0, stream=s); h = ipc.share(a)\n"
             "result = list(bytes(h))"
         )
-        assert consumer.run(
-            "from handoff import sim; c = sim.Stream(non_blocking=True)\n"
-            f"b = ipc.open(ipc.Handle({bytes(data)!r}), stream=c)\n"
-            "pending = sim.to_numpy(b, stream=c, wait=False); result = pending.done()"
-        ) is False
+        assert (
+            consumer.run(
+                "from handoff import sim; c = sim.Stream(non_blocking=True)\n"
+                f"b = ipc.open(ipc.Handle({bytes(data)!r}), stream=c)\n"
+                "pending = sim.to_numpy(b, stream=c, wait=False); result = pending.done()"
+            )
+            is False
+        )
         producer.run("gate.__exit__(None, None, None)")
         assert consumer.run("result = float(pending.result().min())") == 4.0
         consumer.run("del b, pending")

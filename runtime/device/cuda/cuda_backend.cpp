@@ -509,7 +509,8 @@ class cuda_backend final : public backend {
       from_pool = pool_pointers_.erase(ptr) != 0;
     }
     // An imported pool pointer is freed like any of the pool's (the exporter's memory stays).
-    log_quietly(from_pool ? "cudaFree" : "cudaIpcCloseMemHandle", from_pool ? cudaFree(ptr) : cudaIpcCloseMemHandle(ptr));
+    log_quietly(from_pool ? "cudaFree" : "cudaIpcCloseMemHandle",
+                from_pool ? cudaFree(ptr) : cudaIpcCloseMemHandle(ptr));
   }
 
   [[nodiscard]] event_handle create_ipc_event() override
@@ -549,7 +550,10 @@ class cuda_backend final : public backend {
     return device_ptr;
   }
 
-  void unregister_host_memory(void* ptr) noexcept override { log_quietly("cudaHostUnregister", cudaHostUnregister(ptr)); }
+  void unregister_host_memory(void* ptr) noexcept override
+  {
+    log_quietly("cudaHostUnregister", cudaHostUnregister(ptr));
+  }
 
   void stream_write_value(stream_handle stream, void* address, std::uint64_t value) override
   {
@@ -588,8 +592,7 @@ class cuda_backend final : public backend {
     std::lock_guard lock{ipc_mutex_};
     if (const auto it = exported_pools_.find(pool); it != exported_pools_.end()) { return it->second; }
     int fd = -1;
-    const cudaError_t status =
-      cudaMemPoolExportToShareableHandle(&fd, pool, cudaMemHandleTypePosixFileDescriptor, 0);
+    const cudaError_t status = cudaMemPoolExportToShareableHandle(&fd, pool, cudaMemHandleTypePosixFileDescriptor, 0);
     if (status != cudaSuccess) {
       (void)cudaGetLastError();
       throw device_error("cuda", cudaGetErrorName(status),

@@ -159,8 +159,8 @@ void* sim_backend::impl::allocate_shareable_locked(const call& c, std::size_t by
   } catch (const std::system_error& e) {
     fail(c, sim_error::memory_allocation, e.what());
   }
-  auto* header = new (segment->data()) shared_allocation_header{
-    .magic = memory_magic, .token = detail::random_token(), .size = bytes, .device = device};
+  auto* header = new (segment->data())
+    shared_allocation_header{.magic = memory_magic, .token = detail::random_token(), .size = bytes, .device = device};
   (void)header;
   auto* data = static_cast<std::byte*>(segment->data()) + data_offset;
   allocation info;
@@ -211,9 +211,10 @@ bool sim_backend::impl::shared_record_reached(const shared_event& shared, std::u
   // A record whose process ended will never be reached: the work waiting for it goes on (CUDA tears
   // the context of an ended process down), and the log says so.
   if (!detail::process_alive(shared.state->pid, shared.state->start_time)) {
-    HANDOFF_LOG_WARN("sim: process {} ended before its stream reached record {} of an interprocess event; "
-                     "the work waiting for it goes on",
-                     shared.state->pid, record);
+    HANDOFF_LOG_WARN(
+      "sim: process {} ended before its stream reached record {} of an interprocess event; "
+      "the work waiting for it goes on",
+      shared.state->pid, record);
     return true;
   }
   return false;

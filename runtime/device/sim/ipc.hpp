@@ -48,7 +48,7 @@ struct shared_event {
   shared_event_state* state{nullptr};
   bool exporter{false};
   std::uint64_t serial{0};
-  node_ptr last_signal;          // records reach the shared state in order (mutex of the backend held)
+  node_ptr last_signal;           // records reach the shared state in order (mutex of the backend held)
   std::uint64_t local_record{0};  // the latest record made in this process (0: none)
 };
 

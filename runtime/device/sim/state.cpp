@@ -141,7 +141,7 @@ sim_backend::impl::~impl()
     holds.clear();
   }
   if (ipc_watcher) { ipc_watcher->stop(); }  // work held for other processes is let go
-  pool.shutdown();  // pending frees need the table, so drain before anything is destroyed
+  pool.shutdown();                           // pending frees need the table, so drain before anything is destroyed
   for (auto& [base, info] : allocations) { free_memory(base, info); }
 }
 

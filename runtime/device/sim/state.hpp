@@ -155,8 +155,8 @@ struct allocation {
   bool free_pending{false};
   // Device memory other processes may map (its file); null for memory of another kind.
   std::shared_ptr<detail::shared_mapping> segment;
-  int ipc_opens{0};         // memory another process shared, mapped here: open_ipc_memory's count
-  bool registered{false};   // host memory register_host_memory mapped: not the simulator's to free
+  int ipc_opens{0};        // memory another process shared, mapped here: open_ipc_memory's count
+  bool registered{false};  // host memory register_host_memory mapped: not the simulator's to free
 };
 
 struct device_state {
