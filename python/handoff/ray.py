@@ -1,4 +1,4 @@
-"""handoff's tensor transport for Ray Direct Transport (Ray 2.50 and later, ``pip install handoff[ray]``).
+"""handoff's tensor transport for Ray Direct Transport (Ray 2.60 and later, ``pip install handoff[ray]``).
 
 Call :func:`register` in the driver before the actors are created; then a method declared with
 ``@ray.method(tensor_transport="handoff")`` hands the :class:`handoff.Array` objects it returns to
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from . import ipc
 from ._handoff import Array
@@ -24,32 +24,19 @@ __all__ = ["TRANSPORT", "HandoffTransport", "register"]
 TRANSPORT = "handoff"
 _DEVICE_LABELS = {1: "cpu", 2: "cuda", 10: "rocm"}
 
-try:  # Ray is optional: the module imports without it, register() says what is missing.
-    try:
-        from ray.experimental.rdt.tensor_transport_manager import (
-            CommunicatorMetadata,
-            TensorTransportManager,
-            TensorTransportMetadata,
-        )
-    except ImportError:  # Ray before the module was renamed rdt
-        from ray.experimental.gpu_object_manager.tensor_transport_manager import (
-            CommunicatorMetadata,
-            TensorTransportManager,
-            TensorTransportMetadata,
-        )
-except ImportError:  # pragma: no cover - exercised where Ray is absent
-    TensorTransportManager = object  # type: ignore[assignment,misc]
-
-    @dataclass
-    class CommunicatorMetadata:  # type: ignore[no-redef]
-        """Stands in for Ray's, which is not installed."""
-
-    @dataclass
-    class TensorTransportMetadata:  # type: ignore[no-redef]
-        """Stands in for Ray's, which is not installed."""
-
-        tensor_meta: list[Any] = field(default_factory=list)
-        tensor_device: str | None = None
+try:
+    import ray
+    from ray.experimental import register_tensor_transport
+    from ray.experimental.rdt.tensor_transport_manager import (
+        CommunicatorMetadata,
+        TensorTransportManager,
+        TensorTransportMetadata,
+    )
+    from ray.experimental.rdt.util import transport_manager_info
+except ImportError as missing:  # Ray is optional
+    raise ImportError(
+        "handoff.ray needs Ray with Ray Direct Transport (2.60 or later): pip install 'handoff[ray]'"
+    ) from missing
 
 
 @dataclass
@@ -65,7 +52,7 @@ class HandoffCommunicatorMetadata(CommunicatorMetadata):
     """The transport is one-sided: the receiver opens the handles, nothing else is agreed."""
 
 
-class HandoffTransport(TensorTransportManager):  # type: ignore[misc,valid-type]
+class HandoffTransport(TensorTransportManager):
     """A one-sided Ray tensor transport: the sender shares each array (handoff.ipc.share), the
     receiver opens the handles on its consumer stream."""
 
@@ -73,7 +60,6 @@ class HandoffTransport(TensorTransportManager):  # type: ignore[misc,valid-type]
         self._lock = threading.Lock()
         self._held: dict[str, list[ipc.Handle]] = {}  # the producer's holds, by object id
 
-    @property
     def tensor_transport_backend(self) -> str:
         return TRANSPORT.upper()
 
@@ -89,8 +75,6 @@ class HandoffTransport(TensorTransportManager):  # type: ignore[misc,valid-type]
         return True
 
     def extract_tensor_transport_metadata(self, obj_id: str, rdt_object: list[Any]) -> HandoffTransportMetadata:
-        import ray
-
         handles = [ipc.share(array) for array in rdt_object]
         with self._lock:
             self._held[obj_id] = handles
@@ -98,7 +82,7 @@ class HandoffTransport(TensorTransportManager):  # type: ignore[misc,valid-type]
         if len(devices) > 1:
             raise ValueError(f"an RDT object's arrays must all be on one kind of device, not {sorted(devices)}")
         return HandoffTransportMetadata(
-            tensor_meta=[(h.shape, h.dtype) for h in handles],
+            tensor_meta=cast(Any, [(h.shape, h.dtype) for h in handles]),  # handoff's dtype names
             tensor_device=devices.pop() if devices else None,
             handles=[bytes(h) for h in handles],
             node_id=ray.get_runtime_context().get_node_id(),
@@ -116,8 +100,6 @@ class HandoffTransport(TensorTransportManager):  # type: ignore[misc,valid-type]
         communicator_metadata: Any,
         target_buffers: list[Any] | None = None,
     ) -> list[Array]:
-        import ray
-
         if target_buffers:
             raise ValueError("the handoff transport maps the sender's memory; it does not receive into buffers")
         here = ray.get_runtime_context().get_node_id()
@@ -129,7 +111,9 @@ class HandoffTransport(TensorTransportManager):  # type: ignore[misc,valid-type]
             )
         return [ipc.open(ipc.Handle(data)) for data in tensor_transport_metadata.handles]
 
-    def send_multiple_tensors(self, tensors: list[Any], tensor_transport_metadata: Any, communicator_metadata: Any):
+    def send_multiple_tensors(
+        self, tensors: list[Any], tensor_transport_metadata: Any, communicator_metadata: Any
+    ) -> None:
         raise NotImplementedError("the handoff transport is one-sided: the receiver opens the handles")
 
     def garbage_collect(self, obj_id: str, tensor_transport_meta: Any, tensors: list[Any]) -> None:
@@ -143,17 +127,6 @@ class HandoffTransport(TensorTransportManager):  # type: ignore[misc,valid-type]
 def register() -> None:
     """Registers the tensor transport ``"handoff"`` (data type :class:`handoff.Array`) with Ray. Call it
     in the driver, before the actors that use it are created; calling it again does nothing."""
-    try:
-        from ray.experimental import register_tensor_transport
-
-        try:
-            from ray.experimental.rdt.util import transport_manager_info
-        except ImportError:
-            from ray.experimental.gpu_object_manager.util import transport_manager_info
-    except ImportError as e:
-        raise ImportError(
-            "handoff.ray needs Ray with Ray Direct Transport (2.50 or later): pip install 'handoff[ray]'"
-        ) from e
     if TRANSPORT.upper() in transport_manager_info:
         return
     register_tensor_transport(TRANSPORT, ["cpu", "cuda", "rocm"], HandoffTransport, Array)
