@@ -221,6 +221,9 @@ void* endpoint::device_address(context& ctx, std::map<context*, void*>& known, c
 shared endpoint::share(exchange& on, const array& x, const named_stream& ready, share_options options)
 {
   handoff::detail::remove_leftovers();
+  // The shares whose consumers are done give their events back first: a steady stream of shares
+  // then reuses a few events, however far the service thread's polls have backed off.
+  poll(/*scheduled=*/false);
   wire_handle h;
   h.boot = handoff::detail::boot_id();
   h.pid = handoff::detail::this_process();

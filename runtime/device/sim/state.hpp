@@ -288,6 +288,9 @@ struct sim_backend::impl final : sim_detail::thread_state_owner {
   /// then read the shared state); records a violation for an opened event its exporter destroyed.
   /// Mutex held.
   bool recorded_elsewhere(const call& c, const event_state& e);
+  /// Fails the call unless `address` is an aligned 64-bit word of memory the device reaches (device
+  /// memory, or host memory allocated pinned or registered), as cuStreamWriteValue64 requires. Mutex held.
+  void require_device_word(const call& c, const void* address) const;
   /// Whether the shared state shows `record` reached (or its process ended, when it never will).
   static bool shared_record_reached(const sim_detail::shared_event& shared, std::uint64_t record) noexcept;
 
