@@ -10,6 +10,7 @@
 #include "py_exchange.hpp"
 #include "py_gil.hpp"
 #include "py_owners.hpp"
+#include "py_streams.hpp"
 #include "py_trace.hpp"
 
 #include <handoff/dtype.hpp>
@@ -17,6 +18,7 @@
 #include <handoff/exchange.hpp>
 #include <handoff/internal/trace_scope.hpp>
 #include <handoff/ownership.hpp>
+#include <handoff/stream_value.hpp>
 #include <handoff/trace.hpp>
 
 #include <fmt/format.h>
@@ -25,7 +27,12 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdio>
 #include <new>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
 
 namespace handoff::python {
 namespace {
@@ -215,11 +222,12 @@ PyObject* get_cuda_array_interface(PyObject* self, void* /*closure*/) noexcept
   return python_entry([self] { return py::object(cuda_array_interface(view_of(self))); });
 }
 
-PyObject* method_dlpack(PyObject* self, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames) noexcept
+// Not noexcept: the owner of a bare consumer stream is looked up in Python (see python_code_entry).
+PyObject* method_dlpack(PyObject* self, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames)
 {
   PyObject* arguments[4];  // stream, max_version, dl_device, copy
   if (!dlpack_signature->parse(args, nargsf, kwnames, arguments)) { return nullptr; }
-  return python_entry(
+  return python_code_entry(
     [&] { return py::object(export_dlpack(view_of(self), arguments[0], arguments[1], arguments[2], arguments[3])); });
 }
 
@@ -327,9 +335,91 @@ py::dict array_interface(const array& view)
   return out;
 }
 
+namespace {
+
+// The `__name__` of the module whose code `frame` runs; empty when unknown.
+std::string module_of(PyFrameObject* frame)
+{
+  std::string name;
+  if (PyObject* globals = PyFrame_GetGlobals(frame)) {
+    PyObject* value = PyDict_GetItemString(globals, "__name__");  // borrowed
+    if (const char* text = value != nullptr && PyUnicode_Check(value) ? PyUnicode_AsUTF8(value) : nullptr) {
+      name = text;
+    }
+    Py_DECREF(globals);
+  }
+  PyErr_Clear();
+  return name;
+}
+
+// True when PyTorch's torch.from_dlpack asked for the export: it is the nearest caller but
+// handoff.Exporter's __dlpack__ (the one Python frame handoff puts between a consumer and here).
+bool asked_by_torch_from_dlpack()
+{
+  PyFrameObject* frame = PyEval_GetFrame();  // borrowed; null when no Python code called
+  Py_XINCREF(frame);
+  if (frame != nullptr && module_of(frame) == "handoff._exporter") {
+    PyFrameObject* back = PyFrame_GetBack(frame);
+    Py_DECREF(frame);
+    frame = back;
+  }
+  if (frame == nullptr) { return false; }
+  PyCodeObject* code = PyFrame_GetCode(frame);
+  const char* name = PyUnicode_AsUTF8(code->co_name);
+  const bool asked =
+    name != nullptr && std::string_view{name} == "from_dlpack" && module_of(frame) == "torch.utils.dlpack";
+  Py_DECREF(code);
+  Py_DECREF(frame);
+  PyErr_Clear();
+  return asked;
+}
+
+// The newest PyTorch release known to import no pinned host memory: ATen's DLPack import
+// (getATenDevice) refuses kDLCUDAHost and kDLROCMHost ("Unsupported device_type: 3").
+constexpr std::pair<int, int> newest_torch_without_pinned_import{2, 13};
+
+// The version of the imported PyTorch when it is one of those; nullopt otherwise.
+std::optional<std::string> torch_without_pinned_import()
+{
+  PyObject* torch = PyDict_GetItemString(PyImport_GetModuleDict(), "torch");  // borrowed
+  PyObject* version = torch != nullptr ? PyObject_GetAttrString(torch, "__version__") : nullptr;
+  const char* text = version != nullptr && PyUnicode_Check(version) ? PyUnicode_AsUTF8(version) : nullptr;
+  std::optional<std::string> refusing;
+  int major = 0;
+  int minor = 0;
+  if (text != nullptr && std::sscanf(text, "%d.%d", &major, &minor) == 2 &&
+      std::pair{major, minor} <= newest_torch_without_pinned_import) {
+    refusing = text;
+  }
+  Py_XDECREF(version);
+  PyErr_Clear();
+  return refusing;
+}
+
+// torch.from_dlpack asks for the data on the device `__dlpack_device__` says (`dl_device` only
+// when its caller names that very device, and PyTorch has no device for pinned memory), and a
+// PyTorch that cannot import pinned host memory would refuse the capsule with a message that says
+// nothing of what to do: refused here, saying it.
+void refuse_pinned_export_to_torch(const array& view)
+{
+  if (!asked_by_torch_from_dlpack()) { return; }
+  const auto version = torch_without_pinned_import();
+  if (!version) { return; }
+  const DLDeviceType type = view.device().device_type;
+  throw buffer_error(fmt::format(
+    "torch.from_dlpack cannot import pinned host memory: PyTorch {} imports no {} capsule (DLPack device type {}) "
+    "and never asks for the data on the CPU, not even with device='cpu'. For a CPU tensor of the same memory, "
+    "without a copy: torch.from_dlpack(handoff.from_dlpack(x, device='cpu')) (which first waits for the data's "
+    "pending writes)",
+    *version, device_type_name(type), static_cast<int>(type)));
+}
+
+}  // namespace
+
 py::capsule export_dlpack(const array& view, py::handle stream, py::handle max_version, py::handle dl_device,
                           py::handle copy)
 {
+  if (is_pinned_host(view.device().device_type) && dl_device.is_none()) { refuse_pinned_export_to_torch(view); }
   export_request request;
   request.stream = stream_argument(stream);
   request.max_version = requested_version(max_version);
@@ -338,10 +428,16 @@ py::capsule export_dlpack(const array& view, py::handle stream, py::handle max_v
   }
   request.copy = copy_argument(copy);
   // A stream handle is certain to be alive when the export is released only if something holds it:
-  // the stream object of the enclosing handoff.stream block, when the handle is that block's.
+  // the stream object of the enclosing handoff.stream block, when the handle is that block's; else
+  // that of the library whose current stream it is (the consumer passes its own: CuPy, PyTorch).
   if (request.stream) {
     const stream_request consumer = classify_stream(view.device().device_type, request.stream);
-    if (consumer.order == stream_order::handle) { request.stream_owner = enclosing_stream_owner(consumer.handle); }
+    if (consumer.order == stream_order::handle) {
+      request.stream_owner = enclosing_stream_owner(consumer.handle);
+      if (!request.stream_owner && current_export_release() == export_release::known_streams) {
+        request.stream_owner = framework_stream_owner(consumer.handle, view.device());
+      }
+    }
   }
   const exported_tensor made = module_exchange().export_dlpack(view, request);
   return made.versioned != nullptr ? make_capsule(made.versioned) : make_capsule(made.legacy);
@@ -406,7 +502,8 @@ void bind_array(py::module_& m)
   const py::object table_address =
     py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(const_cast<DLPackExchangeAPI*>(&array_exchange_api())));
   if (!table_address ||
-      PyObject_SetAttrString(type, "__dlpack_c_exchange_api__", array_exchange_api_capsule().ptr()) != 0 ||
+      PyObject_SetAttrString(type, "__dlpack_c_exchange_api__", exchange_api_capsule(array_exchange_api()).ptr()) !=
+        0 ||
       PyObject_SetAttrString(type, "__c_dlpack_exchange_api__", table_address.ptr()) != 0) {
     throw py::error_already_set();
   }

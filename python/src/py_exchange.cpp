@@ -15,6 +15,8 @@
 #include "py_streams.hpp"
 #include "py_trace.hpp"
 
+#include <handoff/context.hpp>
+#include <handoff/device.hpp>
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
 #include <handoff/stream.hpp>
@@ -25,6 +27,7 @@
 #include <array>
 #include <cstring>
 #include <exception>
+#include <utility>
 
 namespace handoff::python {
 namespace {
@@ -37,7 +40,6 @@ struct cached_objects {
   PyObject* array_interface = nullptr;       // "__array_interface__"
   PyObject* max_version = nullptr;           // (1, 1)
   PyObject* kw_max_version = nullptr;        // ("max_version",)
-  PyObject* stream_var = nullptr;            // ContextVar of handoff.stream(...) blocks
   PyTypeObject* ndarray = nullptr;           // numpy.ndarray, once one was seen
   // The keyword names of __dlpack__, interned: producers' argument parsers match them by identity
   // before comparing text.
@@ -50,30 +52,10 @@ cached_objects cached;
 
 }  // namespace
 
-py::object enclosing_stream()
-{
-  PyObject* value = nullptr;
-  if (PyContextVar_Get(cached.stream_var, nullptr, &value) != 0) { throw py::error_already_set(); }
-  if (value == nullptr) { return py::none(); }
-  return py::reinterpret_steal<py::object>(value);  // the block stored a handoff.Stream
-}
-
-std::shared_ptr<const void> enclosing_stream_owner(std::uint64_t handle)
-{
-  const py::object block = enclosing_stream();
-  if (block.is_none()) { return {}; }
-  py::object source = block.attr("_source");  // the stream object handoff.as_stream was given, or None
-  if (source.is_none() || stream_handle(block) != handle) { return {}; }
-  return stream_keep_alive(source);
-}
-
 named_stream consumer_stream(py::handle stream)
 {
   if (!stream.is_none()) { return stream_named_by(stream); }
-  PyObject* block = nullptr;
-  if (PyContextVar_Get(cached.stream_var, nullptr, &block) != 0) { throw py::error_already_set(); }
-  if (block == nullptr) { return {}; }  // the default stream
-  return stream_named_by(py::reinterpret_steal<py::object>(block));
+  return stream_named_by(enclosing_stream());  // None: the default stream
 }
 
 bool is_numpy_array(PyObject* x) noexcept
@@ -196,6 +178,40 @@ dlpack_result request_capsule(py::handle x, py::handle stream, py::handle device
   return {call_dlpack(x, legacy_args), true};
 }
 
+// The DLPack stream values of CUDA's default streams.
+constexpr std::int64_t legacy_default_value = 1;
+constexpr std::int64_t per_thread_default_value = 2;
+
+// True when `argument`, passed to the producer of CUDA data, names the per-thread default stream.
+bool names_the_per_thread_stream(const std::optional<DLDevice>& claimed, py::handle argument) noexcept
+{
+  if (!claimed || !is_cuda_device(claimed->device_type) || !is_int(argument.ptr())) { return false; }
+  const int64_reading value = read_int64(argument.ptr());
+  return value.fits() && value.value == per_thread_default_value;
+}
+
+// Asks a producer that refused the per-thread default stream (PyTorch's __dlpack__: BufferError
+// "per-thread default stream is not supported.") for the legacy default stream instead, which it
+// orders its work before; the consumer's per-thread stream is then ordered after the legacy one.
+// Refused while a blocking stream of the current device (the data's) captures into a graph: the
+// producer's use of the legacy stream would invalidate the capture.
+dlpack_result request_through_the_legacy_stream(const exchange& on, py::handle x, const py::error_already_set& refusal,
+                                                py::handle device, py::handle copy)
+{
+  if (context* ctx = on.device_context()) {
+    device::backend& b = ctx->backend();
+    HANDOFF_EXPECTS(
+      b.stream_capture_status(b.legacy_default_stream()) == device::capture_status::none, buffer_error,
+      fmt::format("{}.__dlpack__ refuses the per-thread default stream (stream=2: {}); it is not asked for the "
+                  "legacy default stream instead while a blocking stream of the device captures into a graph, as "
+                  "that use of the legacy stream would invalidate the capture: import outside the capture, or "
+                  "consume on a non-blocking stream of your own",
+                  type_name(x), py::str(refusal.value()).cast<std::string>()));
+  }
+  const call_argument legacy_stream{py::int_(legacy_default_value)};
+  return request_capsule(x, legacy_stream.get(), device, copy);
+}
+
 // What a producer's DLPack C exchange API table cannot say, asked of its Python object.
 class table_producer_object final : public table_producer {
  public:
@@ -267,15 +283,13 @@ void init_exchange(py::module_& m)
   cached.dl_device_name = PyUnicode_InternFromString("dl_device");
   cached.copy_name = PyUnicode_InternFromString("copy");
   cached.kw_max_version = Py_BuildValue("(O)", cached.max_version_name);
-  cached.stream_var = PyContextVar_New("handoff.stream", nullptr);
   if (cached.dlpack == nullptr || cached.dlpack_device == nullptr || cached.cuda_array_interface == nullptr ||
       cached.array_interface == nullptr || cached.max_version == nullptr || cached.max_version_name == nullptr ||
       cached.stream_name == nullptr || cached.dl_device_name == nullptr || cached.copy_name == nullptr ||
-      cached.kw_max_version == nullptr || cached.stream_var == nullptr) {
+      cached.kw_max_version == nullptr) {
     throw py::error_already_set();
   }
   init_exchange_api();
-  m.attr("_stream_var") = py::reinterpret_borrow<py::object>(cached.stream_var);
   from_dlpack_signature = new signature("from_dlpack", 1, {"device", "copy", "stream"});
   asarray_signature = new signature("asarray", 1, {"device", "copy", "stream"});
   if (PyModule_AddFunctions(m.ptr(), import_functions) != 0) { throw py::error_already_set(); }
@@ -295,7 +309,7 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
     // handoff's own table (a def_dlpack class offers it) is not asked: the class's __dlpack__
     // exports the same view.
     if (const DLPackExchangeAPI* api = exchange_api_of(Py_TYPE(x.ptr()));
-        api != nullptr && api != &array_exchange_api() && !requires_grad(x.ptr())) {
+        api != nullptr && !is_handoff_exchange_api(api) && !requires_grad(x.ptr())) {
       trace_protocol("dlpack-c-api");
       if (DLManagedTensorVersioned* tensor = managed_tensor_of(*api, x.ptr())) {
         table_producer_object producer{*api, x.ptr()};
@@ -357,16 +371,28 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
   const call_argument dl_device{target
                                   ? py::object(py::make_tuple(static_cast<int>(target->device_type), target->device_id))
                                   : py::object(py::none())};
+  bool through_legacy_stream = false;
   auto [capsule, legacy] = [&] {
     std::optional<producer_device_scope> on_data;
     if (claimed) { on_data.emplace(on, *claimed); }
-    return request_capsule(x, producer_arg.get(), dl_device.get(), copy);
+    try {
+      return request_capsule(x, producer_arg.get(), dl_device.get(), copy);
+    } catch (const py::error_already_set& e) {
+      if (!e.matches(PyExc_BufferError) || !names_the_per_thread_stream(claimed, producer_arg.get())) { throw; }
+      through_legacy_stream = true;
+      return request_through_the_legacy_stream(on, x, e, dl_device.get(), copy);
+    }
   }();
+  // Pinned host memory is asked for with None (stream_argument_for), and a producer that refuses
+  // the per-thread default stream with 1: the consumer stream then waits for the legacy default
+  // stream, as DLPack reads both.
+  const bool none_for_pinned = claimed && is_pinned_host(claimed->device_type) && producer_arg.get().is_none();
   return wrap(on.import(consume_capsule(capsule), request,
                         {.name = type_name(x),
                          .claimed = claimed,
                          .honoured_arguments = !legacy,
-                         .ordered_for_consumer = !producer_arg.get().is_none()}));
+                         .ordered_for_consumer = !producer_arg.get().is_none() && !through_legacy_stream,
+                         .ordered_for_default_stream = none_for_pinned || through_legacy_stream}));
 }
 
 py::object asarray(py::handle x, py::handle device, py::handle copy, py::handle stream)

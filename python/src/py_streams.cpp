@@ -11,6 +11,7 @@
 
 #include <array>
 #include <string>
+#include <utility>
 
 namespace handoff::python {
 namespace {
@@ -22,11 +23,15 @@ struct stream_names {
   PyObject* ptr = nullptr;                   // CuPy's
   PyObject* device = nullptr;
   PyObject* index = nullptr;
-  PyObject* id = nullptr;
+  PyObject* device_id = nullptr;
   PyObject* handle = nullptr;
   PyObject* stream = nullptr;           // a CUDA Array Interface producer's attribute
   PyObject* source = nullptr;           // handoff.Stream's stream object
+  PyObject* open = nullptr;             // whether a block's entry is still open
   PyTypeObject* stream_type = nullptr;  // handoff.Stream
+  // The blocks entered in this context, innermost last (handoff._streams' entries, each with
+  // `stream` and `open`): context-local, so that blocks are per thread and per asyncio task.
+  PyObject* blocks = nullptr;
 };
 stream_names names;
 
@@ -59,15 +64,20 @@ void check_device(py::handle device)
     fmt::format("Stream device must be None or a non-negative int, got {}", py::repr(device).cast<std::string>()));
 }
 
-// The device a stream object names: its `.device`, that device's `.index` (PyTorch) or `.id`
-// (CuPy) if it has one, as an int; None when there is none or it is not int-like.
+// The device a stream object names, as an int; None when it names none or one that is not
+// int-like: its `.device`'s `.index` (PyTorch's torch.device) or `.device_id` (cuda.core's Device),
+// or that `.device` itself; else the stream's own `.device_id` (CuPy's), where -1 names none.
 py::object device_of(py::handle stream)
 {
-  py::object device = optional_attribute(stream, names.device);
-  if (!device) { device = py::none(); }
-  py::object index = optional_attribute(device, names.index);
-  if (!index) { index = device; }
-  if (optional_attribute(device, names.id)) { index = device.attr(names.id); }
+  py::object index;
+  if (py::object device = optional_attribute(stream, names.device); device && !device.is_none()) {
+    index = optional_attribute(device, names.index);
+    if (!index) { index = optional_attribute(device, names.device_id); }
+    if (!index) { index = std::move(device); }
+  } else {
+    index = optional_attribute(stream, names.device_id);
+    if (!index || (is_int(index.ptr()) && read_int64(index.ptr()).saturated() == -1)) { return py::none(); }
+  }
   if (index.is_none()) { return index; }
   PyObject* number = PyNumber_Long(index.ptr());  // int(index)
   if (number == nullptr) {
@@ -132,6 +142,58 @@ resolved_stream resolve_stream_object(py::handle stream)
 
 }  // namespace
 
+py::object enclosing_stream()
+{
+  PyObject* raw = nullptr;
+  if (PyContextVar_Get(names.blocks, nullptr, &raw) != 0) { throw py::error_already_set(); }
+  const auto blocks = py::reinterpret_steal<py::object>(raw);
+  if (!PyTuple_Check(raw)) { return py::none(); }
+  // The innermost block still open: one left elsewhere (a generator finished in another context)
+  // no longer counts here either.
+  for (Py_ssize_t i = PyTuple_GET_SIZE(raw); i-- > 0;) {
+    py::handle entry = PyTuple_GET_ITEM(raw, i);
+    const int open = PyObject_IsTrue(entry.attr(names.open).ptr());
+    if (open < 0) { throw py::error_already_set(); }
+    if (open != 0) { return entry.attr(names.stream); }
+  }
+  return py::none();
+}
+
+py::object enclosing_stream_for(DLDevice device)
+{
+  if (!has_streams(device.device_type)) { return py::none(); }
+  py::object block = enclosing_stream();
+  if (block.is_none()) { return block; }
+  const py::object on = block.attr("device");
+  return on.is_none() || on.cast<long long>() == device.device_id ? block : py::object(py::none());
+}
+
+namespace {
+// The framework whose from_dlpack this thread is calling (framework_call), if any.
+thread_local const framework_stream* calling_framework = nullptr;
+}  // namespace
+
+framework_call::framework_call(const framework_stream& stream) noexcept
+    : outer_(std::exchange(calling_framework, &stream))
+{}
+
+framework_call::~framework_call()
+{
+  calling_framework = outer_;
+}
+
+std::shared_ptr<const void> enclosing_stream_owner(std::uint64_t handle)
+{
+  if (const framework_stream* framework = calling_framework) {
+    if (!framework->handle || *framework->handle == handle) { return framework->owner; }
+  }
+  const py::object block = enclosing_stream();
+  if (block.is_none()) { return {}; }
+  py::object source = block.attr(names.source);  // the stream object handoff.as_stream was given, or None
+  if (source.is_none() || stream_handle(block) != handle) { return {}; }
+  return stream_keep_alive(source);
+}
+
 std::uint64_t stream_handle(py::handle stream)
 {
   if (names.stream_type != nullptr && PyObject_TypeCheck(stream.ptr(), names.stream_type)) {
@@ -166,6 +228,8 @@ named_stream stream_named_by(py::handle stream)
 
 py::object stream_argument_for(const named_stream& stream, DLDeviceType device)
 {
+  // The producer of pinned memory is not given the consumer's stream: checked here instead.
+  if (is_pinned_host(device)) { (void)request_for(stream, device); }
   const auto value = dlpack_stream_value(stream, device);
   return value ? py::object(py::int_(*value)) : py::object(py::none());
 }
@@ -177,10 +241,14 @@ void bind_streams(py::module_& m)
   names.ptr = interned("ptr");
   names.device = interned("device");
   names.index = interned("index");
-  names.id = interned("id");
+  names.device_id = interned("device_id");
   names.handle = interned("handle");
   names.stream = interned("stream");
   names.source = interned("_source");
+  names.open = interned("open");
+  names.blocks = PyContextVar_New("handoff.stream", py::tuple().ptr());
+  if (names.blocks == nullptr) { throw py::error_already_set(); }
+  m.attr("_stream_var") = py::reinterpret_borrow<py::object>(names.blocks);
   m.def(
     "_set_stream_type",
     [](py::type stream_type) {

@@ -12,7 +12,7 @@ import pytest
 import handoff
 
 from dlpack_ctypes import CPU, DLDevice, HandMadeTensor
-from support import BACKEND, SIM_ROCM, needs_sim
+from support import BACKEND, HOLD_DEADLOCK, SIM_ROCM, DlpackOnly, needs_sim, waiting_read
 
 pytestmark = needs_sim
 if BACKEND.startswith("sim"):
@@ -34,15 +34,17 @@ def settle():
 def test_managed_memory_exported_as_device_memory_is_accepted_and_ordered():
     managed = sim.zeros(N, memory="managed")
     producer, consumer = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)
-    sim.fill(managed, 6.0, stream=producer, delay=0.05)
-    as_device = handoff.from_dlpack(managed, stream=producer)  # ready on the producer's stream
-    tensor = HandMadeTensor(managed.data_ptr, (N,), code=2, bits=32)  # float32
-    tensor.managed.dl_tensor.device = DLDevice(DEVICE, 0)  # as PyTorch labels managed memory
-    view = handoff.from_dlpack(tensor.capsule(), stream=consumer)
-    assert view.device == (DEVICE, 0)
-    assert view.data_ptr == managed.data_ptr
-    ordered = handoff.from_dlpack(as_device, stream=consumer)  # orders the consumer after the fill
-    assert sim.to_numpy(ordered, stream=consumer)[0] == 6.0
+    with sim.hold(producer):
+        sim.fill(managed, 6.0, stream=producer)
+        as_device = handoff.from_dlpack(managed, stream=producer)  # ready on the producer's stream
+        tensor = HandMadeTensor(managed.data_ptr, (N,), code=2, bits=32)  # float32
+        tensor.managed.dl_tensor.device = DLDevice(DEVICE, 0)  # as PyTorch labels managed memory
+        view = handoff.from_dlpack(tensor.capsule(), stream=consumer)
+        assert view.device == (DEVICE, 0)
+        assert view.data_ptr == managed.data_ptr
+        ordered = handoff.from_dlpack(as_device, stream=consumer)  # orders the consumer after the fill
+        read = waiting_read(ordered, consumer)
+    assert read.result()[0] == 6.0
     del view, ordered, as_device
     gc.collect()
     sim.synchronize()
@@ -66,7 +68,11 @@ def test_host_accessible_memory_goes_to_the_cpu_without_a_copy(memory, to_cpu):
         pytest.skip("managed memory has no DLPack device type on ROCm")
     source = sim.zeros(N, memory=memory)
     producer = sim.Stream(non_blocking=True)
-    sim.fill(source, 8.0, stream=producer, delay=0.05)
+    with sim.hold(producer):
+        sim.fill(source, 8.0, stream=producer)
+        for copy in (None, False, True):  # each waits on the host for the held write: here, for ever
+            with pytest.raises(handoff.DeviceError, match=HOLD_DEADLOCK):
+                to_cpu(source, copy)
     for copy in (None, False):
         view = to_cpu(source, copy)
         assert view.device == (CPU, 0)
@@ -83,11 +89,14 @@ def test_a_copy_of_host_accessible_memory_comes_back_on_the_same_device(memory):
         pytest.skip("managed memory has no DLPack device type on ROCm")
     source = sim.zeros(N, memory=memory)
     producer = sim.Stream(non_blocking=True)
-    sim.fill(source, 5.0, stream=producer, delay=0.05)
-    # handoff's exporter and importer agree: the copy is of the device the source says it is on
-    copied = handoff.from_dlpack(source, device=source.__dlpack_device__(), copy=True)
-    assert copied.device == source.__dlpack_device__()
-    assert copied.data_ptr != source.data_ptr
+    with sim.hold(producer):
+        sim.fill(source, 5.0, stream=producer)
+        # handoff's exporter and importer agree: the copy is of the device the source says it is on
+        copied = handoff.from_dlpack(source, device=source.__dlpack_device__(), copy=True)
+        assert copied.device == source.__dlpack_device__()
+        assert copied.data_ptr != source.data_ptr
+        with pytest.raises(handoff.DeviceError, match=HOLD_DEADLOCK):  # the host waits for the copy
+            handoff.from_dlpack(copied, device="cpu")
     assert np.from_dlpack(handoff.from_dlpack(copied, device="cpu"))[-1] == 5.0
 
 
@@ -95,3 +104,90 @@ def test_device_memory_to_the_cpu_with_copy_false_is_still_refused():
     source = sim.zeros(N)
     with pytest.raises(BufferError, match="copy=False"):
         source.__dlpack__(dl_device=(CPU, 0), copy=False, max_version=(1, 1))
+
+
+@pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "negative-control"])
+def test_pinned_memory_is_asked_for_with_none_and_the_consumer_ordered_after_the_default_stream(ordered, sim_streams):
+    # Pinned memory is CPU memory to PyTorch, whose pinned tensors take only stream None or -1: the
+    # producer is asked with None, which DLPack's stream table reads as the default stream, and the
+    # consumer's non-blocking stream is then ordered after that stream.
+    producer, consumer = sim_streams
+    source = sim.zeros(N, memory="pinned")
+    sim.synchronize()
+    forwarded = DlpackOnly(source)
+    with sim.hold(producer):
+        sim.fill(source, 7.0, stream=producer)
+        view = handoff.from_dlpack(forwarded, stream=consumer if ordered else -1)
+        read = sim.to_numpy(view, stream=consumer, wait=False)
+        if ordered:
+            assert not read.done() and sim.pending(consumer) > 0, "the consumer must wait for the held producer"
+        else:
+            assert sim.to_numpy(view, stream=consumer)[0] == 0.0, "the negative control reads before the write"
+    assert [call.get("stream") for call in forwarded.calls] == [None if ordered else -1]
+    assert view.device == source.device
+    if ordered:
+        seen = read.result()
+        assert (seen[0], seen[-1]) == (7.0, 7.0)
+    else:
+        read.result()
+
+
+class PinnedExporter(handoff.Exporter):
+    """A library's array over pinned memory, exporting through handoff.Exporter."""
+
+    def __init__(self, memory):
+        self.memory = memory
+
+    def __handoff_array__(self):
+        return self.memory
+
+
+PINNED_PRODUCERS = {"handoff.Array": lambda memory: memory, "Exporter": PinnedExporter}
+TORCH_IMPORTS = {
+    "from_dlpack": lambda torch, x: torch.from_dlpack(x),
+    "device='cpu'": lambda torch, x: torch.from_dlpack(x, device="cpu"),
+    "copy=True": lambda torch, x: torch.from_dlpack(x, copy=True),
+}
+
+
+@pytest.mark.parametrize("producer", PINNED_PRODUCERS.values(), ids=PINNED_PRODUCERS)
+@pytest.mark.parametrize("torch_import", TORCH_IMPORTS.values(), ids=TORCH_IMPORTS)
+def test_torch_from_dlpack_of_pinned_memory_is_refused_saying_how_to_import_it_without_a_copy(
+    torch, producer, torch_import
+):
+    # PyTorch 2.13's from_dlpack asks for the data where __dlpack_device__ says it is (never on the
+    # CPU: dl_device only for the device its caller names, and pinned memory is none of PyTorch's),
+    # and its import refuses a kDLCUDAHost capsule ("Unsupported device_type: 3"). Its `copy=True`
+    # copies after that import, and `device='cpu'` moves after it.
+    source = sim.zeros(N, memory="pinned")
+    sim.fill(source, 3.0, stream=sim.Stream(non_blocking=True))
+    sim.synchronize()
+    pinned = source.device[0]
+    refusal = rf"PyTorch 2\.\d+\S* imports no .* capsule \(DLPack device type {pinned}\)"
+    with pytest.raises(BufferError, match=refusal) as refused:
+        torch_import(torch, producer(source))
+    assert "torch.from_dlpack(handoff.from_dlpack(x, device='cpu'))" in str(refused.value)
+    # What the error says to do: a CPU tensor of the same memory.
+    tensor = torch.from_dlpack(handoff.from_dlpack(producer(source), device="cpu"))
+    assert tensor.data_ptr() == source.data_ptr, "the pinned memory must be reused, not copied"
+    assert tensor[0].item() == 3.0 and tensor[-1].item() == 3.0
+    tensor[0] = 4.0
+    assert np.from_dlpack(handoff.from_dlpack(source, device="cpu"))[0] == 4.0
+
+
+def test_pinned_memory_asked_for_on_the_cpu_reaches_torch_without_a_copy(torch):
+    # The array API's way, which PyTorch's from_dlpack never takes but a capsule carries to it.
+    source = sim.zeros(N, memory="pinned")
+    sim.synchronize()
+    tensor = torch.from_dlpack(source.__dlpack__(dl_device=(CPU, 0), max_version=(1, 1)))
+    assert tensor.data_ptr() == source.data_ptr
+
+
+def test_a_pytorch_that_may_import_pinned_memory_gets_it_as_it_is(torch, monkeypatch):
+    # Only the PyTorch releases known to refuse it (through 2.13) are told what to do instead; a
+    # later one gets the capsule DLPack describes, kDLCUDAHost (this 2.13 then refuses it itself).
+    source = sim.zeros(N, memory="pinned")
+    sim.synchronize()
+    monkeypatch.setattr(torch, "__version__", "2.14.0")
+    with pytest.raises(BufferError, match=rf"^Unsupported device_type: {source.device[0]}$"):
+        torch.from_dlpack(source)
