@@ -11,6 +11,10 @@ from support import needs_sim
 
 ray = pytest.importorskip("ray", reason="handoff.ray needs Ray (pip install 'handoff[ray]')")
 
+# Starting the local cluster forks the test process; JAX, when an earlier test imported it, warns at
+# every fork that a multithreaded process may deadlock (the child execs Ray's processes at once).
+pytestmark = pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning")
+
 
 @pytest.fixture(scope="module")
 def cluster():
