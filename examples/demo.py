@@ -127,6 +127,9 @@ def main():
     print("\n7. A pipeline that never imports handoff: traced, its race flagged, then ordered")
     cross_library_demo()
 
+    print("\n8. Across processes: a hand-off between two processes, ordered on the device (handoff.ipc)")
+    two_process_demo()
+
 
 def cross_library_demo():
     """examples/cross_library.py, under `handoff-trace run` and then `handoff-trace run --order`, on
@@ -141,6 +144,15 @@ def cross_library_demo():
         command = " ".join(["handoff-trace", "run", *options, "--", "python", pipeline.name])
         print(f"\n  $ {command}   # {label}", flush=True)
         subprocess.run([*trace, *options, "--", sys.executable, str(pipeline)], env=env, check=True)
+
+
+def two_process_demo():
+    """examples/two_processes.py on the simulated device."""
+    import subprocess
+    from pathlib import Path
+
+    example = Path(__file__).with_name("two_processes.py")
+    subprocess.run([sys.executable, str(example)], env={**os.environ, "HANDOFF_BACKEND": "sim"}, check=True)
 
 
 if __name__ == "__main__":

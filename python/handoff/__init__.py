@@ -30,6 +30,7 @@ import atexit as _atexit
 import os as _os
 from pathlib import Path as _Path
 
+from . import ipc
 from ._exporter import Exporter
 from ._graph import ownership_graph
 from ._handoff import (
@@ -85,6 +86,7 @@ __all__ = [
     "from_dlpack",
     "get_cmake_dir",
     "get_include",
+    "ipc",
     "order_libraries",
     "ownership_graph",
     "register_library",

@@ -6,6 +6,7 @@
 #include "py_exchange.hpp"
 #include "py_gil.hpp"
 #include "py_interfaces.hpp"
+#include "py_ipc.hpp"
 #include "py_sim.hpp"
 #include "py_streams.hpp"
 #include "py_trace.hpp"
@@ -15,6 +16,7 @@
 #include <handoff/embedding.hpp>
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
+#include <handoff/ipc.hpp>
 #include <handoff/log.hpp>
 #include <handoff/runtime.hpp>
 #include <handoff/stats.hpp>
@@ -45,6 +47,10 @@ py::dict stats_dict()
   out["deferred_releases"] = s.deferred_releases;
   out["live_views"] = s.live_views;
   out["pending_releases"] = s.pending_releases;
+  out["ipc_shares"] = s.ipc_shares;
+  out["ipc_opens"] = s.ipc_opens;
+  out["ipc_mappings_cached"] = s.ipc_mappings_cached;
+  out["ipc_pending_remote_releases"] = s.ipc_pending_remote_releases;
   return out;
 }
 
@@ -111,13 +117,16 @@ PYBIND11_MODULE(_handoff, m)
   bind_view(m);
   bind_c_api(m);
   bind_sim(m);
+  bind_ipc(m);
   bind_trace(m);
   bind_interpose(m);
 
   m.def("stats", &stats_dict,
         "Exchange counters since the last reset_stats(), a dict of ints: exports, imports, waits_inserted, "
         "waits_elided, events_created, events_reused, deferred_releases, live_views and pending_releases (deferred "
-        "releases asked for and not yet run).");
+        "releases asked for and not yet run); across processes ipc_shares, ipc_opens, ipc_mappings_cached (mappings of "
+        "other processes' memory open here) and ipc_pending_remote_releases (opens of this process's shares not yet "
+        "released by their consumers).");
   m.def("reset_stats", &reset_stats, "Zeroes the counters (live_views and pending_releases keep counting).");
   m.def(
     "set_export_release",
@@ -146,7 +155,8 @@ PYBIND11_MODULE(_handoff, m)
       if (context* ctx = started_context()) {  // the releases may need the GIL themselves
         without_gil([ctx] { (void)ctx->drain_at_exit(context::exit_drain_limit); });
       }
-      close_python_gate();  // later releases leave their Python objects to the ending process
+      without_gil([] { ipc::shutdown(); });  // this process's shared memory files go
+      close_python_gate();                   // later releases leave their Python objects to the ending process
     },
     "Run at exit while Python is alive: waits for the stream-ordered releases still pending, then stops "
     "other threads from taking the GIL back.");

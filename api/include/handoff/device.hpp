@@ -3,6 +3,7 @@
 
 #include <handoff/dlpack.h>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -24,6 +25,12 @@ enum class event_handle : std::uintptr_t {};
 {
   return static_cast<std::uintptr_t>(handle);
 }
+
+/// An interprocess handle: CUDA's 64 opaque bytes (cudaIpcMemHandle_t, cudaIpcEventHandle_t), or a
+/// backend's own description of shared memory; read only by the backend that made it.
+struct ipc_handle {
+  std::array<std::byte, 128> bytes{};
+};
 
 /// What kind of memory an address belongs to.
 enum class memory_kind {
@@ -159,6 +166,36 @@ class backend {
   /// Enqueues a host function; it runs on a backend thread once earlier work on `stream` is done,
   /// and must not call into the backend.
   virtual void launch_host_func(stream_handle stream, void (*fn)(void*), void* user_data) = 0;
+
+  // --- across processes (each throws device_error cudaErrorNotSupported where the backend has none) ---
+
+  /// A handle another process of the node opens to map the allocation whose base is `base`
+  /// (cudaIpcGetMemHandle; for memory of a shareable stream-ordered pool, cuMemPoolExportPointer).
+  /// @throws device_error for memory that cannot be shared (not the base of device memory; a pool
+  ///         that was not made shareable).
+  [[nodiscard]] virtual ipc_handle ipc_memory_handle(void* base);
+  /// Maps memory another process shared on the current device (cudaIpcOpenMemHandle with lazy peer
+  /// access); undone with close_ipc_memory. @throws device_error as the runtime refuses it.
+  [[nodiscard]] virtual void* open_ipc_memory(const ipc_handle& handle);
+  /// Unmaps memory from open_ipc_memory (cudaIpcCloseMemHandle), once the work using it is done.
+  virtual void close_ipc_memory(void* ptr) noexcept;
+  /// An event another process can wait for (cudaEventCreateWithFlags with cudaEventInterprocess and
+  /// cudaEventDisableTiming, as CUDA requires), on the current device; destroyed with destroy_event.
+  [[nodiscard]] virtual event_handle create_ipc_event();
+  /// The handle of an event from create_ipc_event (cudaIpcGetEventHandle).
+  [[nodiscard]] virtual ipc_handle ipc_event_handle(event_handle event);
+  /// Opens an event another process shared (cudaIpcOpenEventHandle): it records, queries and is
+  /// waited for like a local event; destroyed with destroy_event.
+  [[nodiscard]] virtual event_handle open_ipc_event(const ipc_handle& handle);
+  /// Maps `bytes` of host memory at `ptr` for the device (cudaHostRegister, portable and mapped) and
+  /// returns the address the device uses for it; undone with unregister_host_memory.
+  [[nodiscard]] virtual void* register_host_memory(void* ptr, std::size_t bytes);
+  virtual void unregister_host_memory(void* ptr) noexcept;
+  /// Enqueues a write of `value` to the 64-bit word at device address `address` (cuStreamWriteValue64).
+  virtual void stream_write_value(stream_handle stream, void* address, std::uint64_t value);
+  /// Enqueues a wait until the 64-bit word at `address` is at least `value` (cuStreamWaitValue64,
+  /// CU_STREAM_WAIT_VALUE_GEQ): the stream's later work waits, the host never does.
+  virtual void stream_wait_value(stream_handle stream, void* address, std::uint64_t value);
 };
 
 }  // namespace handoff::device

@@ -10,6 +10,7 @@ from typing_extensions import Buffer, CapsuleType, TypeAlias
 
 from handoff._streams import Stream
 
+from . import _ipc as _ipc
 from . import _sim as _sim
 
 __version__: str
@@ -76,6 +77,10 @@ class _Stats(TypedDict):
     deferred_releases: int
     live_views: int
     pending_releases: int
+    ipc_shares: int
+    ipc_opens: int
+    ipc_mappings_cached: int
+    ipc_pending_remote_releases: int
 
 # The backends HANDOFF_BACKEND chooses from ('auto' reports the one it started); a name handoff does
 # not know is reported as given, with backend_error saying so.

@@ -11,10 +11,16 @@
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
+#include <map>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -59,6 +65,10 @@ struct driver_api {
   PFN_cuThreadExchangeStreamCaptureMode_v10010 thread_exchange_capture_mode{nullptr};
   PFN_cuStreamGetDevice_v12080 stream_get_device{nullptr};
   PFN_cuCtxGetId_v12000 ctx_get_id{nullptr};
+  // Across processes: looked up on first use (a driver without them still runs the rest).
+  PFN_cuStreamWriteValue64_v11070 stream_write_value64{nullptr};
+  PFN_cuStreamWaitValue64_v11070 stream_wait_value64{nullptr};
+  PFN_cuPointerGetAttribute_v4000 pointer_get_attribute{nullptr};
 };
 
 template <class F>
@@ -444,7 +454,195 @@ class cuda_backend final : public backend {
     HANDOFF_CUDA_TRY(cudaLaunchHostFunc(to_native(stream), fn, user_data));
   }
 
+  // --- across processes -------------------------------------------------------------------------
+  // A handle's first byte says what it shares: memory from cudaMalloc (cudaIpcMemHandle_t), or memory
+  // of a shareable stream-ordered pool (the pool's POSIX file descriptor, which the opening process
+  // takes from this one with pidfd_getfd, and cuMemPoolExportPointer's data).
+
+  [[nodiscard]] ipc_handle ipc_memory_handle(void* base) override
+  {
+    ipc_handle out;
+    CUmemoryPool pool = nullptr;
+    ensure_ipc_entry_points();
+    check_driver(driver_.pointer_get_attribute(&pool, CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
+                                               static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(base))),
+                 "cuPointerGetAttribute", base);
+    if (pool == nullptr) {
+      cudaIpcMemHandle_t handle{};
+      HANDOFF_CUDA_TRY(cudaIpcGetMemHandle(&handle, base));
+      out.bytes[0] = std::byte{legacy_memory};
+      std::memcpy(out.bytes.data() + handle_offset, &handle, sizeof handle);
+      return out;
+    }
+    const int fd = exported_pool(reinterpret_cast<cudaMemPool_t>(pool));
+    cudaMemPoolPtrExportData data{};
+    HANDOFF_CUDA_TRY(cudaMemPoolExportPointer(&data, base));
+    out.bytes[0] = std::byte{pool_memory};
+    std::memcpy(out.bytes.data() + handle_offset, &data, sizeof data);
+    const std::int32_t pid = ::getpid();
+    std::memcpy(out.bytes.data() + handle_offset + sizeof data, &pid, sizeof pid);
+    std::memcpy(out.bytes.data() + handle_offset + sizeof data + sizeof pid, &fd, sizeof fd);
+    return out;
+  }
+
+  [[nodiscard]] void* open_ipc_memory(const ipc_handle& handle) override
+  {
+    void* ptr = nullptr;
+    if (handle.bytes[0] == std::byte{legacy_memory}) {
+      cudaIpcMemHandle_t native{};
+      std::memcpy(&native, handle.bytes.data() + handle_offset, sizeof native);
+      HANDOFF_CUDA_TRY(cudaIpcOpenMemHandle(&ptr, native, cudaIpcMemLazyEnablePeerAccess));
+      return ptr;
+    }
+    if (handle.bytes[0] != std::byte{pool_memory}) {
+      throw device_error("cuda", "cudaErrorInvalidValue", "cudaIpcOpenMemHandle: not a memory handle of this backend");
+    }
+    cudaMemPoolPtrExportData data{};
+    std::int32_t pid = 0;
+    std::int32_t fd = -1;
+    std::memcpy(&data, handle.bytes.data() + handle_offset, sizeof data);
+    std::memcpy(&pid, handle.bytes.data() + handle_offset + sizeof data, sizeof pid);
+    std::memcpy(&fd, handle.bytes.data() + handle_offset + sizeof data + sizeof pid, sizeof fd);
+    const cudaMemPool_t pool = imported_pool(pid, fd);
+    HANDOFF_CUDA_TRY(cudaMemPoolImportPointer(&ptr, pool, &data));
+    std::lock_guard lock{ipc_mutex_};
+    pool_pointers_.insert(ptr);
+    return ptr;
+  }
+
+  void close_ipc_memory(void* ptr) noexcept override
+  {
+    bool from_pool = false;
+    {
+      std::lock_guard lock{ipc_mutex_};
+      from_pool = pool_pointers_.erase(ptr) != 0;
+    }
+    // An imported pool pointer is freed like any of the pool's (the exporter's memory stays).
+    log_quietly(from_pool ? "cudaFree" : "cudaIpcCloseMemHandle",
+                from_pool ? cudaFree(ptr) : cudaIpcCloseMemHandle(ptr));
+  }
+
+  [[nodiscard]] event_handle create_ipc_event() override
+  {
+    cudaEvent_t event = nullptr;
+    HANDOFF_CUDA_TRY(cudaEventCreateWithFlags(&event, cudaEventInterprocess | cudaEventDisableTiming));
+    return event_handle{reinterpret_cast<std::uintptr_t>(event)};
+  }
+
+  [[nodiscard]] ipc_handle ipc_event_handle(event_handle event) override
+  {
+    cudaIpcEventHandle_t handle{};
+    HANDOFF_CUDA_TRY(cudaIpcGetEventHandle(&handle, to_native(event)));
+    ipc_handle out;
+    std::memcpy(out.bytes.data(), &handle, sizeof handle);
+    return out;
+  }
+
+  [[nodiscard]] event_handle open_ipc_event(const ipc_handle& handle) override
+  {
+    cudaIpcEventHandle_t native{};
+    std::memcpy(&native, handle.bytes.data(), sizeof native);
+    cudaEvent_t event = nullptr;
+    HANDOFF_CUDA_TRY(cudaIpcOpenEventHandle(&event, native));
+    return event_handle{reinterpret_cast<std::uintptr_t>(event)};
+  }
+
+  [[nodiscard]] void* register_host_memory(void* ptr, std::size_t bytes) override
+  {
+    HANDOFF_CUDA_TRY(cudaHostRegister(ptr, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped));
+    void* device_ptr = nullptr;
+    const cudaError_t mapped = cudaHostGetDevicePointer(&device_ptr, ptr, 0);
+    if (mapped != cudaSuccess) {
+      log_quietly("cudaHostUnregister", cudaHostUnregister(ptr));
+      HANDOFF_CUDA_TRY(mapped);
+    }
+    return device_ptr;
+  }
+
+  void unregister_host_memory(void* ptr) noexcept override
+  {
+    log_quietly("cudaHostUnregister", cudaHostUnregister(ptr));
+  }
+
+  void stream_write_value(stream_handle stream, void* address, std::uint64_t value) override
+  {
+    ensure_ipc_entry_points();
+    check_driver(driver_.stream_write_value64(to_native(stream), reinterpret_cast<CUdeviceptr>(address), value,
+                                              CU_STREAM_WRITE_VALUE_DEFAULT),
+                 "cuStreamWriteValue64", address);
+  }
+
+  void stream_wait_value(stream_handle stream, void* address, std::uint64_t value) override
+  {
+    ensure_ipc_entry_points();
+    check_driver(driver_.stream_wait_value64(to_native(stream), reinterpret_cast<CUdeviceptr>(address), value,
+                                             CU_STREAM_WAIT_VALUE_GEQ),
+                 "cuStreamWaitValue64", address);
+  }
+
  private:
+  static constexpr unsigned char legacy_memory = 1;
+  static constexpr unsigned char pool_memory = 2;
+  static constexpr std::size_t handle_offset = 8;
+
+  void ensure_ipc_entry_points()
+  {
+    std::lock_guard lock{ipc_mutex_};
+    if (driver_.pointer_get_attribute != nullptr) { return; }
+    load_entry_point("cuStreamWriteValue64", driver_.stream_write_value64, 11070);
+    load_entry_point("cuStreamWaitValue64", driver_.stream_wait_value64, 11070);
+    load_entry_point("cuPointerGetAttribute", driver_.pointer_get_attribute, 4000);
+  }
+
+  // The pool's POSIX file descriptor, exported once per pool and kept for the process (a process
+  // opening a handle takes its own copy of it). A pool made without that handle type refuses.
+  int exported_pool(cudaMemPool_t pool)
+  {
+    std::lock_guard lock{ipc_mutex_};
+    if (const auto it = exported_pools_.find(pool); it != exported_pools_.end()) { return it->second; }
+    int fd = -1;
+    const cudaError_t status = cudaMemPoolExportToShareableHandle(&fd, pool, cudaMemHandleTypePosixFileDescriptor, 0);
+    if (status != cudaSuccess) {
+      (void)cudaGetLastError();
+      throw device_error("cuda", cudaGetErrorName(status),
+                         fmt::format("cudaMemPoolExportToShareableHandle failed: {}: the memory comes from a "
+                                     "stream-ordered pool that was not created shareable (cudaMemPoolCreate with "
+                                     "handleTypes = cudaMemHandleTypePosixFileDescriptor); the default pool of "
+                                     "cudaMallocAsync never is",
+                                     cudaGetErrorName(status)));
+    }
+    exported_pools_.emplace(pool, fd);
+    return fd;
+  }
+
+  // The pool process `pid` exported as its descriptor `fd`, imported once per process.
+  cudaMemPool_t imported_pool(std::int32_t pid, std::int32_t fd)
+  {
+    std::lock_guard lock{ipc_mutex_};
+    const auto key = std::make_pair(pid, fd);
+    if (const auto it = imported_pools_.find(key); it != imported_pools_.end()) { return it->second; }
+    const long pidfd = ::syscall(SYS_pidfd_open, pid, 0);
+    if (pidfd < 0) {
+      throw device_error("cuda", "cudaErrorInvalidValue",
+                         fmt::format("pidfd_open({}) failed: the process that shared the pool is gone", pid));
+    }
+    const long local = ::syscall(SYS_pidfd_getfd, static_cast<int>(pidfd), fd, 0);
+    ::close(static_cast<int>(pidfd));
+    if (local < 0) {
+      throw device_error("cuda", "cudaErrorInvalidValue",
+                         fmt::format("pidfd_getfd({}, {}) failed: this process may not take the pool's descriptor "
+                                     "(ptrace access to the producer is required)",
+                                     pid, fd));
+    }
+    cudaMemPool_t pool = nullptr;
+    const cudaError_t status = cudaMemPoolImportFromShareableHandle(
+      &pool, reinterpret_cast<void*>(static_cast<std::intptr_t>(local)), cudaMemHandleTypePosixFileDescriptor, 0);
+    ::close(static_cast<int>(local));
+    HANDOFF_CUDA_TRY(status);
+    imported_pools_.emplace(key, pool);
+    return pool;
+  }
+
   [[nodiscard]] CUcontext current_context() const
   {
     CUcontext context = nullptr;
@@ -494,6 +692,10 @@ class cuda_backend final : public backend {
   driver_api driver_;
   std::mutex primary_mutex_;
   std::vector<CUcontext> primary_contexts_;  // by ordinal; null until first pushed
+  std::mutex ipc_mutex_;
+  std::map<cudaMemPool_t, int> exported_pools_;
+  std::map<std::pair<std::int32_t, std::int32_t>, cudaMemPool_t> imported_pools_;
+  std::set<void*> pool_pointers_;  // opened from pools: freed, not closed
 };
 
 }  // namespace

@@ -34,6 +34,12 @@ constexpr std::array error_table{
              "operation not permitted on an event last recorded in a capturing stream"},
   error_info{sim_error::illegal_state, "cudaErrorIllegalState", "hipErrorIllegalState",
              "the operation cannot be performed in the present state"},
+  error_info{sim_error::device_uninitialized, "cudaErrorDeviceUninitialized", "hipErrorInvalidContext",
+             "invalid device context"},
+  error_info{sim_error::map_failed, "cudaErrorMapBufferObjectFailed", "hipErrorMapFailed",
+             "mapping of buffer object failed"},
+  error_info{sim_error::peer_access_unsupported, "cudaErrorPeerAccessUnsupported", "hipErrorPeerAccessUnsupported",
+             "peer access is not supported between these two devices"},
 };
 
 // Errors a fault may name that the simulation never raises by itself.
@@ -82,6 +88,12 @@ constexpr std::array operation_table{
   operation_info{"free_sync", "cudaFree", "hipFree"},
   operation_info{"context_id", "cuCtxGetId", "hipDevicePrimaryCtxGetState"},
   operation_info{"release_with_capture", "cudaGraphRetainUserObject", "hipGraphRetainUserObject"},
+  operation_info{"ipc_memory_handle", "cudaIpcGetMemHandle", "hipIpcGetMemHandle"},
+  operation_info{"create_ipc_event", "cudaEventCreateWithFlags", "hipEventCreateWithFlags"},
+  operation_info{"ipc_event_handle", "cudaIpcGetEventHandle", "hipIpcGetEventHandle"},
+  operation_info{"register_host_memory", "cudaHostRegister", "hipHostRegister"},
+  operation_info{"stream_write_value", "cuStreamWriteValue64", "hipStreamWriteValue64"},
+  operation_info{"stream_wait_value", "cuStreamWaitValue64", "hipStreamWaitValue64"},
   operation_info{"hold", "simStreamHold", "simStreamHold"},
   operation_info{"pending", "simStreamPending", "simStreamPending"},
   operation_info{"held", "simStreamHeld", "simStreamHeld"},
@@ -89,12 +101,17 @@ constexpr std::array operation_table{
   operation_info{"synchronize_unheld", "simSynchronizeUnheld", "simSynchronizeUnheld"},
 };
 
-// Not injectable: they are noexcept (a failure there can only be logged).
+// Not injectable: they are noexcept (a failure there can only be logged), or open what another
+// process shared (which no single-process test can make succeed).
 constexpr std::array quiet_table{
+  operation_info{"open_ipc_memory", "cudaIpcOpenMemHandle", "hipIpcOpenMemHandle"},
+  operation_info{"open_ipc_event", "cudaIpcOpenEventHandle", "hipIpcOpenEventHandle"},
   operation_info{"destroy_stream", "cudaStreamDestroy", "hipStreamDestroy"},
   operation_info{"destroy_event", "cudaEventDestroy", "hipEventDestroy"},
   operation_info{"deallocate", "cudaFreeAsync", "hipFreeAsync"},
   operation_info{"pop_current_device", "cuCtxPopCurrent", "hipCtxPopCurrent"},
+  operation_info{"close_ipc_memory", "cudaIpcCloseMemHandle", "hipIpcCloseMemHandle"},
+  operation_info{"unregister_host_memory", "cudaHostUnregister", "hipHostUnregister"},
 };
 
 constexpr auto operation_keys = [] {

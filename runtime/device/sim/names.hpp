@@ -22,6 +22,9 @@ enum class sim_error {
   capture_unmatched,
   captured_event,
   illegal_state,
+  device_uninitialized,
+  map_failed,
+  peer_access_unsupported,
 };
 
 /// The runtime's name of `code` ("cudaErrorInvalidValue", "hipErrorInvalidValue").

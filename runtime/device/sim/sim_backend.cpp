@@ -309,6 +309,9 @@ void sim_backend::destroy_event(event_handle event) noexcept
     const call_with c{"destroy_event", "{:#x}", raw(event)};
     if (!impl_->open_quiet(c)) { return; }
     std::lock_guard lock(impl_->mutex);
+    if (const auto it = impl_->events.find(raw(event)); it != impl_->events.end() && it->second->ipc) {
+      if (it->second->ipc->exporter) { it->second->ipc->state->destroyed.store(1, std::memory_order_release); }
+    }
     if (impl_->events.erase(raw(event)) != 0) {
       impl_->destroyed_events.insert(raw(event));
     } else if (impl_->destroyed_events.contains(raw(event))) {
@@ -335,6 +338,7 @@ void sim_backend::record_event(event_handle event, stream_handle stream)
   }
   impl_->check_legacy_use(c, s);
   if (s.capture) {
+    if (e.ipc) { impl_->fail(c, sim_error::capture_unsupported, "an interprocess event cannot be captured"); }
     e.capture = s.capture;
     e.captured_at = impl_->capture_locked(s, {});
     e.fence = nullptr;
@@ -343,6 +347,7 @@ void sim_backend::record_event(event_handle event, stream_handle stream)
   e.capture = nullptr;
   e.captured_at.reset();
   e.fence = impl_->enqueue_locked(s, {});
+  if (e.ipc) { impl_->signal_record(e, e.fence); }
 }
 
 bool sim_backend::query_event(event_handle event)
@@ -353,6 +358,9 @@ bool sim_backend::query_event(event_handle event)
   auto& e = impl_->event(c, event);
   if (e.capture) { impl_->fail(c, sim_error::captured_event); }
   impl_->check_unsafe_call(c);
+  if (impl_->recorded_elsewhere(c, e)) {
+    return impl::shared_record_reached(*e.ipc, e.ipc->state->recorded.load(std::memory_order_acquire));
+  }
   return is_done(e.fence);
 }
 
@@ -367,7 +375,12 @@ void sim_backend::synchronize_event(event_handle event)
     auto& e = impl_->event(c, event);
     if (e.capture) { impl_->fail(c, sim_error::captured_event); }
     impl_->check_unsafe_call(c);
-    fence = e.fence;
+    if (impl_->recorded_elsewhere(c, e)) {
+      const std::uint64_t record = e.ipc->state->recorded.load(std::memory_order_acquire);
+      fence = impl_->watch().when([shared = e.ipc, record] { return impl::shared_record_reached(*shared, record); });
+    } else {
+      fence = e.fence;
+    }
     device = e.device;
     impl_->refuse_held_wait(c, {fence});
   }
@@ -395,6 +408,18 @@ void sim_backend::stream_wait_event(stream_handle stream, event_handle event)
   }
   if (s.capture) {
     (void)impl_->capture_locked(s, {});  // an external dependency of the graph: nothing to order at launch
+    return;
+  }
+  if (impl_->recorded_elsewhere(c, e)) {
+    // Another process's stream must reach the record the event holds now: a later record does not
+    // change this wait, as for a local event.
+    const std::uint64_t record = e.ipc->state->recorded.load(std::memory_order_acquire);
+    if (impl::shared_record_reached(*e.ipc, record)) {
+      impl_->enqueue_locked(s, {});
+      return;
+    }
+    impl_->enqueue_locked(
+      s, {}, impl_->watch().when([shared = e.ipc, record] { return impl::shared_record_reached(*shared, record); }));
     return;
   }
   // The fence is copied now: a later re-record of the event does not change this wait.
@@ -606,8 +631,8 @@ void sim_backend::reset_device(int device)
     return true;
   });
   std::erase_if(impl_->allocations, [&](const auto& entry) {
-    if (entry.second.device != device) { return false; }
-    ::operator delete(reinterpret_cast<void*>(entry.first), allocation_alignment);
+    if (entry.second.device != device || entry.second.registered) { return false; }
+    impl::free_memory(entry.first, entry.second);
     return true;
   });
   dev.per_thread.clear();

@@ -140,8 +140,9 @@ sim_backend::impl::~impl()
     }
     holds.clear();
   }
-  pool.shutdown();  // pending frees need the table, so drain before anything is destroyed
-  for (auto& [base, info] : allocations) { ::operator delete(reinterpret_cast<void*>(base), allocation_alignment); }
+  if (ipc_watcher) { ipc_watcher->stop(); }  // work held for other processes is let go
+  pool.shutdown();                           // pending frees need the table, so drain before anything is destroyed
+  for (auto& [base, info] : allocations) { free_memory(base, info); }
 }
 
 // --- opening a call --------------------------------------------------------------------------------
@@ -470,9 +471,14 @@ void* sim_backend::impl::allocate_locked(const call& c, std::size_t bytes, memor
 {
   const int device = using_current(c);
   if (bytes == 0) { return nullptr; }
+  if (kind == memory_kind::device) { return allocate_shareable_locked(c, bytes, device); }
   void* p = ::operator new(bytes, allocation_alignment, std::nothrow);
   if (p == nullptr) { fail(c, sim_error::memory_allocation); }
-  allocations.emplace(reinterpret_cast<std::uintptr_t>(p), allocation{bytes, kind, device, false});
+  allocation info;
+  info.size = bytes;
+  info.kind = kind;
+  info.device = device;
+  allocations.emplace(reinterpret_cast<std::uintptr_t>(p), std::move(info));
   HANDOFF_LOG_DEBUG("{}: {} bytes at {} on device {}", backend_name(), bytes, p, device);
   return p;
 }
@@ -480,7 +486,10 @@ void* sim_backend::impl::allocate_locked(const call& c, std::size_t bytes, memor
 void sim_backend::impl::release_allocation(std::uintptr_t base) noexcept
 {
   std::lock_guard lock(mutex);
-  if (allocations.erase(base) != 0) { ::operator delete(reinterpret_cast<void*>(base), allocation_alignment); }
+  if (const auto it = allocations.find(base); it != allocations.end()) {
+    free_memory(base, it->second);
+    allocations.erase(it);
+  }
 }
 
 }  // namespace handoff::device

@@ -3,6 +3,7 @@
 // record uses of destroyed handles, sticky errors). One mutex guards it.
 #pragma once
 
+#include "device/sim/ipc.hpp"
 #include "device/sim/names.hpp"
 #include "device/sim/work_queue.hpp"
 
@@ -141,6 +142,7 @@ struct event_state {
   node_ptr fence;                          // the most recent record; null: never recorded
   std::shared_ptr<capture_info> capture;   // non-null when last recorded in a capture
   std::optional<std::size_t> captured_at;  // the operation it was recorded after, in that capture
+  std::shared_ptr<shared_event> ipc;       // an interprocess event: its state in shared memory
 };
 
 /// Simulated allocations are host memory aligned as cudaMalloc's are.
@@ -151,6 +153,10 @@ struct allocation {
   memory_kind kind{memory_kind::device};
   int device{0};
   bool free_pending{false};
+  // Device memory other processes may map (its file); null for memory of another kind.
+  std::shared_ptr<detail::shared_mapping> segment;
+  int ipc_opens{0};        // memory another process shared, mapped here: open_ipc_memory's count
+  bool registered{false};  // host memory register_host_memory mapped: not the simulator's to free
 };
 
 struct device_state {
@@ -268,7 +274,25 @@ struct sim_backend::impl final : sim_detail::thread_state_owner {
   void wait_on_device(const call& c, int device, const std::vector<node_ptr>& targets);
 
   void* allocate_locked(const call& c, std::size_t bytes, memory_kind kind);
+  /// Device memory in a shared memory file, so that other processes can map it (cudaMalloc's memory
+  /// can be shared with cudaIpcGetMemHandle). Mutex held.
+  void* allocate_shareable_locked(const call& c, std::size_t bytes, int device);
   void release_allocation(std::uintptr_t base) noexcept;
+  /// Frees an allocation's memory (its shared memory file, or the heap's); the table entry is the caller's.
+  static void free_memory(std::uintptr_t base, const sim_detail::allocation& info) noexcept;
+  /// The watch over other processes' progress, started on first use. Mutex held.
+  sim_detail::ipc_watch& watch();
+  /// A shared interprocess event's record, in order after this process's earlier records of it.
+  void signal_record(event_state& e, const node_ptr& reached);
+  /// True when an interprocess event's latest record was made by another process (waits and queries
+  /// then read the shared state); records a violation for an opened event its exporter destroyed.
+  /// Mutex held.
+  bool recorded_elsewhere(const call& c, const event_state& e);
+  /// Fails the call unless `address` is an aligned 64-bit word of memory the device reaches (device
+  /// memory, or host memory allocated pinned or registered), as cuStreamWriteValue64 requires. Mutex held.
+  void require_device_word(const call& c, const void* address) const;
+  /// Whether the shared state shows `record` reached (or its process ended, when it never will).
+  static bool shared_record_reached(const sim_detail::shared_event& shared, std::uint64_t record) noexcept;
 
   sim_flavour flavour;
   int device_count;
@@ -303,6 +327,10 @@ struct sim_backend::impl final : sim_detail::thread_state_owner {
   std::unordered_map<std::string, sim_detail::fault> faults;
 
   std::atomic<std::chrono::nanoseconds::rep> copy_duration{0};  // how long each copy_async occupies its stream
+
+  // Memory other processes shared, mapped here: (their pid, their file's serial) -> base address.
+  std::map<std::pair<int, std::uint64_t>, std::uintptr_t> imported;
+  std::unique_ptr<sim_detail::ipc_watch> ipc_watcher;  // stopped before the pool drains
 
   sim_detail::worker_pool pool;  // last: destroyed (drained) first
 };

@@ -597,6 +597,26 @@ TEST_P(DeviceTest, InjectedFaultsFailEachOperationOnce)
        (void)s.end_capture(capturing);
      }},
     {"hold", [&] { s.hold(blocking).release(); }},
+    {"ipc_memory_handle", [&] { (void)b().ipc_memory_handle(p); }},
+    {"create_ipc_event", [&] { b().destroy_event(b().create_ipc_event()); }},
+    {"ipc_event_handle",
+     [&] {
+       const auto shared = b().create_ipc_event();
+       try {
+         (void)b().ipc_event_handle(shared);
+       } catch (...) {
+         b().destroy_event(shared);
+         throw;
+       }
+       b().destroy_event(shared);
+     }},
+    {"register_host_memory",
+     [&] {
+       alignas(8) static std::uint64_t word = 0;
+       b().unregister_host_memory(b().register_host_memory(&word, sizeof word));
+     }},
+    {"stream_write_value", [&] { b().stream_write_value(blocking, p, 1); }},
+    {"stream_wait_value", [&] { b().stream_wait_value(blocking, p, 0); }},
     {"pending", [&] { (void)s.pending(blocking); }},
     {"held", [&] { (void)s.held(blocking); }},
     {"waits_for_hold", [&] { (void)s.waits_for_hold(blocking); }},

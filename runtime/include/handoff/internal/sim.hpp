@@ -137,6 +137,35 @@ class sim_backend final : public backend {
   void release_with_capture(stream_handle stream, void (*release)(void* data) noexcept, void* data) override;
   void launch_host_func(stream_handle stream, void (*fn)(void*), void* user_data) override;
 
+  // --- across processes: device memory lives in shared memory files named by its handles ---------
+  /// Device memory from `allocate` can be shared (as cudaMalloc's): other kinds cannot
+  /// (cudaErrorInvalidValue), nor memory mapped from another process.
+  [[nodiscard]] ipc_handle ipc_memory_handle(void* base) override;
+  /// Refused as CUDA refuses it: in the process that made the handle (cudaErrorDeviceUninitialized),
+  /// memory that was freed or whose process ended (cudaErrorMapBufferObjectFailed), a handle that
+  /// names no memory of this node (cudaErrorInvalidResourceHandle), on another device than the
+  /// memory's (simulated devices have no peer access: cudaErrorPeerAccessUnsupported). Opened again
+  /// in the same process it gives the same address and counts the opens, each closed once.
+  [[nodiscard]] void* open_ipc_memory(const ipc_handle& handle) override;
+  void close_ipc_memory(void* ptr) noexcept override;
+  [[nodiscard]] event_handle create_ipc_event() override;
+  /// cudaErrorInvalidResourceHandle for an event not made by create_ipc_event.
+  [[nodiscard]] ipc_handle ipc_event_handle(event_handle event) override;
+  /// A wait on the opened event holds the waiting stream until the exporting process's stream
+  /// reaches the record; using it after its exporter destroyed it is a violation.
+  [[nodiscard]] event_handle open_ipc_event(const ipc_handle& handle) override;
+  [[nodiscard]] void* register_host_memory(void* ptr, std::size_t bytes) override;
+  void unregister_host_memory(void* ptr) noexcept override;
+  /// The address must be memory the device reaches (device memory, or host memory allocated pinned
+  /// or registered): else cudaErrorInvalidValue.
+  void stream_write_value(stream_handle stream, void* address, std::uint64_t value) override;
+  void stream_wait_value(stream_handle stream, void* address, std::uint64_t value) override;
+
+  /// An event with CUDA's flags (cudaEventCreateWithFlags): an interprocess event must also disable
+  /// timing (cudaErrorInvalidValue otherwise). Simulated events never time: a timing event is a
+  /// plain one.
+  [[nodiscard]] event_handle create_event_with_flags(bool interprocess, bool disable_timing);
+
   // --- simulation extras -----------------------------------------------------------------------
   [[nodiscard]] sim_flavour flavour() const noexcept;
 

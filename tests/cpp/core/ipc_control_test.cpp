@@ -1,0 +1,89 @@
+// The shared state of the hand-off across processes: the handle's wire format and its refusals, and
+// the holds protocol a producer and its consumers run on a share's slot.
+#include "core/ipc_control.hpp"
+
+#include <handoff/error.hpp>
+
+#include <gtest/gtest.h>
+
+#include <memory>
+
+namespace handoff::ipc::detail {
+namespace {
+
+wire_handle sample()
+{
+  wire_handle h;
+  h.pid = 1234;
+  h.start_time = 99;
+  h.slot = 7;
+  h.generation = 3;
+  h.backend = "sim";
+  h.device = {kDLCUDA, 1};
+  h.dtype = {kDLFloat, 32, 1};
+  h.shape = {2, 3};
+  h.strides = {3, 1};
+  h.offset = 512;
+  h.allocation_size = 4096;
+  h.memory.bytes[0] = std::byte{42};
+  h.event.bytes[5] = std::byte{7};
+  return h;
+}
+
+TEST(IpcHandleTest, RoundTrips)
+{
+  const wire_handle h = sample();
+  const auto bytes = encode(h);
+  EXPECT_LT(bytes.size(), 512U);
+  const wire_handle back = decode(bytes);
+  EXPECT_EQ(back.pid, 1234);
+  EXPECT_EQ(back.slot, 7U);
+  EXPECT_EQ(back.backend, "sim");
+  EXPECT_EQ(back.shape, h.shape);
+  EXPECT_EQ(back.strides, h.strides);
+  EXPECT_EQ(back.offset, 512U);
+  EXPECT_EQ(back.memory.bytes, h.memory.bytes);
+  EXPECT_EQ(back.event.bytes, h.event.bytes);
+}
+
+TEST(IpcHandleTest, RefusesWhatIsNoHandleOrWasAltered)
+{
+  auto bytes = encode(sample());
+  EXPECT_THROW((void)decode(std::span{bytes}.first(10)), value_error);
+  auto altered = bytes;
+  altered[40] ^= std::byte{1};
+  EXPECT_THROW((void)decode(altered), value_error);
+  std::vector<std::byte> junk(bytes.size(), std::byte{0});
+  EXPECT_THROW((void)decode(junk), value_error);
+  bytes.push_back(std::byte{0});  // trailing bytes
+  EXPECT_THROW((void)decode(bytes), value_error);
+}
+
+TEST(IpcSlotTest, ConsumersCountThemselvesInOnlyWhileTheShareIsHeld)
+{
+  auto slot = std::make_unique<share_slot>();
+  slot->word.store(pack_word(5, 1));  // the producer's own hold
+  const claim first = claim_share(*slot, 5, 100, 1);
+  ASSERT_NE(first.entry, nullptr);
+  EXPECT_EQ(holds_of(slot->word.load()), 2U);
+  EXPECT_EQ(first.entry->state.load(), static_cast<std::uint32_t>(entry_state::open));
+  EXPECT_EQ(claim_share(*slot, 4, 100, 1).entry, nullptr);  // a stale generation: another share
+  slot->word.store(pack_word(5, 0));                        // nobody holds it: it is being released
+  EXPECT_EQ(claim_share(*slot, 5, 100, 1).entry, nullptr);
+  slot->word.store(pack_word(5, 1));
+  for (std::size_t i = 1; i < consumers_per_share; ++i) { ASSERT_NE(claim_share(*slot, 5, 100, 1).entry, nullptr); }
+  EXPECT_TRUE(claim_share(*slot, 5, 100, 1).full);
+}
+
+TEST(IpcSlotTest, ATicketIsTakenOnce)
+{
+  auto slot = std::make_unique<share_slot>();
+  slot->tickets.store(1);
+  take_ticket(*slot);
+  take_ticket(*slot);
+  EXPECT_EQ(slot->tickets.load(), 0U);
+  EXPECT_EQ(slot->tickets_used.load(), 1U);
+}
+
+}  // namespace
+}  // namespace handoff::ipc::detail

@@ -1,0 +1,401 @@
+"""The hand-off across processes (handoff.ipc): two processes of one node, on the simulator (and
+host memory on any backend). The other process is an ipc_agent driven through pipes: a test waits
+for its answers, never for time. Races are held with the simulator's gate, in the process whose
+stream must not get there yet."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import handoff
+from handoff import ipc
+
+from support import BACKEND, SIM, SIM_ROCM, needs_sim
+
+AGENT = Path(__file__).with_name("ipc_agent.py")
+# How long a test waits for another process's answer, or for a release that must come: a bound on a
+# wait for an event, not a delay that orders anything.
+DEADLINE = 60.0
+
+
+class Agent:
+    """Another process of this node, on this test's backend (HANDOFF_BACKEND and its settings)."""
+
+    def __init__(self, **env: str) -> None:
+        environment = {**os.environ, **env}
+        self.process = subprocess.Popen(
+            [sys.executable, str(AGENT)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=environment,
+        )
+        assert self._answer() == "ready"
+
+    def _answer(self):
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the agent ended (status {self.process.wait()})")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise AgentError(answer["error"], answer["message"])
+        return answer["ok"]
+
+    def run(self, code: str):
+        """Runs `code` there; returns its `result`, or raises AgentError with what it raised."""
+        self.process.stdin.write(json.dumps(code) + "\n")
+        self.process.stdin.flush()
+        return self._answer()
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+        self.close()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            self.process.wait(timeout=DEADLINE)
+        for pipe in (self.process.stdin, self.process.stdout):
+            if not pipe.closed:
+                pipe.close()
+
+
+class AgentError(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+@pytest.fixture
+def agent():
+    made = Agent()
+    yield made
+    made.close()
+
+
+def wait_until(condition, what: str) -> None:
+    """Looks at the producer's consumers until `condition()` holds (an asynchronous release)."""
+    deadline = time.monotonic() + DEADLINE
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        ipc._poll()
+
+
+def reforge(data: bytes, at: int, replacement: bytes) -> bytes:
+    """A handle with `replacement` at byte `at`, its checksum made to match (a forger's work)."""
+    body = bytearray(data[:-8])
+    body[at : at + len(replacement)] = replacement
+    checksum = 0xCBF29CE484222325
+    for byte in body:
+        checksum = ((checksum ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return bytes(body) + struct.pack("<Q", checksum)
+
+
+# --- handles ------------------------------------------------------------------------------------
+
+
+def test_a_handle_is_small_and_any_pickler_carries_it():
+    handle = ipc.share(np.arange(6, dtype=np.int32).reshape(2, 3))
+    data = bytes(handle)
+    assert len(data) < 1024
+    copied = pickle.loads(pickle.dumps(handle))
+    assert copied == handle and copied.shape == (2, 3) and copied.dtype == "int32"
+    assert copied.producer_pid == os.getpid()
+    assert "host memory" in repr(handle)
+
+
+def test_open_refuses_what_is_not_a_handle():
+    with pytest.raises(TypeError, match=r"expects a handoff\.ipc\.Handle"):
+        ipc.open(b"not a handle")
+    with pytest.raises(ValueError, match="not a handoff IPC handle"):
+        ipc.Handle(b"\x00" * 64)
+
+
+def test_a_corrupted_or_forged_handle_is_refused():
+    data = bytes(ipc.share(np.ones(4)))
+    with pytest.raises(ValueError, match="corrupted or forged"):
+        ipc.Handle(data[:40] + bytes([data[40] ^ 1]) + data[41:])
+
+
+def test_a_handle_of_another_boot_or_node_is_refused(agent):
+    data = bytes(ipc.share(np.ones(4)))
+    foreign = reforge(data, 16, b"\x5a" * 16)  # the boot id follows the magic, version and flags
+    with pytest.raises(AgentError, match="another node"):
+        agent.run(f"ipc.open(ipc.Handle({foreign!r}))")
+
+
+def test_a_process_cannot_open_its_own_handle():
+    handle = ipc.share(np.ones(4))
+    with pytest.raises(BufferError, match="this very process"):
+        ipc.open(handle)
+
+
+def test_plain_pickle_still_refuses_an_array():
+    with pytest.raises(TypeError, match="cannot pickle"):
+        pickle.dumps(handoff.asarray(np.ones(3)))
+
+
+# --- host memory (any backend) ----------------------------------------------------------------------
+
+
+def test_host_memory_is_copied_once_into_shared_memory(agent):
+    source = np.arange(12, dtype=np.float64).reshape(3, 4)
+    handle = ipc.share(source)
+    source[:] = -1  # the share copied the data once: later writes here are not seen
+    assert agent.run(f"a = ipc.open(ipc.Handle({bytes(handle)!r})); result = numpy.asarray(a).tolist()") == (
+        np.arange(12, dtype=np.float64).reshape(3, 4).tolist()
+    )
+    assert agent.run("result = a.device") == [1, 0]
+    with pytest.raises(BufferError, match="copy=False"):
+        ipc.share(source, copy=False)
+
+
+def test_the_producer_keeps_host_memory_until_the_consumer_released_it(agent):
+    handle = ipc.share(np.full(8, 3.0))
+    agent.run(f"a = ipc.open(ipc.Handle({bytes(handle)!r}))")
+    del handle  # the producer's own hold goes: the consumer's open still holds the share
+    ipc._poll()
+    assert handoff.stats()["ipc_pending_remote_releases"] >= 1
+    assert agent.run("result = float(numpy.asarray(a).sum())") == 24.0
+    agent.run("del a")
+    wait_until(
+        lambda: handoff.stats()["ipc_pending_remote_releases"] == 0, "the consumer's release reached the producer"
+    )
+
+
+def test_a_released_share_cannot_be_opened(agent):
+    handle = ipc.share(np.ones(4))
+    data = bytes(handle)
+    del handle
+    with pytest.raises(AgentError, match="released the share") as refused:
+        agent.run(f"ipc.open(ipc.Handle({data!r}))")
+    assert refused.value.kind == "BufferError"
+
+
+def test_a_handle_whose_producer_exited_is_refused(agent):
+    producer = Agent()
+    data = producer.run("h = ipc.share(numpy.ones(4)); result = list(bytes(h))")
+    producer.close()
+    with pytest.raises(AgentError, match="has ended") as refused:
+        agent.run(f"ipc.open(ipc.Handle({bytes(data)!r}))")
+    assert refused.value.kind == "BufferError"
+
+
+def test_a_consumer_killed_holding_an_array_is_noticed(agent):
+    handle = ipc.share(np.ones(1024))
+    agent.run(f"a = ipc.open(ipc.Handle({bytes(handle)!r}))")
+    del handle
+    ipc._poll()
+    assert handoff.stats()["ipc_pending_remote_releases"] >= 1
+    agent.kill()
+    wait_until(lambda: handoff.stats()["ipc_pending_remote_releases"] == 0, "the killed consumer's hold released")
+
+
+def test_an_array_through_a_multiprocessing_queue_arrives_as_an_array():
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:
+        source = handoff.asarray(np.arange(10, dtype=np.int64))
+        assert pool.apply(_sum_of_received, (source,)) == 45
+        del source
+
+
+def _sum_of_received(array):
+    assert type(array).__name__ == "Array"
+    return int(np.asarray(array).sum())
+
+
+# --- device memory on the simulator -------------------------------------------------------------
+
+
+@needs_sim
+def test_the_consumer_stream_waits_for_the_producer_and_reads_the_finished_data(agent):
+    from handoff import sim
+
+    producer = sim.Stream(non_blocking=True)
+    a = sim.zeros(256, "float32")
+    with sim.hold(producer):
+        sim.fill(a, 7.0, stream=producer)  # held: the data is not written yet
+        handle = ipc.share(a)
+        assert agent.run(
+            f"from handoff import sim; consumer = sim.Stream(non_blocking=True); other = sim.Stream(non_blocking=True)\n"
+            f"b = ipc.open(ipc.Handle({bytes(handle)!r}), stream=consumer)\n"
+            "waiting = sim.to_numpy(b, stream=consumer, wait=False)\n"
+            # The negative control: a stream that did not wait reads what is there now.
+            "result = [float(sim.to_numpy(b, stream=other)[0]), waiting.done()]"
+        ) == [0.0, False]
+        assert agent.run("result = float(sim.to_numpy(b, stream=other).max())") == 0.0
+    assert agent.run("result = float(waiting.result().min())") == 7.0
+    agent.run("del b, waiting")
+
+
+@needs_sim
+def test_every_share_is_waited_for_not_only_the_first(agent):
+    from handoff import sim
+
+    producer = sim.Stream(non_blocking=True)
+    a = sim.zeros(64, "float32")
+    first = ipc.share(a)
+    agent.run(
+        "from handoff import sim; consumer = sim.Stream(non_blocking=True)\n"
+        f"first = ipc.open(ipc.Handle({bytes(first)!r}), stream=consumer)"
+    )
+    with sim.hold(producer):
+        sim.fill(a, 9.0, stream=producer)
+        second = ipc.share(a)  # the same allocation: its mapping is cached there
+        mappings = agent.run(
+            f"second = ipc.open(ipc.Handle({bytes(second)!r}), stream=consumer)\n"
+            "pending = sim.to_numpy(second, stream=consumer, wait=False)\n"
+            "result = handoff.stats()['ipc_mappings_cached']"
+        )
+        assert mappings == 1
+        assert agent.run("result = pending.done()") is False
+    assert agent.run("result = float(pending.result().min())") == 9.0
+    agent.run("del first, second, pending")
+
+
+@needs_sim
+@pytest.mark.parametrize("back_signal", [True, pytest.param(False, marks=pytest.mark.negative_control)])
+def test_the_producer_releases_only_after_the_consumer_stream_is_done(agent, back_signal):
+    from handoff import sim
+
+    a = sim.zeros(1 << 12, "float32")
+    handle = ipc.share(a)
+    before = sim.live_allocations()
+    agent.run(
+        "from handoff import sim, _handoff\n"
+        f"_handoff._ipc._set_back_signal({back_signal})\n"
+        "consumer = sim.Stream(non_blocking=True)\n"
+        f"b = ipc.open(ipc.Handle({bytes(handle)!r}), stream=consumer)\n"
+        "gate = sim.hold(consumer); gate.__enter__()\n"
+        "reading = sim.to_numpy(b, stream=consumer, wait=False)\n"
+        "del b"  # released while its stream still has a read of it queued (held)
+    )
+    del a, handle
+    for _ in range(5):
+        ipc._poll()
+    released_early = sim.live_allocations() < before
+    assert released_early is (not back_signal)
+    agent.run("gate.__exit__(None, None, None); reading.result()")
+    wait_until(lambda: sim.live_allocations() < before, "the producer's memory released")
+
+
+@needs_sim
+def test_a_producer_that_dies_leaves_the_opened_array_readable(agent):
+    producer = Agent()
+    data = producer.run(
+        "from handoff import sim; a = sim.zeros(32, 'float32'); s = sim.Stream(non_blocking=True)\n"
+        "sim.fill(a, 5.0, stream=s); h = ipc.share(a); result = list(bytes(h))"
+    )
+    agent.run(
+        "from handoff import sim; consumer = sim.Stream(non_blocking=True)\n"
+        f"b = ipc.open(ipc.Handle({bytes(data)!r}), stream=consumer)\n"
+        "result = float(sim.to_numpy(b, stream=consumer).min())"
+    )
+    producer.kill()
+    assert agent.run("result = float(sim.to_numpy(b, stream=consumer).min())") == 5.0
+    agent.run("del b")
+
+
+@needs_sim
+def test_memory_that_was_freed_cannot_be_opened(agent):
+    from handoff import sim
+
+    a = sim.zeros(16, "float32")
+    handle = ipc.share(a)
+    data = bytes(handle)
+    del a, handle  # no consumer holds it: released at once
+    with pytest.raises(AgentError, match="released the share") as refused:
+        agent.run(f"ipc.open(ipc.Handle({data!r}))")
+    assert refused.value.kind == "BufferError"
+
+
+@needs_sim
+def test_pinned_and_managed_memory_are_refused_clearly():
+    from handoff import sim
+
+    for memory in ("pinned", "managed") if not SIM_ROCM else ("pinned",):  # ROCm has no managed DLPack type
+        with pytest.raises(BufferError, match="cannot be shared between processes"):
+            ipc.share(sim.zeros(4, memory=memory))
+
+
+@needs_sim
+def test_stream_memory_operations_order_where_events_cannot_be_made():
+    from handoff import sim
+
+    producer = Agent(HANDOFF_IPC_SYNC="value")
+    consumer = Agent()
+    try:
+        data = producer.run(
+            "from handoff import sim; s = sim.Stream(non_blocking=True); a = sim.zeros(64, 'float32')\n"
+            "gate = sim.hold(s); gate.__enter__(); sim.fill(a, 4.0, stream=s); h = ipc.share(a)\n"
+            "result = list(bytes(h))"
+        )
+        assert (
+            consumer.run(
+                "from handoff import sim; c = sim.Stream(non_blocking=True)\n"
+                f"b = ipc.open(ipc.Handle({bytes(data)!r}), stream=c)\n"
+                "pending = sim.to_numpy(b, stream=c, wait=False); result = pending.done()"
+            )
+            is False
+        )
+        producer.run("gate.__exit__(None, None, None)")
+        assert consumer.run("result = float(pending.result().min())") == 4.0
+        consumer.run("del b, pending")
+    finally:
+        producer.close()
+        consumer.close()
+    del sim
+
+
+@needs_sim
+def test_nothing_leaks_over_many_share_open_release_cycles(agent):
+    """HANDOFF_IPC_CYCLES cycles (default 200; HANDOFF_IPC_CYCLES=10000 runs ten thousand)."""
+    from handoff import sim
+
+    cycles = max(int(os.environ.get("HANDOFF_IPC_CYCLES", "200")), 200)
+    agent.run("from handoff import sim; consumer = sim.Stream(non_blocking=True); import threading")
+    a = sim.zeros(1024, "float32")
+    producer = sim.Stream(non_blocking=True)
+
+    def run(count: int) -> tuple[int, int, list[int]]:
+        for i in range(count):
+            sim.fill(a, float(i), stream=producer)
+            handle = ipc.share(a)
+            agent.run(f"b = ipc.open(ipc.Handle({bytes(handle)!r}), stream=consumer); del b")
+            del handle
+        wait_until(lambda: handoff.stats()["ipc_pending_remote_releases"] == 0, "every consumer release")
+        there = agent.run(
+            "sim.synchronize(); sim.drain(); import os\n"
+            "result = [handoff.stats()['ipc_mappings_cached'], threading.active_count(), len(os.listdir('/proc/self/fd'))]"
+        )
+        mine = (f".{os.getpid()}.", f".{agent.process.pid}.")  # other processes share /dev/shm too
+        files = sum(1 for f in os.listdir("/dev/shm") if f.startswith("handoff-") and any(p in f for p in mine))
+        return len(os.listdir("/proc/self/fd")), files, there
+
+    # The pools (interprocess events, control blocks) grow with the shares still awaiting their
+    # consumer's release at once (a few tens), never with the number of cycles.
+    fds, files, there = run(cycles // 2)
+    fds_after, files_after, there_after = run(cycles - cycles // 2)
+    assert there_after[0] == 0, "the consumer keeps no mapping of released arrays"
+    assert there_after[1:] == there[1:], "the consumer's threads and descriptors did not grow"
+    assert fds_after == fds
+    assert files_after <= files + 32 < cycles // 2, "no shared memory file per cycle"
+    del a
+
+
+pytestmark = pytest.mark.skipif(BACKEND == "cuda" and not SIM, reason="the CUDA tests are in test_ipc_gpu.py")
