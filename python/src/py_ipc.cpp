@@ -78,7 +78,9 @@ py::dict describe(const py::bytes& handle)
 void bind_ipc(py::module_& parent)
 {
   py::module_ m = parent.def_submodule("_ipc", "The hand-off across processes of one node (see handoff.ipc).");
-  py::class_<share_hold>(m, "_Hold", "The producer's hold on a shared array: the array is kept while it lives.");
+  // Made by share() only; registered so that pybind11 can return it.
+  py::class_<share_hold> hold_type(m, "_Hold",
+                                   "The producer's hold on a shared array: the array is kept while it lives.");
   m.def("share", &share, py::arg("x"), py::arg("stream"), py::arg("copy"), py::arg("in_flight"),
         "Shares `x`; returns (handle bytes, the producer's hold or None for an in-flight share).");
   m.def("open", &open, py::arg("handle"), py::arg("stream"),

@@ -56,6 +56,7 @@ int run_child(const std::vector<std::string>& orders)
   for (char** e = environ; *e != nullptr; ++e) { environment.emplace_back(*e); }
   environment.insert(environment.end(), orders.begin(), orders.end());
   std::vector<char*> envp;
+  envp.reserve(environment.size() + 1);
   for (auto& e : environment) { envp.push_back(e.data()); }
   envp.push_back(nullptr);
   std::string self = "/proc/self/exe";
