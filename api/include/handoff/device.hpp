@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
 
 namespace handoff::device {
@@ -155,6 +156,15 @@ class backend {
   /// Enqueues a host function; it runs on a backend thread once earlier work on `stream` is done,
   /// and must not call into the backend.
   virtual void launch_host_func(stream_handle stream, void (*fn)(void*), void* user_data) = 0;
+
+  /// Starts (`on`) or stops reporting this backend's work through handoff::activity::report while
+  /// handoff::activity::recording(); calls pair up, and nest. Returns why it cannot, or an empty string
+  /// when it does. The default reports nothing.
+  [[nodiscard]] virtual std::string watch_activity(bool on)
+  {
+    (void)on;
+    return std::string{name()} + " reports no device activity";
+  }
 };
 
 }  // namespace handoff::device

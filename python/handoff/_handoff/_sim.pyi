@@ -32,7 +32,16 @@ def zeros(
     device: int = 0,
     *,
     memory: Literal["device", "pinned", "managed"] = "device",
+    stream: _SimStream | None = None,
 ) -> Array: ...
+def launch(
+    name: str,
+    *,
+    reads: Sequence[Array] = (),
+    writes: Sequence[Array] = (),
+    stream: _SimStream,
+    delay: float = 0.0,
+) -> None: ...
 def fill(array: Array, value: float, *, stream: _SimStream, delay: float = 0.0) -> None: ...
 def to_numpy(array: Array, *, stream: _SimStream) -> npt.NDArray[Any]: ...
 def synchronize(device: int | None = None) -> None: ...
