@@ -6,11 +6,27 @@ of devices (default 2). A sim array's producer stream is the stream of its last 
 
 It is strict where CUDA is: captured work runs only when its Graph is launched, a sticky fault
 halts its device, host functions run one at a time per device and may not call the runtime, and a
-use of a destroyed stream or event is recorded in ``violations()``.
+call that takes a destroyed stream or event raises :class:`handoff.DeviceError`
+(``cudaErrorInvalidResourceHandle``) and is recorded in ``violations()``.
+
+Tests order their races with ``hold``, never with a delay::
+
+    with sim.hold(producer):               # nothing enqueued on producer in the block runs
+        sim.fill(source, 1.0, stream=producer)
+        view = handoff.from_dlpack(source, stream=consumer)
+        read = sim.to_numpy(view, stream=consumer, wait=False)
+        assert not read.done() and sim.pending(consumer) > 0
+    assert read.result()[0] == 1.0         # the producer ran when the block ended
+
+A wait on the holding thread for held work (``to_numpy`` with ``wait=True``, ``synchronize``,
+``Stream.synchronize``, ``PendingCopy.result``, ``drain``) raises ``DeviceError``
+(``handoffErrorHoldDeadlock``) instead of waiting for ever.
 """
 
 from ._handoff._sim import (
     Graph,
+    Hold,
+    PendingCopy,
     Stream,
     begin_capture,
     clear_faults,
@@ -20,10 +36,13 @@ from ._handoff._sim import (
     drain,
     end_capture,
     fill,
+    held,
+    hold,
     inject_fault,
     inject_sticky_fault,
     launch,
     live_allocations,
+    pending,
     reset_device,
     set_copy_delay,
     set_device,
@@ -35,6 +54,8 @@ from ._handoff._sim import (
 
 __all__ = [
     "Graph",
+    "Hold",
+    "PendingCopy",
     "Stream",
     "begin_capture",
     "clear_faults",
@@ -44,10 +65,13 @@ __all__ = [
     "drain",
     "end_capture",
     "fill",
+    "held",
+    "hold",
     "inject_fault",
     "inject_sticky_fault",
     "launch",
     "live_allocations",
+    "pending",
     "reset_device",
     "set_copy_delay",
     "set_device",

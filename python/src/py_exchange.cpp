@@ -362,11 +362,15 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
     if (claimed) { on_data.emplace(on, *claimed); }
     return request_capsule(x, producer_arg.get(), dl_device.get(), copy);
   }();
+  // Pinned host memory is asked for with None (stream_argument_for): the consumer stream then waits
+  // for the default stream, as DLPack reads None.
+  const bool none_for_pinned = claimed && is_pinned_host(claimed->device_type) && producer_arg.get().is_none();
   return wrap(on.import(consume_capsule(capsule), request,
                         {.name = type_name(x),
                          .claimed = claimed,
                          .honoured_arguments = !legacy,
-                         .ordered_for_consumer = !producer_arg.get().is_none()}));
+                         .ordered_for_consumer = !producer_arg.get().is_none(),
+                         .ordered_for_default_stream = none_for_pinned}));
 }
 
 py::object asarray(py::handle x, py::handle device, py::handle copy, py::handle stream)

@@ -1,4 +1,5 @@
-// handoff.sim: drive the simulated accelerator from Python (streams, arrays, delayed writes, faults).
+// handoff.sim: drive the simulated accelerator from Python (streams, holds, arrays, delayed writes,
+// faults).
 #include "py_sim.hpp"
 
 #include "py_array.hpp"
@@ -110,6 +111,83 @@ device::stream_handle stream_of(py::handle stream)
   }
   return static_cast<device::stream_handle>(stream_handle(stream));
 }
+
+// The device a stream argument is asked about on: a sim.Stream's own, else the current device (whose
+// default streams 0, 1 and 2 name).
+int device_of_stream(py::handle stream, sim_backend& sim)
+{
+  return py::isinstance<sim_stream>(stream) ? stream.cast<sim_stream&>().device() : sim.current_device();
+}
+
+// The simulator's answer to `question` about a stream argument.
+template <class Answer>
+Answer ask_about(py::handle stream, Answer (sim_backend::*question)(device::stream_handle))
+{
+  auto [ctx, sim] = require_sim();
+  const current_device on{sim, device_of_stream(stream, sim)};
+  return (sim.*question)(stream_of(stream));
+}
+
+// sim.hold(stream): a context manager that holds the stream's work from __enter__ to __exit__.
+class stream_hold {
+ public:
+  explicit stream_hold(py::object stream) : stream_(std::move(stream))
+  {
+    (void)stream_of(stream_);  // a bad argument fails here, not at __enter__
+  }
+
+  stream_hold& enter()
+  {
+    HANDOFF_EXPECTS(!hold_.active(), value_error,
+                    "this hold is active already; nest another sim.hold(stream) to hold the stream twice");
+    auto [ctx, sim] = require_sim();
+    const current_device on{sim, device_of_stream(stream_, sim)};
+    hold_ = sim.hold(stream_of(stream_));
+    return *this;
+  }
+  void exit() noexcept { hold_.release(); }
+
+  [[nodiscard]] const py::object& stream() const noexcept { return stream_; }
+  [[nodiscard]] bool active() const noexcept { return hold_.active(); }
+
+ private:
+  py::object stream_;  // kept while held: the hold is a use of it
+  device::sim_hold hold_;
+};
+
+// What sim.to_numpy(..., wait=False) returns: the host copy enqueued, and an event recorded after it.
+class pending_copy {
+ public:
+  pending_copy(sim_backend& sim, int device, device::event_handle done, py::object out)
+      : sim_(&sim), device_(device), done_(done), out_(std::move(out))
+  {}
+  pending_copy(const pending_copy&) = delete;
+  pending_copy& operator=(const pending_copy&) = delete;
+  pending_copy(pending_copy&&) = delete;
+  pending_copy& operator=(pending_copy&&) = delete;
+  ~pending_copy() { sim_->destroy_event(done_); }  // the NumPy array is kept until the copy lands
+
+  [[nodiscard]] bool done()
+  {
+    const current_device on{*sim_, device_};
+    return sim_->query_event(done_);
+  }
+
+  [[nodiscard]] py::object result()
+  {
+    without_gil([this] {
+      const current_device on{*sim_, device_};
+      sim_->synchronize_event(done_);
+    });
+    return out_;
+  }
+
+ private:
+  sim_backend* sim_;
+  int device_;
+  device::event_handle done_;
+  py::object out_;
+};
 
 array& sim_array(py::handle object, active_sim& s)
 {
@@ -332,7 +410,7 @@ void fill(py::handle target, py::handle value, py::handle stream, double delay)
     {.ctx = &s.ctx, .device = device, .stream = handle, .stream_owner = stream_keep_alive(stream)});
 }
 
-py::object to_numpy(py::handle source, py::handle stream)
+py::object to_numpy(py::handle source, py::handle stream, bool wait)
 {
   auto s = require_sim();
   const array& view = sim_array(source, s);
@@ -348,6 +426,19 @@ py::object to_numpy(py::handle source, py::handle stream)
   if (bytes > 0) {
     const current_device on{s.sim, device};
     s.sim.copy_async(host, view.data(), bytes, handle);
+  }
+  if (!wait) {
+    const current_device on{s.sim, device};
+    const auto done = s.sim.create_event();
+    try {
+      s.sim.record_event(done, handle);
+    } catch (...) {
+      s.sim.destroy_event(done);
+      keep_alive_until_done(s.ctx, device, handle, out);
+      throw;
+    }
+    keep_alive_until_done(s.ctx, device, handle, out);  // whether or not the result is asked for
+    return py::cast(std::make_unique<pending_copy>(s.sim, device, done, std::move(out)));
   }
   try {
     without_gil([&] {
@@ -411,8 +502,31 @@ void bind_sim(py::module_& parent)
         "detector checks that. Returns at once.");
   m.def("fill", &fill, py::arg("array"), py::arg("value"), py::kw_only(), py::arg("stream"), py::arg("delay") = 0.0,
         "Enqueues on `stream`: wait `delay` seconds, then write `value` everywhere. Returns at once.");
-  m.def("to_numpy", &to_numpy, py::arg("array"), py::kw_only(), py::arg("stream"),
-        "Enqueues a copy to a new NumPy array on `stream`, waits for the stream and returns the NumPy array.");
+  m.def("to_numpy", &to_numpy, py::arg("array"), py::kw_only(), py::arg("stream"), py::arg("wait") = true,
+        "Enqueues a copy to a new NumPy array on `stream`, waits for the stream and returns the NumPy array; "
+        "with wait=False, returns a PendingCopy at once (for a read behind a held stream).");
+  py::class_<pending_copy>(m, "PendingCopy", "A host copy sim.to_numpy(..., wait=False) enqueued.")
+    .def("done", &pending_copy::done, "True once the copy has landed (it never blocks).")
+    .def("result", &pending_copy::result,
+         "Waits for the copy (GIL released) and returns its NumPy array. On the thread that holds work the "
+         "copy waits for, raises DeviceError (handoffErrorHoldDeadlock) instead of waiting for ever.");
+  py::class_<stream_hold>(m, "Hold", "A hold on a stream (sim.hold): a context manager.")
+    .def("__enter__", &stream_hold::enter, py::return_value_policy::reference_internal)
+    .def(
+      "__exit__", [](stream_hold& h, const py::args&) { h.exit(); },
+      "Ends the hold: the work enqueued on the stream since __enter__ runs.")
+    .def_property_readonly("stream", &stream_hold::stream, "The stream it holds.")
+    .def_property_readonly("active", &stream_hold::active, "True inside the block.");
+  m.def(
+    "hold", [](py::object stream) { return stream_hold{std::move(stream)}; }, py::arg("stream"),
+    "A context manager: nothing enqueued on `stream` inside the block runs until the block ends, so that a test "
+    "holds a producer exactly as long as it needs. Work enqueued before the block is not held.");
+  m.def(
+    "pending", [](py::handle stream) { return ask_about(stream, &sim_backend::pending); }, py::arg("stream"),
+    "How many operations enqueued on `stream` are not done yet (a hold itself is not counted).");
+  m.def(
+    "held", [](py::handle stream) { return ask_about(stream, &sim_backend::held); }, py::arg("stream"),
+    "True while a sim.hold(stream) block is open.");
   m.def("synchronize", &synchronize, py::arg("device") = py::none(), "Waits for all work on a device (or all).");
   m.def(
     "inject_fault",
@@ -498,10 +612,15 @@ void bind_sim(py::module_& parent)
     "drain",
     [] {
       if (context* ctx = module_exchange().device_context()) {
+        if (sim_backend* sim = device::as_sim(ctx->backend()); sim != nullptr && sim->holds_of_this_thread() > 0) {
+          throw device_error(std::string{sim->name()}, sim_backend::hold_deadlock_error,
+                             "sim.drain() inside sim.hold(...): the deferred releases it waits for may wait for "
+                             "the held work, which this thread cannot release while it waits; drain after the block");
+        }
         without_gil([ctx] { ctx->drain(); });
       }
     },
-    "Waits for the releases deferred so far.");
+    "Waits for the releases deferred so far. Refused inside a sim.hold block (it could wait for ever).");
 }
 
 }  // namespace handoff::python

@@ -22,7 +22,7 @@ struct stream_names {
   PyObject* ptr = nullptr;                   // CuPy's
   PyObject* device = nullptr;
   PyObject* index = nullptr;
-  PyObject* id = nullptr;
+  PyObject* device_id = nullptr;
   PyObject* handle = nullptr;
   PyObject* stream = nullptr;           // a CUDA Array Interface producer's attribute
   PyObject* source = nullptr;           // handoff.Stream's stream object
@@ -59,15 +59,20 @@ void check_device(py::handle device)
     fmt::format("Stream device must be None or a non-negative int, got {}", py::repr(device).cast<std::string>()));
 }
 
-// The device a stream object names: its `.device`, that device's `.index` (PyTorch) or `.id`
-// (CuPy) if it has one, as an int; None when there is none or it is not int-like.
+// The device a stream object names, as an int; None when it names none or one that is not
+// int-like: its `.device`'s `.index` (PyTorch's torch.device) or `.device_id` (cuda.core's Device),
+// or that `.device` itself; else the stream's own `.device_id` (CuPy's), where -1 names none.
 py::object device_of(py::handle stream)
 {
-  py::object device = optional_attribute(stream, names.device);
-  if (!device) { device = py::none(); }
-  py::object index = optional_attribute(device, names.index);
-  if (!index) { index = device; }
-  if (optional_attribute(device, names.id)) { index = device.attr(names.id); }
+  py::object index;
+  if (py::object device = optional_attribute(stream, names.device); device && !device.is_none()) {
+    index = optional_attribute(device, names.index);
+    if (!index) { index = optional_attribute(device, names.device_id); }
+    if (!index) { index = std::move(device); }
+  } else {
+    index = optional_attribute(stream, names.device_id);
+    if (!index || (is_int(index.ptr()) && read_int64(index.ptr()).saturated() == -1)) { return py::none(); }
+  }
   if (index.is_none()) { return index; }
   PyObject* number = PyNumber_Long(index.ptr());  // int(index)
   if (number == nullptr) {
@@ -166,6 +171,8 @@ named_stream stream_named_by(py::handle stream)
 
 py::object stream_argument_for(const named_stream& stream, DLDeviceType device)
 {
+  // The producer of pinned memory is not given the consumer's stream: checked here instead.
+  if (is_pinned_host(device)) { (void)request_for(stream, device); }
   const auto value = dlpack_stream_value(stream, device);
   return value ? py::object(py::int_(*value)) : py::object(py::none());
 }
@@ -177,7 +184,7 @@ void bind_streams(py::module_& m)
   names.ptr = interned("ptr");
   names.device = interned("device");
   names.index = interned("index");
-  names.id = interned("id");
+  names.device_id = interned("device_id");
   names.handle = interned("handle");
   names.stream = interned("stream");
   names.source = interned("_source");

@@ -36,6 +36,8 @@ namespace py = pybind11;
 
 /// The `stream` argument that names `stream` to the `__dlpack__` of data on `device`: None or an
 /// int (dlpack_stream_value).
+/// @throws value_error for a stream the device type does not take, where the producer is not given
+///         it to say so (pinned host memory).
 [[nodiscard]] py::object stream_argument_for(const named_stream& stream, DLDeviceType device);
 
 /// Binds `_resolve_stream`, `_check_stream` and `_set_stream_type`, which handoff._streams uses.

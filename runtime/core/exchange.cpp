@@ -134,7 +134,13 @@ array exchange::import(array view, const import_request& request, const producer
   if (answer.ordered_for_consumer) {
     if (trace::exchange_scope* scope = trace::traced()) { scope->note_ordered_by_producer(); }
   }
-  bind_to_consumer(view, request.consumer);
+  if (!answer.ordered_for_default_stream) {
+    bind_to_consumer(view, request.consumer);
+  } else if (const auto binding = consumer_binding(view, request.consumer)) {
+    // DLPack reads None as the default stream: the producer's work, if it orders any, comes before
+    // that stream's later work, and the consumer stream's after it.
+    bind_after_producer(view, *binding, classify_stream(view.device().device_type, std::nullopt));
+  }
   if (request.device || request.copy) {
     view = transfer(std::move(view), request.device, request.copy, answer.honoured_arguments);
   }

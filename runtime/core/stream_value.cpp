@@ -88,6 +88,10 @@ stream_request classify_stream(DLDeviceType device, std::optional<std::int64_t> 
 std::optional<std::int64_t> dlpack_stream_value(const named_stream& stream, DLDeviceType device) noexcept
 {
   if (!has_streams(device)) { return std::nullopt; }
+  if (is_pinned_host(device)) {
+    return stream.how == named_stream::form::dlpack_value && stream.value == -1 ? std::optional<std::int64_t>{-1}
+                                                                                : std::nullopt;
+  }
   switch (stream.how) {
     case named_stream::form::default_stream:
       return default_stream_value(device);

@@ -1,8 +1,20 @@
-"""Small array libraries on the simulated device that exchange as PyTorch's and CuPy's CUDA paths do,
-without going through handoff's hooks themselves: a current stream per library, a ``from_dlpack`` that
-passes it to the producer, and a ``__dlpack__`` that honours the ``stream`` argument or, like
-cuda.core's or nanobind's, ignores it. For the tests and the demo of ``handoff-trace run --order``
-(examples/cross_library.py).
+"""Small array libraries on the simulated device that exchange as real peers do, without going
+through handoff's hooks themselves: a current stream per library, and
+
+- ``from_dlpack`` as PyTorch 2.13's ``torch.from_dlpack``: the producer's ``__dlpack_device__`` first,
+  then its ``__dlpack__`` with ``max_version=(1, 0)`` and, for CUDA or ROCm data only, the library's
+  current stream (the default one as 1 on CUDA, 0 on ROCm), retried without ``max_version`` on a
+  ``TypeError``;
+- ``__dlpack__`` as PyTorch 2.13's ``Tensor.__dlpack__`` for a CUDA (ROCm) tensor: an omitted
+  ``stream`` is -1 (no synchronization), a non-int one a ``TypeError``, CUDA's 2 a ``BufferError``
+  and CUDA's 0 (ROCm's 1 and 2) an ``AssertionError``, and it orders the library's *current* stream,
+  not the array's last writer, before the consumer's; or, with ``honours_stream=False``, as
+  cuda.core's ``Buffer.__dlpack__`` (0.3 to 2026): ``stream`` is not read, nothing is ordered,
+  ``dl_device`` and ``copy=True`` are refused with its ``BufferError``s;
+- ``as_array`` as numba-cuda 0.30's ``cuda.as_cuda_array``: the CUDA Array Interface alone, its
+  ``stream`` synchronized on the host first (numba's default ``sync=True``).
+
+For the tests and the demo of ``handoff-trace run --order`` (examples/cross_library.py).
 
     torchlike = make_library("simtorch")
     careless = make_library("simnano", honours_stream=False)
@@ -19,8 +31,10 @@ from typing import Any
 import handoff
 from handoff import sim
 
+ROCM = handoff.runtime_info()["backend"] == "sim-rocm"
 # The DLPack stream value of the device's default stream: ROCm numbers it 0, CUDA 1.
-DEFAULT_STREAM = 0 if handoff.runtime_info()["backend"] == "sim-rocm" else 1
+DEFAULT_STREAM = 0 if ROCM else 1
+CUDA, ROCM_DEVICE = 2, 10  # DLPack's device types of the data PyTorch passes its stream for
 
 
 class _Capsule:
@@ -36,6 +50,37 @@ class _Capsule:
         return self._device
 
 
+def export_as_torch(
+    data: handoff.Array, owner: Any, current: int, *, stream: Any = -1, max_version: Any = None,
+    dl_device: Any = None, copy: Any = None,
+) -> Any:  # fmt: skip
+    """`data` (of `owner`, which the capsule keeps) exported as PyTorch 2.13's ``Tensor.__dlpack__``
+    exports a CUDA (ROCm) tensor: an omitted `stream` is -1, no synchronization; a non-int one is a
+    ``TypeError``; CUDA's 2 a ``BufferError`` and CUDA's 0 (ROCm's 1 and 2) an ``AssertionError``;
+    any other value makes the consumer's stream wait for PyTorch's current stream, `current` (not the
+    stream of the data's last write), unless they are the same stream."""
+    if stream is not None and type(stream) is not int:
+        raise TypeError("stream must be ``int`` or ``none``")
+    if stream is not None and stream not in (-1, DEFAULT_STREAM):
+        if not ROCM and stream == 2:
+            raise BufferError("per-thread default stream is not supported.")
+        if (not ROCM and stream == 0) or (ROCM and stream in (1, 2)):
+            raise AssertionError(f"unsupported stream on {'ROCm' if ROCM else 'CUDA'}: {stream}.")
+    ready = -1 if stream == -1 else current
+    on_current = handoff.view(data.data_ptr, data.shape, data.dtype, device=data.device, owner=owner, stream=ready)
+    return on_current.__dlpack__(
+        stream=DEFAULT_STREAM if stream is None else stream, max_version=max_version, dl_device=dl_device, copy=copy
+    )
+
+
+class _Interface:
+    """A CUDA Array Interface read from a producer, offered alone (DLPack is not asked)."""
+
+    def __init__(self, interface: dict, owner: Any) -> None:
+        self.__cuda_array_interface__ = interface
+        self._owner = owner
+
+
 def make_library(name: str, *, honours_stream: bool = True, register: bool = True) -> types.ModuleType:
     """A library named `name` (a module in sys.modules, so its arrays' type names it), registered with
     handoff's hooks through a LibraryAdapter unless `register` is False."""
@@ -44,6 +89,11 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
 
     def stream_value() -> int | None:
         return None if current[0] is None else int(current[0].handle)
+
+    def current_value() -> int:
+        """The library's current stream as a DLPack value (the default stream's for none)."""
+        value = stream_value()
+        return DEFAULT_STREAM if value is None else value
 
     class Array(handoff.Exporter):
         """An array of the library: device data on the simulator. Its exports keep it alive, as a real
@@ -59,10 +109,14 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
         def __handoff_array__(self) -> handoff.Array:
             return self._data
 
-        def __dlpack__(self, *, stream: Any = None, **kwargs: Any) -> Any:
-            # Ignoring `stream`, the export orders only for the default stream, which a non-blocking
-            # consumer stream does not wait for.
-            return super().__dlpack__(stream=stream if honours_stream else None, **kwargs)
+        def __dlpack__(self, *, stream: Any = -1, **kwargs: Any) -> Any:
+            if not honours_stream:  # cuda.core's Buffer.__dlpack__: `stream` is ignored, as if -1
+                if kwargs.get("dl_device") is not None:
+                    raise BufferError("Sorry, not supported: dl_device other than None")
+                if kwargs.get("copy") is True:
+                    raise BufferError("Sorry, not supported: copy=True")
+                return super().__dlpack__(stream=-1, max_version=kwargs.get("max_version"))
+            return export_as_torch(self._data, self, current_value(), stream=stream, **kwargs)
 
     Array.__module__ = name
     Array.__qualname__ = "Array"
@@ -88,16 +142,27 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
         sim.fill(array._data, value, stream=current[0] or handoff.Stream(DEFAULT_STREAM), delay=delay)
 
     def as_array(producer: Any) -> Array:
-        """Imports `producer` as Numba does: through its CUDA Array Interface first."""
-        return Array(handoff.asarray(producer))
+        """Imports `producer` as numba-cuda's ``cuda.as_cuda_array`` does: its CUDA Array Interface
+        alone, whose `stream` the host synchronizes first; the producer is kept by the array."""
+        interface = producer.__cuda_array_interface__
+        if interface.get("stream") is not None:
+            sim.to_numpy(sim.zeros(1), stream=handoff.Stream(interface["stream"]))  # waits for that stream
+        return Array(handoff.asarray(_Interface(interface, producer), stream=-1))
 
     def from_dlpack(producer: Any) -> Array:
-        """Imports `producer` as PyTorch does: asks its ``__dlpack__`` for the data, passing the
-        library's current stream, and keeps the capsule (its producer) until the array goes, with no
-        stream-ordered release of its own."""
-        value = stream_value()
-        capsule = producer.__dlpack__(stream=DEFAULT_STREAM if value is None else value, max_version=(1, 0))
-        return Array(handoff.from_dlpack(_Capsule(capsule, producer.__dlpack_device__()), stream=-1))
+        """Imports `producer` as PyTorch's ``torch.from_dlpack`` does (see the module's docstring),
+        and keeps the capsule (its producer) until the array goes, with no stream-ordered release of
+        its own."""
+        device = producer.__dlpack_device__()
+        arguments: dict[str, Any] = {"max_version": (1, 0)}
+        if device[0] in (CUDA, ROCM_DEVICE):
+            arguments["stream"] = current_value()
+        try:
+            capsule = producer.__dlpack__(**arguments)
+        except TypeError:
+            del arguments["max_version"]
+            capsule = producer.__dlpack__(**arguments)
+        return Array(handoff.from_dlpack(_Capsule(capsule, device), stream=-1))
 
     def to_numpy(array: Array) -> Any:
         """Reads the array on the library's current stream (what a kernel there would see)."""

@@ -92,3 +92,19 @@ def pending_write(stream: object, n: int = 4096) -> handoff.Array:
     sim.synchronize()
     sim.fill(memory, 1.0, stream=stream, delay=0.2)
     return memory
+
+
+class DlpackOnly:
+    """Forwards the DLPack protocol only, recording the keyword arguments of each `__dlpack__` call:
+    a consumer goes through `__dlpack__`, not through a producer's DLPack C exchange API."""
+
+    def __init__(self, array: object) -> None:
+        self.array = array
+        self.calls: list[dict] = []
+
+    def __dlpack__(self, **kwargs):
+        self.calls.append(kwargs)
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()

@@ -32,17 +32,21 @@ class CudaStreamProtocol:
         return (0, self.handle)
 
 
-class TorchLike:
+class CudaStreamAttribute:
+    """Names any handle as PyTorch's streams name theirs (`.cuda_stream`): no peer's stream."""
+
     def __init__(self, handle):
         self.cuda_stream = handle
 
 
-class CupyLike:
+class PtrAttribute:
+    """Names any handle as CuPy's streams name theirs (`.ptr`): no peer's stream."""
+
     def __init__(self, handle):
         self.ptr = handle
 
 
-@pytest.mark.parametrize("kind", [CudaStreamProtocol, TorchLike, CupyLike, int])
+@pytest.mark.parametrize("kind", [CudaStreamProtocol, CudaStreamAttribute, PtrAttribute, int])
 @pytest.mark.parametrize("handle", [2**63, 2**64, 2**80])
 def test_stream_objects_with_handles_outside_the_native_range_are_value_errors(kind, handle, live):
     with pytest.raises(ValueError, match=r"native range|out of range"):

@@ -15,6 +15,7 @@ from hypothesis.extra import numpy as hnp
 import handoff
 
 from dlpack_ctypes import CPU, FLAG_IS_COPIED, FLAG_READ_ONLY, capsule_name, versioned_tensor
+from support import DlpackOnly
 
 NUMPY_DTYPES = [
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -608,26 +609,60 @@ def test_random_slices_round_trip(a, data):
     np.testing.assert_array_equal(copied, view)
 
 
-class PinnedLikeTorch:
-    """A pinned host tensor as PyTorch exports one: __dlpack_device__ says kDLCUDAHost, the capsule kDLCPU."""
+@pytest.fixture
+def pinned_tensor(torch):
+    """Makes a pinned host tensor of the installed PyTorch (2.13 here) from values. The CPU build
+    cannot pin memory, so the tensor's class answers is_pinned() as a pinned tensor's does; all the
+    rest is PyTorch's own code: __dlpack_device__ says kDLCUDAHost, __dlpack__ takes only stream
+    None or -1 (AssertionError "stream should be None on cpu." otherwise) and exports a kDLCPU capsule,
+    and the DLPack C exchange API exports it as CPU memory."""
 
-    def __init__(self, values: np.ndarray) -> None:
-        self.values = values
-        self.streams: list[object] = []
+    class PinnedTensor(torch.Tensor):
+        def is_pinned(self, device=None) -> bool:
+            return True
 
-    def __dlpack_device__(self):
-        return (3, 0)
-
-    def __dlpack__(self, *, stream=None, **kwargs):
-        self.streams.append(stream)
-        return self.values.__dlpack__(**kwargs)
+    return lambda values: torch.as_tensor(values).as_subclass(PinnedTensor)
 
 
-def test_pinned_memory_described_as_cpu_in_its_capsule_is_accepted():
+@pytest.mark.parametrize(
+    "through, arguments",
+    [
+        (lambda t: t, {}),
+        (DlpackOnly, {}),
+        (DlpackOnly, {"stream": 2}),
+        (DlpackOnly, {"stream": handoff.Stream(0x5100)}),
+        (DlpackOnly, {"stream": -1}),
+        (lambda t: t, {"device": "cpu"}),
+        (lambda t: t, {"copy": False}),
+        (lambda t: t, {"device": (CPU, 0), "copy": False}),
+    ],
+    ids=["table", "__dlpack__", "stream=2", "stream object", "stream=-1", "device", "copy=False", "both"],
+)
+def test_a_pinned_tensor_is_imported_as_host_memory_whatever_the_consumer_stream(pinned_tensor, through, arguments):
+    # PyTorch's pinned tensors take only stream None or -1: the consumer's stream is not passed.
     values = np.arange(6, dtype=np.float32)
-    producer = PinnedLikeTorch(values)
-    view = handoff.from_dlpack(producer)
+    tensor = pinned_tensor(values)
+    producer = through(tensor)
+    view = handoff.from_dlpack(producer, **arguments)
     assert view.device == (CPU, 0)
-    assert view.data_ptr == values.ctypes.data
-    assert producer.streams == [1], "CUDA host memory is asked for on the default stream"
+    assert view.data_ptr == tensor.data_ptr()
     assert np.from_dlpack(view).tolist() == values.tolist()
+    if isinstance(producer, DlpackOnly):
+        (call,) = producer.calls
+        assert call.get("stream") == (-1 if arguments.get("stream") == -1 else None)
+
+
+def test_a_pinned_tensor_copied_on_import_is_a_copy(pinned_tensor):
+    tensor = pinned_tensor(np.arange(4, dtype=np.float32))
+    view = handoff.from_dlpack(tensor, copy=True)
+    assert view.device == (CPU, 0)
+    assert view.data_ptr != tensor.data_ptr()
+    assert np.from_dlpack(view).tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("stream", [0, -2])
+def test_a_stream_pinned_memory_cannot_take_is_refused_before_the_producer_is_asked(pinned_tensor, stream):
+    producer = DlpackOnly(pinned_tensor(np.arange(4, dtype=np.float32)))
+    with pytest.raises(ValueError, match=f"stream={stream} is invalid for a CUDA host array"):
+        handoff.from_dlpack(producer, stream=stream)
+    assert producer.calls == []

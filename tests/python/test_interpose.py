@@ -414,13 +414,13 @@ def test_a_consumer_stream_on_another_device_is_a_cross_device_hazard(peers):
 
 
 class InterfaceOnly:
-    """A producer that offers only the CUDA Array Interface (as Numba's arrays do), with or without
-    the stream its data is ready on."""
+    """A producer that offers only the CUDA Array Interface, as numba-cuda 0.30's device arrays do,
+    with the stream its data is ready on or, as numba says of its default stream, `"stream": None`."""
 
     def __init__(self, data, with_stream: bool) -> None:
         interface = dict(data.__cuda_array_interface__)
         if not with_stream:
-            interface.pop("stream", None)
+            interface["stream"] = None
         self.__cuda_array_interface__ = interface
         self._data = data
 

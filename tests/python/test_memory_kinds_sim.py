@@ -12,7 +12,7 @@ import pytest
 import handoff
 
 from dlpack_ctypes import CPU, DLDevice, HandMadeTensor
-from support import BACKEND, SIM_ROCM, needs_sim
+from support import BACKEND, SIM_ROCM, DlpackOnly, needs_sim
 
 pytestmark = needs_sim
 if BACKEND.startswith("sim"):
@@ -95,3 +95,29 @@ def test_device_memory_to_the_cpu_with_copy_false_is_still_refused():
     source = sim.zeros(N)
     with pytest.raises(BufferError, match="copy=False"):
         source.__dlpack__(dl_device=(CPU, 0), copy=False, max_version=(1, 1))
+
+
+@pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "negative-control"])
+def test_pinned_memory_is_asked_for_with_none_and_the_consumer_ordered_after_the_default_stream(ordered, sim_streams):
+    # Pinned memory is CPU memory to PyTorch, whose pinned tensors take only stream None or -1: the
+    # producer is asked with None, which DLPack's stream table reads as the default stream, and the
+    # consumer's non-blocking stream is then ordered after that stream.
+    producer, consumer = sim_streams
+    source = sim.zeros(N, memory="pinned")
+    sim.synchronize()
+    forwarded = DlpackOnly(source)
+    with sim.hold(producer):
+        sim.fill(source, 7.0, stream=producer)
+        view = handoff.from_dlpack(forwarded, stream=consumer if ordered else -1)
+        read = sim.to_numpy(view, stream=consumer, wait=False)
+        if ordered:
+            assert not read.done() and sim.pending(consumer) > 0, "the consumer must wait for the held producer"
+        else:
+            assert sim.to_numpy(view, stream=consumer)[0] == 0.0, "the negative control reads before the write"
+    assert [call.get("stream") for call in forwarded.calls] == [None if ordered else -1]
+    assert view.device == source.device
+    if ordered:
+        seen = read.result()
+        assert (seen[0], seen[-1]) == (7.0, 7.0)
+    else:
+        read.result()

@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+from peer_library import export_as_torch
 
 import handoff
 
@@ -220,31 +221,37 @@ def test_a_failing_synchronization_during_a_host_copy_frees_nothing_early(how, n
     sim.synchronize()
 
 
-class TorchLikeProducer:
-    """Reads an omitted `stream` as -1, no synchronization, as PyTorch 2.13's __dlpack__ does."""
+class TorchTensor:
+    """A CUDA (ROCm) tensor of PyTorch 2.13 on the simulator: `__dlpack__` exports as PyTorch's does
+    (peer_library.export_as_torch: an omitted `stream` is -1, no synchronization), ordering PyTorch's
+    current stream, `current`, which the program wrote the data on."""
 
-    __slots__ = ("array",)  # no instance dict: handoff's fastest import path calls it
+    __slots__ = ("array", "current")  # no instance dict: handoff's fastest import path calls it
 
-    def __init__(self, array):
-        self.array = array
+    def __init__(self, array, current):
+        self.array, self.current = array, current
 
     def __dlpack_device__(self):
         return self.array.__dlpack_device__()
 
     def __dlpack__(self, *, stream=-1, max_version=None, dl_device=None, copy=None):
-        return self.array.__dlpack__(stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
+        return export_as_torch(
+            self.array, self, self.current, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy
+        )
 
 
-class TorchLikeProducerWithDict(TorchLikeProducer):
-    """The same with an instance dict, which takes the general import path."""
+class TorchTensorWithDict(TorchTensor):
+    """The same with an instance dict (a subclass's), which takes the general import path."""
+
+    __slots__ = ("__dict__",)
 
 
-@pytest.mark.parametrize("kind", [TorchLikeProducer, TorchLikeProducerWithDict])
+@pytest.mark.parametrize("kind", [TorchTensor, TorchTensorWithDict])
 @pytest.mark.parametrize("entry", [handoff.from_dlpack, handoff.asarray])
 def test_a_producer_reading_an_omitted_stream_as_no_sync_is_asked_for_the_default_stream(kind, entry, new_stream):
     producer = new_stream()  # non-blocking: only an explicit wait orders the default stream after it
     source, value = pending_write(producer)
-    view = entry(kind(source))  # no consumer stream: the device's default stream
+    view = entry(kind(source, producer.handle))  # no consumer stream: the device's default stream
     assert sim.to_numpy(view, stream=DEFAULT_STREAM)[0] == value
 
 

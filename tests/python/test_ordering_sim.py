@@ -10,6 +10,7 @@ import gc
 import textwrap
 import threading
 import time
+import types
 import weakref
 
 import numpy as np
@@ -57,22 +58,29 @@ def pending_write(stream, value=1.0, device=0):
     return array
 
 
-class TorchLikeStream:
-    def __init__(self, handle):
-        self.cuda_stream = handle
+class OlderTorchStream:
+    """PyTorch's stream before its CUDA stream protocol (pytorch/pytorch#163614, 2025), which handoff
+    reads by `.cuda_stream`; its `.device` a torch.device."""
+
+    def __init__(self, stream):
+        self.cuda_stream = stream.handle
+        self.device = types.SimpleNamespace(type="cuda", index=stream.device)
 
 
-class CupyLikeStream:
-    def __init__(self, handle):
-        self.ptr = handle
+class OlderCupyStream:
+    """CuPy 13's stream, before `__cuda_stream__` (CuPy 14), which handoff reads by `.ptr` and
+    `.device_id`."""
+
+    def __init__(self, stream):
+        self.ptr, self.device_id = stream.handle, stream.device
 
 
 CONSUMER_SPELLINGS = {
     "int": lambda s: s.handle,
     "handoff.Stream": lambda s: handoff.Stream(s.handle),
     "sim.Stream (__cuda_stream__)": lambda s: s,
-    ".cuda_stream": lambda s: TorchLikeStream(s.handle),
-    ".ptr": lambda s: CupyLikeStream(s.handle),
+    ".cuda_stream": OlderTorchStream,
+    ".ptr": OlderCupyStream,
 }
 
 
@@ -259,7 +267,8 @@ def interface_of(array, stream):
 
 
 class StreamHoldingProducer(CudaArrayInterfaceProducer):
-    """A producer that holds the stream its interface names, as Numba's device arrays do."""
+    """A producer that holds the stream its interface names, as numba-cuda 0.30's device arrays do
+    (their `stream` attribute, a stream object with `__cuda_stream__`)."""
 
     def __init__(self, interface, owner, stream):
         super().__init__(interface, owner)
@@ -904,7 +913,8 @@ def test_negative_control_the_same_memory_read_on_the_host_without_a_wait_is_sta
 
 
 class DeviceRecordingProducer:
-    """A producer that, as PyTorch does, orders the streams of the device current in its __dlpack__."""
+    """A tensor of PyTorch 2.13 on another device than 0: its __dlpack__ refuses to export while
+    another device is current, with its BufferError, and orders the current device's streams."""
 
     def __init__(self, array):
         self.array = array
@@ -914,7 +924,12 @@ class DeviceRecordingProducer:
         return self.array.__dlpack_device__()
 
     def __dlpack__(self, **kwargs):
-        self.called_on = sim.current_device()
+        expected, current = self.array.__dlpack_device__()[1], sim.current_device()
+        if current != expected:
+            raise BufferError(
+                f"Can't export tensors on a different CUDA device index. Expected: {expected}. Current device: {current}."
+            )
+        self.called_on = current
         return self.array.__dlpack__(**kwargs)
 
 

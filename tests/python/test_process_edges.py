@@ -151,7 +151,8 @@ def test_a_cycle_through_a_stream_object_a_view_keeps_is_collected():
     from handoff import sim
 
     class LibraryStream:
-        """A library's stream object (CuPy-like: `.ptr`) that caches what was imported onto it."""
+        """A library's stream object, named by `.ptr` as CuPy 13's are, that caches what was
+        imported onto it."""
 
         def __init__(self) -> None:
             self.stream = sim.Stream(non_blocking=True)

@@ -1,12 +1,15 @@
 """The CUDA rules the simulator enforces where lifetime and teardown go wrong, seen from Python:
 captured work runs per graph launch (and a view dropped during a capture is released once, not at
 every launch), a sticky error halts a device (and exit does not wait for what it will never run),
-a destroyed stream used later is a violation."""
+a destroyed stream used later is refused and recorded; and the hold (sim.hold) that ordering tests
+hold their races with."""
 
 from __future__ import annotations
 
+import gc
 import os
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -14,13 +17,15 @@ import pytest
 
 import handoff
 
-from support import BACKEND, live_views, needs_sim, run_python
+from support import BACKEND, DEFAULT_STREAM, live_views, needs_sim, run_python, sim_leak_check
 
 pytestmark = needs_sim
 if BACKEND.startswith("sim"):
     from handoff import sim
 
 STICKY = "hipErrorIllegalAddress" if BACKEND == "sim-rocm" else "cudaErrorIllegalAddress"
+INVALID_HANDLE = "hipErrorInvalidHandle" if BACKEND == "sim-rocm" else "cudaErrorInvalidResourceHandle"
+HOLD_DEADLOCK = "handoffErrorHoldDeadlock"
 
 
 def test_captured_work_runs_once_per_launch_and_not_before():
@@ -68,6 +73,33 @@ def test_using_a_destroyed_stream_is_recorded_as_a_violation():
     found = sim.violations()
     sim.clear_violations()  # the fixture would fail this test otherwise
     assert len(found) == 1 and "after it was destroyed" in found[0], found
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda handle: sim.fill(sim.zeros(4), 1.0, stream=handle),
+        lambda handle: sim.to_numpy(sim.zeros(4), stream=handle),
+        lambda handle: sim.to_numpy(sim.zeros(4), stream=handle, wait=False),
+        lambda handle: sim.hold(handle).__enter__(),
+        lambda handle: sim.pending(handle),  # noqa: PLW0108 (sim is imported on sim backends only)
+        lambda handle: sim.held(handle),  # noqa: PLW0108
+        lambda handle: sim.begin_capture(handle),  # noqa: PLW0108
+        lambda handle: handoff.from_dlpack(sim.zeros(4), stream=handle),
+    ],
+    ids=["fill", "to_numpy", "to_numpy-no-wait", "hold", "pending", "held", "begin_capture", "from_dlpack"],
+)
+def test_a_call_on_a_destroyed_stream_fails_as_cuda_reports_it(call):
+    stream = sim.Stream(non_blocking=True)
+    handle = stream.handle
+    del stream
+    with pytest.raises(handoff.DeviceError) as failure:
+        call(handle)
+    found = sim.violations()
+    sim.clear_violations()
+    assert failure.value.error_name == INVALID_HANDLE, failure.value
+    assert found and all("after it was destroyed" in v for v in found), found
+    sim.synchronize()
 
 
 def test_a_sticky_error_fails_every_later_call_on_its_device():
@@ -120,7 +152,7 @@ FOREIGN_DELETER_AT_EXIT = textwrap.dedent(
     from dlpack_ctypes import HandMadeTensor, CUDA
 
     source = sim.zeros(1024)
-    # A producer whose deleter takes the GIL, as CuPy's and PyTorch's do (a ctypes callback does).
+    # A producer whose deleter takes the GIL, as CuPy 14's does (`with gil`; a ctypes callback does).
     tensor = HandMadeTensor(source.__cuda_array_interface__["data"][0], (1024,), device=(CUDA, 0))
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(tensor))  # its deleter's code outlives the interpreter
 
@@ -207,3 +239,143 @@ def test_fill_values_at_the_edges_of_a_dtype_are_written():
         array = sim.zeros(2, dtype)
         sim.fill(array, value, stream=stream)
         assert sim.to_numpy(array, stream=stream).tolist() == [value if dtype != "bool" else True] * 2, dtype
+
+
+# --- the hold: a test holds a stream's work exactly as long as its assertion needs ----------------
+
+
+@pytest.fixture
+def no_leaks():
+    yield from sim_leak_check()
+
+
+def test_a_hold_keeps_what_is_enqueued_on_its_stream_until_the_block_ends(no_leaks):
+    stream = sim.Stream(non_blocking=True)
+    array = sim.zeros(64)
+    assert not sim.held(stream)
+    with sim.hold(stream) as hold:
+        assert hold.active and hold.stream is stream and sim.held(stream)
+        assert sim.pending(stream) == 0, "the hold itself is not counted"
+        sim.fill(array, 3.0, stream=stream)
+        assert sim.pending(stream) == 1
+        read = sim.to_numpy(array, stream=stream, wait=False)
+        assert sim.pending(stream) > 1  # the copy too, and the events recorded after it
+        assert not read.done()
+    assert not hold.active and not sim.held(stream)
+    assert read.result().tolist() == [3.0] * 64
+    assert read.done() and sim.pending(stream) == 0
+
+
+def test_work_enqueued_before_the_hold_is_not_held(no_leaks):
+    stream = sim.Stream(non_blocking=True)
+    array = sim.zeros(64)
+    sim.fill(array, 2.0, stream=stream)
+    before = sim.to_numpy(array, stream=stream, wait=False)
+    with sim.hold(stream):
+        assert before.result()[0] == 2.0  # ahead of the hold: this thread may wait for it
+
+
+@pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "negative-control"])
+def test_an_ordered_consumer_waits_while_the_producer_is_held(no_leaks, ordered):
+    producer, consumer = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)
+    source = sim.zeros(64)
+    with sim.hold(producer):
+        sim.fill(source, 1.0, stream=producer)
+        view = handoff.from_dlpack(source, stream=consumer if ordered else -1)
+        read = sim.to_numpy(view, stream=consumer, wait=False)
+        if ordered:
+            assert not read.done() and sim.pending(consumer) > 0, "the consumer did not wait for the producer"
+        else:
+            assert read.result()[0] == 0.0, "expected stale data without ordering"
+    assert read.result()[0] == (1.0 if ordered else 0.0)
+    assert sim.to_numpy(view, stream=consumer)[0] == 1.0
+
+
+def test_holds_nest_and_work_runs_once_every_hold_it_is_behind_has_ended(no_leaks):
+    stream = sim.Stream(non_blocking=True)
+    first, second = sim.zeros(8), sim.zeros(8)
+    with sim.hold(stream):
+        sim.fill(first, 1.0, stream=stream)
+        with sim.hold(stream):
+            sim.fill(second, 2.0, stream=stream)
+        assert sim.held(stream)
+        read = sim.to_numpy(second, stream=stream, wait=False)
+        assert not read.done()
+    assert read.result()[0] == 2.0
+    assert sim.to_numpy(first, stream=stream)[0] == 1.0
+
+
+def test_a_held_legacy_stream_holds_the_later_work_of_blocking_streams(no_leaks):
+    blocking, non_blocking = sim.Stream(non_blocking=False), sim.Stream(non_blocking=True)
+    held_back, free = sim.zeros(8), sim.zeros(8)
+    with sim.hold(DEFAULT_STREAM):
+        sim.fill(held_back, 1.0, stream=blocking)
+        sim.fill(free, 2.0, stream=non_blocking)
+        assert sim.to_numpy(free, stream=non_blocking)[0] == 2.0
+        assert sim.pending(blocking) == 1
+    assert sim.to_numpy(held_back, stream=blocking)[0] == 1.0
+
+
+@pytest.mark.parametrize(
+    "wait",
+    [
+        lambda stream, array, read: sim.to_numpy(array, stream=stream),
+        lambda stream, array, read: read.result(),
+        lambda stream, array, read: stream.synchronize(),
+        lambda stream, array, read: sim.synchronize(),
+        lambda stream, array, read: sim.drain(),
+    ],
+    ids=["to_numpy", "PendingCopy.result", "Stream.synchronize", "synchronize", "drain"],
+)
+def test_a_wait_for_held_work_on_the_holding_thread_fails_instead_of_hanging(no_leaks, wait):
+    stream = sim.Stream(non_blocking=True)
+    array = sim.zeros(8)
+    with sim.hold(stream):
+        sim.fill(array, 4.0, stream=stream)
+        read = sim.to_numpy(array, stream=stream, wait=False)
+        with pytest.raises(handoff.DeviceError, match="hold") as failure:
+            wait(stream, array, read)
+        assert failure.value.error_name == HOLD_DEADLOCK
+    assert read.result()[0] == 4.0
+
+
+def test_a_wait_on_another_thread_waits_for_the_end_of_the_hold(no_leaks):
+    stream = sim.Stream(non_blocking=True)
+    array = sim.zeros(8)
+    seen = []
+    with sim.hold(stream):
+        sim.fill(array, 5.0, stream=stream)
+        reader = threading.Thread(target=lambda: seen.append(sim.to_numpy(array, stream=stream)[0]))
+        reader.start()
+        assert seen == [] and reader.is_alive()  # it cannot return before the write has run
+    reader.join()
+    assert seen == [5.0]
+
+
+def test_an_array_dropped_inside_a_hold_is_freed_once_the_held_work_is_done(no_leaks):
+    stream = sim.Stream(non_blocking=True)
+    before = sim.live_allocations()
+    with sim.hold(stream):
+        array = sim.zeros(8)
+        sim.fill(array, 1.0, stream=stream)
+        del array  # cudaFree would wait for the held write: freed after it instead
+        gc.collect()
+        assert sim.live_allocations() == before + 1
+    sim.synchronize()
+    assert sim.live_allocations() == before
+
+
+def test_a_hold_is_entered_once_and_its_arguments_are_checked():
+    stream = sim.Stream(non_blocking=True)
+    hold = sim.hold(stream)
+    with hold, pytest.raises(ValueError, match="active already"):
+        hold.__enter__()
+    with pytest.raises(TypeError, match="stream"):
+        sim.hold(None)
+    capturing = sim.Stream(non_blocking=True)
+    sim.begin_capture(capturing)
+    try:
+        with pytest.raises(handoff.DeviceError, match="StreamCaptureUnsupported"), sim.hold(capturing):
+            pass
+    finally:
+        sim.end_capture(capturing)

@@ -22,18 +22,55 @@ class CudaStreamProtocol:
         return (self.version, self.handle)
 
 
-class TorchLike:
+class TorchStream:
+    """What handoff reads of PyTorch 2.13's torch.cuda.Stream: `cuda_stream`, `device` (a torch.device,
+    whose `index` is the device's) and `__cuda_stream__()`, which returns (0, cuda_stream)."""
+
     class device:
-        index = 3
+        type, index = "cuda", 3
+
+    cuda_stream = 0x1234
+
+    def __cuda_stream__(self):
+        return (0, self.cuda_stream)
+
+
+class CupyStream:
+    """What handoff reads of CuPy 14's cupy.cuda.Stream: `ptr`, `device_id` (an int; -1 for a stream
+    made for whichever device is current) and `__cuda_stream__()`, which returns (0, ptr)."""
+
+    def __init__(self, device_id: int = 1) -> None:
+        self.ptr, self.device_id = 0x5678, device_id
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+class CudaCoreStream:
+    """What handoff reads of cuda.core's Stream: `device` (a cuda.core Device, whose `device_id` is
+    the device's; no `index`) and `__cuda_stream__()`, which returns (0, its handle)."""
+
+    class device:
+        device_id = 2
+
+    def __cuda_stream__(self):
+        return (0, 0x9ABC)
+
+
+class OlderTorchStream:
+    """PyTorch's stream before its CUDA stream protocol (pytorch/pytorch#163614, 2025): `cuda_stream`
+    and `device` alone."""
+
+    class device:
+        type, index = "cuda", 3
 
     cuda_stream = 0x1234
 
 
-class CupyLike:
-    class device:
-        id = 1
+class OlderCupyStream:
+    """CuPy 13's cupy.cuda.Stream, before `__cuda_stream__` (CuPy 14): `ptr` and `device_id` alone."""
 
-    ptr = 0x5678
+    ptr, device_id = 0x5678, 1
 
 
 # --- Stream ----------------------------------------------------------------------------------
@@ -82,8 +119,12 @@ def test_as_stream_accepts_every_spelling():
     assert handoff.as_stream(9) == handoff.Stream(9)
     assert handoff.as_stream(0) == handoff.Stream(0)
     assert handoff.as_stream(CudaStreamProtocol(0x42)) == handoff.Stream(0x42)
-    assert handoff.as_stream(TorchLike()) == handoff.Stream(0x1234, device=3)
-    assert handoff.as_stream(CupyLike()) == handoff.Stream(0x5678, device=1)
+    assert handoff.as_stream(TorchStream()) == handoff.Stream(0x1234, device=3)
+    assert handoff.as_stream(CupyStream()) == handoff.Stream(0x5678, device=1)
+    assert handoff.as_stream(CupyStream(device_id=-1)) == handoff.Stream(0x5678)
+    assert handoff.as_stream(CudaCoreStream()) == handoff.Stream(0x9ABC, device=2)
+    assert handoff.as_stream(OlderTorchStream()) == handoff.Stream(0x1234, device=3)
+    assert handoff.as_stream(OlderCupyStream()) == handoff.Stream(0x5678, device=1)
 
 
 @pytest.mark.parametrize("obj", [True, False, 1.5, "3", None, object(), [3], (0, 3)])

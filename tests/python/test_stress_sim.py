@@ -59,7 +59,8 @@ def no_leaks():
 
 
 class CaiHolder:
-    """A producer that speaks the CUDA Array Interface only (as Numba's arrays do)."""
+    """A producer that speaks the CUDA Array Interface only, as numba-cuda 0.30's device arrays do
+    (they have no __dlpack__); the interface is handoff's own."""
 
     def __init__(self, view):
         self.view = view  # keeps the memory alive

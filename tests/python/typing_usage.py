@@ -17,7 +17,8 @@ import handoff.sim as sim
 
 
 class Producer:
-    """A producer whose __dlpack__ declares none of DLPack's optional arguments, as JAX's stubs do."""
+    """A producer whose __dlpack__ declares none of DLPack's optional arguments, as JAX 0.10's stubs
+    do (jax/_src/basearray.pyi)."""
 
     def __dlpack__(self) -> object:
         raise NotImplementedError

@@ -74,6 +74,9 @@ struct producer_answer {
   std::optional<DLDevice> claimed;   ///< what its `__dlpack_device__` said, when asked
   bool honoured_arguments{false};    ///< it took `max_version`, and so `dl_device` and `copy`
   bool ordered_for_consumer{false};  ///< it was given the consumer's stream, and orders for it
+  /// It was given None for pinned host memory (dlpack_stream_value): what it orders, it orders
+  /// before the device's default stream, which the consumer stream is then ordered after.
+  bool ordered_for_default_stream{false};
 };
 
 /// What a consumer asks of an export: DLPack's `__dlpack__` arguments.

@@ -93,9 +93,20 @@ struct named_stream {
   [[nodiscard]] bool is_default() const noexcept { return how == form::default_stream; }
 };
 
+/// True for pinned host memory (kDLCUDAHost, kDLROCMHost): host memory that device streams may
+/// also read and write.
+[[nodiscard]] constexpr bool is_pinned_host(DLDeviceType device) noexcept
+{
+  return device == kDLCUDAHost || device == kDLROCMHost;
+}
+
 /// The DLPack stream value that names `stream` to a producer of data on `device`: the device's
 /// default stream value for the default stream, the value itself, or the handle's value
 /// (stream_value_of); nullopt for devices without streams, whose producers take only None.
+/// Pinned host memory gets None too, -1 aside: PyTorch's pinned tensors are CPU tensors to it and
+/// take only None or -1, cuda.core ignores the value, and a producer that follows the stream table
+/// reads None as the device's default stream, which the consumer then orders itself after
+/// (exchange::import, producer_answer::ordered_for_default_stream).
 [[nodiscard]] std::optional<std::int64_t> dlpack_stream_value(const named_stream& stream, DLDeviceType device) noexcept;
 
 /// What `stream` asks of data on `device` (classify_stream of its value; a native handle only

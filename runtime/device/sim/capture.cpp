@@ -84,7 +84,7 @@ void sim_backend::launch_graph(const sim_graph& graph, stream_handle stream)
   for (const auto& op : graph.graph_->ops) { impl_->check_alive(c, op.device); }
   // Every node of this launch comes after the stream's earlier work, and the stream's later work
   // after every node.
-  const node_ptr start = impl_->enqueue_locked(s, {});
+  const node_ptr start = impl_->pool.submit(impl_->submission(s.device, {}), impl_->next_deps_locked(s));
   std::vector<node_ptr> nodes;
   nodes.reserve(graph.graph_->ops.size());
   for (const auto& op : graph.graph_->ops) {
@@ -94,10 +94,11 @@ void sim_backend::launch_graph(const sim_graph& graph, stream_handle stream)
   }
   nodes.push_back(start);  // an empty graph still ends after the stream's earlier work
   // The launch holds the graph, and what it retains, until it has run.
-  s.tail = impl_->pool.submit(
+  auto end = impl_->pool.submit(
     impl_->submission(s.device,
                       {.body = [held = graph.graph_]() mutable { held.reset(); }, .delay = {}, .host_function = false}),
     nodes);
+  impl_->append_locked(s, std::move(end));  // one operation of the stream, as cudaGraphLaunch is
 }
 
 }  // namespace handoff::device

@@ -83,6 +83,9 @@ constexpr std::array operation_table{
   operation_info{"free_sync", "cudaFree", "hipFree"},
   operation_info{"context_id", "cuCtxGetId", "hipDevicePrimaryCtxGetState"},
   operation_info{"release_with_capture", "cudaGraphRetainUserObject", "hipGraphRetainUserObject"},
+  operation_info{"hold", "simStreamHold", "simStreamHold"},
+  operation_info{"pending", "simStreamPending", "simStreamPending"},
+  operation_info{"held", "simStreamHeld", "simStreamHeld"},
 };
 
 // Not injectable: they are noexcept (a failure there can only be logged).

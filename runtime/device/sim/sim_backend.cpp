@@ -264,6 +264,7 @@ void sim_backend::synchronize_stream(stream_handle stream)
     // after the legacy stream's last operation (which CUDA leaves open; the stricter reading).
     target = s.tail;
     device = s.device;
+    impl_->refuse_held_wait(c, {target});
     note.on_stream(s, raw(stream), impl_->flavour);
   }
   const blocked_timer blocked{note};
@@ -305,6 +306,7 @@ void sim_backend::synchronize_device()
     if (capturing) { impl_->fail(c, sim_error::capture_unsupported); }
     impl_->check_unsafe_call(c);
     tails = impl_->device_tails_locked(device);
+    impl_->refuse_held_wait(c, tails);
   }
   activity_note note{activity::kind::host_sync};
   note.record.scope = activity::sync_scope::device;
@@ -405,6 +407,7 @@ void sim_backend::synchronize_event(event_handle event)
     impl_->check_unsafe_call(c);
     fence = e.fence;
     device = e.device;
+    impl_->refuse_held_wait(c, {fence});
   }
   activity_note note{activity::kind::host_sync};
   note.record.scope = activity::sync_scope::event;
@@ -657,6 +660,7 @@ void sim_backend::reset_device(int device)
   {
     std::lock_guard lock(impl_->mutex);
     tails = impl_->device_tails_locked(device);
+    impl_->refuse_held_wait(c, tails);
   }
   impl_->wait_on_device(c, device, tails);
   std::lock_guard lock(impl_->mutex);
@@ -758,6 +762,106 @@ void sim_backend::launch_kernel(stream_handle stream, const char* kernel,
   note.send();
 }
 
+// --- holds ------------------------------------------------------------------------------------------
+
+sim_hold::sim_hold(sim_backend& sim, std::shared_ptr<sim_detail::node> gate) noexcept
+    : sim_(&sim), gate_(std::move(gate))
+{}
+
+sim_hold::sim_hold(sim_hold&& other) noexcept : sim_(std::exchange(other.sim_, nullptr)), gate_(std::move(other.gate_))
+{}
+
+sim_hold& sim_hold::operator=(sim_hold&& other) noexcept
+{
+  if (this != &other) {
+    release();
+    sim_ = std::exchange(other.sim_, nullptr);
+    gate_ = std::move(other.gate_);
+  }
+  return *this;
+}
+
+sim_hold::~sim_hold()
+{
+  release();
+}
+
+void sim_hold::release() noexcept
+{
+  if (gate_) { sim_->end_hold(std::exchange(gate_, nullptr)); }
+}
+
+sim_hold sim_backend::hold(stream_handle stream)
+{
+  const call_with c{"hold", "{:#x}", raw(stream)};
+  impl_->open(c);
+  std::lock_guard lock(impl_->mutex);
+  auto& s = impl_->stream(c, stream);
+  impl_->check_legacy_use(c, s);
+  if (s.capture) {
+    impl_->fail(c, sim_error::capture_unsupported,
+                "the work of a capturing stream runs when its graph is launched: hold the stream it is launched on");
+  }
+  const auto holder = this_thread_key();
+  // In the stream's order, not counted by pending(): what follows waits for it.
+  auto gate = impl_->pool.submit_gate(static_cast<gate_holder>(holder), impl_->next_deps_locked(s));
+  s.tail = gate;
+  std::erase_if(s.gates, [](const node_ptr& g) { return !is_closed_gate(g); });
+  s.gates.push_back(gate);
+  impl_->holds.push_back({.gate = gate, .stream = raw(stream), .holder = holder});
+  HANDOFF_LOG_DEBUG("{}: stream {:#x} held", name(), raw(stream));
+  return sim_hold{*this, std::move(gate)};
+}
+
+void sim_backend::end_hold(const std::shared_ptr<sim_detail::node>& gate) noexcept
+{
+  try {
+    std::lock_guard lock(impl_->mutex);
+    auto& holds = impl_->holds;
+    const auto it = std::find_if(holds.begin(), holds.end(), [&](const auto& h) { return h.gate == gate; });
+    if (it != holds.end()) {
+      if (it->holder != this_thread_key()) {
+        // Its thread's waits were refused for it: that thread was the one that would end it.
+        impl_->record_violation(
+          fmt::format("the hold on stream {:#x} ended on another thread than the one that began it", it->stream));
+      }
+      HANDOFF_LOG_DEBUG("{}: stream {:#x} released", name(), it->stream);
+      holds.erase(it);
+    }
+    impl_->pool.open_gate(gate);
+  } catch (...) {
+    impl_->pool.open_gate(gate);  // never leave work held
+  }
+}
+
+std::size_t sim_backend::pending(stream_handle stream)
+{
+  const call_with c{"pending", "{:#x}", raw(stream)};
+  impl_->open(c);
+  std::lock_guard lock(impl_->mutex);
+  auto& queued = impl_->stream(c, stream).queued;
+  while (!queued.empty() && is_done(queued.front())) { queued.pop_front(); }
+  return queued.size();
+}
+
+bool sim_backend::held(stream_handle stream)
+{
+  const call_with c{"held", "{:#x}", raw(stream)};
+  impl_->open(c);
+  std::lock_guard lock(impl_->mutex);
+  auto& gates = impl_->stream(c, stream).gates;
+  std::erase_if(gates, [](const node_ptr& g) { return !is_closed_gate(g); });
+  return !gates.empty();
+}
+
+std::size_t sim_backend::holds_of_this_thread()
+{
+  std::lock_guard lock(impl_->mutex);
+  const auto self = this_thread_key();
+  return static_cast<std::size_t>(
+    std::count_if(impl_->holds.begin(), impl_->holds.end(), [&](const auto& h) { return h.holder == self; }));
+}
+
 void sim_backend::set_copy_duration(nanoseconds duration)
 {
   HANDOFF_EXPECTS(duration >= nanoseconds::zero(), value_error, "a copy cannot take a negative time");
@@ -798,6 +902,19 @@ void sim_backend::free_sync(void* ptr)
     impl_->check_alive(c, device);
     it->second.free_pending = true;
     tails = impl_->device_tails_locked(device);
+    if (impl_->own_hold_before(tails)) {
+      // The calling thread holds work that cudaFree's synchronization would wait for, and could
+      // never return: the allocation goes once that work is done instead, without waiting (and no
+      // host wait is reported: the host waited for nothing).
+      const auto base = it->first;
+      auto freed = impl_->pool.submit(
+        impl_->submission(device, {.body = [state = impl_.get(), base] { state->release_allocation(base); },
+                                   .delay = {},
+                                   .host_function = false}),
+        tails);
+      impl_->devices[static_cast<std::size_t>(device)].retired.push_back(std::move(freed));  // device syncs wait
+      return;
+    }
     note.on_device(device, impl_->flavour);
     note.buffers = {{.address = it->first, .bytes = it->second.size, .mode = activity::access::write}};
   }

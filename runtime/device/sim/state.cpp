@@ -131,7 +131,16 @@ try {
 sim_backend::impl::~impl()
 {
   unwatch_thread_exits(*this);  // first: the pool's threads end below
-  pool.shutdown();              // pending frees need the table, so drain before anything is destroyed
+  {
+    std::lock_guard lock(mutex);
+    for (const auto& hold : holds) {
+      HANDOFF_LOG_ERROR("{}: a hold on stream {:#x} outlived the backend; its work runs now", backend_name(),
+                        hold.stream);
+      pool.open_gate(hold.gate);
+    }
+    holds.clear();
+  }
+  pool.shutdown();  // pending frees need the table, so drain before anything is destroyed
   for (auto& [base, info] : allocations) { ::operator delete(reinterpret_cast<void*>(base), allocation_alignment); }
 }
 
@@ -273,6 +282,13 @@ stream_state* sim_backend::impl::find_stream(std::uintptr_t h)
 stream_state& sim_backend::impl::stream(const call& c, stream_handle h)
 {
   auto* s = find_stream(raw(h));
+  // A handle that names no live stream, destroyed or never made, is refused as CUDA refuses one:
+  // cudaErrorInvalidResourceHandle, "a resource handle passed to the API call was not valid.
+  // Resource handles are opaque types like cudaStream_t and cudaEvent_t" (CUDA Runtime API, Error
+  // Handling; hipErrorInvalidHandle in HIP). Not cudaErrorContextIsDestroyed: that names a context
+  // destroyed while current to the calling thread (cuCtxDestroy), not a handle. A use after
+  // destruction is undefined in CUDA (cuCtxDestroy: "doing so will result in undefined behavior"),
+  // so it is also recorded, for the test fixtures to fail on.
   if (s == nullptr) {
     if (destroyed_streams.contains(raw(h))) {
       record_violation(
@@ -287,6 +303,7 @@ stream_state& sim_backend::impl::stream(const call& c, stream_handle h)
 
 event_state& sim_backend::impl::event(const call& c, event_handle h)
 {
+  // As for streams (above): cudaErrorInvalidResourceHandle, and a recorded violation when destroyed.
   auto it = events.find(raw(h));
   if (it == events.end()) {
     if (destroyed_events.contains(raw(h))) {
@@ -351,7 +368,7 @@ work sim_backend::impl::submission(int device, stream_work w)
               .serial = w.host_function ? dev.host_functions : nullptr};
 }
 
-node_ptr sim_backend::impl::enqueue_locked(stream_state& s, stream_work w, node_ptr extra)
+std::vector<node_ptr> sim_backend::impl::next_deps_locked(stream_state& s, node_ptr extra)
 {
   std::vector<node_ptr> deps;
   deps.push_back(s.tail);
@@ -363,8 +380,21 @@ node_ptr sim_backend::impl::enqueue_locked(stream_state& s, stream_work w, node_
   } else if (s.blocking) {
     deps.push_back(devices[static_cast<std::size_t>(s.device)].legacy->tail);
   }
-  s.tail = pool.submit(submission(s.device, std::move(w)), deps);
+  return deps;
+}
+
+node_ptr sim_backend::impl::enqueue_locked(stream_state& s, stream_work w, node_ptr extra)
+{
+  append_locked(s, pool.submit(submission(s.device, std::move(w)), next_deps_locked(s, std::move(extra))));
   return s.tail;
+}
+
+void sim_backend::impl::append_locked(stream_state& s, node_ptr n)
+{
+  // A stream's operations complete in order: those seen done leave from the front.
+  while (!s.queued.empty() && is_done(s.queued.front())) { s.queued.pop_front(); }
+  s.queued.push_back(n);
+  s.tail = std::move(n);
 }
 
 std::size_t sim_backend::impl::capture_locked(stream_state& s, stream_work w, std::optional<std::size_t> extra)
@@ -405,6 +435,33 @@ std::vector<node_ptr> sim_backend::impl::device_tails_locked(int device)
   std::erase_if(retired, [](const node_ptr& n) { return is_done(n); });
   tails.insert(tails.end(), retired.begin(), retired.end());
   return tails;
+}
+
+const sim_backend::impl::open_hold* sim_backend::impl::own_hold_before(const std::vector<node_ptr>& targets)
+{
+  const auto self = this_thread_key();
+  if (std::none_of(holds.begin(), holds.end(), [&](const open_hold& h) { return h.holder == self; })) {
+    return nullptr;
+  }
+  for (const auto& target : targets) {
+    if (const auto gate = pool.closed_gate_before(target, static_cast<gate_holder>(self))) {
+      const auto it = std::find_if(holds.begin(), holds.end(), [&](const open_hold& h) { return h.gate == gate; });
+      if (it != holds.end()) { return &*it; }
+    }
+  }
+  return nullptr;
+}
+
+void sim_backend::impl::refuse_held_wait(const call& c, const std::vector<node_ptr>& targets)
+{
+  if (const auto* hold = own_hold_before(targets)) {
+    throw make_error(
+      c, sim_backend::hold_deadlock_error,
+      fmt::format("it would wait for ever: it waits for work held by the hold on stream {:#x}, which this thread "
+                  "began and cannot end while it waits; wait after the hold ends (from Python, "
+                  "sim.to_numpy(..., wait=False) enqueues a read without waiting)",
+                  hold->stream));
+  }
 }
 
 void sim_backend::impl::wait_on_device(const call& c, int device, const std::vector<node_ptr>& targets)

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <exception>
 #include <functional>
 #include <map>
@@ -130,7 +131,9 @@ struct stream_state {
   int device{0};
   stream_kind kind{stream_kind::created};
   bool blocking{true};
-  node_ptr tail;                            // the last work enqueued
+  node_ptr tail;                            // the last work enqueued (or the gate of a hold)
+  std::deque<node_ptr> queued;              // its operations not seen done yet, oldest first (no gates)
+  std::vector<node_ptr> gates;              // the gates of the holds begun on it, until seen open
   std::shared_ptr<capture_info> capture;    // non-null while capturing
   std::optional<std::size_t> capture_tail;  // its last operation in the capture
 };
@@ -217,6 +220,12 @@ struct sim_backend::impl final : sim_detail::thread_state_owner {
   using event_state = sim_detail::event_state;
   using node_ptr = sim_detail::node_ptr;
 
+  struct open_hold {
+    node_ptr gate;
+    std::uintptr_t stream{0};       // the handle it was begun with, for messages
+    sim_detail::thread_key holder;  // the thread that began it, which must end it
+  };
+
   impl(int count, sim_flavour f);
   impl(const impl&) = delete;
   impl& operator=(const impl&) = delete;
@@ -282,8 +291,13 @@ struct sim_backend::impl final : sim_detail::thread_state_owner {
   void check_unsafe_call(const call& c);
   /// How work of `device` is submitted: skipped once the device is halted; host functions on its lane.
   sim_detail::work submission(int device, sim_detail::stream_work w);
+  /// What the next operation of `s` waits for: its previous one, `extra`, and CUDA's implicit
+  /// legacy-stream dependencies.
+  std::vector<node_ptr> next_deps_locked(stream_state& s, node_ptr extra = nullptr);
   /// Appends work to `s` with CUDA's implicit legacy-stream dependencies.
   node_ptr enqueue_locked(stream_state& s, sim_detail::stream_work w, node_ptr extra = nullptr);
+  /// Makes `n` the last operation of `s`, counted by pending().
+  void append_locked(stream_state& s, node_ptr n);
   /// Records work into the capture of `s`; returns its operation index.
   std::size_t capture_locked(stream_state& s, sim_detail::stream_work w, std::optional<std::size_t> extra = {});
   /// The public entry point for stream work: checks, then captures or enqueues. Work enqueued (not
@@ -293,6 +307,11 @@ struct sim_backend::impl final : sim_detail::thread_state_owner {
   /// device's to order). Mutex held.
   void keep_device_memory(sim_detail::activity_note& note) const;
   std::vector<node_ptr> device_tails_locked(int device);
+  /// The hold of the calling thread that one of `targets` waits for, if any. Mutex held.
+  [[nodiscard]] const open_hold* own_hold_before(const std::vector<node_ptr>& targets);
+  /// Fails, rather than wait for ever, when one of `targets` waits for a hold the calling thread
+  /// keeps: that thread cannot end it while it waits. Mutex held.
+  void refuse_held_wait(const call& c, const std::vector<node_ptr>& targets);
   /// Blocks (mutex not held) until `target` is done, then fails if the device halted meanwhile.
   void wait_on_device(const call& c, int device, const std::vector<node_ptr>& targets);
 
@@ -312,6 +331,7 @@ struct sim_backend::impl final : sim_detail::thread_state_owner {
   std::uint64_t next_capture_id{0};
   std::uint64_t next_context_id{0};
   std::vector<std::string> violations;
+  std::vector<open_hold> holds;                                  // begun, not ended
   std::map<std::uintptr_t, sim_detail::allocation> allocations;  // by base address
   std::unordered_map<sim_detail::thread_key, int> current;       // the threads with a context current: its device
   // Each thread's current device before its pushes; nullopt where none was.

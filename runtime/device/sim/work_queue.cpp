@@ -18,6 +18,7 @@
 #include <deque>
 #include <exception>
 #include <thread>
+#include <unordered_set>
 #include <utility>
 
 namespace handoff::device::sim_detail {
@@ -41,6 +42,13 @@ struct node {
   std::condition_variable done_cv;
   bool done{false};                  // guarded by mutex
   std::vector<node_ptr> dependents;  // guarded by mutex; released when done
+  // A gate: its holder, and whether it is still closed (it then holds one unit of `pending`).
+  gate_holder holder{0};
+  std::atomic<bool> closed{false};
+  // The dependencies it had at submission, recorded only while some gate was closed: a node
+  // submitted while none was cannot wait for one (a gate closed now was closed since it was
+  // submitted, and dependencies point to earlier nodes). Read by closed_gate_before.
+  std::vector<std::weak_ptr<node>> waits_on;
 };
 
 class lane {
@@ -55,6 +63,11 @@ class lane {
 bool inside_host_function() noexcept
 {
   return in_host_function;
+}
+
+bool is_closed_gate(const node_ptr& n)
+{
+  return n && n->closed.load(std::memory_order_acquire);
 }
 
 bool is_done(const node_ptr& n)
@@ -78,6 +91,26 @@ struct worker_pool::state {
     for (unsigned i = 0; i < worker_threads; ++i) {
       threads.emplace_back([this] { io.run(); });
     }
+  }
+
+  // Makes `n` wait for `deps`, and starts it if it waits for nothing more.
+  void add(const node_ptr& n, const std::vector<node_ptr>& deps)
+  {
+    const bool traced = closed_gates.load(std::memory_order_acquire) > 0;
+    {
+      std::lock_guard lock(count_mutex);
+      ++outstanding;
+    }
+    for (const auto& dep : deps) {
+      if (!dep) { continue; }
+      std::lock_guard lock(dep->mutex);
+      if (!dep->done) {
+        dep->dependents.push_back(n);
+        n->pending.fetch_add(1, std::memory_order_relaxed);
+        if (traced) { n->waits_on.push_back(dep); }
+      }
+    }
+    if (n->pending.fetch_sub(1, std::memory_order_acq_rel) == 1) { start(n); }
   }
 
   void start(const node_ptr& n)
@@ -155,6 +188,7 @@ struct worker_pool::state {
   std::mutex count_mutex;
   std::condition_variable idle_cv;
   std::size_t outstanding{0};  // guarded by count_mutex
+  std::atomic<std::size_t> closed_gates{0};
 };
 
 worker_pool::worker_pool() : state_(std::make_unique<state>()) {}
@@ -186,20 +220,44 @@ node_ptr worker_pool::submit(work w, const std::vector<node_ptr>& deps)
   auto n = std::make_shared<node>();
   n->trivial = !w.body && w.delay <= nanoseconds::zero();
   n->what = std::move(w);
-  {
-    std::lock_guard lock(state_->count_mutex);
-    ++state_->outstanding;
-  }
-  for (const auto& dep : deps) {
-    if (!dep) { continue; }
-    std::lock_guard lock(dep->mutex);
-    if (!dep->done) {
-      dep->dependents.push_back(n);
-      n->pending.fetch_add(1, std::memory_order_relaxed);
+  state_->add(n, deps);
+  return n;
+}
+
+node_ptr worker_pool::submit_gate(gate_holder holder, const std::vector<node_ptr>& deps)
+{
+  auto n = std::make_shared<node>();
+  n->trivial = true;
+  n->holder = holder;
+  n->closed.store(true, std::memory_order_release);
+  n->pending.fetch_add(1, std::memory_order_relaxed);  // the unit open_gate gives back
+  state_->add(n, deps);                                // traced when an earlier gate is closed
+  state_->closed_gates.fetch_add(1, std::memory_order_acq_rel);
+  return n;
+}
+
+void worker_pool::open_gate(const node_ptr& gate)
+{
+  if (!gate || !gate->closed.exchange(false, std::memory_order_acq_rel)) { return; }
+  state_->closed_gates.fetch_sub(1, std::memory_order_acq_rel);
+  if (gate->pending.fetch_sub(1, std::memory_order_acq_rel) == 1) { state_->start(gate); }
+}
+
+node_ptr worker_pool::closed_gate_before(const node_ptr& target, gate_holder holder)
+{
+  if (state_->closed_gates.load(std::memory_order_acquire) == 0) { return nullptr; }
+  std::vector<node_ptr> unvisited{target};
+  std::unordered_set<const node*> seen;
+  while (!unvisited.empty()) {
+    node_ptr n = std::move(unvisited.back());
+    unvisited.pop_back();
+    if (!n || !seen.insert(n.get()).second || is_done(n)) { continue; }
+    if (n->holder == holder && is_closed_gate(n)) { return n; }
+    for (const auto& dep : n->waits_on) {
+      if (auto live = dep.lock()) { unvisited.push_back(std::move(live)); }
     }
   }
-  if (n->pending.fetch_sub(1, std::memory_order_acq_rel) == 1) { state_->start(n); }
-  return n;
+  return nullptr;
 }
 
 }  // namespace handoff::device::sim_detail

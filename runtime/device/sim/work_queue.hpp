@@ -3,13 +3,15 @@
 // its stream (in-order queues), on the event it waits for, and on the implicit dependencies of the
 // legacy default stream. A node runs on a pool of worker threads once its dependencies are done; a
 // delay is an Asio timer, so sleeping work never holds a worker. Dependencies always point to nodes
-// submitted earlier, so the graph is acyclic and every node eventually completes.
+// submitted earlier, so the graph is acyclic and every node completes, unless it waits for a gate
+// (a test's hold on a stream) that is never opened.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -41,6 +43,12 @@ struct work {
 /// Blocks until `n` (null: nothing) is done.
 void wait_for(const node_ptr& n);
 
+/// Who holds a gate: the simulator's thread_key of the thread whose hold it is.
+using gate_holder = std::uint64_t;
+
+/// True while `n` is a gate that has not been opened.
+[[nodiscard]] bool is_closed_gate(const node_ptr& n);
+
 /// Runs ready nodes on an io_context served by a few threads.
 class worker_pool {
  public:
@@ -59,6 +67,15 @@ class worker_pool {
 
   /// A node that does `w` once every node in `deps` (null entries ignored) is done.
   node_ptr submit(work w, const std::vector<node_ptr>& deps);
+
+  /// A gate: a node that does nothing and completes once `open_gate` opened it and every node in
+  /// `deps` is done, so that work submitted after it, depending on it, waits until it is opened.
+  node_ptr submit_gate(gate_holder holder, const std::vector<node_ptr>& deps);
+  /// Opens `gate`. Idempotent.
+  void open_gate(const node_ptr& gate);
+  /// A closed gate of `holder` that `target` waits for, directly or through other nodes; null when
+  /// there is none. Submissions and openings must not run meanwhile (the simulator's mutex).
+  [[nodiscard]] node_ptr closed_gate_before(const node_ptr& target, gate_holder holder);
 
  private:
   struct state;

@@ -98,8 +98,14 @@ TEST(NamedStreamTest, EachFormIsSpelledInTheNumberingOfTheDataDevice)
   EXPECT_EQ(dlpack_stream_value(default_stream, kDLROCM), 0);
   EXPECT_EQ(dlpack_stream_value(named_stream::dlpack(2), kDLCUDAManaged), 2);
   EXPECT_EQ(dlpack_stream_value(named_stream::native(0, nullptr), kDLCUDA), 1);  // cudaStreamLegacy
-  EXPECT_EQ(dlpack_stream_value(named_stream::native(0, nullptr), kDLROCMHost), 0);
-  EXPECT_EQ(dlpack_stream_value(named_stream::native(0x1234, nullptr), kDLCUDAHost), 0x1234);
+  EXPECT_EQ(dlpack_stream_value(named_stream::native(0x1234, nullptr), kDLCUDAManaged), 0x1234);
+  // Producers of pinned host memory get None (PyTorch's pinned tensors take only None or -1).
+  EXPECT_EQ(dlpack_stream_value(named_stream::native(0, nullptr), kDLROCMHost), none);
+  EXPECT_EQ(dlpack_stream_value(named_stream::native(0x1234, nullptr), kDLCUDAHost), none);
+  EXPECT_EQ(dlpack_stream_value(default_stream, kDLCUDAHost), none);
+  EXPECT_EQ(dlpack_stream_value(named_stream::dlpack(2), kDLCUDAHost), none);
+  EXPECT_EQ(dlpack_stream_value(named_stream::dlpack(-1), kDLCUDAHost), -1);
+  EXPECT_EQ(dlpack_stream_value(named_stream::dlpack(-1), kDLROCMHost), -1);
   // Producers of data without streams take only None.
   EXPECT_EQ(dlpack_stream_value(default_stream, kDLCPU), none);
   EXPECT_EQ(dlpack_stream_value(named_stream::dlpack(5), kDLCPU), none);

@@ -516,6 +516,9 @@ TEST_P(DeviceTest, InjectedFaultsFailEachOperationOnce)
          capturing, [](void*) noexcept {}, nullptr);
        (void)s.end_capture(capturing);
      }},
+    {"hold", [&] { s.hold(blocking).release(); }},
+    {"pending", [&] { (void)s.pending(blocking); }},
+    {"held", [&] { (void)s.held(blocking); }},
   };
 
   const std::string name = err("cudaErrorLaunchFailure", "hipErrorLaunchFailure");

@@ -1,6 +1,7 @@
 // The CUDA rules the simulated device enforces where lifetime and teardown go wrong on a GPU:
-// captured work runs per graph launch, sticky errors halt a device, destroyed handles are
-// violations, host functions may not call the runtime and run one at a time per device.
+// captured work runs per graph launch, sticky errors halt a device, destroyed handles are refused
+// and recorded, host functions may not call the runtime and run one at a time per device; and the
+// hold a test orders its races with.
 #include "device/sim/sim_backend.hpp"
 
 #include <handoff/error.hpp>
@@ -10,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -202,6 +204,67 @@ TEST_P(SimRulesTest, UsingADestroyedStreamOrEventIsAViolation)
   sim.destroy_stream(again);
 }
 
+TEST_P(SimRulesTest, EveryCallThatTakesADestroyedStreamOrEventFailsAsCudaDoes)
+{
+  float* data = zeros();
+  const auto live_stream = sim.create_stream(true);
+  const auto live_event = sim.create_event();
+  const auto s = sim.create_stream(true);
+  const auto e = sim.create_event();
+  sim.destroy_stream(s);
+  sim.destroy_event(e);
+  const std::vector<std::pair<std::string_view, std::function<void()>>> calls{
+    {"stream_device", [&] { (void)sim.stream_device(s); }},
+    {"stream_is_blocking", [&] { (void)sim.stream_is_blocking(s); }},
+    {"stream_capture_status", [&] { (void)sim.stream_capture_status(s); }},
+    {"stream_capture_id", [&] { (void)sim.stream_capture_id(s); }},
+    {"query_stream", [&] { (void)sim.query_stream(s); }},
+    {"synchronize_stream", [&] { sim.synchronize_stream(s); }},
+    {"record_event (stream)", [&] { sim.record_event(live_event, s); }},
+    {"record_event (event)", [&] { sim.record_event(e, live_stream); }},
+    {"query_event", [&] { (void)sim.query_event(e); }},
+    {"synchronize_event", [&] { sim.synchronize_event(e); }},
+    {"stream_wait_event (stream)", [&] { sim.stream_wait_event(s, live_event); }},
+    {"stream_wait_event (event)", [&] { sim.stream_wait_event(live_stream, e); }},
+    {"allocate", [&] { (void)sim.allocate(64, s); }},
+    {"copy_async", [&] { sim.copy_async(data, data + 1, sizeof(float), s); }},
+    {"launch_host_func",
+     [&] {
+       sim.launch_host_func(
+         s, [](void*) {}, nullptr);
+     }},
+    {"enqueue_fill", [&] { sim.enqueue_fill(s, data, n, 1.0F); }},
+    {"enqueue_sleep", [&] { sim.enqueue_sleep(s, 1ms); }},
+    {"begin_capture", [&] { sim.begin_capture(s); }},
+    {"end_capture", [&] { (void)sim.end_capture(s); }},
+    {"release_with_capture",
+     [&] {
+       sim.release_with_capture(
+         s, [](void*) noexcept {}, nullptr);
+     }},
+    {"hold", [&] { (void)sim.hold(s); }},
+    {"pending", [&] { (void)sim.pending(s); }},
+    {"held", [&] { (void)sim.held(s); }},
+  };
+  const std::string invalid = err("cudaErrorInvalidResourceHandle", "hipErrorInvalidHandle");
+  for (const auto& [name, call] : calls) {
+    SCOPED_TRACE(std::string(name));
+    sim.clear_violations();
+    EXPECT_DEVICE_ERROR(call(), invalid);
+    const auto violations = sim.violations();
+    ASSERT_EQ(violations.size(), 1U);
+    EXPECT_NE(violations[0].find("after it was destroyed"), std::string::npos) << violations[0];
+  }
+  // The noexcept calls cannot fail: each logs, keeps what it must, and records the use.
+  sim.clear_violations();
+  void* kept = sim.allocate(64, live_stream);
+  sim.deallocate(kept, s);
+  EXPECT_EQ(sim.violations().size(), 1U);
+  sim.clear_violations();
+  sim.destroy_event(live_event);
+  sim.destroy_stream(live_stream);
+}
+
 // --- host functions ------------------------------------------------------------------------------
 
 TEST_P(SimRulesTest, AThreadsStateEndsWithItButItsEnqueuedWorkStillRuns)
@@ -284,6 +347,220 @@ TEST_P(SimRulesTest, HostFunctionsOfADeviceRunOneAtATime)
   EXPECT_EQ(o.most.load(), 1) << "host functions of one device overlapped";
   for (const auto s : streams) { sim.destroy_stream(s); }
   sim.deallocate(data, sim.legacy_default_stream());
+}
+
+// --- holds: a test holds a stream's work exactly as long as its assertion needs ---------------------
+
+TEST_P(SimRulesTest, AHoldKeepsWhatIsEnqueuedOnItsStreamFromRunningUntilItEnds)
+{
+  float* data = zeros();
+  const auto s = sim.create_stream(true);
+  EXPECT_FALSE(sim.held(s));
+  auto hold = sim.hold(s);
+  EXPECT_TRUE(sim.held(s));
+  EXPECT_EQ(sim.pending(s), 0U) << "the hold itself is not an operation pending()";
+  sim.enqueue_fill(s, data, n, 1.0F);
+  EXPECT_EQ(sim.pending(s), 1U);
+  EXPECT_FALSE(sim.query_stream(s));
+  EXPECT_EQ(data[0], 0.0F) << "held work ran";
+  hold.release();
+  EXPECT_FALSE(hold.active());
+  EXPECT_FALSE(sim.held(s));
+  sim.synchronize_stream(s);
+  EXPECT_EQ(sim.pending(s), 0U);
+  EXPECT_EQ(data[n - 1], 1.0F);
+  hold.release();  // idempotent
+  sim.destroy_stream(s);
+}
+
+TEST_P(SimRulesTest, WorkEnqueuedBeforeAHoldIsNotHeld)
+{
+  float* data = zeros();
+  const auto s = sim.create_stream(true);
+  const auto before = sim.create_event();
+  sim.enqueue_fill(s, data, n, 2.0F);
+  sim.record_event(before, s);
+  {
+    const auto hold = sim.hold(s);  // an operation of the stream, after the fill
+    sim.synchronize_event(before);  // not held: this thread may wait for it
+    EXPECT_EQ(data[0], 2.0F);
+  }
+  sim.synchronize_stream(s);
+  sim.destroy_event(before);
+  sim.destroy_stream(s);
+}
+
+TEST_P(SimRulesTest, HoldsNestAndWorkRunsOnceEveryHoldItIsBehindHasEnded)
+{
+  float* data = zeros();
+  float* more = zeros();
+  const auto s = sim.create_stream(true);
+  auto outer = sim.hold(s);
+  sim.enqueue_fill(s, data, n, 1.0F);
+  auto inner = sim.hold(s);
+  sim.enqueue_fill(s, more, n, 2.0F);
+  outer.release();  // not in nesting order: the second fill still waits for the inner hold
+  EXPECT_TRUE(sim.held(s));
+  const auto done = sim.create_event();
+  sim.record_event(done, s);
+  EXPECT_DEVICE_ERROR(sim.synchronize_event(done), sim_backend::hold_deadlock_error);
+  EXPECT_EQ(more[0], 0.0F);
+  inner.release();
+  sim.synchronize_event(done);
+  EXPECT_EQ(data[0], 1.0F);
+  EXPECT_EQ(more[0], 2.0F);
+  sim.destroy_event(done);
+  sim.destroy_stream(s);
+}
+
+TEST_P(SimRulesTest, AHeldLegacyStreamHoldsWhatImplicitSynchronizationMakesWaitForIt)
+{
+  float* blocked = zeros();
+  float* free_running = zeros();
+  const auto blocking = sim.create_stream(false);
+  const auto non_blocking = sim.create_stream(true);
+  {
+    const auto hold = sim.hold(sim.legacy_default_stream());
+    sim.enqueue_fill(blocking, blocked, n, 1.0F);  // waits for the legacy stream's earlier work
+    sim.enqueue_fill(non_blocking, free_running, n, 2.0F);
+    EXPECT_EQ(sim.pending(blocking), 1U);
+    EXPECT_FALSE(sim.held(blocking)) << "held() names the stream the hold was begun on";
+    sim.synchronize_stream(non_blocking);
+    EXPECT_EQ(free_running[0], 2.0F);
+    EXPECT_EQ(blocked[0], 0.0F);
+    EXPECT_DEVICE_ERROR(sim.synchronize_stream(blocking), sim_backend::hold_deadlock_error);
+  }
+  sim.synchronize_stream(blocking);
+  EXPECT_EQ(blocked[0], 1.0F);
+  sim.destroy_stream(blocking);
+  sim.destroy_stream(non_blocking);
+}
+
+TEST_P(SimRulesTest, TheCallingThreadsPerThreadDefaultStreamCanBeHeld)
+{
+  float* data = zeros();
+  const auto per_thread = sim.per_thread_default_stream();
+  {
+    const auto hold = sim.hold(per_thread);
+    sim.enqueue_fill(per_thread, data, n, 4.0F);
+    EXPECT_EQ(sim.pending(per_thread), 1U);
+    EXPECT_EQ(data[0], 0.0F);
+  }
+  sim.synchronize_stream(per_thread);
+  EXPECT_EQ(data[0], 4.0F);
+}
+
+TEST_P(SimRulesTest, AWaitForHeldWorkFailsOnTheHoldingThreadAndWaitsOnOthers)
+{
+  float* data = zeros();
+  const auto s = sim.create_stream(true);
+  const auto e = sim.create_event();
+  void* memory = sim.allocate_managed(64);
+  auto hold = sim.hold(s);
+  sim.enqueue_fill(s, data, n, 5.0F);
+  sim.record_event(e, s);
+  const std::string deadlock = sim_backend::hold_deadlock_error;
+  EXPECT_DEVICE_ERROR(sim.synchronize_stream(s), deadlock);
+  EXPECT_DEVICE_ERROR(sim.synchronize_event(e), deadlock);
+  EXPECT_DEVICE_ERROR(sim.synchronize_device(), deadlock);
+  EXPECT_DEVICE_ERROR(sim.reset_device(0), deadlock);
+  try {
+    sim.synchronize_stream(s);
+  } catch (const device_error& error) {
+    EXPECT_NE(std::string(error.what()).find("wait for ever"), std::string::npos) << error.what();
+  }
+  EXPECT_EQ(sim.holds_of_this_thread(), 1U);
+  sim.free_sync(memory);  // would wait for ever: returns at once, and frees once the held work is done
+  EXPECT_EQ(sim.live_allocations(), 2U);
+
+  std::atomic<bool> waited{false};
+  std::thread other{[&] {
+    sim.synchronize_stream(s);  // another thread's wait is no deadlock: it waits for the hold's end
+    waited = true;
+  }};
+  EXPECT_FALSE(waited.load()) << "a wait for held work returned";
+  hold.release();
+  other.join();
+  EXPECT_TRUE(waited.load());
+  EXPECT_EQ(data[0], 5.0F);
+  EXPECT_EQ(sim.holds_of_this_thread(), 0U);
+  sim.synchronize_device();  // waits for the free too
+  EXPECT_EQ(sim.live_allocations(), 1U);
+  sim.destroy_event(e);
+  sim.destroy_stream(s);
+}
+
+TEST_P(SimRulesTest, AnEventWaitKeepsTheConsumerWaitingWhileTheProducerIsHeld)
+{
+  // The ordered exchange at the device's level: the consumer waits on an event recorded after the
+  // producer's write. The negative control reads without the wait, and sees the old data.
+  float* data = zeros();
+  const auto producer = sim.create_stream(true);
+  const auto consumer = sim.create_stream(true);
+  const auto ready = sim.create_event();
+  float ordered = -1.0F;
+  float unordered = -1.0F;
+  {
+    const auto hold = sim.hold(producer);
+    sim.enqueue_fill(producer, data, n, 6.0F);
+    sim.record_event(ready, producer);
+    sim.copy_async(&unordered, data, sizeof(float), consumer);
+    sim.synchronize_stream(consumer);  // not behind the hold: this thread may wait
+    EXPECT_EQ(unordered, 0.0F) << "the negative control must read the old data";
+    sim.stream_wait_event(consumer, ready);
+    sim.copy_async(&ordered, data, sizeof(float), consumer);
+    EXPECT_EQ(sim.pending(consumer), 2U) << "the consumer's wait and read wait for the producer";
+    EXPECT_FALSE(sim.query_stream(consumer));
+    EXPECT_EQ(ordered, -1.0F);
+  }
+  sim.synchronize_stream(consumer);
+  EXPECT_EQ(ordered, 6.0F);
+  sim.destroy_event(ready);
+  sim.destroy_stream(producer);
+  sim.destroy_stream(consumer);
+}
+
+TEST_P(SimRulesTest, AHoldIsRefusedOnADestroyedOrCapturingStream)
+{
+  const auto gone = sim.create_stream(true);
+  sim.destroy_stream(gone);
+  EXPECT_DEVICE_ERROR((void)sim.hold(gone), err("cudaErrorInvalidResourceHandle", "hipErrorInvalidHandle"));
+  EXPECT_EQ(sim.violations().size(), 1U);
+  sim.clear_violations();
+  const auto capturing = sim.create_stream(true);
+  sim.begin_capture(capturing);
+  EXPECT_DEVICE_ERROR((void)sim.hold(capturing),
+                      err("cudaErrorStreamCaptureUnsupported", "hipErrorStreamCaptureUnsupported"));
+  (void)sim.end_capture(capturing);
+  sim.destroy_stream(capturing);
+}
+
+TEST_P(SimRulesTest, AHoldEndedOnAnotherThreadIsAViolationAndStillEnds)
+{
+  float* data = zeros();
+  const auto s = sim.create_stream(true);
+  auto hold = sim.hold(s);
+  sim.enqueue_fill(s, data, n, 7.0F);
+  std::thread{[&] { hold.release(); }}.join();
+  sim.synchronize_stream(s);
+  EXPECT_EQ(data[0], 7.0F);
+  const auto violations = sim.violations();
+  ASSERT_EQ(violations.size(), 1U);
+  EXPECT_NE(violations[0].find("another thread"), std::string::npos) << violations[0];
+  sim.destroy_stream(s);
+}
+
+TEST_P(SimRulesTest, WorkHeldWhenTheStreamIsDestroyedRunsWhenTheHoldEnds)
+{
+  float* data = zeros();
+  const auto s = sim.create_stream(true);
+  auto hold = sim.hold(s);
+  sim.enqueue_fill(s, data, n, 8.0F);
+  sim.destroy_stream(s);  // as in CUDA, its enqueued work still runs
+  EXPECT_DEVICE_ERROR(sim.synchronize_device(), sim_backend::hold_deadlock_error);
+  hold.release();
+  sim.synchronize_device();
+  EXPECT_EQ(data[0], 8.0F);
 }
 
 INSTANTIATE_TEST_SUITE_P(Sim, SimRulesTest,

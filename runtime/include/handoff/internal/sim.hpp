@@ -1,6 +1,6 @@
 // Internal: the simulated accelerator ("sim", "sim-rocm"), a device that runs on the CPU with CUDA's
 // stream semantics, and the hooks the tests and the Python `handoff.sim` module drive it with
-// (delayed writes, faults, captures). Applications make one through device::make_backend.
+// (holds on streams, delayed writes, faults, captures). Applications make one through device::make_backend.
 #pragma once
 
 #include <handoff/activity.hpp>
@@ -26,7 +26,36 @@ enum class sim_flavour {
 
 namespace sim_detail {
 struct captured_graph;
-}
+struct node;
+}  // namespace sim_detail
+
+class sim_backend;
+
+/// A hold on a simulated stream (sim_backend::hold): while it is held, nothing enqueued on the
+/// stream after the hold began runs. Ends (the held work runs) at release() or destruction. Move-only;
+/// it must not outlive its backend.
+class sim_hold {
+ public:
+  sim_hold() noexcept = default;
+  sim_hold(sim_hold&& other) noexcept;
+  sim_hold& operator=(sim_hold&& other) noexcept;
+  sim_hold(const sim_hold&) = delete;
+  sim_hold& operator=(const sim_hold&) = delete;
+  ~sim_hold();
+
+  /// Ends the hold: the work enqueued on the stream since it began runs. Idempotent. A hold ends
+  /// on the thread that began it; ending it elsewhere is recorded in sim_backend::violations().
+  void release() noexcept;
+  /// True until release().
+  [[nodiscard]] bool active() const noexcept { return gate_ != nullptr; }
+
+ private:
+  friend class sim_backend;
+  sim_hold(sim_backend& sim, std::shared_ptr<sim_detail::node> gate) noexcept;
+
+  sim_backend* sim_{nullptr};
+  std::shared_ptr<sim_detail::node> gate_;
+};
 
 /// A graph captured from a simulated stream (cudaGraph_t after cudaStreamEndCapture). Each
 /// sim_backend::launch_graph submits a fresh copy of its operations, so it can be launched any
@@ -48,7 +77,9 @@ class sim_graph {
 ///
 /// Strict where CUDA is: host functions run one at a time on a device's one host-function lane and
 /// may not call the backend (cudaErrorNotPermitted); a sticky error halts its device for good; a
-/// use of a destroyed stream or event, undefined in CUDA, is recorded as a violation (violations()).
+/// call that takes a destroyed stream or event fails with cudaErrorInvalidResourceHandle
+/// (hipErrorInvalidHandle), and the use, which CUDA leaves undefined, is recorded (violations()).
+/// Tests order races with hold() instead of timing them.
 ///
 /// @note Every call is thread-safe. The destructor waits for all enqueued work to finish, then
 ///       frees every allocation still in the table; it never throws.
@@ -99,7 +130,8 @@ class sim_backend final : public backend {
   void deallocate(void* ptr, stream_handle stream) noexcept override;
   [[nodiscard]] void* allocate_pinned_host(std::size_t bytes) override;
   [[nodiscard]] void* allocate_managed(std::size_t bytes) override;
-  /// Frees any allocation of this backend (device memory too) once all work on its device is done.
+  /// Frees any allocation of this backend (device memory too) once all work on its device is done,
+  /// waiting for it; on a thread whose hold (hold()) that work waits for, without waiting.
   void free_sync(void* ptr) override;
   void copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream) override;
   void release_with_capture(stream_handle stream, void (*release)(void* data) noexcept, void* data) override;
@@ -148,6 +180,32 @@ class sim_backend final : public backend {
   void launch_kernel(stream_handle stream, const char* kernel, std::span<const activity::buffer_use> buffers,
                      std::chrono::nanoseconds delay = {});
 
+  /// The error name of a wait that the calling thread's own hold would make endless.
+  static constexpr const char* hold_deadlock_error = "handoffErrorHoldDeadlock";
+
+  /// Holds `stream` until the returned hold ends: nothing enqueued on it from now on runs until
+  /// then, so that a test holds a producer exactly as long as its assertion needs, on any machine.
+  /// The hold is itself an operation of the stream, enqueued now: work enqueued before it is not
+  /// held (it may be running already) and the hold takes effect after it. Any stream may be held,
+  /// the default streams included; a held legacy stream also holds what CUDA's implicit
+  /// synchronization makes wait for it (the later work of blocking streams). Holds nest: the work
+  /// runs once every hold it is behind has ended.
+  ///
+  /// A blocking call on the thread that began the hold (synchronize_stream, synchronize_event,
+  /// synchronize_device, reset_device) that would wait for held work can never return: it fails
+  /// instead with device_error hold_deadlock_error; free_sync returns at once and frees the memory
+  /// once the device's work is done. Other threads' waits just wait.
+  /// @throws device_error as an enqueue would (a destroyed stream: cudaErrorInvalidResourceHandle),
+  ///         and cudaErrorStreamCaptureUnsupported for a capturing stream (its work runs at launches).
+  [[nodiscard]] sim_hold hold(stream_handle stream);
+  /// How many operations enqueued on `stream` are not done yet (work, host functions, event
+  /// records and waits, graph launches; a hold's own place in the stream is not counted).
+  [[nodiscard]] std::size_t pending(stream_handle stream);
+  /// True while a hold begun on `stream` is active.
+  [[nodiscard]] bool held(stream_handle stream);
+  /// How many holds the calling thread keeps active.
+  [[nodiscard]] std::size_t holds_of_this_thread();
+
   /// Makes every later `copy_async` take `duration` on its stream, as a real copy takes time
   /// (default: none): it reads its source when it starts and its bytes land when it ends, so a
   /// reader ordered before a copy always sees the destination unwritten.
@@ -186,7 +244,7 @@ class sim_backend final : public backend {
 
   /// What the program did that CUDA leaves undefined or forbids without always saying so: a use of
   /// a destroyed stream or event (which still fails with an invalid-handle error here), a second
-  /// destruction, a runtime call from inside a host function.
+  /// destruction, a runtime call from inside a host function, a hold ended on another thread.
   [[nodiscard]] std::vector<std::string> violations();
   void clear_violations() noexcept;
 
@@ -201,6 +259,9 @@ class sim_backend final : public backend {
   [[nodiscard]] std::size_t threads_with_state();
 
  private:
+  friend class sim_hold;
+  void end_hold(const std::shared_ptr<sim_detail::node>& gate) noexcept;
+
   struct impl;
   std::unique_ptr<impl> impl_;
 };
