@@ -234,7 +234,9 @@ def chrome_slices(
             )
         flow += 1
         name = f"{event['hazard']}"
-        slices.append({"name": name, "cat": "handoff.race", "ph": "s", "id": flow, "ts": source[1], "pid": pid, "tid": source[0]})
+        slices.append(
+            {"name": name, "cat": "handoff.race", "ph": "s", "id": flow, "ts": source[1], "pid": pid, "tid": source[0]}
+        )
         slices.append(
             {"name": name, "cat": "handoff.race", "ph": "f", "bp": "e", "id": flow, "ts": ts, "pid": pid, "tid": tid}
         )

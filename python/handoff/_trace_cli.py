@@ -203,7 +203,9 @@ def merge_traces(traces: Sequence[tuple[int, Trace]]) -> dict[str, Any]:
         chrome_events += chrome_trace(own, pid=pid, start_ns=start)["traceEvents"]
         dropped += int(trace.get("dropped") or 0)
         if trace.get("launch_problem"):
-            problems.append(f"pid {pid}: {trace['launch_problem']}" if len(traces) > 1 else str(trace["launch_problem"]))
+            problems.append(
+                f"pid {pid}: {trace['launch_problem']}" if len(traces) > 1 else str(trace["launch_problem"])
+            )
         part = trace.get("graph") or {}
         prefix = f"{pid}/" if len(traces) > 1 else ""
         graph["nodes"] += [{**node, "id": prefix + str(node["id"])} for node in part.get("nodes", [])]
@@ -323,9 +325,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         dropped = int(trace["dropped"]) if _is_int(trace.get("dropped")) else 0
         problem = str(trace["launch_problem"]) if trace.get("launch_problem") else None
         print(
-            summary(
-                trace["events"], title=title, dropped=dropped, limit=limit, processes=count, launch_problem=problem
-            )
+            summary(trace["events"], title=title, dropped=dropped, limit=limit, processes=count, launch_problem=problem)
         )
     return 0
 

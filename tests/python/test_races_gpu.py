@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 import handoff
+
 from support import BACKEND, cuda_is_usable
 
 pytestmark = pytest.mark.skipif(

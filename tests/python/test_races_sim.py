@@ -19,6 +19,7 @@ import pytest
 
 import handoff
 from handoff import _trace_cli
+
 from support import DEFAULT_STREAM, cuda_is_usable, needs_sim, run_python
 
 HERE = Path(__file__).resolve()
@@ -242,7 +243,7 @@ def test_a_side_stream_copy_whose_source_is_freed_while_it_runs(sim_streams, kep
 def test_host_waits_are_attributed_to_their_lines_with_the_time_they_blocked(sim_streams):
     from handoff import sim
 
-    producer, consumer = sim_streams
+    producer, _ = sim_streams
     data = sim.zeros(N)
     with handoff.trace(launches=True) as t:
         # A delay here is the work the host waits for (no race depends on it).
@@ -274,10 +275,8 @@ def test_a_host_wait_that_only_guards_an_exchange_is_marked(sim_streams, consume
     with handoff.trace(launches=True) as t:
         sim.fill(data, 1.0, stream=producer)
         producer.synchronize()  # guard
-        if consumer_on_device:
-            kept = handoff.from_dlpack(data, stream=consumer)  # an event wait would have done
-        else:
-            kept = sim.to_numpy(data, stream=producer)  # the host reads it: the wait is needed
+        # To a device consumer an event wait would have done; the host reading it needs the wait.
+        kept = handoff.from_dlpack(data, stream=consumer) if consumer_on_device else sim.to_numpy(data, stream=producer)
     summary = t.summary()
     assert line_of("guard") in summary
     assert ("guards 1 exchange to a device consumer" in summary) == consumer_on_device
@@ -323,13 +322,14 @@ def test_a_trace_without_launches_records_no_device_activity(sim_streams):
 
 @needs_sim
 def test_launch_checks_its_arguments(sim_streams):
-    from handoff import sim
     import numpy as np
+
+    from handoff import sim
 
     producer, _ = sim_streams
     with pytest.raises(TypeError, match="reads must be a sequence of arrays"):
         sim.launch("k", reads=3, stream=producer)
-    with pytest.raises(TypeError, match="writes holds ndarray, not a handoff.Array"):
+    with pytest.raises(TypeError, match=r"writes holds ndarray, not a handoff\.Array"):
         sim.launch("k", writes=[np.zeros(3)], stream=producer)
     with pytest.raises(ValueError, match="a kernel needs a name"):
         sim.launch("", stream=producer)
@@ -514,4 +514,3 @@ def test_run_launches_sets_the_environment(tmp_path, capsys):
     assert _trace_cli.main(["run", "--launches", "--", sys.executable, "-c", code]) == 0
     assert report.read_text() == "1"
     capsys.readouterr()
-
