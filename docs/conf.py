@@ -53,6 +53,8 @@ nitpick_ignore = [
     ("py:class", "collections.abc.Sequence"),
     ("py:class", "collections.abc.Callable"),
     ("py:class", "contextlib.AbstractContextManager"),
+    ("py:class", "collections.abc.Iterator"),
+    ("py:class", "handoff._adapters.Target"),  # a private alias in LibraryAdapter's signature
 ]
 
 # napoleon reads a property docstring's first words before a colon as its type ("NumPy's array

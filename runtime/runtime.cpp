@@ -8,6 +8,7 @@
 #include "log/logger.hpp"
 #include "service/service_thread.hpp"
 #include "service/trace_socket.hpp"
+#include "settings.hpp"
 
 #include <fmt/format.h>
 
@@ -37,8 +38,8 @@ struct started_backend {
 
 started_backend start()
 {
-  const char* env = std::getenv("HANDOFF_BACKEND");
-  const std::string_view requested = (env != nullptr && *env != '\0') ? env : "auto";
+  std::string requested = detail::setting_choice("HANDOFF_BACKEND");
+  if (requested.empty()) { requested = "auto"; }
   started_backend out;
   if (requested == "none") { return out; }
   if (requested == "auto") {
@@ -57,7 +58,7 @@ started_backend start()
     }
     return out;
   }
-  out.name = std::string{requested};
+  out.name = requested;
   try {
     out.backend = device::make_backend(requested);
   } catch (const device_error& e) {
@@ -74,8 +75,7 @@ started_backend start()
 // HANDOFF_EXPORT_RELEASE: which consumer streams an export's release waits for (export_release).
 void apply_export_release_setting()
 {
-  const char* env = std::getenv("HANDOFF_EXPORT_RELEASE");
-  const std::string_view value = env != nullptr ? env : "";
+  const std::string value = detail::setting_choice("HANDOFF_EXPORT_RELEASE");
   if (value.empty() || value == "known-streams") { return; }
   if (value == "every-stream") {
     set_export_release(export_release::every_stream);
@@ -94,12 +94,11 @@ started_backend start_with_context()
     s.service = service.get();
     s.device_context = std::make_unique<context>(*s.backend, std::move(service));
   } else {
-    const char* requested = std::getenv("HANDOFF_BACKEND");
-    s.absent = {
-      .setting = fmt::format("HANDOFF_BACKEND={}", requested != nullptr && *requested != '\0' ? requested : "auto"),
-      .error_name = s.fallback_error_name,
-      .reason = s.error,
-      .refuses_unordered = !s.fallback_error_name.empty()};
+    const std::string requested = detail::setting_choice("HANDOFF_BACKEND");
+    s.absent = {.setting = fmt::format("HANDOFF_BACKEND={}", requested.empty() ? "auto" : requested),
+                .error_name = s.fallback_error_name,
+                .reason = s.error,
+                .refuses_unordered = !s.fallback_error_name.empty()};
   }
   return s;
 }

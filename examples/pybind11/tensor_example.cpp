@@ -2,10 +2,13 @@
 #include <handoff/pybind11.hpp>
 
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <numeric>
+#include <optional>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -127,6 +130,19 @@ hp::array<Tag..., float, hp::ndim<1>> arange(std::int64_t n)
   return {values->data(), {n}, owner};
 }
 
+// n float32 values of device memory at `data_ptr` that a kernel wrote on `stream` (its native handle;
+// None: the caller's handoff.stream block's stream; 0: unknown), returned holding `owner` (what frees
+// the memory): what a library returns after launching on a stream of its own. Consumers are
+// ordered after that stream; a framework's array keeps `owner` until the framework's stream is done.
+template <typename... Tag>
+hp::array<Tag..., float, hp::ndim<1>> device_result(std::uintptr_t data_ptr, std::int64_t n,
+                                                    std::tuple<int, int> device, std::optional<std::intptr_t> stream,
+                                                    py::object owner)
+{
+  const DLDevice on{static_cast<DLDeviceType>(std::get<0>(device)), std::get<1>(device)};
+  return {reinterpret_cast<float*>(data_ptr), {n}, owner, {}, on, stream.value_or(hp::enclosing_stream)};
+}
+
 // A column-major 2 x 3 array of C++ memory (strides in elements), read-only to Python.
 hp::array<hp::numpy, float, hp::ndim<2>, hp::ro> column_major()
 {
@@ -191,6 +207,12 @@ PYBIND11_MODULE(tensor_example, m)
   m.def("arange_numpy", &arange<hp::numpy>, py::arg("n"));
   m.def("arange_torch", &arange<hp::pytorch>, py::arg("n"));
   m.def("arange_jax", &arange<hp::jax>, py::arg("n"));
+  m.def("device_result", &device_result<>, py::arg("data_ptr"), py::arg("n"), py::arg("device"),
+        py::arg("stream") = py::none(), py::arg("owner") = py::none());
+  m.def("device_result_torch", &device_result<hp::pytorch>, py::arg("data_ptr"), py::arg("n"), py::arg("device"),
+        py::arg("stream") = py::none(), py::arg("owner") = py::none());
+  m.def("device_result_cupy", &device_result<hp::cupy>, py::arg("data_ptr"), py::arg("n"), py::arg("device"),
+        py::arg("stream") = py::none(), py::arg("owner") = py::none());
   m.def("column_major", &column_major);
   m.def("as_numpy", &as_numpy, py::arg("values"));
   m.def("with_strides", &with_strides, py::arg("count"));

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import os
 
+from . import _settings
 from ._trace import trace
 
 #: How many events a process trace keeps when HANDOFF_TRACE_LIMIT does not say.
@@ -43,28 +44,8 @@ def serve_trace() -> str:
     return _socket_path
 
 
-def _warn(message: str) -> None:
-    from . import _handoff
-
-    _handoff._log_warning(message)  # on the logger (stderr), not in the program's own output
-
-
 def _trace_file(pattern: str) -> str:
     return pattern.replace("%p", str(os.getpid()))
-
-
-def _limit_from_environment() -> int:
-    text = os.environ.get("HANDOFF_TRACE_LIMIT", "")
-    if not text:
-        return DEFAULT_LIMIT
-    try:
-        limit = int(text)
-        if limit < 1:
-            raise ValueError
-    except ValueError:
-        _warn(f"HANDOFF_TRACE_LIMIT={text!r} is not a count of events (an int >= 1); keeping {DEFAULT_LIMIT}")
-        return DEFAULT_LIMIT
-    return limit
 
 
 def _finish() -> None:
@@ -83,13 +64,13 @@ def _finish() -> None:
     try:
         recording.save(path)
     except OSError as error:
-        _warn(f"HANDOFF_TRACE: could not save the trace to {path}: {error}")
+        _settings.warn(f"HANDOFF_TRACE: could not save the trace to {path}: {error}")
 
 
 def _start_process_trace() -> None:
     global _process_trace  # noqa: PLW0603 - the process writes one trace
-    launches = os.environ.get("HANDOFF_TRACE_LAUNCHES", "") not in ("", "0")
-    _process_trace = trace(limit=_limit_from_environment(), libraries=True, launches=launches)
+    launches = _settings.flag("HANDOFF_TRACE_LAUNCHES")
+    _process_trace = trace(limit=_settings.trace_limit(DEFAULT_LIMIT), libraries=True, launches=launches)
     _process_trace.__enter__()
 
 
@@ -120,8 +101,8 @@ def start_from_environment() -> None:
     """Starts what HANDOFF_TRACE, HANDOFF_ORDER and HANDOFF_TRACE_SOCKET ask for (at `import
     handoff`). What cannot be started is a warning on the logger: the program runs as it is."""
     global _trace_path  # noqa: PLW0603
-    path = os.environ.get("HANDOFF_TRACE")
-    if path and _process_trace is None:
+    path = _settings.trace_path()
+    if path is not None and _process_trace is None:
         _trace_path = path
         _start_process_trace()
         # Registered after handoff's own exit handler, so it runs first: views are still alive.
@@ -131,12 +112,12 @@ def start_from_environment() -> None:
             import multiprocessing.util
 
             multiprocessing.util.register_after_fork(_forked_worker_exit, _forked_worker_exit)
-    if os.environ.get("HANDOFF_ORDER", "") not in ("", "0"):
+    if _settings.flag("HANDOFF_ORDER"):
         from ._interpose import order_libraries
 
         order_libraries(True)
-    if os.environ.get("HANDOFF_TRACE_SOCKET", "") not in ("", "0"):
+    if _settings.flag("HANDOFF_TRACE_SOCKET"):
         try:
             serve_trace()
         except (OSError, RuntimeError) as error:
-            _warn(f"HANDOFF_TRACE_SOCKET: not serving the trace: {error}")
+            _settings.warn(f"HANDOFF_TRACE_SOCKET: not serving the trace: {error}")

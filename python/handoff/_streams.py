@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 from contextlib import AbstractContextManager
-from contextvars import ContextVar, Token
+from contextvars import ContextVar
+from types import FrameType
 from typing import Any
 
 from . import _handoff
 
 __all__ = ["Stream", "as_stream", "current_stream", "stream"]
 
-# One ContextVar, owned by the extension so that from_dlpack reads it without calling Python:
-# context-local, so blocks nest per thread and per asyncio task.
-_current = _handoff._stream_var
-# The blocks entered in this context and their reset tokens, innermost last. They live in the
-# context, not in the block object, so that one block object may be entered by several threads or
-# tasks at once; each entry names its block, so that a block leaves with its own token even when
-# blocks interleave (a generator's block entered inside ours and suspended while ours ends).
-_entered: ContextVar[tuple[tuple[stream, Token[Stream | None], AbstractContextManager[Any] | None], ...]] = ContextVar(
-    "handoff.stream_tokens", default=()
-)
+# The blocks entered in this context, innermost last; the innermost open one names the current
+# stream. Context-local (per thread, per asyncio task), and owned by the extension, which reads it
+# on every import without calling Python.
+_blocks: ContextVar[tuple[_Entry, ...]] = _handoff._stream_var
+
+# Code whose frames can be suspended with a block open (inspect's CO_GENERATOR, CO_COROUTINE,
+# CO_ITERABLE_COROUTINE, CO_ASYNC_GENERATOR), as generators that yield inside a block are.
+_SUSPENDABLE = 0x20 | 0x80 | 0x100 | 0x200
 
 
 class Stream:
@@ -90,7 +91,10 @@ def as_stream(obj: object) -> Stream:
 
 def current_stream() -> Stream | None:
     """The stream of the innermost enclosing ``handoff.stream(...)`` block, or None."""
-    return _current.get(None)
+    for entry in reversed(_blocks.get()):
+        if entry.open:
+            return entry.stream
+    return None
 
 
 class stream:
@@ -101,42 +105,175 @@ class stream:
 
     With ``frameworks=True`` the block also makes ``s`` the current stream of every imported library
     that has one (PyTorch and CuPy, through their external-stream wrappers, and libraries registered
-    with a ``use_stream``), and restores each one's own on exit: the code in the block launches on
-    one stream, and nothing needs ordering. JAX, cuda.core and numba-cuda have no current stream.
+    with a ``use_stream``), and restores each one's own once the block and every frameworks block
+    entered on its thread after it have ended: the code in the block launches on one stream, and
+    nothing needs ordering. Those libraries' current streams are per thread, not per asyncio task:
+    see docs/streams.md. JAX, cuda.core and numba-cuda have no current stream.
     """
 
-    __slots__ = ("_frameworks", "_stream")
+    # `_entries`: this block's open entries, wherever they were entered (one block object may be
+    # entered by several threads or tasks at once, and left in another context than its entry's).
+    __slots__ = ("_entries", "_frameworks", "_stream")
 
     def __init__(self, obj: object, *, frameworks: bool = False) -> None:
         self._stream = None if obj is None else as_stream(obj)
         if frameworks and self._stream is None:
             raise ValueError("handoff.stream(None, frameworks=True): name the stream the frameworks should use")
         self._frameworks = bool(frameworks)
+        self._entries: list[_Entry] = []
 
     def __enter__(self) -> Stream | None:
-        frameworks = None
+        blocks = tuple(entry for entry in _blocks.get() if entry.open)
+        entry = _Entry(self._stream, self, sys._getframe(1), blocks)
         if self._frameworks:
-            from ._interpose import frameworks_on
-
             assert self._stream is not None
-            frameworks = frameworks_on(self._stream.handle, self._stream.device or 0)
-            frameworks.__enter__()
-        token = _current.set(self._stream)
-        _entered.set((*_entered.get(), (self, token, frameworks)))
+            _framework_blocks.enter(entry, self._stream)
+        _blocks.set((*blocks, entry))
+        self._entries.append(entry)
         return self._stream
 
     def __exit__(self, *exc_info: object) -> None:
-        # Restores exactly what this block found: its own token, not the innermost one.
-        entered = _entered.get()
-        for i in range(len(entered) - 1, -1, -1):
-            if entered[i][0] is self:
-                _entered.set(entered[:i] + entered[i + 1 :])
-                _current.reset(entered[i][1])
-                frameworks = entered[i][2]
-                if frameworks is not None:
-                    frameworks.__exit__(None, None, None)
+        blocks = _blocks.get()
+        entry = next((e for e in reversed(blocks) if e.block is self and e.open), None)
+        if entry is not None:
+            _blocks.set(_leaving(blocks, entry))
+        else:
+            entry = self._entered_elsewhere()  # a generator's block closed in another context
+            if entry is None:
                 return
-        # Entered in another context (a generator closed elsewhere): nothing of this one to restore.
+        self._entries.remove(entry)
+        entry.close()
+
+    def _entered_elsewhere(self) -> _Entry | None:
+        """The entry that leaving the block ends when this context lists none of its entries (a
+        generator's block finished in another context than its own): this thread's newest, else the
+        newest."""
+        entries = list(self._entries)
+        thread = threading.get_ident()
+        mine = [entry for entry in entries if entry.thread == thread]
+        return (mine or entries)[-1] if entries else None
+
+
+class _Entry:
+    """One entry into a ``handoff.stream`` block, listed in the blocks of the context it was entered
+    in and of every context copied from it while it is open (asyncio tasks, ``to_thread``).
+
+    Left in any of those contexts, it is closed in all of them: a generator primed here and finished
+    by an asyncio task leaves no stream current here.
+    """
+
+    __slots__ = ("block", "enclosing", "frame", "frameworks", "open", "stream", "thread", "thread_frameworks")
+
+    def __init__(self, stream: Stream | None, block: stream, frame: FrameType, blocks: tuple[_Entry, ...]) -> None:
+        self.stream = stream
+        self.block = block
+        self.open = True
+        self.thread = threading.get_ident()
+        # The frame of a generator or coroutine that entered the block, which may be suspended while
+        # the block is open; a plain function's frame runs as long as its block is open.
+        self.frame: FrameType | None = frame if frame.f_code.co_flags & _SUSPENDABLE else None
+        self.enclosing = _running_block(blocks, frame)
+        self.frameworks: AbstractContextManager[Any] | None = None
+        self.thread_frameworks: list[_Entry] | None = None
+
+    def inside(self, outer: _Entry) -> bool:
+        """Whether this block was entered while `outer`'s code ran (directly or in blocks inside it)."""
+        enclosing = self.enclosing
+        while enclosing is not None:
+            if enclosing is outer:
+                return True
+            enclosing = enclosing.enclosing
+        return False
+
+    def close(self) -> None:
+        self.open = False
+        self.frame = self.enclosing = None
+        if self.thread_frameworks is not None:
+            _framework_blocks.leave(self)
+
+
+def _running_block(blocks: tuple[_Entry, ...], frame: FrameType) -> _Entry | None:
+    """The innermost of `blocks` whose code is running on this thread, `frame`'s caller or below:
+    the block a block entered in `frame` is inside. A block that a suspended generator entered is not
+    running: a block entered now is beside it."""
+    thread = threading.get_ident()
+    running: set[int] | None = None
+    for entry in reversed(blocks):
+        if entry.thread != thread:
+            continue
+        if entry.frame is None:
+            return entry
+        if running is None:
+            running = set()
+            caller: FrameType | None = frame
+            while caller is not None:
+                running.add(id(caller))
+                caller = caller.f_back
+        if id(entry.frame) in running:
+            return entry
+    return None
+
+
+def _leaving(blocks: tuple[_Entry, ...], left: _Entry) -> tuple[_Entry, ...]:
+    """This context's blocks once `left` is left: the blocks entered inside it (a generator's block,
+    suspended in it) end here with it; those entered beside it (another generator's) stay open."""
+    index = next(i for i, entry in enumerate(blocks) if entry is left)
+    below = tuple(entry for entry in blocks[:index] if entry.open)
+    return below + tuple(entry for entry in blocks[index + 1 :] if entry.open and not entry.inside(left))
+
+
+class _FrameworkBlocks(threading.local):
+    """The open ``frameworks=True`` blocks entered on this thread, in order.
+
+    Frameworks' current streams are per thread (PyTorch's, CuPy's), whatever asyncio task or
+    generator sets them, so each thread's are set and restored in that thread's order: a block that
+    ends while a block entered after it on its thread is still open leaves the frameworks on the
+    later block's stream, and restores them once the later one has ended too.
+    """
+
+    def __init__(self) -> None:
+        self.entered: list[_Entry] = []
+
+    def enter(self, entry: _Entry, stream: Stream) -> None:
+        from ._adapters import frameworks_on
+
+        entered = self.entered
+        self._restore(entered)  # blocks of this thread that ended on another
+        if entered and not entry.inside(entered[-1]):
+            _warn_overlap_once()
+        frameworks = frameworks_on(stream.handle, stream.device)
+        frameworks.__enter__()
+        entry.frameworks, entry.thread_frameworks = frameworks, entered
+        entered.append(entry)
+
+    def leave(self, entry: _Entry) -> None:
+        # On another thread than its entry's, the entry thread's streams cannot be set from here:
+        # they are restored when that thread next enters or leaves a frameworks block.
+        if entry.thread_frameworks is self.entered:
+            self._restore(self.entered)
+
+    @staticmethod
+    def _restore(entered: list[_Entry]) -> None:
+        while entered and not entered[-1].open:
+            frameworks = entered.pop().frameworks
+            assert frameworks is not None
+            frameworks.__exit__(None, None, None)
+
+
+_framework_blocks = _FrameworkBlocks()
+_overlap_warned = False
+
+
+def _warn_overlap_once() -> None:
+    global _overlap_warned  # noqa: PLW0603 - one warning a process
+    if _overlap_warned:
+        return
+    _overlap_warned = True
+    _handoff._log_warning(
+        "handoff.stream(..., frameworks=True): blocks of two asyncio tasks or generators overlap on one thread; "
+        "frameworks' current streams are per thread, so until the later block ends, code in the earlier one "
+        "launches on the later block's stream (see the Streams page of handoff's documentation)"
+    )
 
 
 _handoff._set_stream_type(Stream)

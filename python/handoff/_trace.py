@@ -21,7 +21,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Union
 
-from . import _activity, _handoff
+from . import _activity, _handoff, _settings
 
 __all__ = [
     "chrome_trace",
@@ -83,8 +83,7 @@ class trace:
         libraries: bool = False,
         launches: bool = False,
     ) -> None:
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            raise ValueError(f"limit must be None or an int >= 1, not {limit!r}")
+        _settings.check_limit(limit)
         self._path: str | None = os.fspath(path) if path is not None else None
         self._limit = limit
         self._libraries = bool(libraries)
@@ -455,6 +454,15 @@ def _json_event(event: Mapping[str, Any]) -> Event:
     return out
 
 
+def _slice_args(event: Mapping[str, Any]) -> Event:
+    """What a slice shows in Perfetto: the exchange in one line, and a hazard's reason. The event itself
+    is kept once, under ``"handoff"``."""
+    args: Event = {"exchange": format_event(event)}
+    if event.get("hazard") is not None:
+        args.update(hazard=event["hazard"], detail=event.get("detail"))
+    return args
+
+
 def _track_name(key: tuple[Any, ...]) -> str:
     if key == ("host",):
         return "host"
@@ -473,11 +481,12 @@ def chrome_trace(
     start_ns: int | None = None,
 ) -> dict[str, Any]:
     """The events as a Chrome trace JSON object (Perfetto, chrome://tracing): one track per stream,
-    one slice per exchange on the consumer's stream (hazards flagged), and an arrow from the
-    producer's stream to the consumer's for each wait that handoff inserted; for a launch trace, each
-    device operation on its stream's track, each host wait on its thread's, and each race an arrow
-    from its earlier side to its later one. The raw events and the
-    graph are kept under the ``"handoff"`` key, which ``handoff-trace show`` and ``graph`` read.
+    one slice per exchange on the consumer's stream (hazards flagged; its args the exchange in one
+    line), and an arrow from the producer's stream to the consumer's for each wait that handoff
+    inserted; for a launch trace, each device operation on its stream's track, each host wait on its
+    thread's, and each race an arrow from its earlier side to its later one. The raw events, once,
+    and the graph are kept under the ``"handoff"`` key, which ``handoff-trace show`` and ``graph``
+    read.
     Times count from `start_ns` (default: the first event's), so that several processes' traces
     merged share one clock.
     """
@@ -511,7 +520,7 @@ def chrome_trace(
             "dur": 1.0,
             "pid": pid,
             "tid": tid,
-            "args": event,
+            "args": _slice_args(event),
         }
         if event.get("hazard") is not None:
             slice_["name"] = f"\u26a0 {event['hazard']}: {name}"
@@ -617,15 +626,52 @@ def _node_label(node: Mapping[str, Any]) -> str:
     return _label(node.get("id"), kind)
 
 
-def graph_to_dot(graph: Mapping[str, Any]) -> str:
+def exchanges_between_libraries(events: Sequence[Mapping[str, Any]]) -> list[Event]:
+    """The exchanges between other libraries that handoff's hooks saw (which the ownership graph, of
+    handoff's own arrays, does not hold), per producer -> consumer pair: ``producer``, ``consumer``,
+    ``imports``, ``hazards`` and ``protocols``, in the order they first happened."""
+    pairs: dict[tuple[str, str], Event] = {}
+    for event in events:
+        if not event.get("interposed") or event.get("kind") not in ("import", "release"):
+            continue
+        producer, consumer = str(event.get("producer") or "?"), str(event.get("consumer") or "?")
+        pair = pairs.setdefault(
+            (producer, consumer),
+            {"producer": producer, "consumer": consumer, "imports": 0, "hazards": 0, "protocols": []},
+        )
+        pair["imports"] += event.get("kind") == "import"
+        pair["hazards"] += event.get("hazard") is not None
+        if event.get("kind") == "import" and event.get("protocol") not in pair["protocols"]:
+            pair["protocols"].append(event.get("protocol"))
+    return list(pairs.values())
+
+
+def graph_to_dot(graph: Mapping[str, Any], exchanges: Sequence[Mapping[str, Any]] = ()) -> str:
     """The ownership graph as Graphviz DOT: buffers as boxes, views as ellipses, streams as hexagons;
-    ``view-of`` edges solid, ``ready-on`` dashed, ``released-after`` dotted."""
+    ``view-of`` edges solid, ``ready-on`` dashed, ``released-after`` dotted. `exchanges` (see
+    exchanges_between_libraries) are drawn beside it, a library per node and an edge per pair."""
     lines = [
         "digraph handoff {",
         "  rankdir=LR;",
         '  node [fontname="Helvetica", fontsize=10];',
         '  edge [fontname="Helvetica", fontsize=9];',
     ]
+    if exchanges:
+        lines.append('  subgraph cluster_libraries {\n    label="exchanges between other libraries";')
+        for library in dict.fromkeys(name for pair in exchanges for name in (pair["producer"], pair["consumer"])):
+            lines.append(f"    {_quote('library:' + library)} [shape=component, label={_quote(library)}];")
+        for pair in exchanges:
+            hazards = pair.get("hazards") or 0
+            label = _label(
+                f"{_plural(_int(pair.get('imports')), 'import')} ({', '.join(map(str, pair.get('protocols') or ()))})",
+                _plural(hazards, "hazard") if hazards else None,
+            )
+            color = ', color="#d93025"' if hazards else ""
+            lines.append(
+                f"    {_quote('library:' + str(pair['producer']))} -> {_quote('library:' + str(pair['consumer']))} "
+                f"[label={label}{color}];"
+            )
+        lines.append("  }")
     for node in graph.get("nodes") or ():
         style = _NODE_STYLES.get(str(node.get("kind")), "shape=note")
         lines.append(f"  {_quote(node.get('id', '?'))} [{style}, label={_node_label(node)}];")

@@ -8,8 +8,10 @@
     handoff-trace info [--json]                            the runtime: backend, devices, versions
 
 With no command it prints the runtime, as ``info`` does. Exit status: 0 on success, 1 when a command
-fails (a process that refuses a client, Graphviz failing), 2 for bad arguments or input files, 130
-on Ctrl-C; ``run`` exits with the status of the program it ran (128 + N for signal N).
+fails (a process that refuses a client, Graphviz failing, an output that cannot be written), 2 for
+bad arguments (an output path refused before any work) or input files, 130 on Ctrl-C; ``run`` exits
+with the status of the program it ran (128 + N for signal N), or 1 when the program succeeded but its
+trace could not be saved.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shlex
 import shutil
@@ -29,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from ._trace import chrome_trace, dumps, format_event, graph_to_dot, summary
+from ._trace import _plural, chrome_trace, dumps, exchanges_between_libraries, format_event, graph_to_dot, summary
 
 Trace = dict[str, Any]
 
@@ -95,9 +98,11 @@ def load_trace(file: str) -> Trace:
     except OSError as error:
         raise CommandError(f"{name}: cannot read it: {error.strerror or error}") from None
     try:
-        data = json.loads(text, parse_constant=_refuse_constant)
+        data = parse_json(text)
     except json.JSONDecodeError as error:
         raise CommandError(f"{name}: not JSON ({error.msg} at line {error.lineno}, column {error.colno})") from None
+    except NumberOutOfRange as error:
+        raise CommandError(f"{name}: not a handoff trace ({error})") from None
     except ValueError as error:  # NaN or Infinity, which JSON does not have
         raise CommandError(f"{name}: not JSON ({error})") from None
     except RecursionError:
@@ -120,8 +125,36 @@ def load_trace(file: str) -> Trace:
     return section
 
 
+class NumberOutOfRange(ValueError):
+    """A number JSON allows that no trace holds: handoff writes 64-bit integers and finite floats."""
+
+
+def parse_json(text: str | bytes) -> Any:
+    """JSON as a trace holds it; ValueError for NaN and Infinity (not JSON), NumberOutOfRange for a
+    number no trace holds (1e400, an integer of 400 digits), RecursionError for deep nesting."""
+    return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_int64)
+
+
 def _refuse_constant(constant: str) -> Any:
     raise ValueError(f"{constant} is not a JSON value")
+
+
+def _shown(number: str) -> str:
+    return number if len(number) <= 24 else f"{number[:12]}... ({len(number)} characters)"
+
+
+def _finite_float(number: str) -> float:
+    value = float(number)
+    if not math.isfinite(value):
+        raise NumberOutOfRange(f"the number {_shown(number)} is out of a float's range")
+    return value
+
+
+def _int64(number: str) -> int:
+    # Refused by length first: Python converts at most 4300 digits, and slowly.
+    if len(number.lstrip("-")) > 20 or not -(2**64) < (value := int(number)) < 2**64:
+        raise NumberOutOfRange(f"the integer {_shown(number)} is out of the 64-bit range")
+    return value
 
 
 def _is_int(value: Any) -> bool:
@@ -163,6 +196,41 @@ def _check_graph(graph: Any, name: str) -> None:
 
 def print_json(data: Any, file: IO[str] | None = None) -> None:
     print(json.dumps(data, indent=2, allow_nan=False, default=str), file=file or sys.stdout)
+
+
+# --- output files ---------------------------------------------------------------------------------
+
+
+def _reason(error: OSError) -> str:
+    return error.strerror or str(error)
+
+
+def check_output(option: str, file: str) -> None:
+    """Refuses an output path that cannot be written (a folder, a missing folder, no permission, a
+    read-only file system) with status 2, before any work. Leaves no file behind."""
+    target = Path(file)
+    try:
+        if target.is_dir():
+            raise CommandError(f"{option} {file}: is a directory; name the file to write")
+        folder = target.absolute().parent
+        if not folder.is_dir():
+            raise CommandError(f"{option} {file}: no directory {folder} to write it in")
+        existed = target.exists()
+        # Appends nothing, so an existing file is not touched; never waits for a FIFO's reader.
+        os.close(os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o666))
+    except OSError as error:
+        raise CommandError(f"{option} {file}: cannot write it: {_reason(error)}") from None
+    if not existed:
+        with contextlib.suppress(OSError):
+            target.unlink()
+
+
+def write_output(option: str, file: str, text: str) -> None:
+    """Writes an output file; a failure (a full disk) is a CommandError with status 1."""
+    try:
+        Path(file).write_text(text, encoding="utf-8")
+    except OSError as error:
+        raise CommandError(f"{option} {file}: cannot write it: {_reason(error)}", 1) from None
 
 
 # --- run ------------------------------------------------------------------------------------------
@@ -254,11 +322,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not command:
         raise CommandError("run: no command given (handoff-trace run [-o FILE] -- CMD ARGS...)")
     if args.output:
-        target = Path(args.output)
-        if target.is_dir():
-            raise CommandError(f"run -o {args.output}: is a directory; name the trace file to write")
-        if not target.absolute().parent.is_dir():
-            raise CommandError(f"run -o {args.output}: no directory {target.absolute().parent} to write it in")
+        try:  # said before the program runs (a long job can be stopped), which runs either way
+            check_output("run -o", args.output)
+        except CommandError as error:
+            print(f"handoff-trace: {error} (the program runs, its trace is not saved)", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="handoff-trace-") as scratch:
         shim = Path(scratch, "site")
         shim.mkdir()
@@ -286,8 +353,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         return status
     merged = merge_traces(traces)
     section = merged["handoff"]
+    saved = True
     if args.output:
-        Path(args.output).write_text(dumps(merged), encoding="utf-8")
+        try:
+            write_output("run -o", args.output, dumps(merged))
+        except CommandError as error:  # the summary and the program's status are not lost with it
+            print(f"handoff-trace: {error}", file=sys.stderr)
+            saved = False
     if args.json:
         print_json(section["events"])
     else:
@@ -302,12 +374,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             ),
             file=sys.stderr,
         )
-        if args.output:
+        if args.output and saved:
             print(
                 f"\ntrace saved to {args.output}: open it in {PERFETTO}, or run handoff-trace show {args.output}",
                 file=sys.stderr,
             )
-    return status
+    return status if status != 0 or saved else 1
 
 
 # --- show, graph ----------------------------------------------------------------------------------
@@ -330,15 +402,38 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _say_what_the_graph_holds(graph: dict[str, Any], exchanges: list[dict[str, Any]]) -> None:
+    """The ownership graph holds handoff's own arrays: a program that never calls handoff has none, and
+    its exchanges (which the hooks saw) are drawn beside it instead; said on stderr."""
+    if exchanges:
+        count = sum(pair["imports"] for pair in exchanges)
+        print(
+            f"handoff-trace: the ownership graph holds handoff's own arrays; the trace saw {_plural(count, 'exchange')} "
+            "between other libraries, drawn beside it with a node per library (handoff-trace show lists each)",
+            file=sys.stderr,
+        )
+    elif not graph.get("nodes"):
+        print(
+            "handoff-trace: the ownership graph is empty: no array handoff made or exported was alive when the "
+            "trace ended, and the trace saw no exchange between other libraries",
+            file=sys.stderr,
+        )
+
+
 def cmd_graph(args: argparse.Namespace) -> int:
+    if args.output:
+        check_output("graph -o", args.output)
     trace = load_trace(args.file)
     graph = trace.get("graph")
     if not isinstance(graph, dict):
         raise CommandError(f"{args.file}: the trace holds no ownership graph")
+    exchanges = exchanges_between_libraries(trace["events"])
+    _say_what_the_graph_holds(graph, exchanges)
     if args.format in ("dot", "json"):
-        text = graph_to_dot(graph) if args.format == "dot" else json.dumps(graph, indent=2) + "\n"
+        shown = {**graph, "exchanges": exchanges} if exchanges else graph
+        text = graph_to_dot(graph, exchanges) if args.format == "dot" else json.dumps(shown, indent=2) + "\n"
         if args.output:
-            Path(args.output).write_text(text, encoding="utf-8")
+            write_output("graph -o", args.output, text)
             print(f"wrote {args.output}", file=sys.stderr)
         else:
             sys.stdout.write(text)
@@ -358,7 +453,7 @@ def cmd_graph(args: argparse.Namespace) -> int:
         output = Path(args.file).with_suffix(f".{args.format}")
     result = subprocess.run(
         [dot, f"-T{args.format}", "-o", str(output)],
-        input=graph_to_dot(graph),
+        input=graph_to_dot(graph, exchanges),
         text=True,
         capture_output=True,
         check=False,
@@ -390,12 +485,31 @@ def _process_exists(pid: int) -> bool:
     return True
 
 
+def _process_uid(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
 def _connect(pid: int) -> tuple[socket.socket, Path]:
     paths = socket_paths(pid)
-    path = next((p for p in paths if p.exists()), None)
+    path, closed = None, None
+    for candidate in paths:
+        try:
+            if candidate.exists():
+                path = candidate
+                break
+        except PermissionError:  # another user's folder (mode 0700): its socket may be there
+            closed = closed or candidate.parent
     if path is None:
         if not _process_exists(pid):
             raise CommandError(f"no process with id {pid}", 1)
+        if closed is not None:
+            owner = _process_uid(pid)
+            raise CommandError(
+                f"permission denied: {closed} (process {pid} runs as uid {owner}: attach as the user that runs it)", 1
+            )
         raise CommandError(
             f"process {pid} is not serving its trace (no socket at {' or '.join(map(str, paths))}): start it with "
             "HANDOFF_TRACE_SOCKET=1 in its environment, or call handoff.serve_trace() in it",
@@ -442,7 +556,7 @@ def cmd_attach(args: argparse.Namespace) -> int:
                 return None
 
         def message(line: bytes) -> Any:
-            try:
+            try:  # a huge number is shown as "?" (format_event): one line, not the whole follow, is odd
                 return json.loads(line, parse_constant=_refuse_constant)
             except (ValueError, RecursionError):
                 return None

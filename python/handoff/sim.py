@@ -15,7 +15,7 @@ Tests order their races with ``hold``, never with a delay::
         sim.fill(source, 1.0, stream=producer)
         view = handoff.from_dlpack(source, stream=consumer)
         read = sim.to_numpy(view, stream=consumer, wait=False)
-        assert not read.done() and sim.pending(consumer) > 0
+        assert sim.waits_for_hold(consumer)  # the consumer waits for the producer
     assert read.result()[0] == 1.0         # the producer ran when the block ended
 
 A wait on the holding thread for held work (``to_numpy`` with ``wait=True``, ``synchronize``,
@@ -47,8 +47,10 @@ from ._handoff._sim import (
     set_copy_delay,
     set_device,
     synchronize,
+    synchronize_unheld,
     to_numpy,
     violations,
+    waits_for_hold,
     zeros,
 )
 
@@ -76,7 +78,9 @@ __all__ = [
     "set_copy_delay",
     "set_device",
     "synchronize",
+    "synchronize_unheld",
     "to_numpy",
     "violations",
+    "waits_for_hold",
     "zeros",
 ]

@@ -10,6 +10,7 @@
 #include "py_exchange.hpp"
 #include "py_gil.hpp"
 #include "py_owners.hpp"
+#include "py_streams.hpp"
 #include "py_trace.hpp"
 
 #include <handoff/dtype.hpp>
@@ -215,11 +216,12 @@ PyObject* get_cuda_array_interface(PyObject* self, void* /*closure*/) noexcept
   return python_entry([self] { return py::object(cuda_array_interface(view_of(self))); });
 }
 
-PyObject* method_dlpack(PyObject* self, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames) noexcept
+// Not noexcept: the owner of a bare consumer stream is looked up in Python (see python_code_entry).
+PyObject* method_dlpack(PyObject* self, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames)
 {
   PyObject* arguments[4];  // stream, max_version, dl_device, copy
   if (!dlpack_signature->parse(args, nargsf, kwnames, arguments)) { return nullptr; }
-  return python_entry(
+  return python_code_entry(
     [&] { return py::object(export_dlpack(view_of(self), arguments[0], arguments[1], arguments[2], arguments[3])); });
 }
 
@@ -338,10 +340,16 @@ py::capsule export_dlpack(const array& view, py::handle stream, py::handle max_v
   }
   request.copy = copy_argument(copy);
   // A stream handle is certain to be alive when the export is released only if something holds it:
-  // the stream object of the enclosing handoff.stream block, when the handle is that block's.
+  // the stream object of the enclosing handoff.stream block, when the handle is that block's; else
+  // that of the library whose current stream it is (the consumer passes its own: CuPy, PyTorch).
   if (request.stream) {
     const stream_request consumer = classify_stream(view.device().device_type, request.stream);
-    if (consumer.order == stream_order::handle) { request.stream_owner = enclosing_stream_owner(consumer.handle); }
+    if (consumer.order == stream_order::handle) {
+      request.stream_owner = enclosing_stream_owner(consumer.handle);
+      if (!request.stream_owner && current_export_release() == export_release::known_streams) {
+        request.stream_owner = framework_stream_owner(consumer.handle, view.device());
+      }
+    }
   }
   const exported_tensor made = module_exchange().export_dlpack(view, request);
   return made.versioned != nullptr ? make_capsule(made.versioned) : make_capsule(made.legacy);
@@ -406,7 +414,8 @@ void bind_array(py::module_& m)
   const py::object table_address =
     py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(const_cast<DLPackExchangeAPI*>(&array_exchange_api())));
   if (!table_address ||
-      PyObject_SetAttrString(type, "__dlpack_c_exchange_api__", array_exchange_api_capsule().ptr()) != 0 ||
+      PyObject_SetAttrString(type, "__dlpack_c_exchange_api__", exchange_api_capsule(array_exchange_api()).ptr()) !=
+        0 ||
       PyObject_SetAttrString(type, "__c_dlpack_exchange_api__", table_address.ptr()) != 0) {
     throw py::error_already_set();
   }

@@ -28,20 +28,11 @@ namespace {
 
 constexpr const char* capsule_name = "dlpack_exchange_api";
 
-// The enclosing handoff.stream block's stream when it serves `device`, else None (the default stream).
-py::object work_stream_object(DLDevice device)
-{
-  if (!has_streams(device.device_type)) { return py::none(); }
-  py::object block = enclosing_stream();
-  if (block.is_none()) { return block; }
-  const py::object on = block.attr("device");
-  return on.is_none() || on.cast<long long>() == device.device_id ? block : py::object(py::none());
-}
-
-// The current work stream of `device`'s consumer (see above).
+// The current work stream of `device`'s consumer (see above): the enclosing handoff.stream block's
+// when it serves `device`, else the default stream.
 named_stream work_stream(DLDevice device)
 {
-  return stream_named_by(work_stream_object(device));
+  return stream_named_by(enclosing_stream_for(device));
 }
 
 // The array a table function was given: a handoff.Array's, or the view of what an instance of a
@@ -138,7 +129,7 @@ int current_work_stream(DLDeviceType device_type, std::int32_t device_id, void**
 {
   return c_call([&] {
     expect_output(out_current_stream, "current_work_stream");
-    const py::object block = work_stream_object({device_type, device_id});
+    const py::object block = enclosing_stream_for({device_type, device_id});
     *out_current_stream =
       block.is_none() ? nullptr : reinterpret_cast<void*>(block.attr("handle").cast<std::uintptr_t>());
   });
@@ -221,6 +212,13 @@ const DLPackExchangeAPI table{
   .current_work_stream = current_work_stream,
 };
 
+// def_dlpack classes': handoff.Array's, without the slot they cannot serve (class_exchange_api).
+const DLPackExchangeAPI class_table = []() noexcept {
+  DLPackExchangeAPI without_dltensor = table;
+  without_dltensor.dltensor_from_py_object_no_sync = nullptr;
+  return without_dltensor;
+}();
+
 }  // namespace
 
 const DLPackExchangeAPI& array_exchange_api() noexcept
@@ -228,9 +226,19 @@ const DLPackExchangeAPI& array_exchange_api() noexcept
   return table;
 }
 
-py::capsule array_exchange_api_capsule()
+const DLPackExchangeAPI& class_exchange_api() noexcept
 {
-  return py::capsule(const_cast<DLPackExchangeAPI*>(&table), capsule_name);
+  return class_table;
+}
+
+bool is_handoff_exchange_api(const DLPackExchangeAPI* api) noexcept
+{
+  return api == &table || api == &class_table;
+}
+
+py::capsule exchange_api_capsule(const DLPackExchangeAPI& api)
+{
+  return py::capsule(const_cast<DLPackExchangeAPI*>(&api), capsule_name);
 }
 
 }  // namespace handoff::python

@@ -16,8 +16,18 @@ inline constexpr DLPackVersion exchange_api_version{1, 2};
 /// handoff.Array's table, for the life of the process.
 [[nodiscard]] const DLPackExchangeAPI& array_exchange_api() noexcept;
 
-/// A new "dlpack_exchange_api" capsule holding array_exchange_api(), for the type attribute
-/// `__dlpack_c_exchange_api__`.
-[[nodiscard]] py::capsule array_exchange_api_capsule();
+/// The table of def_dlpack classes: handoff.Array's, but for dltensor_from_py_object_no_sync, which
+/// is NULL (DLPack lets a producer leave a slot it does not support NULL): an instance describes its
+/// memory on each call, and holds no shape or strides for a DLTensor to borrow. Its
+/// managed_tensor_to_py_object_no_sync makes a handoff.Array, as handoff.Array's does.
+[[nodiscard]] const DLPackExchangeAPI& class_exchange_api() noexcept;
+
+/// True for the tables above: handoff's own, whose producers' __dlpack__ orders onto the consumer
+/// stream directly.
+[[nodiscard]] bool is_handoff_exchange_api(const DLPackExchangeAPI* api) noexcept;
+
+/// A new "dlpack_exchange_api" capsule holding `api` (one of the tables above), for the type
+/// attribute `__dlpack_c_exchange_api__`.
+[[nodiscard]] py::capsule exchange_api_capsule(const DLPackExchangeAPI& api);
 
 }  // namespace handoff::python

@@ -34,10 +34,11 @@ PyObject* view(const handoff_array_desc* desc, PyObject* owner) noexcept
   });
 }
 
+// Not noexcept: the consumer stream's owner lookup runs Python code (see python_code_entry).
 PyObject* export_dlpack(PyObject* instance, PyObject* exported, PyObject* stream, PyObject* max_version,
-                        PyObject* dl_device, PyObject* copy) noexcept
+                        PyObject* dl_device, PyObject* copy)
 {
-  return python_entry([&] {
+  return python_code_entry([&] {
     return py::object(exporter_dlpack(none_if_null(instance), none_if_null(exported), none_if_null(stream),
                                       none_if_null(max_version), none_if_null(dl_device), none_if_null(copy)));
   });

@@ -64,11 +64,12 @@ array view_of(const described_class& cls, PyObject* self)
 
 const signature* dlpack_signature = nullptr;
 
-PyObject* class_dlpack(PyObject* self, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames) noexcept
+// Not noexcept: the describe function and the consumer stream's owner lookup run Python code.
+PyObject* class_dlpack(PyObject* self, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames)
 {
   PyObject* arguments[4];  // stream, max_version, dl_device, copy
   if (!dlpack_signature->parse(args, nargsf, kwnames, arguments)) { return nullptr; }
-  return python_entry([&] {
+  return python_code_entry([&] {
     return py::object(
       export_dlpack(view_of(instance_class(self), self), arguments[0], arguments[1], arguments[2], arguments[3]));
   });
@@ -134,10 +135,10 @@ void def_dlpack(py::handle type, handoff_describe_fn describe, void* context, py
   py::setattr(type, class_attribute, shared);
   for (PyMethodDef& def : class_methods) { py::setattr(type, def.ml_name, checked(PyDescr_NewMethod(cls, &def))); }
   for (PyGetSetDef& def : class_getset) { py::setattr(type, def.name, checked(PyDescr_NewGetSet(cls, &def))); }
-  // handoff.Array's table takes the class's instances too (described_instance): both forms.
-  py::setattr(type, "__dlpack_c_exchange_api__", array_exchange_api_capsule());
+  // The class's table takes its instances (described_instance), in both forms.
+  py::setattr(type, "__dlpack_c_exchange_api__", exchange_api_capsule(class_exchange_api()));
   py::setattr(type, "__c_dlpack_exchange_api__",
-              checked(PyLong_FromVoidPtr(const_cast<DLPackExchangeAPI*>(&array_exchange_api()))));
+              checked(PyLong_FromVoidPtr(const_cast<DLPackExchangeAPI*>(&class_exchange_api()))));
 }
 
 std::optional<array> described_instance(PyObject* object)

@@ -4,6 +4,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cxxabi.h>
 #include <exception>
 #include <string>
 #include <string_view>
@@ -32,6 +33,22 @@ PyObject* python_entry(Body&& body) noexcept
 {
   try {
     return body().release().ptr();
+  } catch (...) {
+    raise_current_exception();
+    return nullptr;
+  }
+}
+
+/// python_entry for an entry point that runs Python code of another library's (a producer's, a stream
+/// lookup's), where Python's exit may end a daemon thread with pthread_exit: its unwinding passes
+/// through (a noexcept frame would abort the process), and the entry must not be noexcept either.
+template <typename Body>
+PyObject* python_code_entry(Body&& body)
+{
+  try {
+    return body().release().ptr();
+  } catch (abi::__forced_unwind&) {
+    throw;
   } catch (...) {
     raise_current_exception();
     return nullptr;

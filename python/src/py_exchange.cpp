@@ -25,6 +25,7 @@
 #include <array>
 #include <cstring>
 #include <exception>
+#include <utility>
 
 namespace handoff::python {
 namespace {
@@ -37,7 +38,6 @@ struct cached_objects {
   PyObject* array_interface = nullptr;       // "__array_interface__"
   PyObject* max_version = nullptr;           // (1, 1)
   PyObject* kw_max_version = nullptr;        // ("max_version",)
-  PyObject* stream_var = nullptr;            // ContextVar of handoff.stream(...) blocks
   PyTypeObject* ndarray = nullptr;           // numpy.ndarray, once one was seen
   // The keyword names of __dlpack__, interned: producers' argument parsers match them by identity
   // before comparing text.
@@ -50,30 +50,10 @@ cached_objects cached;
 
 }  // namespace
 
-py::object enclosing_stream()
-{
-  PyObject* value = nullptr;
-  if (PyContextVar_Get(cached.stream_var, nullptr, &value) != 0) { throw py::error_already_set(); }
-  if (value == nullptr) { return py::none(); }
-  return py::reinterpret_steal<py::object>(value);  // the block stored a handoff.Stream
-}
-
-std::shared_ptr<const void> enclosing_stream_owner(std::uint64_t handle)
-{
-  const py::object block = enclosing_stream();
-  if (block.is_none()) { return {}; }
-  py::object source = block.attr("_source");  // the stream object handoff.as_stream was given, or None
-  if (source.is_none() || stream_handle(block) != handle) { return {}; }
-  return stream_keep_alive(source);
-}
-
 named_stream consumer_stream(py::handle stream)
 {
   if (!stream.is_none()) { return stream_named_by(stream); }
-  PyObject* block = nullptr;
-  if (PyContextVar_Get(cached.stream_var, nullptr, &block) != 0) { throw py::error_already_set(); }
-  if (block == nullptr) { return {}; }  // the default stream
-  return stream_named_by(py::reinterpret_steal<py::object>(block));
+  return stream_named_by(enclosing_stream());  // None: the default stream
 }
 
 bool is_numpy_array(PyObject* x) noexcept
@@ -267,15 +247,13 @@ void init_exchange(py::module_& m)
   cached.dl_device_name = PyUnicode_InternFromString("dl_device");
   cached.copy_name = PyUnicode_InternFromString("copy");
   cached.kw_max_version = Py_BuildValue("(O)", cached.max_version_name);
-  cached.stream_var = PyContextVar_New("handoff.stream", nullptr);
   if (cached.dlpack == nullptr || cached.dlpack_device == nullptr || cached.cuda_array_interface == nullptr ||
       cached.array_interface == nullptr || cached.max_version == nullptr || cached.max_version_name == nullptr ||
       cached.stream_name == nullptr || cached.dl_device_name == nullptr || cached.copy_name == nullptr ||
-      cached.kw_max_version == nullptr || cached.stream_var == nullptr) {
+      cached.kw_max_version == nullptr) {
     throw py::error_already_set();
   }
   init_exchange_api();
-  m.attr("_stream_var") = py::reinterpret_borrow<py::object>(cached.stream_var);
   from_dlpack_signature = new signature("from_dlpack", 1, {"device", "copy", "stream"});
   asarray_signature = new signature("asarray", 1, {"device", "copy", "stream"});
   if (PyModule_AddFunctions(m.ptr(), import_functions) != 0) { throw py::error_already_set(); }
@@ -295,7 +273,7 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
     // handoff's own table (a def_dlpack class offers it) is not asked: the class's __dlpack__
     // exports the same view.
     if (const DLPackExchangeAPI* api = exchange_api_of(Py_TYPE(x.ptr()));
-        api != nullptr && api != &array_exchange_api() && !requires_grad(x.ptr())) {
+        api != nullptr && !is_handoff_exchange_api(api) && !requires_grad(x.ptr())) {
       trace_protocol("dlpack-c-api");
       if (DLManagedTensorVersioned* tensor = managed_tensor_of(*api, x.ptr())) {
         table_producer_object producer{*api, x.ptr()};

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 namespace handoff::python {
 
@@ -18,16 +19,9 @@ namespace py = pybind11;
 /// @throws device_error as handoff::process_exchange does.
 [[nodiscard]] exchange& module_exchange();
 
-/// Creates the context variable behind `handoff.stream(...)` blocks and the cached call
-/// arguments, and adds `from_dlpack` and `asarray` to `m` as METH_FASTCALL functions.
+/// Creates the cached call arguments, and adds `from_dlpack` and `asarray` to `m` as METH_FASTCALL
+/// functions.
 void init_exchange(py::module_& m);
-
-/// The stream of the enclosing `handoff.stream(...)` block (a handoff.Stream), or None.
-[[nodiscard]] py::object enclosing_stream();
-
-/// What keeps stream `handle` alive when the enclosing `handoff.stream(...)` block names it by a
-/// stream object (CuPy's, PyTorch's, ...); empty otherwise (no block, a bare handle, another stream).
-[[nodiscard]] std::shared_ptr<const void> enclosing_stream_owner(std::uint64_t handle);
 
 /// A consumer's `stream` argument, read once (stream_named_by): the argument, else the stream of the
 /// enclosing handoff.stream block, else the default stream.

@@ -91,7 +91,7 @@ const DLPackExchangeAPI* usable_table(PyObject* attribute) noexcept
       "address; using __dlpack__");
     return nullptr;
   }
-  if (published == &array_exchange_api()) {
+  if (is_handoff_exchange_api(published)) {
     return nullptr;  // handoff's own arrays: __dlpack__ orders onto the consumer stream directly
   }
   const DLPackExchangeAPI* api = understood_table(published);

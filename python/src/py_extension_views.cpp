@@ -3,6 +3,8 @@
 #include "py_array.hpp"
 #include "py_exchange.hpp"
 #include "py_numpy.hpp"
+#include "py_owners.hpp"
+#include "py_streams.hpp"
 #include "py_trace.hpp"
 #include "py_view.hpp"
 
@@ -78,6 +80,22 @@ py::handle from_dlpack_of(int framework)
   return function;
 }
 
+// The stream `framework`'s from_dlpack orders device data for (its current stream, which it passes
+// to __dlpack__), as alive until the framework's array is released: PyTorch's streams come from
+// pools it never destroys (c10's stream pool note), JAX's is XLA's stream for external ready events,
+// which lives with its client; CuPy's current stream object is held. So the C++ owner of a result is
+// kept until the work the framework has then queued there is done.
+framework_stream consumer_stream_of(int framework, DLDevice device)
+{
+  if (framework == HANDOFF_FRAMEWORK_CUPY) {
+    const py::object stream = py::module_::import("cupy.cuda").attr("get_current_stream")(device.device_id);
+    return {.handle = stream.attr("ptr").cast<std::uint64_t>(), .owner = stream_keep_alive(stream)};
+  }
+  static const int lives_for_the_process = 0;
+  return {.handle = std::nullopt,
+          .owner = std::shared_ptr<const void>{std::shared_ptr<const void>{}, &lives_for_the_process}};
+}
+
 }  // namespace
 
 array_layout layout_of(const handoff_array_desc& desc)
@@ -101,6 +119,7 @@ array_layout layout_of(const handoff_array_desc& desc)
 
 py::object ready_stream_of(const handoff_array_desc& desc)
 {
+  if (desc.stream == HANDOFF_STREAM_ENCLOSING) { return enclosing_stream_for(desc.device); }
   return desc.stream == 0 ? py::object(py::none()) : py::object(py::int_(desc.stream));
 }
 
@@ -162,6 +181,10 @@ py::object extension_view_to_python(handoff_view& view, int framework)
   HANDOFF_EXPECTS(framework >= HANDOFF_FRAMEWORK_HANDOFF && framework <= HANDOFF_FRAMEWORK_CUPY, value_error,
                   fmt::format("view_to_python: {} is no handoff_framework", framework));
   if (framework == HANDOFF_FRAMEWORK_HANDOFF) { return python_object(view); }
+  // What NumPy cannot hold is refused naming why, not with numpy.from_dlpack's bare RuntimeError.
+  if (framework == HANDOFF_FRAMEWORK_NUMPY) {
+    require_numpy_can_hold(view.host ? *view.host : runtime_view(view).layout());
+  }
   // NumPy's array of host data is made directly, the same array numpy.from_dlpack would make
   // without the export; its base keeps the data: the owner of writable host memory, else the view
   // (NumPy lets an array be made writable again when its base is). A trace records the export.
@@ -178,7 +201,14 @@ py::object extension_view_to_python(handoff_view& view, int framework)
     const array_layout& layout = view.host ? *view.host : runtime_view(view).layout();
     if (py::object made = numpy_array_of(layout, std::move(base)); !made.is_none()) { return made; }
   }
-  return from_dlpack_of(framework)(python_object(view));
+  const py::object& exported = python_object(view);
+  const DLDevice device = as_array(exported)->device();
+  if (framework == HANDOFF_FRAMEWORK_NUMPY || !has_streams(device.device_type)) {
+    return from_dlpack_of(framework)(exported);
+  }
+  const framework_stream consumer = consumer_stream_of(framework, device);
+  const framework_call call{consumer};
+  return from_dlpack_of(framework)(exported);
 }
 
 }  // namespace handoff::python

@@ -37,8 +37,9 @@ namespace py = pybind11;
 /// @throws value_error for a description without one.
 [[nodiscard]] array_layout layout_of(const handoff_array_desc& desc);
 
-/// The stream `desc` says its data is ready on, as handoff.view takes it: None when unknown (0),
-/// else the native handle as an int.
+/// The stream `desc` says its data is ready on, as handoff.view takes it: None when unknown (0), the
+/// enclosing handoff.stream block's stream for HANDOFF_STREAM_ENCLOSING (enclosing_stream_for), else
+/// the native handle as an int.
 [[nodiscard]] py::object ready_stream_of(const handoff_array_desc& desc);
 
 /// What an extension is told of `view`: its layout, and the stream its data is ready on.

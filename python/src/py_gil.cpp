@@ -105,6 +105,8 @@ namespace {
 thread_local gil_batch* open_batch = nullptr;
 }  // namespace
 
+thread_local bool python_part_running = false;
+
 gil_batch::gil_batch() noexcept
 {
   open_batch = this;
@@ -119,6 +121,13 @@ gil_batch::~gil_batch()
 gil_batch* gil_batch::current() noexcept
 {
   return open_batch;
+}
+
+void gil_batch::hand_back() noexcept
+{
+  if (held_) { PyGILState_Release(state_); }
+  held_ = false;
+  asked_ = false;
 }
 
 bool gil_batch::take() noexcept
@@ -152,6 +161,19 @@ void run_deleter_with_gil(void (*invoke)(void*) noexcept, void* tensor) noexcept
 
 void run_without_gil(void (*body)(void*), void* state)
 {
+  gil_batch* batch = gil_batch::current();
+  // Not held (a thread of the runtime's, outside Python); or held by a batch's Python part that is
+  // running (a finalizer dropping an array), which must get it back as it was: the runtime's thread
+  // may not wait for it once Python's exit has begun.
+  if (!holds_gil() || (batch != nullptr && python_part_running)) {
+    body(state);
+    return;
+  }
+  if (batch != nullptr) {
+    batch->hand_back();  // between the batch's Python parts: the next takes it again
+    body(state);
+    return;
+  }
   without_gil([body, state] { body(state); });
 }
 

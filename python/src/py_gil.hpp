@@ -64,8 +64,10 @@ class gil_scope {
 };
 
 /// The GIL for a batch of work on a thread that does not hold it (the releases a stream let go
-/// together): the first with_gil inside the batch takes it, and it is kept until the batch ends, so
-/// that a busy interpreter hands it over once per batch. Batches do not nest.
+/// together): the first with_gil inside the batch takes it, and it is kept across the batch's
+/// Python parts, so that a busy interpreter hands it over once per batch, not once per release; a
+/// part that blocks the host (run_without_gil: a free that waits for its device) hands it back
+/// first, and the next Python part takes it again. Batches do not nest.
 class gil_batch {
  public:
   gil_batch() noexcept;
@@ -79,6 +81,8 @@ class gil_batch {
   [[nodiscard]] static gil_batch* current() noexcept;
   /// Takes the GIL unless the batch did already; false once the gate is closed.
   [[nodiscard]] bool take() noexcept;
+  /// Lets go of the GIL, if the batch holds it, until the next take().
+  void hand_back() noexcept;
 
  private:
   PyGILState_STATE state_{};
@@ -86,25 +90,33 @@ class gil_batch {
   bool held_{false};
 };
 
+/// True on a thread while a with_gil body runs: Python code may be on its stack.
+extern thread_local bool python_part_running;
+
 /// Runs `body` (it touches Python objects, and must not throw) holding the GIL, from any thread: at
 /// once where the thread holds it (as a consumer dropping what it imported usually does), else once
-/// taken (for the rest of the batch, inside a gil_batch). Not at all while the interpreter finalizes
-/// or once the gate is closed: the process then keeps what `body` would have released.
+/// taken (for the batch's Python parts, inside a gil_batch). Not at all while the interpreter
+/// finalizes or once the gate is closed: the process then keeps what `body` would have released.
 template <typename Body>
 void with_gil(Body&& body) noexcept
 {
   if (interpreter_finalizing()) { return; }
-  if (holds_gil()) {
+  const auto run = [&body] {
+    const bool outer = std::exchange(python_part_running, true);
     body();
+    python_part_running = outer;
+  };
+  if (holds_gil()) {
+    run();
     return;
   }
   if (gil_batch* batch = gil_batch::current()) {
-    if (batch->take()) { body(); }
+    if (batch->take()) { run(); }
     return;
   }
   PyGILState_STATE state{};
   if (!ensure_gil(state)) { return; }
-  body();
+  run();
   PyGILState_Release(state);
 }
 
@@ -173,7 +185,9 @@ void run_deleter_with_gil(void (*invoke)(void*) noexcept, void* tensor) noexcept
 void run_releases_in_gil_batch(void (*body)(void*) noexcept, void* state) noexcept;
 
 /// The blocking section handoff uses in Python (set_blocking_section): the host waits with the GIL
-/// released, so that other threads run meanwhile.
+/// released, so that other threads run meanwhile (and a host function queued on the device that
+/// needs the GIL can run): a Python thread releases it around the wait, a batch of releases hands
+/// it back, a thread that does not hold it just waits.
 void run_without_gil(void (*body)(void*), void* state);
 
 }  // namespace handoff::python

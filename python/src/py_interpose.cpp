@@ -1,48 +1,88 @@
-// The exchanges between other libraries that handoff's hooks see (handoff/_interpose.py): their
-// trace events, classified as handoff's own are (an unordered hand-off is a hazard only while the
-// producer's stream has work pending), and, in the ordering mode, the consumer stream's wait.
+// The exchanges between other libraries that handoff's hooks see (handoff/_interpose.py), one object
+// each: both libraries' streams, resolved once by the exchange from what their adapters said; in the
+// ordering mode, the consumer stream's wait; and the trace events, classified as handoff's own are
+// (an unordered hand-off is a hazard only while the producer's stream has work pending).
 #include "py_exchange.hpp"
 #include "py_gil.hpp"
 #include "py_owners.hpp"
+#include "py_streams.hpp"
 #include "py_trace.hpp"
 
 #include <handoff/context.hpp>
 #include <handoff/device_guard.hpp>
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
-#include <handoff/internal/ordering.hpp>
+#include <handoff/exchange.hpp>
 #include <handoff/stream.hpp>
 
 #include <pybind11/stl.h>
 
-#include <fmt/format.h>
-
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace handoff::python {
 namespace {
 
-// The context that orders `device`'s streams: started for device data (the data's library has
-// started the device already), none for host data or where handoff has no backend for it.
-context* context_for(DLDevice device)
+// How the consumer read the producer's data.
+enum class interposed_protocol : std::uint8_t { dlpack, cuda_array_interface };
+
+// What the hooks saw themselves, beyond what the trace classifies.
+enum class interposed_hazard : std::uint8_t {
+  none,
+  unordered,       // the ordering mode could not order it: a stream is unknown
+  cross_device,    // the producer ordered another device's streams
+  released_early,  // the consumer's array went, with the producer, while its stream still worked
+};
+
+const char* hazard_name(interposed_hazard hazard) noexcept
 {
-  if (device.device_type == kDLCPU) { return nullptr; }
+  switch (hazard) {
+    case interposed_hazard::unordered:
+      return "unordered";
+    case interposed_hazard::cross_device:
+      return "cross-device";
+    case interposed_hazard::released_early:
+      return "released early";
+    case interposed_hazard::none:
+      break;
+  }
+  return nullptr;
+}
+
+std::string_view protocol_name(interposed_protocol protocol) noexcept
+{
+  return protocol == interposed_protocol::dlpack ? "dlpack" : "cuda-array-interface";
+}
+
+// The context that orders the streams of `type`'s data: none for host data, or where handoff has no
+// backend for that device type (the data's library started the device already).
+context* context_serving(DLDeviceType type)
+{
+  if (!has_streams(type)) { return nullptr; }
   try {
-    context& ctx = module_exchange().require_device("an exchange between other libraries");
-    return ctx.backend().device_type() == device.device_type ? &ctx : nullptr;
+    context* ctx = module_exchange().device_context();
+    return ctx != nullptr && (ctx->backend().device_type() == kDLROCM) == is_rocm_device(type) ? ctx : nullptr;
   } catch (const error&) {
     return nullptr;
   }
 }
 
-std::optional<stream_binding> bound(context* ctx, DLDevice device, std::optional<std::int64_t> stream)
+// The device whose current streams order data of `data`: its own, but for pinned and managed memory
+// (which DLPack numbers device 0) the calling thread's current device. nullopt for host data, or
+// where handoff has no backend for the data's device type.
+std::optional<int> work_device_of(DLDevice data)
 {
-  if (ctx == nullptr || !stream) { return std::nullopt; }
-  return binding_on(*ctx, device, named_stream{.how = named_stream::form::dlpack_value, .value = *stream, .owner = {}});
+  const context* ctx = context_serving(data.device_type);
+  if (ctx == nullptr) { return std::nullopt; }
+  return is_host_accessible(data.device_type) ? ctx->backend().current_device() : data.device_id;
 }
+
+// handoff._adapters.stream_owner, which the package registers: the stream object of an imported
+// library whose current stream a native handle is.
+PyObject* stream_owner_lookup = nullptr;
 
 DLDevice device_of(const py::tuple& device)
 {
@@ -50,77 +90,180 @@ DLDevice device_of(const py::tuple& device)
   return {static_cast<DLDeviceType>(device[0].cast<int>()), device[1].cast<int>()};
 }
 
-// Orders the consumer's stream after the producer's (DLPack stream values of `device`), with a pooled
-// event and no host wait. False when handoff cannot order that device's streams.
-bool order_streams(const py::tuple& device_pair, std::int64_t producer, std::int64_t consumer)
-{
-  const DLDevice device = device_of(device_pair);
-  context* ctx = context_for(device);
-  if (ctx == nullptr) { return false; }
-  const stream_binding from = *bound(ctx, device, producer);
-  const stream_binding to = *bound(ctx, device, consumer);
-  without_gil([&] {
-    stream_view{ctx->backend(), to.stream}.wait(stream_view{ctx->backend(), from.stream}, device.device_id,
-                                                ctx->events());
-  });
-  return true;
-}
+// One exchange between two other libraries: made when the hooked consumer is called, ordered in the
+// ordering mode, and recorded when the consumer returns (and again, in a trace, if its array goes
+// while its stream still works). Holds the libraries' stream objects while it lives.
+class interposed_exchange {
+ public:
+  interposed_exchange(interposed_protocol protocol, std::string_view producer, std::string_view consumer,
+                      const py::tuple& device)
+      : protocol_(protocol),
+        producer_(intern_library(producer)),
+        consumer_(intern_library(consumer)),
+        device_(device_of(device))
+  {}
 
-// Keeps `producer` alive until the work enqueued on the consumer's stream by now is done.
-bool keep_until_done(py::handle producer, const py::tuple& device_pair, std::int64_t consumer)
-{
-  const DLDevice device = device_of(device_pair);
-  context* ctx = context_for(device);
-  if (ctx == nullptr) { return false; }
-  const stream_binding on = *bound(ctx, device, consumer);
-  keep_alive_until_done(*ctx, on.device, on.stream, producer);
-  return true;
-}
+  // The device whose current streams order the data: its own, but for pinned and managed memory
+  // (which DLPack numbers device 0) the calling thread's current device. None for host data, or
+  // where handoff has no backend for the data's device type.
+  [[nodiscard]] std::optional<int> work_device() const { return work_device_of(device_); }
 
-// The DLPack device of CUDA Array Interface data at `pointer`: the device that owns it; None where
-// handoff has no CUDA backend or the backend does not know the memory.
+  // A library's current stream as its adapter said it (None: it has none; a DLPack stream value; a
+  // stream object, held from now on), resolved by the exchange on the data's device.
+  // @throws type_error or value_error for what names no stream of that device.
+  void set_producer_stream(py::handle stream) { producer_stream_ = resolved(stream); }
+  void set_consumer_stream(py::handle stream)
+  {
+    consumer_stream_ = resolved(stream);
+    consumer_named_ = stream.is_none() ? std::nullopt : std::optional<named_stream>{stream_named_by(stream)};
+  }
+  [[nodiscard]] bool knows_streams() const noexcept { return producer_stream_ && consumer_stream_; }
+
+  [[nodiscard]] interposed_protocol protocol() const noexcept { return protocol_; }
+  [[nodiscard]] const char* producer() const noexcept { return producer_; }
+  [[nodiscard]] const char* consumer() const noexcept { return consumer_; }
+  // The native handles of the streams, as the trace names them; None where unknown.
+  [[nodiscard]] std::optional<std::uintptr_t> producer_stream() const { return handle_of(producer_stream_); }
+  [[nodiscard]] std::optional<std::uintptr_t> consumer_stream() const { return handle_of(consumer_stream_); }
+
+  // Makes the consumer's stream wait for the producer's (a pooled event; the host never waits).
+  // False when a stream is unknown.
+  bool order()
+  {
+    if (!knows_streams()) { return false; }
+    const stream_binding& to = *consumer_stream_;
+    const stream_binding& from = *producer_stream_;
+    device::backend& backend = to.ctx->backend();
+    without_gil([&] {
+      stream_view{backend, to.stream}.wait(stream_view{backend, from.stream}, to.device, to.ctx->events());
+    });
+    return true;
+  }
+
+  // Whether a release deferred behind the consumer's stream is certain to find it alive (export_release).
+  [[nodiscard]] bool consumer_stream_outlives_releases() const
+  {
+    return consumer_named_ && module_exchange().may_release_after(*consumer_named_, device_.device_type);
+  }
+
+  // Whether the consumer's stream still has work queued; false where that cannot be asked safely (a
+  // stream that may be destroyed by now, one capturing into a graph).
+  [[nodiscard]] bool consumer_stream_busy() const
+  {
+    if (!consumer_stream_ || !consumer_stream_outlives_releases()) { return false; }
+    const stream_binding& on = *consumer_stream_;
+    device::backend& backend = on.ctx->backend();
+    const device_guard on_device{backend, on.device};
+    const relaxed_capture_mode relaxed{backend};  // a capture under way elsewhere neither fails nor breaks
+    return backend.stream_capture_status(on.stream) == device::capture_status::none && !backend.query_stream(on.stream);
+  }
+
+  // Records the consumer's import of the data (or its release), classified as handoff's own are; a
+  // hazard the hooks saw is kept. No-op unless tracing.
+  void record(trace::event_kind kind, trace::action what, interposed_hazard hazard, const std::string& detail) const
+  {
+    if (!trace::enabled()) { return; }
+    trace::exchange_scope scope{kind, protocol_name(protocol_)};
+    if (!scope.active()) { return; }
+    trace::event& e = scope.event();
+    e.producer = producer_;
+    e.consumer = consumer_;
+    e.device = device_;
+    e.shape = shape;
+    e.dtype = dtype_from_name(dtype).value_or(DLDataType{kDLOpaqueHandle, 0, 0});
+    e.nbytes = nbytes;
+    e.stream_argument = stream_argument;
+    e.interposed = ordered ? "ordered" : "observed";
+    e.detail = detail;
+    if (hazard != interposed_hazard::none) {  // classified by the hooks: the scope keeps what they said
+      e.hazard = hazard_name(hazard);
+      e.action = what;
+    }
+    if (producer_stream_) { scope.set_producer_stream(*producer_stream_); }
+    if (consumer_stream_) { scope.set_consumer_stream(*consumer_stream_); }
+    switch (what) {
+      case trace::action::unordered:
+        scope.note_unordered();
+        break;
+      case trace::action::wait:
+        scope.note_ordered_by_producer();
+        break;
+      case trace::action::elided:
+        if (knows_streams()) {
+          scope.note_wait(consumer_stream_->ctx->backend(), consumer_stream_->device, raw(producer_stream_->stream),
+                          raw(consumer_stream_->stream), false);
+        }
+        break;
+      case trace::action::none:
+      case trace::action::refused:
+        e.action = what;
+        break;
+    }
+  }
+
+  // What the trace says of the data, filled in by the hooks once the consumer returned.
+  std::vector<std::int64_t> shape;
+  std::string dtype;
+  std::int64_t nbytes{0};
+  std::optional<std::int64_t> stream_argument;  // the `stream` the consumer passed, where seen
+  bool ordered{false};                          // by handoff's hooks
+
+ private:
+  static std::optional<std::uintptr_t> handle_of(const std::optional<stream_binding>& stream)
+  {
+    return stream ? std::optional<std::uintptr_t>{raw(stream->stream)} : std::nullopt;
+  }
+
+  [[nodiscard]] std::optional<stream_binding> resolved(py::handle stream) const
+  {
+    if (stream.is_none() || context_serving(device_.device_type) == nullptr) { return std::nullopt; }
+    return module_exchange().bind_stream(device_, stream_named_by(stream));
+  }
+
+  interposed_protocol protocol_;
+  const char* producer_;
+  const char* consumer_;
+  DLDevice device_;
+  std::optional<stream_binding> producer_stream_;
+  std::optional<stream_binding> consumer_stream_;
+  std::optional<named_stream> consumer_named_;  // as the consumer's adapter named it
+};
+
+// The DLPack device of CUDA Array Interface data at `pointer`, as handoff's own imports name it; None
+// where handoff has no backend or the backend does not know the memory.
 py::object device_of_pointer(std::uintptr_t pointer)
 {
-  context* ctx = context_for(DLDevice{kDLCUDA, 0});
-  if (ctx == nullptr) { return py::none(); }
-  device::pointer_attributes found;
+  std::optional<DLDevice> found;
   try {
-    found = ctx->backend().attributes(reinterpret_cast<const void*>(pointer));  // NOLINT(performance-no-int-to-ptr)
+    found = module_exchange().device_of(reinterpret_cast<const void*>(pointer));  // NOLINT(performance-no-int-to-ptr)
   } catch (const error&) {
     return py::none();
   }
-  switch (found.kind) {
-    case device::memory_kind::device:
-      return py::make_tuple(static_cast<int>(kDLCUDA), found.device);
-    case device::memory_kind::managed:
-      return py::make_tuple(static_cast<int>(kDLCUDAManaged), found.device);
-    case device::memory_kind::pinned_host:
-      return py::make_tuple(static_cast<int>(kDLCUDAHost), 0);
-    case device::memory_kind::unregistered:
-      break;
-  }
-  return py::none();
-}
-
-// Whether the consumer's stream (a DLPack stream value of `device`) still has work queued; false where
-// handoff cannot ask.
-bool stream_busy(const py::tuple& device_pair, std::int64_t stream)
-{
-  const DLDevice device = device_of(device_pair);
-  context* ctx = context_for(device);
-  if (ctx == nullptr) { return false; }
-  const stream_binding on = *bound(ctx, device, stream);
-  device::backend& backend = ctx->backend();
-  const device_guard on_device{backend, on.device};
-  const relaxed_capture_mode relaxed{backend};  // a capture under way elsewhere neither fails nor breaks
-  return backend.stream_capture_status(on.stream) == device::capture_status::none && !backend.query_stream(on.stream);
+  if (!found) { return py::none(); }
+  return py::make_tuple(static_cast<int>(found->device_type), found->device_id);
 }
 
 // The device current on the calling thread for data of `device_type`; None where handoff has no backend for it.
 py::object current_device(int device_type)
 {
-  context* ctx = context_for(DLDevice{static_cast<DLDeviceType>(device_type), 0});
+  const context* ctx = context_serving(static_cast<DLDeviceType>(device_type));
   return ctx != nullptr ? py::object(py::int_(ctx->backend().current_device())) : py::object(py::none());
+}
+
+// The device of native stream `handle`, as the backend knows it (a default stream's: the current
+// device); None without a backend.
+py::object stream_device(std::uint64_t handle)
+{
+  try {
+    const context* ctx = module_exchange().device_context();
+    if (ctx == nullptr) { return py::none(); }
+    // Pinned memory is worked on by a stream of any device: bound on the stream's own.
+    const DLDeviceType pinned = ctx->backend().device_type() == kDLROCM ? kDLROCMHost : kDLCUDAHost;
+    const auto bound = module_exchange().bind_stream({pinned, 0}, named_stream::native(handle, {}));
+    return bound ? py::object(py::int_(bound->device)) : py::object(py::none());
+  } catch (const error&) {
+    return py::none();
+  }
 }
 
 void mute(bool on)
@@ -133,132 +276,90 @@ void mute(bool on)
   }
 }
 
-trace::action action_named(const std::string& name)
-{
-  for (const auto what : {trace::action::none, trace::action::wait, trace::action::elided, trace::action::unordered,
-                          trace::action::refused}) {
-    if (trace::name(what) == name) { return what; }
-  }
-  throw value_error(fmt::format("'{}' is not a trace action", name));
-}
-
-struct exchange_seen {
-  std::string kind;  // "import" (the consumer's), or "release" (of what it imported)
-  std::string protocol;
-  std::string producer;
-  std::string consumer;
-  py::tuple device;
-  std::vector<std::int64_t> shape;
-  std::string dtype;
-  std::int64_t nbytes{0};
-  std::optional<std::int64_t> producer_stream;  // DLPack stream values of `device`
-  std::optional<std::int64_t> consumer_stream;
-  std::optional<std::int64_t> stream_argument;
-  std::string action;
-  bool ordered{false};
-  std::string hazard;  // what the hooks saw themselves (a release while the consumer's stream works)
-  std::string detail;
-};
-
-// A hazard name the hooks report, as a static string (events point at it).
-const char* hazard_named(const std::string& name)
-{
-  for (const char* known : {"unordered", "cross-device", "released early"}) {
-    if (name == known) { return known; }
-  }
-  throw value_error(fmt::format("'{}' is not a hazard the trace knows", name));
-}
-
-// Records one exchange the hooks saw as an import by the consumer, classified as handoff's own are.
-void record_exchange(const exchange_seen& seen)
-{
-  if (!trace::enabled()) { return; }
-  const DLDevice device = device_of(seen.device);
-  const trace::action what = action_named(seen.action);
-  context* ctx = context_for(device);
-  // The protocol is a static string in an event: the hooks use these.
-  static constexpr std::string_view protocols[] = {"dlpack", "cuda-array-interface", "dlpack-c-api"};
-  std::string_view protocol = "dlpack";
-  for (const std::string_view known : protocols) {
-    if (known == seen.protocol) { protocol = known; }
-  }
-  const auto kind = seen.kind == "release" ? trace::event_kind::release : trace::event_kind::import_data;
-  trace::exchange_scope scope{kind, protocol};
-  if (!scope.active()) { return; }
-  trace::event& e = scope.event();
-  e.producer = intern_library(seen.producer);
-  e.consumer = intern_library(seen.consumer);
-  e.device = device;
-  e.shape = seen.shape;
-  e.dtype = dtype_from_name(seen.dtype).value_or(DLDataType{kDLOpaqueHandle, 0, 0});
-  e.nbytes = seen.nbytes;
-  e.stream_argument = seen.stream_argument;
-  e.interposed = seen.ordered ? "ordered" : "observed";
-  e.detail = seen.detail;
-  if (!seen.hazard.empty()) {  // classified by the hooks: the scope keeps what they said
-    e.hazard = hazard_named(seen.hazard);
-    e.action = what;
-  }
-  try {
-    if (const auto producer = bound(ctx, device, seen.producer_stream)) { scope.set_producer_stream(*producer); }
-    if (const auto consumer = bound(ctx, device, seen.consumer_stream)) { scope.set_consumer_stream(*consumer); }
-  } catch (const error&) {  // a stream value the device does not take: the event names none
-  }
-  switch (what) {
-    case trace::action::unordered:
-      scope.note_unordered();
-      break;
-    case trace::action::wait:
-      scope.note_ordered_by_producer();
-      break;
-    case trace::action::elided:
-      if (ctx != nullptr && e.producer_stream && e.consumer_stream) {
-        scope.note_wait(ctx->backend(), device.device_id, e.producer_stream->handle, e.consumer_stream->handle, false);
-      }
-      break;
-    case trace::action::none:
-    case trace::action::refused:
-      e.action = what;
-      break;
-  }
-}
-
 }  // namespace
+
+std::shared_ptr<const void> framework_stream_owner(std::uint64_t handle, DLDevice data)
+{
+  // Once Python's exit has begun, no library's Python code is run: a daemon thread exporting then
+  // would be ended inside it (and the export's caller may be noexcept). The release then does not wait.
+  if (stream_owner_lookup == nullptr || python_is_closing()) { return {}; }
+  const std::optional<int> device = work_device_of(data);
+  if (!device) { return {}; }
+  const py::object found =
+    py::reinterpret_steal<py::object>(PyObject_CallFunction(stream_owner_lookup, "Ki", handle, *device));
+  if (!found) {  // a lookup never fails an export: without an owner, the release does not wait
+    PyErr_Clear();
+    return {};
+  }
+  return stream_keep_alive(found);
+}
 
 void bind_interpose(py::module_& m)
 {
-  m.def("_interposed_order", &order_streams, py::arg("device"), py::arg("producer_stream"), py::arg("consumer_stream"),
-        "Makes the consumer stream wait for the producer's (DLPack stream values of `device`) with a pooled "
-        "event; False when handoff cannot order that device's streams.");
-  m.def("_interposed_keep", &keep_until_done, py::arg("producer"), py::arg("device"), py::arg("consumer_stream"),
-        "Keeps `producer` until the work enqueued on the consumer stream by now is done; False when handoff "
-        "cannot order that device's streams.");
+  py::enum_<interposed_protocol>(m, "_InterposedProtocol")
+    .value("dlpack", interposed_protocol::dlpack)
+    .value("cuda_array_interface", interposed_protocol::cuda_array_interface);
+  py::enum_<interposed_hazard>(m, "_InterposedHazard")
+    .value("none", interposed_hazard::none)
+    .value("unordered", interposed_hazard::unordered)
+    .value("cross_device", interposed_hazard::cross_device)
+    .value("released_early", interposed_hazard::released_early);
+  py::enum_<trace::event_kind>(m, "_TraceKind")
+    .value("import_data", trace::event_kind::import_data)
+    .value("release", trace::event_kind::release);
+  py::enum_<trace::action>(m, "_TraceAction")
+    .value("none", trace::action::none)
+    .value("wait", trace::action::wait)
+    .value("elided", trace::action::elided)
+    .value("unordered", trace::action::unordered)
+    .value("refused", trace::action::refused);
+  py::class_<interposed_exchange>(m, "_InterposedExchange",
+                                  "One exchange between two other libraries that handoff's hooks saw.")
+    .def(py::init<interposed_protocol, std::string_view, std::string_view, const py::tuple&>(), py::arg("protocol"),
+         py::arg("producer"), py::arg("consumer"), py::arg("device"))
+    .def_property_readonly("work_device", &interposed_exchange::work_device,
+                           "The device whose current streams order the data, or None.")
+    .def("set_producer_stream", &interposed_exchange::set_producer_stream, py::arg("stream"),
+         "The producer's current stream as its adapter said it; TypeError or ValueError for no stream.")
+    .def("set_consumer_stream", &interposed_exchange::set_consumer_stream, py::arg("stream"),
+         "The consumer's current stream as its adapter said it; TypeError or ValueError for no stream.")
+    .def_property_readonly("protocol", &interposed_exchange::protocol)
+    .def_property_readonly("producer", &interposed_exchange::producer)
+    .def_property_readonly("consumer", &interposed_exchange::consumer)
+    .def_property_readonly("producer_stream", &interposed_exchange::producer_stream,
+                           "The producer's stream's native handle, or None.")
+    .def_property_readonly("consumer_stream", &interposed_exchange::consumer_stream,
+                           "The consumer's stream's native handle, or None.")
+    .def_property_readonly("knows_streams", &interposed_exchange::knows_streams)
+    .def("order", &interposed_exchange::order,
+         "Makes the consumer's stream wait for the producer's; False when a stream is unknown.")
+    .def_property_readonly("consumer_stream_outlives_releases", &interposed_exchange::consumer_stream_outlives_releases)
+    .def("consumer_stream_busy", &interposed_exchange::consumer_stream_busy)
+    .def("record", &interposed_exchange::record, py::arg("kind"), py::arg("action"), py::arg("hazard"),
+         py::arg("detail"), "Records the exchange (no-op unless tracing).")
+    .def_readwrite("shape", &interposed_exchange::shape)
+    .def_readwrite("dtype", &interposed_exchange::dtype)
+    .def_readwrite("nbytes", &interposed_exchange::nbytes)
+    .def_readwrite("stream_argument", &interposed_exchange::stream_argument)
+    .def_readwrite("ordered", &interposed_exchange::ordered);
   m.def("_interposed_device", &device_of_pointer, py::arg("pointer"),
         "The DLPack device of the CUDA memory at `pointer`, or None when handoff cannot tell.");
+  m.def("_interposed_current_device", &current_device, py::arg("device_type"),
+        "The device current on the calling thread for data of `device_type`, or None.");
+  m.def("_interposed_stream_device", &stream_device, py::arg("handle"),
+        "The device of a native stream handle, or None when handoff cannot tell.");
   m.def(
-    "_interposed_record",
-    [](std::string kind, std::string protocol, std::string producer, std::string consumer, py::tuple device,
-       std::vector<std::int64_t> shape, std::string dtype, std::int64_t nbytes,
-       std::optional<std::int64_t> producer_stream, std::optional<std::int64_t> consumer_stream,
-       std::optional<std::int64_t> stream_argument, std::string action, bool ordered, std::string hazard,
-       std::string detail) {
-      record_exchange({std::move(kind), std::move(protocol), std::move(producer), std::move(consumer),
-                       std::move(device), std::move(shape), std::move(dtype), nbytes, producer_stream, consumer_stream,
-                       stream_argument, std::move(action), ordered, std::move(hazard), std::move(detail)});
+    "_set_stream_owner_lookup",
+    [](py::function lookup) {
+      Py_XDECREF(stream_owner_lookup);
+      stream_owner_lookup = lookup.release().ptr();  // kept for the process
     },
-    py::arg("kind"), py::arg("protocol"), py::arg("producer"), py::arg("consumer"), py::arg("device"), py::arg("shape"),
-    py::arg("dtype"), py::arg("nbytes"), py::arg("producer_stream"), py::arg("consumer_stream"),
-    py::arg("stream_argument"), py::arg("action"), py::arg("ordered"), py::arg("hazard"), py::arg("detail"),
-    "Records an exchange between two other libraries (the consumer's import, or the release of what it "
-    "imported) as handoff's own are classified; a hazard the hooks saw is kept. No-op unless tracing.");
+    py::arg("lookup"),
+    "Registers `lookup(handle, device)`: the stream object of an imported library whose current stream on "
+    "`device` is native stream `handle`, or None; asked for an export's consumer stream that nothing holds.");
   m.def("_interposed_mute", &mute, py::arg("on"),
         "Mutes (True) or unmutes (False, the latest mute) the recording of handoff's own exchanges on this thread: "
         "the workings of an exchange between two other libraries that is recorded as one.");
-  m.def("_interposed_stream_busy", &stream_busy, py::arg("device"), py::arg("stream"),
-        "Whether a stream (a DLPack stream value of `device`) still has work queued; False where handoff cannot "
-        "ask.");
-  m.def("_interposed_current_device", &current_device, py::arg("device_type"),
-        "The device current on the calling thread for data of `device_type`, or None.");
 }
 
 }  // namespace handoff::python

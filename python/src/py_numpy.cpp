@@ -1,6 +1,9 @@
 #include "py_numpy.hpp"
 
 #include <handoff/dtype.hpp>
+#include <handoff/error.hpp>
+
+#include <fmt/format.h>
 
 #include <array>
 #include <bit>
@@ -153,6 +156,17 @@ std::optional<array_layout> numpy_array_layout(PyObject* ndarray) noexcept
     layout.strides[i] = fields.strides[i] / itemsize;
   }
   return layout;
+}
+
+void require_numpy_can_hold(const array_layout& layout)
+{
+  HANDOFF_EXPECTS(numpy_type(layout.dtype).has_value(), buffer_error,
+                  fmt::format("NumPy has no dtype for {} data; return it untagged (a handoff.Array) or as a framework "
+                              "that has one",
+                              dtype_name(layout.dtype)));
+  HANDOFF_EXPECTS(
+    layout.shape.size() <= numpy_max_dims, buffer_error,
+    fmt::format("NumPy holds at most {} dimensions, and the array has {}", numpy_max_dims, layout.shape.size()));
 }
 
 py::object numpy_array_of(const array_layout& layout, py::object base)

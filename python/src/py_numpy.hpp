@@ -6,6 +6,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cstddef>
 #include <optional>
 
 namespace handoff::python {
@@ -17,6 +18,13 @@ namespace py = pybind11;
 /// for what DLPack refuses or describes otherwise (a swapped byte order, a dtype it lacks, strides
 /// that are no multiple of the item): numpy's own __dlpack__ then says what it makes of it.
 [[nodiscard]] std::optional<array_layout> numpy_array_layout(PyObject* ndarray) noexcept;
+
+/// The most dimensions a NumPy array has (NumPy 2's NPY_MAXDIMS).
+inline constexpr std::size_t numpy_max_dims = 64;
+
+/// @throws buffer_error naming the dtype or the rank when NumPy cannot hold an array of `layout`: a
+///         dtype NumPy has no type for (bfloat16, float8, ...), or more than numpy_max_dims dimensions.
+void require_numpy_can_hold(const array_layout& layout);
 
 /// A numpy.ndarray of `layout`'s memory, zero-copy, writable unless it is read-only, `base`
 /// kept alive as its base; None when NumPy cannot hold it so (data off the host, a dtype NumPy

@@ -428,17 +428,21 @@ py::object to_numpy(py::handle source, py::handle stream, bool wait)
     s.sim.copy_async(host, view.data(), bytes, handle);
   }
   if (!wait) {
-    const current_device on{s.sim, device};
+    // The stream's device's event: a stream of a peer device may read this device's array.
+    const int reader = [&] {
+      const current_device on{s.sim, device};
+      return s.sim.stream_device(handle);
+    }();
+    const current_device on{s.sim, reader};
+    keep_alive_until_done(s.ctx, reader, handle, out);  // whether or not the result is asked for
     const auto done = s.sim.create_event();
     try {
       s.sim.record_event(done, handle);
     } catch (...) {
       s.sim.destroy_event(done);
-      keep_alive_until_done(s.ctx, device, handle, out);
       throw;
     }
-    keep_alive_until_done(s.ctx, device, handle, out);  // whether or not the result is asked for
-    return py::cast(std::make_unique<pending_copy>(s.sim, device, done, std::move(out)));
+    return py::cast(std::make_unique<pending_copy>(s.sim, reader, done, std::move(out)));
   }
   try {
     without_gil([&] {
@@ -527,7 +531,19 @@ void bind_sim(py::module_& parent)
   m.def(
     "held", [](py::handle stream) { return ask_about(stream, &sim_backend::held); }, py::arg("stream"),
     "True while a sim.hold(stream) block is open.");
+  m.def(
+    "waits_for_hold", [](py::handle stream) { return ask_about(stream, &sim_backend::waits_for_hold); },
+    py::arg("stream"),
+    "True while the last work enqueued on `stream` cannot run before an open sim.hold block ends (a hold of "
+    "`stream`, or of a stream it waits for): a consumer waits for a held producer.");
   m.def("synchronize", &synchronize, py::arg("device") = py::none(), "Waits for all work on a device (or all).");
+  m.def(
+    "synchronize_unheld",
+    [] {
+      auto s = require_sim();
+      without_gil([&] { s.sim.synchronize_unheld(); });
+    },
+    "Waits for all the work that does not wait for an open sim.hold block: inside one, what can run has run.");
   m.def(
     "inject_fault",
     [](const std::string& op, int count, const std::string& error) {

@@ -11,6 +11,7 @@
 
 #include <array>
 #include <string>
+#include <utility>
 
 namespace handoff::python {
 namespace {
@@ -26,7 +27,11 @@ struct stream_names {
   PyObject* handle = nullptr;
   PyObject* stream = nullptr;           // a CUDA Array Interface producer's attribute
   PyObject* source = nullptr;           // handoff.Stream's stream object
+  PyObject* open = nullptr;             // whether a block's entry is still open
   PyTypeObject* stream_type = nullptr;  // handoff.Stream
+  // The blocks entered in this context, innermost last (handoff._streams' entries, each with
+  // `stream` and `open`): context-local, so that blocks are per thread and per asyncio task.
+  PyObject* blocks = nullptr;
 };
 stream_names names;
 
@@ -137,6 +142,58 @@ resolved_stream resolve_stream_object(py::handle stream)
 
 }  // namespace
 
+py::object enclosing_stream()
+{
+  PyObject* raw = nullptr;
+  if (PyContextVar_Get(names.blocks, nullptr, &raw) != 0) { throw py::error_already_set(); }
+  const auto blocks = py::reinterpret_steal<py::object>(raw);
+  if (!PyTuple_Check(raw)) { return py::none(); }
+  // The innermost block still open: one left elsewhere (a generator finished in another context)
+  // no longer counts here either.
+  for (Py_ssize_t i = PyTuple_GET_SIZE(raw); i-- > 0;) {
+    py::handle entry = PyTuple_GET_ITEM(raw, i);
+    const int open = PyObject_IsTrue(entry.attr(names.open).ptr());
+    if (open < 0) { throw py::error_already_set(); }
+    if (open != 0) { return entry.attr(names.stream); }
+  }
+  return py::none();
+}
+
+py::object enclosing_stream_for(DLDevice device)
+{
+  if (!has_streams(device.device_type)) { return py::none(); }
+  py::object block = enclosing_stream();
+  if (block.is_none()) { return block; }
+  const py::object on = block.attr("device");
+  return on.is_none() || on.cast<long long>() == device.device_id ? block : py::object(py::none());
+}
+
+namespace {
+// The framework whose from_dlpack this thread is calling (framework_call), if any.
+thread_local const framework_stream* calling_framework = nullptr;
+}  // namespace
+
+framework_call::framework_call(const framework_stream& stream) noexcept
+    : outer_(std::exchange(calling_framework, &stream))
+{}
+
+framework_call::~framework_call()
+{
+  calling_framework = outer_;
+}
+
+std::shared_ptr<const void> enclosing_stream_owner(std::uint64_t handle)
+{
+  if (const framework_stream* framework = calling_framework) {
+    if (!framework->handle || *framework->handle == handle) { return framework->owner; }
+  }
+  const py::object block = enclosing_stream();
+  if (block.is_none()) { return {}; }
+  py::object source = block.attr(names.source);  // the stream object handoff.as_stream was given, or None
+  if (source.is_none() || stream_handle(block) != handle) { return {}; }
+  return stream_keep_alive(source);
+}
+
 std::uint64_t stream_handle(py::handle stream)
 {
   if (names.stream_type != nullptr && PyObject_TypeCheck(stream.ptr(), names.stream_type)) {
@@ -188,6 +245,10 @@ void bind_streams(py::module_& m)
   names.handle = interned("handle");
   names.stream = interned("stream");
   names.source = interned("_source");
+  names.open = interned("open");
+  names.blocks = PyContextVar_New("handoff.stream", py::tuple().ptr());
+  if (names.blocks == nullptr) { throw py::error_already_set(); }
+  m.attr("_stream_var") = py::reinterpret_borrow<py::object>(names.blocks);
   m.def(
     "_set_stream_type",
     [](py::type stream_type) {

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 namespace handoff::python {
 
@@ -40,7 +41,44 @@ namespace py = pybind11;
 ///         it to say so (pinned host memory).
 [[nodiscard]] py::object stream_argument_for(const named_stream& stream, DLDeviceType device);
 
-/// Binds `_resolve_stream`, `_check_stream` and `_set_stream_type`, which handoff._streams uses.
+/// The stream of the innermost open `handoff.stream(...)` block of this context (a handoff.Stream),
+/// or None.
+[[nodiscard]] py::object enclosing_stream();
+
+/// The stream of the enclosing `handoff.stream(...)` block when it serves `device`'s data (device
+/// memory, and a block stream of no device or of the data's), else None.
+[[nodiscard]] py::object enclosing_stream_for(DLDevice device);
+
+/// What keeps stream `handle` alive when the enclosing `handoff.stream(...)` block names it by a
+/// stream object (CuPy's, PyTorch's, ...), or when a framework this thread calls (framework_call)
+/// names it; empty otherwise (no block, a bare handle, another stream).
+[[nodiscard]] std::shared_ptr<const void> enclosing_stream_owner(std::uint64_t handle);
+
+/// The consumer stream of a framework handoff hands an array to (its from_dlpack): what keeps it
+/// alive until the framework's array is released, for `handle` (nullopt: any stream it names).
+struct framework_stream {
+  std::optional<std::uint64_t> handle;
+  std::shared_ptr<const void> owner;
+};
+
+/// For its scope, exports on this thread to the stream `stream` names are to a consumer whose
+/// stream is alive when it releases them (enclosing_stream_owner): their producers are kept until
+/// the work it then enqueued there is done. Scopes nest.
+class framework_call {
+ public:
+  explicit framework_call(const framework_stream& stream) noexcept;
+  ~framework_call();
+  framework_call(const framework_call&) = delete;
+  framework_call& operator=(const framework_call&) = delete;
+  framework_call(framework_call&&) = delete;
+  framework_call& operator=(framework_call&&) = delete;
+
+ private:
+  const framework_stream* outer_;
+};
+
+/// Creates `_stream_var`, the context variable of the open `handoff.stream(...)` blocks, and binds
+/// `_resolve_stream`, `_check_stream` and `_set_stream_type`, which handoff._streams uses.
 void bind_streams(py::module_& m);
 
 }  // namespace handoff::python

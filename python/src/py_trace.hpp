@@ -8,6 +8,8 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
+#include <memory>
 #include <string_view>
 
 namespace handoff::python {
@@ -18,6 +20,11 @@ namespace py = pybind11;
 void bind_trace(py::module_& m);
 /// Adds the private functions behind the hooks on other libraries' exchanges (handoff/_interpose.py).
 void bind_interpose(py::module_& m);
+
+/// What keeps native stream `handle` alive, when it is the current stream (on the device that works on
+/// data of `data`) of an imported library that holds its streams in objects (CuPy's; PyTorch's own):
+/// that stream object. Empty when no library says so. Holds the GIL.
+[[nodiscard]] std::shared_ptr<const void> framework_stream_owner(std::uint64_t handle, DLDevice data);
 
 /// `name` kept for the life of the process, as events and graph nodes point at library names. Holds the GIL.
 [[nodiscard]] const char* intern_library(std::string_view name);

@@ -3,11 +3,14 @@
 #include <handoff/embedding.hpp>
 #include <handoff/error.hpp>
 #include <handoff/internal/counters.hpp>
+#include <handoff/internal/transfer.hpp>
 
 #include "core/live_views.hpp"
 #include "log/logger.hpp"
 
 #include <fmt/format.h>
+
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -23,8 +26,9 @@
 namespace handoff {
 namespace {
 
-// How often the executor looks whether a capture that holds back a release has ended.
-constexpr std::chrono::milliseconds capture_poll{1};
+// How soon the executor enqueues again a release whose stream captures (to look whether the capture
+// has ended) or could not be asked.
+constexpr std::chrono::milliseconds retry_interval{1};
 // How often the exit drain looks at the streams it waits for.
 constexpr std::chrono::milliseconds exit_poll{5};
 // How often the executor looks at the events of pending releases: soon while they complete, backing
@@ -38,6 +42,22 @@ constexpr std::chrono::milliseconds failure_grace{100};
 constexpr int min_failures_to_abandon = 3;
 
 std::atomic<release_section> installed_release_section{nullptr};
+
+// Consecutive failures to ask about or wait for a stream (a failed query, record or synchronization,
+// a device that cannot be made current), since the first of them.
+struct failure_streak {
+  int failures{0};
+  std::chrono::steady_clock::time_point since{};
+
+  // Counts a failure; true once the stream has failed long and often enough to be given up on.
+  [[nodiscard]] bool keeps_failing() noexcept
+  {
+    const auto now = std::chrono::steady_clock::now();
+    if (failures++ == 0) { since = now; }
+    return failures >= min_failures_to_abandon && now - since >= failure_grace;
+  }
+  void reset() noexcept { failures = 0; }
+};
 
 // What the exception being handled says.
 std::string what_failed()
@@ -79,14 +99,25 @@ struct context::impl {
   struct pending_release;
   struct release_group;
   struct shared_state;
+  // Deferred releases not yet run: all of them, and (while the exit waits) those asked for before.
+  struct release_tally {
+    std::size_t pending{0};
+    std::map<stream_key, std::size_t> by_stream;  // by the stream they wait for
+    std::size_t bound_to_graphs{0};               // of them, those waiting for a captured graph to go
+    // Nothing drain() waits for is pending: the rest wait for graphs the program holds.
+    [[nodiscard]] bool drained() const noexcept { return pending <= bound_to_graphs; }
+  };
   void enqueue_unless_capturing(pending_release* pending) noexcept;
   void enqueue_release(pending_release* pending, bool device_is_current) noexcept;
+  void wait_then_release(pending_release* pending) noexcept;
   void poll_later(std::chrono::nanoseconds interval) noexcept;
   void poll_releases(std::chrono::nanoseconds interval) noexcept;
-  void when_not_capturing(pending_release* pending) noexcept;
+  void enqueue_later(pending_release* pending) noexcept;
   bool release_with_graph(pending_release* pending) noexcept;
   void hold_back(device::stream_handle producer, device::stream_handle consumer, device::event_handle reached) noexcept;
-  void finished_one(stream_key where) noexcept;
+  template <typename Change>
+  void tally(const pending_release& pending, Change change);  // throws what `change` throws
+  void finished_one(const pending_release& pending) noexcept;
   void run_releases(std::vector<pending_release*>& releases) noexcept;
   void order_legacy_after_this_thread(int device) noexcept;
   void wait_for_stream(int device, device::stream_handle stream);  // blocks the calling thread
@@ -96,14 +127,13 @@ struct context::impl {
   event_pool& events_;
   std::mutex pending_mutex_;
   std::condition_variable none_pending_;
-  std::size_t pending_{0};                       // deferred releases not yet run
-  std::map<stream_key, std::size_t> by_stream_;  // the same, by the stream they wait for
-  std::size_t bound_to_graphs_{0};               // of them, those waiting for a captured graph to go
+  release_tally all_;                         // every deferred release not yet run
+  std::optional<release_tally> before_exit_;  // those asked for before drain_at_exit began
+  std::uint64_t next_sequence_{0};            // the order releases are asked for in
+  std::uint64_t exit_cutoff_{0};              // the sequence of the first release asked for after that
   std::mutex watch_mutex_;
   std::list<release_group> watched_;  // recorded; the executor polls their events
   bool polling_{false};               // a poll is scheduled (guarded by watch_mutex_)
-  bool exit_drained_{false};          // drain_at_exit ran
-  std::size_t abandoned_at_exit_{0};  // and left this many pending
   // What a host function still queued on a stream reaches: it outlives the context, so that a
   // release abandoned at exit touches nothing when its host function runs after all.
   std::shared_ptr<shared_state> shared_;
@@ -146,33 +176,26 @@ struct context::impl::release_group {
   stream_key where;
   pooled_event reached;
   std::vector<pending_release*> releases;
-  bool sealed{false};  // a poll looked at the event: a release joining it now would not be seen
-  // Consecutive polls that could not ask about the event, since the first of them.
-  int failed_polls{0};
-  std::chrono::steady_clock::time_point failing_since{};
-
-  // Counts a failed poll; true once the stream has failed long and often enough to give up.
-  [[nodiscard]] bool keeps_failing(std::chrono::steady_clock::time_point now) noexcept
-  {
-    if (failed_polls++ == 0) { failing_since = now; }
-    return failed_polls >= min_failures_to_abandon && now - failing_since >= failure_grace;
-  }
+  bool sealed{false};           // a poll looked at the event: a release joining it now would not be seen
+  failure_streak failed_polls;  // that could not ask about the event
 };
 
 // A release waiting for a consumer stream: for the event of its group, which the executor polls.
 struct context::impl::pending_release {
   std::shared_ptr<shared_state> shared;
   stream_key where;
+  std::uint64_t sequence;  // in the order releases are asked for
   std::function<void()> release_producer;
   std::optional<device::stream_handle> producer;  // made to wait for the same work, once recorded
   bool graph_gone{false};                         // the graph its stream captured into when it was asked for is gone
+  failure_streak failed_waits;                    // when no event can be recorded: of the waits for the stream
 
   // On the executor (or, failing that, where the stream reached it), while the context lives.
   void run(impl& owner) noexcept
   {
     release_producer();
     release_producer = nullptr;  // and what it holds (the consumer stream's owner), before drain() returns
-    owner.finished_one(where);
+    owner.finished_one(*this);
   }
 
   // The context, unless the release was abandoned. Call with shared->mutex held.
@@ -197,24 +220,47 @@ context::impl::impl(device::backend& backend, event_pool& events, std::unique_pt
 
 context::impl::~impl()
 {
-  bool drained = false;
+  bool asked_since_exit = false;  // or the exit never waited
   {
     std::lock_guard lock{pending_mutex_};
-    drained = exit_drained_ && pending_ <= abandoned_at_exit_;  // nothing new since
+    asked_since_exit = !before_exit_ || next_sequence_ > exit_cutoff_;
   }
-  if (!drained) { (void)drain_at_exit(exit_drain_limit); }
+  if (asked_since_exit) { (void)drain_at_exit(exit_drain_limit); }
   std::lock_guard lock{shared_->mutex};
   shared_->owner = nullptr;
+  // What the exit's wait did not count (asked for while it waited, by a release it ran or a thread
+  // still exchanging) is left to the ending process too, and said so.
+  const auto unreported = std::count_if(shared_->outstanding.begin(), shared_->outstanding.end(),
+                                        [this](const pending_release* p) { return p->sequence >= exit_cutoff_; });
+  if (unreported > 0) {
+    HANDOFF_LOG_INFO(
+      "shutting down: {} stream-ordered release(s) asked for after the exit's wait began did not run; their "
+      "producers are left to the ending process",
+      unreported);
+  }
   keep_until_exit(shared_->outstanding);
   shared_->outstanding.clear();
 }
 
-void context::impl::finished_one(stream_key where) noexcept
+// Applies `change` to the tallies `pending` is counted in. Call with pending_mutex_ held.
+template <typename Change>
+void context::impl::tally(const pending_release& pending, Change change)
+{
+  change(all_);
+  if (before_exit_ && pending.sequence < exit_cutoff_) { change(*before_exit_); }
+  if (all_.drained() || (before_exit_ && before_exit_->drained())) { none_pending_.notify_all(); }
+}
+
+void context::impl::finished_one(const pending_release& pending) noexcept
 {
   std::lock_guard lock{pending_mutex_};
-  if (const auto it = by_stream_.find(where); it != by_stream_.end() && --it->second == 0) { by_stream_.erase(it); }
+  tally(pending, [where = pending.where](release_tally& t) {
+    if (const auto it = t.by_stream.find(where); it != t.by_stream.end() && --it->second == 0) {
+      t.by_stream.erase(it);
+    }
+    --t.pending;
+  });
   detail::pending_releases_changed(-1);
-  if (--pending_ <= bound_to_graphs_) { none_pending_.notify_all(); }
 }
 
 void context::impl::refuse_to_wait_for_itself(const char* what) const
@@ -231,81 +277,94 @@ void context::impl::drain()
 {
   refuse_to_wait_for_itself("drain()");
   std::unique_lock lock{pending_mutex_};
-  none_pending_.wait(lock, [this] { return pending_ <= bound_to_graphs_; });
+  none_pending_.wait(lock, [this] { return all_.drained(); });
 }
 
 bool context::impl::drain_for(std::chrono::nanoseconds limit)
 {
   refuse_to_wait_for_itself("drain_for()");
   std::unique_lock lock{pending_mutex_};
-  return none_pending_.wait_for(lock, limit, [this] { return pending_ <= bound_to_graphs_; });
+  return none_pending_.wait_for(lock, limit, [this] { return all_.drained(); });
 }
 
 bool context::impl::drain_at_exit(std::chrono::nanoseconds limit) noexcept
 {
   const auto deadline = std::chrono::steady_clock::now() + limit;
   // One probe event per stream with releases pending: polled, so that no stream blocks the exit
-  // for longer than the limit, and a stream whose device failed (a sticky error) is known at once.
+  // for longer than the limit, and a stream whose device failed (a sticky error) is known soon.
   struct probe {
     stream_key where;
-    std::optional<pooled_event> event;
-    std::string failure;  // why the stream will never reach its releases
+    std::optional<pooled_event> event;  // recorded, and not yet reached
+    bool settled{false};                // reached, or capturing: its releases are on the executor
+    failure_streak failures;
+    std::string failure;  // why the stream will never reach its releases (it kept failing)
   };
   std::vector<probe> probes;
-  {
+  try {
+    // The wait is for what is pending now: threads still exchanging keep asking for more.
     std::lock_guard lock{pending_mutex_};
-    exit_drained_ = true;
-    for (const auto& [where, count] : by_stream_) { probes.push_back({where, std::nullopt, {}}); }
+    before_exit_ = all_;
+    exit_cutoff_ = next_sequence_;
+    for (const auto& [where, count] : before_exit_->by_stream) {
+      probes.push_back({.where = where, .event = {}, .settled = false, .failures = {}, .failure = {}});
+    }
+  } catch (...) {  // out of memory: nothing to wait with
+    return false;
   }
-  const auto look = [this](probe& p, bool record) noexcept {
+  const auto look = [this](probe& p) noexcept {
+    if (p.settled || !p.failure.empty()) { return; }
     try {
       device_guard on{backend_, p.where.first};
-      if (record) {
+      if (!p.event) {
         // A capturing stream gets no probe (it would go into the graph): its releases wait for the
         // capture to end on the executor.
-        if (backend_.stream_capture_status(p.where.second) != device::capture_status::none) { return; }
+        if (backend_.stream_capture_status(p.where.second) != device::capture_status::none) {
+          p.settled = true;
+          return;
+        }
         p.event.emplace(events_.record(p.where.first, p.where.second));
       } else if (backend_.query_event(p.event->get())) {
-        p.event.reset();  // the stream got there; its releases are on the executor
+        p.event.reset();
+        p.settled = true;
       }
+      p.failures.reset();
     } catch (const std::exception& e) {
-      p.event.reset();
-      p.failure = e.what();
+      p.event.reset();  // recorded again at the next look, if the failure passes
+      if (p.failures.keeps_failing()) { p.failure = e.what(); }
     }
   };
   const relaxed_capture_mode relaxed{backend_};  // the probes' queries must not break a capture
-  for (auto& p : probes) { look(p, /*record=*/true); }
+  for (auto& p : probes) { look(p); }
 
   std::unique_lock lock{pending_mutex_};
+  release_tally& waited = *before_exit_;
   const auto unreachable = [&] {
     std::size_t count = 0;
     for (const auto& p : probes) {
       if (p.failure.empty()) { continue; }
-      if (const auto it = by_stream_.find(p.where); it != by_stream_.end()) { count += it->second; }
+      if (const auto it = waited.by_stream.find(p.where); it != waited.by_stream.end()) { count += it->second; }
     }
     return count;
   };
   // Releases bound to graphs wait for graphs the program still holds: not for the exit.
-  while (pending_ > unreachable() + bound_to_graphs_ && std::chrono::steady_clock::now() < deadline) {
+  while (waited.pending > unreachable() + waited.bound_to_graphs && std::chrono::steady_clock::now() < deadline) {
     none_pending_.wait_for(lock, exit_poll);
     lock.unlock();
-    for (auto& p : probes) {
-      if (p.event) { look(p, /*record=*/false); }
-    }
+    for (auto& p : probes) { look(p); }
     lock.lock();
   }
   for (const auto& p : probes) {
-    const auto it = by_stream_.find(p.where);
-    if (p.failure.empty() || it == by_stream_.end()) { continue; }
+    const auto it = waited.by_stream.find(p.where);
+    if (p.failure.empty() || it == waited.by_stream.end()) { continue; }
     HANDOFF_LOG_WARN(
       "shutting down: {} stream-ordered release(s) waiting for stream {:#x} of device {} abandoned: the stream "
       "can never get there ({}); their producers are left to the ending process",
       it->second, raw(p.where.second), p.where.first, p.failure);
   }
-  const std::size_t abandoned = pending_;
-  const std::size_t with_graphs = bound_to_graphs_;
-  const std::size_t timed_out = abandoned - unreachable() - with_graphs;
-  abandoned_at_exit_ = abandoned;
+  const std::size_t left = waited.pending;
+  const std::size_t with_graphs = waited.bound_to_graphs;
+  const std::size_t timed_out = left - unreachable() - with_graphs;
+  const std::size_t asked_meanwhile = all_.pending - left;
   lock.unlock();
   probes.clear();  // the probe events go back to the pool
   if (with_graphs > 0) {
@@ -316,11 +375,17 @@ bool context::impl::drain_at_exit(std::chrono::nanoseconds limit) noexcept
   }
   if (timed_out > 0) {
     HANDOFF_LOG_WARN(
-      "shutting down: {} stream-ordered release(s) did not run within {} ms (their stream never got "
-      "there: a capture never ended, or work that never finishes); their producers are left to the ending process",
+      "shutting down: {} stream-ordered release(s) did not run within {} ms: their streams' work was not done "
+      "by then; their producers are left to the ending process",
       timed_out, std::chrono::duration_cast<std::chrono::milliseconds>(limit).count());
   }
-  return abandoned == 0;
+  if (asked_meanwhile > 0) {
+    HANDOFF_LOG_DEBUG(
+      "shutting down: {} stream-ordered release(s) asked for while the exit waited (threads still exchanging) "
+      "were not waited for",
+      asked_meanwhile);
+  }
+  return left == 0;
 }
 
 // The per-thread default streams the calling thread named to contexts, by device: when the thread
@@ -333,6 +398,10 @@ struct context::impl::thread_exit_orders {
   thread_exit_orders& operator=(thread_exit_orders&&) = delete;
   ~thread_exit_orders()
   {
+    // A forked child's one thread is a copy of the parent's that forked: the contexts it named
+    // streams to are the parent's, whose threads (and a mutex one of them may have held) the child
+    // has not, nor may it use their device.
+    if (getpid() != named_in) { return; }
     for (const auto& [shared, device] : streams) {
       std::unique_lock lock{shared->mutex};
       impl* owner = shared->owner;
@@ -342,6 +411,7 @@ struct context::impl::thread_exit_orders {
   }
 
   std::vector<std::pair<std::shared_ptr<shared_state>, int>> streams;
+  pid_t named_in{getpid()};  // the process whose thread named them
 };
 
 device::stream_handle context::impl::thread_independent(int device, device::stream_handle stream) noexcept
@@ -399,21 +469,30 @@ void context::impl::release_after(int device, device::stream_handle stream, std:
       device = backend_.stream_device(stream);
     } catch (...) {}  // enqueue_release finds out what is wrong with the stream
   }
+  bool counted = false;
   try {
-    pending = new pending_release{shared_, {device, stream}, std::move(release), producer};
+    pending = new pending_release{.shared = shared_,
+                                  .where = {device, stream},
+                                  .sequence = 0,  // given with the count, below
+                                  .release_producer = std::move(release),
+                                  .producer = producer,
+                                  .graph_gone = false,
+                                  .failed_waits = {}};
     {
-      std::lock_guard lock{shared_->mutex};
-      shared_->outstanding.insert(pending);
+      std::lock_guard lock{pending_mutex_};
+      pending->sequence = next_sequence_++;
+      tally(*pending, [where = pending->where](release_tally& t) {
+        ++t.by_stream[where];
+        ++t.pending;
+      });
+      counted = true;
+      detail::pending_releases_changed(+1);
     }
-    std::lock_guard lock{pending_mutex_};
-    ++by_stream_[pending->where];
-    ++pending_;
-    detail::pending_releases_changed(+1);
+    std::lock_guard lock{shared_->mutex};
+    shared_->outstanding.insert(pending);
   } catch (...) {
-    if (pending != nullptr) {
-      std::lock_guard lock{shared_->mutex};
-      shared_->outstanding.erase(pending);
-    }
+    if (counted) { finished_one(*pending); }
+    if (pending != nullptr) { release = std::move(pending->release_producer); }
     delete pending;  // could not even allocate: wait here, never release early
     try {
       wait_for_stream(device, stream);
@@ -446,7 +525,7 @@ void context::impl::enqueue_unless_capturing(pending_release* pending) noexcept
     if (!pending->graph_gone && stream != backend_.legacy_default_stream() && release_with_graph(pending)) { return; }
   } catch (...) {}  // enqueue_release finds out what is wrong with the stream
   if (capturing) {
-    when_not_capturing(pending);
+    enqueue_later(pending);
   } else {
     enqueue_release(pending, /*device_is_current=*/false);
   }
@@ -476,7 +555,11 @@ void context::impl::enqueue_release(pending_release* pending, bool device_is_cur
         throw;
       }
     } else {
-      release_group group{.where = pending->where, .reached = events_.record(device, stream), .releases = {pending}};
+      release_group group{.where = pending->where,
+                          .reached = events_.record(device, stream),
+                          .releases = {pending},
+                          .sealed = false,
+                          .failed_polls = {}};
       watched_.push_back(std::move(group));
       open = &watched_.back();
       if (!polling_) {
@@ -490,49 +573,73 @@ void context::impl::enqueue_release(pending_release* pending, bool device_is_cur
     if (pending->producer) { hold_back(*pending->producer, stream, open->reached.get()); }
     return;
   } catch (const std::exception& e) {
-    HANDOFF_LOG_WARN("deferred release: cannot record an event on stream {:#x} ({}); waiting for the stream instead",
-                     raw(stream), e.what());
-    if (pending->producer) {
-      HANDOFF_LOG_WARN(
-        "deferred release: so producer stream {:#x} cannot wait for it; its later work is not ordered "
-        "after the consumer's",
-        raw(*pending->producer));
+    // Said once per release: a failure that passes has it recorded at a later attempt.
+    if (pending->failed_waits.failures == 0) {
+      HANDOFF_LOG_WARN("deferred release: cannot record an event on stream {:#x} ({}); waiting for the stream instead",
+                       raw(stream), e.what());
+      if (pending->producer) {
+        HANDOFF_LOG_WARN(
+          "deferred release: so producer stream {:#x} cannot wait for it; its later work is not ordered "
+          "after the consumer's",
+          raw(*pending->producer));
+      }
     }
   }
-  // Fall back to waiting for the whole stream on the executor. If even that fails, nothing says
-  // when the consumer is done: the producer is kept (leaked), never released early.
-  const auto wait_then_release = [this, pending, device = device, stream = stream]() noexcept {
-    try {
-      const relaxed_capture_mode relaxed{backend_};
-      wait_for_stream(device, stream);
-    } catch (const std::exception& e) {
-      HANDOFF_LOG_ERROR(
-        "deferred release: waiting for stream {:#x} failed ({}); its producer is kept, not "
-        "released while the consumer may still read it",
-        raw(stream), e.what());
-      finished_one(pending->where);
+  try {
+    deferred_->post([this, pending]() noexcept { wait_then_release(pending); });
+  } catch (...) {
+    wait_then_release(pending);  // cannot defer at all: wait here
+  }
+}
+
+// The fallback of a release whose event could not be recorded: waits for the whole stream. A wait
+// that fails is tried again, the whole enqueue with it; only a stream that keeps failing (a sticky
+// device error) has its release abandoned: nothing then says when the consumer is done, and the
+// producer is kept, never released early.
+void context::impl::wait_then_release(pending_release* pending) noexcept
+{
+  const auto [device, stream] = pending->where;
+  try {
+    const relaxed_capture_mode relaxed{backend_};
+    wait_for_stream(device, stream);
+  } catch (...) {
+    const std::string why = what_failed();
+    if (!pending->failed_waits.keeps_failing()) {
+      HANDOFF_LOG_DEBUG("deferred release: waiting for stream {:#x} of device {} failed ({}); asking again",
+                        raw(stream), device, why);
+      enqueue_later(pending);
       return;
     }
-    pending->run(*this);
-    pending_release::retire(pending);
-  };
-  try {
-    deferred_->post(wait_then_release);
-  } catch (...) {
-    wait_then_release();  // cannot defer at all: wait here
+    HANDOFF_LOG_ERROR(
+      "deferred release: stream {:#x} of device {} cannot be waited for ({}, {} times); its producer is kept, not "
+      "released while the consumer may still read it",
+      raw(stream), device, why, pending->failed_waits.failures);
+    finished_one(*pending);
+    return;
   }
+  std::vector<pending_release*> one{pending};
+  run_releases(one);
 }
 
 void context::impl::wait_for_stream(int device, device::stream_handle stream)
 {
   const device_guard on_owner{backend_, device};
+  struct waiting {
+    device::backend* backend;
+    device::stream_handle stream;
+  } wait{&backend_, stream};
   // A synchronization of the legacy default stream waits only for the work enqueued on it; the
   // blocking streams' work it stands for is waited for with the whole device's.
-  if (stream == backend_.legacy_default_stream()) {
-    backend_.synchronize_device();
-  } else {
-    backend_.synchronize_stream(stream);
-  }
+  block_host(
+    [](void* raw) {
+      const auto& w = *static_cast<waiting*>(raw);
+      if (w.stream == w.backend->legacy_default_stream()) {
+        w.backend->synchronize_device();
+      } else {
+        w.backend->synchronize_stream(w.stream);
+      }
+    },
+    &wait);
 }
 
 void context::impl::hold_back(device::stream_handle producer, device::stream_handle consumer,
@@ -602,14 +709,14 @@ void context::impl::poll_releases(std::chrono::nanoseconds interval) noexcept
         current = device;
       }
       if (!backend_.query_event(group->reached.get())) {
-        group->failed_polls = 0;
+        group->failed_polls.reset();
         waiting.splice(waiting.end(), watched, group);
         continue;
       }
       reached.insert(reached.end(), group->releases.begin(), group->releases.end());
     } catch (...) {
       const std::string why = what_failed();
-      if (!group->keeps_failing(std::chrono::steady_clock::now())) {
+      if (!group->failed_polls.keeps_failing()) {
         HANDOFF_LOG_DEBUG("deferred release: stream {:#x} of device {} could not be asked ({}); asking again",
                           raw(stream), device, why);
         waiting.splice(waiting.end(), watched, group);
@@ -619,8 +726,8 @@ void context::impl::poll_releases(std::chrono::nanoseconds interval) noexcept
       // never released early.
       HANDOFF_LOG_ERROR(
         "deferred release: stream {:#x} of device {} cannot be waited for ({}, for {} polls); {} producer(s) kept",
-        raw(stream), device, why, group->failed_polls, group->releases.size());
-      for (auto* pending : group->releases) { finished_one(pending->where); }
+        raw(stream), device, why, group->failed_polls.failures, group->releases.size());
+      for (const auto* pending : group->releases) { finished_one(*pending); }
       group->reached.discard();  // an event that cannot be asked about is not pooled again
     }
     watched.erase(group);  // its event goes back to the pool first: a release may import again
@@ -645,7 +752,18 @@ void context::impl::run_releases(std::vector<pending_release*>& releases) noexce
   } state{this, &releases};
   const auto body = [](void* raw) noexcept {
     auto* b = static_cast<batch*>(raw);
+    // Each release runs with its stream's device current, as where it was asked for: what it frees
+    // or finalizes (a peer library's finalizer) works on that device, and binds no context of another.
+    std::optional<device_guard> on_device;
+    int current = -1;  // the device on_device made current
     for (auto* pending : *b->releases) {
+      if (const int device = pending->where.first; device != current) {
+        on_device.reset();
+        current = device;
+        try {
+          on_device.emplace(b->owner->backend_, device);
+        } catch (...) {}  // released all the same: what it frees says for itself what fails
+      }
       pending->run(*b->owner);
       pending_release::retire(pending);
     }
@@ -668,20 +786,19 @@ bool context::impl::release_with_graph(pending_release* pending) noexcept
     p->graph_gone = true;
     {
       const std::lock_guard pending_lock{owner->pending_mutex_};
-      --owner->bound_to_graphs_;
+      owner->tally(*p, [](release_tally& t) { --t.bound_to_graphs; });
     }
     try {
       owner->deferred_->post([owner, p]() noexcept { owner->enqueue_unless_capturing(p); });
     } catch (...) {
       HANDOFF_LOG_ERROR("deferred release: out of memory after its graph was destroyed; its producer is kept");
-      owner->finished_one(p->where);
+      owner->finished_one(*p);
     }
   };
   try {
     {
       const std::lock_guard lock{pending_mutex_};
-      ++bound_to_graphs_;  // before: the graph may go at once
-      if (pending_ <= bound_to_graphs_) { none_pending_.notify_all(); }
+      tally(*pending, [](release_tally& t) { ++t.bound_to_graphs; });  // before: the graph may go at once
     }
     backend_.release_with_capture(pending->where.second, graph_gone, pending);
     HANDOFF_LOG_DEBUG("deferred release: stream {:#x} is capturing; the release waits for the graph to be destroyed",
@@ -689,15 +806,15 @@ bool context::impl::release_with_graph(pending_release* pending) noexcept
     return true;
   } catch (...) {
     const std::lock_guard lock{pending_mutex_};
-    --bound_to_graphs_;
+    tally(*pending, [](release_tally& t) { --t.bound_to_graphs; });
     return false;  // no graph of its own to wait for (the legacy stream in another's capture)
   }
 }
 
-void context::impl::when_not_capturing(pending_release* pending) noexcept
+void context::impl::enqueue_later(pending_release* pending) noexcept
 {
-  // An event recorded now would become a node of the graph, and could not be queried.
-  // Wait (without holding the executor) for the capture to end, then enqueue it in stream order.
+  // Its stream captures (an event recorded now would become a node of the graph, and could not be
+  // queried), or failed to be asked: enqueued again a little later, without holding the executor.
   const auto look_again = [shared = shared_, pending]() noexcept {
     std::unique_lock lock{shared->mutex};
     impl* owner = pending->live_owner();
@@ -706,11 +823,11 @@ void context::impl::when_not_capturing(pending_release* pending) noexcept
     owner->enqueue_unless_capturing(pending);
   };
   try {
-    deferred_->post_after(capture_poll, look_again);
+    deferred_->post_after(retry_interval, look_again);
   } catch (...) {
-    HANDOFF_LOG_ERROR("deferred release: cannot wait for the capture on stream {:#x} to end; its producer is kept",
+    HANDOFF_LOG_ERROR("deferred release: out of memory to ask stream {:#x} again later; its producer is kept",
                       raw(pending->where.second));
-    finished_one(pending->where);
+    finished_one(*pending);
   }
 }
 

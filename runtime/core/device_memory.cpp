@@ -5,6 +5,7 @@
 #include <handoff/event_pool.hpp>
 #include <handoff/internal/device_memory.hpp>
 #include <handoff/internal/ordering.hpp>
+#include <handoff/internal/transfer.hpp>
 
 #include "log/logger.hpp"
 
@@ -145,7 +146,13 @@ array allocate_host_accessible_array(const stream_binding& on, DLDevice kind, DL
     if (data == nullptr) { return; }
     try {
       device_guard on_data{*owner, device};
-      owner->free_sync(data);
+      struct freeing {
+        device::backend* backend;
+        void* data;
+      } freed{owner, data};
+      // It waits for the device: a thread that holds the GIL lets go of it meanwhile.
+      block_host([](void* raw) { static_cast<freeing*>(raw)->backend->free_sync(static_cast<freeing*>(raw)->data); },
+                 &freed);
     } catch (const std::exception& e) {
       HANDOFF_LOG_ERROR("host-accessible memory could not be freed on device {} ({}); it is kept", device, e.what());
     }

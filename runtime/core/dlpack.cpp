@@ -41,12 +41,18 @@ void invoke_deleter(void* tensor) noexcept
   managed->deleter(managed);
 }
 
+// True for a tensor handoff exported itself (export_versioned, export_legacy): its deleter runs no
+// code of the embedding's, and takes what a release it runs needs (the GIL) itself.
+template <typename Managed>
+bool exported_by_handoff(const Managed* tensor) noexcept;
+
 template <typename Managed>
 producer_ref adopt(Managed* tensor)
 {
   return producer_ref{[tensor]() noexcept {
     if (tensor->deleter == nullptr) { return; }
-    if (const deleter_runner runner = installed_runner.load(std::memory_order_acquire); runner != nullptr) {
+    if (const deleter_runner runner = installed_runner.load(std::memory_order_acquire);
+        runner != nullptr && !exported_by_handoff(tensor)) {
       runner(&invoke_deleter<Managed>, tensor);
     } else {
       tensor->deleter(tensor);
@@ -203,6 +209,12 @@ template <typename Managed>
 Managed* make_export(const array& view)
 {
   return &exported<Managed>::make(view)->managed;
+}
+
+template <typename Managed>
+bool exported_by_handoff(const Managed* tensor) noexcept
+{
+  return tensor->deleter == &exported<Managed>::deleter;
 }
 
 }  // namespace

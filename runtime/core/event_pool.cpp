@@ -1,8 +1,11 @@
 #include <handoff/event_pool.hpp>
 
+#include <handoff/device_guard.hpp>
 #include <handoff/internal/counters.hpp>
 
 #include "log/logger.hpp"
+
+#include <optional>
 
 namespace handoff {
 
@@ -19,37 +22,69 @@ void pooled_event::discard() noexcept
 
 event_pool::~event_pool()
 {
-  for (const auto& pool : idle_) {
-    for (const auto event : pool.events) { backend_.destroy_event(event); }
+  for (const auto& device : idle_) {
+    for (const auto& pool : device.contexts) {
+      for (const auto event : pool.events) { backend_.destroy_event(event); }
+    }
   }
+}
+
+event_pool::context_pool* event_pool::find(int device, std::uint64_t context)
+{
+  const auto slot = static_cast<std::size_t>(device);
+  if (slot >= idle_.size()) { return nullptr; }
+  for (context_pool& pool : idle_[slot].contexts) {
+    if (pool.context == context) { return &pool; }
+  }
+  return nullptr;
+}
+
+std::optional<pooled_event> event_pool::take_idle(int device, std::uint64_t context)
+{
+  std::lock_guard lock{mutex_};
+  context_pool* pool = find(device, context);
+  if (pool == nullptr || pool->events.empty()) { return std::nullopt; }
+  const auto event = pool->events.back();
+  pool->events.pop_back();
+  count(counter::events_reused);
+  return pooled_event{*this, device, context, event};
 }
 
 pooled_event event_pool::acquire(int device)
 {
-  const std::uint64_t context = backend_.context_id(device);
-  {
+  // Pooled by the context they were made in, so that the context current now finds its own.
+  if (auto idle = take_idle(device, backend_.current_context_id())) { return std::move(*idle); }
+  // Made with `device` current (a no-op where one of its contexts is): none, or another device's,
+  // may have been.
+  const device_guard on_device{backend_, device};
+  const std::uint64_t context = backend_.current_context_id();
+  if (auto idle = take_idle(device, context)) { return std::move(*idle); }
+  const std::uint64_t primary = backend_.context_id(device);  // asked on a miss only: a reset is rare
+  const auto event = backend_.create_event();                 // outside the lock: may be slow, may throw
+  count(counter::events_created);
+  HANDOFF_LOG_DEBUG("event pool: created event {:#x} on device {}", static_cast<std::uintptr_t>(event), device);
+  try {
     std::lock_guard lock{mutex_};
     const auto slot = static_cast<std::size_t>(device);
     if (slot >= idle_.size()) { idle_.resize(slot + 1); }
-    device_pool& pool = idle_[slot];
-    if (pool.context != context) {
-      if (!pool.events.empty()) {  // the device's context was reset: its events went with it
-        HANDOFF_LOG_DEBUG("event pool: device {} has a new context; {} event(s) of the old one forgotten", device,
-                          pool.events.size());
-      }
-      pool.events.clear();
-      pool.context = context;
+    device_pools& pools = idle_[slot];
+    if (pools.primary != primary) {
+      // The device's primary context was reset: its events went with it.
+      std::erase_if(pools.contexts, [&](const context_pool& pool) {
+        if (pool.context != pools.primary) { return false; }
+        if (!pool.events.empty()) {
+          HANDOFF_LOG_DEBUG("event pool: device {} has a new context; {} event(s) of the old one forgotten", device,
+                            pool.events.size());
+        }
+        return true;
+      });
+      pools.primary = primary;
     }
-    if (!pool.events.empty()) {
-      const auto event = pool.events.back();
-      pool.events.pop_back();
-      count(counter::events_reused);
-      return {*this, device, context, event};
-    }
+    if (find(device, context) == nullptr) { pools.contexts.push_back({.context = context, .events = {}}); }
+  } catch (...) {
+    backend_.destroy_event(event);
+    throw;
   }
-  const auto event = backend_.create_event();  // outside the lock: may be slow, may throw
-  count(counter::events_created);
-  HANDOFF_LOG_DEBUG("event pool: created event {:#x} on device {}", static_cast<std::uintptr_t>(event), device);
   return {*this, device, context, event};
 }
 
@@ -69,7 +104,9 @@ std::size_t event_pool::idle() const
 {
   std::lock_guard lock{mutex_};
   std::size_t n = 0;
-  for (const auto& pool : idle_) { n += pool.events.size(); }
+  for (const auto& device : idle_) {
+    for (const auto& pool : device.contexts) { n += pool.events.size(); }
+  }
   return n;
 }
 
@@ -77,9 +114,9 @@ void event_pool::give_back(int device, std::uint64_t context, device::event_hand
 {
   try {
     std::lock_guard lock{mutex_};
-    device_pool& pool = idle_[static_cast<std::size_t>(device)];  // made by the acquire
-    if (pool.context != context) { return; }                      // of a context reset since: gone with it
-    pool.events.push_back(event);
+    context_pool* pool = find(device, context);  // made by the acquire
+    if (pool == nullptr) { return; }             // of a context reset since: gone with it
+    pool->events.push_back(event);
   } catch (...) {
     backend_.destroy_event(event);  // out of memory: drop the event rather than leak it
   }

@@ -81,17 +81,28 @@ std::optional<stream_binding> exchange::consumer_binding(const array& view, cons
   const DLDeviceType type = view.device().device_type;
   if (!has_streams(type)) { return std::nullopt; }
   const stream_request request = request_for(consumer, type);
-  if (request.order == stream_order::none) {  // the consumer orders its work itself
-    if (trace::exchange_scope* scope = trace::traced()) { scope->note_unordered(); }
-    return std::nullopt;
+  const bool ordered = request.order != stream_order::none;
+  if (ordered) {
+    require_ordering(type);
+  } else if (trace::exchange_scope* scope = trace::traced()) {  // the consumer orders its work itself
+    scope->note_unordered();
   }
-  require_ordering(type);
-  context* ctx = device_context();
-  if (ctx == nullptr || !is_stream_ordered(*ctx, view)) { return std::nullopt; }
-  return stream_binding{.ctx = ctx,
-                        .device = owning_device(*ctx, view),
-                        .stream = *resolve_stream(ctx->backend(), request),
-                        .stream_owner = consumer.owner};
+  // Data the consumer orders itself needs no backend, but is checked where there is one.
+  context* ctx = ordered ? device_context() : usable_context();
+  if (ctx == nullptr) { return std::nullopt; }
+  const int device = admit(*ctx, view);  // every import passes it, ordered or not
+  if (!ordered) { return std::nullopt; }
+  return stream_binding{
+    .ctx = ctx, .device = device, .stream = *resolve_stream(ctx->backend(), request), .stream_owner = consumer.owner};
+}
+
+context* exchange::usable_context() const noexcept
+{
+  try {
+    return device_context();
+  } catch (...) {
+    return nullptr;  // a backend that failed to start, or a forked child's parent's
+  }
 }
 
 void exchange::bind_to_consumer(const array& view, const named_stream& consumer) const
@@ -187,6 +198,13 @@ array exchange::import_interface(cuda_interface interface, producer_ref owner, c
   }
   const DLDeviceType type = layout.device.device_type;
   array view{std::move(layout), std::move(owner)};
+  const int device = [&] {  // every byte, as a DLPack import's
+    try {
+      return admit(ctx, view);
+    } catch (const value_error& e) {
+      throw value_error(fmt::format("__cuda_array_interface__ 'data': {}", e.what()));
+    }
+  }();
   const auto consumer_stream = resolve_stream(backend, request_for(request.consumer, type));
   // The interface numbers streams as CUDA does (1: legacy default, 2: per-thread default) on every
   // platform; the backend resolves those to its own default streams.
@@ -195,13 +213,12 @@ array exchange::import_interface(cuda_interface interface, producer_ref owner, c
     if (trace::exchange_scope* scope = trace::traced()) {
       scope->note_unordered();
       if (const auto written_on = resolve_stream(backend, producer)) {  // the trace asks it whether it is idle
-        scope->set_producer_stream(
-          {.ctx = &ctx, .device = owning_device(ctx, view), .stream = *written_on, .stream_owner = nullptr});
+        scope->set_producer_stream({.ctx = &ctx, .device = device, .stream = *written_on, .stream_owner = nullptr});
       }
     }
   }
   if (consumer_stream) {
-    bind_interface_import(ctx, view, owning_device(ctx, view), *consumer_stream, request.consumer.owner, producer,
+    bind_interface_import(ctx, view, device, *consumer_stream, request.consumer.owner, producer,
                           std::move(producer_stream_owner));
   }
   array made = transfer(std::move(view), request.device, request.copy, false);
@@ -240,10 +257,6 @@ array exchange::share(const array& source, const named_stream& consumer)
 array exchange::adopt(array view, const named_stream& work_stream)
 {
   operation_trace trace{trace::event_kind::import_data, "dlpack-c-api"};
-  // Device data the backend cannot order is refused, as a library's own view of it is.
-  if (has_streams(view.device().device_type)) {
-    if (const context* ctx = device_context()) { require_stream_ordered(*ctx, view); }
-  }
   // The consumer made the data on its work stream: the view is ready there, and released after it.
   bind_to_consumer(view, work_stream);
   count(counter::imports);
@@ -333,6 +346,35 @@ void exchange::order_hand_over(const array& view, const named_stream& consumer) 
     order_export(device_context(), view, request_for(consumer, type));
     if (const auto binding = consumer_binding(view, consumer)) { view.owner().release_after(*binding); }
   }
+}
+
+// --- streams and memory, for a front end that orders other libraries' exchanges -----------------------
+
+std::optional<stream_binding> exchange::bind_stream(DLDevice data, const named_stream& stream) const
+{
+  if (!has_streams(data.device_type)) { return std::nullopt; }
+  const stream_request request = request_for(stream, data.device_type);
+  context* ctx = device_context();
+  if (ctx == nullptr || (ctx->backend().device_type() == kDLROCM) != is_rocm_device(data.device_type)) {
+    return std::nullopt;
+  }
+  device::backend& backend = ctx->backend();
+  const auto handle = resolve_stream(backend, request);
+  if (!handle) { return std::nullopt; }
+  const int device = is_host_accessible(data.device_type) ? backend.stream_device(*handle) : data.device_id;
+  return stream_binding{.ctx = ctx, .device = device, .stream = *handle, .stream_owner = stream.owner};
+}
+
+bool exchange::may_release_after(const named_stream& stream, DLDeviceType type) const
+{
+  return alive_at_release(request_for(stream, type), stream.owner);
+}
+
+std::optional<DLDevice> exchange::device_of(const void* data) const
+{
+  const context* ctx = device_context();
+  if (ctx == nullptr) { return std::nullopt; }
+  return dlpack_device_of(ctx->backend().attributes(data), ctx->backend().device_type());
 }
 
 std::optional<std::int64_t> exchange::interface_stream(const array& view) const

@@ -23,16 +23,13 @@ namespace {
 
 std::atomic<export_release> export_release_policy{export_release::known_streams};
 
-// Whether the consumer stream of an export is certain to be alive when the export is released: a
-// default stream always is; a stream handle when the export holds its owner, or the application
-// vouches for every consumer stream.
+}  // namespace
+
 bool alive_at_release(stream_request consumer, const std::shared_ptr<const void>& owner) noexcept
 {
   if (consumer.order != stream_order::handle || owner) { return true; }
   return current_export_release() == export_release::every_stream;
 }
-
-}  // namespace
 
 // An export handed over with no ordering: the trace asks the producer's stream whether it is idle.
 void note_unordered_export(const array& view) noexcept
@@ -100,8 +97,8 @@ int claimed_device(context& ctx, DLDevice claimed)
 // Refuses a view whose bytes run past the memory the backend knows: every reader would run off it.
 // One allocation covers the usual view; a range its first byte's allocation does not cover (a
 // mapping a virtual-memory allocator grew, as PyTorch's expandable segments) must end in memory of
-// the same kind on the same device.
-void require_known_range(context& ctx, const array& view)
+// the same kind on the same device. `at_data` is what the backend said of the view's data pointer.
+void require_known_range(context& ctx, const array& view, const device::pointer_attributes& at_data)
 {
   const auto range = byte_range_of(view.layout());  // validate_layout checked that it exists
   if (!range || range->high == range->low) { return; }
@@ -111,11 +108,15 @@ void require_known_range(context& ctx, const array& view)
   const bool wraps =
     __builtin_add_overflow(address, range->low, &first) || __builtin_add_overflow(address, range->high - 1, &last);
   const auto extent = [&] {
-    return fmt::format("the array's {} bytes from {:#x}", range->high - range->low, wraps ? address : first);
+    // In unsigned arithmetic: a range from far below the data to far above it spans more than
+    // int64_t counts.
+    const auto bytes = static_cast<std::uint64_t>(range->high) - static_cast<std::uint64_t>(range->low);
+    return fmt::format("the array's {} bytes from {:#x}", bytes, wraps ? address : first);
   };
   HANDOFF_EXPECTS(!wraps, value_error, fmt::format("{} wrap around the address space", extent()));
   device::backend& b = ctx.backend();
-  const device::pointer_attributes start = b.attributes(reinterpret_cast<const void*>(first));
+  const device::pointer_attributes start =
+    first == address ? at_data : b.attributes(reinterpret_cast<const void*>(first));
   HANDOFF_EXPECTS(start.kind != device::memory_kind::unregistered, value_error,
                   fmt::format("{} start outside any allocation of the {} backend", extent(), b.name()));
   const auto base = reinterpret_cast<std::uintptr_t>(start.base);
@@ -127,29 +128,10 @@ void require_known_range(context& ctx, const array& view)
                               extent(), start.size, base, b.name()));
 }
 
-}  // namespace
-
-array make_view(context* ctx, array_layout&& layout, producer_ref owner, stream_request ready,
-                std::shared_ptr<const void> ready_owner)
-{
-  array view{std::move(layout), std::move(owner)};
-  const DLDeviceType type = view.device().device_type;
-  if (ctx == nullptr || !has_streams(type)) { return view; }
-  require_stream_ordered(*ctx, view);
-  const int device = owning_device(*ctx, view);  // memory of the device it claims, on a device that exists
-  require_known_range(*ctx, view);
-  if (const auto stream = resolve_stream(ctx->backend(), ready)) {
-    view.owner().set_ready_on(
-      {.ctx = ctx, .device = device, .stream = *stream, .stream_owner = std::move(ready_owner)});
-  }
-  return view;
-}
-
-int owning_device(context& ctx, const array& view)
+// The device that owns the memory at `view`'s data pointer, of which the backend said `where`.
+int owning_device(context& ctx, const array& view, const device::pointer_attributes& where)
 {
   const DLDevice claimed = view.device();
-  if (view.data() == nullptr) { return claimed_device(ctx, claimed); }  // empty: nothing to look up
-  const device::pointer_attributes where = ctx.backend().attributes(view.data());
   const bool device_memory = claimed.device_type == kDLCUDA || claimed.device_type == kDLROCM;
   if (device_memory) {
     // Managed memory is device memory to its users: PyTorch with a managed allocator and RMM's
@@ -167,6 +149,38 @@ int owning_device(context& ctx, const array& view)
   }
   // Pinned and managed memory report device 0 in DLPack; record where the allocation was made.
   return where.device >= 0 ? where.device : ctx.backend().current_device();
+}
+
+}  // namespace
+
+array make_view(context* ctx, array_layout&& layout, producer_ref owner, stream_request ready,
+                std::shared_ptr<const void> ready_owner)
+{
+  array view{std::move(layout), std::move(owner)};
+  const DLDeviceType type = view.device().device_type;
+  if (ctx == nullptr || !has_streams(type)) { return view; }
+  const int device = admit(*ctx, view);  // memory of the device it claims, on a device that exists
+  if (const auto stream = resolve_stream(ctx->backend(), ready)) {
+    view.owner().set_ready_on(
+      {.ctx = ctx, .device = device, .stream = *stream, .stream_owner = std::move(ready_owner)});
+  }
+  return view;
+}
+
+int owning_device(context& ctx, const array& view)
+{
+  if (view.data() == nullptr) { return claimed_device(ctx, view.device()); }  // empty: nothing to look up
+  return owning_device(ctx, view, ctx.backend().attributes(view.data()));
+}
+
+int admit(context& ctx, const array& view)
+{
+  require_stream_ordered(ctx, view);
+  if (view.data() == nullptr) { return claimed_device(ctx, view.device()); }  // empty: no bytes to check
+  const device::pointer_attributes where = ctx.backend().attributes(view.data());
+  const int device = owning_device(ctx, view, where);
+  require_known_range(ctx, view, where);
+  return device;
 }
 
 // The export half's ordering: the consumer stream `consumer` asks for waits for the stream `view`
@@ -205,6 +219,19 @@ void order_export(context* ctx, const array& view, stream_request consumer, std:
 
 namespace {
 
+// Whether `stream` captures into a graph of its own (the legacy default stream only takes part in
+// another stream's capture). False where it cannot be asked: the import's wait would have failed.
+bool captures_a_graph(device::backend& b, int device, device::stream_handle stream) noexcept
+{
+  if (stream == b.legacy_default_stream()) { return false; }
+  try {
+    const device_guard on_owner{b, device};
+    return b.stream_capture_status(stream) != device::capture_status::none;
+  } catch (...) {
+    return false;
+  }
+}
+
 void bind_to(context& ctx, const array& view, int device, device::stream_handle consumer,
              std::shared_ptr<const void> consumer_owner, const std::optional<stream_binding>& producer)
 {
@@ -213,6 +240,12 @@ void bind_to(context& ctx, const array& view, int device, device::stream_handle 
   if (trace::exchange_scope* scope = trace::traced()) { scope->set_consumer_stream(on_consumer); }
   view.owner().set_ready_on(on_consumer);
   view.owner().release_after(on_consumer, producer);
+  if (captures_a_graph(ctx.backend(), device, consumer)) {
+    // Every launch of the graph reads the data, however soon the consumer drops it: the producer is
+    // kept until the graph is gone (and the stream's work then done), as a view dropped during the
+    // capture is.
+    ctx.release_after(device, consumer, [kept = view.owner()]() noexcept {});
+  }
 }
 
 // The producer stream of an interface import that the release makes wait for the consumer's work:

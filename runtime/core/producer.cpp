@@ -234,11 +234,14 @@ void producer_ref::release_after(const stream_binding& consumer, const std::opti
   if (bound.stream_owner || (held && held->stream_owner)) {
     state_->keeps_stream_owner_.store(true, std::memory_order_release);
   }
-  const auto same = [&](const stream_binding& b) {
+  const auto same = std::find_if(state_->release_after_.begin(), state_->release_after_.end(), [&](const auto& b) {
     return b.ctx == bound.ctx && b.device == bound.device && b.stream == bound.stream;
-  };
-  if (std::none_of(state_->release_after_.begin(), state_->release_after_.end(), same)) {
+  });
+  if (same == state_->release_after_.end()) {
     state_->release_after_.push_back(std::move(bound));
+  } else if (!same->stream_owner) {
+    // The same stream named again: by a caller that holds it alive this time, the owner is kept.
+    same->stream_owner = std::move(bound.stream_owner);
   }
   if (held) { state_->hold_back_ = std::move(held); }
 }

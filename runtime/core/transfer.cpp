@@ -71,27 +71,38 @@ namespace {
 
 std::atomic<blocking_section> installed_section{nullptr};
 
-// Runs `wait` (returning an array) in the installed blocking section.
-template <typename Wait>
-array blocking(Wait&& wait)
-{
-  const blocking_section section = installed_section.load(std::memory_order_acquire);
-  if (section == nullptr) { return wait(); }
-  struct state_type {
-    Wait& wait;
-    std::optional<array> result;
-  } state{wait, std::nullopt};
-  section([](void* raw) { static_cast<state_type*>(raw)->result.emplace(static_cast<state_type*>(raw)->wait()); },
-          &state);
-  return std::move(*state.result);
-}
-
 }  // namespace
 
 void set_blocking_section(blocking_section section) noexcept
 {
   installed_section.store(section, std::memory_order_release);
 }
+
+void block_host(void (*body)(void* state), void* state)
+{
+  if (const blocking_section section = installed_section.load(std::memory_order_acquire)) {
+    section(body, state);
+  } else {
+    body(state);
+  }
+}
+
+namespace {
+
+// Runs `wait` (returning an array) in the installed blocking section.
+template <typename Wait>
+array blocking(Wait&& wait)
+{
+  struct state_type {
+    Wait& wait;
+    std::optional<array> result;
+  } state{wait, std::nullopt};
+  block_host([](void* raw) { static_cast<state_type*>(raw)->result.emplace(static_cast<state_type*>(raw)->wait()); },
+             &state);
+  return std::move(*state.result);
+}
+
+}  // namespace
 
 array transfer_array(context* ctx_or_null, const array& view, transfer how)
 {

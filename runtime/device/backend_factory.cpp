@@ -2,13 +2,13 @@
 
 #include "device/sim/sim_backend.hpp"
 #include "log/logger.hpp"
+#include "settings.hpp"
 
 #include <handoff/error.hpp>
 
 #include <fmt/format.h>
 
 #include <charconv>
-#include <cstdlib>
 #include <string>
 
 #if defined(HANDOFF_HAS_CUDA)
@@ -19,9 +19,8 @@ namespace handoff::device {
 
 int sim_device_count_from_env()
 {
-  const char* text = std::getenv("HANDOFF_SIM_DEVICES");
-  if (text == nullptr || *text == '\0') { return 2; }
-  const std::string_view value{text};
+  const std::string value = detail::setting("HANDOFF_SIM_DEVICES");
+  if (value.empty()) { return 2; }
   int count = 0;
   const auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), count);
   HANDOFF_EXPECTS(

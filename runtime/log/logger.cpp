@@ -2,39 +2,77 @@
 
 #include <handoff/log.hpp>
 
+#include "settings.hpp"
+
 #include <spdlog/sinks/basic_file_sink.h>
 #include <spdlog/sinks/stdout_sinks.h>
 
-#include <cstdlib>
+#include <fmt/format.h>
+
+#include <array>
 #include <memory>
+#include <optional>
+#include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 namespace handoff::detail {
 namespace {
 
+// HANDOFF_LOG_LEVEL's names: spdlog's (with its `warning` and `err`) and Python logging's (`WARNING`,
+// `CRITICAL`, `FATAL`), in any case (setting_choice lowers it).
+std::optional<spdlog::level::level_enum> level_named(std::string_view name)
+{
+  using enum spdlog::level::level_enum;
+  static constexpr std::array<std::pair<std::string_view, spdlog::level::level_enum>, 10> levels{{
+    {"trace", trace},
+    {"debug", debug},
+    {"info", info},
+    {"warn", warn},
+    {"warning", warn},
+    {"error", err},
+    {"err", err},
+    {"critical", critical},
+    {"fatal", critical},
+    {"off", off},
+  }};
+  for (const auto& [spelling, level] : levels) {
+    if (spelling == name) { return level; }
+  }
+  return std::nullopt;
+}
+
 std::shared_ptr<spdlog::logger> make_logger() noexcept
 {
   try {
-    std::shared_ptr<spdlog::logger> made;
-    if (const char* path = std::getenv("HANDOFF_LOG_FILE"); path != nullptr && *path != '\0') {
+    std::vector<std::string> unapplied;  // settings the logger cannot follow, said once it exists
+    std::shared_ptr<spdlog::sinks::sink> sink;
+    if (const std::string path = setting("HANDOFF_LOG_FILE"); !path.empty()) {
       try {
-        made = std::make_shared<spdlog::logger>("handoff", std::make_shared<spdlog::sinks::basic_file_sink_mt>(path));
-      } catch (const spdlog::spdlog_ex&) {
-        made.reset();  // unwritable path: fall back to stderr below
+        // Makes the folders the path names, as every spdlog file sink does.
+        sink = std::make_shared<spdlog::sinks::basic_file_sink_mt>(path);
+      } catch (const spdlog::spdlog_ex& e) {
+        unapplied.push_back(fmt::format("HANDOFF_LOG_FILE={}: {}; logging to stderr", path, e.what()));
       }
     }
-    if (!made) {
-      made = std::make_shared<spdlog::logger>("handoff", std::make_shared<spdlog::sinks::stderr_sink_mt>());
-    }
+    if (!sink) { sink = std::make_shared<spdlog::sinks::stderr_sink_mt>(); }
+    auto made = std::make_shared<spdlog::logger>("handoff", std::move(sink));
     made->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [handoff] [%l] [tid %t] %v");
     auto level = spdlog::level::warn;
-    if (const char* name = std::getenv("HANDOFF_LOG_LEVEL"); name != nullptr && *name != '\0') {
-      auto parsed = spdlog::level::from_str(name);
-      // from_str answers `off` for unknown names; only accept `off` when it was asked for.
-      if (parsed != spdlog::level::off || std::string_view{name} == "off") { level = parsed; }
+    if (const std::string name = setting_choice("HANDOFF_LOG_LEVEL"); !name.empty()) {
+      if (const auto named = level_named(name)) {
+        level = *named;
+      } else {
+        unapplied.push_back(fmt::format(
+          "HANDOFF_LOG_LEVEL={} is not a level (trace, debug, info, warn, error, critical or off, in any case); "
+          "warn applies",
+          setting("HANDOFF_LOG_LEVEL")));
+      }
     }
     made->set_level(level);
     made->flush_on(spdlog::level::warn);
+    for (const std::string& message : unapplied) { made->warn(message); }
     return made;
   } catch (...) {
     return nullptr;

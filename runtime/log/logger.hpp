@@ -6,9 +6,9 @@
 namespace handoff::detail {
 
 /// The `handoff` logger. Level from HANDOFF_LOG_LEVEL (trace, debug, info, warn, error, critical,
-/// off; default warn), sink stderr, or the file named by HANDOFF_LOG_FILE. Never throws: a bad
-/// setting falls back to the defaults. Call sites use HANDOFF_LOG_* so a disabled level costs one
-/// branch and no formatting.
+/// off, in any case, and Python logging's WARNING and FATAL; default warn), sink stderr, or the file
+/// named by HANDOFF_LOG_FILE. Never throws: a bad setting falls back to the default, with a warning.
+/// Call sites use HANDOFF_LOG_* so a disabled level costs one branch and no formatting.
 spdlog::logger& logger() noexcept;
 
 }  // namespace handoff::detail

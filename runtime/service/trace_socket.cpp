@@ -20,8 +20,13 @@
 #include <chrono>
 #include <cstdlib>
 #include <deque>
+#include <fstream>
 #include <future>
+#include <iterator>
+#include <optional>
 #include <set>
+#include <sstream>
+#include <string_view>
 #include <system_error>
 #include <thread>
 
@@ -60,10 +65,84 @@ void make_private_directory(const std::filesystem::path& dir)
 
 namespace {
 
-std::filesystem::path temporary_socket_directory()
+// What decides where a process serves its trace: its effective uid and its environment.
+struct socket_owner {
+  uid_t uid{};
+  std::string runtime_dir;  // $XDG_RUNTIME_DIR, empty when unset
+  std::string tmp_dir;      // $TMPDIR, empty when unset
+};
+
+socket_owner this_process()
 {
-  const char* tmp = std::getenv("TMPDIR");  // NOLINT(concurrency-mt-unsafe): read at start
-  return std::filesystem::path{tmp != nullptr && *tmp != '\0' ? tmp : "/tmp"} / fmt::format("handoff-{}", ::geteuid());
+  // NOLINTBEGIN(concurrency-mt-unsafe): read at start
+  const char* runtime = std::getenv("XDG_RUNTIME_DIR");
+  const char* tmp = std::getenv("TMPDIR");
+  // NOLINTEND(concurrency-mt-unsafe)
+  return {.uid = ::geteuid(), .runtime_dir = runtime != nullptr ? runtime : "", .tmp_dir = tmp != nullptr ? tmp : ""};
+}
+
+std::string read_file(const std::filesystem::path& path)
+{
+  std::ifstream in{path, std::ios::binary};
+  return {std::istreambuf_iterator<char>{in}, std::istreambuf_iterator<char>{}};
+}
+
+// Process `pid`'s effective uid (/proc/PID/status), nullopt when there is no such process to read.
+std::optional<uid_t> process_uid(const std::filesystem::path& proc)
+{
+  std::istringstream status{read_file(proc / "status")};
+  for (std::string line; std::getline(status, line);) {
+    if (!line.starts_with("Uid:")) { continue; }
+    std::istringstream ids{line.substr(4)};
+    unsigned long real = 0;
+    unsigned long effective = 0;
+    if (ids >> real >> effective) { return static_cast<uid_t>(effective); }
+  }
+  return std::nullopt;
+}
+
+// What process `pid` may have served its trace by, most likely first. Its environment as it started
+// (/proc/PID/environ) where this process may read it (its own user's, or as root); another user's
+// that cannot be read is taken as that user's session would set it (systemd's XDG_RUNTIME_DIR,
+// /run/user/UID; this process's TMPDIR, or none). A process of this user may also have set its
+// environment as this process's is now.
+std::vector<socket_owner> possible_owners(int pid)
+{
+  const socket_owner self = this_process();
+  if (pid == ::getpid()) { return {self}; }
+  const std::filesystem::path proc = fmt::format("/proc/{}", pid);
+  const std::optional<uid_t> uid = process_uid(proc);
+  if (!uid) { return {self}; }  // no such process (the caller says so), or no /proc
+  std::vector<socket_owner> owners;
+  if (const std::string environment = read_file(proc / "environ"); !environment.empty()) {
+    socket_owner owner{.uid = *uid, .runtime_dir = {}, .tmp_dir = {}};
+    for (std::string_view rest = environment; !rest.empty();) {
+      const std::string_view entry = rest.substr(0, rest.find('\0'));
+      rest.remove_prefix(std::min(entry.size() + 1, rest.size()));
+      if (entry.starts_with("XDG_RUNTIME_DIR=")) { owner.runtime_dir = entry.substr(entry.find('=') + 1); }
+      if (entry.starts_with("TMPDIR=")) { owner.tmp_dir = entry.substr(entry.find('=') + 1); }
+    }
+    owners.push_back(std::move(owner));
+  } else if (*uid != self.uid) {
+    owners.push_back({.uid = *uid, .runtime_dir = fmt::format("/run/user/{}", *uid), .tmp_dir = self.tmp_dir});
+    owners.push_back({.uid = *uid, .runtime_dir = {}, .tmp_dir = {}});
+  }
+  if (*uid == self.uid) { owners.push_back(self); }
+  return owners;
+}
+
+std::filesystem::path temporary_socket_directory(const socket_owner& owner)
+{
+  return std::filesystem::path{owner.tmp_dir.empty() ? "/tmp" : owner.tmp_dir} / fmt::format("handoff-{}", owner.uid);
+}
+
+std::filesystem::path socket_directory(const socket_owner& owner)
+{
+  std::error_code ignored;
+  if (!owner.runtime_dir.empty() && std::filesystem::is_directory(owner.runtime_dir, ignored)) {
+    return std::filesystem::path{owner.runtime_dir} / "handoff";
+  }
+  return temporary_socket_directory(owner);
 }
 
 std::string socket_name(int pid)
@@ -75,12 +154,7 @@ std::string socket_name(int pid)
 
 std::filesystem::path trace_socket_directory()
 {
-  const char* runtime = std::getenv("XDG_RUNTIME_DIR");  // NOLINT(concurrency-mt-unsafe): read at start
-  std::error_code ignored;
-  if (runtime != nullptr && *runtime != '\0' && std::filesystem::is_directory(runtime, ignored)) {
-    return std::filesystem::path{runtime} / "handoff";
-  }
-  return temporary_socket_directory();
+  return socket_directory(this_process());
 }
 
 std::filesystem::path trace_socket_path(int pid)
@@ -90,9 +164,12 @@ std::filesystem::path trace_socket_path(int pid)
 
 std::vector<std::filesystem::path> trace_socket_candidates(int pid)
 {
-  std::vector<std::filesystem::path> paths{trace_socket_path(pid)};
-  if (std::filesystem::path fallback = temporary_socket_directory() / socket_name(pid); fallback != paths.front()) {
-    paths.push_back(std::move(fallback));
+  std::vector<std::filesystem::path> paths;
+  for (const socket_owner& owner : possible_owners(pid)) {
+    for (std::filesystem::path path : {socket_directory(owner), temporary_socket_directory(owner)}) {
+      path /= socket_name(pid);
+      if (std::find(paths.begin(), paths.end(), path) == paths.end()) { paths.push_back(std::move(path)); }
+    }
   }
   return paths;
 }

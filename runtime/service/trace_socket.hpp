@@ -17,8 +17,11 @@ namespace handoff::detail {
 /// `<$TMPDIR or /tmp>/handoff-<euid>`; the socket is `trace-<pid>.sock` there.
 [[nodiscard]] std::filesystem::path trace_socket_directory();
 [[nodiscard]] std::filesystem::path trace_socket_path(int pid);
-/// Where a client looks for process `pid`'s socket: trace_socket_path(pid), then the directory under
-/// $TMPDIR (or /tmp) when that is not it (a process started without $XDG_RUNTIME_DIR serves there).
+/// Where a client looks for process `pid`'s socket, most likely first: where that process serves it
+/// by its effective uid and its environment as it started (which its own user and root may read),
+/// or, for another user's that cannot be read, by that user's usual one ($XDG_RUNTIME_DIR
+/// /run/user/UID, $TMPDIR this process's, or /tmp); for a process of this user, also by this
+/// process's environment now. Each directory is tried, then the one under $TMPDIR (or /tmp).
 [[nodiscard]] std::vector<std::filesystem::path> trace_socket_candidates(int pid);
 
 /// A Unix socket that sends every published line to each client, newline-delimited JSON: first

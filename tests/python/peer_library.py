@@ -1,5 +1,6 @@
 """Small array libraries on the simulated device that exchange as real peers do, without going
-through handoff's hooks themselves: a current stream per library, and
+through handoff's hooks themselves: a current stream per library (a stream object, which the
+library's adapter gives handoff, as CuPy's does: a stream object destroys its stream when it goes), and
 
 - ``from_dlpack`` as PyTorch 2.13's ``torch.from_dlpack``: the producer's ``__dlpack_device__`` first,
   then its ``__dlpack__`` with ``max_version=(1, 0)`` and, for CUDA or ROCm data only, the library's
@@ -133,13 +134,11 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
             current[0] = previous
 
     def zeros(n: int) -> Array:
-        data = sim.zeros(n, "float32")
-        sim.synchronize()
-        return Array(data)
+        return Array(sim.zeros(n, "float32"))  # zeroed and ready: nothing is enqueued
 
-    def fill(array: Array, value: float, delay: float = 0.0) -> None:
-        """Enqueues a write of `value` on the current stream, taking `delay` seconds."""
-        sim.fill(array._data, value, stream=current[0] or handoff.Stream(DEFAULT_STREAM), delay=delay)
+    def fill(array: Array, value: float) -> None:
+        """Enqueues a write of `value` on the current stream (held there by a `sim.hold` of it)."""
+        sim.fill(array._data, value, stream=current[0] or handoff.Stream(DEFAULT_STREAM))
 
     def as_array(producer: Any) -> Array:
         """Imports `producer` as numba-cuda's ``cuda.as_cuda_array`` does: its CUDA Array Interface
@@ -149,24 +148,30 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
             sim.to_numpy(sim.zeros(1), stream=handoff.Stream(interface["stream"]))  # waits for that stream
         return Array(handoff.asarray(_Interface(interface, producer), stream=-1))
 
-    def from_dlpack(producer: Any) -> Array:
-        """Imports `producer` as PyTorch's ``torch.from_dlpack`` does (see the module's docstring),
-        and keeps the capsule (its producer) until the array goes, with no stream-ordered release of
-        its own."""
-        device = producer.__dlpack_device__()
+    def from_dlpack(ext_tensor: Any) -> Array:
+        """Imports `ext_tensor` as PyTorch's ``torch.from_dlpack`` does (see the module's docstring;
+        the parameter's name is PyTorch's), and keeps the capsule (its producer) until the array goes,
+        with no stream-ordered release of its own."""
+        device = ext_tensor.__dlpack_device__()
         arguments: dict[str, Any] = {"max_version": (1, 0)}
         if device[0] in (CUDA, ROCM_DEVICE):
             arguments["stream"] = current_value()
         try:
-            capsule = producer.__dlpack__(**arguments)
+            capsule = ext_tensor.__dlpack__(**arguments)
         except TypeError:
             del arguments["max_version"]
-            capsule = producer.__dlpack__(**arguments)
+            capsule = ext_tensor.__dlpack__(**arguments)
         return Array(handoff.from_dlpack(_Capsule(capsule, device), stream=-1))
 
-    def to_numpy(array: Array) -> Any:
-        """Reads the array on the library's current stream (what a kernel there would see)."""
-        return sim.to_numpy(array._data, stream=current[0] or handoff.Stream(DEFAULT_STREAM))
+    def view(array: Array) -> Array:
+        """A new array of the same data, as a PyTorch view shares its tensor's storage: the data stays
+        while either is alive."""
+        return Array(handoff.from_dlpack(array._data, stream=-1))
+
+    def to_numpy(array: Array, *, wait: bool = True) -> Any:
+        """Reads the array on the library's current stream (what a kernel there would see); with
+        `wait` False, returns the read enqueued (a sim.PendingCopy), for a test that holds a stream."""
+        return sim.to_numpy(array._data, stream=current[0] or handoff.Stream(DEFAULT_STREAM), wait=wait)
 
     library.Stream = lambda: sim.Stream(non_blocking=True)  # type: ignore[attr-defined]
     library.synchronize = sim.synchronize  # type: ignore[attr-defined]
@@ -175,6 +180,7 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
     library.zeros = zeros  # type: ignore[attr-defined]
     library.fill = fill  # type: ignore[attr-defined]
     library.from_dlpack = from_dlpack  # type: ignore[attr-defined]
+    library.view = view  # type: ignore[attr-defined]
     library.as_array = as_array  # type: ignore[attr-defined]
     library.to_numpy = to_numpy  # type: ignore[attr-defined]
     sys.modules[name] = library
@@ -185,7 +191,8 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
                 consumers=(f"{name}:from_dlpack", f"{name}:as_array"),
                 interface_first=(f"{name}:as_array",),
                 producers=(f"{name}:Array",),
-                current_stream=lambda device: stream_value(),
+                # The stream object (CuPy's adapter gives CuPy's), or the default stream's value.
+                current_stream=lambda device: DEFAULT_STREAM if current[0] is None else current[0],
                 use_stream=lambda handle, device: use(handle),
                 ignores_stream=not honours_stream,
             )

@@ -22,6 +22,9 @@ DEVICE_TYPE = 10 if SIM_ROCM else 2  # the backend's DLPack device type: kDLROCM
 DEFAULT_STREAM = 0 if SIM_ROCM else 1  # the DLPack stream value naming the device's default stream
 # Devices of the active backend: HANDOFF_SIM_DEVICES sets the simulator's (the suite runs with 1 and 2).
 DEVICE_COUNT = _INFO["device_count"]
+# The error of a wait, on the thread that holds a stream (sim.hold), for the work the hold holds: it
+# would wait for ever. Inside a hold, a blocking call that raises it is one that waits for the producer.
+HOLD_DEADLOCK = "handoffErrorHoldDeadlock"
 
 # HANDOFF_BACKEND=auto without a usable CUDA device: CUDA data that needs ordering is refused with a
 # DeviceError rather than exchanged unordered (HANDOFF_BACKEND=none exchanges it as it comes).
@@ -85,13 +88,35 @@ def sim_leak_check() -> Iterator[None]:
 
 
 def pending_write(stream: object, n: int = 4096) -> handoff.Array:
-    """Simulator memory of `n` float32 zeros whose write of 1.0 is still running on `stream`."""
+    """Simulator memory of `n` float32 zeros whose write of 1.0 is enqueued on `stream`: still pending
+    while the caller holds `stream` (`with sim.hold(stream):`)."""
     from handoff import sim
 
     memory = sim.zeros(n, "float32")
-    sim.synchronize()
-    sim.fill(memory, 1.0, stream=stream, delay=0.2)
+    sim.fill(memory, 1.0, stream=stream)
     return memory
+
+
+def waiting_read(view: handoff.Array, stream: object) -> object:
+    """A read of `view` enqueued on `stream` inside a sim.hold block of its producer, asserted to wait
+    for the hold (sim.waits_for_hold, a question of dependencies, not timing): a PendingCopy, whose
+    result() is asked for once the block has ended."""
+    from handoff import sim
+
+    read = sim.to_numpy(view, stream=stream, wait=False)
+    assert sim.waits_for_hold(stream), "the consumer's read does not wait for the held producer"
+    return read
+
+
+def behind(held: object, stream: object) -> None:
+    """Makes `stream`, as the calling thread names it, wait for the work enqueued so far on `held`
+    (an ordered import of data written there), so that a hold of `held` holds `stream`'s later work
+    too: for a per-thread default stream, which only its own thread can name, and so hold."""
+    from handoff import sim
+
+    marker = sim.zeros(1)
+    sim.fill(marker, 0.0, stream=held)
+    handoff.from_dlpack(marker, stream=stream)
 
 
 class DlpackOnly:

@@ -32,7 +32,7 @@ from dlpack_ctypes import (
     capsule_name,
     exchange_api_of,
 )
-from support import CUDA_ORDERING_REFUSED, DEVICE_TYPE, SIM, needs_sim, pending_write, run_python
+from support import CUDA_ORDERING_REFUSED, DEVICE_TYPE, SIM, needs_sim, pending_write, run_python, waiting_read
 
 if SIM:
     from handoff import sim
@@ -296,10 +296,12 @@ def test_current_work_stream_is_the_stream_block_on_its_device(sim_streams):
 @pytest.mark.parametrize("call", [export, dltensor], ids=["managed", "dltensor"])
 def test_handing_out_orders_the_work_stream_after_the_producer(sim_streams, call):
     producer, consumer = sim_streams
-    array = pending_write(producer)
-    with handoff.stream(consumer):
-        handed = call(array)
-    assert sim.to_numpy(array, stream=consumer)[[0, -1]].tolist() == [1.0, 1.0]
+    with sim.hold(producer):
+        array = pending_write(producer)
+        with handoff.stream(consumer):
+            handed = call(array)
+        read = waiting_read(array, consumer)
+    assert read.result()[[0, -1]].tolist() == [1.0, 1.0]
     if call is export:
         delete(handed)
 
@@ -307,8 +309,9 @@ def test_handing_out_orders_the_work_stream_after_the_producer(sim_streams, call
 @needs_sim
 def test_negative_control_the_work_stream_races_without_the_table(sim_streams):
     producer, consumer = sim_streams
-    array = pending_write(producer)
-    assert sim.to_numpy(array, stream=consumer)[0] == 0.0, "expected stale data without ordering"
+    with sim.hold(producer):
+        array = pending_write(producer)
+        assert sim.to_numpy(array, stream=consumer)[0] == 0.0, "expected stale data without ordering"
 
 
 @needs_sim
@@ -318,12 +321,13 @@ def test_the_producer_outlives_the_work_stream(sim_streams):
     sim.synchronize()
     with handoff.stream(consumer):
         tensor = export(array)
-    sim.fill(array, 2.0, stream=consumer, delay=0.2)  # the C consumer's kernel on the work stream
-    deferred = handoff.stats()["deferred_releases"]
-    del array
-    delete(tensor)
-    gc.collect()
-    assert handoff.stats()["deferred_releases"] == deferred + 1, "released before the work stream was done"
+    with sim.hold(consumer):
+        sim.fill(array, 2.0, stream=consumer)  # the C consumer's kernel on the work stream
+        deferred = handoff.stats()["deferred_releases"]
+        del array
+        delete(tensor)
+        gc.collect()
+        assert handoff.stats()["deferred_releases"] == deferred + 1, "released before the work stream was done"
     sim.synchronize()
     sim.drain()
 
@@ -333,11 +337,12 @@ def test_negative_control_without_the_table_the_release_is_immediate(sim_streams
     _, consumer = sim_streams
     array = sim.zeros(N, "float32")
     sim.synchronize()
-    sim.fill(array, 2.0, stream=consumer, delay=0.2)
-    deferred = handoff.stats()["deferred_releases"]
-    del array
-    gc.collect()
-    assert handoff.stats()["deferred_releases"] == deferred, "nothing bound the producer to the stream"
+    with sim.hold(consumer):
+        sim.fill(array, 2.0, stream=consumer)
+        deferred = handoff.stats()["deferred_releases"]
+        del array
+        gc.collect()
+        assert handoff.stats()["deferred_releases"] == deferred, "nothing bound the producer to the stream"
 
 
 @needs_sim
@@ -382,9 +387,9 @@ def launch_as_tvm_ffi_does(first_arguments_stream, array: handoff.Array):
     """A call of a tvm-ffi function with another framework's tensor first and a handoff array second:
     tvm-ffi launches on the first argument's current work stream (here that framework's current
     stream), converts every argument through its own type's table without synchronizing, and its
-    kernel reads them there. Returns what the kernel reads of the handoff array."""
+    kernel reads them there. Returns the kernel's read of the handoff array, enqueued (a PendingCopy)."""
     dltensor(array)  # handoff's no-sync export: ordered onto handoff's current work stream
-    return sim.to_numpy(array, stream=first_arguments_stream)[[0, -1]].tolist()
+    return sim.to_numpy(array, stream=first_arguments_stream, wait=False)
 
 
 @needs_sim
@@ -393,10 +398,15 @@ def test_a_call_mixing_frameworks_races_unless_handoffs_work_stream_is_the_launc
     another producer's stream must wait for handoff's, or the program makes them one stream with
     handoff.stream(s, frameworks=True) (docs/c-exchange-api.md)."""
     producer, launch = sim_streams
-    array = pending_write(producer)
-    assert launch_as_tvm_ffi_does(launch, array) == [0.0, 0.0], "negative control: handoff's stream is not the launch's"
+    with sim.hold(producer):
+        array = pending_write(producer)
+        read = launch_as_tvm_ffi_does(launch, array)
+        assert read.result()[[0, -1]].tolist() == [0.0, 0.0], "negative control: handoff's stream is not the launch's"
     sim.synchronize()
-    array = pending_write(producer)
-    with handoff.stream(launch, frameworks=True):  # the launch stream is every framework's, handoff's too
-        assert work_stream(DEVICE_TYPE) == launch.handle
-        assert launch_as_tvm_ffi_does(launch, array) == [1.0, 1.0]
+    with sim.hold(producer):
+        array = pending_write(producer)
+        with handoff.stream(launch, frameworks=True):  # the launch stream is every framework's, handoff's too
+            assert work_stream(DEVICE_TYPE) == launch.handle
+            read = launch_as_tvm_ffi_does(launch, array)
+        assert sim.waits_for_hold(launch)
+    assert read.result()[[0, -1]].tolist() == [1.0, 1.0]

@@ -16,7 +16,7 @@ import pytest
 import handoff
 
 from dlpack_ctypes import DLManagedTensorVersioned, DLPackVersion, HandMadeTensor, new_capsule
-from support import BACKEND, CUDA_ORDERING_REFUSED, DEVICE_TYPE, SIM, needs_sim
+from support import BACKEND, CUDA_ORDERING_REFUSED, DEVICE_TYPE, SIM, needs_sim, waiting_read
 
 if SIM:
     from handoff import sim
@@ -327,10 +327,10 @@ N = 4096
 
 
 def pending_producer(table: Table, stream: object) -> TableProducer:
-    """A table producer of a sim array whose write of 1.0 is still running on `stream`."""
+    """A table producer of a sim array whose write of 1.0 is enqueued on `stream`: still pending while
+    the caller holds `stream` (sim.hold)."""
     source = sim.zeros(N, "float32")
-    sim.synchronize()
-    sim.fill(source, 1.0, stream=stream, delay=0.2)
+    sim.fill(source, 1.0, stream=stream)
     table.stream = stream.handle
     return table.producer(source, HandMadeTensor(source.data_ptr, (N,), device=(DEVICE_TYPE, 0)))
 
@@ -346,10 +346,12 @@ def streams():
 def test_the_consumer_waits_for_the_current_work_stream(streams):
     producer_stream, consumer = streams
     table = Table()
-    producer = pending_producer(table, producer_stream)
-    view = handoff.from_dlpack(producer, stream=consumer.handle)
-    assert (table.calls["stream"], producer.dlpack_calls) == (1, 0)
-    assert sim.to_numpy(view, stream=consumer)[[0, -1]].tolist() == [1.0, 1.0]
+    with sim.hold(producer_stream):
+        producer = pending_producer(table, producer_stream)
+        view = handoff.from_dlpack(producer, stream=consumer.handle)
+        assert (table.calls["stream"], producer.dlpack_calls) == (1, 0)
+        read = waiting_read(view, consumer)
+    assert read.result()[[0, -1]].tolist() == [1.0, 1.0]
     del view
     sim.synchronize()
     gc.collect()
@@ -360,32 +362,58 @@ def test_the_consumer_waits_for_the_current_work_stream(streams):
 @needs_sim
 def test_the_stream_block_is_the_consumer(streams):
     producer_stream, consumer = streams
-    producer = pending_producer(Table(), producer_stream)
-    with handoff.stream(consumer):
-        view = handoff.from_dlpack(producer)
-    assert sim.to_numpy(view, stream=consumer)[0] == 1.0
+    with sim.hold(producer_stream):
+        producer = pending_producer(Table(), producer_stream)
+        with handoff.stream(consumer):
+            view = handoff.from_dlpack(producer)
+        read = waiting_read(view, consumer)
+    assert read.result()[0] == 1.0
 
 
 @needs_sim
 def test_negative_control_stream_minus_one_reads_stale_data(streams):
     producer_stream, consumer = streams
     table = Table()
-    producer = pending_producer(table, producer_stream)
-    view = handoff.from_dlpack(producer, stream=-1)
-    assert table.calls["stream"] == 0, "no ordering asked, so no stream to ask for"
-    assert sim.to_numpy(view, stream=consumer)[0] == 0.0, "expected stale data without ordering"
+    with sim.hold(producer_stream):
+        producer = pending_producer(table, producer_stream)
+        view = handoff.from_dlpack(producer, stream=-1)
+        assert table.calls["stream"] == 0, "no ordering asked, so no stream to ask for"
+        assert sim.to_numpy(view, stream=consumer)[0] == 0.0, "expected stale data without ordering"
 
 
 @needs_sim
 def test_a_failing_current_work_stream_falls_back_without_leaking(streams):
     producer_stream, consumer = streams
     table = Table(stream_fails=True)
-    producer = pending_producer(table, producer_stream)
-    view = handoff.from_dlpack(producer, stream=consumer.handle)
-    assert (table.calls["from_py"], table.calls["stream"], producer.dlpack_calls) == (1, 1, 1)
-    assert sim.to_numpy(view, stream=consumer)[0] == 1.0  # ordered by the producer's __dlpack__
+    with sim.hold(producer_stream):
+        producer = pending_producer(table, producer_stream)
+        view = handoff.from_dlpack(producer, stream=consumer.handle)
+        assert (table.calls["from_py"], table.calls["stream"], producer.dlpack_calls) == (1, 1, 1)
+        read = waiting_read(view, consumer)  # ordered by the producer's __dlpack__
+    assert read.result()[0] == 1.0
     del view
     sim.synchronize()
     gc.collect()
     sim.drain()
     assert producer.tensor.deleted == 1, "the table's tensor is deleted exactly once"
+
+
+@needs_sim
+@pytest.mark.parametrize("consumer", [None, -1], ids=["ordered", "stream=-1"])
+def test_a_table_tensor_is_checked_at_the_door_as_every_import(consumer):
+    # Past its allocation (a crash when read, before), or of the device family the backend does not
+    # order: refused as a capsule of it is, not passed over for __dlpack__.
+    small = sim.zeros((6,), "float32")
+    other_family = 2 if BACKEND == "sim-rocm" else 10
+    for device_type, error, match in (
+        (DEVICE_TYPE, ValueError, "run past the end of their allocation"),
+        (other_family, handoff.DeviceError, "cannot be ordered by the"),
+    ):
+        shape = (1 << 24,) if device_type == DEVICE_TYPE else (6,)
+        table = Table()
+        producer = table.producer(small, HandMadeTensor(small.data_ptr, shape, device=(device_type, 0)))
+        with pytest.raises(error, match=match):
+            handoff.from_dlpack(producer, stream=consumer)
+        assert (table.calls["from_py"], producer.dlpack_calls) == (1, 0)
+        gc.collect()
+        assert producer.tensor.deleted == 1

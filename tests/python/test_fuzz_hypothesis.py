@@ -325,16 +325,25 @@ def capsule_refusals(spec: dict, backing: Backing) -> tuple[set, set]:
     must |= layout_must
     may |= layout_may
     device_type, device_id = spec["device"]
-    if device_type in (*CUDA_LIKE, *ROCM_LIKE) and table(spec["stream"], device_type) is ValueError:
+    family = device_type in (*CUDA_LIKE, *ROCM_LIKE)
+    if family and table(spec["stream"], device_type) is ValueError:
         must.add(ValueError)  # a stream value that is invalid for the device of the data
-    elif stream_ordered_here(device_type) and spec["stream"] != -1:
-        # Memory bound to a consumer stream is looked up: device memory must be the backend's, on
-        # the device claimed; where there is nothing to look up, the claimed device must exist.
-        if device_type in (CUDA, ROCM) and pointer:
-            if not (backing.holds(pointer) and backing.device == device_id):
+        if SIM and not stream_ordered_here(device_type):
+            may.add(handoff.DeviceError)
+    elif SIM and family:
+        # Every import of a device family's data is admitted, ordered or not: the family must be the
+        # backend's; device memory must be the backend's, on the device claimed, and every byte the
+        # view reaches inside one allocation; with no data, the claimed device must exist.
+        if not stream_ordered_here(device_type):
+            must.add(handoff.DeviceError)
+        elif not pointer:
+            if not 0 <= device_id < DEVICE_COUNT:
                 must.add(ValueError)
-        elif not pointer and not 0 <= device_id < DEVICE_COUNT:
-            must.add(ValueError)
+        else:
+            foreign = device_type in (CUDA, ROCM) and not (backing.holds(pointer) and backing.device == device_id)
+            spans = backing.kind == "sim" and backing.holds_span(pointer, shape, strides, itemsize_of(spec))
+            if foreign or (math.prod(shape) != 0 and not spans):
+                must.add(ValueError)
     elif CUDA_ORDERING_REFUSED and device_type in CUDA_LIKE and spec["stream"] != -1 and not must:
         must.add(handoff.DeviceError)  # nothing can order it, and it is not exchanged unordered
     return must, may
@@ -707,12 +716,12 @@ if SIM:
         ALLOCATIONS["managed", 0] = sim.zeros(1024, "uint8", memory="managed")
 
 
-def sim_memory_of(pointer: int) -> tuple[int, int] | None:
-    """(DLPack device type, device id) of the sim allocation holding `pointer`, else None."""
+def sim_allocation_of(pointer: int) -> tuple[tuple[int, int], handoff.Array] | None:
+    """(DLPack device type, device id) and the sim allocation holding `pointer`, else None."""
     for (kind, device), allocation in ALLOCATIONS.items():
         if allocation.data_ptr <= pointer < allocation.data_ptr + allocation.nbytes:
             return {"device": (DEVICE_MEMORY, device), "pinned": (HOST_MEMORY, 0),
-                    "managed": (CUDA_MANAGED, 0)}[kind]  # fmt: skip
+                    "managed": (CUDA_MANAGED, 0)}[kind], allocation  # fmt: skip
     return None
 
 
@@ -731,11 +740,14 @@ def test_cuda_array_interface_dicts_are_imported_as_described_or_refused_cleanly
         if stream is not None and (type(stream) is not int or stream == 0 or not -1 <= stream < 2**63):
             verdicts.append(("stream", ValueError))
     must, may = verdict_sets(verdicts)
+    found = sim_allocation_of(described["pointer"]) if SIM and described["pointer"] is not None else None
+    memory = found[0] if found else None
     if layout_parts_valid(verdicts):
-        layout_must, layout_may = interface_layout_refusals(described)
+        # Every byte the view reaches must lie in the allocation its data pointer is in.
+        extent = {"buffer_size": found[1].nbytes, "offset": described["pointer"] - found[1].data_ptr} if found else {}
+        layout_must, layout_may = interface_layout_refusals(described, **extent)
         must |= layout_must
         may |= layout_may
-    memory = sim_memory_of(described["pointer"]) if SIM else None
     empty_and_null = math.prod(described["shape"]) == 0 and not described["pointer"]
     if not must and not SIM:
         must = {handoff.DeviceError}  # well-formed, but reading it needs a device backend

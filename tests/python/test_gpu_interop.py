@@ -882,17 +882,17 @@ def registered():
     test, gives handoff's registry back what it held before: what a test teaches handoff's hooks
     must not change how later tests' libraries are hooked. (handoff has no public way to forget a
     library, so the registry is restored through its module.)"""
-    from handoff import _interpose
+    from handoff._adapters import registry
 
-    before = dict(_interpose._registry)
+    before = {adapter.name: adapter for adapter in registry.adapters()}
     yield handoff.register_library
-    for name in set(_interpose._registry) - set(before):
-        handoff.register_library(handoff.LibraryAdapter(name))  # unhooks what it hooked
-        del _interpose._registry[name]
+    for adapter in registry.adapters():
+        if adapter.name not in before:
+            handoff.register_library(handoff.LibraryAdapter(adapter.name))  # unhooks what it hooked
+            registry.remove(adapter.name)
     for name, adapter in before.items():
-        if _interpose._registry.get(name) is not adapter:
+        if registry.get(name) is not adapter:
             handoff.register_library(adapter)
-    _interpose._library_of_type.clear()
 
 
 @pytest.mark.parametrize("ordered", [True, NEGATIVE_CONTROL])

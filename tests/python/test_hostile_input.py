@@ -4,6 +4,7 @@ test_fuzz_hypothesis.py), and exit with threads inside handoff."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import textwrap
 
@@ -12,8 +13,8 @@ import pytest
 
 import handoff
 
-from dlpack_ctypes import CPU, CUDA, ROCM, HandMadeTensor, capsule_name
-from support import BACKEND, DEVICE_COUNT, needs_sim, needs_two_devices, run_python
+from dlpack_ctypes import CPU, CUDA, ROCM, HandMadeTensor, capsule_name, exchange_api_of
+from support import BACKEND, DEVICE_COUNT, needs_sim, needs_two_devices, run_python, waiting_read
 
 # A stream value every backend accepts for the arrays of the test: a CPU array takes None only, so
 # a stream is asked for through a producer that claims a device.
@@ -207,6 +208,75 @@ def test_an_empty_capsule_on_a_device_the_backend_lacks_is_refused(device_id, li
     assert tensor.deleted == 1
 
 
+# --- every import passes one door ------------------------------------------------------------
+# A tensor claiming 16M floats over a 6-float allocation was accepted by every import but
+# handoff.view, and reading it crashed the process; data of the device family the backend does not
+# order was accepted by from_dlpack and refused by the C exchange API's to_py.
+
+
+# Each import path, ordered onto the default stream or not at all (the C exchange API's to_py has no
+# consumer stream: the data is ready on its work stream).
+IMPORT_PATHS = [("capsule", None), ("capsule", -1), ("producer", None), ("producer", -1), ("to_py", None)]
+
+
+def to_py_object(tensor: HandMadeTensor) -> object:
+    """handoff.Array's C exchange API table asked to import `tensor` (managed_tensor_to_py_object_no_sync)."""
+    out = ctypes.c_void_p()
+    status = exchange_api_of(handoff.Array).managed_tensor_to_py_object_no_sync(
+        ctypes.pointer(tensor.managed), ctypes.byref(out)
+    )
+    assert status == 0, "a failed call raises"
+    return ctypes.cast(out, ctypes.py_object).value
+
+
+@needs_sim
+@pytest.mark.parametrize(("path", "consumer"), IMPORT_PATHS)
+@pytest.mark.parametrize("refused", ["past its allocation", "of the other device family"])
+def test_an_import_is_checked_at_one_door_on_every_path(refused, path, consumer, live):
+    from handoff import sim
+
+    small = sim.zeros((6,), "float32")
+    if refused == "past its allocation":
+        device, error, match = (DEVICE_MEMORY, 0), ValueError, "run past the end of their allocation"
+        tensor = HandMadeTensor(small.data_ptr, (1 << 24,), device=device)
+    else:
+        device, error, match = (FOREIGN_DEVICE, 0), handoff.DeviceError, "cannot be ordered by the"
+        tensor = HandMadeTensor(small.data_ptr, (6,), device=device)
+    with pytest.raises(error, match=match):
+        if path == "capsule":
+            handoff.from_dlpack(tensor.capsule(), stream=consumer)
+        elif path == "producer":
+            handoff.from_dlpack(Produces(tensor, device), stream=consumer)
+        else:
+            to_py_object(tensor)
+    gc.collect()
+    assert tensor.deleted == 1
+
+
+@needs_sim
+def test_a_cuda_array_interface_past_its_allocation_is_refused(live):
+    from handoff import sim
+
+    small = sim.zeros((6,), "float32")
+    interface = {"shape": (1 << 24,), "typestr": "<f4", "data": (small.data_ptr, False), "version": 3}
+    with pytest.raises(ValueError, match="run past the end of their allocation"):
+        handoff.asarray(CudaArrayInterface(interface))
+
+
+class Produces:
+    """A producer whose __dlpack__ hands out `tensor` (whatever it is asked), claiming `device`."""
+
+    def __init__(self, tensor: HandMadeTensor, device: tuple[int, int]) -> None:
+        self.tensor = tensor
+        self.device = device
+
+    def __dlpack__(self, **_kwargs: object) -> object:
+        return self.tensor.capsule()
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.device
+
+
 class CudaArrayInterface:
     def __init__(self, interface):
         self.__cuda_array_interface__ = interface
@@ -228,15 +298,17 @@ def test_a_cuda_array_interface_onto_a_stream_object_for_the_default_stream(how)
 
     source = sim.zeros(1024)
     producer = sim.Stream(non_blocking=True)
-    sim.fill(source, 5.0, stream=producer, delay=0.1)
-    cai = {"shape": (1024,), "typestr": "<f4", "data": (source.data_ptr, False), "version": 3,
-           "stream": int(producer.handle)}  # fmt: skip
-    if how == "argument":
-        view = handoff.asarray(CudaArrayInterface(cai), stream=handoff.Stream(0))
-    else:
-        with handoff.stream(handoff.Stream(0)):
-            view = handoff.asarray(CudaArrayInterface(cai))
-    assert sim.to_numpy(view, stream=CONSUMER_STREAM)[0] == 5.0
+    with sim.hold(producer):
+        sim.fill(source, 5.0, stream=producer)
+        cai = {"shape": (1024,), "typestr": "<f4", "data": (source.data_ptr, False), "version": 3,
+               "stream": int(producer.handle)}  # fmt: skip
+        if how == "argument":
+            view = handoff.asarray(CudaArrayInterface(cai), stream=handoff.Stream(0))
+        else:
+            with handoff.stream(handoff.Stream(0)):
+                view = handoff.asarray(CudaArrayInterface(cai))
+        read = waiting_read(view, CONSUMER_STREAM)
+    assert read.result()[0] == 5.0
     del view
     sim.synchronize()
 
@@ -247,11 +319,13 @@ def test_cuda_array_interface_stream_values_are_cuda_numbered_on_every_platform(
     from handoff import sim
 
     source = sim.zeros(1024)
-    sim.fill(source, 3.0, stream=CONSUMER_STREAM, delay=0.1)  # the platform's default stream
     consumer = sim.Stream(non_blocking=True)  # no implicit synchronization with the default stream
-    cai = {"shape": (1024,), "typestr": "<f4", "data": (source.data_ptr, False), "version": 3, "stream": 1}
-    view = handoff.asarray(CudaArrayInterface(cai), stream=consumer)
-    assert sim.to_numpy(view, stream=consumer)[0] == 3.0
+    with sim.hold(CONSUMER_STREAM):
+        sim.fill(source, 3.0, stream=CONSUMER_STREAM)  # the platform's default stream
+        cai = {"shape": (1024,), "typestr": "<f4", "data": (source.data_ptr, False), "version": 3, "stream": 1}
+        view = handoff.asarray(CudaArrayInterface(cai), stream=consumer)
+        read = waiting_read(view, consumer)
+    assert read.result()[0] == 3.0
     del view
     sim.synchronize()
 

@@ -4,16 +4,23 @@ handoff.trace(libraries=True)) and, in the ordering mode, ordered.
 On the CPU, real libraries (NumPy, PyTorch, JAX) in programs that never import handoff; on the
 simulator, small peer libraries written in the tests (peer_library.py) that behave as PyTorch's and
 CuPy's CUDA paths do, with a negative control for each ordering: the same program without the
-ordering mode reads stale data.
+ordering mode reads stale data. Races are held with the simulator's gate (`sim.hold`), never timed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import importlib
+import importlib.metadata
 import json
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
+import time
+import types
 import weakref
 from pathlib import Path
 
@@ -21,9 +28,10 @@ import numpy as np
 import pytest
 
 import handoff
-from handoff import _interpose
+from handoff import _interposed
+from handoff._adapters import registry
 
-from support import BACKEND, needs_sim, needs_two_devices, settle_sim
+from support import BACKEND, needs_sim, needs_two_devices, run_python, settle_sim
 
 torch = pytest.importorskip("torch")
 
@@ -32,7 +40,6 @@ if BACKEND.startswith("sim"):
 
     from handoff import sim
 
-SLOW = 0.2  # seconds a producer's write takes: an unordered reader always wins
 N = 4096
 
 
@@ -242,20 +249,42 @@ def peers():
     settle_sim()
 
 
-def pending(library, stream):
-    """An array of `library` whose write of 1.0 is still running on `stream`, its current stream."""
+def write(library, array, stream, value: float = 1.0) -> None:
+    """Enqueues `library`'s write of `value` to `array` on `stream`, its current stream (inside a
+    `sim.hold(stream)` block, it waits there until the block ends)."""
     with library.use(stream):
-        array = library.zeros(N)
-        library.fill(array, 1.0, delay=SLOW)
+        library.fill(array, value)
+
+
+def written(library, stream):
+    """An array of `library`'s whose write of 1.0 on `stream` is done."""
+    array = library.zeros(N)
+    write(library, array, stream)
+    sim.synchronize()
     return array
+
+
+def read_during_held_write(producer_library, consumer_library, producer, consumer, *, by_keyword: bool = False):
+    """An array of the producer library's, written (1.0) on `producer` while that stream is held, and
+    imported by the consumer library on `consumer` meanwhile (by position, or by keyword as
+    `ext_tensor`): (whether the consumer's read was still waiting when the hold ended, which an ordered
+    read must be and an unordered one may be, not having run yet; the values it read)."""
+    x = producer_library.zeros(N)
+    with sim.hold(producer), producer_library.use(producer), consumer_library.use(consumer):
+        producer_library.fill(x, 1.0)
+        y = consumer_library.from_dlpack(ext_tensor=x) if by_keyword else consumer_library.from_dlpack(x)
+        read = consumer_library.to_numpy(y, wait=False)
+        waited = not read.done() and sim.pending(consumer) > 0
+    return waited, read.result()
 
 
 @needs_sim
 def test_a_producer_that_ignores_stream_is_flagged_unordered_and_reads_stale_data(peers):
     careless, torchlike, producer, consumer = peers
-    x = pending(careless, producer)
-    with careless.use(producer), torchlike.use(consumer), handoff.trace(libraries=True) as t:
-        seen = torchlike.to_numpy(torchlike.from_dlpack(x))
+    x = careless.zeros(N)
+    with sim.hold(producer), careless.use(producer), torchlike.use(consumer), handoff.trace(libraries=True) as t:
+        careless.fill(x, 1.0)
+        seen = torchlike.to_numpy(torchlike.from_dlpack(x))  # not held: it does not wait for the write
     assert (seen == 0).all(), "the negative control: unordered, the consumer reads before the write"
     (event,) = [e for e in t.events if e["interposed"]]
     assert (event["producer"], event["consumer"], event["action"]) == ("simnano", "simtorch", "unordered")
@@ -269,10 +298,9 @@ def test_a_producer_that_ignores_stream_is_flagged_unordered_and_reads_stale_dat
 def test_the_ordering_mode_removes_the_race_and_marks_the_exchange_ordered(peers):
     careless, torchlike, producer, consumer = peers
     handoff.order_libraries(True)
-    x = pending(careless, producer)
-    with careless.use(producer), torchlike.use(consumer), handoff.trace(libraries=True) as t:
-        seen = torchlike.to_numpy(torchlike.from_dlpack(x))
-    assert (seen == 1).all(), "ordered: the consumer's stream waited for the producer's write"
+    with handoff.trace(libraries=True) as t:
+        waited, seen = read_during_held_write(careless, torchlike, producer, consumer)
+    assert waited and (seen == 1).all(), "ordered: the consumer's stream waited for the producer's write"
     (event,) = [e for e in t.events if e["interposed"]]
     assert (event["action"], event["hazard"], event["interposed"]) == ("wait", None, "ordered")
     assert "1 ordered by handoff's hooks" in t.summary()
@@ -282,10 +310,9 @@ def test_the_ordering_mode_removes_the_race_and_marks_the_exchange_ordered(peers
 def test_a_producer_that_honours_stream_is_ordered_by_itself_and_no_hazard(peers):
     _, torchlike, producer, consumer = peers
     other = make_library("simcupy")
-    x = pending(other, producer)
-    with other.use(producer), torchlike.use(consumer), handoff.trace(libraries=True) as t:
-        seen = torchlike.to_numpy(torchlike.from_dlpack(x))
-    assert (seen == 1).all()
+    with handoff.trace(libraries=True) as t:
+        waited, seen = read_during_held_write(other, torchlike, producer, consumer)
+    assert waited and (seen == 1).all()
     (event,) = [e for e in t.events if e["interposed"]]
     assert (event["action"], event["hazard"], event["stream_argument"]) == ("wait", None, consumer.handle)
 
@@ -299,58 +326,89 @@ def test_the_ordering_mode_from_the_environment_fixes_an_unchanged_program(tmp_p
         from peer_library import make_library
         careless, torchlike = make_library("simnano", honours_stream=False), make_library("simtorch")
         producer, consumer = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)
-        with careless.use(producer), torchlike.use(consumer):
-            x = careless.zeros({N})
-            careless.fill(x, 1.0, delay={SLOW})
-            print(torchlike.to_numpy(torchlike.from_dlpack(x)).min())
+        x = careless.zeros({N})
+        with sim.hold(producer), careless.use(producer), torchlike.use(consumer):
+            careless.fill(x, 1.0)
+            read = torchlike.to_numpy(torchlike.from_dlpack(x), wait=False)
+            sim.synchronize_unheld()  # a read that does not wait for the held write runs now
+            waited = not read.done()
+        print(waited, read.result().min())
         sim.synchronize()
     """
     racy, section = trace_run(tmp_path, script)
     assert racy.returncode == 0, racy.stderr
-    assert racy.stdout.strip() == "0.0" and "HAZARDS (1)" in racy.stderr and "unordered" in racy.stderr
+    # Unordered, the read does not wait for the held write (it may not have run yet, but reads before it).
+    assert racy.stdout.split()[1] == "0.0" and "HAZARDS (1)" in racy.stderr and "unordered" in racy.stderr
     fixed, section = trace_run(tmp_path, script, "--order")
     assert fixed.returncode == 0, fixed.stderr
-    assert fixed.stdout.strip() == "1.0" and "no hazards" in fixed.stderr
+    assert fixed.stdout.split() == ["True", "1.0"] and "no hazards" in fixed.stderr
     assert [e["interposed"] for e in section["events"] if e["interposed"]] == ["ordered"]
 
 
+def imported_by_torchlike(peers, ordering: bool) -> tuple:
+    """An array of the careless library's, imported by the PyTorch-like one with the ordering mode on
+    or off: (the import, a weak reference to the producer's array, the producer's memory). The caller
+    keeps the memory until its test ends: a release tests that the producer (its Python object) goes,
+    and freeing the memory meanwhile would wait for the held work."""
+    careless, torchlike, producer, consumer = peers
+    handoff.order_libraries(ordering)
+    x = written(careless, producer)
+    gone = weakref.ref(x)
+    with careless.use(producer), torchlike.use(consumer):
+        return torchlike.from_dlpack(x), gone, x._data
+
+
+def released_while_held(gone, held: bool) -> None:
+    """Inside a hold of the consumer's stream, after its array went: asserts that the producer is kept
+    (`held`: its release waits for the held work) or released while the work is still held (a release
+    that waits for no held work runs on the service thread once the streams it waits for are seen
+    done: polled for, as sim.drain inside a hold would wait for the held work too). The producer's
+    memory must outlive the hold (see imported_by_torchlike)."""
+    gc.collect()
+    if held:
+        assert gone() is not None, "kept until the work the consumer's stream had is done"
+        return
+    deadline = time.monotonic() + 30
+    while gone() is not None and time.monotonic() < deadline:
+        time.sleep(0.001)
+        gc.collect()
+    assert gone() is None, "released with the consumer's array, whatever its stream still does"
+
+
 @needs_sim
-def test_the_ordering_mode_keeps_the_producer_until_the_consumers_array_is_gone_and_its_stream_done(peers):
-    _, _, _, consumer = peers
-
-    class Owner:
-        pass
-
-    for keep in (True, False):  # the negative control: without the keep, the producer goes at once
-        result, producer_object = Owner(), Owner()
-        gone = weakref.ref(producer_object)
-        busy = sim.zeros(N, "float32")
-        sim.fill(busy, 2.0, stream=consumer, delay=SLOW)  # the consumer's stream still works
-        if keep:
-            _interpose._keep_until_done(result, producer_object, (sim_device_type(), 0), consumer.handle)
-        del producer_object, result
-        assert (gone() is not None) == keep
-        settle_sim()
-        assert gone() is None
+@pytest.mark.parametrize("ordering", [True, False], ids=["ordered", "negative-control-unordered"])
+def test_the_ordering_mode_keeps_the_producer_until_the_consumers_array_is_gone_and_its_stream_done(peers, ordering):
+    _, torchlike, _, consumer = peers
+    y, gone, _memory = imported_by_torchlike(peers, ordering)
+    with sim.hold(consumer):
+        write(torchlike, y, consumer, 2.0)  # the consumer's kernel, still running on its stream
+        del y
+        # Ordered, the producer is kept until the work the consumer's stream had when its array went
+        # is done; unordered, it goes with the array, while that work still reads its memory.
+        released_while_held(gone, held=ordering)
+    settle_sim()
+    assert gone() is None
 
 
 @needs_sim
-@pytest.mark.parametrize("settled_first", [False, True], ids=["busy", "negative-control-idle"])
+@pytest.mark.parametrize("busy", [True, False], ids=["busy", "negative-control-idle"])
 def test_the_consumers_array_dropped_while_its_stream_works_with_the_last_producer_reference_is_released_early(
-    peers, settled_first
+    peers, busy
 ):
     other, torchlike, producer, consumer = make_library("simcupy"), *peers[1:]
-    x = pending(other, producer)
-    sim.synchronize()
-    with torchlike.use(consumer), handoff.trace(libraries=True) as t:
+    x = written(other, producer)
+    _memory = x._data  # freed only after the hold: freeing it would wait for the held work
+    held = sim.hold(consumer) if busy else contextlib.nullcontext()
+    with held, torchlike.use(consumer), handoff.trace(libraries=True) as t:
         y = torchlike.from_dlpack(x)
-        torchlike.fill(y, 2.0, delay=SLOW)  # the consumer's kernel, still running on its stream
+        if busy:
+            torchlike.fill(y, 2.0)  # the consumer's kernel, still running on its stream
+        else:
+            sim.synchronize()  # the consumer's stream is done
         del x  # the consumer's array holds the producer's last reference now
-        if settled_first:
-            sim.synchronize()
         del y
     releases = [e for e in t.events if e["interposed"] and e["kind"] == "release"]
-    if settled_first:
+    if not busy:
         assert releases == [], "the consumer's work was done: nothing to flag"
     else:
         (event,) = releases
@@ -362,11 +420,10 @@ def test_the_consumers_array_dropped_while_its_stream_works_with_the_last_produc
 def test_a_producer_still_held_elsewhere_is_not_released_early(peers):
     _, torchlike, producer, consumer = peers
     other = make_library("simcupy")
-    x = pending(other, producer)
-    sim.synchronize()
-    with torchlike.use(consumer), handoff.trace(libraries=True) as t:
+    x = written(other, producer)
+    with sim.hold(consumer), torchlike.use(consumer), handoff.trace(libraries=True) as t:
         y = torchlike.from_dlpack(x)
-        torchlike.fill(y, 2.0, delay=SLOW)
+        torchlike.fill(y, 2.0)
         del y  # x is still the program's: its memory stays
     assert [e for e in t.events if e["interposed"] and e["kind"] == "release"] == []
 
@@ -376,8 +433,7 @@ def test_a_producer_still_held_elsewhere_is_not_released_early(peers):
 def test_a_producer_called_while_another_device_is_current_is_a_cross_device_hazard(peers):
     _, torchlike, _, _ = peers
     other = make_library("simcupy")
-    x = pending(other, sim.Stream(0, non_blocking=True))
-    sim.synchronize()
+    x = written(other, sim.Stream(0, non_blocking=True))
     consumer = sim.Stream(0, non_blocking=True)
     hazards = []
     for current in (1, 0):  # the negative control: the data's own device current
@@ -405,8 +461,7 @@ def test_a_consumer_stream_on_another_device_is_a_cross_device_hazard(peers):
     other = make_library("simcupy")
     data_stream, far = sim.Stream(0, non_blocking=True), sim.Stream(1, non_blocking=True)
     for consumer, hazard in ((far, "cross-device"), (sim.Stream(0, non_blocking=True), None)):  # negative control
-        x = pending(other, data_stream)
-        sim.synchronize()
+        x = written(other, data_stream)
         with torchlike.use(consumer), handoff.trace(libraries=True) as t:
             torchlike.from_dlpack(x)
         (event,) = [e for e in t.events if e["interposed"]]
@@ -447,10 +502,11 @@ def test_one_stream_block_sets_every_frameworks_current_stream_and_restores_each
     with torchlike.use(producer):
         with handoff.stream(consumer, frameworks=True):
             assert handoff.current_stream() == handoff.as_stream(consumer)
-            x = pending(careless, consumer)  # careless's own block nests inside
+            x = careless.zeros(N)
+            write(careless, x, consumer)  # careless's own block nests inside
             with handoff.trace(libraries=True) as t:
                 seen = torchlike.to_numpy(torchlike.from_dlpack(x))
-        assert _interpose._registry["simtorch"].current_stream(0) == producer.handle, "restored"
+        assert registry.get("simtorch").current_stream(0) is producer, "restored"
     assert (seen == 1).all(), "one stream: nothing needed ordering"
     (event,) = [e for e in t.events if e["interposed"]]
     assert event["consumer_stream"] == consumer.handle and event["hazard"] is None
@@ -459,3 +515,557 @@ def test_one_stream_block_sets_every_frameworks_current_stream_and_restores_each
 def test_a_framework_stream_block_needs_a_stream():
     with pytest.raises(ValueError, match="name the stream the frameworks should use"):
         handoff.stream(None, frameworks=True)
+
+
+# --- the hooks as the program sees them: pickling, reloads, keywords, adapters ------------------------
+
+
+@pytest.mark.parametrize("mode", ["traced", "ordering"])
+def test_a_hooked_consumer_pickles_as_what_it_wraps_and_its_aliases_stay_one_function(mode):
+    jax_dlpack = pytest.importorskip("jax.dlpack")
+    originals = (torch.from_dlpack, jax_dlpack.from_dlpack)
+    with contextlib.ExitStack() as hooks:
+        if mode == "traced":
+            hooks.enter_context(handoff.trace(libraries=True))
+        else:
+            handoff.order_libraries(True)
+            hooks.callback(handoff.order_libraries, False)
+        assert torch.from_dlpack is not originals[0], "hooked"
+        assert torch.from_dlpack is torch.utils.dlpack.from_dlpack, "the aliases are one function, as before"
+        for hooked in (torch.from_dlpack, jax_dlpack.from_dlpack):
+            assert pickle.loads(pickle.dumps(hooked)) is hooked
+        pickled = pickle.dumps((torch.from_dlpack, jax_dlpack.from_dlpack))
+    # Where no hooks are in place (a worker process of a pool), it is what it wraps.
+    assert pickle.loads(pickled) == originals
+
+
+def test_a_module_reloaded_while_hooked_is_hooked_again_and_only_what_is_still_ours_is_put_back(tmp_path, monkeypatch):
+    module = tmp_path / "reloaded_library.py"
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def write(version: int) -> None:
+        module.write_text(f"def from_dlpack(x):\n    return 'v{version}'\n")
+        stamp = module.stat().st_mtime + version  # a newer time: reload reads the new source
+        os.utime(module, (stamp, stamp))
+
+    write(1)
+    library = importlib.import_module("reloaded_library")
+    monkeypatch.setitem(sys.modules, "reloaded_library", library)  # removed again at the end
+    handoff.register_library(handoff.LibraryAdapter("reloaded_library", consumers=("reloaded_library:from_dlpack",)))
+    with handoff.trace(libraries=True) as t:
+        library.from_dlpack(np.arange(3.0))
+        write(2)
+        importlib.invalidate_caches()
+        importlib.reload(library)
+        assert library.from_dlpack(np.arange(3.0)) == "v2"
+    assert [e["consumer"] for e in t.events if e["interposed"]] == ["reloaded_library"] * 2, "both calls seen"
+    assert library.from_dlpack(np.arange(3.0)) == "v2", "the reloaded function is put back, not the old one"
+    assert not hasattr(library.from_dlpack, "__handoff_original__")
+
+    def mine(x):
+        return "mine"
+
+    with handoff.trace(libraries=True):
+        library.from_dlpack = mine  # the program's own patch, made while hooked
+    assert library.from_dlpack is mine, "what is no longer the hooks' own stays"
+
+
+def test_an_array_given_by_keyword_is_an_exchange_as_one_given_by_position():
+    with handoff.trace(libraries=True) as t:
+        by_position = torch.from_dlpack(np.arange(3.0))
+        by_keyword = torch.from_dlpack(ext_tensor=np.arange(3.0))  # PyTorch 2.13's parameter
+    assert torch.equal(by_position, by_keyword)
+    assert [(e["producer"], e["consumer"]) for e in t.events if e["interposed"]] == [("numpy", "torch")] * 2
+
+
+class NoSignature:
+    """A consumer function whose signature Python cannot read (a C or Cython function: CuPy builds with
+    binding=False), which takes the array as `array`."""
+
+    @property
+    def __signature__(self):
+        raise ValueError("no signature found for builtin")
+
+    def __call__(self, array=None, *, copy=None):
+        return np.from_dlpack(array)
+
+
+def test_a_consumer_without_a_signature_takes_the_array_by_the_keyword_its_adapter_names(monkeypatch):
+    library = types.ModuleType("unsigned_library")
+    library.from_dlpack = NoSignature()
+    monkeypatch.setitem(sys.modules, "unsigned_library", library)
+    handoff.register_library(
+        handoff.LibraryAdapter("unsigned_library", consumers=("unsigned_library:from_dlpack(array)",))
+    )
+    with handoff.trace(libraries=True) as t:
+        library.from_dlpack(torch.arange(2.0))
+        library.from_dlpack(array=torch.arange(2.0))
+    assert [e["producer"] for e in t.events if e["interposed"]] == ["torch", "torch"]
+    with pytest.raises(ValueError, match="'arr ay' is not a parameter name"):
+        handoff.LibraryAdapter("bad", consumers=("bad:f(arr ay)",))
+
+
+def test_an_adapters_consumers_given_as_a_generator_are_kept():
+    adapter = handoff.LibraryAdapter(
+        "generated", consumers=(f"generated:{name}" for name in ("from_dlpack", "asarray"))
+    )
+    assert adapter.consumers == ("generated:from_dlpack", "generated:asarray")
+
+
+def test_the_release_check_counts_references_as_this_python_does():
+    # `sys.getrefcount(...) > 3` was a constant of one CPython version: the check measures its own.
+    held = Refusing()
+    assert _interposed._references(weakref.ref(held)) - _interposed._OWN_REFERENCES == 1
+
+
+# --- programs that never import handoff: the environment, the trace file, its graph ---------------
+
+
+PLAIN_PROGRAM = """
+import numpy as np, torch, sys
+np.from_dlpack(torch.arange(3.0))
+print("handoff" in sys.modules)
+"""
+
+
+def installed_pth() -> Path | None:
+    """handoff.pth as the installed distribution lists it (None for a package on PYTHONPATH)."""
+    try:
+        files = importlib.metadata.files("handoff") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    found = [f for f in files if f.name == "handoff.pth"]
+    return Path(found[0].locate()) if found else None
+
+
+needs_pth = pytest.mark.skipif(
+    installed_pth() is None or not Path(handoff.__file__).is_relative_to(Path(str(installed_pth())).parent),
+    reason="handoff is not installed as a distribution here (its handoff.pth is installed with it)",
+)
+
+
+@needs_pth
+def test_the_environment_traces_a_program_that_never_imports_handoff(tmp_path):
+    # The handoff.pth installed beside the package imports handoff at start-up only where asked.
+    plain = run_python(PLAIN_PROGRAM)
+    assert plain.returncode == 0 and plain.stdout.strip() == "False", "unset, nothing is imported"
+    traced = run_python(PLAIN_PROGRAM, HANDOFF_TRACE=str(tmp_path / "trace-%p.json"))
+    assert traced.returncode == 0, traced.stderr
+    (saved,) = tmp_path.glob("trace-*.json")
+    events = json.loads(saved.read_text())["handoff"]["events"]
+    assert [(e["producer"], e["consumer"], e["where"]) for e in events] == [("torch", "numpy", "<string>:3")]
+    hooked = "import sys, torch; print('handoff' in sys.modules, hasattr(torch.from_dlpack, '__handoff_original__'))"
+    assert run_python(hooked).stdout.split() == ["False", "False"]
+    assert run_python(hooked, HANDOFF_ORDER="1").stdout.split() == ["True", "True"], "the ordering mode's hooks"
+
+
+def test_a_trace_file_keeps_each_event_once(tmp_path):
+    with handoff.trace(tmp_path / "trace.json", libraries=True):
+        np.from_dlpack(torch.arange(3.0))
+    text = (tmp_path / "trace.json").read_text()
+    assert text.count('"time_ns"') == 1, "under 'handoff', not again in the Perfetto slice"
+    (exchange,) = [e["args"]["exchange"] for e in json.loads(text)["traceEvents"] if e["ph"] == "X"]
+    assert "torch -> numpy" in exchange
+
+
+def test_the_graph_of_a_program_that_never_calls_handoff_draws_its_exchanges_and_says_so(tmp_path):
+    with handoff.trace(tmp_path / "trace.json", libraries=True):
+        np.from_dlpack(torch.arange(3.0))
+        torch.from_dlpack(np.ones(2))
+    command = [sys.executable, "-m", "handoff._trace_cli", "graph", str(tmp_path / "trace.json"), "--format"]
+    dot = subprocess.run([*command, "dot"], capture_output=True, text=True, timeout=120, check=True)
+    assert '"library:torch" -> "library:numpy" [label="1 import (dlpack)"]' in dot.stdout
+    assert '"library:numpy" -> "library:torch"' in dot.stdout
+    assert "the trace saw 2 exchanges between other libraries" in dot.stderr
+    shown = json.loads(
+        subprocess.run([*command, "json"], capture_output=True, text=True, timeout=120, check=True).stdout
+    )
+    assert [(p["producer"], p["consumer"], p["imports"]) for p in shown["exchanges"]] == [
+        ("torch", "numpy", 1),
+        ("numpy", "torch", 1),
+    ]
+
+
+def test_a_consumer_that_copies_what_it_was_handed_is_recorded_with_the_data_handed_and_a_note():
+    jnp = pytest.importorskip("jax.numpy")
+    with handoff.trace(libraries=True) as t:
+        jnp.from_dlpack(torch.arange(6))  # JAX without x64 makes an int32 copy of int64 data
+        jnp.from_dlpack(torch.arange(6.0))  # negative control: a float32 view, no copy to note
+    copied, viewed = [e for e in t.events if e["interposed"]]
+    assert (copied["dtype"], copied["nbytes"]) == ("int64", 48)
+    assert copied["detail"] == "jax made a copy: int32[6] of the int64[6] it was handed"
+    assert viewed["dtype"] == "float32" and not viewed["detail"]
+
+
+# --- the ordering mode's streams and keep-alive, on the simulator ----------------------------------
+
+
+@needs_sim
+@pytest.mark.parametrize("ordering", [True, False], ids=["ordered", "negative-control-unordered"])
+def test_an_array_given_by_keyword_is_ordered_as_one_given_by_position(peers, ordering):
+    careless, torchlike, producer, consumer = peers
+    handoff.order_libraries(ordering)
+    waited, seen = read_during_held_write(careless, torchlike, producer, consumer, by_keyword=True)
+    if ordering:
+        assert waited and (seen == 1).all()
+    else:
+        assert (seen == 0).all(), "the negative control: it read before the held write"
+
+
+class Answer:
+    """A library whose adapter answers `current_stream` with whatever a test gives it."""
+
+    def __init__(self, name: str, answer: object) -> None:
+        self.answer = answer
+        self.module = types.ModuleType(name)
+        self.module.from_dlpack = lambda x: handoff.from_dlpack(x, stream=-1)
+        sys.modules[name] = self.module
+        handoff.register_library(
+            handoff.LibraryAdapter(name, consumers=(f"{name}:from_dlpack",), current_stream=lambda device: self.answer)
+        )
+
+
+@needs_sim
+@pytest.mark.parametrize(
+    ("answer", "named"),
+    [("stream 7", "str"), (2**70, "int"), (object(), "object")],
+    ids=["a string", "an int over 64 bits", "an object that is no stream"],
+)
+def test_an_adapters_current_stream_that_names_no_stream_is_said_once_and_the_call_goes_on(peers, capfd, answer, named):
+    library = Answer(f"answers_{named}", answer).module
+    x = peers[0].zeros(N)
+    capfd.readouterr()
+    with handoff.trace(libraries=True) as t:
+        for _ in range(2):
+            assert library.from_dlpack(x).shape == (N,)
+    handoff.order_libraries(True)
+    assert library.from_dlpack(x).shape == (N,), "ordered or not, the program runs as without hooks"
+    handoff.order_libraries(False)
+    events = [e for e in t.events if e["interposed"]]
+    assert len(events) == 2 and all(e["consumer_stream"] is None for e in events), "each seen, without it"
+    said = capfd.readouterr().err
+    assert said.count(f"the library adapter 'answers_{named}': current_stream(0) returned") == 1, said
+
+
+@needs_sim
+def test_an_adapters_current_stream_may_be_the_stream_object_which_is_held(peers):
+    careless, _, producer, _ = peers
+    stream = sim.Stream(non_blocking=True)
+    library = Answer("answers_object", stream).module
+    x = careless.zeros(N)
+    handoff.order_libraries(True)
+    with sim.hold(producer), careless.use(producer), handoff.trace(libraries=True) as t:
+        careless.fill(x, 1.0)
+        read = sim.to_numpy(library.from_dlpack(x), stream=stream, wait=False)
+        assert not read.done(), "the adapter's stream waits for the producer's"
+    (event,) = [e for e in t.events if e["interposed"]]
+    assert (event["consumer_stream"], event["interposed"]) == (stream.handle, "ordered")
+    assert (read.result() == 1).all()
+
+
+def make_short_lived(name: str, *, objects: bool):
+    """A consumer library whose current stream is a stream object it drops (CuPy's `with
+    cupy.cuda.Stream(): y = cupy.asarray(x)`), its adapter giving the object or, as older adapters
+    did, its bare handle."""
+    library = make_library(name, register=False)
+    current: list = [None]
+    library.use_short_lived = lambda stream: current.__setitem__(0, stream)
+    handoff.register_library(
+        handoff.LibraryAdapter(
+            name,
+            consumers=(f"{name}:from_dlpack",),
+            current_stream=lambda device: current[0] if objects or current[0] is None else current[0].handle,
+        )
+    )
+    return library, current
+
+
+@needs_sim
+@pytest.mark.parametrize("mode", ["ordering", "tracing"])
+@pytest.mark.parametrize("objects", [True, False], ids=["stream-object", "bare-handle"])
+def test_a_consumer_stream_destroyed_before_its_array_is_never_used_after_it_is_gone(peers, mode, objects):
+    careless, _, producer, _ = peers
+    consumer, current = make_short_lived(f"short_lived_{mode}_{objects}", objects=objects)
+    sim.clear_violations()
+    x = written(careless, producer)
+    gone = weakref.ref(x)
+    with contextlib.ExitStack() as block:
+        if mode == "ordering":
+            handoff.order_libraries(True)
+        else:
+            block.enter_context(handoff.trace(libraries=True))
+        stream = sim.Stream(non_blocking=True)
+        current[0] = stream
+        with careless.use(producer):
+            y = consumer.from_dlpack(x)
+        current[0] = None
+        del x, stream  # the library's stream object goes first: destroyed, unless handoff holds it
+        gc.collect()
+        del y
+        settle_sim()
+    assert sim.violations() == [], "no work was put on a destroyed stream"
+    assert gone() is None, "the producer was released"
+
+
+@needs_sim
+@pytest.mark.parametrize("ordering", [True, False], ids=["ordered", "negative-control-unordered"])
+def test_the_ordering_mode_releases_the_producer_after_the_consumers_storage_not_its_first_wrapper(peers, ordering):
+    _, torchlike, _, consumer = peers
+    y, gone, _memory = imported_by_torchlike(peers, ordering)
+    view = torchlike.view(y)  # shares y's storage, as a PyTorch view does
+    del y
+    settle_sim()
+    assert gone() is not None, "the view still holds the data"
+    with sim.hold(consumer):
+        write(torchlike, view, consumer, 3.0)  # later work of the consumer's, through the view
+        del view
+        # Ordered, the release waits for the work the consumer's stream had when its storage went.
+        released_while_held(gone, held=ordering)
+    settle_sim()
+    assert gone() is None
+
+
+@needs_sim
+@pytest.mark.parametrize("policy", ["known-streams", "every-stream"])
+def test_the_ordering_mode_keeps_the_producer_behind_a_bare_handle_only_where_the_policy_vouches_for_it(peers, policy):
+    careless, _, producer, _ = peers
+    consumer, current = make_short_lived(f"bare_{policy.replace('-', '_')}", objects=False)
+    stream = sim.Stream(non_blocking=True)
+    handoff.order_libraries(True)
+    handoff.set_export_release(policy)
+    try:
+        x = written(careless, producer)
+        gone, _memory = weakref.ref(x), x._data  # the memory outlives the hold (see imported_by_torchlike)
+        current[0] = stream
+        with careless.use(producer), handoff.trace(libraries=True) as t:
+            y = consumer.from_dlpack(x)
+        current[0] = None
+        with sim.hold(stream):
+            sim.fill(y._data, 2.0, stream=stream)
+            del x, y
+            # Only where the policy vouches for bare handles does a release wait for one.
+            released_while_held(gone, held=policy == "every-stream")
+    finally:
+        handoff.set_export_release("known-streams")
+    (event,) = [e for e in t.events if e["interposed"]]
+    assert (event["action"], event["interposed"]) == ("wait", "ordered"), "ordered either way"
+    assert ("is a bare handle that may be destroyed first" in event["detail"]) == (policy == "known-streams")
+    settle_sim()
+
+
+@needs_sim
+@pytest.mark.parametrize("knows", [True, False], ids=["negative-control-known", "no-current-stream"])
+def test_an_exchange_the_ordering_mode_cannot_order_is_flagged_saying_why_and_how(peers, knows):
+    careless, _, producer, consumer = peers
+    name = "streamless_consumer"
+    library = make_library(name, register=False)
+    handoff.register_library(
+        handoff.LibraryAdapter(
+            name,
+            consumers=(f"{name}:from_dlpack",),
+            current_stream=(lambda device: consumer) if knows else None,  # cuda.core, MLX, tvm-ffi have none
+        )
+    )
+    sim.synchronize()
+    x = careless.zeros(N)  # nothing pending: flagged all the same, as the mode promised an order
+    handoff.order_libraries(True)
+    with careless.use(producer), library.use(consumer), handoff.trace(libraries=True) as t:
+        library.from_dlpack(x)
+    (event,) = [e for e in t.events if e["interposed"]]
+    if knows:
+        assert (event["interposed"], event["hazard"]) == ("ordered", None)
+    else:
+        assert (event["interposed"], event["hazard"], event["action"]) == ("observed", "unordered", "unordered")
+        assert f"handoff knows no current stream of {name}" in event["detail"]
+        assert "current_stream" in event["detail"] and "frameworks=True" in event["detail"]
+
+
+@needs_sim
+@pytest.mark.parametrize("current", [True, False], ids=["the-librarys-current-stream", "negative-control-another"])
+def test_an_export_to_a_bare_handle_holds_the_stream_object_of_the_library_whose_current_stream_it_is(current):
+    library = make_library("holds_its_streams")
+    stream = library.Stream()
+    handle = stream.handle
+    data = sim.zeros(N, "float32")
+    sim.synchronize()
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    gone = weakref.ref(owner)
+    view = handoff.view(data.data_ptr, (N,), "float32", device=data.device, owner=owner)
+    del owner
+    with library.use(stream) if current else contextlib.nullcontext():
+        capsule = view.__dlpack__(stream=handle, max_version=(1, 0))  # a CuPy consumer passes its stream
+    imported = handoff.from_dlpack(capsule, stream=-1)
+    sim.clear_violations()
+    with sim.hold(stream):
+        sim.fill(imported, 2.0, stream=stream)  # the consumer's work on the data
+        del view, capsule, imported
+        # Held, the stream outlives the release that waits for its work; unheld, nothing waits.
+        released_while_held(gone, held=current)
+    del stream  # the library drops its stream object too
+    settle_sim()
+    assert gone() is None and sim.violations() == []
+
+
+@needs_sim
+@needs_two_devices
+def test_a_framework_stream_block_and_pinned_data_ask_for_the_device_that_works_on_them(peers):
+    asked: list = []
+    library = make_library("device_spy", register=False)
+    handoff.register_library(
+        handoff.LibraryAdapter(
+            "device_spy",
+            consumers=("device_spy:from_dlpack",),
+            current_stream=lambda device: asked.append(("current_stream", device)),
+            use_stream=lambda handle, device: asked.append(("use_stream", device)),
+        )
+    )
+    far = sim.Stream(1, non_blocking=True)
+    with handoff.stream(handoff.Stream(far.handle), frameworks=True):  # no device said: the stream's own
+        pass
+    pinned = peers[0].Array(sim.zeros(N, "float32", memory="pinned"))  # DLPack says device 0 of pinned memory
+    sim.set_device(1)
+    try:
+        with handoff.trace(libraries=True):
+            library.from_dlpack(pinned)
+    finally:
+        sim.set_device(0)
+    assert asked == [("use_stream", 1), ("current_stream", 1)]
+
+
+# --- on a GPU: PyTorch and CuPy as they are ------------------------------------------------------
+
+CUDA_USABLE = (
+    BACKEND == "cuda" and not handoff.runtime_info().get("backend_error") and handoff.runtime_info()["device_count"] > 0
+)
+needs_gpu = pytest.mark.skipif(not CUDA_USABLE, reason=f"needs HANDOFF_BACKEND=cuda and a GPU (backend {BACKEND!r})")
+GPU_N = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def cuda_libraries():
+    """PyTorch and CuPy on the GPU, and the torch.cuda._sleep cycles that keep a stream busy for about
+    0.15 s (a consumer that is not ordered always reads first)."""
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch has no CUDA device here")
+    cupy = pytest.importorskip("cupy")
+    cupy.zeros(8, dtype=cupy.float32).fill(1.0)  # CuPy compiles its kernels now, not behind a spin
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(100_000_000)
+    start.record()
+    torch.cuda._sleep(100_000_000)
+    end.record()
+    end.synchronize()
+    return torch, cupy, int(100_000_000 * 0.15 * 1000 / start.elapsed_time(end))
+
+
+class CarelessTensor:
+    """A PyTorch tensor handed on by a wrapper that ignores `stream` (as cuda.core's and nanobind's
+    arrays do), registered as the library `careless_gpu`."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def __dlpack__(self, *, stream=None, **kwargs):
+        return self.tensor.__dlpack__(stream=-1, **kwargs)
+
+    def __dlpack_device__(self):
+        return self.tensor.__dlpack_device__()
+
+
+CarelessTensor.__module__ = "careless_gpu"
+
+
+@pytest.fixture
+def careless_gpu(cuda_libraries):
+    """Makes a tensor whose fill of 1.0 is queued behind a spin on a PyTorch stream, handed on
+    carelessly: (the careless wrapper, a weak reference to the tensor). The ordering mode is off, and
+    everything settled, afterwards."""
+    torch, cupy, cycles = cuda_libraries
+    producer = torch.cuda.Stream()
+    handoff.register_library(
+        handoff.LibraryAdapter("careless_gpu", ignores_stream=True, current_stream=lambda device: producer)
+    )
+
+    def make() -> tuple:
+        x = torch.zeros(GPU_N, device="cuda")
+        torch.cuda.synchronize()
+        with torch.cuda.stream(producer):
+            torch.cuda._sleep(cycles)
+            x.fill_(1.0)
+        return CarelessTensor(x), weakref.ref(x)
+
+    yield make, cupy, cycles
+    handoff.order_libraries(False)
+    torch.cuda.synchronize()
+    deadline = time.monotonic() + 10
+    while handoff.stats()["pending_releases"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def spin_cupy_stream(cycles: int, stream) -> None:
+    with torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)):
+        torch.cuda._sleep(cycles)
+
+
+@needs_gpu
+@pytest.mark.parametrize("ordering", [True, pytest.param(False, marks=pytest.mark.negative_control)])
+def test_gpu_the_ordering_mode_holds_a_cupy_stream_the_program_drops_until_the_release_is_done(careless_gpu, ordering):
+    make, cupy, cycles = careless_gpu
+    handoff.order_libraries(ordering)
+    careless, _ = make()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    held = weakref.ref(stream)
+    with stream:
+        y = cupy.from_dlpack(careless)
+        first = float(y[0].get())  # on the stream: ordered, after the producer's fill
+        spin_cupy_stream(cycles, stream)  # the consumer's work, still queued when the program lets go
+    assert first == (1.0 if ordering else 0.0)
+    del stream
+    gc.collect()
+    # Held, the stream outlives the release that waits for it; unheld, CuPy destroys it at once.
+    assert (held() is not None) == ordering
+    del y
+
+
+@needs_gpu
+@pytest.mark.parametrize("ordering", [True, pytest.param(False, marks=pytest.mark.negative_control)])
+def test_gpu_the_ordering_mode_keeps_the_producer_while_a_cupy_view_of_the_import_is_used(careless_gpu, ordering):
+    make, cupy, cycles = careless_gpu
+    handoff.order_libraries(ordering)
+    careless, gone = make()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        y = cupy.from_dlpack(careless)
+        view = y[::2]  # shares y's memory
+        del y, careless
+        stream.synchronize()
+        spin_cupy_stream(cycles, stream)  # later work through the view, still queued
+        view *= 2
+    del view
+    gc.collect()
+    # Ordered, the tensor is kept until that work is done; unordered, it goes with CuPy's memory.
+    assert (gone() is not None) == ordering
+
+
+@needs_gpu
+@pytest.mark.parametrize("current", [True, pytest.param(False, marks=pytest.mark.negative_control)])
+def test_gpu_an_export_to_cupys_current_stream_holds_it_until_its_release(cuda_libraries, current):
+    torch, cupy, cycles = cuda_libraries
+    view = handoff.from_dlpack(torch.ones(GPU_N, device="cuda"))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    held = weakref.ref(stream)
+    with stream if current else contextlib.nullcontext():
+        capsule = view.__dlpack__(stream=stream.ptr, max_version=(1, 0))  # what CuPy passes: its current stream
+    with stream:
+        y = cupy.from_dlpack(capsule)
+        spin_cupy_stream(cycles, stream)
+        y *= 2
+    del view, capsule, y, stream
+    gc.collect()
+    # Its release waits for the stream's work: held, the stream stays until then; unheld, nothing waits.
+    assert (held() is not None) == current
+    torch.cuda.synchronize()

@@ -17,7 +17,7 @@ import pytest
 
 import handoff
 
-from support import CUDA_ORDERING_REFUSED, DEVICE_TYPE, SIM, needs_sim, pending_write
+from support import CUDA_ORDERING_REFUSED, DEVICE_TYPE, SIM, needs_sim, pending_write, waiting_read
 
 if SIM:
     from handoff import sim
@@ -223,17 +223,20 @@ class DeviceTensor(handoff.Exporter):
 @pytest.mark.parametrize("as_object", [False, True], ids=["int", "stream object"])
 def test_exports_are_ordered_after_the_stream_the_view_is_ready_on(sim_streams, as_object):
     producer, consumer = sim_streams
-    t = DeviceTensor(pending_write(producer), producer if as_object else producer.handle)
-    imported = handoff.from_dlpack(t, stream=consumer)
-    assert sim.to_numpy(imported, stream=consumer)[[0, -1]].tolist() == [1.0, 1.0]
+    with sim.hold(producer):
+        t = DeviceTensor(pending_write(producer), producer if as_object else producer.handle)
+        imported = handoff.from_dlpack(t, stream=consumer)
+        read = waiting_read(imported, consumer)
+    assert read.result()[[0, -1]].tolist() == [1.0, 1.0]
 
 
 @needs_sim
 def test_negative_control_an_unknown_stream_cannot_be_ordered(sim_streams):
     producer, consumer = sim_streams
-    t = DeviceTensor(pending_write(producer), None)
-    imported = handoff.from_dlpack(t, stream=consumer)
-    assert sim.to_numpy(imported, stream=consumer)[0] == 0.0, "expected stale data: nothing said where it is ready"
+    with sim.hold(producer):
+        t = DeviceTensor(pending_write(producer), None)
+        imported = handoff.from_dlpack(t, stream=consumer)
+        assert sim.to_numpy(imported, stream=consumer)[0] == 0.0, "expected stale data: nothing said where it is ready"
 
 
 @needs_sim

@@ -3,6 +3,9 @@ and at interpreter shutdown."""
 
 from __future__ import annotations
 
+import gc
+import os
+import subprocess
 import sys
 import threading
 import weakref
@@ -13,7 +16,7 @@ import pytest
 import handoff
 
 from dlpack_ctypes import capsule_name
-from support import live_views, run_python
+from support import SIM_ROCM, live_views, needs_sim, run_python
 
 
 class Owned(np.ndarray):
@@ -360,3 +363,125 @@ print("dropped")
     result = run_python(code)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["dropped"]
+
+
+# --- deferred releases on the simulator ------------------------------------------------------
+
+
+class Held:
+    """What keeps simulated memory: a producer handoff must release once its consumer is done."""
+
+
+@needs_sim
+def test_a_transient_failure_of_a_deferred_release_is_asked_again(sim_streams):
+    # The device could not be made current three times in a row: the fallback from a failed event
+    # record to waiting for the stream tried once and kept the producer for the life of the process,
+    # saying pending_releases 0.
+    from handoff import sim
+
+    _, consumer = sim_streams
+    data = sim.zeros((16,), "float32")
+    held = Held()
+    alive = weakref.ref(held)
+    view = handoff.view(data.data_ptr, (16,), "float32", device=data.device, owner=held)
+    imported = handoff.from_dlpack(view, stream=consumer)
+    del view, held
+    before = handoff.stats()["pending_releases"]
+    sim.inject_fault("push_current_device", 3, "hipErrorLaunchFailure" if SIM_ROCM else "cudaErrorLaunchFailure")
+    # Dropped on a thread with no device current, as a consumer's thread may be.
+    dropper = threading.Thread(target=list.clear, args=([imported],))
+    del imported
+    dropper.start()
+    dropper.join()
+    sim.drain()  # asks the device nothing: the injected faults are the release's alone
+    sim.clear_faults()
+    gc.collect()
+    assert alive() is None, "a transient failure abandoned the release and kept its producer"
+    assert handoff.stats()["pending_releases"] == before
+
+
+@needs_sim
+def test_a_view_imported_during_a_capture_is_kept_for_the_graphs_launches():
+    # torch.cuda.graph: the graph reads the data at every launch, however soon after the capture
+    # the imported view is dropped. It was released after the stream's own work.
+    from handoff import sim
+
+    consumer = sim.Stream(non_blocking=False)
+    data = sim.zeros((16,), "float32")
+    held = Held()
+    alive = weakref.ref(held)
+    view = handoff.view(data.data_ptr, (16,), "float32", device=data.device, owner=held, stream=consumer)
+    del held
+    sim.begin_capture(consumer)
+    imported = handoff.from_dlpack(view, stream=consumer)  # ready on the capturing stream itself
+    sim.fill(imported, 2.0, stream=consumer)  # a node of the graph: it writes the data at each launch
+    graph = sim.end_capture(consumer)
+    del view, imported  # after the capture
+    graph.launch(consumer)
+    consumer.synchronize()
+    sim.drain()
+    gc.collect()
+    assert alive() is not None, "released while the graph that writes the data can still be launched"
+    graph.launch(consumer)
+    del graph  # the launch still holds it
+    consumer.synchronize()
+    sim.drain()
+    gc.collect()
+    assert alive() is None
+
+
+# A batch of releases: a Python producer's, then a copy in pinned memory, whose free waits for the
+# device. The batch held the GIL through the free, which waits for work this thread holds back
+# until it gets the GIL: a deadlock (and every Python thread stalled by any such free).
+RELEASE_BATCH = """
+import threading, weakref
+import handoff
+from handoff import sim
+
+consumer, busy = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)
+pinned = sim.zeros((1024,), "float32", memory="pinned")
+copy = handoff.from_dlpack(pinned, copy=True)  # pinned too: its free waits for the device
+imported_copy = handoff.from_dlpack(copy, stream=consumer)
+del copy
+
+
+class Owner:
+    pass
+
+
+owner = Owner()
+finalized = threading.Event()
+weakref.finalize(owner, finalized.set)
+data = sim.zeros((16,), "float32")
+imported_view = handoff.from_dlpack(
+    handoff.view(data.data_ptr, (16,), "float32", device=data.device, owner=owner), stream=consumer
+)
+del owner
+with sim.hold(busy):
+    sim.fill(data, 1.0, stream=busy)  # work the free waits for
+    with sim.hold(consumer):  # both released in one batch once the consumer's work is done
+        del imported_view  # its Python part first
+        del imported_copy
+    finalized.wait()  # the batch runs: the free waits for `busy`, which this thread must let go
+print("let go", flush=True)
+sim.synchronize()
+sim.drain()
+print("released", flush=True)
+"""
+
+
+@needs_sim
+def test_a_release_batch_holds_the_gil_only_for_its_python_parts():
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", RELEASE_BATCH],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "HANDOFF_BACKEND": handoff.runtime_info()["backend"]},
+            check=False,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"deadlock: the batch held the GIL through a free that waits for the device ({e.stdout!r})")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split("\n")[:2] == ["let go", "released"]

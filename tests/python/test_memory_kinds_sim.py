@@ -12,7 +12,7 @@ import pytest
 import handoff
 
 from dlpack_ctypes import CPU, DLDevice, HandMadeTensor
-from support import BACKEND, SIM_ROCM, DlpackOnly, needs_sim
+from support import BACKEND, HOLD_DEADLOCK, SIM_ROCM, DlpackOnly, needs_sim, waiting_read
 
 pytestmark = needs_sim
 if BACKEND.startswith("sim"):
@@ -34,15 +34,17 @@ def settle():
 def test_managed_memory_exported_as_device_memory_is_accepted_and_ordered():
     managed = sim.zeros(N, memory="managed")
     producer, consumer = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)
-    sim.fill(managed, 6.0, stream=producer, delay=0.05)
-    as_device = handoff.from_dlpack(managed, stream=producer)  # ready on the producer's stream
-    tensor = HandMadeTensor(managed.data_ptr, (N,), code=2, bits=32)  # float32
-    tensor.managed.dl_tensor.device = DLDevice(DEVICE, 0)  # as PyTorch labels managed memory
-    view = handoff.from_dlpack(tensor.capsule(), stream=consumer)
-    assert view.device == (DEVICE, 0)
-    assert view.data_ptr == managed.data_ptr
-    ordered = handoff.from_dlpack(as_device, stream=consumer)  # orders the consumer after the fill
-    assert sim.to_numpy(ordered, stream=consumer)[0] == 6.0
+    with sim.hold(producer):
+        sim.fill(managed, 6.0, stream=producer)
+        as_device = handoff.from_dlpack(managed, stream=producer)  # ready on the producer's stream
+        tensor = HandMadeTensor(managed.data_ptr, (N,), code=2, bits=32)  # float32
+        tensor.managed.dl_tensor.device = DLDevice(DEVICE, 0)  # as PyTorch labels managed memory
+        view = handoff.from_dlpack(tensor.capsule(), stream=consumer)
+        assert view.device == (DEVICE, 0)
+        assert view.data_ptr == managed.data_ptr
+        ordered = handoff.from_dlpack(as_device, stream=consumer)  # orders the consumer after the fill
+        read = waiting_read(ordered, consumer)
+    assert read.result()[0] == 6.0
     del view, ordered, as_device
     gc.collect()
     sim.synchronize()
@@ -66,7 +68,11 @@ def test_host_accessible_memory_goes_to_the_cpu_without_a_copy(memory, to_cpu):
         pytest.skip("managed memory has no DLPack device type on ROCm")
     source = sim.zeros(N, memory=memory)
     producer = sim.Stream(non_blocking=True)
-    sim.fill(source, 8.0, stream=producer, delay=0.05)
+    with sim.hold(producer):
+        sim.fill(source, 8.0, stream=producer)
+        for copy in (None, False, True):  # each waits on the host for the held write: here, for ever
+            with pytest.raises(handoff.DeviceError, match=HOLD_DEADLOCK):
+                to_cpu(source, copy)
     for copy in (None, False):
         view = to_cpu(source, copy)
         assert view.device == (CPU, 0)
@@ -83,11 +89,14 @@ def test_a_copy_of_host_accessible_memory_comes_back_on_the_same_device(memory):
         pytest.skip("managed memory has no DLPack device type on ROCm")
     source = sim.zeros(N, memory=memory)
     producer = sim.Stream(non_blocking=True)
-    sim.fill(source, 5.0, stream=producer, delay=0.05)
-    # handoff's exporter and importer agree: the copy is of the device the source says it is on
-    copied = handoff.from_dlpack(source, device=source.__dlpack_device__(), copy=True)
-    assert copied.device == source.__dlpack_device__()
-    assert copied.data_ptr != source.data_ptr
+    with sim.hold(producer):
+        sim.fill(source, 5.0, stream=producer)
+        # handoff's exporter and importer agree: the copy is of the device the source says it is on
+        copied = handoff.from_dlpack(source, device=source.__dlpack_device__(), copy=True)
+        assert copied.device == source.__dlpack_device__()
+        assert copied.data_ptr != source.data_ptr
+        with pytest.raises(handoff.DeviceError, match=HOLD_DEADLOCK):  # the host waits for the copy
+            handoff.from_dlpack(copied, device="cpu")
     assert np.from_dlpack(handoff.from_dlpack(copied, device="cpu"))[-1] == 5.0
 
 

@@ -3,16 +3,16 @@ copies made for a consumer stream (and freed on their own device), device-to-hos
 synchronization fails, and a per-thread default stream that another thread passes on.
 
 Run with HANDOFF_BACKEND=sim or sim-rocm; skipped otherwise. Each ordering test has a negative
-control that shows the race when ordering is turned off.
+control that shows the race when ordering is turned off, and holds its race with sim.hold.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import sys
 import threading
-import time
 
 import pytest
 from peer_library import export_as_torch
@@ -20,13 +20,21 @@ from peer_library import export_as_torch
 import handoff
 
 from dlpack_ctypes import HandMadeTensor
-from support import BACKEND, DEFAULT_STREAM, SIM_ROCM, needs_sim, needs_two_devices, sim_leak_check
+from support import (
+    BACKEND,
+    DEFAULT_STREAM,
+    SIM_ROCM,
+    behind,
+    needs_sim,
+    needs_two_devices,
+    sim_leak_check,
+    waiting_read,
+)
 
 pytestmark = needs_sim
 if BACKEND.startswith("sim"):
     from handoff import sim
 
-SLOW = 0.2
 N = 4096
 # Each write uses a value no earlier test wrote: a fresh allocation may reuse memory that still holds
 # an old value, which would make a read of unwritten memory look right.
@@ -52,11 +60,11 @@ def new_stream():
 
 
 def pending_write(stream, device=0):
-    """A device array and the value its producer write, still running on `stream`, puts everywhere."""
+    """A device array and the value its producer write, enqueued on `stream`, puts everywhere: still
+    pending while the caller holds `stream` (sim.hold)."""
     array = sim.zeros(N, "float32", device)
-    sim.synchronize()
     value = float(next(VALUES))
-    sim.fill(array, value, stream=stream, delay=SLOW)
+    sim.fill(array, value, stream=stream)
     return array, value
 
 
@@ -64,28 +72,33 @@ def pending_write(stream, device=0):
 def test_a_hop_through_the_default_stream_keeps_the_order(last_blocking, new_stream):
     producer = new_stream(non_blocking=False)
     last = new_stream(non_blocking=not last_blocking)
-    source, value = pending_write(producer)
-    hop = handoff.from_dlpack(source, stream=DEFAULT_STREAM)  # nothing is enqueued on the default stream
-    view = handoff.from_dlpack(hop, stream=last)
-    assert sim.to_numpy(view, stream=last)[0] == value
+    with sim.hold(producer):
+        source, value = pending_write(producer)
+        hop = handoff.from_dlpack(source, stream=DEFAULT_STREAM)  # nothing is enqueued on the default stream
+        view = handoff.from_dlpack(hop, stream=last)
+        read = waiting_read(view, last)
+    assert read.result()[0] == value
 
 
 def test_a_hop_from_the_default_stream_to_a_blocking_stream_keeps_the_order(new_stream):
     middle = new_stream(non_blocking=False)
     last = new_stream()
-    source, value = pending_write(DEFAULT_STREAM)
-    hop = handoff.from_dlpack(source, stream=middle)  # nothing is enqueued on `middle`
-    view = handoff.from_dlpack(hop, stream=last)
-    assert sim.to_numpy(view, stream=last)[0] == value
+    with sim.hold(DEFAULT_STREAM):
+        source, value = pending_write(DEFAULT_STREAM)
+        hop = handoff.from_dlpack(source, stream=middle)  # nothing is enqueued on `middle`
+        view = handoff.from_dlpack(hop, stream=last)
+        read = waiting_read(view, last)
+    assert read.result()[0] == value
 
 
 def test_negative_control_a_hop_with_no_ordering_shows_the_race(new_stream):
     producer = new_stream()  # non-blocking: no implicit synchronization orders it either
     last = new_stream()
-    source, value = pending_write(producer)
-    hop = handoff.from_dlpack(source, stream=-1)
-    view = handoff.from_dlpack(hop, stream=last)
-    assert sim.to_numpy(view, stream=last)[0] != value, "expected stale data without ordering"
+    with sim.hold(producer):
+        source, value = pending_write(producer)
+        hop = handoff.from_dlpack(source, stream=-1)
+        view = handoff.from_dlpack(hop, stream=last)
+        assert sim.to_numpy(view, stream=last)[0] != value, "expected stale data without ordering"
 
 
 COPIES = {
@@ -97,30 +110,29 @@ COPIES = {
 }
 
 
-@pytest.fixture
-def slow_copies():
-    """Copies that take time, so that a reader ordered before a copy always sees it unwritten."""
-    sim.set_copy_delay(SLOW / 2)
-    yield
-    sim.set_copy_delay(0.0)
-
-
 @pytest.mark.parametrize("how", COPIES)
-def test_a_copy_for_a_consumer_stream_is_written_before_the_consumer_reads_it(how, new_stream, slow_copies):
+def test_a_copy_for_a_consumer_stream_is_written_before_the_consumer_reads_it(how, new_stream):
     producer = new_stream()
     consumer = new_stream()
-    source, value = pending_write(producer)
-    copy = COPIES[how](source, consumer)
-    assert copy.data_ptr != source.data_ptr
-    assert sim.to_numpy(copy, stream=consumer)[0] == value
+    with contextlib.ExitStack() as copy_held:
+        with sim.hold(producer):
+            source, value = pending_write(producer)
+            copy_held.enter_context(sim.hold(producer))  # a second hold, after the write: the copy waits for it
+            copy = COPIES[how](source, consumer)
+            assert copy.data_ptr != source.data_ptr
+            read = waiting_read(copy, consumer)
+        # The write may run now; the copy may not. The consumer's read must wait for the copy itself.
+        assert sim.waits_for_hold(consumer), "the consumer reads the copy before it is written"
+    assert read.result()[0] == value
 
 
-def test_negative_control_a_copy_read_on_an_unordered_stream_shows_the_race(new_stream, slow_copies):
+def test_negative_control_a_copy_read_on_an_unordered_stream_shows_the_race(new_stream):
     producer = new_stream()
     consumer = new_stream()
-    source, value = pending_write(producer)
-    copy = handoff.from_dlpack(source, stream=-1, copy=True)
-    assert sim.to_numpy(copy, stream=consumer)[0] != value, "expected stale data without ordering"
+    with sim.hold(producer):
+        source, value = pending_write(producer)
+        copy = handoff.from_dlpack(source, stream=-1, copy=True)
+        assert sim.to_numpy(copy, stream=consumer)[0] != value, "expected stale data without ordering"
     sim.synchronize()
 
 
@@ -131,12 +143,15 @@ def test_a_copy_is_freed_in_its_own_stream_order(device, new_stream):
     # still queued on device 1 (a write into freed memory). On the current device it must wait too.
     source = sim.zeros(N, "float32", device)
     sim.synchronize()
-    sim.fill(source, float(next(VALUES)), stream=DEFAULT_STREAM, delay=SLOW)  # the default stream of its device
-    copy = handoff.from_dlpack(source, stream=-1, copy=True)  # queued behind the write
-    allocations = sim.live_allocations()
-    del copy
-    time.sleep(SLOW / 4)
-    assert sim.live_allocations() == allocations, "the copy was freed while a copy into it was queued"
+    sim.set_device(device)
+    with sim.hold(DEFAULT_STREAM):  # the default stream of the data's device
+        sim.set_device(0)  # the copy is dropped where device 0 is current
+        sim.fill(source, float(next(VALUES)), stream=DEFAULT_STREAM)  # the default stream of its device
+        copy = handoff.from_dlpack(source, stream=-1, copy=True)  # queued behind the write
+        allocations = sim.live_allocations()
+        del copy
+        sim.synchronize_unheld()  # a free that does not wait for the copy has run by now
+        assert sim.live_allocations() == allocations, "the copy was freed while a copy into it was queued"
     sim.synchronize()
 
 
@@ -169,10 +184,12 @@ def in_thread_kept_alive(work):
 def test_data_ready_on_a_per_thread_stream_is_ordered_for_another_thread(new_stream):
     producer = new_stream()
     consumer = new_stream()
-    source, value = pending_write(producer)
-    view, finish = in_thread_kept_alive(lambda: handoff.from_dlpack(source, stream=PER_THREAD))
-    again = handoff.from_dlpack(view, stream=consumer)  # another thread: another per-thread stream
-    assert sim.to_numpy(again, stream=consumer)[0] == value
+    with sim.hold(producer):
+        source, value = pending_write(producer)
+        view, finish = in_thread_kept_alive(lambda: handoff.from_dlpack(source, stream=PER_THREAD))
+        again = handoff.from_dlpack(view, stream=consumer)  # another thread: another per-thread stream
+        read = waiting_read(again, consumer)
+    assert read.result()[0] == value
     finish()
 
 
@@ -180,18 +197,21 @@ def test_data_ready_on_a_per_thread_stream_is_ordered_for_another_thread(new_str
 def test_a_release_after_a_per_thread_stream_waits_for_it_from_another_thread():
     target = sim.zeros(N)
     sim.synchronize()
+    gate = sim.Stream(non_blocking=True)
 
     def import_and_write():
+        behind(gate, PER_THREAD)  # the thread's stream now waits for the held gate
         tensor = HandMadeTensor(target.data_ptr, (N,), device=(2, 0))
         view = handoff.from_dlpack(tensor.capsule(), stream=PER_THREAD)
-        sim.fill(view, 1.0, stream=PER_THREAD, delay=SLOW)  # the consumer's work on its stream
+        sim.fill(view, 1.0, stream=PER_THREAD)  # the consumer's work on its stream
         return tensor, view
 
-    (tensor, view), finish = in_thread_kept_alive(import_and_write)
-    assert sys.getrefcount(view) == 2  # this frame's reference is the last: the release happens here
-    del view
-    time.sleep(SLOW / 4)
-    assert tensor.deleted == 0, "released while the consumer's stream still used the data"
+    with sim.hold(gate):
+        (tensor, view), finish = in_thread_kept_alive(import_and_write)
+        assert sys.getrefcount(view) == 2  # this frame's reference is the last: the release happens here
+        del view
+        sim.synchronize_unheld()
+        assert tensor.deleted == 0, "released while the consumer's stream still used the data"
     finish()
     sim.synchronize()
     sim.drain()
@@ -210,11 +230,12 @@ HOST_COPIES = {
 @pytest.mark.parametrize("how", HOST_COPIES)
 def test_a_failing_synchronization_during_a_host_copy_frees_nothing_early(how, new_stream):
     producer = new_stream()
-    source, _ = pending_write(producer)
-    sim.inject_fault("synchronize_stream", 1, "cudaErrorLaunchFailure")
-    with pytest.raises(handoff.DeviceError, match="cudaErrorLaunchFailure"):
-        HOST_COPIES[how](source)
-    sim.clear_faults()
+    with sim.hold(producer):  # the copy is still queued when its synchronization fails
+        source, _ = pending_write(producer)
+        sim.inject_fault("synchronize_stream", 1, "cudaErrorLaunchFailure")
+        with pytest.raises(handoff.DeviceError, match="cudaErrorLaunchFailure"):
+            HOST_COPIES[how](source)
+        sim.clear_faults()
     sim.synchronize()  # the copy still lands in its staging memory, which must still be there
     gc.collect()
     sim.drain()
@@ -250,13 +271,16 @@ class TorchTensorWithDict(TorchTensor):
 @pytest.mark.parametrize("entry", [handoff.from_dlpack, handoff.asarray])
 def test_a_producer_reading_an_omitted_stream_as_no_sync_is_asked_for_the_default_stream(kind, entry, new_stream):
     producer = new_stream()  # non-blocking: only an explicit wait orders the default stream after it
-    source, value = pending_write(producer)
-    view = entry(kind(source, producer.handle))  # no consumer stream: the device's default stream
-    assert sim.to_numpy(view, stream=DEFAULT_STREAM)[0] == value
+    with sim.hold(producer):
+        source, value = pending_write(producer)
+        view = entry(kind(source, producer.handle))  # no consumer stream: the device's default stream
+        read = waiting_read(view, DEFAULT_STREAM)
+    assert read.result()[0] == value
 
 
 def test_negative_control_a_producer_asked_for_no_sync_shows_the_race(new_stream):
     producer = new_stream()
-    source, value = pending_write(producer)
-    view = handoff.from_dlpack(source, stream=-1)
-    assert sim.to_numpy(view, stream=DEFAULT_STREAM)[0] != value, "expected stale data without ordering"
+    with sim.hold(producer):
+        source, value = pending_write(producer)
+        view = handoff.from_dlpack(source, stream=-1)
+        assert sim.to_numpy(view, stream=DEFAULT_STREAM)[0] != value, "expected stale data without ordering"

@@ -1,7 +1,8 @@
 """Stream ordering through the real export and import paths, on the simulated device.
 
 Run with HANDOFF_BACKEND=sim (arrays report as CUDA) or sim-rocm (as ROCm); skipped otherwise.
-Every ordering test has a negative control that shows the race when ordering is turned off.
+Every ordering test has a negative control that shows the race when ordering is turned off, and
+holds its race with sim.hold (the producer's work waits for the block's end), never with a delay.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import gc
 import textwrap
 import threading
-import time
 import types
 import weakref
 
@@ -22,18 +22,20 @@ from support import (
     BACKEND,
     DEFAULT_STREAM,
     DEVICE_TYPE,
+    HOLD_DEADLOCK,
     SIM_ROCM,
+    behind,
     needs_sim,
     needs_two_devices,
     run_python,
     sim_leak_check,
+    waiting_read,
 )
 
 pytestmark = needs_sim
 if BACKEND.startswith("sim"):
     from handoff import sim
 
-SLOW = 0.2  # seconds a producer write takes: long enough that an unordered reader always wins
 N = 4096
 
 
@@ -51,10 +53,10 @@ def no_leaks():
 
 
 def pending_write(stream, value=1.0, device=0):
-    """A device array whose producer write (`value` everywhere) is still running on `stream`."""
+    """A device array whose producer write (`value` everywhere) is enqueued on `stream`: still pending
+    while the caller holds `stream` (sim.hold)."""
     array = sim.zeros(N, "float32", device)
-    sim.synchronize()
-    sim.fill(array, value, stream=stream, delay=SLOW)
+    sim.fill(array, value, stream=stream)
     return array
 
 
@@ -98,70 +100,80 @@ def test_arrays_of_the_second_device_report_its_id():
 @pytest.mark.parametrize("spelling", CONSUMER_SPELLINGS)
 def test_import_orders_a_pending_write_for_every_stream_spelling(streams, spelling):
     producer, consumer = streams
-    source = pending_write(producer)
-    view = handoff.from_dlpack(source, stream=CONSUMER_SPELLINGS[spelling](consumer))
-    assert sim.to_numpy(view, stream=consumer)[[0, -1]].tolist() == [1.0, 1.0]
+    with sim.hold(producer):
+        source = pending_write(producer)
+        view = handoff.from_dlpack(source, stream=CONSUMER_SPELLINGS[spelling](consumer))
+        read = waiting_read(view, consumer)
+    assert read.result()[[0, -1]].tolist() == [1.0, 1.0]
 
 
 def test_import_orders_for_the_enclosing_stream_block(streams):
     producer, consumer = streams
-    source = pending_write(producer)
-    with handoff.stream(consumer):
-        view = handoff.from_dlpack(source)
-    assert sim.to_numpy(view, stream=consumer)[0] == 1.0
+    with sim.hold(producer):
+        source = pending_write(producer)
+        with handoff.stream(consumer):
+            view = handoff.from_dlpack(source)
+        read = waiting_read(view, consumer)
+    assert read.result()[0] == 1.0
 
 
 def test_negative_control_no_ordering_shows_the_race(streams):
     producer, consumer = streams
-    source = pending_write(producer)
-    view = handoff.from_dlpack(source, stream=-1)  # the consumer asks for no ordering
-    assert sim.to_numpy(view, stream=consumer)[0] == 0.0, "expected stale data without ordering"
+    with sim.hold(producer):
+        source = pending_write(producer)
+        view = handoff.from_dlpack(source, stream=-1)  # the consumer asks for no ordering
+        assert sim.to_numpy(view, stream=consumer)[0] == 0.0, "expected stale data without ordering"
 
 
 def test_export_orders_before_the_consumer_stream_without_blocking(streams):
     producer, consumer = streams
-    source = pending_write(producer)
-    before = handoff.stats()
-    import time
-
-    start = time.perf_counter()
-    capsule = source.__dlpack__(stream=consumer.handle, max_version=(1, 1))
-    assert time.perf_counter() - start < SLOW / 2, "the export blocked the host"
-    assert handoff.stats()["waits_inserted"] == before["waits_inserted"] + 1
-    view = handoff.from_dlpack(capsule, stream=consumer)
-    assert sim.to_numpy(view, stream=consumer)[0] == 1.0
+    with sim.hold(producer):
+        source = pending_write(producer)
+        before = handoff.stats()
+        # A host wait for the held producer would raise here (handoffErrorHoldDeadlock): none is made.
+        capsule = source.__dlpack__(stream=consumer.handle, max_version=(1, 1))
+        assert handoff.stats()["waits_inserted"] == before["waits_inserted"] + 1
+        view = handoff.from_dlpack(capsule, stream=consumer)
+        read = waiting_read(view, consumer)
+    assert read.result()[0] == 1.0
 
 
 def test_same_stream_is_elided(streams):
     _, consumer = streams
-    source = pending_write(consumer)
-    before = handoff.stats()
-    view = handoff.from_dlpack(source, stream=consumer)
-    after = handoff.stats()
-    assert after["waits_elided"] == before["waits_elided"] + 1
-    assert after["waits_inserted"] == before["waits_inserted"]
-    assert sim.to_numpy(view, stream=consumer)[0] == 1.0  # in-order on one stream
+    with sim.hold(consumer):
+        source = pending_write(consumer)
+        before = handoff.stats()
+        view = handoff.from_dlpack(source, stream=consumer)
+        after = handoff.stats()
+        assert after["waits_elided"] == before["waits_elided"] + 1
+        assert after["waits_inserted"] == before["waits_inserted"]
+        read = waiting_read(view, consumer)
+    assert read.result()[0] == 1.0  # in-order on one stream
 
 
 def test_default_stream_consumer_after_a_blocking_producer_waits():
     producer = sim.Stream(non_blocking=False)
-    source = pending_write(producer)
-    before = handoff.stats()
-    view = handoff.from_dlpack(source, stream=DEFAULT_STREAM)
-    # Not elided: implicit synchronization would order only work that is actually enqueued.
-    assert handoff.stats()["waits_inserted"] == before["waits_inserted"] + 1
-    assert sim.to_numpy(view, stream=DEFAULT_STREAM)[0] == 1.0
+    with sim.hold(producer):
+        source = pending_write(producer)
+        before = handoff.stats()
+        view = handoff.from_dlpack(source, stream=DEFAULT_STREAM)
+        # Not elided: implicit synchronization would order only work that is actually enqueued.
+        assert handoff.stats()["waits_inserted"] == before["waits_inserted"] + 1
+        read = waiting_read(view, DEFAULT_STREAM)
+    assert read.result()[0] == 1.0
     del view, source
     sim.synchronize()
 
 
 def test_default_stream_consumer_after_a_non_blocking_producer_waits(streams):
     producer, _ = streams
-    source = pending_write(producer)
-    before = handoff.stats()
-    view = handoff.from_dlpack(source)  # None: DLPack's default stream
-    assert handoff.stats()["waits_inserted"] == before["waits_inserted"] + 1
-    assert sim.to_numpy(view, stream=DEFAULT_STREAM)[0] == 1.0
+    with sim.hold(producer):
+        source = pending_write(producer)
+        before = handoff.stats()
+        view = handoff.from_dlpack(source)  # None: DLPack's default stream
+        assert handoff.stats()["waits_inserted"] == before["waits_inserted"] + 1
+        read = waiting_read(view, DEFAULT_STREAM)
+    assert read.result()[0] == 1.0
 
 
 def test_three_hundred_exchanges_create_at_most_sixteen_events(streams):
@@ -181,10 +193,12 @@ def test_three_hundred_exchanges_create_at_most_sixteen_events(streams):
 def test_export_from_a_device_other_than_the_current_one():
     producer = sim.Stream(1, non_blocking=True)
     consumer = sim.Stream(1, non_blocking=True)
-    source = pending_write(producer, value=3.0, device=1)
-    view = handoff.from_dlpack(source, stream=consumer)  # current device stays 0
-    assert view.device == (DEVICE_TYPE, 1)
-    assert sim.to_numpy(view, stream=consumer)[0] == 3.0
+    with sim.hold(producer):
+        source = pending_write(producer, value=3.0, device=1)
+        view = handoff.from_dlpack(source, stream=consumer)  # current device stays 0
+        assert view.device == (DEVICE_TYPE, 1)
+        read = waiting_read(view, consumer)
+    assert read.result()[0] == 3.0
     sim.synchronize()
 
 
@@ -192,9 +206,11 @@ def test_export_from_a_device_other_than_the_current_one():
 def test_a_consumer_on_another_device_waits_across_devices():
     producer = sim.Stream(1, non_blocking=True)
     elsewhere = sim.Stream(0, non_blocking=True)  # a peer reader: CUDA lets it wait on device 1's event
-    source = pending_write(producer, value=6.0, device=1)
-    view = handoff.from_dlpack(source, stream=elsewhere)
-    assert sim.to_numpy(view, stream=elsewhere)[0] == 6.0
+    with sim.hold(producer):
+        source = pending_write(producer, value=6.0, device=1)
+        view = handoff.from_dlpack(source, stream=elsewhere)
+        read = waiting_read(view, elsewhere)
+    assert read.result()[0] == 6.0
 
 
 @needs_two_devices
@@ -202,11 +218,14 @@ def test_a_consumer_on_another_device_waits_across_devices():
 def test_data_written_from_a_peer_devices_stream_is_ordered_on_that_stream(ordered):
     peer = sim.Stream(0, non_blocking=True)
     source = sim.zeros(N, device=1)
-    sim.synchronize()
-    sim.fill(source, 5.0, stream=peer, delay=SLOW)  # device 1's data written from a device 0 stream
     consumer = sim.Stream(1, non_blocking=True)
-    view = handoff.from_dlpack(source, stream=consumer if ordered else -1)
-    assert sim.to_numpy(view, stream=consumer)[0] == (5.0 if ordered else 0.0)
+    with sim.hold(peer):
+        sim.fill(source, 5.0, stream=peer)  # device 1's data written from a device 0 stream
+        view = handoff.from_dlpack(source, stream=consumer if ordered else -1)
+        read = waiting_read(view, consumer) if ordered else sim.to_numpy(view, stream=consumer, wait=False)
+        if not ordered:
+            assert read.result()[0] == 0.0, "expected stale data without ordering"
+    assert read.result()[0] == (5.0 if ordered else 0.0)
     sim.synchronize()
 
 
@@ -215,11 +234,13 @@ def test_a_view_ordered_onto_a_peer_devices_stream_can_be_handed_on():
     producer = sim.Stream(0, non_blocking=True)
     peer = sim.Stream(1, non_blocking=True)
     last = sim.Stream(0, non_blocking=True)
-    source = pending_write(producer, value=3.0, device=0)
-    view = handoff.from_dlpack(source, stream=peer)  # a reader on device 1: the data is now ready there
-    sim.fill(view, 4.0, stream=peer, delay=SLOW)
-    handed_on = handoff.from_dlpack(view, stream=last)
-    assert sim.to_numpy(handed_on, stream=last)[0] == 4.0
+    with sim.hold(producer), sim.hold(peer):
+        source = pending_write(producer, value=3.0, device=0)
+        view = handoff.from_dlpack(source, stream=peer)  # a reader on device 1: the data is now ready there
+        sim.fill(view, 4.0, stream=peer)
+        handed_on = handoff.from_dlpack(view, stream=last)
+        read = waiting_read(handed_on, last)
+    assert read.result()[0] == 4.0
     capsule = view.__dlpack__(stream=last.handle, max_version=(1, 1))  # the export path takes it too
     del capsule
     sim.synchronize()
@@ -234,21 +255,24 @@ class CudaArrayInterfaceProducer:
 @pytest.mark.skipif(SIM_ROCM, reason="the CUDA Array Interface is for CUDA memory")
 def test_cuda_array_interface_v3_import_orders_the_pending_producer(streams):
     producer, consumer = streams
-    source = pending_write(producer, value=4.0)
-    interface = source.__cuda_array_interface__
-    assert interface["version"] == 3 and interface["stream"] == producer.handle
-    view = handoff.asarray(CudaArrayInterfaceProducer(interface, source), stream=consumer)
-    assert view.data_ptr == source.data_ptr
-    assert sim.to_numpy(view, stream=consumer)[0] == 4.0
+    with sim.hold(producer):
+        source = pending_write(producer, value=4.0)
+        interface = source.__cuda_array_interface__
+        assert interface["version"] == 3 and interface["stream"] == producer.handle
+        view = handoff.asarray(CudaArrayInterfaceProducer(interface, source), stream=consumer)
+        assert view.data_ptr == source.data_ptr
+        read = waiting_read(view, consumer)
+    assert read.result()[0] == 4.0
 
 
 @pytest.mark.skipif(SIM_ROCM, reason="the CUDA Array Interface is for CUDA memory")
 def test_cuda_array_interface_without_stream_is_the_negative_control(streams):
     producer, consumer = streams
-    source = pending_write(producer, value=4.0)
-    interface = dict(source.__cuda_array_interface__, stream=None)  # "no synchronization needed"
-    view = handoff.asarray(CudaArrayInterfaceProducer(interface, source), stream=consumer)
-    assert sim.to_numpy(view, stream=consumer)[0] == 0.0
+    with sim.hold(producer):
+        source = pending_write(producer, value=4.0)
+        interface = dict(source.__cuda_array_interface__, stream=None)  # "no synchronization needed"
+        view = handoff.asarray(CudaArrayInterfaceProducer(interface, source), stream=consumer)
+        assert sim.to_numpy(view, stream=consumer)[0] == 0.0
 
 
 # --- CUDA Array Interface v3: the producer's stream runs no later work until the consumer is done ---
@@ -288,13 +312,12 @@ def consumer_read(producer, consumer, write_on, release=lambda views: views.clea
     source = producer.owner
     views = [handoff.asarray(producer, stream=consumer)]
     del producer
-    stall = sim.zeros(1)
-    sim.fill(stall, 0.0, stream=consumer, delay=SLOW)
-    read = handoff.from_dlpack(views[0], stream=consumer, copy=True)  # enqueued behind the stall
-    # All of the consumer's work on the data is enqueued. The view's last reference goes now (no
-    # gc.collect(): with PyTorch loaded it can outlast the stall, and hide the negative control's race).
-    release(views)
-    sim.fill(source, NEW, stream=write_on)  # the producer's next write
+    with sim.hold(consumer):  # the consumer's read waits until the block ends
+        read = handoff.from_dlpack(views[0], stream=consumer, copy=True)
+        # All of the consumer's work on the data is enqueued. The view's last reference goes now.
+        release(views)
+        sim.fill(source, NEW, stream=write_on)  # the producer's next write
+        sim.synchronize_unheld()  # it lands now unless it waits for the consumer
     value = sim.to_numpy(read, stream=consumer)[0]
     sim.synchronize()
     return value
@@ -379,8 +402,9 @@ def test_interface_stream_the_producer_holds_is_kept_until_the_wait_is_enqueued(
     del producer, stream
     gc.collect()
     assert gone() is not None, "the producer's stream must outlive the wait at release"
-    sim.fill(view, 2.0, stream=consumer, delay=SLOW)
-    del view  # the wait on the stream (a use of it) is enqueued now; the fixture fails on a dead one
+    with sim.hold(consumer):
+        sim.fill(view, 2.0, stream=consumer)
+        del view  # the wait on the stream (a use of it) is enqueued now; the fixture fails on a dead one
     consumer.synchronize()
     sim.drain()
     gc.collect()
@@ -460,13 +484,13 @@ def test_release_waits_for_the_consumer_stream(streams):
     del source
     gc.collect()
     assert sim.live_allocations() == allocations + 1, "the view must keep its memory alive"
-    # Consumer work still using the memory, long enough to outlast a full gc.collect() on a loaded host.
-    sim.fill(view, 9.0, stream=consumer, delay=5 * SLOW)
-    before = handoff.stats()["deferred_releases"]
-    del view
-    gc.collect()
-    assert handoff.stats()["deferred_releases"] == before + 1
-    assert sim.live_allocations() == allocations + 1, "released while the consumer stream still used it"
+    with sim.hold(consumer):  # consumer work still using the memory until the block ends
+        sim.fill(view, 9.0, stream=consumer)
+        before = handoff.stats()["deferred_releases"]
+        del view
+        gc.collect()
+        assert handoff.stats()["deferred_releases"] == before + 1
+        assert sim.live_allocations() == allocations + 1, "released while the consumer stream still used it"
     consumer.synchronize()
     sim.drain()
     sim.synchronize()  # the release frees as cudaFree does: once the device is idle
@@ -496,11 +520,12 @@ def test_data_from_a_producer_that_hides_its_device_is_bound_to_the_default_stre
         handoff.from_dlpack(DeviceHidingProducer(source), stream=DEFAULT_STREAM)
     del source, x
     gc.collect()
-    sim.fill(view, 9.0, stream=DEFAULT_STREAM, delay=5 * SLOW)  # consumer work still using the memory
-    before = handoff.stats()["deferred_releases"]
-    del view
-    gc.collect()
-    assert handoff.stats()["deferred_releases"] == before + (1 if ordered else 0)
+    with sim.hold(DEFAULT_STREAM):  # consumer work still using the memory until the block ends
+        sim.fill(view, 9.0, stream=DEFAULT_STREAM)
+        before = handoff.stats()["deferred_releases"]
+        del view
+        gc.collect()
+        assert handoff.stats()["deferred_releases"] == before + (1 if ordered else 0)
     sim.synchronize()
     sim.drain()
     gc.collect()
@@ -605,7 +630,10 @@ def test_two_captures_into_different_graphs_are_refused_before_either_is_invalid
 
 def test_copy_to_the_host_waits_for_the_pending_write(streams):
     producer, _ = streams
-    source = pending_write(producer, value=2.5)
+    with sim.hold(producer):
+        source = pending_write(producer, value=2.5)
+        with pytest.raises(handoff.DeviceError, match=HOLD_DEADLOCK):  # it waits for the held write
+            handoff.from_dlpack(source, device=(1, 0))
     host = handoff.from_dlpack(source, device=(1, 0))  # dl_device=CPU: a copy, in stream order
     assert host.device == (1, 0)
     assert host.data_ptr != source.data_ptr
@@ -618,18 +646,23 @@ def test_numpy_reads_a_device_array_through_a_host_copy(streams):
     import numpy as np
 
     producer, _ = streams
-    source = pending_write(producer, value=7.0)
+    with sim.hold(producer):
+        source = pending_write(producer, value=7.0)
+        with pytest.raises(handoff.DeviceError, match=HOLD_DEADLOCK):  # it waits for the held write
+            np.from_dlpack(source, device="cpu")
     values = np.from_dlpack(source, device="cpu")
     assert values.shape == (N,) and values[0] == 7.0 and values[-1] == 7.0
 
 
 def test_copy_on_the_device_is_stream_ordered(streams):
     producer, _ = streams
-    source = pending_write(producer, value=3.0)
-    copy = handoff.from_dlpack(source.__dlpack__(copy=True, max_version=(1, 1)))
-    assert copy.device == source.device
-    assert copy.data_ptr != source.data_ptr
-    assert sim.to_numpy(copy, stream=producer)[0] == 3.0  # the copy was enqueued after the write
+    with sim.hold(producer):
+        source = pending_write(producer, value=3.0)
+        copy = handoff.from_dlpack(source.__dlpack__(copy=True, max_version=(1, 1)))
+        assert copy.device == source.device
+        assert copy.data_ptr != source.data_ptr
+        read = waiting_read(copy, producer)
+    assert read.result()[0] == 3.0  # the copy was enqueued after the write
 
 
 def test_copy_false_to_the_host_is_refused():
@@ -649,6 +682,7 @@ def test_exit_runs_pending_releases_while_python_is_alive():
 
     program = textwrap.dedent(
         """
+        import atexit
         import handoff
         from handoff import sim
 
@@ -661,8 +695,11 @@ def test_exit_runs_pending_releases_while_python_is_alive():
 
         consumer = sim.Stream(non_blocking=True)
         view = handoff.asarray(Producer(sim.zeros(1024)), stream=consumer)
-        sim.fill(view, 1.0, stream=consumer, delay=0.3)
-        del view  # the release now waits for the consumer stream; the interpreter exits first
+        hold = sim.hold(consumer)
+        hold.__enter__()
+        sim.fill(view, 1.0, stream=consumer)
+        del view  # the release now waits for the consumer stream, held until the interpreter exits
+        atexit.register(hold.__exit__, None, None, None)  # after handoff's: runs before its exit drain
         print("exiting", flush=True)
         """
     )
@@ -679,10 +716,6 @@ def test_exit_runs_pending_releases_while_python_is_alive():
 
 
 # --- releases: a producer outlives every consumer stream that may still read it --------------------
-
-# How long a consumer's work on released data takes: longer than a full gc.collect() on a loaded host
-# (a tenth of a second once PyTorch is loaded), so that "not released yet" is checked while it runs.
-RELEASE_SLOW = 5 * SLOW
 
 
 class Owner:
@@ -706,12 +739,12 @@ def settle():
 
 
 def dropped_while_the_consumer_works(view, dlpack_stream, work_stream):
-    """Exports `view` for `dlpack_stream`, then plays a consumer that imports the capsule, enqueues slow
-    work on `work_stream` and lets go at once (PyTorch and CuPy call the deleter at their refcount zero,
-    whatever their stream still has queued)."""
+    """Exports `view` for `dlpack_stream`, then plays a consumer that imports the capsule, enqueues work
+    on `work_stream` (which the caller holds: the work is still queued) and lets go at once (PyTorch and
+    CuPy call the deleter at their refcount zero, whatever their stream still has queued)."""
     capsule = view.__dlpack__(stream=dlpack_stream, max_version=(1, 0))
     imported = handoff.from_dlpack(capsule, stream=-1)  # the export ordered it already
-    sim.fill(imported, 9.0, stream=work_stream, delay=RELEASE_SLOW)
+    sim.fill(imported, 9.0, stream=work_stream)
     del imported, capsule
     gc.collect()
 
@@ -722,10 +755,11 @@ DEFAULT_STREAMS = {"default stream": DEFAULT_STREAM} if SIM_ROCM else {"legacy (
 @pytest.mark.parametrize("value", DEFAULT_STREAMS.values(), ids=DEFAULT_STREAMS.keys())
 def test_an_export_keeps_its_producer_until_the_default_consumer_stream_is_done(value):
     view, gone = owned_view()
-    dropped_while_the_consumer_works(view, value, value)
-    del view
-    gc.collect()
-    assert gone() is not None, "the producer was released while the consumer's stream still used it"
+    with sim.hold(value):
+        dropped_while_the_consumer_works(view, value, value)
+        del view
+        gc.collect()
+        assert gone() is not None, "the producer was released while the consumer's stream still used it"
     settle()
     assert gone() is None
 
@@ -733,11 +767,12 @@ def test_an_export_keeps_its_producer_until_the_default_consumer_stream_is_done(
 def test_an_export_keeps_its_producer_until_a_stream_the_block_holds_is_done():
     view, gone = owned_view()
     consumer = sim.Stream(non_blocking=True)
-    with handoff.stream(consumer):
-        dropped_while_the_consumer_works(view, consumer.handle, consumer)
-    del view, consumer  # the export holds the stream object until the release has run
-    gc.collect()
-    assert gone() is not None, "the producer was released while the consumer's stream still used it"
+    with sim.hold(consumer.handle):  # by its handle: the hold keeps no reference to the stream object
+        with handoff.stream(consumer):
+            dropped_while_the_consumer_works(view, consumer.handle, consumer)
+        del view, consumer  # the export holds the stream object until the release has run
+        gc.collect()
+        assert gone() is not None, "the producer was released while the consumer's stream still used it"
     settle()
     assert gone() is None
 
@@ -748,10 +783,11 @@ def test_negative_control_a_bare_consumer_handle_is_not_waited_for_at_release():
     # and the producer goes with the deleter (the consumer's duty; see HANDOFF_EXPORT_RELEASE).
     view, gone = owned_view()
     consumer = sim.Stream(non_blocking=True)
-    dropped_while_the_consumer_works(view, consumer.handle, consumer)
-    del view
-    gc.collect()
-    assert gone() is None
+    with sim.hold(consumer):
+        dropped_while_the_consumer_works(view, consumer.handle, consumer)
+        del view
+        gc.collect()
+        assert gone() is None
     settle()
 
 
@@ -760,10 +796,11 @@ def test_every_stream_policy_waits_for_bare_consumer_handles_too():
     try:
         view, gone = owned_view()
         consumer = sim.Stream(non_blocking=True)
-        dropped_while_the_consumer_works(view, consumer.handle, consumer)
-        del view
-        gc.collect()
-        assert gone() is not None, "the producer was released while the consumer's stream still used it"
+        with sim.hold(consumer):
+            dropped_while_the_consumer_works(view, consumer.handle, consumer)
+            del view
+            gc.collect()
+            assert gone() is not None, "the producer was released while the consumer's stream still used it"
         settle()
         assert gone() is None
     finally:
@@ -804,10 +841,11 @@ def test_a_failed_poll_is_asked_again_and_the_producer_still_released(streams):
     _, consumer = streams
     view, gone = owned_view()
     imported = handoff.from_dlpack(view, stream=consumer)
-    sim.fill(imported, 1.0, stream=consumer, delay=RELEASE_SLOW)
-    sim.inject_fault("query_event", 1)  # one transient failure while the release waits
-    del imported, view
-    gc.collect()
+    with sim.hold(consumer):  # the release waits: the first poll of its event fails
+        sim.fill(imported, 1.0, stream=consumer)
+        sim.inject_fault("query_event", 1)  # one transient failure while the release waits
+        del imported, view
+        gc.collect()
     settle()
     assert gone() is None, "one failed poll kept the producer forever"
 
@@ -830,10 +868,11 @@ def test_a_device_that_keeps_failing_abandons_its_releases_keeps_the_producer_an
         del owner
         consumer = sim.Stream(non_blocking=True)
         imported = handoff.from_dlpack(view, stream=consumer)
-        sim.fill(imported, 1.0, stream=consumer, delay=0.2)
-        sim.inject_fault("query_event", 100000)
-        del imported, view
-        gc.collect()
+        with sim.hold(consumer):  # the release is deferred: the consumer still works
+            sim.fill(imported, 1.0, stream=consumer)
+            sim.inject_fault("query_event", 100000)
+            del imported, view
+            gc.collect()
         sim.drain()  # returns: the release was given up, not run
         assert gone() is not None, "released although nothing said the consumer was done"
         assert handoff.stats()["pending_releases"] == 0
@@ -859,18 +898,21 @@ def in_a_thread(body):
 @pytest.mark.skipif(SIM_ROCM, reason="the per-thread default stream (2) is CUDA's")
 def test_a_view_bound_to_an_ended_threads_default_stream_is_released_after_its_work():
     view, gone = owned_view()
+    gate = sim.Stream(non_blocking=True)
     held = []
 
     def body():
+        behind(gate, 2)
         imported = handoff.from_dlpack(view, stream=2)
-        sim.fill(imported, 2.0, stream=2, delay=RELEASE_SLOW)  # still running when the thread ends
+        sim.fill(imported, 2.0, stream=2)  # still queued when the thread ends
         held.append(imported)
 
-    in_a_thread(body)
-    del view
-    held.clear()
-    gc.collect()
-    assert gone() is not None, "released before the ended thread's queued work"
+    with sim.hold(gate):
+        in_a_thread(body)
+        del view
+        held.clear()
+        gc.collect()
+        assert gone() is not None, "released before the ended thread's queued work"
     settle()
     assert gone() is None
 
@@ -879,11 +921,21 @@ def test_a_view_bound_to_an_ended_threads_default_stream_is_released_after_its_w
 @pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "negative-control"])
 def test_data_ready_on_an_ended_threads_default_stream_is_read_finished(streams, ordered):
     _, consumer = streams
+    gate = sim.Stream(non_blocking=True)
     source = sim.zeros(N)
     sim.synchronize()
-    in_a_thread(lambda: sim.fill(source, 7.0, stream=2, delay=SLOW))
-    view = handoff.from_dlpack(source, stream=consumer if ordered else -1)
-    assert sim.to_numpy(view, stream=consumer)[0] == (7.0 if ordered else 0.0)
+
+    def write():
+        behind(gate, 2)
+        sim.fill(source, 7.0, stream=2)  # still queued when the thread ends
+
+    with sim.hold(gate):
+        in_a_thread(write)
+        view = handoff.from_dlpack(source, stream=consumer if ordered else -1)
+        read = waiting_read(view, consumer) if ordered else sim.to_numpy(view, stream=consumer, wait=False)
+        if not ordered:
+            assert read.result()[0] == 0.0, "expected stale data without ordering"
+    assert read.result()[0] == (7.0 if ordered else 0.0)
     sim.synchronize()
 
 
@@ -895,7 +947,10 @@ def test_data_ready_on_an_ended_threads_default_stream_is_read_finished(streams,
 def test_a_host_view_of_data_on_a_per_thread_stream_waits_for_its_work(memory):
     source = sim.zeros(N, memory=memory)
     sim.synchronize()
-    sim.fill(source, 4.0, stream=2, delay=SLOW)  # bound as the legacy stream, which a sync does not cover
+    with sim.hold(2):
+        sim.fill(source, 4.0, stream=2)  # bound as the legacy stream, which a sync does not cover
+        with pytest.raises(handoff.DeviceError, match=HOLD_DEADLOCK):  # the host view waits for the held write
+            handoff.from_dlpack(source, device="cpu")
     values = np.asarray(handoff.from_dlpack(source, device="cpu"))
     assert values[0] == 4.0 and values[-1] == 4.0
     sim.synchronize()
@@ -906,9 +961,10 @@ def test_a_host_view_of_data_on_a_per_thread_stream_waits_for_its_work(memory):
 def test_negative_control_the_same_memory_read_on_the_host_without_a_wait_is_stale():
     source = sim.zeros(N, memory="managed")
     sim.synchronize()
-    sim.fill(source, 4.0, stream=2, delay=SLOW)
-    unordered = handoff.view(source.data_ptr, (N,), "float32", device="cpu", owner=source)
-    assert np.asarray(unordered)[0] == 0.0
+    with sim.hold(2):
+        sim.fill(source, 4.0, stream=2)
+        unordered = handoff.view(source.data_ptr, (N,), "float32", device="cpu", owner=source)
+        assert np.asarray(unordered)[0] == 0.0
     sim.synchronize()
 
 
@@ -958,9 +1014,12 @@ def test_exchanges_after_a_device_context_reset_use_fresh_events():
             producer, consumer = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)
             source = sim.zeros(1024)
             sim.synchronize()
-            sim.fill(source, value, stream=producer, delay=0.05)
-            view = handoff.from_dlpack(source, stream=consumer)
-            seen = sim.to_numpy(view, stream=consumer)[0]
+            with sim.hold(producer):
+                sim.fill(source, value, stream=producer)
+                view = handoff.from_dlpack(source, stream=consumer)
+                read = sim.to_numpy(view, stream=consumer, wait=False)
+                assert not read.done()
+            seen = read.result()[0]
             del view, source, producer, consumer
             sim.synchronize(); sim.drain(); gc.collect()
             return seen
@@ -993,8 +1052,8 @@ def test_a_view_dropped_during_a_capture_is_kept_until_the_graph_is_destroyed():
     graph = sim.end_capture(consumer)
     graph.launch(consumer)
     consumer.synchronize()
-    time.sleep(0.05)
     gc.collect()
+    sim.drain()  # waits for every deferred release but those bound to graphs the program holds
     assert gone() is not None, "released while the graph that writes the data can still be launched"
     graph.launch(consumer)
     del graph  # the launch still holds it

@@ -63,6 +63,38 @@ def test_a_child_forked_after_device_use_exits_cleanly(child):
     assert result.stdout.split() == ["0"], result.stderr
 
 
+# Daemon threads still exchanging when the program ends: each release waits 1 ms of work.
+STILL_EXCHANGING = """
+import sys, threading, time
+import handoff
+from handoff import sim
+
+def exchange():
+    producer = sim.Stream(non_blocking=True)
+    while True:
+        a = sim.zeros((16,), "float32")
+        sim.fill(a, 1.0, stream=producer, delay=0.001)
+        handoff.from_dlpack(a, stream=sim.Stream(non_blocking=True))
+
+for _ in range(4):
+    threading.Thread(target=exchange, daemon=True).start()
+while handoff.stats()["deferred_releases"] < 100:  # all of them exchanging
+    time.sleep(0.01)
+print("ending", flush=True)
+"""
+
+
+@needs_sim
+def test_the_exit_waits_for_what_was_pending_not_for_releases_that_keep_arriving():
+    # The exit's wait counted the releases the threads kept adding: it took its whole limit (10 s)
+    # every time, then blamed a capture or work that never finishes.
+    result = run_python(STILL_EXCHANGING, HANDOFF_BACKEND=BACKEND, HANDOFF_LOG_LEVEL="info")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["ending"]
+    assert "did not run within" not in result.stderr, result.stderr[-2000:]
+    assert "capture never ended" not in result.stderr
+
+
 def _double_through_handoff(n: int) -> float:
     return float(np.from_dlpack(handoff.from_dlpack(np.full(4, float(n)))).sum() * 2)
 

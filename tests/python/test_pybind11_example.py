@@ -20,8 +20,8 @@ import pytest
 
 import handoff
 
-from dlpack_ctypes import CUDA, CUDA_HOST, DLManagedTensorVersioned, DLTensor, HandMadeTensor, exchange_api_of
-from support import CUDA_ORDERING_REFUSED, SIM, needs_sim, pending_write
+from dlpack_ctypes import CUDA, CUDA_HOST, DLManagedTensorVersioned, HandMadeTensor, exchange_api_of
+from support import CUDA_ORDERING_REFUSED, SIM, needs_sim, pending_write, run_python, waiting_read
 
 if SIM:
     from handoff import sim
@@ -95,12 +95,16 @@ def test_a_mismatch_lists_the_accepted_signature(call, argument, signature):
 @needs_sim
 def test_a_device_argument_is_ordered_onto_the_consumer_stream(sim_streams):
     producer, consumer = sim_streams
-    pending = pending_write(producer, 3 * 1024)
-    with handoff.stream(consumer):
-        imported = te.rows_of_three(
-            handoff.view(pending.data_ptr, (1024, 3), "float32", device=pending.device, owner=pending, stream=producer)
-        )
-    assert sim.to_numpy(imported, stream=consumer)[[0, -1]].tolist() == [[1.0] * 3] * 2
+    with sim.hold(producer):
+        pending = pending_write(producer, 3 * 1024)
+        with handoff.stream(consumer):
+            imported = te.rows_of_three(
+                handoff.view(
+                    pending.data_ptr, (1024, 3), "float32", device=pending.device, owner=pending, stream=producer
+                )
+            )
+        read = waiting_read(imported, consumer)
+    assert read.result()[[0, -1]].tolist() == [[1.0] * 3] * 2
 
 
 @needs_sim
@@ -108,12 +112,15 @@ def test_a_parameter_that_orders_itself_gets_no_wait(sim_streams):
     # hp::orders_itself: the function promised to order its own work (stream=-1); handoff inserts
     # nothing, so a read on the consumer stream at once races the producer, as it must here.
     producer, consumer = sim_streams
-    pending = pending_write(producer, 3 * 1024)
-    with handoff.stream(consumer):
-        imported = te.rows_of_three_unordered(
-            handoff.view(pending.data_ptr, (1024, 3), "float32", device=pending.device, owner=pending, stream=producer)
-        )
-    assert sim.to_numpy(imported, stream=consumer)[0].tolist() == [0.0] * 3, "expected stale data: nothing waited"
+    with sim.hold(producer):
+        pending = pending_write(producer, 3 * 1024)
+        with handoff.stream(consumer):
+            imported = te.rows_of_three_unordered(
+                handoff.view(
+                    pending.data_ptr, (1024, 3), "float32", device=pending.device, owner=pending, stream=producer
+                )
+            )
+        assert sim.to_numpy(imported, stream=consumer)[0].tolist() == [0.0] * 3, "expected stale data: nothing waited"
 
 
 class CudaClaimingProducer:
@@ -147,8 +154,9 @@ def test_cuda_data_where_cuda_cannot_start_is_taken_only_by_a_parameter_that_ord
 @needs_sim
 def test_negative_control_the_consumer_stream_races_without_the_import(sim_streams):
     producer, consumer = sim_streams
-    pending = pending_write(producer, 3 * 1024)
-    assert sim.to_numpy(pending, stream=consumer)[0] == 0.0, "expected stale data without ordering"
+    with sim.hold(producer):
+        pending = pending_write(producer, 3 * 1024)
+        assert sim.to_numpy(pending, stream=consumer)[0] == 0.0, "expected stale data without ordering"
 
 
 class RaisingProducer:
@@ -395,6 +403,162 @@ def test_an_array_of_cpp_memory_with_strides_that_do_not_fit_is_a_value_error():
         te.with_strides(2)
 
 
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (
+            lambda raw: handoff.view(raw.ctypes.data, (8,), "bfloat16", device=(1, 0), owner=raw),
+            "no dtype for bfloat16",
+        ),
+        (
+            lambda raw: handoff.view(raw.ctypes.data, (1,) * 80, "float32", device=(1, 0), owner=raw),
+            "at most 64 dimensions, and the array has 80",
+        ),
+    ],
+    ids=["bfloat16", "80 dimensions"],
+)
+def test_the_numpy_tag_of_data_numpy_cannot_hold_is_a_buffer_error_naming_why(make, why, settled):
+    # It passed NumPy's bare RuntimeError ("Unsupported dtype in DLTensor.") through.
+    values = make(np.zeros(8, np.uint16))
+    with pytest.raises(BufferError, match=why):
+        te.as_numpy(values)
+
+
+# ------------------------------------------------------------------------------------------------
+# Device results of C++ code: the stream they are ready on, and the framework that takes them
+
+
+@needs_sim
+@pytest.mark.parametrize("how", ["argument", "block"])
+def test_a_device_result_written_on_a_side_stream_orders_its_consumers_after_it(how, sim_streams):
+    # hp::array(data, shape, owner, ...) always described stream 0: a result written by a kernel on
+    # a non-blocking stream reached its consumers unordered.
+    side, consumer = sim_streams
+    memory = sim.zeros((4096,), "float32")
+    sim.synchronize()
+    with sim.hold(side):
+        sim.fill(memory, 1.0, stream=side)  # the kernel that wrote the result, still queued
+        if how == "argument":
+            result = te.device_result(memory.data_ptr, 4096, memory.device, side.handle, owner=memory)
+        else:
+            with handoff.stream(side):  # the default: the enclosing block's stream
+                result = te.device_result(memory.data_ptr, 4096, memory.device, owner=memory)
+        imported = handoff.from_dlpack(result, stream=consumer)
+    assert sim.to_numpy(imported, stream=consumer)[[0, -1]].tolist() == [1.0, 1.0]
+
+
+@needs_sim
+def test_negative_control_a_device_result_of_an_unknown_stream_races_with_its_side_stream(sim_streams):
+    side, consumer = sim_streams
+    memory = sim.zeros((4096,), "float32")
+    sim.synchronize()
+    with sim.hold(side):
+        sim.fill(memory, 1.0, stream=side)
+        result = te.device_result(memory.data_ptr, 4096, memory.device, 0, owner=memory)  # 0: unknown
+        imported = handoff.from_dlpack(result, stream=consumer)
+        seen = sim.to_numpy(imported, stream=consumer)  # ordered after the legacy stream only
+    assert seen[0] == 0.0, "expected stale data: the side stream's write was not waited for"
+
+
+# A framework as its source behaves, on the simulator, in a child process (it stands in for the real
+# module there): from_dlpack hands __dlpack__ the framework's current stream, and the array it makes
+# holds the DLPack tensor until it is collected.
+FRAMEWORK_CHILD = """
+import gc, sys, types, weakref
+import handoff
+from handoff import sim
+sys.path.insert(0, {folder!r})
+import tensor_example as te
+
+current = sim.Stream(non_blocking=True)  # the framework's current stream
+
+
+class Imported:  # the framework's array: it holds the DLPack tensor until it is collected
+    def __init__(self, capsule):
+        self.memory = handoff.from_dlpack(capsule, stream=-1)
+
+
+class CupyStream:  # cupy.cuda.Stream of CuPy 14 (cupy/cuda/stream.pyx): ptr, the stream going with it
+    def __init__(self, stream):
+        self.stream = stream
+        self.ptr = stream.handle
+
+
+def cupy_get_current_stream(device_id=-1):
+    return CupyStream(current)
+
+
+def cupy_from_dlpack(array, *, device=None, copy=None):
+    # cupy.from_dlpack of CuPy 14 (cupy/_core/dlpack.pyx): __dlpack__ gets the current stream's ptr
+    array.__dlpack_device__()
+    return Imported(array.__dlpack__(stream=cupy_get_current_stream().ptr, max_version=(1, 1), copy=copy))
+
+
+class TorchStream:
+    def __init__(self, stream):
+        self.cuda_stream = stream.handle
+
+
+def torch_from_dlpack(ext_tensor):
+    # torch.from_dlpack of PyTorch 2.13 (torch/utils/dlpack.py): __dlpack__ gets the current stream
+    # of the data's device (1 for the legacy stream, whose cuda_stream is 0)
+    device = ext_tensor.__dlpack_device__()
+    stream = TorchStream(current)
+    stream_ptr = 1 if stream.cuda_stream == 0 else stream.cuda_stream
+    return Imported(ext_tensor.__dlpack__(stream=stream_ptr, max_version=(1, 0)))
+
+
+cupy = types.ModuleType("cupy")
+cupy.from_dlpack = cupy_from_dlpack
+cupy.cuda = types.ModuleType("cupy.cuda")
+cupy.cuda.get_current_stream = cupy_get_current_stream
+torch = types.ModuleType("torch")
+torch.from_dlpack = torch_from_dlpack
+sys.modules.update({{"cupy": cupy, "cupy.cuda": cupy.cuda, "torch": torch}})
+
+
+class Owner:  # what frees the C++ result's memory
+    def __init__(self, memory):
+        self.memory = memory
+
+
+memory = sim.zeros((4096,), "float32")
+sim.synchronize()
+owner = Owner(memory)
+alive = weakref.ref(owner)
+result = {make}(memory.data_ptr, 4096, memory.device, owner=owner)
+del owner
+with sim.hold(current):
+    sim.fill(memory, 2.0, stream=current)  # the framework's work on the result, still queued
+    del result
+    gc.collect()
+    print("kept" if alive() is not None else "released")
+sim.synchronize()
+sim.drain()
+gc.collect()
+print("kept" if alive() is not None else "released")
+"""
+
+
+@needs_sim
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        ("te.device_result_cupy", ["kept", "released"]),
+        ("te.device_result_torch", ["kept", "released"]),
+        # Negative control: a bare handle handed to __dlpack__ by hand is released at once (the
+        # default export policy: nothing says that stream outlives the export).
+        ("lambda *a, **k: Imported(te.device_result(*a, **k).__dlpack__(stream=current.handle))", ["released"] * 2),
+    ],
+    ids=["cupy", "torch", "negative control"],
+)
+def test_a_framework_tagged_result_keeps_its_owner_until_the_frameworks_stream_is_done(make, expected):
+    code = FRAMEWORK_CHILD.format(folder=str(_folder), make=make)
+    result = run_python(code, HANDOFF_BACKEND=handoff.runtime_info()["backend"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == expected, result.stderr[-2000:]
+
+
 # ------------------------------------------------------------------------------------------------
 # NumPy arguments and results without a Python object of handoff's in between
 
@@ -601,7 +765,8 @@ def test_a_describe_that_raises_propagates():
 
 
 def test_a_def_dlpack_class_offers_the_c_exchange_api_in_both_forms(settled):
-    assert te.Tensor.__c_dlpack_exchange_api__ == handoff.Array.__c_dlpack_exchange_api__
+    assert te.Tensor.__c_dlpack_exchange_api__ == te.Held.__c_dlpack_exchange_api__, "one table for every class"
+    assert te.Tensor.__c_dlpack_exchange_api__ == ctypes.addressof(exchange_api_of(te.Tensor))
     api = exchange_api_of(te.Tensor)
     t = te.Tensor(2, 3, 1.5)
     address = np.asarray(t).ctypes.data
@@ -616,9 +781,26 @@ def test_a_def_dlpack_class_offers_the_c_exchange_api_in_both_forms(settled):
     out.contents.deleter(out)
     gc.collect()
     assert watch() is None
-    with pytest.raises(BufferError, match="describes its memory on each call"):
-        api.dltensor_from_py_object_no_sync(te.Tensor(1, 1), ctypes.byref(DLTensor()))
     assert handoff.from_dlpack(te.Tensor(1, 2, 4.0)).shape == (1, 2), "handoff asks __dlpack__, not its own table"
+
+
+def test_a_def_dlpack_class_leaves_the_slot_it_cannot_serve_null(settled):
+    # An instance describes its memory on each call: no shape or strides outlive the call for a
+    # DLTensor to borrow. The slot was published and always failed, so that a consumer preferring it
+    # refused these objects; DLPack lets it be NULL.
+    api = exchange_api_of(te.Tensor)
+    assert not api.dltensor_from_py_object_no_sync, "a slot that always fails is published"
+    assert exchange_api_of(handoff.Array).dltensor_from_py_object_no_sync, "handoff.Array's serves it"
+    # managed_tensor_to_py_object_no_sync of the class's table makes a handoff.Array, not an instance.
+    out = ctypes.POINTER(DLManagedTensorVersioned)()
+    assert api.managed_tensor_from_py_object_no_sync(te.Tensor(1, 2, 4.0), ctypes.byref(out)) == 0
+    made = ctypes.c_void_p()
+    assert api.managed_tensor_to_py_object_no_sync(out, ctypes.byref(made)) == 0
+    back = ctypes.cast(made, ctypes.py_object).value
+    decref = ctypes.pythonapi["Py_DecRef"]
+    decref.argtypes = [ctypes.c_void_p]
+    decref(made)  # the call's new reference; `back` holds its own
+    assert type(back) is handoff.Array and np.from_dlpack(back).tolist() == [[4.0, 4.0]]
 
 
 @needs_sim
@@ -626,14 +808,16 @@ def test_a_def_dlpack_instance_handed_out_through_the_table_orders_the_work_stre
     # Held describes a device array ready on `producer`; the table makes the work stream wait.
     # Negative control: test_negative_control_the_consumer_stream_races_without_the_import.
     producer, consumer = sim_streams
-    pending = pending_write(producer, 1024)
-    held = te.Held(
-        handoff.view(pending.data_ptr, (1024,), "float32", device=pending.device, owner=pending, stream=producer)
-    )
-    out = ctypes.POINTER(DLManagedTensorVersioned)()
-    with handoff.stream(consumer):
-        assert exchange_api_of(te.Held).managed_tensor_from_py_object_no_sync(held, ctypes.byref(out)) == 0
-    assert sim.to_numpy(pending, stream=consumer)[[0, -1]].tolist() == [1.0, 1.0]
+    with sim.hold(producer):
+        pending = pending_write(producer, 1024)
+        held = te.Held(
+            handoff.view(pending.data_ptr, (1024,), "float32", device=pending.device, owner=pending, stream=producer)
+        )
+        out = ctypes.POINTER(DLManagedTensorVersioned)()
+        with handoff.stream(consumer):
+            assert exchange_api_of(te.Held).managed_tensor_from_py_object_no_sync(held, ctypes.byref(out)) == 0
+        read = waiting_read(pending, consumer)
+    assert read.result()[[0, -1]].tolist() == [1.0, 1.0]
     out.contents.deleter(out)
     del held
     sim.synchronize()

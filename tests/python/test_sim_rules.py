@@ -17,7 +17,7 @@ import pytest
 
 import handoff
 
-from support import BACKEND, DEFAULT_STREAM, live_views, needs_sim, run_python, sim_leak_check
+from support import BACKEND, DEFAULT_STREAM, HOLD_DEADLOCK, live_views, needs_sim, run_python, sim_leak_check
 
 pytestmark = needs_sim
 if BACKEND.startswith("sim"):
@@ -25,7 +25,6 @@ if BACKEND.startswith("sim"):
 
 STICKY = "hipErrorIllegalAddress" if BACKEND == "sim-rocm" else "cudaErrorIllegalAddress"
 INVALID_HANDLE = "hipErrorInvalidHandle" if BACKEND == "sim-rocm" else "cudaErrorInvalidResourceHandle"
-HOLD_DEADLOCK = "handoffErrorHoldDeadlock"
 
 
 def test_captured_work_runs_once_per_launch_and_not_before():
@@ -84,10 +83,21 @@ def test_using_a_destroyed_stream_is_recorded_as_a_violation():
         lambda handle: sim.hold(handle).__enter__(),
         lambda handle: sim.pending(handle),  # noqa: PLW0108 (sim is imported on sim backends only)
         lambda handle: sim.held(handle),  # noqa: PLW0108
+        lambda handle: sim.waits_for_hold(handle),  # noqa: PLW0108
         lambda handle: sim.begin_capture(handle),  # noqa: PLW0108
         lambda handle: handoff.from_dlpack(sim.zeros(4), stream=handle),
     ],
-    ids=["fill", "to_numpy", "to_numpy-no-wait", "hold", "pending", "held", "begin_capture", "from_dlpack"],
+    ids=[
+        "fill",
+        "to_numpy",
+        "to_numpy-no-wait",
+        "hold",
+        "pending",
+        "held",
+        "waits_for_hold",
+        "begin_capture",
+        "from_dlpack",
+    ],
 )
 def test_a_call_on_a_destroyed_stream_fails_as_cuda_reports_it(call):
     stream = sim.Stream(non_blocking=True)
@@ -118,14 +128,18 @@ def test_a_sticky_error_fails_every_later_call_on_its_device():
 
 STICKY_AT_EXIT = textwrap.dedent(
     """
+    import atexit
     import handoff
     from handoff import sim
     stream = sim.Stream(non_blocking=True)
     source = sim.zeros(1024)
-    sim.fill(source, 1.0, stream=stream, delay=0.3)
+    hold = sim.hold(stream)
+    hold.__enter__()
+    sim.fill(source, 1.0, stream=stream)
     view = handoff.from_dlpack(source, stream=stream)
-    del view  # its release is queued on the stream, behind the slow write
+    del view  # its release is queued on the stream, behind the held write
     sim.inject_sticky_fault(0, "{error}")  # the stream will never get there
+    atexit.register(hold.__exit__, None, None, None)  # after handoff's: runs before its exit drain
     print("exiting", flush=True)
     """
 )
@@ -257,11 +271,11 @@ def test_a_hold_keeps_what_is_enqueued_on_its_stream_until_the_block_ends(no_lea
         assert hold.active and hold.stream is stream and sim.held(stream)
         assert sim.pending(stream) == 0, "the hold itself is not counted"
         sim.fill(array, 3.0, stream=stream)
-        assert sim.pending(stream) == 1
+        assert sim.pending(stream) == 1 and sim.waits_for_hold(stream)
         read = sim.to_numpy(array, stream=stream, wait=False)
         assert sim.pending(stream) > 1  # the copy too, and the events recorded after it
         assert not read.done()
-    assert not hold.active and not sim.held(stream)
+    assert not hold.active and not sim.held(stream) and not sim.waits_for_hold(stream)
     assert read.result().tolist() == [3.0] * 64
     assert read.done() and sim.pending(stream) == 0
 
@@ -283,11 +297,13 @@ def test_an_ordered_consumer_waits_while_the_producer_is_held(no_leaks, ordered)
         sim.fill(source, 1.0, stream=producer)
         view = handoff.from_dlpack(source, stream=consumer if ordered else -1)
         read = sim.to_numpy(view, stream=consumer, wait=False)
+        assert sim.waits_for_hold(consumer) == ordered, "the consumer must wait for the producer, if ordered"
         if ordered:
-            assert not read.done() and sim.pending(consumer) > 0, "the consumer did not wait for the producer"
+            assert not read.done() and sim.pending(consumer) > 0
         else:
             assert read.result()[0] == 0.0, "expected stale data without ordering"
     assert read.result()[0] == (1.0 if ordered else 0.0)
+    producer.synchronize()  # the held write runs once the block ends, not before it ends
     assert sim.to_numpy(view, stream=consumer)[0] == 1.0
 
 
@@ -312,7 +328,8 @@ def test_a_held_legacy_stream_holds_the_later_work_of_blocking_streams(no_leaks)
         sim.fill(held_back, 1.0, stream=blocking)
         sim.fill(free, 2.0, stream=non_blocking)
         assert sim.to_numpy(free, stream=non_blocking)[0] == 2.0
-        assert sim.pending(blocking) == 1
+        assert sim.pending(blocking) == 1 and sim.waits_for_hold(blocking) and not sim.held(blocking)
+        assert not sim.waits_for_hold(non_blocking)
     assert sim.to_numpy(held_back, stream=blocking)[0] == 1.0
 
 
@@ -337,6 +354,17 @@ def test_a_wait_for_held_work_on_the_holding_thread_fails_instead_of_hanging(no_
             wait(stream, array, read)
         assert failure.value.error_name == HOLD_DEADLOCK
     assert read.result()[0] == 4.0
+
+
+def test_synchronize_unheld_waits_for_what_can_run_and_not_for_what_is_held(no_leaks):
+    held, free = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)
+    held_array, free_array = sim.zeros(8), sim.zeros(8)
+    with sim.hold(held):
+        sim.fill(held_array, 1.0, stream=held)
+        sim.fill(free_array, 2.0, stream=free)
+        sim.synchronize_unheld()
+        assert sim.pending(free) == 0 and sim.pending(held) == 1
+    assert sim.to_numpy(held_array, stream=held)[0] == 1.0
 
 
 def test_a_wait_on_another_thread_waits_for_the_end_of_the_hold(no_leaks):

@@ -13,7 +13,7 @@ import pytest
 
 import handoff
 
-from support import BACKEND, needs_sim, run_python
+from support import BACKEND, needs_sim, run_python, waiting_read
 
 pytestmark = needs_sim
 if BACKEND.startswith("sim"):
@@ -47,17 +47,18 @@ IMPORTS = {
 def test_a_view_keeps_its_consumer_stream_alive_until_its_release_has_run(how, wrapped, capfd):
     producer = sim.Stream(non_blocking=True)
     source = sim.zeros(1024)
-    sim.fill(source, 3.0, stream=producer, delay=0.05)
     consumer = CudaStreamWrapper() if wrapped else sim.Stream(non_blocking=True)
     stream = consumer.stream if wrapped else consumer
     gone = weakref.ref(stream)
-    view = IMPORTS[how](source, consumer)
-    del consumer, stream
-    gc.collect()
-    assert gone() is not None, "the consumer stream was destroyed while a view was bound to it"
-    # Inside a block, the source's export holds the block's stream too: its release waits for it.
-    del view, source
-    gc.collect()
+    with sim.hold(producer):  # the consumer stream still waits for the producer when the view goes
+        sim.fill(source, 3.0, stream=producer)
+        view = IMPORTS[how](source, consumer)
+        del consumer, stream
+        gc.collect()
+        assert gone() is not None, "the consumer stream was destroyed while a view was bound to it"
+        # Inside a block, the source's export holds the block's stream too: its release waits for it.
+        del view, source
+        gc.collect()
     sim.synchronize()
     sim.drain()
     gc.collect()
@@ -69,13 +70,15 @@ def test_a_fill_keeps_its_stream_alive_while_the_data_is_ready_on_it(capfd):
     source = sim.zeros(1024)
     producer = sim.Stream(non_blocking=True)
     gone = weakref.ref(producer)
-    sim.fill(source, 4.0, stream=producer, delay=0.05)
-    del producer
-    gc.collect()
-    assert gone() is not None
-    consumer = sim.Stream(non_blocking=True)
-    view = handoff.from_dlpack(source, stream=consumer)  # orders after the fill's stream
-    assert sim.to_numpy(view, stream=consumer)[0] == 4.0
+    with sim.hold(producer.handle):  # by its handle: the hold keeps no reference to the stream object
+        sim.fill(source, 4.0, stream=producer)
+        del producer
+        gc.collect()
+        assert gone() is not None
+        consumer = sim.Stream(non_blocking=True)
+        view = handoff.from_dlpack(source, stream=consumer)  # orders after the fill's stream
+        read = waiting_read(view, consumer)
+    assert read.result()[0] == 4.0
     del view, source
     sim.synchronize()
     sim.drain()
@@ -86,18 +89,22 @@ def test_a_fill_keeps_its_stream_alive_while_the_data_is_ready_on_it(capfd):
 
 GLOBALS_AT_EXIT = textwrap.dedent(
     """
+    import atexit
     import handoff
     from handoff import sim
 
     producer = sim.Stream(non_blocking=True)
     consumer = sim.Stream(non_blocking=True)
     source = sim.zeros(1 << 12)
-    sim.fill(source, 1.0, stream=producer, delay=0.05)
+    hold = sim.hold(producer)
+    hold.__enter__()
+    sim.fill(source, 1.0, stream=producer)
     view = handoff.from_dlpack(source, stream=consumer)
     block = handoff.stream(consumer)
     with block:
         second = handoff.from_dlpack(view)
     copy = handoff.from_dlpack(second, stream=producer, copy=True)
+    atexit.register(hold.__exit__, None, None, None)  # after handoff's: the write is pending as the exit begins
     print("exiting")
     """
 )

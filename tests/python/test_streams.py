@@ -4,13 +4,18 @@ context-local (per thread, per asyncio task)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
+import sys
 import threading
+import types
 
 import numpy as np
 import pytest
 
 import handoff
+
+from support import DEFAULT_STREAM, needs_sim
 
 
 class CudaStreamProtocol:
@@ -206,10 +211,139 @@ def test_interleaved_blocks_each_restore_what_they_found():
         assert handoff.current_stream() is None, "leaving the block restored another block's stream"
         with pytest.raises(StopIteration):
             next(suspended)
-        assert handoff.current_stream() == handoff.Stream(7), "the generator's block restores what it found"
+        assert handoff.current_stream() is None, "the generator's block ended with the block it was entered in"
 
     contextvars.copy_context().run(body)  # its leftovers stay in its own context
     assert handoff.current_stream() is None
+
+
+def test_a_block_still_open_keeps_its_stream_when_a_block_entered_before_it_ends():
+    def reader(handle: int):
+        with handoff.stream(handle):
+            yield
+            yield handoff.current_stream()
+
+    def other(handle: int):
+        with handoff.stream(handle):
+            yield
+
+    def body() -> None:
+        first, second = other(3), reader(4)
+        next(first)
+        next(second)  # entered after the first's block, beside it: the first's generator is suspended
+        for _ in first:  # the first's block ends first
+            pass
+        assert handoff.current_stream() == handoff.Stream(4), "the second block is still open"
+        assert next(second) == handoff.Stream(4)
+        for _ in second:
+            pass
+        assert handoff.current_stream() is None
+
+    contextvars.copy_context().run(body)
+    assert handoff.current_stream() is None
+
+
+@needs_sim
+@pytest.mark.parametrize("ordered", [True, pytest.param(False, marks=pytest.mark.negative_control)])
+def test_imports_in_a_block_still_open_are_ordered_onto_its_stream_when_a_block_entered_before_it_ends(ordered):
+    from handoff import sim
+
+    producer, first_stream, second_stream = (sim.Stream(non_blocking=True) for _ in range(3))
+    source = sim.zeros(4)
+
+    def reader():
+        with handoff.stream(second_stream):
+            yield
+            with sim.hold(producer):
+                sim.fill(source, 7.0, stream=producer)
+                if ordered:
+                    read = sim.to_numpy(handoff.from_dlpack(source), stream=second_stream, wait=False)
+                    assert not read.done() and sim.pending(second_stream) > 0, "the block's stream waits"
+                else:  # the negative control: not held, the read returns before the write
+                    stale = sim.to_numpy(handoff.from_dlpack(source, stream=-1), stream=second_stream)
+            yield read.result() if ordered else stale
+
+    def other():
+        with handoff.stream(first_stream):
+            yield
+
+    def body():
+        first, second = other(), reader()
+        next(first)
+        next(second)  # entered after the first's block, beside it
+        for _ in first:  # the first's block ends first
+            pass
+        seen = next(second)
+        for _ in second:
+            pass
+        return seen
+
+    seen = contextvars.copy_context().run(body)
+    sim.synchronize()
+    assert (seen == (7.0 if ordered else 0.0)).all()
+
+
+def _batches(handle: int, seen: list[object]):
+    with handoff.stream(handle):
+        for i in range(3):
+            seen.append(handoff.current_stream())
+            yield i
+
+
+def _drain_in_an_asyncio_task(rest) -> list[int]:
+    async def drain() -> list[int]:
+        return list(rest)
+
+    return asyncio.run(drain())
+
+
+def _drain_in_asyncio_to_thread(rest) -> list[int]:
+    async def drain() -> list[int]:
+        return await asyncio.to_thread(list, rest)
+
+    return asyncio.run(drain())
+
+
+def _drain_in_a_copied_context(rest) -> list[int]:
+    return contextvars.copy_context().run(list, rest)
+
+
+@pytest.mark.parametrize(
+    "drain",
+    [_drain_in_an_asyncio_task, _drain_in_asyncio_to_thread, _drain_in_a_copied_context],
+    ids=lambda f: f.__name__,
+)
+def test_a_block_left_in_a_copy_of_its_context_ends_here_too(drain):
+    # A generator primed here (its block entered in this context) and finished in a copy of it.
+    seen: list[object] = []
+    batches = _batches(13, seen)
+    assert next(batches) == 0
+    assert handoff.current_stream() == handoff.Stream(13), "a generator's block is seen by the code driving it"
+    assert drain(batches) == [1, 2]
+    assert seen == [handoff.Stream(13)] * 3
+    assert handoff.current_stream() is None, "the block ended: its stream is no longer current here"
+    with handoff.stream(14):  # and this context's blocks work as before
+        assert handoff.current_stream() == handoff.Stream(14)
+    assert handoff.current_stream() is None
+
+
+@needs_sim
+def test_a_block_ended_elsewhere_no_longer_orders_imports_here(sim_streams):
+    from handoff import sim
+
+    _, consumer = sim_streams
+    data = sim.zeros((4,), "float32")
+
+    def consumer_stream_of_an_import() -> int:
+        with handoff.trace() as t:
+            handoff.from_dlpack(data)
+        return t.events[0]["consumer_stream"]
+
+    batches = _batches(consumer.handle, [])
+    next(batches)
+    assert consumer_stream_of_an_import() == consumer.handle
+    assert _drain_in_an_asyncio_task(batches) == [1, 2]
+    assert consumer_stream_of_an_import() == DEFAULT_STREAM, "onto the default stream, as outside every block"
 
 
 def test_leaving_a_block_entered_in_another_context_changes_nothing_here():
@@ -326,3 +460,106 @@ def test_block_applies_to_imports_of_cpu_data(live):
         h = handoff.from_dlpack(a)  # CPU data needs no ordering: the block does not get in the way
         assert h.data_ptr == a.ctypes.data
         assert handoff.asarray(memoryview(a)).data_ptr == a.ctypes.data
+
+
+# --- frameworks=True: frameworks' current streams are per thread ------------------------------
+
+
+class PerThreadLibrary:
+    """A library whose current stream is per thread, as PyTorch's (torch.cuda.current_stream) and
+    CuPy's are, registered with handoff as its adapter would be."""
+
+    name = "perthreadlib"
+
+    def __init__(self) -> None:
+        self._state = threading.local()
+
+    def current(self, device: int = 0) -> int | None:
+        return getattr(self._state, "stream", None)
+
+    @contextlib.contextmanager
+    def use(self, handle: int, device: int):
+        previous, self._state.stream = self.current(), handle
+        try:
+            yield
+        finally:
+            self._state.stream = previous
+
+
+@pytest.fixture
+def per_thread_library(monkeypatch: pytest.MonkeyPatch):
+    from handoff import _streams
+    from handoff._adapters import registry
+
+    library = PerThreadLibrary()
+    monkeypatch.setitem(sys.modules, library.name, types.ModuleType(library.name))
+    monkeypatch.setattr(_streams, "_overlap_warned", False, raising=False)
+    handoff.register_library(
+        handoff.LibraryAdapter(library.name, current_stream=library.current, use_stream=library.use)
+    )
+    yield library
+    registry.remove(library.name)
+
+
+def test_frameworks_blocks_of_interleaved_tasks_restore_the_frameworks_stream(
+    per_thread_library: PerThreadLibrary, capfd: pytest.CaptureFixture[str]
+):
+    library = per_thread_library
+    seen: dict[str, object] = {}
+
+    async def work(handle: int, entered: asyncio.Event, leave: asyncio.Event) -> None:
+        with handoff.stream(handle, frameworks=True):
+            entered.set()
+            await leave.wait()
+            seen[f"{handle:#x} leaving"] = (handoff.current_stream(), library.current())
+
+    async def main() -> None:
+        first, second = (asyncio.Event(), asyncio.Event()), (asyncio.Event(), asyncio.Event())
+        one = asyncio.create_task(work(0x51, *first))
+        await first[0].wait()
+        two = asyncio.create_task(work(0x52, *second))
+        await second[0].wait()
+        first[1].set()  # the block entered first ends first
+        await one
+        seen["between"] = library.current()
+        second[1].set()
+        await two
+
+    asyncio.run(main())
+    assert seen["0x51 leaving"] == (handoff.Stream(0x51), 0x52), (
+        "per thread: the library follows the block entered last"
+    )
+    assert seen["between"] == 0x52, "the block still open keeps the library's stream"
+    assert seen["0x52 leaving"] == (handoff.Stream(0x52), 0x52)
+    assert library.current() is None, "every block ended: the library's own stream is back"
+    assert "frameworks' current streams are per thread" in capfd.readouterr().err
+
+
+def test_frameworks_blocks_nested_in_one_task_restore_in_order(per_thread_library: PerThreadLibrary):
+    library = per_thread_library
+    with handoff.stream(0x61, frameworks=True):
+        with handoff.stream(0x62, frameworks=True):
+            assert library.current() == 0x62
+        assert library.current() == 0x61
+    assert library.current() is None
+
+
+def test_a_frameworks_block_left_on_another_thread_is_restored_on_its_own(per_thread_library: PerThreadLibrary):
+    library = per_thread_library
+
+    def batches():
+        with handoff.stream(0x71, frameworks=True):
+            yield 0
+            yield 1
+
+    primed = batches()
+    next(primed)
+    assert library.current() == 0x71
+    left = threading.Thread(target=list, args=(primed,))
+    left.start()
+    left.join()
+    # That thread cannot set this thread's stream; this thread's next frameworks block does.
+    assert handoff.current_stream() is None
+    with handoff.stream(0x72, frameworks=True):
+        assert library.current() == 0x72
+    assert library.current() is None

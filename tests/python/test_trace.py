@@ -23,7 +23,7 @@ import pytest
 
 import handoff
 
-from support import BACKEND, DEVICE_TYPE, needs_sim, needs_two_devices, pending_write, run_python
+from support import BACKEND, needs_sim, needs_two_devices, pending_write, run_python, waiting_read
 
 THIS_FILE = Path(__file__).resolve()
 
@@ -178,10 +178,11 @@ def test_an_unordered_hand_off_of_pending_work_is_flagged_where_it_happened(sim_
     from handoff import sim
 
     producer, consumer = sim_streams
-    data = pending_write(producer)
-    with handoff.trace() as t:
-        stale = handoff.from_dlpack(data, stream=-1)  # marker: unordered hand-off
-        seen = sim.to_numpy(stale, stream=consumer)
+    with sim.hold(producer):
+        data = pending_write(producer)
+        with handoff.trace() as t:
+            stale = handoff.from_dlpack(data, stream=-1)  # marker: unordered hand-off
+            seen = sim.to_numpy(stale, stream=consumer)
     assert seen[0] == 0.0, "the negative control of the trace: the consumer did read stale data"
     (hazard,) = t.hazards()
     assert hazard["hazard"] == "unordered" and hazard["action"] == "unordered"
@@ -207,9 +208,10 @@ def test_an_unordered_interface_import_of_pending_work_is_flagged(sim_streams):
     from handoff import sim
 
     producer, _ = sim_streams
-    pending = pending_write(producer)
     with handoff.trace() as t:
-        handoff.asarray(InterfaceOnly(pending), stream=-1)  # marker: unordered interface import
+        with sim.hold(producer):
+            pending = pending_write(producer)
+            handoff.asarray(InterfaceOnly(pending), stream=-1)  # marker: unordered interface import
         sim.synchronize()
         handoff.asarray(InterfaceOnly(pending), stream=-1)  # negative control: the write is done
     imports = [e for e in t.events if e["kind"] == "import"]
@@ -224,8 +226,10 @@ def test_negative_controls_an_ordered_hand_off_or_finished_work_is_no_hazard(sim
 
     producer, consumer = sim_streams
     with handoff.trace() as t:
-        ordered = handoff.from_dlpack(pending_write(producer), stream=consumer)
-        assert sim.to_numpy(ordered, stream=consumer)[0] == 1.0
+        with sim.hold(producer):
+            ordered = handoff.from_dlpack(pending_write(producer), stream=consumer)
+            read = waiting_read(ordered, consumer)
+        assert read.result()[0] == 1.0
         finished = pending_write(producer)
         sim.synchronize()
         handoff.from_dlpack(finished, stream=-1)
@@ -297,8 +301,9 @@ def test_handoff_trace_run_prints_the_hazard_with_the_scripts_line_and_keeps_its
         from handoff import sim
         producer = sim.Stream()
         data = sim.zeros(16, "float32")
-        sim.fill(data, 1.0, stream=producer, delay=0.2)
-        stale = handoff.from_dlpack(data, stream=-1)
+        with sim.hold(producer):  # the write is pending at the exchange
+            sim.fill(data, 1.0, stream=producer)
+            stale = handoff.from_dlpack(data, stream=-1)
         sim.synchronize()
         sys.exit(3)
     """)
@@ -310,7 +315,7 @@ def test_handoff_trace_run_prints_the_hazard_with_the_scripts_line_and_keeps_its
     )
     assert result.returncode == 3, result.stderr
     report = result.stdout + result.stderr
-    assert "unordered" in report and f"{script}:8" in report, report
+    assert "unordered" in report and f"{script}:9" in report, report
 
 
 # --- the live socket -----------------------------------------------------------------------------
@@ -368,7 +373,10 @@ class Owner:  # its release runs on the runtime's service thread, and holds it t
         running.set()
         finish.wait(60)
 
-handoff._handoff._interposed_keep(Owner(), ({device_type}, 0), stream.handle)
+data = sim.zeros(4)
+view = handoff.view(data.data_ptr, (4,), "float32", device=data.device, owner=Owner())
+handoff.from_dlpack(view, stream=stream)  # imported and dropped: the release waits for the stream
+del view
 assert running.wait(60), "the release did not run"
 clients = [socket.socket(socket.AF_UNIX) for _ in range(17)]
 for client in clients:
@@ -384,7 +392,7 @@ print(sum('"hello"' in line for line in lines), sum("16 clients are attached alr
 def test_the_socket_serves_while_the_service_thread_runs_a_release_and_refuses_clients_past_sixteen():
     # Serving on the thread that runs the deferred releases, a busy release held every client (and
     # idle clients delayed the releases); past 16 clients, memory grew with each.
-    result = run_python(SERVING_WHILE_RELEASING.format(device_type=DEVICE_TYPE))
+    result = run_python(SERVING_WHILE_RELEASING)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["16", "1"]
 
@@ -398,9 +406,8 @@ def test_a_served_trace_streams_each_exchange_to_an_attached_client(tmp_path):
             client.settimeout(30)
             client.connect(path)
             with client.makefile("r") as reader:
-                hello = json.loads(reader.readline())
+                hello = json.loads(reader.readline())  # sent once the server has admitted the client
                 assert hello["hello"] == "handoff" and hello["pid"] == child.pid
-                time.sleep(0.2)  # the server has admitted the client before the imports begin
                 go_on(child)
                 events = [json.loads(reader.readline()) for _ in range(6)]
         assert sorted(e["kind"] for e in events) == ["import"] * 3 + ["release"] * 3
@@ -419,8 +426,7 @@ def test_garbage_and_a_vanishing_client_do_not_disturb_the_traced_process(tmp_pa
             polite.settimeout(30)
             polite.connect(path)
             with polite.makefile("r") as reader:
-                assert json.loads(reader.readline())["hello"] == "handoff"
-                time.sleep(0.2)
+                assert json.loads(reader.readline())["hello"] == "handoff"  # admitted
                 go_on(child)
                 assert json.loads(reader.readline())["kind"] in ("import", "release")
         go_on(child)

@@ -5,6 +5,7 @@ trace JSON, the ownership graph as DOT, the classification of source files into 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -25,7 +26,7 @@ import pytest
 import handoff
 import handoff._handoff as extension
 from handoff import _trace, _trace_cli
-from handoff._trace import chrome_trace, graph_to_dot, library_of_file, summary
+from handoff._trace import chrome_trace, format_event, graph_to_dot, library_of_file, summary
 
 TRAIN = "/home/me/train.py"
 UNORDERED = "handed over with no ordering while its producer stream 0x10 still had work pending"
@@ -272,7 +273,9 @@ def test_chrome_trace_has_a_slice_per_exchange_on_the_consumer_stream():
     tracks = {e["args"]["name"]: e["tid"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
     slices = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "handoff"]
     assert len(slices) == len(EVENTS)
-    assert [s["args"] for s in slices] == as_json(EVENTS)
+    # The events are kept once, under "handoff": a slice shows the exchange in one line.
+    assert [s["args"]["exchange"] for s in slices] == [format_event(e) for e in EVENTS]
+    assert all("time_ns" not in s["args"] for s in slices)
     assert slices[0]["name"] == "import torch\u2192handoff" and slices[0]["tid"] == tracks["cuda:0 stream 0x20"]
     assert slices[0]["ts"] == 0.0 and slices[1]["ts"] == 2.0 and all(isinstance(s["ts"], float) for s in slices)
     assert all(s["dur"] > 0 for s in slices)
@@ -571,6 +574,41 @@ def test_hostile_trace_files_are_one_line_errors(
         assert err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize(
+    ("field", "number", "shown"),
+    [
+        ("nbytes", "1e400", "the number 1e400 is out of a float's range"),
+        ("nbytes", "-1e400", "the number -1e400 is out of a float's range"),
+        ("nbytes", "9" * 400, "the integer 999999999999... (400 characters) is out of the 64-bit range"),
+        ("time_ns", str(2**64), f"the integer {2**64} is out of the 64-bit range"),
+        ("shape", "[" + "9" * 5000 + "]", "the integer 999999999999... (5000 characters) is out of the 64-bit range"),
+    ],
+)
+def test_numbers_no_trace_holds_are_one_line_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str, number: str, shown: str
+):
+    path = tmp_path / "numbers.json"
+    event_text = json.dumps({**HOSTILE_EVENT, field: 0}).replace(f'"{field}": 0', f'"{field}": {number}')
+    path.write_text('{"handoff": {"events": [' + event_text + "]}}")
+    node = '{"id": "a", "kind": "buffer", "nbytes": ' + number + "}"
+    graph = tmp_path / "graph.json"
+    graph.write_text('{"handoff": {"events": [], "graph": {"nodes": [' + node + '], "edges": []}}}')
+    for command in (["show", str(path)], ["show", "--json", str(path)], ["graph", str(graph)]):
+        assert _trace_cli.main(command) == 2
+        err = capsys.readouterr().err
+        assert err == f"handoff-trace: {command[-1]}: not a handoff trace ({shown})\n"
+
+
+def test_the_largest_numbers_a_trace_holds_are_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    path = tmp_path / "large.json"
+    large = {**HOSTILE_EVENT, "nbytes": 2**64 - 1, "time_ns": 2**63 - 1, "shape": [2**63 - 1], "thread": -(2**63)}
+    path.write_text(json.dumps({"handoff": {"events": [large, {**HOSTILE_EVENT, "nbytes": 1e300}]}}))
+    assert _trace_cli.main(["show", str(path)]) == 0
+    assert "2 events" in capsys.readouterr().out
+    assert _trace_cli.main(["show", "--json", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["nbytes"] == 2**64 - 1
+
+
 @pytest.mark.parametrize("pid", ["99999999999", "0", "-3"])
 def test_attach_to_a_pid_that_cannot_be_a_process(pid: str, capsys: pytest.CaptureFixture[str]):
     assert _trace_cli.main(["attach", pid]) == 2
@@ -585,6 +623,27 @@ def test_graph_prints_dot_or_json(saved: Path, tmp_path: Path, capsys: pytest.Ca
     out = tmp_path / "g.dot"
     assert _trace_cli.main(["graph", str(saved), "-o", str(out)]) == 0
     assert out.read_text() == graph_to_dot(GRAPH)
+
+
+@pytest.mark.parametrize(
+    ("output", "status", "reason"),
+    [
+        ("/dev/full", 1, "cannot write it: No space left on device"),
+        ("{tmp}", 2, "is a directory"),
+        ("{tmp}/missing/g.dot", 2, "no directory"),
+        ("{tmp}/a-file/g.dot", 2, "no directory"),
+        ("/proc/handoff-graph.dot", 2, "cannot write it: No such file or directory"),
+    ],
+)
+def test_graph_to_an_output_that_cannot_be_written_is_one_line(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], output: str, status: int, reason: str
+):
+    (tmp_path / "a-file").write_text("")
+    output = output.format(tmp=tmp_path)
+    for format in ("dot", "json"):
+        assert _trace_cli.main(["graph", str(saved), "--format", format, "-o", output]) == status
+        err = capsys.readouterr().err
+        assert err.startswith(f"handoff-trace: graph -o {output}: ") and reason in err and err.count("\n") == 1, err
 
 
 def test_graph_of_a_trace_without_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
@@ -761,6 +820,66 @@ def test_attach_to_a_process_not_serving_says_how_to_serve(runtime_dir: Path, ca
     assert "HANDOFF_TRACE_SOCKET=1" in err and "handoff.serve_trace()" in err
 
 
+OTHER_UID = 65534  # nobody
+needs_another_user = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv to run as another user"
+)
+
+
+def as_user(uid: int, *command: str) -> list[str]:
+    return ["setpriv", "--reuid", str(uid), "--regid", str(uid), "--clear-groups", *command]
+
+
+@contextlib.contextmanager
+def serving_process(uid: int) -> Iterator[tuple[int, Path]]:
+    """A process of user `uid` that serves its trace (under /tmp, as with no XDG_RUNTIME_DIR) until
+    the block ends: its pid and its socket."""
+    env = {key: value for key, value in os.environ.items() if key != "XDG_RUNTIME_DIR"}
+    code = "import handoff, sys\nprint(handoff.serve_trace(), flush=True)\nsys.stdin.read()"
+    command = [sys.executable, "-c", code]
+    server = subprocess.Popen(
+        as_user(uid, *command) if uid != os.geteuid() else command,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**env, "TMPDIR": "/tmp", "HOME": "/tmp"},
+        cwd="/tmp",
+    )
+    with server:  # closes its pipes: the closed stdin makes it leave, removing its socket
+        assert server.stdout is not None
+        yield server.pid, Path(server.stdout.readline().strip())
+
+
+@needs_another_user
+def test_attach_to_another_users_process_reaches_its_refusal(capsys: pytest.CaptureFixture[str]):
+    with serving_process(OTHER_UID) as (pid, path):
+        assert path == Path(f"/tmp/handoff-{OTHER_UID}/trace-{pid}.sock")
+        assert _trace_cli.socket_paths(pid)[0] == path, "found where that user's process serves it"
+        assert _trace_cli.main(["attach", str(pid), "--timeout", "20"]) == 1
+    err = capsys.readouterr().err
+    assert err == f"handoff-trace: process {pid}: refused: peer uid 0 is not the server's uid {OTHER_UID}\n"
+
+
+@needs_another_user
+def test_attach_as_another_user_says_whose_process_it_is():
+    cli = "import sys\nfrom handoff._trace_cli import main\nsys.exit(main())"
+    with serving_process(0) as (pid, path):
+        assert path.parent == Path("/tmp/handoff-0")
+        result = subprocess.run(
+            as_user(OTHER_UID, sys.executable, "-c", cli, "attach", str(pid), "--timeout", "20"),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            cwd="/tmp",
+            env={key: value for key, value in os.environ.items() if key != "XDG_RUNTIME_DIR"},
+        )
+    assert result.returncode == 1
+    assert result.stderr.startswith("handoff-trace: permission denied: ")
+    assert f"process {pid} runs as uid 0: attach as the user that runs it" in result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
+
+
 def test_attach_to_no_process(runtime_dir: Path, capsys: pytest.CaptureFixture[str]):
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
@@ -891,12 +1010,59 @@ def test_run_keeps_an_existing_output_file_unread_when_no_new_trace_comes(
 def test_run_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path):
     assert _trace_cli.main(["run"]) == 2
     assert "no command given" in capsys.readouterr().err
-    assert _trace_cli.main(["run", "-o", str(tmp_path), "--", sys.executable, "-c", "pass"]) == 2
-    assert "is a directory" in capsys.readouterr().err
-    assert _trace_cli.main(["run", "-o", str(tmp_path / "no" / "t.json"), "--", sys.executable, "-c", "pass"]) == 2
-    assert "no directory" in capsys.readouterr().err
     assert _trace_cli.main(["run", "--", "/nonexistent/program"]) == 127
     assert "command not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("output", "reason"),
+    [
+        ("{tmp}", "is a directory; name the file to write"),
+        ("{tmp}/missing/t.json", "no directory {tmp}/missing to write it in"),
+        ("{tmp}/a-file/t.json", "no directory {tmp}/a-file to write it in"),
+        ("/proc/handoff-run.json", "cannot write it: No such file or directory"),
+    ],
+)
+@pytest.mark.parametrize(("program_status", "status"), [(3, 3), (0, 1)])
+def test_run_says_at_once_that_it_cannot_write_its_output_and_still_runs_the_program(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    output: str,
+    reason: str,
+    program_status: int,
+    status: int,
+):
+    (tmp_path / "a-file").write_text("")
+    output, reason = output.format(tmp=tmp_path), reason.format(tmp=tmp_path)
+    report = tmp_path / "report.json"
+    script = child_script(chrome_trace(EVENTS), report, program_status)
+    assert _trace_cli.main(["run", "-o", output, "--", sys.executable, "-c", script]) == status
+    first, *rest = capsys.readouterr().err.splitlines()
+    assert first == f"handoff-trace: run -o {output}: {reason} (the program runs, its trace is not saved)"
+    assert report.exists(), "the program ran"
+    assert "EXCHANGES" in rest and "2x  unordered" in "\n".join(rest), "its summary is printed"
+    assert any(line.startswith(f"handoff-trace: run -o {output}: cannot write it: ") for line in rest), (
+        "the trace's loss is said again at its end"
+    )
+    assert not any("Traceback" in line or "trace saved" in line for line in rest)
+
+
+def test_run_makes_no_output_file_when_no_trace_comes(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    output = tmp_path / "t.json"
+    assert _trace_cli.main(["run", "-o", str(output), "--", sys.executable, "-S", "-c", "pass"]) == 0
+    assert not output.exists(), "checking the path left no empty file"
+
+
+@pytest.mark.parametrize(("program_status", "status"), [(3, 3), (0, 1)])
+def test_run_that_cannot_save_its_trace_keeps_the_summary_and_the_programs_status(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], program_status: int, status: int
+):
+    script = child_script(chrome_trace(EVENTS), tmp_path / "report.json", program_status)
+    assert _trace_cli.main(["run", "-o", "/dev/full", "--", sys.executable, "-c", script]) == status
+    err = capsys.readouterr().err
+    assert "handoff-trace: run -o /dev/full: cannot write it: No space left on device\n" in err
+    assert "EXCHANGES" in err and "2x  unordered" in err, "the summary is printed"
+    assert "trace saved" not in err and "Traceback" not in err
 
 
 def test_the_shim_never_breaks_the_program(

@@ -43,8 +43,8 @@ class context {
   context& operator=(const context&) = delete;
   context(context&&) = delete;
   context& operator=(context&&) = delete;
-  /// drain_at_exit(exit_drain_limit), unless it ran and nothing was released after it; then
-  /// destroys the pool's events.
+  /// drain_at_exit(exit_drain_limit), unless it ran and no release was asked for since; then
+  /// destroys the pool's events. What is still pending is left to the ending process, and logged.
   ~context();
 
   /// How long the destructor waits for the pending releases.
@@ -64,7 +64,10 @@ class context {
   /// blocking the caller or the stream: an event from the pool is recorded on `stream` (counted in
   /// deferred_releases) and the executor polls it, then runs `release`. Nothing is enqueued that
   /// the stream must wait for (a host function would hold it until a host thread ran it). If the
-  /// event cannot be recorded, the executor waits for the whole stream instead: never early. While
+  /// event cannot be recorded, the executor waits for the whole stream instead: never early. A
+  /// failure (a record, a query, a wait, the device made current) is tried again; only a stream that
+  /// keeps failing (a sticky error) has the release abandoned and `release` kept unrun. It runs with
+  /// `device` current. While
   /// `stream` captures into a graph, nothing goes into the graph (it would run at every launch, or
   /// never): the executor waits for the capture to end, then records.
   ///
@@ -84,11 +87,13 @@ class context {
   void drain();
   /// drain(), for at most `limit`. @return true when nothing drain() waits for is pending.
   bool drain_for(std::chrono::nanoseconds limit);
-  /// At exit: waits, at most `limit`, for the pending releases whose streams can still get there.
-  /// Only the streams that have releases pending are looked at (never whole devices: that would
-  /// create a context on a device nothing used), through a polled event, never a blocking call; a
-  /// stream that fails (a sticky device error) will never get there, and its releases are
-  /// abandoned at once. What is abandoned is logged, by stream and why. @return true when nothing is pending.
+  /// At exit: waits, at most `limit`, for the releases pending when it is called whose streams can
+  /// still get there (not for those threads still exchanging ask for meanwhile). Only the streams
+  /// that have releases pending are looked at (never whole devices: that would create a context on
+  /// a device nothing used), through a polled event, never a blocking call; a stream that keeps
+  /// failing (a sticky device error) will never get there, and its releases are abandoned. What is
+  /// abandoned is logged, by stream and why. @return true when none of the releases it waited for
+  /// is pending.
   bool drain_at_exit(std::chrono::nanoseconds limit) noexcept;
 
  private:

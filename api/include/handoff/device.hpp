@@ -89,6 +89,10 @@ class backend {
   /// (cuDevicePrimaryCtxReset, as numba-cuda's cuda.close() does) gives it a new one, and what was
   /// made in the old one (events, streams, memory) is gone.
   [[nodiscard]] virtual std::uint64_t context_id(int device) = 0;
+  /// The id (as context_id's) of the context current on the calling thread, which the events and
+  /// streams it creates now belong to: a device's primary context, or one the application made and
+  /// made current; 0 while none is.
+  [[nodiscard]] virtual std::uint64_t current_context_id() = 0;
 
   /// The legacy default stream: implicitly synchronizes with every blocking stream of its device.
   [[nodiscard]] virtual stream_handle legacy_default_stream() const noexcept = 0;

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -40,10 +41,13 @@ class pooled_event {
   device::event_handle event_;
 };
 
-/// Events (timing disabled) of one backend, pooled per device and per device context: after a
-/// context reset (numba-cuda's `cuda.close()` resets the primary context) the events of the old
-/// context are gone with it, and are neither handed out nor destroyed again. A returned event may be
-/// re-recorded at once: a stream's wait captures the record as of the wait call, as CUDA specifies.
+/// Events (timing disabled) of one backend, pooled per device and per device context: an event is
+/// created in the context current where it is asked for (that device's primary context, or a context
+/// the application made and made current), which its streams belong to, and is handed out again only
+/// where that context is current. After a reset of a device's primary context (numba-cuda's
+/// `cuda.close()`) the events of the old one are gone with it, and are neither handed out nor
+/// destroyed again. A returned event may be re-recorded at once: a stream's wait captures the record
+/// as of the wait call, as CUDA specifies.
 class event_pool {
  public:
   explicit event_pool(device::backend& backend) : backend_(backend) {}
@@ -53,7 +57,8 @@ class event_pool {
   event_pool& operator=(event_pool&&) = delete;
   ~event_pool();
 
-  /// An event of `device`, which must be the current device. Counted in events_reused or
+  /// An event of the context current for `device` (made current where none, or another device's,
+  /// is: the event must be of the device whose stream records it). Counted in events_reused or
   /// events_created. @throws device_error when creating one fails.
   [[nodiscard]] pooled_event acquire(int device);
 
@@ -69,14 +74,20 @@ class event_pool {
   friend class pooled_event;
   void give_back(int device, std::uint64_t context, device::event_handle event) noexcept;
 
-  struct device_pool {
+  struct context_pool {
     std::uint64_t context{0};  // the context its events belong to
     std::vector<device::event_handle> events;
   };
+  struct device_pools {
+    std::uint64_t primary{0};  // the id of the device's primary context when last asked
+    std::vector<context_pool> contexts;
+  };
+  [[nodiscard]] context_pool* find(int device, std::uint64_t context);  // call with mutex_ held
+  [[nodiscard]] std::optional<pooled_event> take_idle(int device, std::uint64_t context);
 
   device::backend& backend_;
   mutable std::mutex mutex_;
-  std::vector<device_pool> idle_;  // by device
+  std::vector<device_pools> idle_;  // by device
 };
 
 }  // namespace handoff

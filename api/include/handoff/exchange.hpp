@@ -143,23 +143,30 @@ class exchange {
 
   /// Completes the import of `view`, which a producer handed over as `answer` says (the array of a
   /// consumed capsule), for `request`: checks that the data is on the device the producer claimed
-  /// (the consumer stream was given in that device's numbering), binds device data to the consumer
-  /// stream (its producer then outlives the work enqueued there), and applies `device` and `copy`
-  /// where the producer did not.
-  /// @throws value_error for data on another device than claimed; what binding and transfer throw.
+  /// (the consumer stream was given in that device's numbering), admits device data as every import
+  /// is (its memory checked, every byte, against the backend's allocations, ordered or not), binds
+  /// it to the consumer stream (its producer then outlives the work enqueued there), and applies
+  /// `device` and `copy` where the producer did not.
+  /// @throws value_error for data on another device than claimed, or past its allocation;
+  ///         device_error for data of the device family the backend does not order; what binding
+  ///         and transfer throw.
   [[nodiscard]] array import(array view, const import_request& request, const producer_answer& answer);
 
   /// The import of a tensor a producer's DLPack C exchange API table made, without synchronizing:
-  /// the consumer stream waits for the producer's current work stream. nullopt, the tensor
-  /// released, where `__dlpack__` must be asked instead (a lazily conjugated tensor; a question the
-  /// producer failed to answer).
+  /// admitted as import() admits, the consumer stream waits for the producer's current work
+  /// stream. nullopt, the tensor released, where `__dlpack__` must be asked instead (a lazily
+  /// conjugated tensor; a question the producer failed to answer).
+  /// @throws as import() for data it does not admit (the tensor released).
   [[nodiscard]] std::optional<array> import_from_table(DLManagedTensorVersioned* tensor, const named_stream& consumer,
                                                        table_producer& producer);
 
   /// The import of validated CUDA Array Interface data owned by `owner`: the device is what the
-  /// backend knows of the pointer; the interface's `stream` (the producer's) is waited for, and,
-  /// where it is certain to be alive then (`producer_stream_owner` keeps a stream object), made to
-  /// wait for the consumer's work on the data when the view is released.
+  /// backend knows of the pointer, and every byte is checked as import() checks it; the interface's
+  /// `stream` (the producer's) is waited for, and, where it is certain to be alive then
+  /// (`producer_stream_owner` keeps a stream object), made to wait for the consumer's work on the
+  /// data when the view is released.
+  /// @throws value_error for memory past its allocation; buffer_error for memory the device does
+  ///         not know.
   [[nodiscard]] array import_interface(cuda_interface interface, producer_ref owner, const import_request& request,
                                        std::shared_ptr<const void> producer_stream_owner = {});
 
@@ -178,9 +185,10 @@ class exchange {
   [[nodiscard]] array share(const array& source, const named_stream& consumer);
 
   /// Data a consumer made on `work_stream` and handed over as `view` (the C exchange API's
-  /// `managed_tensor_to_py_object`, the tensor imported): ready there, and released after the work
-  /// enqueued there.
-  /// @throws device_error for device memory the backend cannot order.
+  /// `managed_tensor_to_py_object`, the tensor imported): admitted as import() admits, ready there,
+  /// and released after the work enqueued there.
+  /// @throws device_error for device memory the backend cannot order; value_error for memory past
+  ///         its allocation.
   [[nodiscard]] array adopt(array view, const named_stream& work_stream);
 
   // --- a library's own memory ----------------------------------------------------------------------
@@ -216,6 +224,28 @@ class exchange {
   /// hand_over for a consumer that borrows the view's own description (a bare DLTensor).
   void lend(const array& view, const named_stream& consumer);
 
+  // --- streams and memory, for a front end that orders other libraries' exchanges ---------------
+
+  /// The stream `stream` names for work on data of `data` (its handle resolved by the stream table of
+  /// the device type), bound on the device whose streams order that data: the data's device, or for
+  /// pinned and managed memory, which DLPack numbers device 0 whatever device works on it, the
+  /// stream's own. `stream.owner` goes with it. nullopt for data without streams, where no context
+  /// serves that device type, or for stream=-1.
+  /// @throws value_error for a stream the device type does not take; device_error when the backend
+  ///         cannot tell a stream's device (a destroyed stream).
+  [[nodiscard]] std::optional<stream_binding> bind_stream(DLDevice data, const named_stream& stream) const;
+
+  /// Whether a release deferred behind `stream` (for data of `type`) is certain to find it alive, as
+  /// exports decide for their consumer's stream (export_release): a default stream, a stream its
+  /// owner keeps alive, or any stream when the application vouches for every consumer stream.
+  /// @throws value_error for a stream the device type does not take.
+  [[nodiscard]] bool may_release_after(const named_stream& stream, DLDeviceType type) const;
+
+  /// The DLPack device of the memory at `data`, as an import of a CUDA Array Interface names it;
+  /// nullopt where no context serves device memory or the backend does not know the memory.
+  /// @throws buffer_error for managed memory on ROCm, which DLPack has no device type for.
+  [[nodiscard]] std::optional<DLDevice> device_of(const void* data) const;
+
   /// The stream to tell a consumer that may synchronize it, rather than wait on it, that `view`'s
   /// data is ready on (the CUDA Array Interface's `stream`), as a DLPack stream value; nullopt when
   /// none is known. A stream synchronization of the legacy default stream waits only for work
@@ -223,7 +253,11 @@ class exchange {
   [[nodiscard]] std::optional<std::int64_t> interface_stream(const array& view) const;
 
  private:
+  // Admits `view` (internal/ordering.hpp's admit) and binds it to `consumer`'s stream: nullopt for
+  // host data, data the consumer orders itself (stream=-1), or with no backend.
   [[nodiscard]] std::optional<stream_binding> consumer_binding(const array& view, const named_stream& consumer) const;
+  // device_context(), or null where the backend cannot be used.
+  [[nodiscard]] context* usable_context() const noexcept;
   void bind_to_consumer(const array& view, const named_stream& consumer) const;
   void order_hand_over(const array& view, const named_stream& consumer) const;
   void require_ordering(DLDeviceType type) const;

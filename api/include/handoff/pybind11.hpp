@@ -35,6 +35,11 @@
 
 namespace handoff::pybind {
 
+/// The `stream` of an array made from C++ memory that is ready on the stream of the enclosing
+/// handoff.stream block (the caller's): for device memory, where that stream is on the data's
+/// device; else unknown. An array's default.
+inline constexpr std::intptr_t enclosing_stream = HANDOFF_STREAM_ENCLOSING;
+
 /// Memory a bound class describes for def_dlpack.
 struct array_desc {
   void* data = nullptr;
@@ -647,27 +652,32 @@ class array {
   /// An array of C++ memory, as nb::ndarray(data, shape, owner): `owner` (a capsule, `self`, any
   /// object) is kept alive as long as the array or anything exported from it. `strides` in elements
   /// (empty: row-major); `device` the memory's (default: the host; device memory is checked against
-  /// the device it claims, and exports order after the device's legacy default stream, its ready
-  /// stream being unknown). The dtype is the scalar constraint's; `ro` makes it read-only.
+  /// the device it claims). `stream` is the native handle of the stream device data is ready on (a
+  /// kernel that wrote it there): exports order the consumer after it. By default, the enclosing
+  /// handoff.stream block's stream (the caller's) where it is on the data's device; 0 or no block:
+  /// unknown, so exports order after the device's legacy default stream, which does not cover a
+  /// non-blocking stream's work. The dtype is the scalar constraint's; `ro` makes it read-only.
   /// @throws pybind11::value_error for extents or strides that do not fit, or memory that breaks a
   ///         constraint (the reason named); what handoff.view raises.
   template <typename S = scalar, std::enable_if_t<!std::is_void_v<S>, int> = 0>
   array(pointer data, std::initializer_list<std::int64_t> shape, pybind11::handle owner,
-        std::initializer_list<std::int64_t> strides = {}, DLDevice device = {kDLCPU, 0})
-      : array(data, shape.size(), shape.begin(), owner, strides.size(), strides.begin(), device)
+        std::initializer_list<std::int64_t> strides = {}, DLDevice device = {kDLCPU, 0},
+        std::intptr_t stream = enclosing_stream)
+      : array(data, shape.size(), shape.begin(), owner, strides.size(), strides.begin(), device, stream)
   {}
   /// The same with the extents as pointer and count (`strides` may be null: row-major).
   template <typename S = scalar, std::enable_if_t<!std::is_void_v<S>, int> = 0>
   array(pointer data, std::size_t ndim, const std::int64_t* shape, pybind11::handle owner,
-        const std::int64_t* strides = nullptr, DLDevice device = {kDLCPU, 0})
-      : array(data, ndim, shape, owner, strides != nullptr ? ndim : 0, strides, device)
+        const std::int64_t* strides = nullptr, DLDevice device = {kDLCPU, 0}, std::intptr_t stream = enclosing_stream)
+      : array(data, ndim, shape, owner, strides != nullptr ? ndim : 0, strides, device, stream)
   {}
 #if __cplusplus >= 202002L
   /// The same with the extents as spans (C++20).
   template <typename S = scalar, std::enable_if_t<!std::is_void_v<S>, int> = 0>
   array(pointer data, std::span<const std::int64_t> shape, pybind11::handle owner,
-        std::span<const std::int64_t> strides = {}, DLDevice device = {kDLCPU, 0})
-      : array(data, shape.size(), shape.data(), owner, strides.size(), strides.data(), device)
+        std::span<const std::int64_t> strides = {}, DLDevice device = {kDLCPU, 0},
+        std::intptr_t stream = enclosing_stream)
+      : array(data, shape.size(), shape.data(), owner, strides.size(), strides.data(), device, stream)
   {}
 #endif
 
@@ -777,7 +787,7 @@ class array {
  private:
   template <typename S = scalar>
   array(pointer data, std::size_t ndim, const std::int64_t* shape, pybind11::handle owner, std::size_t stride_count,
-        const std::int64_t* strides, DLDevice device)
+        const std::int64_t* strides, DLDevice device, std::intptr_t stream)
   {
     static_assert(!std::is_void_v<S>, "handoff::pybind::array of C++ memory needs a scalar type among the constraints");
     if (stride_count != 0 && stride_count != ndim) {
@@ -795,7 +805,7 @@ class array {
       stride_count != 0 ? strides : nullptr,
       detail::dtype_of<S>(),
       device,
-      0,
+      stream,
       read_only ? 1 : 0};
     view_ = detail::make_view(desc, owner, info_);
     if (!accepts(info_)) { throw pybind11::value_error("handoff::pybind::array: " + mismatch(info_)); }

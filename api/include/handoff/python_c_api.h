@@ -21,7 +21,12 @@ extern "C" {
 
 #define HANDOFF_PY_API_CAPSULE "handoff._handoff._C_API"
 #define HANDOFF_PY_API_MAJOR 1
-#define HANDOFF_PY_API_MINOR 2
+#define HANDOFF_PY_API_MINOR 3
+
+/* Since minor 3, as a description's `stream`: the stream of the enclosing handoff.stream block (the
+ * calling thread's or task's) for device memory, where the block's stream is on the data's device;
+ * else unknown, as 0. */
+#define HANDOFF_STREAM_ENCLOSING (-1)
 
 /* Memory an extension describes: what handoff.view takes. */
 typedef struct handoff_array_desc {
@@ -31,7 +36,8 @@ typedef struct handoff_array_desc {
   const int64_t* strides; /* in elements, as in DLPack; NULL: row-major */
   DLDataType dtype;
   DLDevice device;
-  intptr_t stream; /* the native handle of the stream the data is ready on; 0: unknown */
+  intptr_t stream; /* the native handle of the stream the data is ready on; 0: unknown;
+                    * HANDOFF_STREAM_ENCLOSING: the enclosing handoff.stream block's */
   int32_t readonly;
 } handoff_array_desc;
 

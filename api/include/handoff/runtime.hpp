@@ -47,9 +47,10 @@ struct runtime_description {
 [[nodiscard]] std::string serve_trace();
 /// Stops serving (closes the clients, removes the socket). Thread-safe; nothing when not serving.
 void stop_serving_trace() noexcept;
-/// Where process `pid` serves its trace, if it does: the path serve_trace() would return in it, and
-/// the one under $TMPDIR (or /tmp) that a process started without $XDG_RUNTIME_DIR uses, when that
-/// differs. For the clients (`handoff-trace attach`).
+/// Where process `pid` serves its trace, if it does, most likely first: the path serve_trace() would
+/// return in it (found by its uid and environment, also for another user's process), and the one
+/// under $TMPDIR (or /tmp) that a process started without $XDG_RUNTIME_DIR uses, when that differs.
+/// For the clients (`handoff-trace attach`).
 [[nodiscard]] std::vector<std::string> trace_socket_paths(int pid);
 
 }  // namespace handoff

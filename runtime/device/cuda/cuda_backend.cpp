@@ -195,6 +195,15 @@ class cuda_backend final : public backend {
     return static_cast<std::uint64_t>(id);
   }
 
+  [[nodiscard]] std::uint64_t current_context_id() override
+  {
+    CUcontext current = current_context();
+    if (current == nullptr) { return 0; }
+    unsigned long long id = 0;
+    check_driver(driver_.ctx_get_id(current, &id), "cuCtxGetId", nullptr);
+    return static_cast<std::uint64_t>(id);
+  }
+
   // DLPack's 1 and 2 are cudaStreamLegacy and cudaStreamPerThread: the same integers.
   [[nodiscard]] stream_handle legacy_default_stream() const noexcept override { return stream_handle{1}; }
   [[nodiscard]] stream_handle per_thread_default_stream() const noexcept override { return stream_handle{2}; }

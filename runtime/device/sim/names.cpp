@@ -86,6 +86,8 @@ constexpr std::array operation_table{
   operation_info{"hold", "simStreamHold", "simStreamHold"},
   operation_info{"pending", "simStreamPending", "simStreamPending"},
   operation_info{"held", "simStreamHeld", "simStreamHeld"},
+  operation_info{"waits_for_hold", "simStreamWaitsForHold", "simStreamWaitsForHold"},
+  operation_info{"synchronize_unheld", "simSynchronizeUnheld", "simSynchronizeUnheld"},
 };
 
 // Not injectable: they are noexcept (a failure there can only be logged).

@@ -699,6 +699,15 @@ std::uint64_t sim_backend::context_id(int device)
   return impl_->devices[static_cast<std::size_t>(device)].context_id;
 }
 
+std::uint64_t sim_backend::current_context_id()
+{
+  const call_with c{"current_device", ""};
+  impl_->open(c);
+  std::lock_guard lock(impl_->mutex);
+  const auto it = impl_->current.find(this_thread_key());
+  return it == impl_->current.end() ? 0 : impl_->devices[static_cast<std::size_t>(it->second)].context_id;
+}
+
 std::vector<std::string> sim_backend::violations()
 {
   std::lock_guard lock(impl_->mutex);
@@ -854,6 +863,36 @@ bool sim_backend::held(stream_handle stream)
   return !gates.empty();
 }
 
+bool sim_backend::waits_for_hold(stream_handle stream)
+{
+  const call_with c{"waits_for_hold", "{:#x}", raw(stream)};
+  impl_->open(c);
+  std::lock_guard lock(impl_->mutex);
+  const auto& queued = impl_->stream(c, stream).queued;
+  return !queued.empty() && impl_->pool.closed_gate_before(queued.back(), any_holder) != nullptr;
+}
+
+void sim_backend::synchronize_unheld()
+{
+  const call_with c{"synchronize_unheld", ""};
+  impl_->open(c);
+  std::vector<node_ptr> runnable;
+  {
+    std::lock_guard lock(impl_->mutex);
+    impl_->check_unsafe_call(c);
+    const auto collect = [&](const node_ptr& n) {
+      if (!is_done(n) && !impl_->pool.closed_gate_before(n, any_holder)) { runnable.push_back(n); }
+    };
+    for (int d = 0; d < impl_->device_count; ++d) {
+      impl_->for_each_stream(d,
+                             [&](const stream_state& s) { std::for_each(s.queued.begin(), s.queued.end(), collect); });
+      const auto& retired = impl_->devices[static_cast<std::size_t>(d)].retired;
+      std::for_each(retired.begin(), retired.end(), collect);
+    }
+  }
+  for (const auto& n : runnable) { wait_for(n); }
+}
+
 std::size_t sim_backend::holds_of_this_thread()
 {
   std::lock_guard lock(impl_->mutex);
@@ -902,10 +941,14 @@ void sim_backend::free_sync(void* ptr)
     impl_->check_alive(c, device);
     it->second.free_pending = true;
     tails = impl_->device_tails_locked(device);
-    if (impl_->own_hold_before(tails)) {
-      // The calling thread holds work that cudaFree's synchronization would wait for, and could
-      // never return: the allocation goes once that work is done instead, without waiting (and no
-      // host wait is reported: the host waited for nothing).
+    const bool held = std::any_of(tails.begin(), tails.end(), [&](const node_ptr& t) {
+      return impl_->pool.closed_gate_before(t, any_holder) != nullptr;
+    });
+    if (held) {
+      // cudaFree's synchronization would wait for a test's hold: for ever on the thread that holds
+      // it, and on another while it keeps what the holder needs to end the hold (a deleter run with
+      // Python's GIL). The allocation goes once the device's work is done instead, without waiting
+      // (and no host wait is reported: the host waited for nothing).
       const auto base = it->first;
       auto freed = impl_->pool.submit(
         impl_->submission(device, {.body = [state = impl_.get(), base] { state->release_allocation(base); },

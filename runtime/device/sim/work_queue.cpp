@@ -43,7 +43,7 @@ struct node {
   bool done{false};                  // guarded by mutex
   std::vector<node_ptr> dependents;  // guarded by mutex; released when done
   // A gate: its holder, and whether it is still closed (it then holds one unit of `pending`).
-  gate_holder holder{0};
+  gate_holder holder{any_holder};
   std::atomic<bool> closed{false};
   // The dependencies it had at submission, recorded only while some gate was closed: a node
   // submitted while none was cannot wait for one (a gate closed now was closed since it was
@@ -252,7 +252,7 @@ node_ptr worker_pool::closed_gate_before(const node_ptr& target, gate_holder hol
     node_ptr n = std::move(unvisited.back());
     unvisited.pop_back();
     if (!n || !seen.insert(n.get()).second || is_done(n)) { continue; }
-    if (n->holder == holder && is_closed_gate(n)) { return n; }
+    if (is_closed_gate(n) && (holder == any_holder || n->holder == holder)) { return n; }
     for (const auto& dep : n->waits_on) {
       if (auto live = dep.lock()) { unvisited.push_back(std::move(live)); }
     }

@@ -43,8 +43,9 @@ struct work {
 /// Blocks until `n` (null: nothing) is done.
 void wait_for(const node_ptr& n);
 
-/// Who holds a gate: the simulator's thread_key of the thread whose hold it is.
+/// Who holds a gate: the simulator's thread_key of the thread whose hold it is (never 0).
 using gate_holder = std::uint64_t;
+inline constexpr gate_holder any_holder = 0;
 
 /// True while `n` is a gate that has not been opened.
 [[nodiscard]] bool is_closed_gate(const node_ptr& n);
@@ -73,8 +74,9 @@ class worker_pool {
   node_ptr submit_gate(gate_holder holder, const std::vector<node_ptr>& deps);
   /// Opens `gate`. Idempotent.
   void open_gate(const node_ptr& gate);
-  /// A closed gate of `holder` that `target` waits for, directly or through other nodes; null when
-  /// there is none. Submissions and openings must not run meanwhile (the simulator's mutex).
+  /// A closed gate of `holder` (any_holder: of any) that `target` waits for, directly or through
+  /// other nodes; null when there is none. Submissions and openings must not run meanwhile (the
+  /// simulator's mutex).
   [[nodiscard]] node_ptr closed_gate_before(const node_ptr& target, gate_holder holder);
 
  private:

@@ -8,9 +8,15 @@
 
 #include "support/backend_fixture.hpp"
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <memory>
 #include <optional>
+#include <span>
 #include <thread>
 
 namespace {
@@ -27,16 +33,19 @@ TEST_P(ContextTest, ReleaseWaitsForTheConsumerStream)
   std::atomic<float> seen_at_release{-1.0F};
   const auto before = stats();
   {
-    producer_ref owner{[&] {
-      // The consumer's write must be complete by now: any stream sees it.
-      seen_at_release = read(data, reader).front();
-      released = true;
-    }};
-    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
-    fill(consumer, data, 5.0F, slow);  // consumer work still using the memory
+    const auto consumer_works = hold(consumer);
+    {
+      producer_ref owner{[&] {
+        // The consumer's write must be complete by now: any stream sees it.
+        seen_at_release = read(data, reader).front();
+        released = true;
+      }};
+      owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+      fill(consumer, data, 5.0F);  // consumer work still using the memory
+    }
+    EXPECT_FALSE(released.load()) << "released before the consumer stream was done";
+    EXPECT_EQ(stats().deferred_releases, before.deferred_releases + 1);
   }
-  EXPECT_FALSE(released.load()) << "released before the consumer stream was done";
-  EXPECT_EQ(stats().deferred_releases, before.deferred_releases + 1);
   ctx().drain();
   EXPECT_TRUE(released.load());
   EXPECT_EQ(seen_at_release.load(), 5.0F);
@@ -49,16 +58,21 @@ TEST_P(ContextTest, TheConsumerStreamsOwnerOutlivesTheRelease)
   std::atomic<bool> owner_gone{false};
   std::atomic<bool> owner_gone_before_release{false};
   {
-    producer_ref owner{[&] {
-      owner_gone_before_release = owner_gone.load();
-      released = true;
-    }};
-    // The stream's owner (a Python stream object, say), held by nothing else.
-    std::shared_ptr<const void> stream_owner{&owner_gone, [&](const void*) { owner_gone = true; }};
-    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = std::move(stream_owner)});
-    delay(consumer, slow);
+    const auto consumer_works = hold(consumer);
+    {
+      producer_ref owner{[&] {
+        owner_gone_before_release = owner_gone.load();
+        released = true;
+      }};
+      // Named first by a caller that holds nothing (an export to a bare handle): the owner named
+      // next must still be kept (the first binding was, and the owner went at once).
+      owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+      // The stream's owner (a Python stream object, say), held by nothing else.
+      std::shared_ptr<const void> stream_owner{&owner_gone, [&](const void*) { owner_gone = true; }};
+      owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = std::move(stream_owner)});
+    }
+    EXPECT_FALSE(owner_gone.load()) << "the stream's owner went while a release was still to run on it";
   }
-  EXPECT_FALSE(owner_gone.load()) << "the stream's owner went while a release was still to run on it";
   ctx().drain();
   EXPECT_TRUE(released.load());
   EXPECT_FALSE(owner_gone_before_release.load());
@@ -74,17 +88,22 @@ TEST_P(ContextTest, AReleaseWaitsForEveryStreamTheDataWasHandedTo)
   std::atomic<int> releases{0};
   std::atomic<float> seen_at_release{-1.0F};
   {
-    producer_ref owner{[&] {
-      seen_at_release = read(data, reader).front();
-      ++releases;
-    }};
-    owner.release_after({.ctx = &ctx(), .device = 0, .stream = first, .stream_owner = nullptr});
-    owner.release_after({.ctx = &ctx(), .device = 0, .stream = second, .stream_owner = nullptr});
-    owner.release_after({.ctx = &ctx(), .device = 0, .stream = first, .stream_owner = nullptr});  // added once
-    delay(first, slow / 4);
-    fill(second, data, 6.0F, slow);  // the slower consumer still uses the memory
+    const auto second_works = hold(second);
+    {
+      const auto first_works = hold(first);
+      producer_ref owner{[&] {
+        seen_at_release = read(data, reader).front();
+        ++releases;
+      }};
+      owner.release_after({.ctx = &ctx(), .device = 0, .stream = first, .stream_owner = nullptr});
+      owner.release_after({.ctx = &ctx(), .device = 0, .stream = second, .stream_owner = nullptr});
+      owner.release_after({.ctx = &ctx(), .device = 0, .stream = first, .stream_owner = nullptr});  // added once
+      fill(second, data, 6.0F);  // the slower consumer still uses the memory
+    }
+    // The first consumer may be done; the second still works. (No wait for the first here: on a GPU,
+    // the first hold's host function runs only after the second's, which this thread holds.)
+    EXPECT_EQ(releases.load(), 0) << "released before both consumer streams were done";
   }
-  EXPECT_EQ(releases.load(), 0) << "released before both consumer streams were done";
   ctx().drain();
   EXPECT_EQ(releases.load(), 1);
   EXPECT_EQ(seen_at_release.load(), 6.0F);
@@ -109,14 +128,63 @@ TEST_P(ContextTest, AFailedPollIsAskedAgainAndTheProducerReleased)
   HANDOFF_REQUIRE_SIM("faults are injected into the simulator");
   const auto consumer = stream_on(0);
   std::atomic<int> released{0};
-  delay(consumer, slow / 4);
   {
-    producer_ref owner{[&] { ++released; }};
-    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+    const auto consumer_works = hold(consumer);  // the release waits: its polls fail, then succeed
+    {
+      producer_ref owner{[&] { ++released; }};
+      owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+    }
+    sim().inject_fault("query_event", 2, "cudaErrorLaunchFailure");
   }
-  sim().inject_fault("query_event", 2, "cudaErrorLaunchFailure");
   ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
   EXPECT_EQ(released.load(), 1) << "a transient failure abandoned the release";
+}
+
+// The device could not be made current three times in a row: where the release is asked for, where
+// its event would be recorded, and where the fallback waits for the stream. One that fails and then
+// works again must neither abandon the release nor keep its producer.
+TEST_P(ContextTest, ATransientFailureOfTheFallbackIsAskedAgainAndTheProducerReleased)
+{
+  HANDOFF_REQUIRE_SIM("faults are injected into the simulator");
+  const auto consumer = stream_on(0);
+  float* data = allocate_on(0);
+  const auto reader = stream_on(0);
+  std::atomic<int> released{0};
+  std::atomic<float> seen_at_release{-1.0F};
+  const auto pending_before = stats().pending_releases;
+  fill(consumer, data, 4.0F, slow / 4);
+  sim().inject_fault("push_current_device", 3, "cudaErrorLaunchFailure");
+  std::thread([&] {  // a thread with no device current, as a Python thread dropping a view may be
+    producer_ref owner{[&] {
+      seen_at_release = read(data, reader).front();
+      ++released;
+    }};
+    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+  })
+    .join();
+  EXPECT_EQ(stats().pending_releases, pending_before + 1) << "a release being retried is pending";
+  ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
+  sim().clear_faults();
+  EXPECT_EQ(released.load(), 1) << "a transient failure abandoned the release";
+  EXPECT_EQ(seen_at_release.load(), 4.0F) << "released before the consumer stream was done";
+  EXPECT_EQ(stats().pending_releases, pending_before);
+}
+
+TEST_P(ContextTest, AFallbackThatKeepsFailingAbandonsTheReleaseAndKeepsTheProducer)
+{
+  HANDOFF_REQUIRE_SIM("faults are injected into the simulator");
+  const auto consumer = stream_on(0);
+  std::atomic<int> released{0};
+  const auto pending_before = stats().pending_releases;
+  sim().inject_fault("push_current_device", 1'000'000, "cudaErrorLaunchFailure");
+  std::thread([&] {
+    producer_ref owner{[&] { ++released; }};
+    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+  }).join();
+  ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
+  sim().clear_faults();
+  EXPECT_EQ(released.load(), 0) << "released although nothing said the consumer was done";
+  EXPECT_EQ(stats().pending_releases, pending_before) << "an abandoned release is no longer pending";
 }
 
 TEST_P(ContextTest, AStreamThatKeepsFailingHasItsReleasesAbandonedAndTheProducerKept)
@@ -124,12 +192,14 @@ TEST_P(ContextTest, AStreamThatKeepsFailingHasItsReleasesAbandonedAndTheProducer
   HANDOFF_REQUIRE_SIM("faults are injected into the simulator");
   const auto consumer = stream_on(0);
   std::atomic<int> released{0};
-  delay(consumer, slow / 4);
   {
-    producer_ref owner{[&] { ++released; }};
-    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+    const auto consumer_works = hold(consumer);  // the release waits, and every poll fails
+    {
+      producer_ref owner{[&] { ++released; }};
+      owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+    }
+    sim().inject_fault("query_event", 1'000'000, "cudaErrorLaunchFailure");
   }
-  sim().inject_fault("query_event", 1'000'000, "cudaErrorLaunchFailure");
   ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
   sim().clear_faults();
   EXPECT_EQ(released.load(), 0) << "released although nothing said the consumer was done";
@@ -142,37 +212,58 @@ TEST_P(ContextTest, AStreamThatKeepsFailingHasItsReleasesAbandonedAndTheProducer
 TEST_P(ContextTest, AThreadsEndOrdersTheLegacyStreamAfterItsPerThreadStream)
 {
   float* data = allocate_on(0);
-  std::thread worker([&] {
-    const auto named = ctx().thread_independent(0, b().per_thread_default_stream());
-    EXPECT_EQ(named, b().legacy_default_stream());
-    device_guard on{b(), 0};
-    fill(b().per_thread_default_stream(), data, 8.0F, slow);
-  });
-  worker.join();
-  EXPECT_EQ(read(data, b().legacy_default_stream()).front(), 8.0F);
+  const auto gate = stream_on(0);
+  const auto opened = b().create_event();
+  std::span<const float> seen;
+  {
+    const auto held = hold(gate);
+    b().record_event(opened, gate);  // done when the hold ends
+    std::thread worker([&] {
+      const auto named = ctx().thread_independent(0, b().per_thread_default_stream());
+      EXPECT_EQ(named, b().legacy_default_stream());
+      device_guard on{b(), 0};
+      b().stream_wait_event(b().per_thread_default_stream(), opened);  // its stream waits for the hold
+      fill(b().per_thread_default_stream(), data, 8.0F);
+    });
+    worker.join();
+    seen = read_later(data, b().legacy_default_stream());
+    EXPECT_TRUE(held_back(b().legacy_default_stream())) << "the legacy stream does not wait for the ended thread's";
+  }
+  b().synchronize_device();
+  EXPECT_EQ(seen.front(), 8.0F);
+  b().destroy_event(opened);
 }
 
 TEST_P(ContextTest, NegativeControlAnEndedThreadsStreamNotNamedToTheContextIsNotOrdered)
 {
   HANDOFF_REQUIRE_SIM("only the simulator drops an ended thread's stream from the legacy stream's order");
   float* data = allocate_on(0);
-  std::thread worker([&] {
-    device_guard on{b(), 0};
-    fill(b().per_thread_default_stream(), data, 8.0F, slow);
-  });
-  worker.join();
-  EXPECT_EQ(read(data, b().legacy_default_stream()).front(), 0.0F);
+  const auto gate = stream_on(0);
+  const auto opened = b().create_event();
+  {
+    const auto held = hold(gate);
+    b().record_event(opened, gate);
+    std::thread worker([&] {
+      device_guard on{b(), 0};
+      b().stream_wait_event(b().per_thread_default_stream(), opened);
+      fill(b().per_thread_default_stream(), data, 8.0F);
+    });
+    worker.join();
+    EXPECT_EQ(read(data, b().legacy_default_stream()).front(), 0.0F);
+  }
   b().synchronize_device();
+  b().destroy_event(opened);
 }
 
 // torch.cuda.graph: the captured work reads the data at every launch, long after the capture ended.
 TEST_P(ContextTest, AReleaseDuringCaptureWaitsUntilTheGraphIsDestroyedAndItsLaunchesAreDone)
 {
   HANDOFF_REQUIRE_SIM("the device interface cannot begin or end a capture");
+  float* data = allocate_on(0);
   const auto consumer = stream_on(0, /*non_blocking=*/false);
   std::atomic<int> released{0};
   sim().begin_capture(consumer);
-  delay(consumer, slow);  // a node of the graph: each launch takes this long
+  sim().enqueue_fill(consumer, data, n, 1.0F);  // a node of the graph: each launch writes the data
   {
     producer_ref owner{[&] { ++released; }};
     owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
@@ -180,12 +271,16 @@ TEST_P(ContextTest, AReleaseDuringCaptureWaitsUntilTheGraphIsDestroyedAndItsLaun
   std::optional<device::sim_graph> graph{sim().end_capture(consumer)};
   ASSERT_EQ(graph->size(), 1U) << "the release went into the graph";
   sim().launch_graph(*graph, consumer);
-  std::this_thread::sleep_for(slow / 4);
-  EXPECT_EQ(released.load(), 0) << "released while the graph that reads the data can still be launched";
-  sim().launch_graph(*graph, consumer);
-  graph.reset();  // the program lets go of the graph while a launch still runs
-  std::this_thread::sleep_for(slow / 4);
-  EXPECT_EQ(released.load(), 0) << "released while a launch of the graph still runs";
+  b().synchronize_stream(consumer);
+  ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));  // waits for no release bound to a graph
+  EXPECT_EQ(released.load(), 0) << "released while the graph that writes the data can still be launched";
+  {
+    const auto held = hold(consumer);
+    sim().launch_graph(*graph, consumer);
+    graph.reset();  // the program lets go of the graph while a launch is still to run
+    sim().synchronize_unheld();
+    EXPECT_EQ(released.load(), 0) << "released while a launch of the graph still runs";
+  }
   b().synchronize_stream(consumer);  // the launch is done: the graph is gone, drain() waits for its release
   ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
   EXPECT_EQ(released.load(), 1);
@@ -198,12 +293,15 @@ TEST_P(ContextTest, AReleaseOnAConsumerStreamOfAnotherDeviceWaitsForItByAnEventO
   float* data = allocate_on(0);
   std::atomic<int> released{0};
   const auto before = stats();
-  fill(consumer, data, 3.0F, slow);  // a peer reads or writes the data on device 1
   {
-    producer_ref owner{[&] { ++released; }};
-    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+    const auto consumer_works = hold(consumer);
+    fill(consumer, data, 3.0F);  // a peer reads or writes the data on device 1
+    {
+      producer_ref owner{[&] { ++released; }};
+      owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+    }
+    EXPECT_EQ(released.load(), 0);
   }
-  EXPECT_EQ(released.load(), 0);
   ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
   EXPECT_EQ(released.load(), 1);
   EXPECT_EQ(stats().deferred_releases, before.deferred_releases + 1)
@@ -238,12 +336,14 @@ TEST_P(ContextTest, ReleasesPolledWhileAnotherThreadCapturesInGlobalModeLeaveThe
   const auto consumer = stream_on(0);
   const auto capturing = stream_on(0, /*non_blocking=*/true);
   std::atomic<int> released{0};
-  delay(consumer, slow);
   {
-    producer_ref owner{[&] { ++released; }};
-    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+    const auto consumer_works = hold(consumer);  // the release is still pending when the capture begins
+    {
+      producer_ref owner{[&] { ++released; }};
+      owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+    }
+    sim().begin_capture(capturing);
   }
-  sim().begin_capture(capturing);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds{10};
   while (released.load() == 0 && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds{5});
@@ -261,9 +361,9 @@ TEST_P(ContextTest, ExitWaitsOnlyForTheStreamsWithPendingReleases)
   std::atomic<bool> released{false};
   {
     context exiting{b(), std::make_unique<detail::service_thread>()};
+    const auto consumer_works = hold(consumer);  // ends first: the release is pending as the exit begins
     producer_ref owner{[&] { released = true; }};
     owner.release_after({.ctx = &exiting, .device = device, .stream = consumer, .stream_owner = nullptr});
-    delay(consumer, slow);
     // Synchronizing a whole device would make a context on every device of a real GPU.
     sim().inject_fault("synchronize_device", 1, "cudaErrorLaunchFailure");
   }
@@ -280,10 +380,10 @@ TEST_P(ContextTest, ExitAbandonsAtOnceTheReleasesOfADeviceWithAStickyError)
   const auto start = std::chrono::steady_clock::now();
   {
     context exiting{b(), std::make_unique<detail::service_thread>()};
+    const auto consumer_works = hold(consumer);
     producer_ref owner{[&] { released = true; }};
     owner.release_after({.ctx = &exiting, .device = 0, .stream = consumer, .stream_owner = nullptr});
-    delay(consumer, slow);
-    // The release's host function is queued behind the sleep and will never run.
+    // The release's event is queued behind the hold, and the device halts before it ends.
     sim().inject_sticky_fault(0, "cudaErrorIllegalAddress");
   }
   const auto took = std::chrono::steady_clock::now() - start;
@@ -291,6 +391,114 @@ TEST_P(ContextTest, ExitAbandonsAtOnceTheReleasesOfADeviceWithAStickyError)
   // Bounded by the device error, not by the exit limit (a hang before; 10 s after a bound alone).
   EXPECT_LT(took, context::exit_drain_limit / 2);
   sim().clear_sticky_fault(0);
+}
+
+// Daemon threads still exchanging at exit: the wait is for what was pending when it began, not
+// for the releases that keep arriving (it took the whole limit, then blamed a capture).
+TEST_P(ContextTest, ExitWaitsForWhatWasPendingWhenItBeganNotForReleasesThatKeepArriving)
+{
+  const auto slow_consumer = stream_on(0);
+  const auto busy = stream_on(0);
+  std::atomic<int> released{0};
+  std::atomic<bool> stop{false};
+  context exiting{b(), std::make_unique<detail::service_thread>()};
+  delay(slow_consumer, slow);
+  {
+    producer_ref owner{[&] { ++released; }};
+    owner.release_after({.ctx = &exiting, .device = 0, .stream = slow_consumer, .stream_owner = nullptr});
+  }
+  std::thread exchanging([&] {  // two releases pending at any time, each behind 1 ms of work
+    std::atomic<int> outstanding{0};
+    while (!stop.load()) {
+      if (outstanding.load() >= 2) {
+        std::this_thread::sleep_for(std::chrono::microseconds{100});
+        continue;
+      }
+      delay(busy, std::chrono::milliseconds{1});
+      ++outstanding;
+      producer_ref owner{[&] { --outstanding; }};
+      owner.release_after({.ctx = &exiting, .device = 0, .stream = busy, .stream_owner = nullptr});
+    }
+    exiting.drain();  // `outstanding` goes with this thread
+  });
+  const auto start = std::chrono::steady_clock::now();
+  const bool drained = exiting.drain_at_exit(context::exit_drain_limit);
+  const auto took = std::chrono::steady_clock::now() - start;
+  stop = true;
+  exchanging.join();
+  EXPECT_TRUE(drained) << "a release pending when the wait began was left";
+  EXPECT_EQ(released.load(), 1);
+  EXPECT_LT(took, context::exit_drain_limit / 2) << "the exit waited for releases asked for meanwhile";
+  b().synchronize_stream(busy);
+}
+
+// A release asked for after the exit's wait (a thread still exchanging) while as many were left
+// as the wait left: it was taken for one of those and abandoned without a word.
+TEST_P(ContextTest, AReleaseAskedForAfterTheExitsWaitIsWaitedForWhenTheContextGoes)
+{
+  const auto first = stream_on(0);
+  const auto second = stream_on(0);
+  std::atomic<int> released{0};
+  {
+    context exiting{b(), std::make_unique<detail::service_thread>()};
+    delay(first, slow / 4);
+    {
+      producer_ref owner{[&] { ++released; }};
+      owner.release_after({.ctx = &exiting, .device = 0, .stream = first, .stream_owner = nullptr});
+    }
+    EXPECT_FALSE(exiting.drain_at_exit(std::chrono::milliseconds{1})) << "the stream's work was done already";
+    ASSERT_TRUE(exiting.drain_for(std::chrono::seconds{10}));
+    delay(second, slow / 4);
+    producer_ref owner{[&] { ++released; }};
+    owner.release_after({.ctx = &exiting, .device = 0, .stream = second, .stream_owner = nullptr});
+  }
+  EXPECT_EQ(released.load(), 2) << "the release asked for after the exit's wait was left unrun";
+}
+
+TEST_P(ContextTest, AReleaseRunsWithItsStreamsDeviceCurrent)
+{
+  // A peer's finalizer that a release runs must find the device it frees on current, not bind
+  // device 0 on the service thread.
+  HANDOFF_REQUIRE_TWO_DEVICES();
+  const auto consumer = stream_on(1);
+  std::atomic<int> current_at_release{-1};
+  delay(consumer, slow / 4);
+  {
+    producer_ref owner{[&] { current_at_release = b().device_is_current(1) ? 1 : 0; }};
+    owner.release_after({.ctx = &ctx(), .device = 1, .stream = consumer, .stream_owner = nullptr});
+  }
+  ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
+  EXPECT_EQ(current_at_release.load(), 1) << "the release ran with another device current, or none";
+}
+
+// The thread that forks is the child's one thread: its end (at the child's exit) must not order the
+// parent's legacy stream, on a device the child may not use, through a context whose threads (and a
+// mutex one of them may have held) the child has not.
+TEST_P(ContextTest, AForkedChildsExitOrdersNothingOnItsParentsDevice)
+{
+  HANDOFF_REQUIRE_SIM("the child tells the simulator's faults apart");
+  (void)ctx().thread_independent(0, b().per_thread_default_stream());  // this thread's end orders device 0
+  static device::sim_backend* parents = nullptr;
+  parents = &sim();
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    parents->inject_fault("current_device", 1, "cudaErrorLaunchFailure");  // what the thread's end asks first
+    std::atexit([] {                                                       // after the thread's end, which runs first
+      bool untouched = false;
+      try {
+        (void)parents->current_device();
+      } catch (const device_error&) {
+        untouched = true;  // the fault was still there
+      }
+      std::_Exit(untouched ? 0 : 1);
+    });
+    std::exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the child's exit used its parent's device";
 }
 
 TEST_P(ContextTest, ReleasesShareAndReuseTheirEvents)
@@ -302,8 +510,10 @@ TEST_P(ContextTest, ReleasesShareAndReuseTheirEvents)
     owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
   };
   const auto before = stats();
-  delay(consumer, slow);  // all 300 pending at once, whatever the machine's load
-  for (int i = 0; i < 300; ++i) { release(); }
+  {
+    const auto consumer_works = hold(consumer);  // all 300 pending at once, whatever the machine's load
+    for (int i = 0; i < 300; ++i) { release(); }
+  }
   ctx().drain();
   const auto burst = stats().events_created - before.events_created;
   EXPECT_GE(burst, 1U);
@@ -352,11 +562,15 @@ TEST_P(ContextTest, AnEnqueueFailureFallsBackToWaitingForTheStream)
   const auto consumer = stream_on(0);
   const auto reader = stream_on(0);
   std::atomic<float> seen_at_release{-1.0F};
-  fill(consumer, data, 7.0F, slow);
-  sim().inject_fault("record_event", 1, "cudaErrorLaunchFailure");
   {
-    producer_ref owner{[&] { seen_at_release = read(data, reader).front(); }};
-    owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+    const auto consumer_works = hold(consumer);
+    fill(consumer, data, 7.0F);
+    sim().inject_fault("record_event", 1, "cudaErrorLaunchFailure");
+    {
+      producer_ref owner{[&] { seen_at_release = read(data, reader).front(); }};
+      owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
+    }
+    EXPECT_EQ(seen_at_release.load(), -1.0F) << "released before the consumer stream was done";
   }
   ctx().drain();
   EXPECT_EQ(seen_at_release.load(), 7.0F);  // never early, even when the event path fails

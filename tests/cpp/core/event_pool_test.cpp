@@ -1,3 +1,4 @@
+#include <handoff/device_guard.hpp>
 #include <handoff/error.hpp>
 #include <handoff/event_pool.hpp>
 #include <handoff/internal/sim.hpp>
@@ -6,6 +7,7 @@
 #include "support/backend_fixture.hpp"
 
 #include <optional>
+#include <span>
 #include <thread>
 
 namespace {
@@ -46,6 +48,26 @@ TEST_P(EventPoolTest, PoolsArePerDevice)
   b().set_current_device(0);
 }
 
+TEST_P(EventPoolTest, AnEventIsMadeInTheContextItIsPooledFor)
+{
+  // Pooled as device 1's, it was made in whatever context was current (device 0's): recording it
+  // on device 1's stream then failed. It is made with device 1 current, and handed out where
+  // device 1's context is.
+  HANDOFF_REQUIRE_TWO_DEVICES();
+  event_pool events{b()};
+  const auto on_one = stream_on(1);
+  b().set_current_device(0);
+  {
+    const pooled_event made = events.acquire(1);
+    EXPECT_NO_THROW(b().record_event(made.get(), on_one)) << "the event is not device 1's";
+  }
+  const device_guard on{b(), 1};
+  const auto before = stats();
+  const pooled_event again = events.acquire(1);
+  EXPECT_EQ(stats().events_reused - before.events_reused, 1U) << "device 1's context did not find its event";
+  EXPECT_NO_THROW(b().record_event(again.get(), on_one));
+}
+
 TEST_P(EventPoolTest, ConcurrentBorrowersGetDistinctEvents)
 {
   event_pool events{b()};
@@ -70,10 +92,17 @@ TEST_P(EventPoolTest, ARecordedEventCapturesTheStreamsWorkSoFar)
   float* data = allocate_on(0);
   const auto producer = stream_on(0);
   const auto consumer = stream_on(0);
-  fill(producer, data, 5.0F, slow);
-  const pooled_event reached = events.record(0, producer);
-  b().stream_wait_event(consumer, reached.get());
-  EXPECT_EQ(read(data, consumer).front(), 5.0F);
+  std::span<const float> seen;
+  {
+    const auto held = hold(producer);
+    fill(producer, data, 5.0F);
+    const pooled_event reached = events.record(0, producer);
+    b().stream_wait_event(consumer, reached.get());
+    seen = read_later(data, consumer);
+    EXPECT_TRUE(held_back(consumer));
+  }
+  b().synchronize_stream(consumer);
+  EXPECT_EQ(seen.front(), 5.0F);
 }
 
 TEST_P(EventPoolTest, AnEventWhoseRecordFailedIsNotPooled)

@@ -37,15 +37,15 @@ class ExchangeTest : public BackendContextTest {
     return stream_value_of(b().device_type(), static_cast<std::uint64_t>(s));
   }
 
-  // A view of n floats on device 0 set to 1 by slow work on `producer`, recorded as ready there;
-  // `released` counts its producer's release.
+  // A view of n floats on device 0 set to 1 by work on `producer` (pending while the test holds
+  // it), recorded as ready there; `released` counts its producer's release.
   array written_on(device::stream_handle producer, std::atomic<int>* released = nullptr)
   {
     float* data = allocate_on(0);
     array view = device_view(data, 0, [released] {
       if (released != nullptr) { ++*released; }
     });
-    fill(producer, data, 1.0F, slow);
+    fill(producer, data, 1.0F);
     mark_ready(view, producer);
     return view;
   }
@@ -53,6 +53,16 @@ class ExchangeTest : public BackendContextTest {
   float first(const array& view, device::stream_handle on)
   {
     return read(static_cast<const float*>(view.data()), on).front();
+  }
+
+  // What `on` reads first of `view` once the producer's hold `held` ends; the read must wait for it.
+  float first_after(handoff::testing::test_hold& held, const array& view, device::stream_handle on)
+  {
+    const auto seen = read_later(static_cast<const float*>(view.data()), on);
+    EXPECT_TRUE(held_back(on)) << "the consumer does not wait for the held producer";
+    held.release();
+    b().synchronize_stream(on);
+    return seen.front();
   }
 
   static producer_answer honest(DLDevice claimed)
@@ -94,14 +104,16 @@ TEST_P(ExchangeTest, AnImportKeepsItsProducerUntilTheConsumersWorkIsDoneAndIsCou
   std::atomic<int> released{0};
   const std::uint64_t imports = stats().imports;
   {
-    const array view = ex().import(device_view(allocate_on(0), 0, [&] { ++released; }), onto(named(consumer)),
-                                   honest({b().device_type(), 0}));
-    ASSERT_TRUE(view.owner().ready_on().has_value());
-    EXPECT_EQ(view.owner().ready_on()->stream, consumer);
-    delay(consumer, slow);  // the consumer's work on the data
+    const auto consumer_works = hold(consumer);  // the consumer's work on the data, until the hold ends
+    {
+      const array view = ex().import(device_view(allocate_on(0), 0, [&] { ++released; }), onto(named(consumer)),
+                                     honest({b().device_type(), 0}));
+      ASSERT_TRUE(view.owner().ready_on().has_value());
+      EXPECT_EQ(view.owner().ready_on()->stream, consumer);
+    }
+    EXPECT_EQ(stats().imports - imports, 1U) << "a C++ caller's import is counted";
+    EXPECT_EQ(released.load(), 0) << "released while the consumer's stream still reads the data";
   }
-  EXPECT_EQ(stats().imports - imports, 1U) << "a C++ caller's import is counted";
-  EXPECT_EQ(released.load(), 0) << "released while the consumer's stream still reads the data";
   ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
   EXPECT_EQ(released.load(), 1);
 }
@@ -111,12 +123,14 @@ TEST_P(ExchangeTest, NegativeControlAnUnorderedImportReleasesItsProducerAtOnce)
   const auto consumer = stream_on(0);
   std::atomic<int> released{0};
   {
-    const array view = ex().import(device_view(allocate_on(0), 0, [&] { ++released; }), onto(named_stream::dlpack(-1)),
-                                   honest({b().device_type(), 0}));
-    EXPECT_FALSE(view.owner().ready_on().has_value());
-    delay(consumer, slow);
+    const auto consumer_works = hold(consumer);
+    {
+      const array view = ex().import(device_view(allocate_on(0), 0, [&] { ++released; }),
+                                     onto(named_stream::dlpack(-1)), honest({b().device_type(), 0}));
+      EXPECT_FALSE(view.owner().ready_on().has_value());
+    }
+    EXPECT_EQ(released.load(), 1);
   }
-  EXPECT_EQ(released.load(), 1);
   b().synchronize_device();
 }
 
@@ -134,6 +148,7 @@ TEST_P(ExchangeTest, AnImportOfDataOnAnotherDeviceThanClaimedIsRefused)
 TEST_P(ExchangeTest, AnImportCopiesOnlyWhatTheProducerDidNot)
 {
   const auto producer = stream_on(0);
+  auto producer_works = hold(producer);
   const array view = written_on(producer);
   import_request copy = onto(named(producer));
   copy.copy = true;
@@ -141,7 +156,7 @@ TEST_P(ExchangeTest, AnImportCopiesOnlyWhatTheProducerDidNot)
     view, copy,
     {.name = "producer", .claimed = view.device(), .honoured_arguments = false, .ordered_for_consumer = false});
   EXPECT_NE(copied.data(), view.data());
-  EXPECT_EQ(first(copied, producer), 1.0F);
+  EXPECT_EQ(first_after(producer_works, copied, producer), 1.0F);
   const array honoured = ex().import(view, copy, honest(view.device()));
   EXPECT_EQ(honoured.data(), view.data()) << "the producer copied already";
 }
@@ -150,13 +165,14 @@ TEST_P(ExchangeTest, ATableImportOrdersTheConsumerAfterTheProducersWorkStream)
 {
   const auto producer = stream_on(0);
   const auto consumer = stream_on(0);
+  auto producer_works = hold(producer);
   const array view = written_on(producer);
   scripted_table table;
   table.work_stream = value_of(producer);
   const auto made = ex().import_from_table(export_versioned(view), named(consumer), table);
   ASSERT_TRUE(made.has_value());
   EXPECT_EQ(made->owner().ready_on()->stream, consumer);
-  EXPECT_EQ(first(*made, consumer), 1.0F);
+  EXPECT_EQ(first_after(producer_works, *made, consumer), 1.0F);
   EXPECT_EQ(table.asked_conjugation, 0) << "only complex data can be lazily conjugated";
 }
 
@@ -164,11 +180,14 @@ TEST_P(ExchangeTest, NegativeControlATableThatNamesTheDefaultStreamLeavesTheProd
 {
   const auto producer = stream_on(0);  // non-blocking: the default stream does not wait for it
   const auto consumer = stream_on(0);
-  const array view = written_on(producer);
-  scripted_table table;  // says the work is on the default stream
-  const auto made = ex().import_from_table(export_versioned(view), named(consumer), table);
-  ASSERT_TRUE(made.has_value());
-  EXPECT_EQ(first(*made, consumer), 0.0F);
+  {
+    const auto producer_works = hold(producer);
+    const array view = written_on(producer);
+    scripted_table table;  // says the work is on the default stream
+    const auto made = ex().import_from_table(export_versioned(view), named(consumer), table);
+    ASSERT_TRUE(made.has_value());
+    EXPECT_EQ(first(*made, consumer), 0.0F);
+  }
   b().synchronize_device();
 }
 
@@ -195,6 +214,7 @@ TEST_P(ExchangeTest, AnInterfaceImportWaitsForTheInterfacesStream)
 {
   const auto producer = stream_on(0);
   const auto consumer = stream_on(0);
+  auto producer_works = hold(producer);
   const array view = written_on(producer);
   const auto imported = [&](std::optional<std::int64_t> stream) {
     cuda_interface interface {
@@ -204,11 +224,14 @@ TEST_P(ExchangeTest, AnInterfaceImportWaitsForTheInterfacesStream)
     return ex().import_interface(std::move(interface), view.owner(), onto(named(consumer)));
   };
   // The interface numbers streams as CUDA does on every platform: a handle is itself.
-  EXPECT_EQ(first(imported(static_cast<std::int64_t>(producer)), consumer), 1.0F);
+  EXPECT_EQ(first_after(producer_works, imported(static_cast<std::int64_t>(producer)), consumer), 1.0F);
   b().synchronize_device();
-  fill(producer, static_cast<float*>(view.data()), 2.0F, slow);
-  // Negative control: an interface without a stream promises the data is ready already.
-  EXPECT_EQ(first(imported(std::nullopt), consumer), 1.0F);
+  {
+    const auto rewriting = hold(producer);
+    fill(producer, static_cast<float*>(view.data()), 2.0F);
+    // Negative control: an interface without a stream promises the data is ready already.
+    EXPECT_EQ(first(imported(std::nullopt), consumer), 1.0F);
+  }
   b().synchronize_device();
 }
 
@@ -229,11 +252,12 @@ TEST_P(ExchangeTest, ASharedViewKeepsOneRootProducerAndIsOrderedForItsConsumer)
   const auto consumer = stream_on(0);
   std::atomic<int> released{0};
   {
+    auto producer_works = hold(producer);
     std::optional<array> view{written_on(producer, &released)};
     const array shared = ex().share(*view, named(consumer));
     EXPECT_EQ(shared.owner().id(), view->owner().id()) << "the same buffer in the ownership graph";
     EXPECT_EQ(shared.owner().ready_on()->stream, consumer);
-    EXPECT_EQ(first(shared, consumer), 1.0F);
+    EXPECT_EQ(first_after(producer_works, shared, consumer), 1.0F);
     view.reset();
     EXPECT_EQ(released.load(), 0) << "the shared view keeps the root producer";
   }
@@ -247,13 +271,49 @@ TEST_P(ExchangeTest, AdoptedDataIsReadyOnItsWorkStreamAndReleasedAfterIt)
   const auto work = stream_on(0);
   std::atomic<int> released{0};
   {
-    const array adopted = ex().adopt(device_view(allocate_on(0), 0, [&] { ++released; }), named(work));
-    EXPECT_EQ(adopted.owner().ready_on()->stream, work);
-    delay(work, slow);
+    const auto working = hold(work);
+    {
+      const array adopted = ex().adopt(device_view(allocate_on(0), 0, [&] { ++released; }), named(work));
+      EXPECT_EQ(adopted.owner().ready_on()->stream, work);
+    }
+    EXPECT_EQ(released.load(), 0);
   }
-  EXPECT_EQ(released.load(), 0);
   ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
   EXPECT_EQ(released.load(), 1);
+}
+
+// Every import passes one door, whatever its protocol and whether or not it is ordered: the bytes
+// a view reaches are checked against their allocation, and data of the other device family is refused.
+TEST_P(ExchangeTest, EveryImportIsCheckedAgainstItsAllocationAndItsDeviceFamily)
+{
+  std::atomic<int> released{0};
+  const auto described = [&](std::int64_t elements, DLDeviceType type) {
+    array_layout layout = device_view(allocate_on(0), 0).layout();
+    layout.shape = std::vector<std::int64_t>{elements};
+    layout.device.device_type = type;
+    return array{std::move(layout), producer_ref{[&] { ++released; }}};
+  };
+  const auto past_the_end = [&] { return described(static_cast<std::int64_t>(n) * 4096, b().device_type()); };
+  const auto other_family = [&] { return described(1, b().device_type() == kDLCUDA ? kDLROCM : kDLCUDA); };
+  const named_stream unordered = named_stream::dlpack(-1);
+  for (const named_stream& consumer : {named_stream{}, unordered}) {
+    EXPECT_THROW((void)ex().import(past_the_end(), onto(consumer), honest(past_the_end().device())), value_error);
+    EXPECT_THROW((void)ex().import(other_family(), onto(consumer), honest(other_family().device())), device_error);
+    scripted_table table;
+    EXPECT_THROW((void)ex().import_from_table(export_versioned(past_the_end()), consumer, table), value_error);
+    EXPECT_THROW((void)ex().import_from_table(export_versioned(other_family()), consumer, table), device_error);
+    cuda_interface interface {
+      .layout = past_the_end().layout(), .stream = std::nullopt
+    };
+    EXPECT_THROW((void)ex().import_interface(std::move(interface), producer_ref{[] {}}, onto(consumer)), value_error);
+  }
+  EXPECT_THROW((void)ex().adopt(past_the_end(), {}), value_error);
+  EXPECT_THROW((void)ex().adopt(other_family(), {}), device_error);
+  EXPECT_NO_THROW((void)ex().import(described(static_cast<std::int64_t>(n), b().device_type()), onto(unordered),
+                                    honest({b().device_type(), 0})))
+    << "the allocation's own extent";
+  ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
+  EXPECT_EQ(released.load(), 17) << "each refused import's producer was released once";
 }
 
 // --- a library's own memory ----------------------------------------------------------------------
@@ -298,6 +358,7 @@ TEST_P(ExchangeTest, AnExportOrdersTheConsumerAfterTheProducerStampsTheVersionAn
 {
   const auto producer = stream_on(0);
   const auto consumer = stream_on(0);
+  auto producer_works = hold(producer);
   const array view = written_on(producer);
   const std::uint64_t exports = stats().exports;
   export_request request;
@@ -306,7 +367,7 @@ TEST_P(ExchangeTest, AnExportOrdersTheConsumerAfterTheProducerStampsTheVersionAn
   const exported_tensor made = ex().export_dlpack(view, request);
   ASSERT_NE(made.versioned, nullptr);
   EXPECT_EQ(made.versioned->version.minor, 0U) << "the consumer's older minor";
-  EXPECT_EQ(first(view, consumer), 1.0F);
+  EXPECT_EQ(first_after(producer_works, view, consumer), 1.0F);
   made.versioned->deleter(made.versioned);
   request.max_version = std::nullopt;
   const exported_tensor legacy = ex().export_dlpack(view, request);
@@ -319,13 +380,16 @@ TEST_P(ExchangeTest, NegativeControlAnExportForStreamMinusOneLeavesTheConsumerUn
 {
   const auto producer = stream_on(0);
   const auto consumer = stream_on(0);
-  const array view = written_on(producer);
-  export_request request;
-  request.stream = -1;
-  request.max_version = DLPackVersion{1, 0};
-  const exported_tensor made = ex().export_dlpack(view, request);
-  EXPECT_EQ(first(view, consumer), 0.0F);
-  made.versioned->deleter(made.versioned);
+  {
+    const auto producer_works = hold(producer);
+    const array view = written_on(producer);
+    export_request request;
+    request.stream = -1;
+    request.max_version = DLPackVersion{1, 0};
+    const exported_tensor made = ex().export_dlpack(view, request);
+    EXPECT_EQ(first(view, consumer), 0.0F);
+    made.versioned->deleter(made.versioned);
+  }
   b().synchronize_device();
 }
 
@@ -351,13 +415,15 @@ TEST_P(ExchangeTest, AHandOverKeepsTheProducerUntilTheConsumersWorkByTheDeletion
   const auto consumer = stream_on(0);
   std::atomic<int> released{0};
   {
-    const array view = written_on(producer, &released);
-    DLManagedTensorVersioned* tensor = ex().hand_over(view, named(consumer));
-    EXPECT_EQ(first(view, consumer), 1.0F);
-    delay(consumer, slow);
+    auto producer_works = hold(producer);
+    std::optional<array> view{written_on(producer, &released)};
+    DLManagedTensorVersioned* tensor = ex().hand_over(*view, named(consumer));
+    EXPECT_EQ(first_after(producer_works, *view, consumer), 1.0F);
+    const auto consumer_works = hold(consumer);  // the consumer's work by the deletion, until the hold ends
     tensor->deleter(tensor);
+    view.reset();
+    EXPECT_EQ(released.load(), 0);
   }
-  EXPECT_EQ(released.load(), 0);
   ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
   EXPECT_EQ(released.load(), 1);
 }
@@ -366,10 +432,11 @@ TEST_P(ExchangeTest, ALentViewOrdersItsBorrowerAndIsCounted)
 {
   const auto producer = stream_on(0);
   const auto consumer = stream_on(0);
+  auto producer_works = hold(producer);
   const array view = written_on(producer);
   const std::uint64_t exports = stats().exports;
   ex().lend(view, named(consumer));
-  EXPECT_EQ(first(view, consumer), 1.0F);
+  EXPECT_EQ(first_after(producer_works, view, consumer), 1.0F);
   EXPECT_EQ(stats().exports - exports, 1U);
 }
 

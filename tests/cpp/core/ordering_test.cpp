@@ -13,6 +13,7 @@
 #include <latch>
 #include <memory>
 #include <optional>
+#include <span>
 #include <thread>
 #include <vector>
 
@@ -26,24 +27,33 @@ class OrderingTest : public BackendContextTest {
   static stream_request on(device::stream_handle s) { return {stream_order::handle, static_cast<std::uintptr_t>(s)}; }
 
   // A CUDA Array Interface import from `producer` onto `consumer`, whose work reads the data (zeros)
-  // behind a delay; the view is then released (by `release`, given the view's only reference) and
-  // the producer writes 7 on `write_on`. Returns what the consumer read: 0 when ordered.
+  // while the consumer is held; the view is then released (by `release`, given the view's only
+  // reference) and the producer writes 7 on `write_on`, which must wait for the consumer if the
+  // release `orders` it, and is let land before the consumer reads otherwise. Returns what the
+  // consumer read: 0 when ordered.
   float read_after_release(stream_request producer, device::stream_handle consumer, device::stream_handle write_on,
                            std::shared_ptr<const void> producer_owner = {},
-                           const std::function<void(std::optional<array>&)>& release = {})
+                           const std::function<void(std::optional<array>&)>& release = {}, bool orders = true)
   {
     float* data = allocate_on(0);
     float* seen = allocate_on(0);
     std::optional<array> view{device_view(data, 0)};
     bind_interface_import(ctx(), *view, 0, consumer, nullptr, producer, std::move(producer_owner));
-    delay(consumer, slow);
-    b().copy_async(seen, data, n * sizeof(float), consumer);
-    if (release) {
-      release(view);
-    } else {
-      view.reset();  // all of the consumer's work on the data is enqueued
+    {
+      const auto consumer_works = hold(consumer);  // the consumer's read waits until the hold ends
+      b().copy_async(seen, data, n * sizeof(float), consumer);
+      if (release) {
+        release(view);
+      } else {
+        view.reset();  // all of the consumer's work on the data is enqueued
+      }
+      fill(write_on, data, 7.0F);
+      if (orders) {
+        EXPECT_TRUE(held_back(write_on)) << "the producer's next write does not wait for the consumer";
+      } else {
+        b().synchronize_stream(write_on);  // unordered: the write lands before the consumer reads
+      }
     }
-    fill(write_on, data, 7.0F);
     return read(seen, consumer).front();
   }
 };
@@ -53,9 +63,16 @@ TEST_P(OrderingTest, ExportOrdersTheStreamTheDataIsReadyOn)
   float* data = allocate_on(0);
   const auto producer = stream_on(0);
   const auto consumer = stream_on(0);
-  const array view = pending_view(data, producer, 1.0F);
-  order_export(&ctx(), view, on(consumer));
-  EXPECT_EQ(read(data, consumer).front(), 1.0F);
+  std::span<const float> seen;
+  {
+    const auto held = hold(producer);
+    const array view = pending_view(data, producer, 1.0F);
+    order_export(&ctx(), view, on(consumer));
+    seen = read_later(data, consumer);
+    EXPECT_TRUE(held_back(consumer));
+  }
+  b().synchronize_stream(consumer);
+  EXPECT_EQ(seen.front(), 1.0F);
 }
 
 TEST_P(OrderingTest, NegativeControlNoOrderingRequestedSeesStaleData)
@@ -63,9 +80,12 @@ TEST_P(OrderingTest, NegativeControlNoOrderingRequestedSeesStaleData)
   float* data = allocate_on(0);
   const auto producer = stream_on(0);
   const auto consumer = stream_on(0);
-  const array view = pending_view(data, producer, 1.0F);
-  order_export(&ctx(), view, {stream_order::none, 0});
-  EXPECT_EQ(read(data, consumer).front(), 0.0F);
+  {
+    const auto held = hold(producer);
+    const array view = pending_view(data, producer, 1.0F);
+    order_export(&ctx(), view, {stream_order::none, 0});
+    EXPECT_EQ(read(data, consumer).front(), 0.0F);
+  }
   b().synchronize_device();
 }
 
@@ -76,12 +96,14 @@ TEST_P(OrderingTest, AnExportKeepsItsProducerUntilTheDefaultConsumerStreamIsDone
   const auto legacy = b().legacy_default_stream();
   std::atomic<int> released{0};
   {
-    array_layout layout = device_view(allocate_on(0), 0).layout();
-    const array view{std::move(layout), producer_ref{[&] { ++released; }}};
-    order_export(&ctx(), view, {stream_order::legacy_default, 0});
-    delay(legacy, slow);  // the consumer's work on the legacy stream
+    const auto consumer_works = hold(legacy);  // the consumer's work on the legacy stream, until it ends
+    {
+      array_layout layout = device_view(allocate_on(0), 0).layout();
+      const array view{std::move(layout), producer_ref{[&] { ++released; }}};
+      order_export(&ctx(), view, {stream_order::legacy_default, 0});
+    }
+    EXPECT_EQ(released.load(), 0) << "released while the consumer's stream still reads the data";
   }
-  EXPECT_EQ(released.load(), 0) << "released while the consumer's stream still reads the data";
   ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
   EXPECT_EQ(released.load(), 1);
 }
@@ -91,13 +113,16 @@ TEST_P(OrderingTest, AnExportLeavesABareConsumerHandleUntouchedUnlessItsOwnerIsH
   const auto consumer = stream_on(0);
   const auto exported = [&](std::shared_ptr<const void> owner) {
     std::atomic<int> released{0};
+    int at_once = 0;
     {
-      array_layout layout = device_view(allocate_on(0), 0).layout();
-      const array view{std::move(layout), producer_ref{[&] { ++released; }}};
-      order_export(&ctx(), view, on(consumer), std::move(owner));
-      delay(consumer, slow);
+      const auto consumer_works = hold(consumer);
+      {
+        array_layout layout = device_view(allocate_on(0), 0).layout();
+        const array view{std::move(layout), producer_ref{[&] { ++released; }}};
+        order_export(&ctx(), view, on(consumer), std::move(owner));
+      }
+      at_once = released.load();
     }
-    const int at_once = released.load();
     EXPECT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
     return at_once;
   };
@@ -114,12 +139,23 @@ TEST_P(OrderingTest, TheStreamPublishedForSynchronizingConsumersCoversTheBlockin
   float* data = allocate_on(0);
   const auto blocking = stream_on(0, /*non_blocking=*/false);
   const array view = device_view(data, 0);
-  fill(blocking, data, 3.0F, slow);
-  // Bound to a per-thread default stream: recorded as the legacy stream, which any thread can name.
-  mark_ready(view, b().legacy_default_stream());
-  const auto published = published_ready_stream(view);
-  ASSERT_EQ(published, b().legacy_default_stream());
-  b().synchronize_stream(*published);  // what a CUDA Array Interface consumer with sync=True does
+  std::optional<device::stream_handle> published;
+  {
+    const auto held = hold(blocking);
+    fill(blocking, data, 3.0F);
+    // Bound to a per-thread default stream: recorded as the legacy stream, which any thread can name.
+    mark_ready(view, b().legacy_default_stream());
+    published = published_ready_stream(view);
+    ASSERT_EQ(published, b().legacy_default_stream());
+    // What a CUDA Array Interface consumer with sync=True does waits for the held write: for ever, here.
+    try {
+      b().synchronize_stream(*published);
+      ADD_FAILURE() << "a synchronization of the published stream did not wait for the blocking stream's write";
+    } catch (const device_error& e) {
+      EXPECT_EQ(e.error_name(), device::sim_backend::hold_deadlock_error) << e.what();
+    }
+  }
+  b().synchronize_stream(*published);
   EXPECT_EQ(read(data, stream_on(0)).front(), 3.0F);
 }
 
@@ -128,9 +164,12 @@ TEST_P(OrderingTest, NegativeControlSynchronizingTheLegacyStreamAloneMissesTheBl
   HANDOFF_REQUIRE_SIM("only the simulator shows a legacy synchronization that misses the blocking streams");
   float* data = allocate_on(0);
   const auto blocking = stream_on(0, /*non_blocking=*/false);
-  fill(blocking, data, 3.0F, slow);
-  b().synchronize_stream(b().legacy_default_stream());
-  EXPECT_EQ(read(data, stream_on(0)).front(), 0.0F);
+  {
+    const auto held = hold(blocking);
+    fill(blocking, data, 3.0F);
+    b().synchronize_stream(b().legacy_default_stream());
+    EXPECT_EQ(read(data, stream_on(0)).front(), 0.0F);
+  }
   b().synchronize_device();
 }
 
@@ -139,9 +178,16 @@ TEST_P(OrderingTest, WithoutAKnownProducerStreamTheDefaultStreamIsOrdered)
   float* data = allocate_on(0);
   const auto consumer = stream_on(0);
   const array view = device_view(data, 0);
-  fill(b().legacy_default_stream(), data, 4.0F, slow);
-  order_export(&ctx(), view, on(consumer));
-  EXPECT_EQ(read(data, consumer).front(), 4.0F);
+  std::span<const float> seen;
+  {
+    const auto held = hold(b().legacy_default_stream());
+    fill(b().legacy_default_stream(), data, 4.0F);
+    order_export(&ctx(), view, on(consumer));
+    seen = read_later(data, consumer);
+    EXPECT_TRUE(held_back(consumer));
+  }
+  b().synchronize_stream(consumer);
+  EXPECT_EQ(seen.front(), 4.0F);
 }
 
 TEST_P(OrderingTest, AViewClaimingAnotherDeviceIsRefused)
@@ -188,16 +234,40 @@ TEST_P(OrderingTest, BindImportMakesTheConsumerTheReadyStreamAndDefersRelease)
   const auto consumer = stream_on(0);
   std::atomic<bool> released{false};
   {
-    array_layout layout = device_view(data, 0).layout();
-    const array view{std::move(layout), producer_ref{[&] { released = true; }}};
-    bind_import(ctx(), view, 0, consumer);
-    ASSERT_TRUE(view.owner().ready_on().has_value());
-    EXPECT_EQ(view.owner().ready_on()->stream, consumer);
-    delay(consumer, slow);
+    const auto consumer_works = hold(consumer);
+    {
+      array_layout layout = device_view(data, 0).layout();
+      const array view{std::move(layout), producer_ref{[&] { released = true; }}};
+      bind_import(ctx(), view, 0, consumer);
+      ASSERT_TRUE(view.owner().ready_on().has_value());
+      EXPECT_EQ(view.owner().ready_on()->stream, consumer);
+    }
+    EXPECT_FALSE(released.load());
   }
-  EXPECT_FALSE(released.load());
   ctx().drain();
   EXPECT_TRUE(released.load());
+}
+
+// torch.cuda.graph: a view imported while its stream captures is read by every launch of the graph,
+// however soon after the capture it is dropped.
+TEST_P(OrderingTest, AViewImportedDuringACaptureIsKeptUntilTheGraphIsGoneThoughDroppedAfterIt)
+{
+  HANDOFF_REQUIRE_SIM("the device interface cannot begin or end a capture");
+  const auto consumer = stream_on(0, /*non_blocking=*/false);
+  std::atomic<int> released{0};
+  std::optional<array> view{device_view(allocate_on(0), 0, [&] { ++released; })};
+  sim().begin_capture(consumer);
+  bind_import(ctx(), *view, 0, consumer);
+  delay(consumer, slow / 4);  // a node of the graph: each launch reads the data this long
+  std::optional<device::sim_graph> graph{sim().end_capture(consumer)};
+  view.reset();  // after the capture: the release's event is recorded outside the graph
+  sim().launch_graph(*graph, consumer);
+  b().synchronize_stream(consumer);
+  ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
+  EXPECT_EQ(released.load(), 0) << "released while the graph that reads the data can still be launched";
+  graph.reset();
+  ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
+  EXPECT_EQ(released.load(), 1);
 }
 
 TEST_P(OrderingTest, InterfaceImportMakesTheLegacyDefaultProducerWaitForTheConsumerAtRelease)
@@ -233,7 +303,7 @@ TEST_P(OrderingTest, InterfaceImportMakesAProducerStreamKeptAliveWaitForTheConsu
 TEST_P(OrderingTest, NegativeControlInterfaceImportLeavesAProducerStreamNothingKeepsAliveAlone)
 {
   const auto producer = stream_on(0);
-  EXPECT_EQ(read_after_release(on(producer), stream_on(0), producer), 7.0F);
+  EXPECT_EQ(read_after_release(on(producer), stream_on(0), producer, nullptr, {}, /*orders=*/false), 7.0F);
   b().synchronize_device();
 }
 
@@ -304,12 +374,19 @@ TEST_P(OrderingTest, OrderingDataOnAnotherDeviceCreatesNoContextOnTheCurrentOne)
   });
   owner.join();
   std::thread importer([&] {  // a thread that never chose a device
-    fill(producer, data, 2.0F, slow);
-    const array view = device_view(data, 1);
-    mark_ready(view, producer, 1);
-    order_export(&ctx(), view, on(consumer));
-    bind_import(ctx(), view, owning_device(ctx(), view), consumer);
-    EXPECT_EQ(read(data, consumer).front(), 2.0F);
+    std::span<const float> seen;
+    {
+      const auto held = hold(producer);
+      fill(producer, data, 2.0F);
+      const array view = device_view(data, 1);
+      mark_ready(view, producer, 1);
+      order_export(&ctx(), view, on(consumer));
+      bind_import(ctx(), view, owning_device(ctx(), view), consumer);
+      seen = read_later(data, consumer);
+      EXPECT_TRUE(held_back(consumer));
+    }
+    b().synchronize_stream(consumer);
+    EXPECT_EQ(seen.front(), 2.0F);
   });
   importer.join();
   ctx().drain();

@@ -7,6 +7,7 @@
 #include "support/backend_fixture.hpp"
 
 #include <optional>
+#include <span>
 #include <vector>
 
 namespace {
@@ -26,6 +27,24 @@ class StreamWaitTest : public BackendTest {
   event_pool& events() { return *events_; }
   stream_view view(device::stream_handle s) { return stream_view{b(), s}; }
 
+  // `consumer` waits, by an event of `device`, for `value` written to `data` on the held `producer`;
+  // returns what it reads once the hold ends, having checked that the read waited for it.
+  std::span<const float> ordered_read(float* data, device::stream_handle producer, device::stream_handle consumer,
+                                      int device, float value)
+  {
+    std::span<const float> seen;
+    {
+      const auto held = hold(producer);
+      fill(producer, data, value);
+      view(consumer).wait(view(producer), device, events());
+      EXPECT_EQ(b().current_device(), 0) << "the wait did not restore the current device";
+      seen = read_later(data, consumer);
+      EXPECT_TRUE(held_back(consumer)) << "the consumer does not wait for the held producer";
+    }
+    b().synchronize_stream(consumer);
+    return seen;
+  }
+
   std::optional<event_pool> events_;
 };
 
@@ -34,11 +53,9 @@ TEST_P(StreamWaitTest, ConsumerSeesTheProducersFinishedWrite)
   float* data = allocate_on(0);
   const auto producer = stream_on(0);
   const auto consumer = stream_on(0);
-  fill(producer, data, 1.0F, slow);
   const auto before = stats();
-  view(consumer).wait(view(producer), 0, events());
+  const auto seen = ordered_read(data, producer, consumer, 0, 1.0F);
   EXPECT_EQ(stats().waits_inserted, before.waits_inserted + 1);
-  const auto seen = read(data, consumer);
   EXPECT_EQ(seen.front(), 1.0F);
   EXPECT_EQ(seen.back(), 1.0F);
 }
@@ -48,9 +65,12 @@ TEST_P(StreamWaitTest, NegativeControlWithoutTheWaitSeesStaleData)
   float* data = allocate_on(0);
   const auto producer = stream_on(0);
   const auto consumer = stream_on(0);
-  fill(producer, data, 1.0F, slow);
-  const auto seen = read(data, consumer);  // no wait: the race handoff exists to prevent
-  EXPECT_EQ(seen.front(), 0.0F);
+  {
+    const auto held = hold(producer);
+    fill(producer, data, 1.0F);
+    const auto seen = read(data, consumer);  // no wait: the race handoff exists to prevent
+    EXPECT_EQ(seen.front(), 0.0F);
+  }
   b().synchronize_device();
 }
 
@@ -59,10 +79,14 @@ TEST_P(StreamWaitTest, TheWaitNeverBlocksTheHost)
   float* data = allocate_on(0);
   const auto producer = stream_on(0);
   const auto consumer = stream_on(0);
-  fill(producer, data, 1.0F, slow);
-  const auto start = std::chrono::steady_clock::now();
-  view(consumer).wait(view(producer), 0, events());
-  EXPECT_LT(std::chrono::steady_clock::now() - start, slow / 2);
+  {
+    const auto held = hold(producer);
+    fill(producer, data, 1.0F);
+    // Returns while the producer is held: a host wait for it would never return (the simulator
+    // refuses it, handoffErrorHoldDeadlock).
+    view(consumer).wait(view(producer), 0, events());
+    EXPECT_TRUE(held_back(consumer));
+  }
   b().synchronize_device();
 }
 
@@ -79,11 +103,9 @@ TEST_P(StreamWaitTest, LegacyConsumerAfterBlockingProducerWaits)
 {
   float* data = allocate_on(0);
   const auto producer = stream_on(0, /*non_blocking=*/false);
-  fill(producer, data, 1.0F, slow);
   const auto before = stats();
-  view(b().legacy_default_stream()).wait(view(producer), 0, events());
+  EXPECT_EQ(ordered_read(data, producer, b().legacy_default_stream(), 0, 1.0F).front(), 1.0F);
   EXPECT_EQ(stats().waits_inserted, before.waits_inserted + 1);  // implicit synchronization is not relied on
-  EXPECT_EQ(read(data, b().legacy_default_stream()).front(), 1.0F);
 }
 
 // Implicit synchronization orders only work actually enqueued on the legacy stream: a hop through it
@@ -93,10 +115,17 @@ TEST_P(StreamWaitTest, AHopThroughTheLegacyStreamKeepsTheOrder)
   float* data = allocate_on(0);
   const auto producer = stream_on(0, /*non_blocking=*/false);
   const auto last = stream_on(0, /*non_blocking=*/false);
-  fill(producer, data, 1.0F, slow);
-  view(b().legacy_default_stream()).wait(view(producer), 0, events());
-  view(last).wait(view(b().legacy_default_stream()), 0, events());
-  EXPECT_EQ(read(data, last).front(), 1.0F);
+  std::span<const float> seen;
+  {
+    const auto held = hold(producer);
+    fill(producer, data, 1.0F);
+    view(b().legacy_default_stream()).wait(view(producer), 0, events());
+    view(last).wait(view(b().legacy_default_stream()), 0, events());
+    seen = read_later(data, last);
+    EXPECT_TRUE(held_back(last));
+  }
+  b().synchronize_stream(last);
+  EXPECT_EQ(seen.front(), 1.0F);
 }
 
 TEST_P(StreamWaitTest, NegativeControlAHopOrderedOnlyByImplicitSynchronizationSeesStaleData)
@@ -104,10 +133,13 @@ TEST_P(StreamWaitTest, NegativeControlAHopOrderedOnlyByImplicitSynchronizationSe
   float* data = allocate_on(0);
   const auto producer = stream_on(0, /*non_blocking=*/false);
   const auto last = stream_on(0, /*non_blocking=*/false);
-  fill(producer, data, 1.0F, slow);
-  // Both hops left to implicit synchronization enqueue nothing: the last stream follows only the
-  // (empty) legacy stream, not the producer.
-  EXPECT_EQ(read(data, last).front(), 0.0F);
+  {
+    const auto held = hold(producer);
+    fill(producer, data, 1.0F);
+    // Both hops left to implicit synchronization enqueue nothing: the last stream follows only the
+    // (empty) legacy stream, not the producer.
+    EXPECT_EQ(read(data, last).front(), 0.0F);
+  }
   b().synchronize_device();
 }
 
@@ -115,11 +147,9 @@ TEST_P(StreamWaitTest, LegacyConsumerAfterNonBlockingProducerWaits)
 {
   float* data = allocate_on(0);
   const auto producer = stream_on(0, /*non_blocking=*/true);
-  fill(producer, data, 1.0F, slow);
   const auto before = stats();
-  view(b().legacy_default_stream()).wait(view(producer), 0, events());
+  EXPECT_EQ(ordered_read(data, producer, b().legacy_default_stream(), 0, 1.0F).front(), 1.0F);
   EXPECT_EQ(stats().waits_inserted, before.waits_inserted + 1);
-  EXPECT_EQ(read(data, b().legacy_default_stream()).front(), 1.0F);
 }
 
 TEST_P(StreamWaitTest, RecordsOnTheDataDeviceAndRestoresTheCurrentOne)
@@ -129,10 +159,7 @@ TEST_P(StreamWaitTest, RecordsOnTheDataDeviceAndRestoresTheCurrentOne)
   const auto producer = stream_on(1);
   const auto consumer = stream_on(1);
   b().set_current_device(0);
-  fill(producer, data, 2.0F, slow);
-  view(consumer).wait(view(producer), 1, events());
-  EXPECT_EQ(b().current_device(), 0);
-  EXPECT_EQ(read(data, consumer).front(), 2.0F);
+  EXPECT_EQ(ordered_read(data, producer, consumer, 1, 2.0F).front(), 2.0F);
 }
 
 // A peer writer: device 1's data written from a stream of device 0. The event is device 0's.
@@ -142,10 +169,7 @@ TEST_P(StreamWaitTest, AProducerStreamOfAPeerDeviceIsOrderedByAnEventOfItsOwnDev
   float* data = allocate_on(1);
   const auto producer = stream_on(0);
   const auto consumer = stream_on(1);
-  fill(producer, data, 4.0F, slow);
-  view(consumer).wait(view(producer), 1, events());
-  EXPECT_EQ(b().current_device(), 0);
-  EXPECT_EQ(read(data, consumer).front(), 4.0F);
+  EXPECT_EQ(ordered_read(data, producer, consumer, 1, 4.0F).front(), 4.0F);
 }
 
 TEST_P(StreamWaitTest, NegativeControlAPeerWriterNotWaitedForIsSeenStale)
@@ -154,8 +178,11 @@ TEST_P(StreamWaitTest, NegativeControlAPeerWriterNotWaitedForIsSeenStale)
   float* data = allocate_on(1);
   const auto producer = stream_on(0);
   const auto consumer = stream_on(1);
-  fill(producer, data, 4.0F, slow);
-  EXPECT_EQ(read(data, consumer).front(), 0.0F);
+  {
+    const auto held = hold(producer);
+    fill(producer, data, 4.0F);
+    EXPECT_EQ(read(data, consumer).front(), 0.0F);
+  }
   b().synchronize_device();
 }
 

@@ -18,6 +18,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -29,9 +30,6 @@ namespace {
 
 using namespace std::chrono_literals;
 
-// Long enough that work enqueued right after a delayed fill reliably runs before it, even under
-// sanitizers: the negative controls rely on it.
-constexpr auto delay = 200ms;
 constexpr std::size_t count = 1024;
 
 #define EXPECT_DEVICE_ERROR(statement, expected_name)                   \
@@ -44,7 +42,7 @@ constexpr std::size_t count = 1024;
     }                                                                   \
   } while (false)
 
-bool all_equal(const std::vector<float>& values, float expected)
+bool all_equal(std::span<const float> values, float expected)
 {
   return std::all_of(values.begin(), values.end(), [&](float v) { return v == expected; });
 }
@@ -94,14 +92,21 @@ class DeviceTest : public ::testing::TestWithParam<backend_choice> {
   /// `n` floats of device memory on the current device, set to `value` before this returns.
   float* floats(std::size_t n, float value) { return device_->allocate(n, b().current_device(), value); }
 
-  /// Enqueues on `s`: wait `wait`, then set `n` floats at `dst` to `value`.
-  void delayed_fill(stream_handle s, float* dst, std::size_t n, float value, std::chrono::milliseconds wait)
-  {
-    device_->delayed_fill(s, dst, n, value, wait);
-  }
+  /// Enqueues on `s` a write of `value` to `n` floats at `dst`.
+  void fill(stream_handle s, float* dst, std::size_t n, float value) { device_->delayed_fill(s, dst, n, value); }
+
+  /// Holds `s`: its work enqueued from now on waits until the hold ends (test_device::hold).
+  [[nodiscard]] handoff::testing::test_hold hold(stream_handle s) { return device_->hold(s); }
+  /// True when `s`'s last work waits for a hold (test_device::held_back).
+  bool held_back(stream_handle s) { return device_->held_back(s); }
 
   /// Enqueues a copy of `n` floats to the host on `s` and waits for it.
   std::vector<float> read(stream_handle s, const float* src, std::size_t n) { return device_->read(s, src, n); }
+  /// Enqueues that copy without waiting: the values once `s` got past it (test_device::read_later).
+  std::span<const float> read_later(stream_handle s, const float* src, std::size_t n)
+  {
+    return device_->read_later(s, src, n);
+  }
 
   std::optional<handoff::testing::test_device> device_;
   std::vector<event_handle> events_;
@@ -172,11 +177,18 @@ TEST_P(DeviceTest, EventWaitOrdersWorkAcrossStreams)
   const auto producer = stream(true);
   const auto consumer = stream(true);
   float* data = floats(count, 0.0f);
-  delayed_fill(producer, data, count, 1.0f, delay);
-  const auto e = event();
-  b().record_event(e, producer);
-  b().stream_wait_event(consumer, e);
-  EXPECT_TRUE(all_equal(read(consumer, data, count), 1.0f));
+  std::span<const float> seen;
+  {
+    const auto held = hold(producer);
+    fill(producer, data, count, 1.0f);
+    const auto e = event();
+    b().record_event(e, producer);
+    b().stream_wait_event(consumer, e);
+    seen = read_later(consumer, data, count);
+    EXPECT_TRUE(held_back(consumer));
+  }
+  b().synchronize_stream(consumer);
+  EXPECT_TRUE(all_equal(seen, 1.0f));
 }
 
 // Negative control: the same exchange without the wait reads the data before the fill, which
@@ -186,8 +198,12 @@ TEST_P(DeviceTest, MissingWaitObservesStaleData)
   const auto producer = stream(true);
   const auto consumer = stream(true);
   float* data = floats(count, 0.0f);
-  delayed_fill(producer, data, count, 1.0f, delay);
-  EXPECT_TRUE(all_equal(read(consumer, data, count), 0.0f));
+  {
+    const auto held = hold(producer);
+    fill(producer, data, count, 1.0f);
+    EXPECT_TRUE(all_equal(read(consumer, data, count), 0.0f));
+    EXPECT_FALSE(held_back(consumer));
+  }
   b().synchronize_stream(producer);
   EXPECT_TRUE(all_equal(read(consumer, data, count), 1.0f));
 }
@@ -201,18 +217,25 @@ TEST_P(DeviceTest, ReRecordingReplacesTheCapturedWork)
   EXPECT_TRUE(b().query_event(e));  // never recorded
 
   float* data = floats(count, 0.0f);
-  delayed_fill(producer, data, count, 1.0f, delay);
-  b().record_event(e, producer);
-  EXPECT_FALSE(b().query_event(e));
-  b().stream_wait_event(consumer, e);  // captures the record on `producer`
+  std::span<const float> seen;
+  {
+    const auto held = hold(producer);
+    fill(producer, data, count, 1.0f);
+    b().record_event(e, producer);
+    EXPECT_FALSE(b().query_event(e));
+    b().stream_wait_event(consumer, e);  // captures the record on `producer`
 
-  b().record_event(e, idle);  // now tracks `idle`, which has no work
-  b().synchronize_event(e);
-  EXPECT_TRUE(b().query_event(e));
-  EXPECT_TRUE(all_equal(read(idle, data, count), 0.0f));  // the fill has not run yet
+    b().record_event(e, idle);  // now tracks `idle`, which has no work
+    b().synchronize_event(e);
+    EXPECT_TRUE(b().query_event(e));
+    EXPECT_TRUE(all_equal(read(idle, data, count), 0.0f));  // the fill has not run yet
 
-  // The earlier wait still orders `consumer` after the fill.
-  EXPECT_TRUE(all_equal(read(consumer, data, count), 1.0f));
+    // The earlier wait still orders `consumer` after the fill.
+    seen = read_later(consumer, data, count);
+    EXPECT_TRUE(held_back(consumer));
+  }
+  b().synchronize_stream(consumer);
+  EXPECT_TRUE(all_equal(seen, 1.0f));
 }
 
 TEST_P(DeviceTest, SynchronizeEventBlocksUntilTheRecordedWorkIsDone)
@@ -220,9 +243,20 @@ TEST_P(DeviceTest, SynchronizeEventBlocksUntilTheRecordedWorkIsDone)
   const auto s = stream(true);
   const auto e = event();
   float* data = floats(count, 0.0f);
-  delayed_fill(s, data, count, 3.0f, 50ms);
-  b().record_event(e, s);
-  b().synchronize_event(e);
+  std::atomic<bool> synchronized{false};
+  std::optional<std::thread> waiter;
+  {
+    const auto held = hold(s);
+    fill(s, data, count, 3.0f);
+    b().record_event(e, s);
+    waiter.emplace([&] {
+      b().synchronize_event(e);
+      synchronized = true;
+    });
+    EXPECT_FALSE(synchronized.load()) << "the synchronization returned before the recorded work ran";
+  }
+  waiter->join();
+  EXPECT_TRUE(synchronized.load());
   EXPECT_TRUE(b().query_event(e));
   // Read on a stream that waits for nothing: only the synchronization can have made the fill visible.
   EXPECT_TRUE(all_equal(read(stream(true), data, count), 3.0f));
@@ -234,13 +268,19 @@ TEST_P(DeviceTest, QueryStreamSaysWhetherItsWorkIsDone)
   const auto blocking = stream(false);
   float* data = floats(count, 0.0f);
   EXPECT_TRUE(b().query_stream(s)) << "a new stream is idle";
-  delayed_fill(s, data, count, 3.0f, delay);
-  EXPECT_FALSE(b().query_stream(s));
-  EXPECT_TRUE(b().query_stream(blocking)) << "another stream's work is not this one's";
+  {
+    const auto held = hold(s);
+    fill(s, data, count, 3.0f);
+    EXPECT_FALSE(b().query_stream(s));
+    EXPECT_TRUE(b().query_stream(blocking)) << "another stream's work is not this one's";
+  }
   b().synchronize_stream(s);
   EXPECT_TRUE(b().query_stream(s));
-  delayed_fill(b().legacy_default_stream(), data, count, 4.0f, delay);
-  EXPECT_FALSE(b().query_stream(b().legacy_default_stream()));
+  {
+    const auto held = hold(b().legacy_default_stream());
+    fill(b().legacy_default_stream(), data, count, 4.0f);
+    EXPECT_FALSE(b().query_stream(b().legacy_default_stream()));
+  }
   b().synchronize_stream(b().legacy_default_stream());
   EXPECT_TRUE(b().query_stream(b().legacy_default_stream()));
 }
@@ -251,8 +291,15 @@ TEST_P(DeviceTest, LegacyStreamWaitsForBlockingStreams)
 {
   const auto blocking = stream(false);
   float* data = floats(count, 0.0f);
-  delayed_fill(blocking, data, count, 1.0f, delay);
-  EXPECT_TRUE(all_equal(read(b().legacy_default_stream(), data, count), 1.0f));
+  std::span<const float> seen;
+  {
+    const auto held = hold(blocking);
+    fill(blocking, data, count, 1.0f);
+    seen = read_later(b().legacy_default_stream(), data, count);
+    EXPECT_TRUE(held_back(b().legacy_default_stream()));
+  }
+  b().synchronize_device();
+  EXPECT_TRUE(all_equal(seen, 1.0f));
 }
 
 // CUDA leaves open whether synchronizing the legacy stream waits for the blocking streams' work
@@ -264,11 +311,15 @@ TEST_P(DeviceTest, SynchronizingTheLegacyStreamWaitsForItsOwnWorkOnly)
   const auto blocking = stream(false);
   const auto legacy = b().legacy_default_stream();
   float* data = floats(count, 0.0f);
-  delayed_fill(blocking, data, count, 1.0f, delay);
-  b().synchronize_stream(legacy);
-  EXPECT_TRUE(all_equal(read(stream(true), data, count), 0.0f)) << "the blocking stream's work was waited for";
   const auto e = event();
-  b().record_event(e, legacy);  // an operation of the legacy stream: after the blocking stream's work
+  {
+    const auto held = hold(blocking);
+    fill(blocking, data, count, 1.0f);
+    b().synchronize_stream(legacy);
+    EXPECT_TRUE(all_equal(read(stream(true), data, count), 0.0f)) << "the blocking stream's work was waited for";
+    b().record_event(e, legacy);  // an operation of the legacy stream: after the blocking stream's work
+    EXPECT_DEVICE_ERROR(b().synchronize_event(e), sim_backend::hold_deadlock_error);
+  }
   b().synchronize_event(e);
   EXPECT_TRUE(all_equal(read(stream(true), data, count), 1.0f));
 }
@@ -277,8 +328,15 @@ TEST_P(DeviceTest, BlockingStreamsWaitForTheLegacyStream)
 {
   const auto blocking = stream(false);
   float* data = floats(count, 0.0f);
-  delayed_fill(b().legacy_default_stream(), data, count, 2.0f, delay);
-  EXPECT_TRUE(all_equal(read(blocking, data, count), 2.0f));
+  std::span<const float> seen;
+  {
+    const auto held = hold(b().legacy_default_stream());
+    fill(b().legacy_default_stream(), data, count, 2.0f);
+    seen = read_later(blocking, data, count);
+    EXPECT_TRUE(held_back(blocking));
+  }
+  b().synchronize_stream(blocking);
+  EXPECT_TRUE(all_equal(seen, 2.0f));
 }
 
 TEST_P(DeviceTest, NonBlockingStreamsSkipImplicitSynchronization)
@@ -287,13 +345,19 @@ TEST_P(DeviceTest, NonBlockingStreamsSkipImplicitSynchronization)
   const auto legacy = b().legacy_default_stream();
   float* first = floats(count, 0.0f);
   float* second = floats(count, 0.0f);
-  delayed_fill(non_blocking, first, count, 1.0f, delay);
-  EXPECT_TRUE(all_equal(read(legacy, first, count), 0.0f));  // the legacy stream did not wait
+  {
+    const auto held = hold(non_blocking);
+    fill(non_blocking, first, count, 1.0f);
+    EXPECT_TRUE(all_equal(read(legacy, first, count), 0.0f));  // the legacy stream did not wait
+  }
   b().synchronize_stream(non_blocking);
   EXPECT_TRUE(all_equal(read(legacy, first, count), 1.0f));
 
-  delayed_fill(legacy, second, count, 1.0f, delay);
-  EXPECT_TRUE(all_equal(read(non_blocking, second, count), 0.0f));  // nor this one
+  {
+    const auto held = hold(legacy);
+    fill(legacy, second, count, 1.0f);
+    EXPECT_TRUE(all_equal(read(non_blocking, second, count), 0.0f));  // nor this one
+  }
   b().synchronize_stream(legacy);
   EXPECT_TRUE(all_equal(read(non_blocking, second, count), 1.0f));
 }
@@ -304,23 +368,29 @@ TEST_P(DeviceTest, PerThreadDefaultStreamsArePerThreadAndBlocking)
   EXPECT_TRUE(b().stream_is_blocking(mine));
   EXPECT_EQ(b().per_thread_default_stream(), mine);
   float* data = floats(count, 0.0f);
-  delayed_fill(mine, data, count, 1.0f, delay);
-
   stream_handle theirs{};
   std::vector<float> seen;
-  std::thread other([&] {
-    theirs = b().per_thread_default_stream();
-    seen = read(theirs, data, count);
-  });
-  other.join();
-  EXPECT_TRUE(all_equal(seen, 0.0f));  // another thread's queue: not ordered after the fill
-  if (rocm()) {
-    EXPECT_NE(theirs, mine);
-  } else {
-    EXPECT_EQ(theirs, mine);  // one value, resolved per thread
+  std::span<const float> on_legacy;
+  {
+    const auto held = hold(mine);
+    fill(mine, data, count, 1.0f);
+    std::thread other([&] {
+      theirs = b().per_thread_default_stream();
+      seen = read(theirs, data, count);
+    });
+    other.join();
+    EXPECT_TRUE(all_equal(seen, 0.0f));  // another thread's queue: not ordered after the fill
+    if (rocm()) {
+      EXPECT_NE(theirs, mine);
+    } else {
+      EXPECT_EQ(theirs, mine);  // one value, resolved per thread
+    }
+    // The per-thread stream is blocking, so the legacy stream waits for it.
+    on_legacy = read_later(b().legacy_default_stream(), data, count);
+    EXPECT_TRUE(held_back(b().legacy_default_stream()));
   }
-  // The per-thread stream is blocking, so the legacy stream waits for it.
-  EXPECT_TRUE(all_equal(read(b().legacy_default_stream(), data, count), 1.0f));
+  b().synchronize_device();
+  EXPECT_TRUE(all_equal(on_legacy, 1.0f));
 }
 
 // --- devices ----------------------------------------------------------------------------------
@@ -340,10 +410,17 @@ TEST_P(DeviceTest, RecordingAnEventOfAnotherDeviceFails)
   EXPECT_DEVICE_ERROR(b().record_event(e1, s0), err("cudaErrorInvalidResourceHandle", "hipErrorInvalidHandle"));
 
   // Waiting on another device's event is allowed and orders the work.
-  delayed_fill(s1, data, count, 1.0f, delay);
-  b().record_event(e1, s1);
-  b().stream_wait_event(s0, e1);
-  EXPECT_TRUE(all_equal(read(s0, data, count), 1.0f));
+  std::span<const float> seen;
+  {
+    const auto held = hold(s1);
+    fill(s1, data, count, 1.0f);
+    b().record_event(e1, s1);
+    b().stream_wait_event(s0, e1);
+    seen = read_later(s0, data, count);
+    EXPECT_TRUE(held_back(s0));
+  }
+  b().synchronize_stream(s0);
+  EXPECT_TRUE(all_equal(seen, 1.0f));
 }
 
 TEST_P(DeviceTest, CurrentDeviceIsPerThread)
@@ -421,10 +498,13 @@ TEST_P(DeviceTest, DeallocateIsStreamOrdered)
   const auto before = sim()->live_allocations();
   void* p = b().allocate(1024, s);
   EXPECT_EQ(sim()->live_allocations(), before + 1);
-  sim()->enqueue_sleep(s, 100ms);
-  b().deallocate(p, s);
-  EXPECT_EQ(b().attributes(p).kind,
-            memory_kind::device);  // still owned until the stream gets there
+  {
+    const auto held = hold(s);
+    b().deallocate(p, s);
+    sim()->synchronize_unheld();
+    EXPECT_EQ(b().attributes(p).kind,
+              memory_kind::device);  // still owned until the stream gets there
+  }
   b().synchronize_stream(s);
   EXPECT_EQ(b().attributes(p).kind, memory_kind::unregistered);
   EXPECT_EQ(sim()->live_allocations(), before);
@@ -519,6 +599,8 @@ TEST_P(DeviceTest, InjectedFaultsFailEachOperationOnce)
     {"hold", [&] { s.hold(blocking).release(); }},
     {"pending", [&] { (void)s.pending(blocking); }},
     {"held", [&] { (void)s.held(blocking); }},
+    {"waits_for_hold", [&] { (void)s.waits_for_hold(blocking); }},
+    {"synchronize_unheld", [&] { s.synchronize_unheld(); }},
   };
 
   const std::string name = err("cudaErrorLaunchFailure", "hipErrorLaunchFailure");
@@ -706,17 +788,22 @@ TEST_P(DeviceTest, DestroyingStreamsAndTheBackendDrainsPendingWork)
   std::atomic<int> calls{0};
   const auto bump = [](void* c) { static_cast<std::atomic<int>*>(c)->fetch_add(1); };
   const auto s = b().create_stream(false);
-  sim()->enqueue_sleep(s, 50ms);
-  b().launch_host_func(s, bump, &calls);
-  b().destroy_stream(s);  // the work still runs
+  {
+    const auto held = hold(s);
+    b().launch_host_func(s, bump, &calls);
+    b().destroy_stream(s);  // the work still runs
+    EXPECT_EQ(calls.load(), 0);
+  }
   b().synchronize_device();
   EXPECT_EQ(calls.load(), 1);
 
   auto fresh = handoff::testing::make_backend(GetParam());
   const auto t = fresh->create_stream(true);
-  as_sim(*fresh)->enqueue_sleep(t, 50ms);
-  fresh->launch_host_func(t, bump, &calls);
-  (void)fresh->allocate(256, t);  // freed by the destructor
+  {
+    const auto held = as_sim(*fresh)->hold(t);
+    fresh->launch_host_func(t, bump, &calls);
+    (void)fresh->allocate(256, t);  // freed by the destructor
+  }                                 // still queued, most likely, when the backend goes
   fresh.reset();
   EXPECT_EQ(calls.load(), 2);
 }
@@ -784,16 +871,21 @@ TEST_P(DeviceTest, AGraphRetainsWhatAReleaseWaitsForUntilItAndItsLaunchesAreGone
 {
   REQUIRE_SIM();
   const auto s = stream(false);
+  float* data = floats(count, 0.0f);
   std::atomic<int> released{0};
   sim()->begin_capture(s);
-  sim()->enqueue_sleep(s, delay);
+  sim()->enqueue_fill(s, data, count, 1.0f);
   sim()->release_with_capture(
     s, [](void* counter) noexcept { ++*static_cast<std::atomic<int>*>(counter); }, &released);
   std::optional<sim_graph> graph{sim()->end_capture(s)};
   EXPECT_EQ(released.load(), 0);
-  sim()->launch_graph(*graph, s);
-  graph.reset();
-  EXPECT_EQ(released.load(), 0) << "released while a launch of the graph still runs";
+  {
+    const auto held = hold(s);
+    sim()->launch_graph(*graph, s);
+    graph.reset();
+    sim()->synchronize_unheld();
+    EXPECT_EQ(released.load(), 0) << "released while a launch of the graph still runs";
+  }
   b().synchronize_stream(s);
   EXPECT_EQ(released.load(), 1);
   EXPECT_DEVICE_ERROR(sim()->release_with_capture(

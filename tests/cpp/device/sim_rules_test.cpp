@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <future>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -123,11 +124,14 @@ TEST_P(SimRulesTest, ALaunchIsOrderedOnItsStreamAndKeepsForkedBranchesInOrder)
   sim.enqueue_fill(s, data, n, 3.0F);
   const sim_graph graph = sim.end_capture(s);
 
-  sim.enqueue_sleep(s, 50ms);  // the launch must wait for this too
-  sim.launch_graph(graph, s);
-  sim.enqueue_fill(s, data, n, 4.0F);  // and this for the whole launch
   const auto reader = sim.create_stream(true);
-  EXPECT_EQ(first(data, reader), 0.0F) << "the launch started before the stream's earlier work";
+  {
+    const auto held = sim.hold(s);  // the launch must wait for the stream's earlier work, this hold too
+    sim.launch_graph(graph, s);
+    sim.enqueue_fill(s, data, n, 4.0F);  // and this for the whole launch
+    sim.synchronize_unheld();
+    EXPECT_EQ(first(data, reader), 0.0F) << "the launch started before the stream's earlier work";
+  }
   sim.synchronize_stream(s);
   EXPECT_EQ(first(data, reader), 4.0F);
 
@@ -146,19 +150,20 @@ TEST_P(SimRulesTest, AStickyErrorHaltsItsDeviceForGood)
 {
   const auto s = sim.create_stream(true);
   std::atomic<int> calls{0};
-  sim.enqueue_sleep(s, 50ms);
-  sim.launch_host_func(s, &count, &calls);
   const auto e = sim.create_event();
-
-  sim.inject_sticky_fault(0, err("cudaErrorIllegalAddress", "hipErrorIllegalAddress"));
   const std::string sticky = err("cudaErrorIllegalAddress", "hipErrorIllegalAddress");
-  EXPECT_DEVICE_ERROR(sim.synchronize_stream(s), sticky);
-  EXPECT_DEVICE_ERROR(sim.synchronize_device(), sticky);
-  EXPECT_DEVICE_ERROR(sim.record_event(e, s), sticky);
-  EXPECT_DEVICE_ERROR((void)sim.create_stream(true), sticky);
-  EXPECT_DEVICE_ERROR(sim.launch_host_func(s, &count, &calls), sticky);
-  EXPECT_DEVICE_ERROR(sim.set_current_device(0), sticky);
-  std::this_thread::sleep_for(100ms);  // past the sleep the host function was queued behind
+  {
+    const auto held = sim.hold(s);  // the host function is queued behind it when the fault comes
+    sim.launch_host_func(s, &count, &calls);
+    sim.inject_sticky_fault(0, sticky);
+    EXPECT_DEVICE_ERROR(sim.synchronize_stream(s), sticky);
+    EXPECT_DEVICE_ERROR(sim.synchronize_device(), sticky);
+    EXPECT_DEVICE_ERROR(sim.record_event(e, s), sticky);
+    EXPECT_DEVICE_ERROR((void)sim.create_stream(true), sticky);
+    EXPECT_DEVICE_ERROR(sim.launch_host_func(s, &count, &calls), sticky);
+    EXPECT_DEVICE_ERROR(sim.set_current_device(0), sticky);
+  }
+  sim.synchronize_unheld();  // past the hold the host function was queued behind
   EXPECT_EQ(calls.load(), 0) << "a host function queued before the fault ran";
 
   if (sim.device_count() > 1) {  // another device is not affected
@@ -245,6 +250,7 @@ TEST_P(SimRulesTest, EveryCallThatTakesADestroyedStreamOrEventFailsAsCudaDoes)
     {"hold", [&] { (void)sim.hold(s); }},
     {"pending", [&] { (void)sim.pending(s); }},
     {"held", [&] { (void)sim.held(s); }},
+    {"waits_for_hold", [&] { (void)sim.waits_for_hold(s); }},
   };
   const std::string invalid = err("cudaErrorInvalidResourceHandle", "hipErrorInvalidHandle");
   for (const auto& [name, call] : calls) {
@@ -271,19 +277,26 @@ TEST_P(SimRulesTest, AThreadsStateEndsWithItButItsEnqueuedWorkStillRuns)
 {
   float* data = zeros();
   const std::size_t before = sim.threads_with_state();
+  const auto gate = sim.create_stream(true);
+  const auto opened = sim.create_event();
   stream_handle its_default{};
   std::size_t while_alive = 0;
-  std::thread worker{[&] {
-    sim.set_current_device(sim.device_count() - 1);
-    sim.set_current_device(0);
-    its_default = sim.per_thread_default_stream();
-    sim.enqueue_sleep(its_default, 50ms);  // still running when the thread has ended
-    sim.enqueue_fill(its_default, data, n, 3.0F);
-    while_alive = sim.threads_with_state();
-  }};
-  worker.join();
-  EXPECT_EQ(while_alive, before + 1);
-  EXPECT_EQ(sim.threads_with_state(), before) << "the ended thread's state was kept";
+  {
+    const auto held = sim.hold(gate);
+    sim.record_event(opened, gate);  // done when the hold ends
+    std::thread worker{[&] {
+      sim.set_current_device(sim.device_count() - 1);
+      sim.set_current_device(0);
+      its_default = sim.per_thread_default_stream();
+      sim.stream_wait_event(its_default, opened);  // still queued when the thread has ended
+      sim.enqueue_fill(its_default, data, n, 3.0F);
+      while_alive = sim.threads_with_state();
+    }};
+    worker.join();
+    EXPECT_EQ(while_alive, before + 1);
+    EXPECT_EQ(sim.threads_with_state(), before) << "the ended thread's state was kept";
+    EXPECT_EQ(data[0], 0.0F);
+  }
   sim.synchronize_device();  // waits for the ended thread's work, as for a destroyed stream's
   EXPECT_EQ(first(data, sim.legacy_default_stream()), 3.0F);
   if (rocm()) {
@@ -295,6 +308,8 @@ TEST_P(SimRulesTest, AThreadsStateEndsWithItButItsEnqueuedWorkStillRuns)
     sim.clear_violations();
   }
   EXPECT_TRUE(sim.violations().empty());
+  sim.destroy_event(opened);
+  sim.destroy_stream(gate);
 }
 
 TEST_P(SimRulesTest, AHostFunctionMayNotCallTheRuntime)
@@ -359,13 +374,16 @@ TEST_P(SimRulesTest, AHoldKeepsWhatIsEnqueuedOnItsStreamFromRunningUntilItEnds)
   auto hold = sim.hold(s);
   EXPECT_TRUE(sim.held(s));
   EXPECT_EQ(sim.pending(s), 0U) << "the hold itself is not an operation pending()";
+  EXPECT_FALSE(sim.waits_for_hold(s)) << "nothing is enqueued after the hold yet";
   sim.enqueue_fill(s, data, n, 1.0F);
   EXPECT_EQ(sim.pending(s), 1U);
+  EXPECT_TRUE(sim.waits_for_hold(s));
   EXPECT_FALSE(sim.query_stream(s));
   EXPECT_EQ(data[0], 0.0F) << "held work ran";
   hold.release();
   EXPECT_FALSE(hold.active());
   EXPECT_FALSE(sim.held(s));
+  EXPECT_FALSE(sim.waits_for_hold(s));
   sim.synchronize_stream(s);
   EXPECT_EQ(sim.pending(s), 0U);
   EXPECT_EQ(data[n - 1], 1.0F);
@@ -424,6 +442,8 @@ TEST_P(SimRulesTest, AHeldLegacyStreamHoldsWhatImplicitSynchronizationMakesWaitF
     sim.enqueue_fill(blocking, blocked, n, 1.0F);  // waits for the legacy stream's earlier work
     sim.enqueue_fill(non_blocking, free_running, n, 2.0F);
     EXPECT_EQ(sim.pending(blocking), 1U);
+    EXPECT_TRUE(sim.waits_for_hold(blocking));
+    EXPECT_FALSE(sim.waits_for_hold(non_blocking));
     EXPECT_FALSE(sim.held(blocking)) << "held() names the stream the hold was begun on";
     sim.synchronize_stream(non_blocking);
     EXPECT_EQ(free_running[0], 2.0F);
@@ -490,6 +510,26 @@ TEST_P(SimRulesTest, AWaitForHeldWorkFailsOnTheHoldingThreadAndWaitsOnOthers)
   sim.destroy_stream(s);
 }
 
+TEST_P(SimRulesTest, AFreeOnAnyThreadReturnsAtOnceWhileTheDevicesWorkWaitsForAHold)
+{
+  // A deleter on another thread may free while it keeps what the holding thread needs to end its
+  // hold (Python's GIL): cudaFree's synchronization must not wait for the hold there either.
+  float* data = zeros();
+  const auto s = sim.create_stream(true);
+  const std::size_t before = sim.live_allocations();
+  void* memory = sim.allocate_managed(64);
+  {
+    const auto held = sim.hold(s);
+    sim.enqueue_fill(s, data, n, 1.0F);
+    auto freed = std::async(std::launch::async, [&] { sim.free_sync(memory); });
+    ASSERT_EQ(freed.wait_for(std::chrono::seconds{60}), std::future_status::ready) << "the free waited for the hold";
+    EXPECT_EQ(sim.live_allocations(), before + 1) << "freed before the device's work was done";
+  }
+  sim.synchronize_device();
+  EXPECT_EQ(sim.live_allocations(), before);
+  sim.destroy_stream(s);
+}
+
 TEST_P(SimRulesTest, AnEventWaitKeepsTheConsumerWaitingWhileTheProducerIsHeld)
 {
   // The ordered exchange at the device's level: the consumer waits on an event recorded after the
@@ -505,10 +545,12 @@ TEST_P(SimRulesTest, AnEventWaitKeepsTheConsumerWaitingWhileTheProducerIsHeld)
     sim.enqueue_fill(producer, data, n, 6.0F);
     sim.record_event(ready, producer);
     sim.copy_async(&unordered, data, sizeof(float), consumer);
+    EXPECT_FALSE(sim.waits_for_hold(consumer));
     sim.synchronize_stream(consumer);  // not behind the hold: this thread may wait
     EXPECT_EQ(unordered, 0.0F) << "the negative control must read the old data";
     sim.stream_wait_event(consumer, ready);
     sim.copy_async(&ordered, data, sizeof(float), consumer);
+    EXPECT_TRUE(sim.waits_for_hold(consumer));
     EXPECT_EQ(sim.pending(consumer), 2U) << "the consumer's wait and read wait for the producer";
     EXPECT_FALSE(sim.query_stream(consumer));
     EXPECT_EQ(ordered, -1.0F);
@@ -518,6 +560,35 @@ TEST_P(SimRulesTest, AnEventWaitKeepsTheConsumerWaitingWhileTheProducerIsHeld)
   sim.destroy_event(ready);
   sim.destroy_stream(producer);
   sim.destroy_stream(consumer);
+}
+
+TEST_P(SimRulesTest, SynchronizeUnheldWaitsForWhatCanRunAndNotForWhatIsHeld)
+{
+  float* held_data = zeros();
+  float* free_data = zeros();
+  float* behind_data = zeros();
+  const auto held = sim.create_stream(true);
+  const auto free_running = sim.create_stream(true);
+  const auto behind = sim.create_stream(true);
+  const auto e = sim.create_event();
+  {
+    const auto hold = sim.hold(held);
+    sim.enqueue_fill(held, held_data, n, 1.0F);
+    sim.record_event(e, held);
+    sim.stream_wait_event(behind, e);
+    sim.enqueue_fill(behind, behind_data, n, 3.0F);  // waits for the hold through the event
+    sim.enqueue_fill(free_running, free_data, n, 2.0F, 20ms);
+    sim.synchronize_unheld();
+    EXPECT_EQ(free_data[n - 1], 2.0F);
+    EXPECT_EQ(sim.pending(free_running), 0U);
+    EXPECT_EQ(held_data[0], 0.0F);
+    EXPECT_EQ(behind_data[0], 0.0F);
+    EXPECT_EQ(sim.pending(behind), 2U);
+  }
+  sim.synchronize_device();
+  EXPECT_EQ(behind_data[0], 3.0F);
+  sim.destroy_event(e);
+  for (const auto st : {held, free_running, behind}) { sim.destroy_stream(st); }
 }
 
 TEST_P(SimRulesTest, AHoldIsRefusedOnADestroyedOrCapturingStream)

@@ -15,6 +15,7 @@
 #include <chrono>
 #include <functional>
 #include <optional>
+#include <span>
 #include <stdexcept>
 #include <vector>
 
@@ -37,7 +38,8 @@ using namespace std::chrono_literals;
 class BackendTest : public ::testing::TestWithParam<backend_choice> {
  protected:
   static constexpr std::size_t n = 1024;
-  // Long enough that an unordered reader always wins, under sanitizers and on a GPU alike.
+  // For tests of timing itself: an ordering or release test holds its race with hold() instead, so
+  // that it is right on any machine's speed.
   static constexpr auto slow = 200ms;
 
   void SetUp() override
@@ -71,8 +73,17 @@ class BackendTest : public ::testing::TestWithParam<backend_choice> {
     device_->delayed_fill(stream, data, n, value, delay);
   }
   void delay(device::stream_handle stream, std::chrono::nanoseconds duration) { device_->delay(stream, duration); }
+  /// Holds `stream`'s work enqueued from now on until the hold ends (test_device::hold).
+  [[nodiscard]] test_hold hold(device::stream_handle stream) { return device_->hold(stream); }
+  /// True when `stream`'s last work waits for a hold (test_device::held_back).
+  bool held_back(device::stream_handle stream) { return device_->held_back(stream); }
   /// Copies the n floats at `data` to the host on `stream` and waits for that copy only.
   std::vector<float> read(const float* data, device::stream_handle stream) { return device_->read(stream, data, n); }
+  /// Enqueues that copy without waiting: its values once `stream` got past it (test_device::read_later).
+  std::span<const float> read_later(const float* data, device::stream_handle stream)
+  {
+    return device_->read_later(stream, data, n);
+  }
 
   std::optional<test_device> device_;
 };
@@ -110,12 +121,13 @@ class BackendContextTest : public BackendTest {
     view.owner().set_ready_on({.ctx = &ctx(), .device = device, .stream = stream, .stream_owner = nullptr});
   }
 
-  /// A view of the n floats at `data` on device 0 whose write of `value` on `producer` is still
-  /// running (for `slow`), ready there: what a producer hands over while its kernel runs.
+  /// A view of the n floats at `data` on device 0 whose write of `value` is enqueued on `producer`,
+  /// ready there: what a producer hands over while its kernel runs, as long as the test holds
+  /// `producer` (hold).
   array pending_view(float* data, device::stream_handle producer, float value)
   {
     array view = device_view(data, 0);
-    fill(producer, data, value, slow);
+    fill(producer, data, value);
     mark_ready(view, producer);
     return view;
   }

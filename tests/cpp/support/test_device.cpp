@@ -58,6 +58,12 @@ std::string backend_choice_name(const ::testing::TestParamInfo<backend_choice>& 
 
 test_device::test_device(const backend_choice& choice) : backend_(make_backend(choice)) {}
 
+void test_hold::release() noexcept
+{
+  sim_.release();
+  if (auto* gate = std::exchange(gate_, nullptr)) { gate->set_value(); }
+}
+
 void test_device::synchronize() noexcept
 {
   device::backend& b = *backend_;
@@ -71,13 +77,18 @@ void test_device::synchronize() noexcept
 
 test_device::~test_device()
 {
-  synchronize();
+  synchronize();  // holds end with their scopes, before this
   device::backend& b = *backend_;
   for (const auto& [ptr, d] : allocations_) {
     try {
       const device_guard on{b, d};
       b.deallocate(ptr, b.legacy_default_stream());
     } catch (const std::exception&) {}  // the device cannot be made current: the backend frees it at exit
+  }
+  for (void* host : pinned_) {
+    try {
+      b.free_sync(host);
+    } catch (const std::exception&) {}  // the backend frees it at exit
   }
   for (const auto s : streams_) { b.destroy_stream(s); }
   if (auto* simulated = sim()) {
@@ -112,6 +123,27 @@ float* test_device::allocate(std::size_t count, int device, float value)
   return static_cast<float*>(ptr);
 }
 
+test_hold test_device::hold(device::stream_handle stream)
+{
+  const device_guard on{*backend_, backend_->stream_device(stream)};  // a host function goes on its device
+  if (auto* simulated = sim()) { return test_hold{simulated->hold(stream)}; }
+  std::promise<void>* gate = nullptr;
+  {
+    const std::lock_guard lock{mutex_};
+    gate = &gates_.emplace_back();
+  }
+  // Waits only: a host function may not call the backend (CUDA forbids it).
+  backend_->launch_host_func(
+    stream, [](void* g) { static_cast<std::promise<void>*>(g)->get_future().wait(); }, gate);
+  return test_hold{gate};
+}
+
+bool test_device::held_back(device::stream_handle stream)
+{
+  if (auto* simulated = sim()) { return simulated->waits_for_hold(stream); }
+  return !backend_->query_stream(stream);
+}
+
 void test_device::delay(device::stream_handle stream, std::chrono::nanoseconds duration)
 {
   std::chrono::nanoseconds* kept = nullptr;
@@ -132,6 +164,19 @@ void test_device::delayed_fill(device::stream_handle stream, float* dst, std::si
   const float* staging = allocate(count, backend_->stream_device(stream), value);
   if (delay > std::chrono::nanoseconds::zero()) { this->delay(stream, delay); }
   backend_->copy_async(dst, staging, count * sizeof(float), stream);
+}
+
+std::span<const float> test_device::read_later(device::stream_handle stream, const float* src, std::size_t count)
+{
+  const device_guard on{*backend_, backend_->stream_device(stream)};  // no context on another device
+  auto* host = static_cast<float*>(backend_->allocate_pinned_host(count * sizeof(float)));
+  {
+    const std::lock_guard lock{mutex_};
+    pinned_.push_back(host);
+  }
+  std::fill_n(host, count, std::numeric_limits<float>::quiet_NaN());
+  backend_->copy_async(host, src, count * sizeof(float), stream);
+  return {host, count};
 }
 
 std::vector<float> test_device::read(device::stream_handle stream, const float* src, std::size_t count)

@@ -1,5 +1,6 @@
 // A backend for the suites that run on every backend, and the test-only operations they need on it:
-// device memory set before use, a write that lands after a delay, and reads through a stream.
+// device memory set before use, holds that keep a stream's work waiting, writes, and reads through a
+// stream.
 // All of it goes through the device interface (no kernels), so it runs on the simulator and on a GPU.
 #pragma once
 
@@ -11,9 +12,11 @@
 #include <chrono>
 #include <cstddef>
 #include <deque>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <ostream>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -51,6 +54,28 @@ inline auto every_family()
                            backend_choice{"cuda"});
 }
 
+/// A hold on a stream of a test's backend (test_device::hold): the work enqueued on the stream after
+/// it waits until release() or the hold's destruction. Move-only; ends on the thread that made it.
+class test_hold {
+ public:
+  test_hold(test_hold&& other) noexcept : sim_(std::move(other.sim_)), gate_(std::exchange(other.gate_, nullptr)) {}
+  test_hold& operator=(test_hold&&) = delete;
+  test_hold(const test_hold&) = delete;
+  test_hold& operator=(const test_hold&) = delete;
+  ~test_hold() { release(); }
+
+  /// Lets the held work run. Idempotent.
+  void release() noexcept;
+
+ private:
+  friend class test_device;
+  explicit test_hold(device::sim_hold sim) noexcept : sim_(std::move(sim)) {}
+  explicit test_hold(std::promise<void>* gate) noexcept : gate_(gate) {}
+
+  device::sim_hold sim_;               // on the simulator
+  std::promise<void>* gate_{nullptr};  // on a GPU: what the stream's host function waits for
+};
+
 /// A backend and what a test made on it. Thread-safe.
 class test_device {
  public:
@@ -76,6 +101,16 @@ class test_device {
   [[nodiscard]] device::stream_handle stream(int device, bool non_blocking = true);
   /// `count` floats of device memory on `device`, set to `value` before this returns; freed with this.
   [[nodiscard]] float* allocate(std::size_t count, int device, float value = 0.0F);
+  /// Holds `stream` until the returned hold ends: its work enqueued from now on waits, so that a test
+  /// holds a race exactly as long as its assertions need. The simulator's hold (sim_backend::hold); on
+  /// a GPU, a host function that waits for the release, and so holds the device's host-function
+  /// thread meanwhile (a second hold's host function starts only once the first hold has ended).
+  /// Inside a hold, never wait on this thread for the held work: the simulator refuses
+  /// (handoffErrorHoldDeadlock), a GPU waits for ever.
+  [[nodiscard]] test_hold hold(device::stream_handle stream);
+  /// True when the last work enqueued on `stream` waits for a hold: on the simulator, an answer of
+  /// its dependencies (sim_backend::waits_for_hold); on a GPU, that it is not done yet.
+  [[nodiscard]] bool held_back(device::stream_handle stream);
   /// Enqueues on `stream` a host function that sleeps for `duration`: the stream's later work
   /// starts after it. It holds the backend's host-function thread meanwhile, as CUDA's does.
   void delay(device::stream_handle stream, std::chrono::nanoseconds duration);
@@ -86,6 +121,11 @@ class test_device {
   /// Copies `count` floats at `src` to the host on `stream` and waits for that stream only: device
   /// memory is never read on the host, where a GPU's is not addressable.
   [[nodiscard]] std::vector<float> read(device::stream_handle stream, const float* src, std::size_t count);
+  /// Enqueues a copy of `count` floats at `src` to the host on `stream`, without waiting: the values
+  /// are there once the stream has got past the copy (synchronize it after the hold that keeps it
+  /// waiting). Pinned host memory, which a GPU's asynchronous copy does not wait for; it lives as
+  /// long as this.
+  [[nodiscard]] std::span<const float> read_later(device::stream_handle stream, const float* src, std::size_t count);
 
  private:
   std::unique_ptr<device::backend> backend_;
@@ -93,6 +133,8 @@ class test_device {
   std::vector<std::pair<void*, int>> allocations_;  // with their devices
   std::vector<device::stream_handle> streams_;
   std::deque<std::chrono::nanoseconds> delays_;  // the host functions' arguments: addresses that stay
+  std::deque<std::promise<void>> gates_;         // the holds' host functions' arguments, on a GPU
+  std::vector<void*> pinned_;                    // read_later's destinations
 };
 
 }  // namespace handoff::testing

@@ -8,6 +8,7 @@
 
 #include "support/backend_fixture.hpp"
 
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -91,8 +92,12 @@ TEST_P(TraceTest, AnUnorderedHandOverWhileTheProducerWorksIsAHazard)
 {
   float* data = allocate_on(0);
   const auto producer = stream_on(0);
-  const array view = pending_view(data, producer, 1.0F);
-  traced_export(view, -1);
+  std::optional<array> view;  // alive past finish(): its release is no event of this test
+  {
+    const auto held = hold(producer);
+    view.emplace(pending_view(data, producer, 1.0F));
+    traced_export(*view, -1);
+  }
   const auto events = finish();
   ASSERT_EQ(events.size(), 1U);
   EXPECT_EQ(events[0].action, trace::action::unordered);

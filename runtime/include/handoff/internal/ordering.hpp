@@ -15,6 +15,11 @@ namespace handoff {
 /// ordering: the trace asks the producer's stream whether it is idle (an unordered hazard).
 void note_unordered_export(const array& view) noexcept;
 
+/// Whether a consumer stream `consumer` asks for is certain to be alive when a release deferred behind
+/// it runs: a default stream always is; a stream handle when `owner` keeps it, or the application
+/// vouches for every consumer stream (export_release::every_stream).
+[[nodiscard]] bool alive_at_release(stream_request consumer, const std::shared_ptr<const void>& owner) noexcept;
+
 /// The stream a validated DLPack request names on `backend`; nullopt when it asks for no ordering.
 [[nodiscard]] std::optional<device::stream_handle> resolve_stream(device::backend& backend, stream_request request);
 
@@ -29,6 +34,14 @@ void require_stream_ordered(const context& ctx, const array& view);
 /// @throws value_error when the view claims another device than the one its memory belongs to, or
 ///         device memory that the backend does not know.
 [[nodiscard]] int owning_device(context& ctx, const array& view);
+
+/// The door every view of device data passes, made by a library (make_view) or imported by any
+/// protocol: data of the other device family is refused, and so is memory that is not device memory
+/// of the device it claims, or that any byte of the view runs past. Returns the owning device. One
+/// pointer query in the usual case (a view within its allocation), as owning_device.
+/// @throws device_error for data `ctx`'s backend does not order (require_stream_ordered);
+///         value_error for memory that is not the claimed device's, or that runs past its allocation.
+[[nodiscard]] int admit(context& ctx, const array& view);
 
 /// A view of memory a library describes itself: `layout` checked as an array's; for CUDA or ROCm
 /// memory with a backend (`ctx`), the memory checked against the device it claims (every byte it

@@ -106,6 +106,7 @@ class sim_backend final : public backend {
   void push_current_device(int device) override;
   void pop_current_device() noexcept override;
   [[nodiscard]] std::uint64_t context_id(int device) override;
+  [[nodiscard]] std::uint64_t current_context_id() override;
   [[nodiscard]] stream_handle legacy_default_stream() const noexcept override;
   /// "sim": 2 on every thread. "sim-rocm": a value > 2 that names the calling thread's stream.
   [[nodiscard]] stream_handle per_thread_default_stream() const noexcept override;
@@ -131,7 +132,7 @@ class sim_backend final : public backend {
   [[nodiscard]] void* allocate_pinned_host(std::size_t bytes) override;
   [[nodiscard]] void* allocate_managed(std::size_t bytes) override;
   /// Frees any allocation of this backend (device memory too) once all work on its device is done,
-  /// waiting for it; on a thread whose hold (hold()) that work waits for, without waiting.
+  /// waiting for it; while that work waits for a hold (hold()), without waiting.
   void free_sync(void* ptr) override;
   void copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream) override;
   void release_with_capture(stream_handle stream, void (*release)(void* data) noexcept, void* data) override;
@@ -193,8 +194,9 @@ class sim_backend final : public backend {
   ///
   /// A blocking call on the thread that began the hold (synchronize_stream, synchronize_event,
   /// synchronize_device, reset_device) that would wait for held work can never return: it fails
-  /// instead with device_error hold_deadlock_error; free_sync returns at once and frees the memory
-  /// once the device's work is done. Other threads' waits just wait.
+  /// instead with device_error hold_deadlock_error. Other threads' waits just wait, but free_sync,
+  /// which a deleter may call while it holds what the holder needs (Python's GIL), returns at once
+  /// on any thread while the device's work waits for a hold, and frees once that work is done.
   /// @throws device_error as an enqueue would (a destroyed stream: cudaErrorInvalidResourceHandle),
   ///         and cudaErrorStreamCaptureUnsupported for a capturing stream (its work runs at launches).
   [[nodiscard]] sim_hold hold(stream_handle stream);
@@ -203,6 +205,15 @@ class sim_backend final : public backend {
   [[nodiscard]] std::size_t pending(stream_handle stream);
   /// True while a hold begun on `stream` is active.
   [[nodiscard]] bool held(stream_handle stream);
+  /// True while the last operation enqueued on `stream` (holds aside) cannot run before an active
+  /// hold ends: one on `stream` itself, or one it waits for through other streams, events and CUDA's
+  /// implicit synchronization. An answer of the work's dependencies, not of its timing: what a test
+  /// asserts to show that a consumer waits for a held producer.
+  [[nodiscard]] bool waits_for_hold(stream_handle stream);
+  /// Waits for all the work enqueued on every device that does not wait for an active hold: what
+  /// can run has run when it returns, what is held has not. For a test's negative assertion inside
+  /// a hold ("nothing was freed, written or read yet"), in place of a sleep.
+  void synchronize_unheld();
   /// How many holds the calling thread keeps active.
   [[nodiscard]] std::size_t holds_of_this_thread();
 

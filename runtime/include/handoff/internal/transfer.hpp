@@ -37,6 +37,11 @@ enum class transfer {
 [[nodiscard]] transfer plan_import(const array& view, std::optional<DLDevice> target, std::optional<bool> copy,
                                    bool producer_copied);
 
+/// Runs `body(state)`, a wait that blocks the host (a stream synchronization, a free that waits for
+/// its device), in the embedding's blocking section (set_blocking_section): the Python module lets
+/// go of the GIL meanwhile, where the calling thread holds it. What `body` throws propagates.
+void block_host(void (*body)(void* state), void* state);
+
 /// What an exchange hands over for `how`: the view itself; a compact copy (host data copied on the
 /// host; device data through `ctx`'s backend, in stream order, a copy to the host waited for); or
 /// the host view of host-accessible memory (waited for). Waits run in the embedding's blocking

@@ -1,0 +1,457 @@
+"""One exchange between two other libraries, as a hooked consumer function makes it (see
+handoff._interpose, which installs the hooks).
+
+Each call of a consumer (``torch.from_dlpack(cupy_array)``) that hands over another library's array
+is one exchange: both libraries' current streams are asked of their adapters and resolved by handoff's
+exchange once; in the ordering mode the consumer's stream then waits for the producer's, and the
+consumer is handed handoff's import of the array instead of the array itself, so that the producer is
+released by the consumer's own release of what it imported (its storage's, which views share), after
+the work its stream had by then; in a trace the call is recorded as one event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from . import _handoff
+from ._adapters import LibraryAdapter, registry
+
+_CPU = 1  # DLPack's kDLCPU: host data, which no stream orders
+_MISSING = object()
+
+Protocol = _handoff._InterposedProtocol
+Hazard = _handoff._InterposedHazard
+Kind = _handoff._TraceKind
+Action = _handoff._TraceAction
+
+
+@dataclasses.dataclass(frozen=True)
+class Consumer:
+    """A hooked consumer function: its library, and how it takes the array."""
+
+    adapter: LibraryAdapter
+    interface_first: bool  # it reads the CUDA Array Interface before DLPack
+    parameter: str | None  # the array's parameter, when the function takes it by keyword too
+
+    def argument(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The array the call hands over, or _MISSING."""
+        if args:
+            return args[0]
+        return kwargs.get(self.parameter, _MISSING) if self.parameter is not None else _MISSING
+
+    def with_argument(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], value: Any
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call's arguments with the array replaced by `value`."""
+        if args:
+            return (value, *args[1:]), kwargs
+        assert self.parameter is not None
+        return args, {**kwargs, self.parameter: value}
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """The exchange in progress on a thread: what the producer's hooked ``__dlpack__`` reports."""
+
+    argument: Any
+    device: tuple[int, int]
+    stream_argument: int | None = None
+    producer_device: int | None = None  # the device current when the producer's __dlpack__ ran
+
+
+_local = threading.local()
+
+
+def in_flight() -> _InFlight | None:
+    """The exchange in progress on this thread: a consumer called inside it is part of it."""
+    exchange: _InFlight | None = getattr(_local, "exchange", None)
+    return exchange
+
+
+def producer_called(self: Any, stream: object) -> None:
+    """What a hooked producer ``__dlpack__`` reports of its call: the stream it was given, and which
+    device was current (a producer orders the streams of the device current when it is called)."""
+    exchange = in_flight()
+    if exchange is None or exchange.argument is not self:
+        return
+    exchange.stream_argument = stream if isinstance(stream, int) and not isinstance(stream, bool) else None
+    if exchange.device[0] != _CPU:
+        exchange.producer_device = _handoff._interposed_current_device(exchange.device[0])
+
+
+# --- what is said once ---------------------------------------------------------------------------
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        _handoff._log_warning(message)
+
+
+def _current_stream(adapter: LibraryAdapter | None, seen: Any, set_stream: Callable[[object], None]) -> object:
+    """The library's current stream on the data's device as its adapter says it, given to `seen`; None
+    when it has none, or when the adapter's answer names no stream (said once per adapter: the
+    exchange is then seen without it, as the program runs without hooks)."""
+    if adapter is None or adapter.current_stream is None:
+        return None
+    device = seen.work_device
+    if device is None:
+        return None
+    try:
+        stream = adapter.current_stream(device)
+    except Exception as error:  # noqa: BLE001 - a library that cannot say: the trace names no stream
+        _warn_once(
+            f"{adapter.name}:raised",
+            f"handoff: the library adapter {adapter.name!r}: current_stream({device}) raised "
+            f"{type(error).__name__}: {error}; its exchanges are seen without its stream, and not ordered",
+        )
+        return None
+    try:
+        set_stream(stream)
+    except Exception as error:  # noqa: BLE001 - an adapter's mistake never breaks the program
+        _warn_once(
+            f"{adapter.name}:answer",
+            f"handoff: the library adapter {adapter.name!r}: current_stream({device}) returned {stream!r:.80} "
+            f"({type(stream).__name__}), which names no stream of device {seen.work_device}: {error}. It must "
+            "return a stream object (anything handoff.as_stream takes), a DLPack stream value (an int) or None; "
+            "its exchanges are seen without its stream, and not ordered",
+        )
+        return None
+    return stream
+
+
+# --- reading the arrays ------------------------------------------------------------------------
+
+
+def _protocol_of(value: Any, interface_first: bool) -> Any:
+    """The protocol a consumer reads `value` through; None when it has neither (not an exchange)."""
+    if isinstance(value, type):
+        return None
+    dlpack, interface = hasattr(value, "__dlpack__"), hasattr(value, "__cuda_array_interface__")
+    if interface and (interface_first or not dlpack):
+        return Protocol.cuda_array_interface
+    return Protocol.dlpack if dlpack else None
+
+
+def _device_of(value: Any, protocol: Any) -> tuple[int, int] | None:
+    try:
+        if protocol == Protocol.dlpack:
+            device = value.__dlpack_device__()
+            return (int(device[0]), int(device[1]))
+        pointer = int(value.__cuda_array_interface__["data"][0])
+    except Exception:  # noqa: BLE001 - the consumer's own call will say what is wrong
+        return None
+    found = _handoff._interposed_device(pointer)
+    return None if found is None else (int(found[0]), int(found[1]))
+
+
+def _interface_stream(value: Any) -> object:
+    """The producer's stream a CUDA Array Interface names (CUDA's numbering, as DLPack's), or None."""
+    try:
+        return value.__cuda_array_interface__.get("stream")
+    except Exception:  # noqa: BLE001 - the consumer's own call will say what is wrong
+        return None
+
+
+_dtype_names: dict[Any, str] = {}
+
+
+def _dtype_name(dtype: Any) -> str:
+    """``"float32"`` for NumPy's, PyTorch's (``torch.float32``), CuPy's and JAX's float32; remembered
+    per dtype (NumPy's ``str`` of a dtype costs microseconds)."""
+    try:
+        return _dtype_names[dtype]
+    except KeyError:
+        name = _dtype_names[dtype] = str(dtype).rsplit(".", 1)[-1]
+        return name
+    except TypeError:  # not hashable
+        return str(dtype).rsplit(".", 1)[-1]
+
+
+def _description(value: Any) -> tuple[list[int], str, int] | None:
+    """Shape, dtype name and bytes of an array; None for what is not array-like."""
+    try:
+        return [int(n) for n in value.shape], _dtype_name(value.dtype), int(value.nbytes)
+    except Exception:  # noqa: BLE001 - not array-like
+        return None
+
+
+# Where an array's data starts, as each library says it without side effects.
+_POINTER_READS: tuple[Callable[[Any], Any], ...] = (
+    lambda value: value.data_ptr(),  # PyTorch
+    lambda value: value.unsafe_buffer_pointer(),  # JAX
+    lambda value: value.__array_interface__["data"][0],  # NumPy
+    lambda value: value.data.ptr,  # CuPy
+)
+
+
+def _data_pointer(value: Any) -> int | None:
+    for read in _POINTER_READS:
+        with contextlib.suppress(Exception):  # not this library's way
+            return int(read(value))
+    return None
+
+
+def _copy_note(consumer: str, handed: tuple[list[int], str, int] | None, result: Any, argument: Any) -> str:
+    """What the trace says when the consumer made a copy of the data it was handed (JAX makes int32
+    of int64 data while x64 is off), rather than a view of it."""
+    made = _description(result)
+    if handed is None or made is None:
+        return ""
+    (shape, dtype, _), (made_shape, made_dtype, _) = handed, made
+    if (made_shape, made_dtype) != (shape, dtype):
+        return f"{consumer} made a copy: {made_dtype}{made_shape} of the {dtype}{shape} it was handed"
+    before, after = _data_pointer(argument), _data_pointer(result)
+    if before is not None and after is not None and before != after:
+        return f"{consumer} made a copy of the {dtype}{shape} it was handed"
+    return ""
+
+
+# --- one exchange --------------------------------------------------------------------------------
+
+
+def exchange(
+    original: Callable[..., Any],
+    consumer: Consumer,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    tracing: bool,
+    ordering: bool,
+) -> Any:
+    """Calls the consumer `original` as the program did, seen (tracing) and ordered (ordering)."""
+    argument = consumer.argument(args, kwargs)
+    if argument is _MISSING:  # no array given: the consumer's own call says what is wrong
+        return original(*args, **kwargs)
+    producer_name, producer = registry.library_of(argument)
+    protocol = _protocol_of(argument, consumer.interface_first)
+    if protocol is None or producer_name in (None, consumer.adapter.name, "handoff"):
+        # Not an exchange (a list, a host array read through __array__), one within a library, or
+        # one handoff records itself.
+        return original(*args, **kwargs)
+    assert producer_name is not None
+    device = _device_of(argument, protocol) or (_CPU, 0)
+    if not tracing and device[0] == _CPU:  # the ordering mode alone: host data needs nothing
+        return original(*args, **kwargs)
+    seen = _handoff._InterposedExchange(protocol, producer_name, consumer.adapter.name, device)
+    consumer_stream = _current_stream(consumer.adapter, seen, seen.set_consumer_stream)
+    interface_stream = None
+    if protocol == Protocol.cuda_array_interface:
+        interface_stream = _interface_stream(argument)
+        try:
+            seen.set_producer_stream(interface_stream)
+        except Exception:  # noqa: BLE001 - a malformed interface: the consumer's own call says so
+            interface_stream = None
+    if interface_stream is None:
+        _current_stream(producer, seen, seen.set_producer_stream)
+    if ordering and device[0] != _CPU:
+        seen.ordered = _order(seen)
+
+    in_progress = _InFlight(argument, device)
+    _local.exchange = in_progress
+    # A producer or consumer built on handoff exchanges through it inside: this event covers those.
+    _handoff._interposed_mute(True)
+    try:
+        if seen.ordered and seen.consumer_stream_outlives_releases:
+            args, kwargs = consumer.with_argument(args, kwargs, _import(argument, protocol, consumer_stream))
+        result = original(*args, **kwargs)
+    except BaseException as error:
+        _local.exchange = None
+        _handoff._interposed_mute(False)
+        if tracing:
+            with _never_breaking():
+                seen.stream_argument = in_progress.stream_argument
+                seen.record(Kind.import_data, Action.refused, Hazard.none, f"{type(error).__name__}: {error}"[:200])
+        raise
+    _local.exchange = None
+    _handoff._interposed_mute(False)
+    if tracing:
+        with _never_breaking():
+            seen.stream_argument = in_progress.stream_argument
+            how = _classify(seen, in_progress, producer, interface_stream is not None, ordering)
+            _record(seen, how, result, argument)
+    return result
+
+
+@contextlib.contextmanager
+def _never_breaking() -> Iterator[None]:
+    """A tracing tool never breaks the program it watches: what fails to be recorded is said once."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001
+        _warn_once(f"record:{type(error).__name__}", f"handoff could not record an exchange: {error!r}")
+
+
+def _order(seen: Any) -> bool:
+    """The ordering mode: the consumer's stream waits for the producer's; False when it cannot."""
+    if not seen.knows_streams:
+        _warn_once(
+            f"unordered:{seen.producer}:{seen.consumer}",
+            f"handoff's ordering mode cannot order {_why_not_ordered(seen)}",
+        )
+        return False
+    try:
+        return bool(seen.order())
+    except Exception as error:  # noqa: BLE001 - the program runs as it would without the ordering mode
+        _warn_once(
+            f"order:{seen.producer}:{seen.consumer}",
+            f"handoff could not order an exchange from {seen.producer} to {seen.consumer}: {error}",
+        )
+        return False
+
+
+def _why_not_ordered(seen: Any) -> str:
+    unknown = [
+        name
+        for name, stream in ((seen.producer, seen.producer_stream), (seen.consumer, seen.consumer_stream))
+        if stream is None
+    ]
+    if not unknown:
+        return f"the exchanges from {seen.producer} to {seen.consumer}: the wait failed (see handoff's log)"
+    return (
+        f"the exchanges from {seen.producer} to {seen.consumer}: handoff knows no current stream of "
+        f"{' nor of '.join(unknown)} (give its handoff.LibraryAdapter a current_stream, or make one stream every "
+        "library's with handoff.stream(s, frameworks=True))"
+    )
+
+
+def _import(argument: Any, protocol: Any, consumer_stream: Any) -> Any:
+    """handoff's import of `argument` onto the consumer's stream, whose release waits for the work that
+    stream has by then, for the consumer to import in its place; `argument` itself where handoff cannot
+    import it."""
+    take = _handoff.asarray if protocol == Protocol.cuda_array_interface else _handoff.from_dlpack
+    try:
+        return take(argument, stream=consumer_stream)
+    except Exception as error:  # noqa: BLE001 - ordered still; only the producer is not kept past the consumer
+        _warn_once(
+            f"import:{type(argument).__name__}",
+            f"handoff: the ordering mode hands {type(argument).__name__} to its consumer as it is (it could not "
+            f"import it: {type(error).__name__}: {error}): its release is not ordered after the consumer's work",
+        )
+        return argument
+
+
+def _classify(
+    seen: Any, call: _InFlight, producer: LibraryAdapter | None, interface_stream: bool, ordering: bool
+) -> tuple[Any, Any, str]:
+    """How the consumer's stream came to be ordered after the producer's: (action, hazard, why)."""
+    device = call.device
+    if call.producer_device is not None and call.producer_device != device[1]:
+        return (
+            Action.unordered,
+            Hazard.cross_device,
+            f"the producer's __dlpack__ ran while device {call.producer_device} was current: it ordered that "
+            f"device's streams, not those of device {device[1]}, where the data is",
+        )
+    ignores = (producer is not None and producer.ignores_stream) or _made_by_nanobind(call.argument)
+    action, detail = _action(seen, device, call.stream_argument, ignores, interface_stream)
+    if ordering and action == Action.unordered and device[0] != _CPU:
+        # Flagged whatever the producer's stream has pending: the mode promised to order it.
+        return action, Hazard.unordered, f"the ordering mode could not order {_why_not_ordered(seen)}"
+    return action, Hazard.none, detail
+
+
+def _action(
+    seen: Any, device: tuple[int, int], stream_argument: int | None, ignores: bool, interface_stream: bool
+) -> tuple[Any, str]:
+    if device[0] == _CPU:
+        return Action.none, ""
+    if seen.ordered:
+        if seen.consumer_stream_outlives_releases:
+            return Action.wait, "ordered by handoff: the consumer's stream waits for the producer's"
+        return Action.wait, (
+            "ordered by handoff: the consumer's stream waits for the producer's; the producer is not kept past the "
+            f"consumer's array, as its stream {seen.consumer_stream:#x} is a bare handle that may be destroyed first "
+            "(an adapter's current_stream that returns the stream object lets handoff hold it)"
+        )
+    producer_stream, consumer_stream = seen.producer_stream, seen.consumer_stream
+    if producer_stream is not None and producer_stream == consumer_stream:
+        return Action.elided, "the producer's and the consumer's current streams are the same"
+    if seen.protocol == Protocol.cuda_array_interface:
+        if not interface_stream:
+            return Action.unordered, "CUDA Array Interface data without a stream: nothing orders its producer's work"
+        return Action.wait, "the consumer synchronizes the interface's stream"
+    if ignores:
+        return Action.unordered, "the producer ignores DLPack's stream argument: it orders nothing for the consumer"
+    if stream_argument == -1:
+        return Action.unordered, "the consumer passed stream=-1: it asked for no ordering"
+    return Action.wait, ""
+
+
+def _made_by_nanobind(value: Any) -> bool:
+    """nanobind's ndarray exports ignore `stream`; its types' metaclass is nanobind's ``nb_type``."""
+    return type(type(value)).__name__.startswith("nb_type")
+
+
+def _record(seen: Any, how: tuple[Any, Any, str], result: Any, argument: Any) -> None:
+    """Records the consumer's import, and watches the release of what it imported."""
+    handed = _description(argument) or _description(result)
+    if handed is not None:
+        seen.shape, seen.dtype, seen.nbytes = handed
+    action, hazard, detail = how
+    copy = _copy_note(seen.consumer, handed, result, argument)
+    seen.record(Kind.import_data, action, hazard, "; ".join(filter(None, (detail, copy))))
+    if not seen.ordered and seen.consumer_stream is not None:
+        _watch_release(result, argument, seen)
+
+
+# --- what is released early ----------------------------------------------------------------------
+
+
+def _watch_release(result: Any, argument: Any, seen: Any) -> None:
+    """Flags `released early` when the consumer's array goes while its stream still has work queued and
+    nothing else holds the producer: its memory then goes back to its library, which may hand it out
+    again while that work still reads it. Producers that take no weak reference are not watched; nor
+    are consumer streams that may be destroyed before the array (a bare handle: see export_release)."""
+    if not seen.consumer_stream_outlives_releases:
+        return
+    try:
+        producer = weakref.ref(argument)
+        weakref.finalize(result, _check_release, producer, seen)
+    except TypeError:
+        return
+
+
+def _references(producer: weakref.ref[Any]) -> int:
+    """sys.getrefcount of what `producer` refers to, as counted here (0 when it is gone)."""
+    held = producer()
+    return 0 if held is None else sys.getrefcount(held)
+
+
+class _Probe:
+    pass
+
+
+def _own_references() -> int:
+    """How many of the references _references counts are its own (its local, getrefcount's argument):
+    measured once, since CPython versions count them differently."""
+    probe = _Probe()
+    return _references(weakref.ref(probe)) - 1  # `probe` holds the one other
+
+
+_OWN_REFERENCES = _own_references()
+
+
+def _check_release(producer: weakref.ref[Any], seen: Any) -> None:
+    # Besides the count's own: the consumer's capsule's, which it gives up next, and no other.
+    if _references(producer) - _OWN_REFERENCES != 1:
+        return  # gone already, or kept by someone else: its memory stays
+    with _never_breaking():  # nor does a finalizer's error
+        if not seen.consumer_stream_busy():
+            return
+        seen.record(
+            Kind.release,
+            Action.unordered,
+            Hazard.released_early,
+            f"the {seen.consumer} array was dropped while its stream {seen.consumer_stream:#x} still had work "
+            f"queued, and with it the last reference to the {seen.producer} array: its memory may be reused before "
+            "that work reads it",
+        )
