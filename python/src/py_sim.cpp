@@ -334,15 +334,16 @@ py::object zeros(py::handle shape_arg, const std::string& dtype_text, int device
   sim_backend* sim = &s.sim;
   // Freed as cudaFree does, once the device is idle: a write may still be pending on any stream. Or,
   // allocated on a stream, freed on it as cudaFreeAsync does (the stream kept until then).
-  producer_ref owner = stream_ordered ? producer_ref{[sim, data, stream, keep = stream_keep_alive(stream_arg)]() noexcept {
-    sim->deallocate(data, stream);
-  }}
-                                      : producer_ref{[sim, data]() noexcept {
-                                          try {
-                                            sim->free_sync(data);
-                                          } catch (...) {  // the backend is shutting down and frees what is left itself
-                                          }
-                                        }};
+  producer_ref owner = stream_ordered
+                         ? producer_ref{[sim, data, stream, keep = stream_keep_alive(stream_arg)]() noexcept {
+                             sim->deallocate(data, stream);
+                           }}
+                         : producer_ref{[sim, data]() noexcept {
+                             try {
+                               sim->free_sync(data);
+                             } catch (...) {  // the backend is shutting down and frees what is left itself
+                             }
+                           }};
   // The device type of each kind of memory is the exchange's to say (managed memory has none on ROCm).
   layout.device = *dlpack_device_of(s.sim.attributes(data), s.sim.device_type());
   // No stream has seen this fresh allocation yet, so it is zeroed directly: returned ready, like a
@@ -369,8 +370,9 @@ void launch(const std::string& name, py::handle reads, py::handle writes, py::ha
                     fmt::format("{} must be a sequence of arrays, not {}", argument, type_name(arrays)));
     for (const auto item : arrays) {
       array* found = as_array(item);
-      HANDOFF_EXPECTS(found != nullptr && found->device().device_type == s.sim.device_type(), type_error,
-                      fmt::format("{} holds {}, not a handoff.Array on the simulated device", argument, type_name(item)));
+      HANDOFF_EXPECTS(
+        found != nullptr && found->device().device_type == s.sim.device_type(), type_error,
+        fmt::format("{} holds {}, not a handoff.Array on the simulated device", argument, type_name(item)));
       const auto address = reinterpret_cast<std::uintptr_t>(found->data());
       const auto bytes = static_cast<std::size_t>(found->nbytes());
       device = device.value_or(found->device().device_id);

@@ -188,8 +188,7 @@ void annotate(trace::event& e) noexcept
     if (activity && parked) {
       try {
         e.where = parked->where;
-      } catch (const std::exception&) {
-      }
+      } catch (const std::exception&) {}
       if (e.library == nullptr) { e.library = parked->outermost; }
     }
     return;
@@ -262,7 +261,8 @@ py::dict event_dict(const trace::event& e)
         use["nbytes"] = py::int_(b.nbytes);
         const std::string_view mode = trace::name(b.mode);
         use["access"] = py::str(mode.data(), mode.size());
-        use["buffer"] = b.buffer != 0 ? py::object(py::str(fmt::format("buffer:{}", b.buffer))) : py::object(py::none());
+        use["buffer"] =
+          b.buffer != 0 ? py::object(py::str(fmt::format("buffer:{}", b.buffer))) : py::object(py::none());
         buffers.append(std::move(use));
       }
       item = buffers;

@@ -40,7 +40,6 @@ trace::event_kind event_kind_of(kind k) noexcept
     case kind::host_query:
       return trace::event_kind::sync;
     case kind::allocate:
-      return trace::event_kind::memory;
     case kind::free:
       return trace::event_kind::memory;
     case kind::stream_create:
@@ -160,7 +159,7 @@ std::uint64_t native_thread_id() noexcept
 
 const char* intern(std::string_view name)
 {
-  static auto* mutex = new std::mutex;                             // NOLINT(cppcoreguidelines-owning-memory): leaked
+  static auto* mutex = new std::mutex;                       // NOLINT(cppcoreguidelines-owning-memory): leaked
   static auto* names = new std::unordered_set<std::string>;  // NOLINT(cppcoreguidelines-owning-memory): leaked
   std::lock_guard lock{*mutex};
   return names->emplace(name).first->c_str();
@@ -182,8 +181,7 @@ void report(const record& r) noexcept
     e.kind = event_kind_of(r.kind);
     e.op = op_of(r);
     e.time_ns =
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
-        .count();
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
     e.thread = native_thread_id();
     e.device = r.device;
     if (names_stream(r)) { e.stream = trace::stream_id{.device = r.device, .handle = r.stream}; }
@@ -223,14 +221,14 @@ void report(const record& r) noexcept
         e.detail = std::move(found->detail);
         e.fix = std::move(found->fix);
         const trace::access_site& other = *found->other;
-        e.other = trace::activity_side{
-          .seq = other.seq,
-          .kind = event_kind_of(other.kind),
-          .kernel = other.kernel,
-          .stream = trace::stream_id{.device = {r.device.device_type, other.stream.device}, .handle = other.stream.handle},
-          .where = other.where,
-          .library = other.library,
-          .time_ns = other.time_ns};
+        e.other = trace::activity_side{.seq = other.seq,
+                                       .kind = event_kind_of(other.kind),
+                                       .kernel = other.kernel,
+                                       .stream = trace::stream_id{.device = {r.device.device_type, other.stream.device},
+                                                                  .handle = other.stream.handle},
+                                       .where = other.where,
+                                       .library = other.library,
+                                       .time_ns = other.time_ns};
       }
     } else {
       (void)state.detector->observe(r, e.thread, nullptr);
@@ -274,7 +272,8 @@ void note_exchanged(const void* data, std::int64_t nbytes, std::uint64_t buffer)
     std::lock_guard lock{state.mutex};
     const auto address = reinterpret_cast<std::uintptr_t>(data);
     state.exchanged.insert_or_assign(
-      address, activity::exchanged_memory{.address = address, .bytes = static_cast<std::size_t>(nbytes), .buffer = buffer});
+      address,
+      activity::exchanged_memory{.address = address, .bytes = static_cast<std::size_t>(nbytes), .buffer = buffer});
   } catch (const std::exception&) {  // a name for messages: not worth failing an exchange
   }
 }

@@ -67,8 +67,9 @@ std::size_t race_detector::key_hash::operator()(const stream_key& k) const noexc
 
 std::uint32_t race_detector::stream_of(const activity::record& r, std::uint64_t thread)
 {
-  const stream_key key{
-    .device = r.device.device_id, .handle = r.stream, .thread = r.stream_class == stream_class::per_thread ? thread : 0};
+  const stream_key key{.device = r.device.device_id,
+                       .handle = r.stream,
+                       .thread = r.stream_class == stream_class::per_thread ? thread : 0};
   if (r.kind != kind::stream_create) {
     if (const auto found = index_.find(key); found != index_.end()) { return found->second; }
   }
@@ -316,8 +317,8 @@ std::string race_detector::stream_name(std::uint32_t s) const
 
 std::string race_detector::site_name(const access_site& site, access mode) const
 {
-  std::string text =
-    site.kind == kind::launch && site.kernel != nullptr ? fmt::format("kernel '{}'", site.kernel) : std::string{noun(site.kind)};
+  std::string text = site.kind == kind::launch && site.kernel != nullptr ? fmt::format("kernel '{}'", site.kernel)
+                                                                         : std::string{noun(site.kind)};
   if (site.kind != kind::free) { text += fmt::format(" ({})", verb(mode)); }
   if (!site.where.empty()) { text += fmt::format(" at {}", site.where); }
   if (site.library != nullptr) { text += fmt::format(" in {}", site.library); }
@@ -343,25 +344,28 @@ found_hazard race_detector::describe(const char* hazard, const epoch& other, std
   const access_site& mine = current_ != nullptr ? *current_ : access_site{};
   const std::string this_side = site_name(mine, use.mode);
   const std::string other_side = site_name(*other.site, other.mode);
-  const std::string other_what =
-    other.site->kind == kind::launch && other.site->kernel != nullptr ? fmt::format("'{}'", other.site->kernel)
-                                                                      : std::string{noun(other.site->kind)};
+  const std::string other_what = other.site->kind == kind::launch && other.site->kernel != nullptr
+                                   ? fmt::format("'{}'", other.site->kernel)
+                                   : std::string{noun(other.site->kind)};
   if (used_after_free) {
-    out.detail = fmt::format("{} on {} uses {}, which was freed on {} by the {} with nothing ordering the use after "
-                             "the free: the memory may already belong to another allocation",
-                             this_side, here, memory, there, other_side);
-    out.fix = fmt::format("make {} wait for an event recorded on {} after the free, or allocate the memory again on "
-                          "{} (a stream-ordered allocation orders the reuse)",
-                          here, there, here);
+    out.detail = fmt::format(
+      "{} on {} uses {}, which was freed on {} by the {} with nothing ordering the use after "
+      "the free: the memory may already belong to another allocation",
+      this_side, here, memory, there, other_side);
+    out.fix = fmt::format(
+      "make {} wait for an event recorded on {} after the free, or allocate the memory again on "
+      "{} (a stream-ordered allocation orders the reuse)",
+      here, there, here);
     return out;
   }
   if (freeing) {
     out.detail = fmt::format("{} frees {} on {} while the {} on {} may still use it: nothing orders the free after it",
                              this_side, memory, here, other_side, there);
-    out.fix = fmt::format("keep the memory until {} is done with it: free it after an event recorded on {} after {} "
-                          "(cudaStreamWaitEvent on {} before the free), or tell the allocator the stream uses it "
-                          "(tensor.record_stream(stream) in PyTorch)",
-                          there, there, other_what, here);
+    out.fix = fmt::format(
+      "keep the memory until {} is done with it: free it after an event recorded on {} after {} "
+      "(cudaStreamWaitEvent on {} before the free), or tell the allocator the stream uses it "
+      "(tensor.record_stream(stream) in PyTorch)",
+      there, there, other_what, here);
     return out;
   }
   out.detail = fmt::format("{} on {} and the {} on {} touch {} with nothing ordering them: {}", this_side, here,
@@ -371,21 +375,25 @@ found_hazard race_detector::describe(const char* hazard, const epoch& other, std
   const bool legacy_meets_non_blocking =
     (streams_[s].stream_class == stream_class::legacy && !blocking(streams_[other.stream].stream_class)) ||
     (streams_[other.stream].stream_class == stream_class::legacy && !blocking(streams_[s].stream_class));
-  std::string fix = fmt::format(
+  const std::string wait = fmt::format(
     "make {} wait for {}: an event recorded on {} after {}, waited for on {} before this (cudaEventRecord, "
-    "cudaStreamWaitEvent; handoff.from_dlpack(x, stream=...) does it for an exchanged array), or run both on one "
-    "stream (with handoff.stream(s, frameworks=True): every library's current stream)",
+    "cudaStreamWaitEvent; handoff.from_dlpack(x, stream=...) does it for an exchanged array)",
     here, there, there, other_what, here);
-  if (legacy_meets_non_blocking) {
-    fix = fmt::format(
-      "the legacy default stream does not wait for non-blocking streams: launch on the stream the data was ordered "
-      "onto (pass the library its stream, or with handoff.stream(s, frameworks=True) make it every library's current "
-      "stream), or {}",
-      fix);
-  }
+  std::string fix =
+    legacy_meets_non_blocking
+      ? fmt::format(
+          "the legacy default stream does not wait for non-blocking streams: launch on the stream the data "
+          "was ordered onto (pass the library its stream, or make it every library's current stream with "
+          "handoff.stream(s, frameworks=True)), or {}",
+          wait)
+      : fmt::format(
+          "{}, or run both on one stream (with handoff.stream(s, frameworks=True): every library's current "
+          "stream)",
+          wait);
   if (!activity::writes(other.mode) && other.site->kind == kind::copy) {
-    fix += "; if a caching allocator handed the copy's source out again, keep it for the copy's stream "
-           "(tensor.record_stream(stream) in PyTorch)";
+    fix +=
+      "; if a caching allocator handed the copy's source out again, keep it for the copy's stream "
+      "(tensor.record_stream(stream) in PyTorch)";
   }
   out.fix = std::move(fix);
   return out;

@@ -409,8 +409,7 @@ std::string to_json(const event& e)
       for (const buffer_ref& b : value) {
         out += open;
         open = ',';
-        out += fmt::format(R"({{"address":{},"nbytes":{},"access":"{}","buffer":)", b.address, b.nbytes,
-                           name(b.mode));
+        out += fmt::format(R"({{"address":{},"nbytes":{},"access":"{}","buffer":)", b.address, b.nbytes, name(b.mode));
         out += b.buffer != 0 ? fmt::format(R"("buffer:{}")", b.buffer) : std::string{"null"};
         out += '}';
       }

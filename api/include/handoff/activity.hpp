@@ -65,13 +65,13 @@ struct record {
   DLDevice device{kDLCUDA, 0};
   std::uint64_t stream{0};  ///< the native handle (the legacy default stream as the backend names it)
   activity::stream_class stream_class{stream_class::blocking};
-  std::uint64_t event{0};                       ///< event_record, stream_wait, an event's host_sync
-  const char* name{nullptr};                    ///< a launch's kernel (static or interned), else null
-  std::span<const buffer_use> buffers;          ///< what a launch, copy, set, allocation or free touches
-  sync_scope scope{sync_scope::stream};         ///< host_sync and host_query
-  std::int64_t blocked_ns{0};                   ///< host_sync, and a free that synchronized
-  bool stream_ordered{false};                   ///< an allocation or free on `stream`
-  std::string_view library;                     ///< the library that did it when the backend knows, else empty
+  std::uint64_t event{0};                ///< event_record, stream_wait, an event's host_sync
+  const char* name{nullptr};             ///< a launch's kernel (static or interned), else null
+  std::span<const buffer_use> buffers;   ///< what a launch, copy, set, allocation or free touches
+  sync_scope scope{sync_scope::stream};  ///< host_sync and host_query
+  std::int64_t blocked_ns{0};            ///< host_sync, and a free that synchronized
+  bool stream_ordered{false};            ///< an allocation or free on `stream`
+  std::string_view library;              ///< the library that did it when the backend knows, else empty
 };
 
 namespace detail {

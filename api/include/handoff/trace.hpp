@@ -1,8 +1,8 @@
 // Exchange tracing: one event per import, export and release, recorded while someone listens.
 #pragma once
 
-#include <handoff/activity.hpp>
 #include <handoff/dlpack.h>
+#include <handoff/activity.hpp>
 
 #include <atomic>
 #include <cstdint>
@@ -103,10 +103,10 @@ struct event {
   std::optional<stream_id> stream;  ///< the stream it was enqueued on (a sync: the one waited for)
   const char* kernel{nullptr};      ///< a launch's kernel (interned)
   std::vector<buffer_ref> buffers;
-  std::int64_t blocked_ns{0};     ///< how long the host was blocked
-  const char* library{nullptr};   ///< the library whose code did it (interned), or null for user code
-  std::uint64_t seq{0};           ///< its number among the process's activity events, from 1
-  std::string fix;                ///< what would remove its hazard
+  std::int64_t blocked_ns{0};          ///< how long the host was blocked
+  const char* library{nullptr};        ///< the library whose code did it (interned), or null for user code
+  std::uint64_t seq{0};                ///< its number among the process's activity events, from 1
+  std::string fix;                     ///< what would remove its hazard
   std::optional<activity_side> other;  ///< the earlier side of its hazard
 };
 

@@ -19,8 +19,8 @@
 
 #include <algorithm>
 #include <array>
-#include <cstddef>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -136,8 +136,8 @@ struct watcher {
   driver_api driver;
   CUpti_SubscriberHandle subscriber{nullptr};
 
-  std::mutex memory_mutex;  // what the callbacks learn
-  std::map<std::uintptr_t, std::size_t> allocations;                      // device memory by base address
+  std::mutex memory_mutex;                                                  // what the callbacks learn
+  std::map<std::uintptr_t, std::size_t> allocations;                        // device memory by base address
   std::unordered_map<CUfunction, std::vector<std::size_t>> argument_sizes;  // by argument index
   std::unordered_map<CUstream, stream_class> classes;
 
@@ -213,9 +213,10 @@ std::string watcher::load()
   }
   std::string failure;
   if (library == nullptr) {
-    failure = fmt::format("CUPTI (libcupti.so, part of the CUDA toolkit) was not found; set HANDOFF_CUPTI_LIBRARY "
-                          "to its path. Tried:{}",
-                          tried);
+    failure = fmt::format(
+      "CUPTI (libcupti.so, part of the CUDA toolkit) was not found; set HANDOFF_CUPTI_LIBRARY "
+      "to its path. Tried:{}",
+      tried);
   } else if (!symbol(library, "cuptiSubscribe", cupti.subscribe) ||
              !symbol(library, "cuptiUnsubscribe", cupti.unsubscribe) ||
              !symbol(library, "cuptiEnableCallback", cupti.enable_callback) ||
@@ -367,7 +368,7 @@ void watcher::handle(CUpti_CallbackId id, const CUpti_CallbackData& data) noexce
       r.kind = activity::kind::launch;
       r.name = activity::intern(data.symbolName != nullptr ? data.symbolName : "?");
       on(stream, per_thread_call);
-      if (arguments == nullptr) { return; }  // arguments packed in `extra`: not read
+      if (arguments == nullptr) { return; }    // arguments packed in `extra`: not read
       constexpr std::size_t most_words = 256;  // a kernel's arguments fit in 32 KiB; pointers come first
       std::size_t words = 0;
       const std::vector<std::size_t> sizes = argument_layout(f);

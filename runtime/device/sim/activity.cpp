@@ -9,8 +9,7 @@
 namespace handoff::device {
 namespace sim_detail {
 
-activity_note::activity_note(activity::kind kind, std::vector<activity::buffer_use> uses)
-    : armed(activity::recording())
+activity_note::activity_note(activity::kind kind, std::vector<activity::buffer_use> uses) : armed(activity::recording())
 {
   if (!armed) { return; }
   record.kind = kind;

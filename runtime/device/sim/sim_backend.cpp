@@ -483,7 +483,8 @@ void* sim_backend::allocate(std::size_t bytes, stream_handle stream)
     note.on_stream(s, raw(stream), impl_->flavour);
   }
   note.record.stream_ordered = true;
-  note.buffers = {{.address = reinterpret_cast<std::uintptr_t>(memory), .bytes = bytes, .mode = activity::access::write}};
+  note.buffers = {
+    {.address = reinterpret_cast<std::uintptr_t>(memory), .bytes = bytes, .mode = activity::access::write}};
   if (memory != nullptr) { note.send(); }
   return memory;
 }
@@ -533,9 +534,10 @@ void sim_backend::copy_async(void* dst, const void* src, std::size_t bytes, stre
   impl_->open(c);
   if (bytes != 0 && (dst == nullptr || src == nullptr)) { impl_->fail(c, sim_error::invalid_value); }
   const nanoseconds duration{impl_->copy_duration.load(std::memory_order_relaxed)};
-  activity_note note{activity::kind::copy,
-                     {{.address = reinterpret_cast<std::uintptr_t>(src), .bytes = bytes, .mode = activity::access::read},
-                      {.address = reinterpret_cast<std::uintptr_t>(dst), .bytes = bytes, .mode = activity::access::write}}};
+  activity_note note{
+    activity::kind::copy,
+    {{.address = reinterpret_cast<std::uintptr_t>(src), .bytes = bytes, .mode = activity::access::read},
+     {.address = reinterpret_cast<std::uintptr_t>(dst), .bytes = bytes, .mode = activity::access::write}}};
   if (duration == nanoseconds::zero() || bytes == 0) {
     impl_->enqueue(c, stream,
                    {.body =
@@ -732,8 +734,9 @@ void sim_backend::enqueue_fill_bytes(stream_handle stream, void* dst, std::size_
                 "bytes must be a multiple of a non-empty pattern, dst non-null, delay >= 0");
   }
   std::vector<std::byte> copy(pattern.begin(), pattern.end());
-  activity_note note{activity::kind::set,
-                     {{.address = reinterpret_cast<std::uintptr_t>(dst), .bytes = bytes, .mode = activity::access::write}}};
+  activity_note note{
+    activity::kind::set,
+    {{.address = reinterpret_cast<std::uintptr_t>(dst), .bytes = bytes, .mode = activity::access::write}}};
   impl_->enqueue(c, stream,
                  {.body =
                     [dst, bytes, p = std::move(copy)] {
@@ -756,11 +759,12 @@ void sim_backend::enqueue_sleep(stream_handle stream, nanoseconds duration)
   impl_->enqueue(c, stream, {.body = {}, .delay = duration, .host_function = false});
 }
 
-void sim_backend::launch_kernel(stream_handle stream, const char* kernel,
-                                std::span<const activity::buffer_use> buffers, nanoseconds delay)
+void sim_backend::launch_kernel(stream_handle stream, const char* kernel, std::span<const activity::buffer_use> buffers,
+                                nanoseconds delay)
 {
-  const call_with c{"launch_kernel", "{:#x}, {}, {} buffers, delay {}ns", raw(stream), kernel != nullptr ? kernel : "?",
-                    buffers.size(), delay.count()};
+  const call_with c{"launch_kernel", "{:#x}, {}, {} buffers, delay {}ns",
+                    raw(stream),     kernel != nullptr ? kernel : "?",
+                    buffers.size(),  delay.count()};
   impl_->open(c);
   if (kernel == nullptr || delay < nanoseconds::zero()) {
     impl_->fail(c, sim_error::invalid_value, "a kernel needs a name and a delay >= 0");

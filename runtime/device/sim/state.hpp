@@ -191,7 +191,8 @@ struct activity_note {
 class blocked_timer {
  public:
   explicit blocked_timer(activity_note& note) noexcept
-      : note_(note), started_(note.armed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{}),
+      : note_(note),
+        started_(note.armed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{}),
         uncaught_(std::uncaught_exceptions())
   {}
   blocked_timer(const blocked_timer&) = delete;

@@ -16,9 +16,11 @@ TEST(CuptiActivityTest, TheToolkitsCuptiIsAmongTheCandidates)
   const auto candidates = cupti_candidates();
   ASSERT_FALSE(candidates.empty());
   EXPECT_EQ(candidates.front(), std::getenv("HANDOFF_CUPTI_LIBRARY") != nullptr ? std::getenv("HANDOFF_CUPTI_LIBRARY")
-                                                                                 : std::string{"libcupti.so"});
+                                                                                : std::string{"libcupti.so"});
   bool toolkit = false;
-  for (const auto& candidate : candidates) { toolkit = toolkit || candidate.find("/lib64/libcupti.so") != std::string::npos; }
+  for (const auto& candidate : candidates) {
+    toolkit = toolkit || candidate.find("/lib64/libcupti.so") != std::string::npos;
+  }
   EXPECT_TRUE(toolkit);
 }
 

@@ -27,10 +27,7 @@ using device::stream_handle;
 
 class ActivityTraceTest : public ::testing::Test {
  protected:
-  void SetUp() override
-  {
-    data_ = static_cast<float*>(sim_.allocate(n * sizeof(float), sim_.legacy_default_stream()));
-  }
+  void SetUp() override { data_ = static_cast<float*>(sim_.allocate(n * sizeof(float), sim_.legacy_default_stream())); }
   void TearDown() override
   {
     if (session_ != 0) { (void)trace::end_session(session_); }
@@ -141,8 +138,8 @@ TEST_F(ActivityTraceTest, AHostWaitCarriesTheTimeItBlocked)
   sim_.enqueue_sleep(s, 30ms);
   sim_.synchronize_stream(s);
   const auto events = finish();
-  const auto sync = std::find_if(events.begin(), events.end(),
-                                 [](const trace::event& e) { return e.kind == trace::event_kind::sync; });
+  const auto sync =
+    std::find_if(events.begin(), events.end(), [](const trace::event& e) { return e.kind == trace::event_kind::sync; });
   ASSERT_NE(sync, events.end());
   EXPECT_GE(sync->blocked_ns, std::chrono::nanoseconds{25ms}.count());
   sim_.destroy_stream(s);
@@ -154,8 +151,8 @@ TEST_F(ActivityTraceTest, AStreamOrderedFreeIsRecordedAndAUseOnAnotherStreamIsAR
   const auto a = sim_.create_stream(true);
   const auto b = sim_.create_stream(true);
   auto* scratch = static_cast<float*>(sim_.allocate(64, a));
-  const activity::buffer_use use{.address = reinterpret_cast<std::uintptr_t>(scratch), .bytes = 64,
-                                 .mode = activity::access::write};
+  const activity::buffer_use use{
+    .address = reinterpret_cast<std::uintptr_t>(scratch), .bytes = 64, .mode = activity::access::write};
   sim_.deallocate(scratch, a);
   sim_.launch_kernel(b, activity::intern("late"), {&use, 1});  // touches nothing: a kernel of the trace only
   const auto events = finish();

@@ -342,9 +342,8 @@ TEST_F(RaceDetectorTest, StreamsOfTheSameHandleOnTwoDevicesAreTwoStreams)
 
 TEST_F(RaceDetectorTest, TheLabelerNamesTheMemory)
 {
-  race_detector named{[](std::uintptr_t address, std::size_t) {
-    return address == data ? std::string{"buffer:7"} : std::string{};
-  }};
+  race_detector named{
+    [](std::uintptr_t address, std::size_t) { return address == data ? std::string{"buffer:7"} : std::string{}; }};
   auto site = std::make_shared<access_site>();
   record w = on(kind::launch, producer);
   const buffer_use use{.address = data, .bytes = bytes, .mode = access::write};

@@ -35,8 +35,8 @@ struct access_site {
   const char* kernel{nullptr};
   stream_key stream;
   activity::stream_class stream_class{activity::stream_class::blocking};
-  std::string where;              ///< the user's line, when known
-  const char* library{nullptr};   ///< the library whose code did it (interned), when known
+  std::string where;             ///< the user's line, when known
+  const char* library{nullptr};  ///< the library whose code did it (interned), when known
   std::int64_t time_ns{0};
 };
 
