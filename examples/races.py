@@ -14,7 +14,9 @@ from handoff import sim
 
 fixed = "--fixed" in sys.argv[1:]
 producer, consumer, side = (sim.Stream(non_blocking=True) for _ in range(3))
-LEGACY = 1  # the legacy default stream, where many libraries launch unless told otherwise
+# The default stream, where many libraries launch unless told otherwise: CUDA's legacy stream (DLPack's
+# stream 1), ROCm's null stream (0); neither waits for non-blocking streams.
+LEGACY = 0 if handoff.runtime_info()["backend"] == "sim-rocm" else 1
 
 weights = sim.zeros((256, 256), "float32")
 sim.fill(weights, 0.5, stream=producer, delay=0.05)  # a producer's kernel, still running
