@@ -6,7 +6,9 @@ saves the trace to ``path`` at exit (``%p`` in it stands for the process id: eac
 writes its own file). It keeps the newest ``HANDOFF_TRACE_LIMIT`` events (default 30,000) and the
 older hazards, so a long job's trace stays bounded. ``HANDOFF_ORDER=1`` orders the exchanges between
 other libraries (see :func:`handoff.order_libraries`). ``HANDOFF_TRACE_SOCKET=1`` serves the
-exchanges live from the start (``handoff-trace attach PID``).
+exchanges live from the start (``handoff-trace attach PID``). ``HANDOFF_TRACE_LAUNCHES=1`` makes the
+process trace a launch trace: every kernel launch, copy, stream operation and host wait too, checked
+for races after the exchange.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def _finish() -> None:
 
 def _start_process_trace() -> None:
     global _process_trace  # noqa: PLW0603 - the process writes one trace
-    _process_trace = trace(limit=_settings.trace_limit(DEFAULT_LIMIT), libraries=True)
+    launches = _settings.flag("HANDOFF_TRACE_LAUNCHES")
+    _process_trace = trace(limit=_settings.trace_limit(DEFAULT_LIMIT), libraries=True, launches=launches)
     _process_trace.__enter__()
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Union
 
-from . import _handoff, _settings
+from . import _activity, _handoff, _settings
 
 __all__ = [
     "chrome_trace",
@@ -68,13 +68,30 @@ class trace:
         libraries: Also record the exchanges between other libraries (NumPy, PyTorch, CuPy, JAX,
             numba-cuda, cuda.core and those registered with :func:`handoff.register_library`)
             that the program makes without handoff, while the block runs.
+        launches: Also record every kernel launch, copy, set, stream operation and host
+            synchronization of the process (CUDA: through CUPTI; the simulator: its own
+            operations), and check them for races after the exchange: a ``"race"`` or ``"reuse"``
+            hazard names both sides. Where the backend cannot report them, ``launch_problem`` says
+            why and the exchanges are recorded as usual.
     """
 
-    def __init__(self, path: PathLike | None = None, *, limit: int | None = None, libraries: bool = False) -> None:
+    def __init__(
+        self,
+        path: PathLike | None = None,
+        *,
+        limit: int | None = None,
+        libraries: bool = False,
+        launches: bool = False,
+    ) -> None:
         _settings.check_limit(limit)
         self._path: str | None = os.fspath(path) if path is not None else None
         self._limit = limit
         self._libraries = bool(libraries)
+        self._launches = bool(launches)
+        self._watching = False
+        #: Why device activity could not be recorded (``launches=True`` on a backend that cannot
+        #: report it: no device, no CUPTI, no driver); None otherwise.
+        self.launch_problem: str | None = None
         self._token: int | None = None
         self._events: list[Event] = []
         self._dropped = 0
@@ -85,8 +102,11 @@ class trace:
     def __enter__(self) -> trace:
         if self._used:
             raise RuntimeError("this handoff.trace was already used: each `with` block needs a new handoff.trace()")
-        self._token = int(_handoff._trace_begin(self._limit or 0))
+        self._token = int(_handoff._trace_begin(self._limit or 0, self._launches))
         self._used = True
+        if self._launches:
+            self.launch_problem = _handoff._watch_activity(True)
+            self._watching = self.launch_problem is None
         if self._libraries:
             from . import _interpose
 
@@ -106,6 +126,9 @@ class trace:
             from . import _interpose
 
             _interpose.release()
+        if self._watching:
+            self._watching = False
+            _handoff._watch_activity(False)
         self._dropped = int(_handoff._trace_dropped(token))
         self._events = list(_handoff._trace_end(token))
         self.graph = _snapshot_graph()
@@ -140,14 +163,23 @@ class trace:
         return [e for e in self.events if e.get("hazard") is not None]
 
     def summary(self) -> str:
-        """A text report: the hazards first, then the exchanges per producer and consumer."""
-        return summary(self.events, title="handoff trace", dropped=self.dropped, limit=self._limit)
+        """A text report: the hazards first, then the exchanges per producer and consumer (and, with
+        ``launches=True``, the device activity and the host waits by line)."""
+        return summary(
+            self.events,
+            title="handoff trace",
+            dropped=self.dropped,
+            limit=self._limit,
+            launch_problem=self.launch_problem,
+        )
 
     def save(self, path: PathLike) -> None:
         """Writes the trace as Chrome trace JSON, with the raw events and graph under ``"handoff"``."""
         graph = self.graph if not self.active else _snapshot_graph()
         data = chrome_trace(self.events, graph=graph, pid=os.getpid())
         data["handoff"].update(dropped=self.dropped, limit=self._limit)
+        if self.launch_problem is not None:
+            data["handoff"]["launch_problem"] = self.launch_problem
         Path(path).write_text(dumps(data), encoding="utf-8")
 
 
@@ -208,12 +240,15 @@ def _shape(event: Mapping[str, Any]) -> str:
 
 
 def format_event(event: Mapping[str, Any]) -> str:
-    """One line for an event: time, kind, producer -> consumer, array, streams, action, hazard, where."""
+    """One line for an event: time, kind, producer -> consumer, array, streams, action, hazard, where
+    (for device activity: time, kind, operation, kernel, stream, memory, blocked time, hazard, where)."""
     time_ns = _int(event.get("time_ns"))
     try:
         stamp = f"{time.strftime('%H:%M:%S', time.localtime(time_ns // 1_000_000_000))}.{time_ns % 1_000_000_000 // 1000:06d}"
     except (OverflowError, OSError, ValueError):  # a time no clock shows
         stamp = "?"
+    if _activity.is_activity(event):
+        return f"{stamp}  {_activity.format_activity(event, device_name(event.get('device')))}"
     parts = [
         stamp,
         f"{event.get('kind', '?')!s:<7}",
@@ -277,10 +312,12 @@ def summary(
     dropped: int = 0,
     limit: int | None = None,
     processes: int = 1,
+    launch_problem: str | None = None,
 ) -> str:
     """A human-readable report of `events`: hazards first (grouped by hazard and source line), then
     the exchanges per producer -> consumer pair, then the totals, the views still held when the
-    trace ended (not hazards), and how many events a bounded trace dropped.
+    trace ended (not hazards), and how many events a bounded trace dropped. A launch trace adds its
+    device activity's counts and the host waits by line (`launch_problem`: why it has none).
 
     A library shown as ``-`` is not known: for a consumer, the export was asked for by user code.
     The waits, elided and unordered hand-offs count each hand-off once, though an import from an
@@ -288,16 +325,20 @@ def summary(
     `events` merges.
     """
     lines = [title, "=" * len(title)] if title else []
+    if launch_problem:
+        lines.append(f"launches not recorded: {launch_problem}")
     held = [e for e in events if e.get("kind") == "held"]
-    events = [e for e in events if e.get("kind") != "held"]
-    if not events and not held:
+    everything = [e for e in events if e.get("kind") != "held"]
+    activity = [e for e in everything if _activity.is_activity(e)]
+    events = [e for e in everything if not _activity.is_activity(e)]
+    if not events and not held and not activity:
         lines.append("no exchanges recorded")
         lines += _bounded_note(dropped, limit)
         return "\n".join(lines)
 
     # Hazards, grouped by (hazard, where) in the order they first happened.
     groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
-    for event in events:
+    for event in everything:
         if event.get("hazard") is not None:
             key = (str(event["hazard"]), str(event.get("where") or _NO_LIBRARY))
             groups.setdefault(key, []).append(event)
@@ -308,17 +349,24 @@ def summary(
         details = []
         for (hazard, where), group in groups.items():
             first = group[0]
-            rows.append([f"{len(group)}x", hazard, where, str(first.get("kind", "?")), _pair(first)])
-            details.append(str(first.get("detail") or ""))
+            pair = _activity.sides(first) if _activity.is_activity(first) else _pair(first)
+            rows.append([f"{len(group)}x", hazard, where, str(first.get("kind", "?")), pair])
+            details.append([str(first.get(key) or "") for key in ("detail", "fix")])
         table = _table(["count", "hazard", "where", "kind", "producer -> consumer"], rows, right=[0])
         lines.append(table[0])
-        for row, detail in zip(table[1:], details):
+        for row, (detail, fix) in zip(table[1:], details):
             lines.append(row)
             if detail:
                 lines.append(f"        {detail}")
+            if fix:
+                lines.append(f"        fix: {fix}")
     else:
         lines.append("no hazards")
     lines.append("")
+    if activity:
+        host_waits = _activity.host_wait_lines(everything, _table)
+        if host_waits:
+            lines += [*host_waits, ""]
 
     # Exchanges per (producer, consumer), in the order the pairs first appear.
     columns = ("import", "export", "release", "wait", "elided", "unordered", "refused")
@@ -370,6 +418,8 @@ def summary(
         + f", {_plural(totals['wait'], 'wait')} inserted, {totals['elided']} elided, "
         f"{_plural(hazard_count, 'hazard')}" + (f", {ordered} ordered by handoff's hooks" if ordered else "")
     )
+    if activity:
+        lines.append(_activity.counts_line(activity))
     if held:
         places = Counter(str(e.get("where") or _NO_LIBRARY) for e in held)
         shown = ", ".join(f"{where} ({count})" for where, count in places.most_common(3))
@@ -416,6 +466,8 @@ def _slice_args(event: Mapping[str, Any]) -> Event:
 def _track_name(key: tuple[Any, ...]) -> str:
     if key == ("host",):
         return "host"
+    if key[0] == "thread":
+        return f"host thread {key[1]} (waits)"
     device, handle = key
     name = f"{device_name(device)} stream {_stream(handle)}"
     return name + " (default)" if handle == 0 else name
@@ -431,8 +483,10 @@ def chrome_trace(
     """The events as a Chrome trace JSON object (Perfetto, chrome://tracing): one track per stream,
     one slice per exchange on the consumer's stream (hazards flagged; its args the exchange in one
     line), and an arrow from the producer's stream to the consumer's for each wait that handoff
-    inserted. The raw events, once, and the graph are kept under the ``"handoff"`` key, which
-    ``handoff-trace show`` and ``graph`` read.
+    inserted; for a launch trace, each device operation on its stream's track, each host wait on its
+    thread's, and each race an arrow from its earlier side to its later one. The raw events, once,
+    and the graph are kept under the ``"handoff"`` key, which ``handoff-trace show`` and ``graph``
+    read.
     Times count from `start_ns` (default: the first event's), so that several processes' traces
     merged share one clock.
     """
@@ -445,9 +499,13 @@ def chrome_trace(
         key: tuple[Any, ...] = ("host",) if handle is None else (tuple(device or ()), _int(handle))
         return tracks.setdefault(key, len(tracks) + 1)
 
-    slices: list[Event] = []
+    def host_track(thread: Any) -> int:
+        return tracks.setdefault(("thread", _int(thread)), len(tracks) + 1)
+
+    slices: list[Event] = _activity.chrome_slices(raw, track=track, host_track=host_track, pid=pid, start=start)
+    exchanges = [e for e in raw if not _activity.is_activity(e)]
     flow_id = 0
-    for event, own_action in zip(raw, _own_actions(raw)):
+    for event, own_action in zip(exchanges, _own_actions(exchanges)):
         ts = (_int(event.get("time_ns")) - start) / 1000.0
         device = event.get("device")
         consumer_stream, producer_stream = event.get("consumer_stream"), event.get("producer_stream")
@@ -514,7 +572,7 @@ def chrome_trace(
         "handoff": {
             "version": _version(),
             "events": raw,
-            "graph": None if graph is None else json.loads(dumps(dict(graph))),
+            "graph": None if graph is None else json.loads(dumps(_activity.with_races(graph, raw))),
         },
     }
 
@@ -542,6 +600,8 @@ _EDGE_STYLES = {
     "view-of": "style=solid",
     "ready-on": 'style=dashed, color="#1a73e8"',
     "released-after": 'style=dotted, color="#d93025"',
+    "race": 'style=bold, color="#d93025", fontcolor="#d93025"',
+    "reuse": 'style=bold, color="#d93025", fontcolor="#d93025"',
 }
 
 
@@ -618,9 +678,8 @@ def graph_to_dot(graph: Mapping[str, Any], exchanges: Sequence[Mapping[str, Any]
     for edge in graph.get("edges") or ():
         kind = edge.get("kind", "")
         style = _EDGE_STYLES.get(str(kind), 'style=solid, color="#5f6368"')
-        lines.append(
-            f"  {_quote(edge.get('src', '?'))} -> {_quote(edge.get('dst', '?'))} [label={_quote(kind)}, {style}];"
-        )
+        label = _label(kind, edge.get("where")) if edge.get("where") else _quote(kind)
+        lines.append(f"  {_quote(edge.get('src', '?'))} -> {_quote(edge.get('dst', '?'))} [label={label}, {style}];")
     lines.append("}")
     return "\n".join(lines) + "\n"
 

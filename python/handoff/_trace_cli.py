@@ -1,6 +1,6 @@
 """handoff-trace: record, read and follow handoff's exchange traces.
 
-    handoff-trace run [-o FILE] [--json] [--order] -- CMD ARGS...
+    handoff-trace run [-o FILE] [--json] [--order] [--launches] -- CMD ARGS...
                                                            trace a program; its summary on stderr
     handoff-trace show FILE [--json]                       the summary of a saved trace
     handoff-trace graph FILE [--format dot|json|svg|png]   the ownership graph saved in a trace
@@ -163,8 +163,13 @@ def _is_int(value: Any) -> bool:
 
 def _check_fields(item: dict[str, Any], where: str) -> None:
     """A trace item's fields are what handoff writes: a string, a number, a bool, null, or a list of
-    ints (a device, a shape); ids are strings. A file that says otherwise is refused, naming the field."""
+    ints (a device, a shape); ids are strings; a device activity's `buffers` a list of such items. A
+    file that says otherwise is refused, naming the field."""
     for key, value in item.items():
+        if key == "buffers" and isinstance(value, list) and all(isinstance(b, dict) for b in value):
+            for index, buffer in enumerate(value):
+                _check_fields(buffer, f"{where}: buffers {index}")
+            continue
         scalar = value is None or isinstance(value, (str, int, float))
         if not (scalar or (isinstance(value, list) and all(_is_int(v) for v in value))):
             raise CommandError(f"{where}: field {key!r} holds {type(value).__name__}, not what handoff writes")
@@ -259,11 +264,16 @@ def merge_traces(traces: Sequence[tuple[int, Trace]]) -> dict[str, Any]:
     events: list[dict[str, Any]] = []
     graph: dict[str, list[Any]] = {"nodes": [], "edges": []}
     dropped = 0
+    problems: list[str] = []
     for pid, trace in traces:
         own = [{**event, "pid": pid} for event in trace["events"]]
         events += own
         chrome_events += chrome_trace(own, pid=pid, start_ns=start)["traceEvents"]
         dropped += int(trace.get("dropped") or 0)
+        if trace.get("launch_problem"):
+            problems.append(
+                f"pid {pid}: {trace['launch_problem']}" if len(traces) > 1 else str(trace["launch_problem"])
+            )
         part = trace.get("graph") or {}
         prefix = f"{pid}/" if len(traces) > 1 else ""
         graph["nodes"] += [{**node, "id": prefix + str(node["id"])} for node in part.get("nodes", [])]
@@ -282,6 +292,7 @@ def merge_traces(traces: Sequence[tuple[int, Trace]]) -> dict[str, Any]:
             "graph": graph,
             "dropped": dropped,
             "processes": [pid for pid, _ in traces],
+            **({"launch_problem": "; ".join(problems)} if problems else {}),
         },
     }
 
@@ -296,6 +307,12 @@ def _process_traces(folder: Path) -> list[tuple[int, Trace]]:
         except (ValueError, OSError, CommandError) as error:
             print(f"handoff-trace: skipped {path.name}: {error}", file=sys.stderr)
     return [(pid, trace) for _, pid, trace in sorted(found, key=lambda item: (item[0], item[1]))]
+
+
+def _launch_problem(traces: Sequence[tuple[int, Trace]]) -> str | None:
+    """Why a launch trace recorded no device activity, as its processes said (once each reason)."""
+    reasons = list(dict.fromkeys(str(t["launch_problem"]) for _, t in traces if t.get("launch_problem")))
+    return "; ".join(reasons) or None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -320,6 +337,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         env["HANDOFF_TRACE"] = str(folder / "trace-%p.json")
         if args.order:
             env["HANDOFF_ORDER"] = "1"
+        if args.launches:
+            env["HANDOFF_TRACE_LAUNCHES"] = "1"
         env["PYTHONPATH"] = os.pathsep.join([str(shim), *filter(None, [env.get("PYTHONPATH")])])
         status = _wait(command, env)
         traces = _process_traces(folder)
@@ -346,7 +365,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         title = f"handoff trace of {shlex.join(command)}"
         print(
-            summary(section["events"], title=title, dropped=section["dropped"], processes=len(traces)), file=sys.stderr
+            summary(
+                section["events"],
+                title=title,
+                dropped=section["dropped"],
+                processes=len(traces),
+                launch_problem=_launch_problem(traces),
+            ),
+            file=sys.stderr,
         )
         if args.output and saved:
             print(
@@ -369,7 +395,10 @@ def cmd_show(args: argparse.Namespace) -> int:
         count = len(processes) if isinstance(processes, list) else 1
         limit = int(trace["limit"]) if _is_int(trace.get("limit")) else None
         dropped = int(trace["dropped"]) if _is_int(trace.get("dropped")) else 0
-        print(summary(trace["events"], title=title, dropped=dropped, limit=limit, processes=count))
+        problem = str(trace["launch_problem"]) if trace.get("launch_problem") else None
+        print(
+            summary(trace["events"], title=title, dropped=dropped, limit=limit, processes=count, launch_problem=problem)
+        )
     return 0
 
 
@@ -631,6 +660,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also order the exchanges between other libraries (HANDOFF_ORDER=1): the consumer's stream waits "
         "for the producer's, and the producer is kept until the consumer's stream is done with it",
+    )
+    run.add_argument(
+        "--launches",
+        action="store_true",
+        help="also record every kernel launch, copy, stream operation and host wait (HANDOFF_TRACE_LAUNCHES=1: "
+        "CUPTI on CUDA, the simulator's own operations on sim) and flag races after the exchange and the host "
+        "waits by line",
     )
     run.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...", help="the program to run")
     run.set_defaults(handler=cmd_run)

@@ -4,6 +4,8 @@
 
 #include <Python.h>
 
+#include <handoff/activity.hpp>
+
 #include <exception>
 #include <optional>
 #include <type_traits>
@@ -118,6 +120,27 @@ void with_gil(Body&& body) noexcept
   PyGILState_Release(state);
 }
 
+/// While alive, and a launch trace records, the calling thread's Python line stands for the device
+/// work it does without the GIL: the backend's reports are annotated with it. Made holding the GIL.
+class parked_location {
+ public:
+  parked_location() noexcept : parked_(activity::recording() && park()) {}
+  ~parked_location()
+  {
+    if (parked_) { unpark(); }
+  }
+  parked_location(const parked_location&) = delete;
+  parked_location& operator=(const parked_location&) = delete;
+  parked_location(parked_location&&) = delete;
+  parked_location& operator=(parked_location&&) = delete;
+
+ private:
+  static bool park() noexcept;  // in py_trace.cpp, with the annotator
+  static void unpark() noexcept;
+
+  bool parked_;
+};
+
 /// Takes the GIL back after PyEval_SaveThread. Once the gate is closed, a thread other than the
 /// finalizing one is parked here until the process exits (what CPython 3.14 does itself).
 void take_gil_back(PyThreadState* state) noexcept;
@@ -128,6 +151,7 @@ template <typename Work>
 std::invoke_result_t<Work&> without_gil(Work&& work)
 {
   using result = std::invoke_result_t<Work&>;
+  const parked_location parked;
   std::exception_ptr failure;
   PyThreadState* state = PyEval_SaveThread();
   if constexpr (std::is_void_v<result>) {

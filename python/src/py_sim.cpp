@@ -10,6 +10,7 @@
 #include "py_owners.hpp"
 #include "py_streams.hpp"
 
+#include <handoff/activity.hpp>
 #include <handoff/device_guard.hpp>
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
@@ -25,6 +26,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 #include <string_view>
 
@@ -299,7 +301,8 @@ std::chrono::nanoseconds seconds(double delay, const char* argument)
   return std::chrono::nanoseconds{static_cast<std::int64_t>(delay * 1e9)};
 }
 
-py::object zeros(py::handle shape_arg, const std::string& dtype_text, int device, const std::string& memory)
+py::object zeros(py::handle shape_arg, const std::string& dtype_text, int device, const std::string& memory,
+                 py::handle stream_arg)
 {
   auto s = require_sim();
   const auto dtype = dtype_from_name(dtype_text);
@@ -313,7 +316,10 @@ py::object zeros(py::handle shape_arg, const std::string& dtype_text, int device
   // The layout first: a bad shape allocates nothing.
   auto [layout, bytes] = row_major_layout({s.sim.device_type(), device}, *dtype, shape);
   const current_device on{s.sim, device};
-  const auto stream = s.sim.legacy_default_stream();
+  const bool stream_ordered = !stream_arg.is_none();
+  HANDOFF_EXPECTS(!stream_ordered || memory == "device", value_error,
+                  fmt::format("stream= allocates device memory stream-ordered; memory='{}' is not", memory));
+  const auto stream = stream_ordered ? stream_of(stream_arg) : s.sim.legacy_default_stream();
   const std::size_t allocated = std::max<std::size_t>(bytes, 1);
   void* data = nullptr;
   if (memory == "device") {
@@ -326,13 +332,18 @@ py::object zeros(py::handle shape_arg, const std::string& dtype_text, int device
     throw value_error(fmt::format("memory='{}' is not one of 'device', 'pinned', 'managed'", memory));
   }
   sim_backend* sim = &s.sim;
-  // Freed as cudaFree does, once the device is idle: a write may still be pending on any stream.
-  producer_ref owner{[sim, data]() noexcept {
-    try {
-      sim->free_sync(data);
-    } catch (...) {  // the backend is shutting down and frees what is left itself
-    }
-  }};
+  // Freed as cudaFree does, once the device is idle: a write may still be pending on any stream. Or,
+  // allocated on a stream, freed on it as cudaFreeAsync does (the stream kept until then).
+  producer_ref owner = stream_ordered
+                         ? producer_ref{[sim, data, stream, keep = stream_keep_alive(stream_arg)]() noexcept {
+                             sim->deallocate(data, stream);
+                           }}
+                         : producer_ref{[sim, data]() noexcept {
+                             try {
+                               sim->free_sync(data);
+                             } catch (...) {  // the backend is shutting down and frees what is left itself
+                             }
+                           }};
   // The device type of each kind of memory is the exchange's to say (managed memory has none on ROCm).
   layout.device = *dlpack_device_of(s.sim.attributes(data), s.sim.device_type());
   // No stream has seen this fresh allocation yet, so it is zeroed directly: returned ready, like a
@@ -340,8 +351,48 @@ py::object zeros(py::handle shape_arg, const std::string& dtype_text, int device
   std::memset(data, 0, bytes);
   layout.data = data;
   array view{std::move(layout), std::move(owner)};
-  view.owner().set_ready_on({.ctx = &s.ctx, .device = device, .stream = stream, .stream_owner = nullptr});
+  view.owner().set_ready_on({.ctx = &s.ctx,
+                             .device = device,
+                             .stream = stream,
+                             .stream_owner = stream_ordered ? stream_keep_alive(stream_arg) : nullptr});
   return wrap(std::move(view), "handoff.sim");
+}
+
+// A kernel launch of the simulator: it takes `delay` on `stream` and reads `reads` and writes
+// `writes` as far as a launch trace knows (its body changes no memory).
+void launch(const std::string& name, py::handle reads, py::handle writes, py::handle stream, double delay)
+{
+  auto s = require_sim();
+  std::vector<activity::buffer_use> uses;
+  std::optional<int> device;
+  const auto add = [&](py::handle arrays, activity::access mode, const char* argument) {
+    HANDOFF_EXPECTS(!py::isinstance<py::str>(arrays) && py::hasattr(arrays, "__iter__"), type_error,
+                    fmt::format("{} must be a sequence of arrays, not {}", argument, type_name(arrays)));
+    for (const auto item : arrays) {
+      array* found = as_array(item);
+      HANDOFF_EXPECTS(
+        found != nullptr && found->device().device_type == s.sim.device_type(), type_error,
+        fmt::format("{} holds {}, not a handoff.Array on the simulated device", argument, type_name(item)));
+      const auto address = reinterpret_cast<std::uintptr_t>(found->data());
+      const auto bytes = static_cast<std::size_t>(found->nbytes());
+      device = device.value_or(found->device().device_id);
+      const auto same = std::find_if(uses.begin(), uses.end(), [&](const activity::buffer_use& u) {
+        return u.address == address && u.bytes == bytes;
+      });
+      if (same != uses.end()) {
+        same->mode = static_cast<activity::access>(static_cast<unsigned>(same->mode) | static_cast<unsigned>(mode));
+      } else {
+        uses.push_back({.address = address, .bytes = bytes, .mode = mode});
+      }
+    }
+  };
+  add(reads, activity::access::read, "reads");
+  add(writes, activity::access::write, "writes");
+  HANDOFF_EXPECTS(!name.empty(), value_error, "a kernel needs a name");
+  const auto handle = stream_of(stream);
+  const auto wait = seconds(delay, "delay");
+  const current_device on{s.sim, device.value_or(s.sim.current_device())};
+  s.sim.launch_kernel(handle, activity::intern(name), uses, wait);
 }
 
 void fill(py::handle target, py::handle value, py::handle stream, double delay)
@@ -446,8 +497,15 @@ void bind_sim(py::module_& parent)
                          s.non_blocking() ? ", non_blocking=True" : "");
     });
   m.def("zeros", &zeros, py::arg("shape"), py::arg("dtype") = "float32", py::arg("device") = 0, py::kw_only(),
-        py::arg("memory") = "device",
-        "A zero-filled array on a simulated device ('device'), or in pinned host or managed memory.");
+        py::arg("memory") = "device", py::arg("stream") = py::none(),
+        "A zero-filled array on a simulated device ('device'), or in pinned host or managed memory. With `stream`, "
+        "device memory allocated on that stream and freed on it when released (cudaMallocAsync, cudaFreeAsync); "
+        "otherwise freed once the device is idle (cudaFree).");
+  m.def("launch", &launch, py::arg("name"), py::kw_only(), py::arg("reads") = py::tuple(),
+        py::arg("writes") = py::tuple(), py::arg("stream"), py::arg("delay") = 0.0,
+        "Enqueues on `stream` a kernel `name` that takes `delay` seconds and reads `reads` and writes `writes` "
+        "(sequences of simulated arrays). It changes no memory: a launch trace records what it uses, and its race "
+        "detector checks that. Returns at once.");
   m.def("fill", &fill, py::arg("array"), py::arg("value"), py::kw_only(), py::arg("stream"), py::arg("delay") = 0.0,
         "Enqueues on `stream`: wait `delay` seconds, then write `value` everywhere. Returns at once.");
   m.def("to_numpy", &to_numpy, py::arg("array"), py::kw_only(), py::arg("stream"), py::arg("wait") = true,

@@ -2,8 +2,11 @@
 
 #include "py_array.hpp"
 #include "py_cpython.hpp"
+#include "py_exchange.hpp"
+#include "py_gil.hpp"
 
 #include <handoff/dtype.hpp>
+#include <handoff/error.hpp>
 #include <handoff/ownership.hpp>
 
 #include <fmt/format.h>
@@ -112,16 +115,31 @@ int line_of(PyFrameObject* frame, PyCodeObject* code) noexcept
   return line;
 }
 
-// Fills `where` (the first frame of user code) and, for an export, the consumer (the library whose
-// code asked for it, when it is not user code). Only on a thread that holds the GIL: a release on a
-// consumer's thread has no Python caller.
-void annotate(trace::event& e) noexcept
+// intern_library(name) for a name library_of_file returned, looked up by the object (the classifier's
+// cache keeps each name's object alive): no string is made per frame.
+const char* interned(PyObject* library, const char* name)
 {
-  if (Py_IsInitialized() == 0 || PyGILState_Check() == 0) { return; }
-  const error_scope set_aside;  // a refused exchange is annotated while its error is set
+  static auto* by_object = new std::unordered_map<PyObject*, const char*>;  // NOLINT: leaked, as above
+  const auto [it, inserted] = by_object->try_emplace(library, nullptr);
+  if (inserted) { it->second = intern_library(name); }
+  return it->second;
+}
+
+// Where Python code is on this thread: the first frame of user code, the first library other than
+// handoff that the walk out to it passes (the standard library included), and the last one that is
+// not the standard library (the one user code called).
+struct python_location {
+  std::string where;
+  const char* innermost{nullptr};
+  const char* outermost{nullptr};
+};
+
+// Holds the GIL.
+python_location locate() noexcept
+{
+  python_location out;
   PyFrameObject* frame = PyEval_GetFrame();
   Py_XINCREF(frame);
-  bool caller_seen = false;
   try {
     while (frame != nullptr) {
       PyCodeObject* code = PyFrame_GetCode(frame);
@@ -131,25 +149,58 @@ void annotate(trace::event& e) noexcept
         Py_ssize_t size = 0;
         const char* text = PyUnicode_AsUTF8AndSize(filename, &size);
         if (text != nullptr) {
-          e.where = fmt::format("{}:{}", std::string_view{text, static_cast<std::size_t>(size)}, line_of(frame, code));
+          out.where =
+            fmt::format("{}:{}", std::string_view{text, static_cast<std::size_t>(size)}, line_of(frame, code));
         }
         Py_DECREF(code);
         break;
       }
       Py_DECREF(code);
       const char* name = PyUnicode_AsUTF8(library);
-      if (!caller_seen && name != nullptr && std::string_view{name} != "handoff") {
-        caller_seen = true;
-        if (e.kind == trace::event_kind::export_data && e.consumer == nullptr) { e.consumer = intern_library(name); }
+      if (name != nullptr && std::string_view{name} != "handoff") {
+        const char* kept = interned(library, name);
+        if (out.innermost == nullptr) { out.innermost = kept; }
+        if (std::string_view{name} != "python") { out.outermost = kept; }
       }
       PyFrameObject* back = PyFrame_GetBack(frame);
       Py_DECREF(frame);
       frame = back;
     }
   } catch (const std::exception&) {
-    e.where.clear();
+    out.where.clear();
   }
   Py_XDECREF(frame);
+  PyErr_Clear();
+  return out;
+}
+
+// The location parked_location keeps for the thread while it runs without the GIL.
+thread_local std::optional<python_location> parked;
+
+// Fills `where` (the first frame of user code) and, for an export, the consumer (the library whose
+// code asked for it, when it is not user code); for device activity, the library user code called.
+// Only on a thread that holds the GIL (a release on a consumer's thread has no Python caller), or,
+// for device activity, one that parked its location before letting the GIL go.
+void annotate(trace::event& e) noexcept
+{
+  const bool activity = trace::is_activity(e.kind);
+  if (Py_IsInitialized() == 0 || PyGILState_Check() == 0) {
+    if (activity && parked) {
+      try {
+        e.where = parked->where;
+      } catch (const std::exception&) {}
+      if (e.library == nullptr) { e.library = parked->outermost; }
+    }
+    return;
+  }
+  const error_scope set_aside;  // a refused exchange is annotated while its error is set
+  python_location here = locate();
+  e.where = std::move(here.where);
+  if (activity) {
+    if (e.library == nullptr) { e.library = here.outermost; }
+  } else if (e.kind == trace::event_kind::export_data && e.consumer == nullptr && here.innermost != nullptr) {
+    e.consumer = here.innermost;
+  }
 }
 
 py::object name_or_none(const char* name)
@@ -202,6 +253,19 @@ py::dict event_dict(const trace::event& e)
       item = value ? py::object(py::int_(*value)) : py::object(py::none());
     } else if constexpr (std::is_same_v<value_type, trace::optional_text>) {
       item = value.text.empty() ? py::object(py::none()) : py::object(py::str(value.text.data(), value.text.size()));
+    } else if constexpr (std::is_same_v<value_type, std::span<const trace::buffer_ref>>) {
+      py::list buffers;
+      for (const trace::buffer_ref& b : value) {
+        py::dict use;
+        use["address"] = py::int_(b.address);
+        use["nbytes"] = py::int_(b.nbytes);
+        const std::string_view mode = trace::name(b.mode);
+        use["access"] = py::str(mode.data(), mode.size());
+        use["buffer"] =
+          b.buffer != 0 ? py::object(py::str(fmt::format("buffer:{}", b.buffer))) : py::object(py::none());
+        buffers.append(std::move(use));
+      }
+      item = buffers;
     } else {
       static_assert(std::is_same_v<value_type, std::optional<trace::node_ref>>, "a field type the dict lacks");
       item = value ? py::object(py::str(fmt::format("{}:{}", value->kind, value->id))) : py::object(py::none());
@@ -282,6 +346,23 @@ py::dict graph_dict()
 
 }  // namespace
 
+bool parked_location::park() noexcept
+{
+  if (Py_IsInitialized() == 0 || PyGILState_Check() == 0) { return false; }
+  try {
+    const error_scope set_aside;
+    parked = locate();
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+void parked_location::unpark() noexcept
+{
+  parked.reset();
+}
+
 const char* producer_naming::library_of(PyObject* producer) noexcept
 {
   if (as_array(producer) != nullptr) {  // handoff's own array: its producer's library
@@ -297,8 +378,25 @@ const char* producer_naming::library_of(PyObject* producer) noexcept
 void bind_trace(py::module_& m)
 {
   trace::set_annotator(&annotate);
-  m.def("_trace_begin", &trace::begin_session, py::arg("limit") = 0,
-        "Starts recording exchanges (the newest `limit` and older hazards; 0: all); returns the session's token.");
+  m.def("_trace_begin", &trace::begin_session, py::arg("limit") = 0, py::arg("activity") = false,
+        "Starts recording exchanges (the newest `limit` and older hazards; 0: all), and with `activity` the "
+        "device's launches, copies, stream operations and host waits; returns the session's token.");
+  m.def(
+    "_watch_activity",
+    [](bool on) -> py::object {
+      context* ctx = nullptr;
+      try {
+        ctx = &module_exchange().require_device("a launch trace");
+      } catch (const device_error& e) {
+        return py::str(e.backend() == "none" ? std::string{e.what()}
+                                             : fmt::format("the {} backend cannot be used: {}", e.backend(), e.what()));
+      }
+      const std::string reason = without_gil([&] { return ctx->backend().watch_activity(on); });
+      return reason.empty() ? py::object(py::none()) : py::object(py::str(reason));
+    },
+    py::arg("on"),
+    "Starts (or stops) the backend's reports of device activity; None, or why it cannot report (no backend, "
+    "no CUPTI, no driver).");
   m.def("_trace_dropped", &trace::session_dropped, py::arg("token"),
         "How many events an open bounded session no longer keeps.");
   m.def(

@@ -3,6 +3,7 @@
 #include <handoff/device_guard.hpp>
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
+#include <handoff/internal/activity_trace.hpp>
 #include <handoff/internal/trace_scope.hpp>
 #include <handoff/stream_value.hpp>
 #include <handoff/trace.hpp>
@@ -41,6 +42,16 @@ std::string_view name(event_kind kind) noexcept
       return "release";
     case event_kind::held:
       return "held";
+    case event_kind::launch:
+      return "launch";
+    case event_kind::copy:
+      return "copy";
+    case event_kind::sync:
+      return "sync";
+    case event_kind::stream:
+      return "stream";
+    case event_kind::memory:
+      return "memory";
   }
   return "?";
 }
@@ -62,6 +73,19 @@ std::string_view name(action what) noexcept
   return "?";
 }
 
+std::string_view name(activity::access mode) noexcept
+{
+  switch (mode) {
+    case activity::access::read:
+      return "read";
+    case activity::access::write:
+      return "write";
+    case activity::access::read_write:
+      return "read-write";
+  }
+  return "?";
+}
+
 namespace {
 
 // Where events go: each open session keeps its own events (a bounded one, the newest of them and
@@ -73,9 +97,11 @@ struct recorder {
     std::deque<event> events;    // the newest `limit` events
     std::vector<event> hazards;  // hazards older than `events` (a bounded session's), at most `limit`
     std::uint64_t dropped{0};    // events no longer kept
+    bool activity{false};        // device activity is recorded too
 
     void keep(event e)
     {
+      if (is_activity(e.kind) && !activity) { return; }
       events.push_back(std::move(e));
       if (limit == 0 || events.size() <= limit) { return; }
       if (events.front().hazard != nullptr && hazards.size() < limit) {
@@ -89,6 +115,7 @@ struct recorder {
 
   std::mutex mutex;
   std::map<std::uint64_t, session> sessions;  // by token
+  std::size_t activity_sessions{0};
   std::uint64_t next_token{1};
   std::map<std::uint64_t, std::function<void(const event&)>> listeners;
   std::uint64_t next_listener{1};
@@ -142,8 +169,22 @@ std::string stream_text(const std::optional<stream_id>& s)
            : std::string{"-"};
 }
 
+void log_activity(const event& e)
+{
+  const std::string hazard = e.hazard != nullptr ? fmt::format("; HAZARD {}: {}", e.hazard, e.detail) : std::string{};
+  const std::string where = e.where.empty() ? std::string{} : " at " + e.where;
+  HANDOFF_LOG_DEBUG("{} {}{}{} on {}{}{}", name(e.kind), e.op != nullptr ? e.op : "",
+                    e.kernel != nullptr ? fmt::format(" '{}'", e.kernel) : std::string{},
+                    e.blocked_ns != 0 ? fmt::format(" blocked {} ns", e.blocked_ns) : std::string{},
+                    stream_text(e.stream), hazard, where);
+}
+
 void log_event(const event& e)
 {
+  if (is_activity(e.kind)) {
+    log_activity(e);
+    return;
+  }
   const char* producer = e.producer != nullptr ? e.producer : "?";
   const char* consumer = e.consumer != nullptr ? e.consumer : "?";
   std::string data = e.shape.empty() && e.nbytes == 0 && e.kind == event_kind::release
@@ -163,7 +204,7 @@ void log_event(const event& e)
       change = e.consumer_stream ? fmt::format("-buffer:{} released-after {}", e.buffer, stream_text(e.consumer_stream))
                                  : fmt::format("-buffer:{}", e.buffer);
       break;
-    case event_kind::held:  // made at the trace's end, never logged
+    default:  // held: made at the trace's end, never logged; device activity: log_activity
       break;
   }
   const std::string hazard = e.hazard != nullptr ? fmt::format("; HAZARD {}: {}", e.hazard, e.detail) : std::string{};
@@ -246,14 +287,20 @@ void set_annotator(annotator fill) noexcept
   recorder::get().annotate.store(fill, std::memory_order_release);
 }
 
-std::uint64_t begin_session(std::size_t limit)
+std::uint64_t begin_session(std::size_t limit, bool activity)
 {
   recorder& r = recorder::get();
-  std::lock_guard lock{r.mutex};
+  std::unique_lock lock{r.mutex};
   if (r.sessions.empty() && !r.keeps_layouts()) { r.buffers.clear(); }
   const std::uint64_t token = r.next_token++;
-  r.sessions[token].limit = limit;
+  recorder::session& s = r.sessions[token];
+  s.limit = limit;
+  s.activity = activity;
   r.update_active();
+  const bool first_activity = activity && r.activity_sessions++ == 0;
+  lock.unlock();
+  // Outside the lock: the activity layer records under its own lock, and takes this one inside it.
+  if (first_activity) { detail::activity_sessions_changed(true); }
   return token;
 }
 
@@ -291,10 +338,14 @@ std::vector<event> end_session(std::uint64_t token)
 {
   std::vector<event> events = session_events(token);
   recorder& r = recorder::get();
-  std::lock_guard lock{r.mutex};
+  std::unique_lock lock{r.mutex};
+  const auto ending = r.sessions.find(token);
+  const bool last_activity = ending != r.sessions.end() && ending->second.activity && --r.activity_sessions == 0;
   r.sessions.erase(token);
   if (!r.keeps_layouts()) { r.buffers.clear(); }
   r.update_active();
+  lock.unlock();
+  if (last_activity) { detail::activity_sessions_changed(false); }
   return events;
 }
 
@@ -353,6 +404,16 @@ std::string to_json(const event& e)
       } else {
         append_json_string(out, value.text);
       }
+    } else if constexpr (std::is_same_v<value_type, std::span<const buffer_ref>>) {
+      char open = '[';
+      for (const buffer_ref& b : value) {
+        out += open;
+        open = ',';
+        out += fmt::format(R"({{"address":{},"nbytes":{},"access":"{}","buffer":)", b.address, b.nbytes, name(b.mode));
+        out += b.buffer != 0 ? fmt::format(R"("buffer:{}")", b.buffer) : std::string{"null"};
+        out += '}';
+      }
+      out += open == '[' ? "[]" : "]";
     } else {
       static_assert(std::is_same_v<value_type, std::optional<node_ref>>, "a field type to_json does not write");
       out += value ? fmt::format(R"("{}:{}")", value->kind, value->id) : std::string{"null"};
@@ -388,9 +449,19 @@ std::vector<event> held_events(const std::vector<event>& events, std::span<const
 
 void record(event&& e) noexcept
 {
+  detail::annotate(e);
+  detail::record_annotated(std::move(e));
+}
+
+void detail::annotate(event& e) noexcept
+{
+  if (const annotator fill = recorder::get().annotate.load(std::memory_order_acquire)) { fill(e); }
+}
+
+void detail::record_annotated(event&& e) noexcept
+{
   recorder& r = recorder::get();
   try {
-    if (const annotator fill = r.annotate.load(std::memory_order_acquire)) { fill(e); }
     std::lock_guard lock{r.mutex};
     if (r.keeps_layouts()) {
       if (e.kind == event_kind::release) {
@@ -507,6 +578,7 @@ void exchange_scope::set_view(const array& view, std::uint64_t view_id, const ch
   state_->event.dtype = view.dtype();
   state_->event.nbytes = view.nbytes();
   state_->event.buffer = view.owner().id();
+  if (activity::recording()) { detail::note_exchanged(view.data(), view.nbytes(), state_->event.buffer); }
   if (view_id != 0) { state_->event.view = view_id; }
   if (library != nullptr) {
     state_->event.producer = library;

@@ -397,7 +397,7 @@ class FakeRuntime:
         self.events: list[dict[str, Any]] = []
         self.recording = False
 
-    def begin(self, limit: int = 0) -> int:
+    def begin(self, limit: int = 0, launches: bool = False) -> int:
         self.calls.append(("begin", None))
         self.limit = limit
         self.recording = True

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
 
 namespace handoff::device {
@@ -196,6 +197,15 @@ class backend {
   /// Enqueues a wait until the 64-bit word at `address` is at least `value` (cuStreamWaitValue64,
   /// CU_STREAM_WAIT_VALUE_GEQ): the stream's later work waits, the host never does.
   virtual void stream_wait_value(stream_handle stream, void* address, std::uint64_t value);
+
+  /// Starts (`on`) or stops reporting this backend's work through handoff::activity::report while
+  /// handoff::activity::recording(); calls pair up, and nest. Returns why it cannot, or an empty string
+  /// when it does. The default reports nothing.
+  [[nodiscard]] virtual std::string watch_activity(bool on)
+  {
+    (void)on;
+    return std::string{name()} + " reports no device activity";
+  }
 };
 
 }  // namespace handoff::device

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <handoff/dlpack.h>
+#include <handoff/activity.hpp>
 
 #include <atomic>
 #include <cstdint>
@@ -19,7 +20,19 @@ enum class event_kind : std::uint8_t {
   export_data,
   release,
   held,  ///< not an exchange: a view an exchange made, still alive when the trace ended
+  // Device activity, recorded by launch traces (begin_session(..., activity=true)):
+  launch,  ///< a kernel launch
+  copy,    ///< a copy or set on a stream
+  sync,    ///< the host blocked on device work
+  stream,  ///< a stream created or destroyed, an event recorded, a stream made to wait
+  memory,  ///< an allocation or free
 };
+
+/// Whether events of `kind` are device activity rather than exchanges.
+[[nodiscard]] constexpr bool is_activity(event_kind kind) noexcept
+{
+  return kind >= event_kind::launch;
+}
 
 /// How the consumer's stream was ordered after the producer's.
 enum class action : std::uint8_t {
@@ -32,6 +45,8 @@ enum class action : std::uint8_t {
 
 [[nodiscard]] std::string_view name(event_kind kind) noexcept;
 [[nodiscard]] std::string_view name(action what) noexcept;
+/// "read", "write" or "read-write".
+[[nodiscard]] std::string_view name(activity::access mode) noexcept;
 
 /// A stream as the trace names it: its device and native handle.
 struct stream_id {
@@ -39,7 +54,26 @@ struct stream_id {
   std::uint64_t handle{0};
 };
 
-/// One exchange, as recorded.
+/// Memory a device activity touched, as the trace names it.
+struct buffer_ref {
+  std::uint64_t address{0};
+  std::uint64_t nbytes{0};
+  activity::access mode{activity::access::read_write};
+  std::uint64_t buffer{0};  ///< the ownership graph's buffer when the memory was exchanged, else 0
+};
+
+/// The earlier side of an activity's hazard.
+struct activity_side {
+  std::uint64_t seq{0};
+  event_kind kind{event_kind::launch};
+  const char* kernel{nullptr};
+  std::optional<stream_id> stream;
+  std::string where;
+  const char* library{nullptr};
+  std::int64_t time_ns{0};
+};
+
+/// One exchange or device activity, as recorded.
 struct event {
   event_kind kind{event_kind::import_data};
   std::string_view protocol;  ///< "dlpack", "dlpack-c-api", "cuda-array-interface", ... (static)
@@ -63,6 +97,17 @@ struct event {
   /// when handoff ordered it; null for handoff's own exchanges.
   const char* interposed{nullptr};
   std::optional<std::int64_t> stream_argument;  ///< the `stream` the consumer passed to `__dlpack__`, when seen
+
+  // Device activity only.
+  const char* op{nullptr};          ///< what was done (static): "copy", "set", "record", "wait", "device", ...
+  std::optional<stream_id> stream;  ///< the stream it was enqueued on (a sync: the one waited for)
+  const char* kernel{nullptr};      ///< a launch's kernel (interned)
+  std::vector<buffer_ref> buffers;
+  std::int64_t blocked_ns{0};          ///< how long the host was blocked
+  const char* library{nullptr};        ///< the library whose code did it (interned), or null for user code
+  std::uint64_t seq{0};                ///< its number among the process's activity events, from 1
+  std::string fix;                     ///< what would remove its hazard
+  std::optional<activity_side> other;  ///< the earlier side of its hazard
 };
 
 namespace detail {
@@ -83,8 +128,9 @@ void set_annotator(annotator fill) noexcept;
 
 /// Starts recording into a new session; returns its token. A session with a `limit` keeps the newest
 /// `limit` events and, besides them, up to `limit` older hazards; the rest are counted as dropped
-/// (a trace of a long job stays bounded). Thread-safe.
-[[nodiscard]] std::uint64_t begin_session(std::size_t limit = 0);
+/// (a trace of a long job stays bounded). With `activity`, the backends' device activity is recorded
+/// too, and checked for races (see handoff/activity.hpp). Thread-safe.
+[[nodiscard]] std::uint64_t begin_session(std::size_t limit = 0, bool activity = false);
 /// The events of a session so far, oldest first (a bounded session's older hazards first). Thread-safe.
 [[nodiscard]] std::vector<event> session_events(std::uint64_t token);
 /// How many events a bounded session no longer keeps. @throws value_error for an unknown token.
@@ -108,14 +154,52 @@ struct optional_text {
   std::string_view text;
 };
 
+/// Calls `field(name, value)` for each field of an activity event, in the order the trace writes them.
+template <class Field>
+void for_each_activity_field(const event& e, Field&& field)
+{
+  const auto text = [](const char* name) { return optional_text{name != nullptr ? name : ""}; };
+  field("kind", name(e.kind));
+  field("op", text(e.op));
+  field("time_ns", e.time_ns);
+  field("thread", e.thread);
+  field("device", e.device);
+  field("stream", e.stream);
+  field("kernel", e.kernel);
+  field("buffers", std::span<const buffer_ref>{e.buffers});
+  field("nbytes", e.nbytes);
+  field("blocked_ns", e.blocked_ns);
+  field("library", e.library);
+  field("where", optional_text{e.where});
+  field("hazard", e.hazard);
+  field("detail", optional_text{e.detail});
+  field("fix", optional_text{e.fix});
+  field("seq", e.seq);
+  const activity_side* other = e.other ? &*e.other : nullptr;
+  field("other_seq", other != nullptr ? std::optional<std::int64_t>{static_cast<std::int64_t>(other->seq)}
+                                      : std::optional<std::int64_t>{});
+  field("other_kind", optional_text{other != nullptr ? name(other->kind) : std::string_view{}});
+  field("other_kernel", other != nullptr ? other->kernel : nullptr);
+  field("other_stream", other != nullptr ? other->stream : std::optional<stream_id>{});
+  field("other_where", optional_text{other != nullptr ? std::string_view{other->where} : std::string_view{}});
+  field("other_library", other != nullptr ? other->library : nullptr);
+  field("other_time_ns",
+        other != nullptr ? std::optional<std::int64_t>{other->time_ns} : std::optional<std::int64_t>{});
+}
+
 /// Calls `field(name, value)` for each field of `e`, in the order the trace writes them: the one
 /// place that names them, for every form of an event (JSON lines, Python dicts). The values are
 /// std::string_view, std::int64_t, std::uint64_t, DLDevice, std::span<const std::int64_t> (the shape),
 /// DLDataType, const char* (a library or hazard name; null: none), std::optional<stream_id>,
-/// optional_text, std::optional<node_ref> and std::optional<std::int64_t>.
+/// optional_text, std::optional<node_ref>, std::optional<std::int64_t> and, for device activity,
+/// std::span<const buffer_ref>.
 template <class Field>
 void for_each_field(const event& e, Field&& field)
 {
+  if (is_activity(e.kind)) {
+    for_each_activity_field(e, field);
+    return;
+  }
   field("kind", name(e.kind));
   field("protocol", e.protocol);
   field("time_ns", e.time_ns);

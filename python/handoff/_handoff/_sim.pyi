@@ -47,7 +47,16 @@ def zeros(
     device: int = 0,
     *,
     memory: Literal["device", "pinned", "managed"] = "device",
+    stream: _SimStream | None = None,
 ) -> Array: ...
+def launch(
+    name: str,
+    *,
+    reads: Sequence[Array] = (),
+    writes: Sequence[Array] = (),
+    stream: _SimStream,
+    delay: float = 0.0,
+) -> None: ...
 def fill(array: Array, value: float, *, stream: _SimStream, delay: float = 0.0) -> None: ...
 @overload
 def to_numpy(array: Array, *, stream: _SimStream, wait: Literal[True] = True) -> npt.NDArray[Any]: ...

@@ -2,6 +2,9 @@
 // points it needs (pointer attributes, the current context) looked up at run time, so the library
 // never links libcuda and loads on machines without a driver.
 #include "device/cuda/cuda_backend.hpp"
+#ifdef HANDOFF_HAS_CUPTI
+#include "device/cuda/cupti_activity.hpp"
+#endif
 
 #include "log/logger.hpp"
 
@@ -447,6 +450,17 @@ class cuda_backend final : public backend {
       log_quietly("cudaUserObjectRelease", cudaUserObjectRelease(object, 1));  // runs destroy, disarmed
       HANDOFF_CUDA_TRY(retained);
     }
+  }
+
+  // Through CUPTI, loaded at run time: nothing is subscribed while no launch trace runs.
+  [[nodiscard]] std::string watch_activity(bool on) override
+  {
+#ifdef HANDOFF_HAS_CUPTI
+    return watch_cupti(on);
+#else
+    (void)on;
+    return "this build of handoff has no CUPTI support (the CUDA toolkit it was built with had no cupti.h)";
+#endif
   }
 
   void launch_host_func(stream_handle stream, void (*fn)(void*), void* user_data) override

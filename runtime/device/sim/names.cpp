@@ -80,6 +80,7 @@ constexpr std::array operation_table{
   operation_info{"launch_host_func", "cudaLaunchHostFunc", "hipLaunchHostFunc"},
   operation_info{"enqueue_fill", "simEnqueueFill", "simEnqueueFill"},
   operation_info{"enqueue_sleep", "simEnqueueSleep", "simEnqueueSleep"},
+  operation_info{"launch_kernel", "cudaLaunchKernel", "hipLaunchKernel"},
   operation_info{"begin_capture", "cudaStreamBeginCapture", "hipStreamBeginCapture"},
   operation_info{"end_capture", "cudaStreamEndCapture", "hipStreamEndCapture"},
   operation_info{"launch_graph", "cudaGraphLaunch", "hipGraphLaunch"},

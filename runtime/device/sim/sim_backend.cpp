@@ -122,14 +122,20 @@ stream_handle sim_backend::create_stream(bool non_blocking)
 {
   const call_with c{"create_stream", "flags={}", non_blocking ? "NonBlocking" : "Default"};
   impl_->open(c);
-  std::lock_guard lock(impl_->mutex);
-  auto s = std::make_unique<stream_state>();
-  s->device = impl_->using_current(c);
-  s->blocking = !non_blocking;
-  const auto handle = impl_->issue_handle();
-  HANDOFF_LOG_DEBUG("{}: stream {:#x} created on device {} ({})", name(), handle, s->device,
-                    non_blocking ? "non-blocking" : "blocking");
-  impl_->streams.emplace(handle, std::move(s));
+  activity_note note{activity::kind::stream_create};
+  std::uintptr_t handle = 0;
+  {
+    std::lock_guard lock(impl_->mutex);
+    auto s = std::make_unique<stream_state>();
+    s->device = impl_->using_current(c);
+    s->blocking = !non_blocking;
+    handle = impl_->issue_handle();
+    HANDOFF_LOG_DEBUG("{}: stream {:#x} created on device {} ({})", name(), handle, s->device,
+                      non_blocking ? "non-blocking" : "blocking");
+    note.on_stream(*s, handle, impl_->flavour);
+    impl_->streams.emplace(handle, std::move(s));
+  }
+  note.send();
   return stream_handle{handle};
 }
 
@@ -138,7 +144,8 @@ void sim_backend::destroy_stream(stream_handle stream) noexcept
   try {
     const call_with c{"destroy_stream", "{:#x}", raw(stream)};
     if (!impl_->open_quiet(c)) { return; }
-    std::lock_guard lock(impl_->mutex);
+    activity_note note{activity::kind::stream_destroy};
+    std::unique_lock lock(impl_->mutex);
     auto it = impl_->streams.find(raw(stream));
     if (it == impl_->streams.end()) {
       if (impl_->destroyed_streams.contains(raw(stream))) {
@@ -156,8 +163,11 @@ void sim_backend::destroy_stream(stream_handle stream) noexcept
     // Like CUDA, work already enqueued still runs; synchronize_device still waits for it.
     if (!is_done(it->second->tail)) { dev.retired.push_back(it->second->tail); }
     std::erase_if(dev.retired, [](const node_ptr& n) { return is_done(n); });
+    note.on_stream(*it->second, raw(stream), impl_->flavour);
     impl_->streams.erase(it);
     impl_->destroyed_streams.insert(raw(stream));
+    lock.unlock();
+    note.send();
     HANDOFF_LOG_DEBUG("{}: stream {:#x} destroyed", name(), raw(stream));
   } catch (...) {
     HANDOFF_LOG_ERROR("{}: destroy_stream failed", name());
@@ -216,20 +226,28 @@ bool sim_backend::query_stream(stream_handle stream)
 {
   const call_with c{"query_stream", "{:#x}", raw(stream)};
   impl_->open(c);
-  std::lock_guard lock(impl_->mutex);
-  auto& s = impl_->stream(c, stream);
-  if (s.capture) { impl_->fail(c, sim_error::capture_unsupported); }
-  impl_->check_legacy_use(c, s);
-  impl_->check_unsafe_call(c);
-  // The work enqueued on the stream itself, as cudaStreamQuery: the legacy stream's implicit
-  // synchronization applies to work enqueued on it, not to the question.
-  return is_done(s.tail);
+  activity_note note{activity::kind::host_query};
+  bool done = false;
+  {
+    std::lock_guard lock(impl_->mutex);
+    auto& s = impl_->stream(c, stream);
+    if (s.capture) { impl_->fail(c, sim_error::capture_unsupported); }
+    impl_->check_legacy_use(c, s);
+    impl_->check_unsafe_call(c);
+    // The work enqueued on the stream itself, as cudaStreamQuery: the legacy stream's implicit
+    // synchronization applies to work enqueued on it, not to the question.
+    done = is_done(s.tail);
+    note.on_stream(s, raw(stream), impl_->flavour);
+  }
+  if (done) { note.send(); }  // the host saw the work done: later work is ordered after it
+  return done;
 }
 
 void sim_backend::synchronize_stream(stream_handle stream)
 {
   const call_with c{"synchronize_stream", "{:#x}", raw(stream)};
   impl_->open(c);
+  activity_note note{activity::kind::host_sync};
   node_ptr target;
   int device = 0;
   {
@@ -247,7 +265,9 @@ void sim_backend::synchronize_stream(stream_handle stream)
     target = s.tail;
     device = s.device;
     impl_->refuse_held_wait(c, {target});
+    note.on_stream(s, raw(stream), impl_->flavour);
   }
+  const blocked_timer blocked{note};
   impl_->wait_on_device(c, device, {target});
 }
 
@@ -288,6 +308,10 @@ void sim_backend::synchronize_device()
     tails = impl_->device_tails_locked(device);
     impl_->refuse_held_wait(c, tails);
   }
+  activity_note note{activity::kind::host_sync};
+  note.record.scope = activity::sync_scope::device;
+  note.on_device(device, impl_->flavour);
+  const blocked_timer blocked{note};
   impl_->wait_on_device(c, device, tails);
 }
 
@@ -329,7 +353,7 @@ void sim_backend::record_event(event_handle event, stream_handle stream)
 {
   const call_with c{"record_event", "{:#x}, {:#x}", raw(event), raw(stream)};
   impl_->open(c);
-  std::lock_guard lock(impl_->mutex);
+  std::unique_lock lock(impl_->mutex);
   auto& e = impl_->event(c, event);
   auto& s = impl_->stream(c, stream);
   if (e.device != s.device) {
@@ -348,20 +372,33 @@ void sim_backend::record_event(event_handle event, stream_handle stream)
   e.captured_at.reset();
   e.fence = impl_->enqueue_locked(s, {});
   if (e.ipc) { impl_->signal_record(e, e.fence); }
+  activity_note note{activity::kind::event_record};
+  note.on_stream(s, raw(stream), impl_->flavour);
+  note.record.event = raw(event);
+  lock.unlock();
+  note.send();
 }
 
 bool sim_backend::query_event(event_handle event)
 {
   const call_with c{"query_event", "{:#x}", raw(event)};
   impl_->open(c);
-  std::lock_guard lock(impl_->mutex);
-  auto& e = impl_->event(c, event);
-  if (e.capture) { impl_->fail(c, sim_error::captured_event); }
-  impl_->check_unsafe_call(c);
-  if (impl_->recorded_elsewhere(c, e)) {
-    return impl::shared_record_reached(*e.ipc, e.ipc->state->recorded.load(std::memory_order_acquire));
+  activity_note note{activity::kind::host_query};
+  bool done = false;
+  {
+    std::lock_guard lock(impl_->mutex);
+    auto& e = impl_->event(c, event);
+    if (e.capture) { impl_->fail(c, sim_error::captured_event); }
+    impl_->check_unsafe_call(c);
+    done = impl_->recorded_elsewhere(c, e)
+             ? impl::shared_record_reached(*e.ipc, e.ipc->state->recorded.load(std::memory_order_acquire))
+             : is_done(e.fence);
+    note.on_device(e.device, impl_->flavour);
   }
-  return is_done(e.fence);
+  note.record.scope = activity::sync_scope::event;
+  note.record.event = raw(event);
+  if (done) { note.send(); }
+  return done;
 }
 
 void sim_backend::synchronize_event(event_handle event)
@@ -384,6 +421,11 @@ void sim_backend::synchronize_event(event_handle event)
     device = e.device;
     impl_->refuse_held_wait(c, {fence});
   }
+  activity_note note{activity::kind::host_sync};
+  note.record.scope = activity::sync_scope::event;
+  note.record.event = raw(event);
+  note.on_device(device, impl_->flavour);
+  const blocked_timer blocked{note};
   impl_->wait_on_device(c, device, {fence});
 }
 
@@ -391,7 +433,7 @@ void sim_backend::stream_wait_event(stream_handle stream, event_handle event)
 {
   const call_with c{"stream_wait_event", "{:#x}, {:#x}, 0", raw(stream), raw(event)};
   impl_->open(c);
-  std::lock_guard lock(impl_->mutex);
+  std::unique_lock lock(impl_->mutex);
   auto& s = impl_->stream(c, stream);
   auto& e = impl_->event(c, event);
   impl_->check_legacy_use(c, s);
@@ -424,6 +466,11 @@ void sim_backend::stream_wait_event(stream_handle stream, event_handle event)
   }
   // The fence is copied now: a later re-record of the event does not change this wait.
   impl_->enqueue_locked(s, {}, e.fence);
+  activity_note note{activity::kind::stream_wait};
+  note.on_stream(s, raw(stream), impl_->flavour);
+  note.record.event = raw(event);
+  lock.unlock();
+  note.send();
 }
 
 pointer_attributes sim_backend::attributes(const void* ptr)
@@ -450,10 +497,20 @@ void* sim_backend::allocate(std::size_t bytes, stream_handle stream)
 {
   const call_with c{"allocate", "{}, {:#x}", bytes, raw(stream)};
   impl_->open(c);
-  std::lock_guard lock(impl_->mutex);
-  auto& s = impl_->stream(c, stream);
-  impl_->check_legacy_use(c, s);
-  return impl_->allocate_locked(c, bytes, memory_kind::device);
+  activity_note note{activity::kind::allocate};
+  void* memory = nullptr;
+  {
+    std::lock_guard lock(impl_->mutex);
+    auto& s = impl_->stream(c, stream);
+    impl_->check_legacy_use(c, s);
+    memory = impl_->allocate_locked(c, bytes, memory_kind::device);
+    note.on_stream(s, raw(stream), impl_->flavour);
+  }
+  note.record.stream_ordered = true;
+  note.buffers = {
+    {.address = reinterpret_cast<std::uintptr_t>(memory), .bytes = bytes, .mode = activity::access::write}};
+  if (memory != nullptr) { note.send(); }
+  return memory;
 }
 
 void sim_backend::deallocate(void* ptr, stream_handle stream) noexcept
@@ -462,7 +519,8 @@ void sim_backend::deallocate(void* ptr, stream_handle stream) noexcept
   try {
     const call_with c{"deallocate", "{}, {:#x}", ptr, raw(stream)};
     if (!impl_->open_quiet(c)) { return; }
-    std::lock_guard lock(impl_->mutex);
+    activity_note note{activity::kind::free};
+    std::unique_lock lock(impl_->mutex);
     const auto call = call_name(c.op, impl_->flavour);
     auto it = impl_->allocations.find(reinterpret_cast<std::uintptr_t>(ptr));
     if (it == impl_->allocations.end() || it->second.free_pending) {
@@ -484,6 +542,11 @@ void sim_backend::deallocate(void* ptr, stream_handle stream) noexcept
     impl_->enqueue_locked(
       *s,
       {.body = [state = impl_.get(), base] { state->release_allocation(base); }, .delay = {}, .host_function = false});
+    note.on_stream(*s, raw(stream), impl_->flavour);
+    note.record.stream_ordered = true;
+    note.buffers = {{.address = base, .bytes = it->second.size, .mode = activity::access::write}};
+    lock.unlock();
+    note.send();
   } catch (...) {
     HANDOFF_LOG_ERROR("{}: deallocate failed", name());
   }
@@ -495,6 +558,10 @@ void sim_backend::copy_async(void* dst, const void* src, std::size_t bytes, stre
   impl_->open(c);
   if (bytes != 0 && (dst == nullptr || src == nullptr)) { impl_->fail(c, sim_error::invalid_value); }
   const nanoseconds duration{impl_->copy_duration.load(std::memory_order_relaxed)};
+  activity_note note{
+    activity::kind::copy,
+    {{.address = reinterpret_cast<std::uintptr_t>(src), .bytes = bytes, .mode = activity::access::read},
+     {.address = reinterpret_cast<std::uintptr_t>(dst), .bytes = bytes, .mode = activity::access::write}}};
   if (duration == nanoseconds::zero() || bytes == 0) {
     impl_->enqueue(c, stream,
                    {.body =
@@ -502,7 +569,9 @@ void sim_backend::copy_async(void* dst, const void* src, std::size_t bytes, stre
                         if (bytes != 0) { std::memmove(dst, src, bytes); }
                       },
                     .delay = {},
-                    .host_function = false});
+                    .host_function = false},
+                   &note);
+    note.send();
     return;
   }
   // A copy that takes time reads its source when it starts and its bytes land when it ends.
@@ -510,11 +579,13 @@ void sim_backend::copy_async(void* dst, const void* src, std::size_t bytes, stre
   const auto* from = static_cast<const std::byte*>(src);
   impl_->enqueue(
     c, stream,
-    {.body = [staged, from, bytes] { staged->assign(from, from + bytes); }, .delay = {}, .host_function = false});
+    {.body = [staged, from, bytes] { staged->assign(from, from + bytes); }, .delay = {}, .host_function = false},
+    &note);
   impl_->enqueue(c, stream,
                  {.body = [staged, dst, bytes] { std::memcpy(dst, staged->data(), bytes); },
                   .delay = duration,
                   .host_function = false});
+  note.send();
 }
 
 void sim_backend::launch_host_func(stream_handle stream, void (*fn)(void*), void* user_data)
@@ -687,6 +758,9 @@ void sim_backend::enqueue_fill_bytes(stream_handle stream, void* dst, std::size_
                 "bytes must be a multiple of a non-empty pattern, dst non-null, delay >= 0");
   }
   std::vector<std::byte> copy(pattern.begin(), pattern.end());
+  activity_note note{
+    activity::kind::set,
+    {{.address = reinterpret_cast<std::uintptr_t>(dst), .bytes = bytes, .mode = activity::access::write}}};
   impl_->enqueue(c, stream,
                  {.body =
                     [dst, bytes, p = std::move(copy)] {
@@ -696,7 +770,9 @@ void sim_backend::enqueue_fill_bytes(stream_handle stream, void* dst, std::size_
                       }
                     },
                   .delay = delay,
-                  .host_function = false});
+                  .host_function = false},
+                 &note);
+  note.send();
 }
 
 void sim_backend::enqueue_sleep(stream_handle stream, nanoseconds duration)
@@ -705,6 +781,22 @@ void sim_backend::enqueue_sleep(stream_handle stream, nanoseconds duration)
   impl_->open(c);
   if (duration < nanoseconds::zero()) { impl_->fail(c, sim_error::invalid_value, "negative duration"); }
   impl_->enqueue(c, stream, {.body = {}, .delay = duration, .host_function = false});
+}
+
+void sim_backend::launch_kernel(stream_handle stream, const char* kernel, std::span<const activity::buffer_use> buffers,
+                                nanoseconds delay)
+{
+  const call_with c{"launch_kernel", "{:#x}, {}, {} buffers, delay {}ns",
+                    raw(stream),     kernel != nullptr ? kernel : "?",
+                    buffers.size(),  delay.count()};
+  impl_->open(c);
+  if (kernel == nullptr || delay < nanoseconds::zero()) {
+    impl_->fail(c, sim_error::invalid_value, "a kernel needs a name and a delay >= 0");
+  }
+  activity_note note{activity::kind::launch, {buffers.begin(), buffers.end()}};
+  note.record.name = kernel;
+  impl_->enqueue(c, stream, {.body = {}, .delay = delay, .host_function = false}, &note);
+  note.send();
 }
 
 // --- holds ------------------------------------------------------------------------------------------
@@ -864,6 +956,7 @@ void sim_backend::free_sync(void* ptr)
   const call_with c{"free_sync", "{}", ptr};
   impl_->open(c);
   if (ptr == nullptr) { return; }
+  activity_note note{activity::kind::free};
   std::vector<node_ptr> tails;
   int device = 0;
   {
@@ -882,7 +975,8 @@ void sim_backend::free_sync(void* ptr)
     if (held) {
       // cudaFree's synchronization would wait for a test's hold: for ever on the thread that holds
       // it, and on another while it keeps what the holder needs to end the hold (a deleter run with
-      // Python's GIL). The allocation goes once the device's work is done instead, without waiting.
+      // Python's GIL). The allocation goes once the device's work is done instead, without waiting
+      // (and no host wait is reported: the host waited for nothing).
       const auto base = it->first;
       auto freed = impl_->pool.submit(
         impl_->submission(device, {.body = [state = impl_.get(), base] { state->release_allocation(base); },
@@ -892,8 +986,13 @@ void sim_backend::free_sync(void* ptr)
       impl_->devices[static_cast<std::size_t>(device)].retired.push_back(std::move(freed));  // device syncs wait
       return;
     }
+    note.on_device(device, impl_->flavour);
+    note.buffers = {{.address = it->first, .bytes = it->second.size, .mode = activity::access::write}};
   }
-  impl_->wait_on_device(c, device, tails);
+  {
+    const blocked_timer blocked{note};  // cudaFree synchronizes the device first
+    impl_->wait_on_device(c, device, tails);
+  }
   impl_->release_allocation(reinterpret_cast<std::uintptr_t>(ptr));
 }
 

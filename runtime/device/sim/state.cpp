@@ -409,16 +409,21 @@ std::size_t sim_backend::impl::capture_locked(stream_state& s, stream_work w, st
   return *s.capture_tail;
 }
 
-void sim_backend::impl::enqueue(const call& c, stream_handle h, stream_work w)
+void sim_backend::impl::enqueue(const call& c, stream_handle h, stream_work w, activity_note* note)
 {
   std::lock_guard lock(mutex);
   auto& s = stream(c, h);
   check_legacy_use(c, s);
   if (s.capture) {
     (void)capture_locked(s, std::move(w));  // a node of the graph: runs at each launch, not now
+    if (note != nullptr) { note->armed = false; }
     return;
   }
   enqueue_locked(s, std::move(w));
+  if (note != nullptr && note->armed) {
+    note->on_stream(s, raw(h), flavour);
+    if (note->record.kind == activity::kind::copy) { keep_device_memory(*note); }
+  }
 }
 
 std::vector<node_ptr> sim_backend::impl::device_tails_locked(int device)

@@ -7,6 +7,7 @@
 #include "device/sim/names.hpp"
 #include "device/sim/work_queue.hpp"
 
+#include <handoff/activity.hpp>
 #include <handoff/error.hpp>
 #include <handoff/internal/sim.hpp>
 
@@ -17,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -174,6 +176,49 @@ struct fault {
   std::string error_name;
 };
 
+/// A report to the trace (see handoff/activity.hpp), prepared under the state's mutex and sent once
+/// it is released: the trace's annotator may run code that calls the backend. Inert unless a launch
+/// trace records when it is made.
+struct activity_note {
+  activity_note(activity::kind kind, std::vector<activity::buffer_use> uses = {});
+
+  /// Names `s` (whose handle is `h`) as the record's stream, and its device. Mutex held.
+  void on_stream(const stream_state& s, std::uintptr_t h, sim_flavour flavour) noexcept;
+  void on_device(int device, sim_flavour flavour) noexcept;
+  /// Sends the record, if it is to be sent.
+  void send() noexcept;
+
+  bool armed{false};
+  activity::record record;
+  std::vector<activity::buffer_use> buffers;
+};
+
+/// Sends `note` when it goes, as a host wait of the time it lived, unless an exception ends it.
+class blocked_timer {
+ public:
+  explicit blocked_timer(activity_note& note) noexcept
+      : note_(note),
+        started_(note.armed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{}),
+        uncaught_(std::uncaught_exceptions())
+  {}
+  blocked_timer(const blocked_timer&) = delete;
+  blocked_timer& operator=(const blocked_timer&) = delete;
+  blocked_timer(blocked_timer&&) = delete;
+  blocked_timer& operator=(blocked_timer&&) = delete;
+  ~blocked_timer()
+  {
+    if (!note_.armed || std::uncaught_exceptions() > uncaught_) { return; }
+    note_.record.blocked_ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - started_).count();
+    note_.send();
+  }
+
+ private:
+  activity_note& note_;
+  std::chrono::steady_clock::time_point started_;
+  int uncaught_;
+};
+
 }  // namespace sim_detail
 
 struct sim_backend::impl final : sim_detail::thread_state_owner {
@@ -262,8 +307,12 @@ struct sim_backend::impl final : sim_detail::thread_state_owner {
   void append_locked(stream_state& s, node_ptr n);
   /// Records work into the capture of `s`; returns its operation index.
   std::size_t capture_locked(stream_state& s, sim_detail::stream_work w, std::optional<std::size_t> extra = {});
-  /// The public entry point for stream work: checks, then captures or enqueues.
-  void enqueue(const call& c, stream_handle h, sim_detail::stream_work w);
+  /// The public entry point for stream work: checks, then captures or enqueues. Work enqueued (not
+  /// captured: a graph's work runs when it is launched) is described to `note` when one is given.
+  void enqueue(const call& c, stream_handle h, sim_detail::stream_work w, sim_detail::activity_note* note = nullptr);
+  /// Keeps in `note` only the memory the allocation table holds (a copy's host side is not the
+  /// device's to order). Mutex held.
+  void keep_device_memory(sim_detail::activity_note& note) const;
   std::vector<node_ptr> device_tails_locked(int device);
   /// The hold of the calling thread that one of `targets` waits for, if any. Mutex held.
   [[nodiscard]] const open_hold* own_hold_before(const std::vector<node_ptr>& targets);

@@ -570,6 +570,7 @@ TEST_P(DeviceTest, InjectedFaultsFailEachOperationOnce)
      }},
     {"enqueue_fill", [&] { s.enqueue_fill(blocking, p, 16, std::byte{7}); }},
     {"enqueue_sleep", [&] { s.enqueue_sleep(blocking, 1ms); }},
+    {"launch_kernel", [&] { s.launch_kernel(blocking, "k", {}); }},
     {"begin_capture",
      [&] {
        s.begin_capture(capturing);

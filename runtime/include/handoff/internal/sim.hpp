@@ -3,6 +3,7 @@
 // (holds on streams, delayed writes, faults, captures). Applications make one through device::make_backend.
 #pragma once
 
+#include <handoff/activity.hpp>
 #include <handoff/device.hpp>
 
 #include <chrono>
@@ -136,6 +137,8 @@ class sim_backend final : public backend {
   void copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream) override;
   void release_with_capture(stream_handle stream, void (*release)(void* data) noexcept, void* data) override;
   void launch_host_func(stream_handle stream, void (*fn)(void*), void* user_data) override;
+  /// The simulator reports its work whenever activity::recording(): nothing to start.
+  [[nodiscard]] std::string watch_activity(bool on) override;
 
   // --- across processes: device memory lives in shared memory files named by its handles ---------
   /// Device memory from `allocate` can be shared (as cudaMalloc's): other kinds cannot
@@ -200,6 +203,12 @@ class sim_backend final : public backend {
 
   /// Enqueues on `stream` a wait of `duration` (the stream's later work starts after it).
   void enqueue_sleep(stream_handle stream, std::chrono::nanoseconds duration);
+
+  /// Enqueues on `stream` a kernel named `kernel` (kept for the process: activity::intern) that takes
+  /// `delay` and uses `buffers` as each says. It changes no memory: a launch trace records what it
+  /// reads and writes, and the race detector checks that.
+  void launch_kernel(stream_handle stream, const char* kernel, std::span<const activity::buffer_use> buffers,
+                     std::chrono::nanoseconds delay = {});
 
   /// The error name of a wait that the calling thread's own hold would make endless.
   static constexpr const char* hold_deadlock_error = "handoffErrorHoldDeadlock";

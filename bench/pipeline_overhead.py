@@ -1,0 +1,128 @@
+"""What tracing costs a realistic pipeline: a loop whose steps each do about 300 us of real work and
+exchange arrays between PyTorch (CPU) and NumPy four times, in a program that never imports handoff,
+run untraced, under `handoff-trace run`, under `handoff-trace run --order` and under
+`handoff-trace run --launches`; and a launch-heavy variant on the simulator (each step also launches
+kernels, orders two streams through an exchange and waits for one), untraced and under
+`handoff-trace run --launches`. The target: a launch trace costs at most 1.10x the untraced step.
+
+Configurations run interleaved (one process each per round), so that a disturbance of the machine
+hits them alike; each process reports its 20th-percentile step time, and each configuration's figure
+is the least disturbed (lowest) of the rounds.
+
+    .venv/bin/python bench/pipeline_overhead.py [--rounds N] [--steps N] [--launches-per-step N] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# The pipeline: never imports handoff. Prints its step times (ns) as JSON.
+PIPELINE = r"""
+import json, sys, time
+import numpy as np, torch
+steps, size = int(sys.argv[1]), int(sys.argv[2])
+weights = np.random.default_rng(0).standard_normal((size, size)).astype(np.float32)
+batch = np.ones((size, size), dtype=np.float32)
+times = []
+for step in range(steps + steps // 10):
+    start = time.perf_counter_ns()
+    hidden = torch.from_dlpack(batch) @ torch.from_dlpack(weights)   # NumPy -> PyTorch, twice
+    scaled = np.from_dlpack(hidden.relu_())                            # PyTorch -> NumPy
+    batch = np.from_dlpack(torch.from_numpy(scaled).mul_(0.5))         # and once more
+    times.append(time.perf_counter_ns() - start)
+print(json.dumps(times[steps // 10:]))  # the first tenth warms up
+"""
+
+# The launch-heavy variant on the simulator: the same work, and each step launches kernels on one
+# stream, hands the result to a second stream through an exchange (an event and a wait) and waits
+# for that stream.
+LAUNCHES = r"""
+import json, sys, time
+import numpy as np
+import handoff
+from handoff import sim
+steps, size, launches = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+weights = np.random.default_rng(0).standard_normal((size, size)).astype(np.float32)
+batch = np.ones((size, size), dtype=np.float32)
+compute, consumer = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)
+buffers = [sim.zeros(1024) for _ in range(4)]
+times = []
+for step in range(steps + steps // 10):
+    start = time.perf_counter_ns()
+    batch = np.maximum(batch @ weights, 0) * 0.5
+    for k in range(launches):
+        sim.launch("layer", reads=[buffers[k % 4]], writes=[buffers[(k + 1) % 4]], stream=compute)
+    ready = handoff.from_dlpack(buffers[0], stream=consumer)
+    sim.launch("head", reads=[ready], writes=[buffers[1]], stream=consumer)
+    consumer.synchronize()
+    del ready
+    times.append(time.perf_counter_ns() - start)
+print(json.dumps(times[steps // 10:]))
+"""
+
+
+def percentile(values: list[int], q: float) -> float:
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
+
+
+def run(command: list[str], env: dict[str, str]) -> list[int]:
+    result = subprocess.run(command, capture_output=True, text=True, env=env, check=False, timeout=1800)
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(command[:6])} ... failed:\n{result.stderr}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    parser.add_argument("--steps", type=int, default=2000, help="steps per process (default 2000)")
+    parser.add_argument("--size", type=int, default=96, help="the work's matrix size (about 300 us a step)")
+    parser.add_argument("--launches-per-step", type=int, default=16, help="the launch-heavy variant's kernels")
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 200 steps (a smoke run)")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.steps = 2, 200
+    python = sys.executable
+    trace = [python, "-m", "handoff._trace_cli", "run"]
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("HANDOFF_TRACE", "HANDOFF_ORDER", "HANDOFF_TRACE_LAUNCHES", "PYTHONPATH")
+    }
+    with tempfile.TemporaryDirectory(prefix="handoff-bench-") as scratch:
+        pipeline, launches = Path(scratch, "pipeline.py"), Path(scratch, "launches.py")
+        pipeline.write_text(PIPELINE)
+        launches.write_text(LAUNCHES)
+        base = [python, str(pipeline), str(args.steps), str(args.size)]
+        heavy = [python, str(launches), str(args.steps), str(args.size), str(args.launches_per_step)]
+        sim_env = {**env, "HANDOFF_BACKEND": "sim"}
+        configs = {
+            "pipeline, untraced": (base, env),
+            "pipeline, handoff-trace run": ([*trace, "--", *base], env),
+            "pipeline, handoff-trace run --order": ([*trace, "--order", "--", *base], env),
+            "pipeline, handoff-trace run --launches": ([*trace, "--launches", "--", *base], env),
+            "launch-heavy (sim), untraced": (heavy, sim_env),
+            "launch-heavy (sim), handoff-trace run --launches": ([*trace, "--launches", "--", *heavy], sim_env),
+        }
+        figures: dict[str, list[float]] = {name: [] for name in configs}
+        for _ in range(args.rounds):
+            for name, (command, environment) in configs.items():
+                figures[name].append(percentile(run(command, environment), 0.2))
+    best = {name: min(values) for name, values in figures.items()}
+    print(f"{platform.node()}, Python {platform.python_version()}, {args.rounds} rounds of {args.steps} steps")
+    print(f"{'configuration':<52} {'p20 step':>10} {'ratio':>6}")
+    for name, value in best.items():
+        baseline = best["launch-heavy (sim), untraced" if name.startswith("launch-heavy") else "pipeline, untraced"]
+        print(f"{name:<52} {value / 1000:>8.1f}us {value / baseline:>6.3f}")
+
+
+if __name__ == "__main__":
+    main()

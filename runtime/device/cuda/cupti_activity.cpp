@@ -1,0 +1,705 @@
+// CUPTI's driver API callbacks turned into handoff::activity records. A kernel's arguments are laid
+// out with cuFuncGetParamInfo, and each aligned 8-byte word of them (a pointer argument, or a pointer
+// inside a struct argument, as PyTorch's and CuPy's kernels take theirs) is matched against the memory
+// the process is known to have: the allocations CUPTI's callbacks report while subscribed, and the
+// arrays handoff saw exchanged.
+#include "device/cuda/cupti_activity.hpp"
+
+#include "log/logger.hpp"
+
+#include <handoff/activity.hpp>
+#include <handoff/internal/activity_trace.hpp>
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <cupti.h>
+#include <fmt/format.h>
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace handoff::device::cuda {
+namespace {
+
+using activity::access;
+using activity::buffer_use;
+using activity::stream_class;
+
+// CUPTI's entry points, from the library dlopen found.
+struct cupti_api {
+  decltype(&cuptiSubscribe) subscribe{nullptr};
+  decltype(&cuptiUnsubscribe) unsubscribe{nullptr};
+  decltype(&cuptiEnableCallback) enable_callback{nullptr};
+  decltype(&cuptiGetResultString) result_string{nullptr};
+};
+
+// The driver calls the callbacks make (a callback may call the driver; those calls are not traced).
+struct driver_api {
+  decltype(&cuFuncGetParamInfo) func_param_info{nullptr};
+  decltype(&cuStreamGetFlags) stream_flags{nullptr};
+  decltype(&cuStreamGetDevice) stream_device{nullptr};
+  decltype(&cuCtxGetDevice) ctx_device{nullptr};
+};
+
+// The driver API calls a launch trace listens to.
+constexpr std::array watched_callbacks{
+  CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel,
+  CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel_ptsz,
+  CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx,
+  CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx_ptsz,
+  CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel,
+  CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel_ptsz,
+  CUPTI_DRIVER_TRACE_CBID_cuMemcpyAsync,
+  CUPTI_DRIVER_TRACE_CBID_cuMemcpyAsync_ptsz,
+  CUPTI_DRIVER_TRACE_CBID_cuMemcpyHtoDAsync_v2,
+  CUPTI_DRIVER_TRACE_CBID_cuMemcpyHtoDAsync_v2_ptsz,
+  CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoHAsync_v2,
+  CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoHAsync_v2_ptsz,
+  CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoDAsync_v2,
+  CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoDAsync_v2_ptsz,
+  CUPTI_DRIVER_TRACE_CBID_cuMemcpy,
+  CUPTI_DRIVER_TRACE_CBID_cuMemcpy_ptds,
+  CUPTI_DRIVER_TRACE_CBID_cuMemcpyHtoD_v2,
+  CUPTI_DRIVER_TRACE_CBID_cuMemcpyHtoD_v2_ptds,
+  CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoH_v2,
+  CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoH_v2_ptds,
+  CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoD_v2,
+  CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoD_v2_ptds,
+  CUPTI_DRIVER_TRACE_CBID_cuMemsetD8Async,
+  CUPTI_DRIVER_TRACE_CBID_cuMemsetD8Async_ptsz,
+  CUPTI_DRIVER_TRACE_CBID_cuMemsetD16Async,
+  CUPTI_DRIVER_TRACE_CBID_cuMemsetD16Async_ptsz,
+  CUPTI_DRIVER_TRACE_CBID_cuMemsetD32Async,
+  CUPTI_DRIVER_TRACE_CBID_cuMemsetD32Async_ptsz,
+  CUPTI_DRIVER_TRACE_CBID_cuStreamCreate,
+  CUPTI_DRIVER_TRACE_CBID_cuStreamCreateWithPriority,
+  CUPTI_DRIVER_TRACE_CBID_cuStreamDestroy_v2,
+  CUPTI_DRIVER_TRACE_CBID_cuEventRecord,
+  CUPTI_DRIVER_TRACE_CBID_cuEventRecord_ptsz,
+  CUPTI_DRIVER_TRACE_CBID_cuEventRecordWithFlags,
+  CUPTI_DRIVER_TRACE_CBID_cuEventRecordWithFlags_ptsz,
+  CUPTI_DRIVER_TRACE_CBID_cuStreamWaitEvent,
+  CUPTI_DRIVER_TRACE_CBID_cuStreamWaitEvent_ptsz,
+  CUPTI_DRIVER_TRACE_CBID_cuStreamSynchronize,
+  CUPTI_DRIVER_TRACE_CBID_cuStreamSynchronize_ptsz,
+  CUPTI_DRIVER_TRACE_CBID_cuCtxSynchronize,
+  CUPTI_DRIVER_TRACE_CBID_cuEventSynchronize,
+  CUPTI_DRIVER_TRACE_CBID_cuStreamQuery,
+  CUPTI_DRIVER_TRACE_CBID_cuStreamQuery_ptsz,
+  CUPTI_DRIVER_TRACE_CBID_cuEventQuery,
+  CUPTI_DRIVER_TRACE_CBID_cuMemAlloc_v2,
+  CUPTI_DRIVER_TRACE_CBID_cuMemAllocPitch_v2,
+  CUPTI_DRIVER_TRACE_CBID_cuMemAllocManaged,
+  CUPTI_DRIVER_TRACE_CBID_cuMemAllocAsync,
+  CUPTI_DRIVER_TRACE_CBID_cuMemAllocAsync_ptsz,
+  CUPTI_DRIVER_TRACE_CBID_cuMemAllocFromPoolAsync,
+  CUPTI_DRIVER_TRACE_CBID_cuMemAllocFromPoolAsync_ptsz,
+  CUPTI_DRIVER_TRACE_CBID_cuMemFree_v2,
+  CUPTI_DRIVER_TRACE_CBID_cuMemFreeAsync,
+  CUPTI_DRIVER_TRACE_CBID_cuMemFreeAsync_ptsz,
+};
+
+// Words below it are sizes, counts and flags, never device addresses: not looked up.
+constexpr std::uintptr_t no_pointer_below = std::uintptr_t{1} << 20;
+
+// The handles the backend uses for the default streams (DLPack's 1 and 2).
+constexpr std::uint64_t legacy_handle = 1;
+constexpr std::uint64_t per_thread_handle = 2;
+
+std::int64_t steady_ns() noexcept
+{
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+    .count();
+}
+
+// Everything the callbacks share. Leaked: CUPTI may call back while the process exits.
+struct watcher {
+  std::mutex mutex;  // the subscription and the count
+  int watchers{0};
+  std::optional<std::string> load_failure;  // set once loading failed: it is not tried again
+  void* library{nullptr};
+  std::string library_path;
+  cupti_api cupti;
+  driver_api driver;
+  CUpti_SubscriberHandle subscriber{nullptr};
+
+  std::mutex memory_mutex;                                                  // what the callbacks learn
+  std::map<std::uintptr_t, std::size_t> allocations;                        // device memory by base address
+  std::unordered_map<CUfunction, std::vector<std::size_t>> argument_sizes;  // by argument index
+  std::unordered_map<CUstream, stream_class> classes;
+
+  static watcher& get()
+  {
+    static auto* instance = new watcher;  // NOLINT(cppcoreguidelines-owning-memory): leaked, see above
+    return *instance;
+  }
+
+  std::string load();
+  std::string subscribe();
+  void handle(CUpti_CallbackId id, const CUpti_CallbackData& data) noexcept;
+
+  // The stream a call names: the default streams as the backend names them, a created stream's class.
+  struct named_stream {
+    std::uint64_t handle{0};
+    stream_class klass{stream_class::legacy};
+    int device{0};
+  };
+  named_stream stream_of(CUstream stream, bool per_thread_call);
+  int current_device() const noexcept;
+  // Device memory that holds `address` (an exchanged array first): what a pointer argument touches.
+  std::optional<buffer_use> device_memory(std::uintptr_t address, std::size_t bytes, access mode);
+  std::vector<std::size_t> argument_layout(CUfunction f);
+};
+
+std::string result_text(const cupti_api& api, CUptiResult result)
+{
+  const char* text = nullptr;
+  if (api.result_string == nullptr || api.result_string(result, &text) != CUPTI_SUCCESS || text == nullptr) {
+    return fmt::format("CUPTI error {}", static_cast<int>(result));
+  }
+  return text;
+}
+
+template <class F>
+bool symbol(void* library, const char* name, F& out)
+{
+  out = reinterpret_cast<F>(::dlsym(library, name));
+  return out != nullptr;
+}
+
+template <class F>
+std::string driver_entry(const char* name, F& out, unsigned int version)
+{
+  void* address = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  const cudaError_t status = cudaGetDriverEntryPointByVersion(name, &address, version, cudaEnableDefault, &found);
+  if (status != cudaSuccess) {
+    (void)cudaGetLastError();
+    return fmt::format("the CUDA driver is not usable ({}: {})", cudaGetErrorName(status), cudaGetErrorString(status));
+  }
+  if (found != cudaDriverEntryPointSuccess || address == nullptr) {
+    return fmt::format("the CUDA driver has no {} (version {})", name, version);
+  }
+  out = reinterpret_cast<F>(address);
+  return {};
+}
+
+std::string watcher::load()
+{
+  if (load_failure) { return *load_failure; }
+  if (library != nullptr) { return {}; }
+  std::string tried;
+  for (const std::string& candidate : cupti_candidates()) {
+    if (void* found = ::dlopen(candidate.c_str(), RTLD_NOW | RTLD_LOCAL)) {
+      library = found;
+      library_path = candidate;
+      break;
+    }
+    const char* why = ::dlerror();
+    tried += fmt::format("\n  {}: {}", candidate, why != nullptr ? why : "not found");
+  }
+  std::string failure;
+  if (library == nullptr) {
+    failure = fmt::format(
+      "CUPTI (libcupti.so, part of the CUDA toolkit) was not found; set HANDOFF_CUPTI_LIBRARY "
+      "to its path. Tried:{}",
+      tried);
+  } else if (!symbol(library, "cuptiSubscribe", cupti.subscribe) ||
+             !symbol(library, "cuptiUnsubscribe", cupti.unsubscribe) ||
+             !symbol(library, "cuptiEnableCallback", cupti.enable_callback) ||
+             !symbol(library, "cuptiGetResultString", cupti.result_string)) {
+    failure = fmt::format("{} is not a CUPTI with the callback API", library_path);
+  } else {
+    // Checked now, so that a machine without a driver says so before anything is subscribed.
+    for (std::string problem : {driver_entry("cuFuncGetParamInfo", driver.func_param_info, 12040),
+                                driver_entry("cuStreamGetFlags", driver.stream_flags, 2000),
+                                driver_entry("cuStreamGetDevice", driver.stream_device, 12080),
+                                driver_entry("cuCtxGetDevice", driver.ctx_device, 2000)}) {
+      if (!problem.empty()) {
+        failure = fmt::format("CUPTI was found ({}), but {}", library_path, problem);
+        break;
+      }
+    }
+  }
+  if (!failure.empty()) { load_failure = failure; }
+  return failure;
+}
+
+void CUPTIAPI on_callback(void* user, CUpti_CallbackDomain domain, CUpti_CallbackId id, const void* data)
+{
+  if (domain != CUPTI_CB_DOMAIN_DRIVER_API || data == nullptr) { return; }
+  static_cast<watcher*>(user)->handle(id, *static_cast<const CUpti_CallbackData*>(data));
+}
+
+std::string watcher::subscribe()
+{
+  const CUptiResult subscribed = cupti.subscribe(&subscriber, &on_callback, this);
+  if (subscribed != CUPTI_SUCCESS) {
+    subscriber = nullptr;
+    return fmt::format("CUPTI refused a subscriber: {}{}", result_text(cupti, subscribed),
+                       subscribed == CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED
+                         ? " (another tool, such as Nsight Systems or a profiler, holds CUPTI's one subscription)"
+                         : "");
+  }
+  for (const CUpti_CallbackId id : watched_callbacks) {
+    const CUptiResult enabled = cupti.enable_callback(1, subscriber, CUPTI_CB_DOMAIN_DRIVER_API, id);
+    if (enabled != CUPTI_SUCCESS) {
+      (void)cupti.unsubscribe(subscriber);
+      subscriber = nullptr;
+      return fmt::format("CUPTI could not enable callback {}: {}", static_cast<unsigned>(id),
+                         result_text(cupti, enabled));
+    }
+  }
+  return {};
+}
+
+int watcher::current_device() const noexcept
+{
+  CUdevice device = 0;
+  return driver.ctx_device != nullptr && driver.ctx_device(&device) == CUDA_SUCCESS ? static_cast<int>(device) : 0;
+}
+
+watcher::named_stream watcher::stream_of(CUstream stream, bool per_thread_call)
+{
+  const auto raw = reinterpret_cast<std::uintptr_t>(stream);
+  if (raw == reinterpret_cast<std::uintptr_t>(CU_STREAM_PER_THREAD) || (raw == 0 && per_thread_call)) {
+    return {.handle = per_thread_handle, .klass = stream_class::per_thread, .device = current_device()};
+  }
+  if (raw == 0 || raw == reinterpret_cast<std::uintptr_t>(CU_STREAM_LEGACY)) {
+    return {.handle = legacy_handle, .klass = stream_class::legacy, .device = current_device()};
+  }
+  named_stream out{.handle = raw, .klass = stream_class::blocking, .device = 0};
+  CUdevice device = 0;
+  out.device = driver.stream_device(stream, &device) == CUDA_SUCCESS ? static_cast<int>(device) : current_device();
+  std::lock_guard lock{memory_mutex};
+  if (const auto known = classes.find(stream); known != classes.end()) {
+    out.klass = known->second;
+  } else {
+    unsigned int flags = 0;
+    if (driver.stream_flags(stream, &flags) == CUDA_SUCCESS) {
+      out.klass = (flags & CU_STREAM_NON_BLOCKING) != 0 ? stream_class::non_blocking : stream_class::blocking;
+      classes.emplace(stream, out.klass);
+    }
+  }
+  return out;
+}
+
+std::optional<buffer_use> watcher::device_memory(std::uintptr_t address, std::size_t bytes, access mode)
+{
+  if (address == 0) { return std::nullopt; }
+  if (const auto exchanged = activity::exchanged_at(address)) {
+    // A pointer into an exchanged array: the array (a kernel's own extent is not known).
+    return buffer_use{.address = exchanged->address, .bytes = bytes != 0 ? bytes : exchanged->bytes, .mode = mode};
+  }
+  std::lock_guard lock{memory_mutex};
+  auto it = allocations.upper_bound(address);
+  if (it == allocations.begin()) { return std::nullopt; }
+  --it;
+  if (address - it->first >= it->second) { return std::nullopt; }
+  // Known only by its allocation (a caching allocator's segment holds many arrays): a kernel's
+  // pointer names the memory from that address; two uses meet when they name the same one.
+  return buffer_use{.address = address, .bytes = bytes != 0 ? bytes : 1, .mode = mode};
+}
+
+std::vector<std::size_t> watcher::argument_layout(CUfunction f)
+{
+  {
+    std::lock_guard lock{memory_mutex};
+    if (const auto known = argument_sizes.find(f); known != argument_sizes.end()) { return known->second; }
+  }
+  std::vector<std::size_t> sizes;
+  for (std::size_t index = 0;; ++index) {
+    std::size_t offset = 0;
+    std::size_t size = 0;
+    if (driver.func_param_info(f, index, &offset, &size) != CUDA_SUCCESS) { break; }
+    sizes.push_back(size);
+  }
+  std::lock_guard lock{memory_mutex};
+  argument_sizes.emplace(f, sizes);
+  return sizes;
+}
+
+template <class Params>
+const Params& params_of(const CUpti_CallbackData& data) noexcept
+{
+  return *static_cast<const Params*>(data.functionParams);
+}
+
+void watcher::handle(CUpti_CallbackId id, const CUpti_CallbackData& data) noexcept
+{
+  try {
+    const bool entering = data.callbackSite == CUPTI_API_ENTER;
+    if (entering) {
+      if (data.correlationData != nullptr) { *data.correlationData = static_cast<std::uint64_t>(steady_ns()); }
+      if (id != CUPTI_DRIVER_TRACE_CBID_cuStreamDestroy_v2) { return; }  // reported once done, as it succeeded
+    } else if (data.functionReturnValue != nullptr &&
+               *static_cast<const CUresult*>(data.functionReturnValue) != CUDA_SUCCESS &&
+               id != CUPTI_DRIVER_TRACE_CBID_cuStreamDestroy_v2) {
+      return;  // a failed call did nothing (a query that said "not ready" saw nothing done either)
+    }
+    const auto blocked = [&] {
+      return data.correlationData != nullptr ? steady_ns() - static_cast<std::int64_t>(*data.correlationData) : 0;
+    };
+    activity::record r;
+    std::vector<buffer_use> buffers;
+    const auto on = [&](CUstream stream, bool per_thread_call) {
+      const named_stream s = stream_of(stream, per_thread_call);
+      r.stream = s.handle;
+      r.stream_class = s.klass;
+      r.device = {kDLCUDA, s.device};
+    };
+    const auto touch = [&](CUdeviceptr address, std::size_t bytes, access mode) {
+      if (auto use = device_memory(static_cast<std::uintptr_t>(address), bytes, mode)) { buffers.push_back(*use); }
+    };
+    const auto launch = [&](CUfunction f, CUstream stream, void** arguments, bool per_thread_call) {
+      r.kind = activity::kind::launch;
+      r.name = activity::intern(data.symbolName != nullptr ? data.symbolName : "?");
+      on(stream, per_thread_call);
+      if (arguments == nullptr) { return; }    // arguments packed in `extra`: not read
+      constexpr std::size_t most_words = 256;  // a kernel's arguments fit in 32 KiB; pointers come first
+      std::size_t words = 0;
+      const std::vector<std::size_t> sizes = argument_layout(f);
+      for (std::size_t index = 0; index < sizes.size() && words < most_words; ++index) {
+        const auto* bytes = static_cast<const std::byte*>(arguments[index]);
+        for (std::size_t at = 0; at + sizeof(std::uintptr_t) <= sizes[index] && words < most_words;
+             at += sizeof(std::uintptr_t), ++words) {
+          std::uintptr_t value = 0;
+          std::memcpy(&value, bytes + at, sizeof value);
+          if (value >= no_pointer_below) { touch(static_cast<CUdeviceptr>(value), 0, access::read_write); }
+        }
+      }
+      // One use per memory: a pointer passed twice (or in and out) is one buffer, read and written.
+      std::sort(buffers.begin(), buffers.end(),
+                [](const buffer_use& a, const buffer_use& b) { return a.address < b.address; });
+      buffers.erase(std::unique(buffers.begin(), buffers.end(),
+                                [](const buffer_use& a, const buffer_use& b) { return a.address == b.address; }),
+                    buffers.end());
+    };
+    const auto copy = [&](CUdeviceptr dst, CUdeviceptr src, std::size_t bytes, CUstream stream, bool per_thread_call) {
+      r.kind = activity::kind::copy;
+      on(stream, per_thread_call);
+      touch(src, bytes, access::read);
+      touch(dst, bytes, access::write);
+    };
+    // A synchronous copy is a copy on the default stream that the host waits for.
+    const auto copy_and_wait = [&](CUdeviceptr dst, CUdeviceptr src, std::size_t bytes, bool per_thread_call) {
+      copy(dst, src, bytes, nullptr, per_thread_call);
+      r.buffers = buffers;
+      activity::report(r);
+      buffers.clear();
+      r.kind = activity::kind::host_sync;
+      r.scope = activity::sync_scope::copy;
+      r.blocked_ns = blocked();
+    };
+    const auto set = [&](CUdeviceptr dst, std::size_t bytes, CUstream stream, bool per_thread_call) {
+      r.kind = activity::kind::set;
+      on(stream, per_thread_call);
+      touch(dst, bytes, access::write);
+    };
+    const auto allocated = [&](CUdeviceptr address, std::size_t bytes) {
+      {
+        std::lock_guard lock{memory_mutex};
+        allocations.insert_or_assign(static_cast<std::uintptr_t>(address), bytes);
+      }
+      r.kind = activity::kind::allocate;
+      buffers.push_back({.address = static_cast<std::uintptr_t>(address), .bytes = bytes, .mode = access::write});
+    };
+    const auto freed = [&](CUdeviceptr address) {
+      std::lock_guard lock{memory_mutex};
+      const auto found = allocations.find(static_cast<std::uintptr_t>(address));
+      if (found == allocations.end()) { return; }
+      r.kind = activity::kind::free;
+      buffers.push_back({.address = found->first, .bytes = found->second, .mode = access::write});
+      allocations.erase(found);
+    };
+
+    switch (id) {
+      case CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel: {
+        const auto& p = params_of<cuLaunchKernel_params>(data);
+        launch(p.f, p.hStream, p.kernelParams, false);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel_ptsz: {
+        const auto& p = params_of<cuLaunchKernel_ptsz_params>(data);
+        launch(p.f, p.hStream, p.kernelParams, true);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx:
+      case CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx_ptsz: {
+        const auto& p = params_of<cuLaunchKernelEx_params>(data);
+        launch(p.f, p.config != nullptr ? p.config->hStream : nullptr, p.kernelParams,
+               id == CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx_ptsz);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel:
+      case CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel_ptsz: {
+        const auto& p = params_of<cuLaunchCooperativeKernel_params>(data);
+        launch(p.f, p.hStream, p.kernelParams, id == CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel_ptsz);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyAsync:
+      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyAsync_ptsz: {
+        const auto& p = params_of<cuMemcpyAsync_params>(data);
+        copy(p.dst, p.src, p.ByteCount, p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuMemcpyAsync_ptsz);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyHtoDAsync_v2:
+      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyHtoDAsync_v2_ptsz: {
+        const auto& p = params_of<cuMemcpyHtoDAsync_v2_params>(data);
+        copy(p.dstDevice, 0, p.ByteCount, p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuMemcpyHtoDAsync_v2_ptsz);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoHAsync_v2:
+      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoHAsync_v2_ptsz: {
+        const auto& p = params_of<cuMemcpyDtoHAsync_v2_params>(data);
+        copy(0, p.srcDevice, p.ByteCount, p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoHAsync_v2_ptsz);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoDAsync_v2:
+      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoDAsync_v2_ptsz: {
+        const auto& p = params_of<cuMemcpyDtoDAsync_v2_params>(data);
+        copy(p.dstDevice, p.srcDevice, p.ByteCount, p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoDAsync_v2_ptsz);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuMemcpy:
+      case CUPTI_DRIVER_TRACE_CBID_cuMemcpy_ptds: {
+        const auto& p = params_of<cuMemcpy_params>(data);
+        copy_and_wait(p.dst, p.src, p.ByteCount, id == CUPTI_DRIVER_TRACE_CBID_cuMemcpy_ptds);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyHtoD_v2:
+      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyHtoD_v2_ptds: {
+        const auto& p = params_of<cuMemcpyHtoD_v2_params>(data);
+        copy_and_wait(p.dstDevice, 0, p.ByteCount, id == CUPTI_DRIVER_TRACE_CBID_cuMemcpyHtoD_v2_ptds);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoH_v2:
+      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoH_v2_ptds: {
+        const auto& p = params_of<cuMemcpyDtoH_v2_params>(data);
+        copy_and_wait(0, p.srcDevice, p.ByteCount, id == CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoH_v2_ptds);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoD_v2:
+      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoD_v2_ptds: {
+        const auto& p = params_of<cuMemcpyDtoD_v2_params>(data);
+        copy_and_wait(p.dstDevice, p.srcDevice, p.ByteCount, id == CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoD_v2_ptds);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuMemsetD8Async:
+      case CUPTI_DRIVER_TRACE_CBID_cuMemsetD8Async_ptsz: {
+        const auto& p = params_of<cuMemsetD8Async_params>(data);
+        set(p.dstDevice, p.N, p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuMemsetD8Async_ptsz);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuMemsetD16Async:
+      case CUPTI_DRIVER_TRACE_CBID_cuMemsetD16Async_ptsz: {
+        const auto& p = params_of<cuMemsetD16Async_params>(data);
+        set(p.dstDevice, p.N * 2, p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuMemsetD16Async_ptsz);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuMemsetD32Async:
+      case CUPTI_DRIVER_TRACE_CBID_cuMemsetD32Async_ptsz: {
+        const auto& p = params_of<cuMemsetD32Async_params>(data);
+        set(p.dstDevice, p.N * 4, p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuMemsetD32Async_ptsz);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuStreamCreate:
+      case CUPTI_DRIVER_TRACE_CBID_cuStreamCreateWithPriority: {
+        CUstream* made = nullptr;
+        unsigned int flags = 0;
+        if (id == CUPTI_DRIVER_TRACE_CBID_cuStreamCreate) {
+          made = params_of<cuStreamCreate_params>(data).phStream;
+          flags = params_of<cuStreamCreate_params>(data).Flags;
+        } else {
+          made = params_of<cuStreamCreateWithPriority_params>(data).phStream;
+          flags = params_of<cuStreamCreateWithPriority_params>(data).flags;
+        }
+        if (made == nullptr) { return; }
+        {
+          std::lock_guard lock{memory_mutex};
+          classes.insert_or_assign(
+            *made, (flags & CU_STREAM_NON_BLOCKING) != 0 ? stream_class::non_blocking : stream_class::blocking);
+        }
+        r.kind = activity::kind::stream_create;
+        on(*made, false);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuStreamDestroy_v2: {
+        const CUstream stream = params_of<cuStreamDestroy_v2_params>(data).hStream;
+        if (!entering) {  // the handle may be reused now: forget its class
+          std::lock_guard lock{memory_mutex};
+          classes.erase(stream);
+          return;
+        }
+        r.kind = activity::kind::stream_destroy;
+        on(stream, false);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuEventRecord:
+      case CUPTI_DRIVER_TRACE_CBID_cuEventRecord_ptsz: {
+        const auto& p = params_of<cuEventRecord_params>(data);
+        r.kind = activity::kind::event_record;
+        r.event = reinterpret_cast<std::uintptr_t>(p.hEvent);
+        on(p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuEventRecord_ptsz);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuEventRecordWithFlags:
+      case CUPTI_DRIVER_TRACE_CBID_cuEventRecordWithFlags_ptsz: {
+        const auto& p = params_of<cuEventRecordWithFlags_params>(data);
+        r.kind = activity::kind::event_record;
+        r.event = reinterpret_cast<std::uintptr_t>(p.hEvent);
+        on(p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuEventRecordWithFlags_ptsz);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuStreamWaitEvent:
+      case CUPTI_DRIVER_TRACE_CBID_cuStreamWaitEvent_ptsz: {
+        const auto& p = params_of<cuStreamWaitEvent_params>(data);
+        r.kind = activity::kind::stream_wait;
+        r.event = reinterpret_cast<std::uintptr_t>(p.hEvent);
+        on(p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuStreamWaitEvent_ptsz);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuStreamSynchronize:
+      case CUPTI_DRIVER_TRACE_CBID_cuStreamSynchronize_ptsz:
+      case CUPTI_DRIVER_TRACE_CBID_cuStreamQuery:
+      case CUPTI_DRIVER_TRACE_CBID_cuStreamQuery_ptsz: {
+        const bool query =
+          id == CUPTI_DRIVER_TRACE_CBID_cuStreamQuery || id == CUPTI_DRIVER_TRACE_CBID_cuStreamQuery_ptsz;
+        r.kind = query ? activity::kind::host_query : activity::kind::host_sync;
+        r.scope = activity::sync_scope::stream;
+        on(params_of<cuStreamSynchronize_params>(data).hStream,
+           id == CUPTI_DRIVER_TRACE_CBID_cuStreamSynchronize_ptsz || id == CUPTI_DRIVER_TRACE_CBID_cuStreamQuery_ptsz);
+        r.blocked_ns = query ? 0 : blocked();
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuCtxSynchronize:
+        r.kind = activity::kind::host_sync;
+        r.scope = activity::sync_scope::device;
+        r.device = {kDLCUDA, current_device()};
+        r.blocked_ns = blocked();
+        break;
+      case CUPTI_DRIVER_TRACE_CBID_cuEventSynchronize:
+      case CUPTI_DRIVER_TRACE_CBID_cuEventQuery: {
+        const bool query = id == CUPTI_DRIVER_TRACE_CBID_cuEventQuery;
+        r.kind = query ? activity::kind::host_query : activity::kind::host_sync;
+        r.scope = activity::sync_scope::event;
+        r.event = reinterpret_cast<std::uintptr_t>(params_of<cuEventSynchronize_params>(data).hEvent);
+        r.device = {kDLCUDA, current_device()};
+        r.blocked_ns = query ? 0 : blocked();
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuMemAlloc_v2: {
+        const auto& p = params_of<cuMemAlloc_v2_params>(data);
+        r.device = {kDLCUDA, current_device()};
+        allocated(*p.dptr, p.bytesize);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuMemAllocManaged: {
+        const auto& p = params_of<cuMemAllocManaged_params>(data);
+        r.device = {kDLCUDA, current_device()};
+        allocated(*p.dptr, p.bytesize);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuMemAllocPitch_v2: {
+        const auto& p = params_of<cuMemAllocPitch_v2_params>(data);
+        r.device = {kDLCUDA, current_device()};
+        allocated(*p.dptr, *p.pPitch * p.Height);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuMemAllocAsync:
+      case CUPTI_DRIVER_TRACE_CBID_cuMemAllocAsync_ptsz: {
+        const auto& p = params_of<cuMemAllocAsync_params>(data);
+        on(p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuMemAllocAsync_ptsz);
+        r.stream_ordered = true;
+        allocated(*p.dptr, p.bytesize);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuMemAllocFromPoolAsync:
+      case CUPTI_DRIVER_TRACE_CBID_cuMemAllocFromPoolAsync_ptsz: {
+        const auto& p = params_of<cuMemAllocFromPoolAsync_params>(data);
+        on(p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuMemAllocFromPoolAsync_ptsz);
+        r.stream_ordered = true;
+        allocated(*p.dptr, p.bytesize);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuMemFree_v2:
+        r.device = {kDLCUDA, current_device()};
+        r.blocked_ns = blocked();  // cuMemFree synchronizes the device first
+        freed(params_of<cuMemFree_v2_params>(data).dptr);
+        break;
+      case CUPTI_DRIVER_TRACE_CBID_cuMemFreeAsync:
+      case CUPTI_DRIVER_TRACE_CBID_cuMemFreeAsync_ptsz: {
+        const auto& p = params_of<cuMemFreeAsync_params>(data);
+        on(p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuMemFreeAsync_ptsz);
+        r.stream_ordered = true;
+        freed(p.dptr);
+        break;
+      }
+      default:
+        return;
+    }
+    if ((r.kind == activity::kind::free || r.kind == activity::kind::allocate) && buffers.empty()) { return; }
+    r.buffers = buffers;
+    activity::report(r);
+  } catch (...) {  // a tracing tool never breaks the program it watches: this activity goes untraced
+  }
+}
+
+}  // namespace
+
+std::vector<std::string> cupti_candidates()
+{
+  std::vector<std::string> out;
+  if (const char* configured = std::getenv("HANDOFF_CUPTI_LIBRARY"); configured != nullptr && *configured != '\0') {
+    out.emplace_back(configured);
+  }
+  out.emplace_back("libcupti.so");
+  out.emplace_back(fmt::format("libcupti.so.{}", CUDART_VERSION / 1000));
+#ifdef HANDOFF_CUDA_TOOLKIT_ROOT
+  out.emplace_back(HANDOFF_CUDA_TOOLKIT_ROOT "/lib64/libcupti.so");
+  out.emplace_back(HANDOFF_CUDA_TOOLKIT_ROOT "/extras/CUPTI/lib64/libcupti.so");
+#endif
+  return out;
+}
+
+std::string watch_cupti(bool on) noexcept
+{
+  try {
+    watcher& w = watcher::get();
+    std::lock_guard lock{w.mutex};
+    if (!on) {
+      if (w.watchers > 0 && --w.watchers == 0 && w.subscriber != nullptr) {
+        (void)w.cupti.unsubscribe(w.subscriber);
+        w.subscriber = nullptr;
+        HANDOFF_LOG_DEBUG("cuda: CUPTI unsubscribed");
+      }
+      return {};
+    }
+    if (w.watchers > 0) {
+      ++w.watchers;
+      return {};
+    }
+    if (std::string failure = w.load(); !failure.empty()) { return failure; }
+    if (std::string failure = w.subscribe(); !failure.empty()) { return failure; }
+    w.watchers = 1;
+    HANDOFF_LOG_DEBUG("cuda: CUPTI ({}) subscribed to the driver API", w.library_path);
+    return {};
+  } catch (const std::exception& error) {
+    return fmt::format("CUPTI could not be started: {}", error.what());
+  }
+}
+
+}  // namespace handoff::device::cuda

@@ -1,0 +1,281 @@
+// Device activity into the trace: each record a backend reports becomes a launch, copy, sync, stream
+// or memory event, named by the user's line and checked by the race detector, in the order the host
+// issued them.
+#include <handoff/activity.hpp>
+#include <handoff/internal/activity_trace.hpp>
+#include <handoff/internal/race_detector.hpp>
+#include <handoff/trace.hpp>
+
+#include "log/logger.hpp"
+
+#include <fmt/format.h>
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_set>
+
+namespace handoff::activity {
+namespace detail {
+std::atomic<bool> recording{false};
+}  // namespace detail
+
+namespace {
+
+trace::event_kind event_kind_of(kind k) noexcept
+{
+  switch (k) {
+    case kind::launch:
+      return trace::event_kind::launch;
+    case kind::copy:
+    case kind::set:
+      return trace::event_kind::copy;
+    case kind::host_sync:
+    case kind::host_query:
+      return trace::event_kind::sync;
+    case kind::allocate:
+    case kind::free:
+      return trace::event_kind::memory;
+    case kind::stream_create:
+    case kind::stream_destroy:
+    case kind::event_record:
+    case kind::stream_wait:
+      break;
+  }
+  return trace::event_kind::stream;
+}
+
+const char* op_of(const record& r) noexcept
+{
+  switch (r.kind) {
+    case kind::launch:
+      return "kernel";
+    case kind::copy:
+      return "copy";
+    case kind::set:
+      return "set";
+    case kind::stream_create:
+      return "create";
+    case kind::stream_destroy:
+      return "destroy";
+    case kind::event_record:
+      return "record";
+    case kind::stream_wait:
+      return "wait";
+    case kind::allocate:
+      return "allocate";
+    case kind::free:
+      return r.stream_ordered ? "free" : "free-sync";
+    case kind::host_sync:
+    case kind::host_query:
+      break;
+  }
+  switch (r.scope) {
+    case sync_scope::stream:
+      return "stream";
+    case sync_scope::event:
+      return "event";
+    case sync_scope::device:
+      return "device";
+    case sync_scope::copy:
+      return "copy";
+  }
+  return "?";
+}
+
+// Whether the record's stream field names a stream.
+bool names_stream(const record& r) noexcept
+{
+  switch (r.kind) {
+    case kind::allocate:
+    case kind::free:
+      return r.stream_ordered;
+    case kind::host_sync:
+    case kind::host_query:
+      return r.scope == sync_scope::stream || r.scope == sync_scope::copy;
+    default:
+      return true;
+  }
+}
+
+// The detector, the exchanged memory it names, and the activity events' numbering, behind one lock
+// so that the events reach the sessions in the order the detector saw them. Leaked, as backends may
+// report while the process exits.
+struct activity_state {
+  std::mutex mutex;
+  std::map<std::uintptr_t, exchanged_memory> exchanged;  // by address
+  std::unique_ptr<trace::race_detector> detector;        // while an activity session is open
+  std::uint64_t next_seq{1};
+
+  static activity_state& get()
+  {
+    static auto* state = new activity_state;  // NOLINT(cppcoreguidelines-owning-memory): leaked, see above
+    return *state;
+  }
+
+  // Under `mutex`.
+  const exchanged_memory* exchanged_holding(std::uintptr_t address) const
+  {
+    auto it = exchanged.upper_bound(address);
+    if (it == exchanged.begin()) { return nullptr; }
+    --it;
+    return address - it->second.address < it->second.bytes ? &it->second : nullptr;
+  }
+
+  // Under `mutex`: memory allocated or freed is no longer the array it was.
+  void forget_exchanged(std::uintptr_t address, std::size_t bytes)
+  {
+    for (auto it = exchanged.lower_bound(address); it != exchanged.end() && it->first < address + bytes;) {
+      it = exchanged.erase(it);
+    }
+    if (const exchanged_memory* before = exchanged_holding(address)) {
+      const std::uintptr_t key = before->address;
+      exchanged.erase(key);
+    }
+  }
+
+  void reset()
+  {
+    detector = std::make_unique<trace::race_detector>([this](std::uintptr_t address, std::size_t) {
+      const exchanged_memory* held = exchanged_holding(address);
+      return held != nullptr ? fmt::format("buffer:{}", held->buffer) : std::string{};
+    });
+    exchanged.clear();
+  }
+};
+
+std::uint64_t native_thread_id() noexcept
+{
+  return static_cast<std::uint64_t>(::syscall(SYS_gettid));
+}
+
+}  // namespace
+
+const char* intern(std::string_view name)
+{
+  static auto* mutex = new std::mutex;                       // NOLINT(cppcoreguidelines-owning-memory): leaked
+  static auto* names = new std::unordered_set<std::string>;  // NOLINT(cppcoreguidelines-owning-memory): leaked
+  std::lock_guard lock{*mutex};
+  return names->emplace(name).first->c_str();
+}
+
+std::optional<exchanged_memory> exchanged_at(std::uintptr_t address) noexcept
+{
+  activity_state& state = activity_state::get();
+  std::lock_guard lock{state.mutex};
+  const exchanged_memory* held = state.exchanged_holding(address);
+  return held != nullptr ? std::optional{*held} : std::nullopt;
+}
+
+void report(const record& r) noexcept
+{
+  if (!recording()) { return; }
+  try {
+    trace::event e;
+    e.kind = event_kind_of(r.kind);
+    e.op = op_of(r);
+    e.time_ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+    e.thread = native_thread_id();
+    e.device = r.device;
+    if (names_stream(r)) { e.stream = trace::stream_id{.device = r.device, .handle = r.stream}; }
+    e.kernel = r.name;
+    e.blocked_ns = r.blocked_ns;
+    e.buffers.reserve(r.buffers.size());
+    for (const buffer_use& use : r.buffers) {
+      e.buffers.push_back({.address = use.address, .nbytes = use.bytes, .mode = use.mode, .buffer = 0});
+      if (writes(use.mode) || r.kind == kind::free || r.kind == kind::allocate) {
+        e.nbytes += static_cast<std::int64_t>(use.bytes);
+      }
+    }
+    if (!r.library.empty()) { e.library = intern(r.library); }
+    trace::detail::annotate(e);  // outside the lock: the embedding's annotator may run a release
+
+    activity_state& state = activity_state::get();
+    std::lock_guard lock{state.mutex};
+    if (!state.detector) { return; }  // the last launch trace ended meanwhile
+    e.seq = state.next_seq++;
+    for (trace::buffer_ref& b : e.buffers) {
+      if (const exchanged_memory* held = state.exchanged_holding(b.address)) { b.buffer = held->buffer; }
+    }
+    if (r.kind != kind::host_query) {
+      auto site = std::make_shared<trace::access_site>();
+      site->seq = e.seq;
+      site->kind = r.kind;
+      site->kernel = r.name;
+      site->stream = {.device = r.device.device_id,
+                      .handle = r.stream,
+                      .thread = r.stream_class == stream_class::per_thread ? e.thread : 0};
+      site->stream_class = r.stream_class;
+      site->where = e.where;
+      site->library = e.library;
+      site->time_ns = e.time_ns;
+      if (auto found = state.detector->observe(r, e.thread, site)) {
+        e.hazard = found->name;
+        e.detail = std::move(found->detail);
+        e.fix = std::move(found->fix);
+        const trace::access_site& other = *found->other;
+        e.other = trace::activity_side{.seq = other.seq,
+                                       .kind = event_kind_of(other.kind),
+                                       .kernel = other.kernel,
+                                       .stream = trace::stream_id{.device = {r.device.device_type, other.stream.device},
+                                                                  .handle = other.stream.handle},
+                                       .where = other.where,
+                                       .library = other.library,
+                                       .time_ns = other.time_ns};
+      }
+    } else {
+      (void)state.detector->observe(r, e.thread, nullptr);
+      return;  // a query that saw work done orders later work; it is no event of its own
+    }
+    if (r.kind == kind::allocate || r.kind == kind::free) {
+      for (const buffer_use& use : r.buffers) { state.forget_exchanged(use.address, use.bytes); }
+    }
+    trace::detail::record_annotated(std::move(e));
+  } catch (const std::exception& error) {
+    HANDOFF_LOG_WARN("a device activity was not traced ({})", error.what());
+  }
+}
+
+}  // namespace handoff::activity
+
+namespace handoff::trace::detail {
+
+void activity_sessions_changed(bool any) noexcept
+{
+  try {
+    activity::activity_state& state = activity::activity_state::get();
+    std::lock_guard lock{state.mutex};
+    if (any) {
+      state.reset();
+    } else {
+      state.detector.reset();
+      state.exchanged.clear();
+    }
+  } catch (const std::exception& error) {
+    HANDOFF_LOG_WARN("the race detector could not start ({})", error.what());
+  }
+  activity::detail::recording.store(any, std::memory_order_relaxed);
+}
+
+void note_exchanged(const void* data, std::int64_t nbytes, std::uint64_t buffer) noexcept
+{
+  if (data == nullptr || nbytes <= 0) { return; }
+  try {
+    activity::activity_state& state = activity::activity_state::get();
+    std::lock_guard lock{state.mutex};
+    const auto address = reinterpret_cast<std::uintptr_t>(data);
+    state.exchanged.insert_or_assign(
+      address,
+      activity::exchanged_memory{.address = address, .bytes = static_cast<std::size_t>(nbytes), .buffer = buffer});
+  } catch (const std::exception&) {  // a name for messages: not worth failing an exchange
+  }
+}
+
+}  // namespace handoff::trace::detail

@@ -1,0 +1,402 @@
+#include <handoff/internal/race_detector.hpp>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <iterator>
+
+namespace handoff::trace {
+
+using activity::access;
+using activity::kind;
+using activity::stream_class;
+
+namespace {
+
+void join(std::vector<std::uint32_t>& into, const std::vector<std::uint32_t>& from)
+{
+  if (into.size() < from.size()) { into.resize(from.size(), 0); }
+  for (std::size_t i = 0; i < from.size(); ++i) { into[i] = std::max(into[i], from[i]); }
+}
+
+bool blocking(stream_class c) noexcept
+{
+  return c == stream_class::blocking || c == stream_class::per_thread;
+}
+
+std::string_view verb(access mode) noexcept
+{
+  switch (mode) {
+    case access::read:
+      return "reads";
+    case access::write:
+      return "writes";
+    case access::read_write:
+      return "reads and writes";
+  }
+  return "uses";
+}
+
+std::string_view noun(kind k) noexcept
+{
+  switch (k) {
+    case kind::launch:
+      return "kernel";
+    case kind::copy:
+      return "copy";
+    case kind::set:
+      return "memset";
+    case kind::free:
+      return "free";
+    case kind::allocate:
+      return "allocation";
+    default:
+      return "operation";
+  }
+}
+
+}  // namespace
+
+std::size_t race_detector::key_hash::operator()(const stream_key& k) const noexcept
+{
+  std::size_t h = std::hash<std::uint64_t>{}(k.handle);
+  h ^= std::hash<std::uint64_t>{}(k.thread) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+  h ^= std::hash<int>{}(k.device) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+  return h;
+}
+
+std::uint32_t race_detector::stream_of(const activity::record& r, std::uint64_t thread)
+{
+  const stream_key key{.device = r.device.device_id,
+                       .handle = r.stream,
+                       .thread = r.stream_class == stream_class::per_thread ? thread : 0};
+  if (r.kind != kind::stream_create) {
+    if (const auto found = index_.find(key); found != index_.end()) { return found->second; }
+  }
+  // New, or a handle that a created stream takes again after another was destroyed: a stream of its
+  // own, since nothing orders it with the old one's work.
+  const auto s = static_cast<std::uint32_t>(streams_.size());
+  streams_.push_back({.key = key, .stream_class = r.stream_class, .clock = {}, .host_seen = 0, .live = true});
+  streams_.back().clock.resize(streams_.size(), 0);
+  index_.insert_or_assign(key, s);
+  return s;
+}
+
+void race_detector::order_operation(std::uint32_t s)
+{
+  stream_state& self = streams_[s];
+  if (self.host_seen != host_version_) {
+    join(self.clock, host_);
+    self.host_seen = host_version_;
+  }
+  // The legacy default stream waits for every blocking stream of its device, and they for it.
+  if (self.stream_class == stream_class::legacy) {
+    for (std::uint32_t other = 0; other < streams_.size(); ++other) {
+      const stream_state& b = streams_[other];
+      if (other != s && b.live && b.key.device == self.key.device && blocking(b.stream_class)) {
+        join(streams_[s].clock, b.clock);
+      }
+    }
+  } else if (blocking(self.stream_class)) {
+    for (std::uint32_t other = 0; other < streams_.size(); ++other) {
+      const stream_state& l = streams_[other];
+      if (l.live && l.key.device == self.key.device && l.stream_class == stream_class::legacy) {
+        join(streams_[s].clock, l.clock);
+      }
+    }
+  }
+}
+
+std::uint32_t race_detector::tick(std::uint32_t s)
+{
+  order_operation(s);
+  auto& clock = streams_[s].clock;
+  if (clock.size() <= s) { clock.resize(s + 1, 0); }
+  return ++clock[s];
+}
+
+void race_detector::join_host_with(int device)
+{
+  for (const stream_state& s : streams_) {
+    if (s.key.device == device) { join(host_, s.clock); }
+  }
+  ++host_version_;
+}
+
+bool race_detector::ordered(const epoch& earlier, std::uint32_t s) const
+{
+  if (earlier.stream == s) { return true; }
+  const auto& clock = streams_[s].clock;
+  return earlier.stream < clock.size() && clock[earlier.stream] >= earlier.clock;
+}
+
+template <class F>
+void race_detector::for_each_overlap(std::uintptr_t begin, std::uintptr_t end, F&& f)
+{
+  const std::uintptr_t from = begin > longest_ ? begin - longest_ : 0;
+  for (auto it = shadow_.lower_bound({from, 0}); it != shadow_.end() && it->first.first < end; ++it) {
+    if (it->first.second > begin) { f(it->first, it->second); }
+  }
+}
+
+std::optional<found_hazard> race_detector::check(const activity::buffer_use& use, std::uint32_t s, bool freeing)
+{
+  std::optional<found_hazard> found;
+  const bool writing = freeing || activity::writes(use.mode);
+  for_each_overlap(use.address, use.address + use.bytes, [&](const auto&, const range_state& range) {
+    if (found) { return; }
+    if (range.freed && !ordered(*range.freed, s)) {
+      found = describe("reuse", *range.freed, s, use, freeing, /*used_after_free=*/true);
+      return;
+    }
+    if (range.write && !ordered(*range.write, s)) {
+      found = describe(freeing ? "reuse" : "race", *range.write, s, use, freeing, false);
+      return;
+    }
+    if (!writing) { return; }
+    for (const epoch& read : range.reads) {
+      if (!ordered(read, s)) {
+        found = describe(freeing ? "reuse" : "race", read, s, use, freeing, false);
+        return;
+      }
+    }
+  });
+  return found;
+}
+
+void race_detector::record_access(const activity::buffer_use& use, const epoch& now)
+{
+  const std::uintptr_t end = use.address + use.bytes;
+  range_state& range = shadow_[{use.address, end}];
+  longest_ = std::max(longest_, end - use.address);
+  if (activity::writes(use.mode)) {
+    range.write = now;
+    range.reads.clear();
+    range.freed.reset();
+    range.freed_clock.reset();
+  }
+  if (use.mode != access::write) {
+    const auto same = std::find_if(range.reads.begin(), range.reads.end(),
+                                   [&](const epoch& read) { return read.stream == now.stream; });
+    if (same != range.reads.end()) {
+      *same = now;
+    } else {
+      range.reads.push_back(now);
+    }
+  }
+}
+
+void race_detector::forget(std::uintptr_t begin, std::uintptr_t end)
+{
+  std::vector<std::pair<std::uintptr_t, std::uintptr_t>> gone;
+  for_each_overlap(begin, end, [&](const auto& key, const range_state&) { gone.push_back(key); });
+  for (const auto& key : gone) { shadow_.erase(key); }
+  if (shadow_.empty()) { longest_ = 0; }
+}
+
+std::optional<found_hazard> race_detector::observe(const activity::record& r, std::uint64_t thread,
+                                                   const std::shared_ptr<const access_site>& site)
+{
+  current_ = site.get();
+  std::optional<found_hazard> found;
+  switch (r.kind) {
+    case kind::stream_create:
+      (void)stream_of(r, thread);
+      break;
+    case kind::stream_destroy: {
+      const std::uint32_t s = stream_of(r, thread);
+      streams_[s].live = false;
+      index_.erase(streams_[s].key);
+      break;
+    }
+    case kind::event_record: {
+      const std::uint32_t s = stream_of(r, thread);
+      (void)tick(s);
+      events_.insert_or_assign(r.event, streams_[s].clock);
+      break;
+    }
+    case kind::stream_wait: {
+      const std::uint32_t s = stream_of(r, thread);
+      order_operation(s);
+      if (const auto recorded = events_.find(r.event); recorded != events_.end()) {
+        join(streams_[s].clock, recorded->second);
+      }  // an event never recorded orders nothing, as in CUDA
+      break;
+    }
+    case kind::host_sync:
+    case kind::host_query:
+      switch (r.scope) {
+        case activity::sync_scope::stream:
+        case activity::sync_scope::copy:
+          join(host_, streams_[stream_of(r, thread)].clock);
+          ++host_version_;
+          break;
+        case activity::sync_scope::event:
+          if (const auto recorded = events_.find(r.event); recorded != events_.end()) {
+            join(host_, recorded->second);
+            ++host_version_;
+          }
+          break;
+        case activity::sync_scope::device:
+          join_host_with(r.device.device_id);
+          break;
+      }
+      break;
+    case kind::allocate: {
+      std::optional<std::uint32_t> s;
+      if (r.stream_ordered) {
+        s = stream_of(r, thread);
+        order_operation(*s);
+      }
+      for (const auto& use : r.buffers) {
+        // A stream-ordered allocator hands out memory freed on another stream only once that free is
+        // ordered before the allocating stream's work (CUDA's pools insert the wait): trusted.
+        for_each_overlap(use.address, use.address + use.bytes, [&](const auto&, const range_state& range) {
+          if (s && range.freed_clock) { join(streams_[*s].clock, *range.freed_clock); }
+        });
+        forget(use.address, use.address + use.bytes);
+      }
+      break;
+    }
+    case kind::free: {
+      if (!r.stream_ordered) {  // a free that synchronized the device first: every earlier use is done
+        join_host_with(r.device.device_id);
+        for (const auto& use : r.buffers) { forget(use.address, use.address + use.bytes); }
+        break;
+      }
+      const std::uint32_t s = stream_of(r, thread);
+      const std::uint32_t now = tick(s);
+      for (const auto& use : r.buffers) {
+        if (!found) { found = check(use, s, /*freeing=*/true); }
+      }
+      auto clock = std::make_shared<const clock_vector>(streams_[s].clock);
+      for (const auto& use : r.buffers) {
+        forget(use.address, use.address + use.bytes);
+        range_state& range = shadow_[{use.address, use.address + use.bytes}];
+        longest_ = std::max<std::uintptr_t>(longest_, use.bytes);
+        range.freed = epoch{.stream = s, .clock = now, .mode = access::write, .site = site};
+        range.freed_clock = clock;
+      }
+      break;
+    }
+    case kind::launch:
+    case kind::copy:
+    case kind::set: {
+      const std::uint32_t s = stream_of(r, thread);
+      const std::uint32_t now = tick(s);
+      for (const auto& use : r.buffers) {
+        if (!found) { found = check(use, s, /*freeing=*/false); }
+      }
+      for (const auto& use : r.buffers) {
+        record_access(use, epoch{.stream = s, .clock = now, .mode = use.mode, .site = site});
+      }
+      break;
+    }
+  }
+  current_ = nullptr;
+  return found;
+}
+
+// --- messages ------------------------------------------------------------------------------------
+
+std::string race_detector::stream_name(std::uint32_t s) const
+{
+  const stream_state& state = streams_[s];
+  switch (state.stream_class) {
+    case stream_class::legacy:
+      return fmt::format("the legacy default stream ({:#x})", state.key.handle);
+    case stream_class::per_thread:
+      return fmt::format("the per-thread default stream of thread {}", state.key.thread);
+    case stream_class::non_blocking:
+      return fmt::format("non-blocking stream {:#x}", state.key.handle);
+    case stream_class::blocking:
+      break;
+  }
+  return fmt::format("stream {:#x}", state.key.handle);
+}
+
+std::string race_detector::site_name(const access_site& site, access mode) const
+{
+  std::string text = site.kind == kind::launch && site.kernel != nullptr ? fmt::format("kernel '{}'", site.kernel)
+                                                                         : std::string{noun(site.kind)};
+  if (site.kind != kind::free) { text += fmt::format(" ({})", verb(mode)); }
+  if (!site.where.empty()) { text += fmt::format(" at {}", site.where); }
+  if (site.library != nullptr) { text += fmt::format(" in {}", site.library); }
+  return text;
+}
+
+std::string race_detector::range_name(std::uintptr_t address, std::size_t bytes) const
+{
+  std::string label = label_ ? label_(address, bytes) : std::string{};
+  const std::string where = fmt::format("[{:#x}, {} B]", address, bytes);
+  return label.empty() ? where : fmt::format("{} {}", label, where);
+}
+
+found_hazard race_detector::describe(const char* hazard, const epoch& other, std::uint32_t s,
+                                     const activity::buffer_use& use, bool freeing, bool used_after_free) const
+{
+  found_hazard out;
+  out.name = hazard;
+  out.other = other.site;
+  const std::string here = stream_name(s);
+  const std::string there = stream_name(other.stream);
+  const std::string memory = range_name(use.address, use.bytes);
+  const access_site& mine = current_ != nullptr ? *current_ : access_site{};
+  const std::string this_side = site_name(mine, use.mode);
+  const std::string other_side = site_name(*other.site, other.mode);
+  const std::string other_what = other.site->kind == kind::launch && other.site->kernel != nullptr
+                                   ? fmt::format("'{}'", other.site->kernel)
+                                   : std::string{noun(other.site->kind)};
+  if (used_after_free) {
+    out.detail = fmt::format(
+      "{} on {} uses {}, which was freed on {} by the {} with nothing ordering the use after "
+      "the free: the memory may already belong to another allocation",
+      this_side, here, memory, there, other_side);
+    out.fix = fmt::format(
+      "make {} wait for an event recorded on {} after the free, or allocate the memory again on "
+      "{} (a stream-ordered allocation orders the reuse)",
+      here, there, here);
+    return out;
+  }
+  if (freeing) {
+    out.detail = fmt::format("{} frees {} on {} while the {} on {} may still use it: nothing orders the free after it",
+                             this_side, memory, here, other_side, there);
+    out.fix = fmt::format(
+      "keep the memory until {} is done with it: free it after an event recorded on {} after {} "
+      "(cudaStreamWaitEvent on {} before the free), or tell the allocator the stream uses it "
+      "(tensor.record_stream(stream) in PyTorch)",
+      there, there, other_what, here);
+    return out;
+  }
+  out.detail = fmt::format("{} on {} and the {} on {} touch {} with nothing ordering them: {}", this_side, here,
+                           other_side, there, memory,
+                           activity::writes(other.mode) ? "it may read or write the memory before the earlier write"
+                                                        : "it may write the memory while the earlier read still runs");
+  const bool legacy_meets_non_blocking =
+    (streams_[s].stream_class == stream_class::legacy && !blocking(streams_[other.stream].stream_class)) ||
+    (streams_[other.stream].stream_class == stream_class::legacy && !blocking(streams_[s].stream_class));
+  const std::string wait = fmt::format(
+    "make {} wait for {}: an event recorded on {} after {}, waited for on {} before this (cudaEventRecord, "
+    "cudaStreamWaitEvent; handoff.from_dlpack(x, stream=...) does it for an exchanged array)",
+    here, there, there, other_what, here);
+  std::string fix =
+    legacy_meets_non_blocking
+      ? fmt::format(
+          "the legacy default stream does not wait for non-blocking streams: launch on the stream the data "
+          "was ordered onto (pass the library its stream, or make it every library's current stream with "
+          "handoff.stream(s, frameworks=True)), or {}",
+          wait)
+      : fmt::format(
+          "{}, or run both on one stream (with handoff.stream(s, frameworks=True): every library's current "
+          "stream)",
+          wait);
+  if (!activity::writes(other.mode) && other.site->kind == kind::copy) {
+    fix +=
+      "; if a caching allocator handed the copy's source out again, keep it for the copy's stream "
+      "(tensor.record_stream(stream) in PyTorch)";
+  }
+  out.fix = std::move(fix);
+  return out;
+}
+
+}  // namespace handoff::trace

@@ -1,0 +1,183 @@
+// Device activity in a launch trace, on the simulator: each operation becomes an event with its
+// stream, the race detector flags what CUDA leaves unordered (and only that), host waits carry the
+// time they blocked, and nothing is recorded outside a launch trace.
+#include "device/sim/sim_backend.hpp"
+
+#include <handoff/activity.hpp>
+#include <handoff/trace.hpp>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace handoff {
+namespace {
+
+using namespace std::chrono_literals;
+using device::sim_backend;
+using device::sim_flavour;
+using device::stream_handle;
+
+class ActivityTraceTest : public ::testing::Test {
+ protected:
+  void SetUp() override { data_ = static_cast<float*>(sim_.allocate(n * sizeof(float), sim_.legacy_default_stream())); }
+  void TearDown() override
+  {
+    if (session_ != 0) { (void)trace::end_session(session_); }
+    sim_.synchronize_device();
+    sim_.free_sync(data_);
+  }
+
+  void begin() { session_ = trace::begin_session(0, /*activity=*/true); }
+  std::vector<trace::event> finish() { return trace::end_session(std::exchange(session_, 0)); }
+
+  void launch(stream_handle s, activity::access mode, const char* name = "kernel")
+  {
+    const activity::buffer_use use{
+      .address = reinterpret_cast<std::uintptr_t>(data_), .bytes = n * sizeof(float), .mode = mode};
+    sim_.launch_kernel(s, activity::intern(name), {&use, 1});
+  }
+
+  static std::vector<const trace::event*> hazards(const std::vector<trace::event>& events)
+  {
+    std::vector<const trace::event*> out;
+    for (const auto& e : events) {
+      if (e.hazard != nullptr) { out.push_back(&e); }
+    }
+    return out;
+  }
+
+  static constexpr std::size_t n = 256;
+  sim_backend sim_{1, sim_flavour::cuda};
+  float* data_{nullptr};
+  std::uint64_t session_{0};
+};
+
+TEST_F(ActivityTraceTest, NothingIsRecordedOutsideALaunchTrace)
+{
+  EXPECT_FALSE(activity::recording());
+  const auto exchanges_only = trace::begin_session();
+  EXPECT_FALSE(activity::recording());
+  launch(sim_.create_stream(true), activity::access::write);
+  EXPECT_TRUE(trace::end_session(exchanges_only).empty());
+}
+
+TEST_F(ActivityTraceTest, EachOperationIsAnEventOnItsStream)
+{
+  begin();
+  EXPECT_TRUE(activity::recording());
+  const auto s = sim_.create_stream(/*non_blocking=*/true);
+  sim_.enqueue_fill(s, data_, n, 1.0F);
+  launch(s, activity::access::read_write, "scale");
+  const auto e = sim_.create_event();
+  sim_.record_event(e, s);
+  sim_.stream_wait_event(sim_.legacy_default_stream(), e);
+  sim_.synchronize_stream(s);
+  sim_.destroy_event(e);
+  sim_.destroy_stream(s);
+  const auto events = finish();
+  EXPECT_FALSE(activity::recording());
+  const std::vector<std::string_view> expected{"stream create", "copy set",    "launch kernel", "stream record",
+                                               "stream wait",   "sync stream", "stream destroy"};
+  ASSERT_EQ(events.size(), expected.size());
+  for (std::size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_EQ(fmt::format("{} {}", trace::name(events[i].kind), events[i].op), expected[i]);
+  }
+  const auto& kernel = events[2];
+  EXPECT_STREQ(kernel.kernel, "scale");
+  ASSERT_TRUE(kernel.stream);
+  EXPECT_EQ(kernel.stream->handle, static_cast<std::uint64_t>(s));
+  ASSERT_EQ(kernel.buffers.size(), 1U);
+  EXPECT_EQ(kernel.buffers[0].address, reinterpret_cast<std::uintptr_t>(data_));
+  EXPECT_EQ(kernel.buffers[0].mode, activity::access::read_write);
+  EXPECT_EQ(events[4].stream->handle, 1U);  // the legacy default stream, as the backend names it
+  EXPECT_LT(events[0].seq, events[1].seq);
+  EXPECT_TRUE(hazards(events).empty());
+}
+
+TEST_F(ActivityTraceTest, ALaunchOnTheLegacyStreamAfterANonBlockingWriteIsARace)
+{
+  begin();
+  const auto producer = sim_.create_stream(/*non_blocking=*/true);
+  sim_.enqueue_fill(producer, data_, n, 1.0F);
+  launch(sim_.legacy_default_stream(), activity::access::read, "consume");
+  const auto events = finish();
+  const auto found = hazards(events);
+  ASSERT_EQ(found.size(), 1U);
+  EXPECT_STREQ(found[0]->hazard, "race");
+  EXPECT_STREQ(found[0]->kernel, "consume");
+  ASSERT_TRUE(found[0]->other);
+  EXPECT_EQ(found[0]->other->kind, trace::event_kind::copy);
+  EXPECT_EQ(found[0]->other->stream->handle, static_cast<std::uint64_t>(producer));
+  EXPECT_EQ(found[0]->other->seq, events[1].seq);
+  EXPECT_FALSE(found[0]->fix.empty());
+  sim_.destroy_stream(producer);
+}
+
+TEST_F(ActivityTraceTest, TheSameLaunchOnABlockingStreamIsOrderedByTheLegacyStreamsRule)
+{
+  begin();
+  const auto producer = sim_.create_stream(/*non_blocking=*/false);
+  sim_.enqueue_fill(producer, data_, n, 1.0F);
+  launch(sim_.legacy_default_stream(), activity::access::read, "consume");
+  EXPECT_TRUE(hazards(finish()).empty());
+  sim_.destroy_stream(producer);
+}
+
+TEST_F(ActivityTraceTest, AHostWaitCarriesTheTimeItBlocked)
+{
+  begin();
+  const auto s = sim_.create_stream(true);
+  sim_.enqueue_sleep(s, 30ms);
+  sim_.synchronize_stream(s);
+  const auto events = finish();
+  const auto sync =
+    std::find_if(events.begin(), events.end(), [](const trace::event& e) { return e.kind == trace::event_kind::sync; });
+  ASSERT_NE(sync, events.end());
+  EXPECT_GE(sync->blocked_ns, std::chrono::nanoseconds{25ms}.count());
+  sim_.destroy_stream(s);
+}
+
+TEST_F(ActivityTraceTest, AStreamOrderedFreeIsRecordedAndAUseOnAnotherStreamIsAReuse)
+{
+  begin();
+  const auto a = sim_.create_stream(true);
+  const auto b = sim_.create_stream(true);
+  auto* scratch = static_cast<float*>(sim_.allocate(64, a));
+  const activity::buffer_use use{
+    .address = reinterpret_cast<std::uintptr_t>(scratch), .bytes = 64, .mode = activity::access::write};
+  sim_.deallocate(scratch, a);
+  sim_.launch_kernel(b, activity::intern("late"), {&use, 1});  // touches nothing: a kernel of the trace only
+  const auto events = finish();
+  const auto found = hazards(events);
+  ASSERT_EQ(found.size(), 1U);
+  EXPECT_STREQ(found[0]->hazard, "reuse");
+  EXPECT_EQ(found[0]->other->kind, trace::event_kind::memory);
+  sim_.synchronize_device();
+  sim_.destroy_stream(a);
+  sim_.destroy_stream(b);
+}
+
+TEST_F(ActivityTraceTest, ActivityEventsWriteTheirOwnFields)
+{
+  begin();
+  launch(sim_.legacy_default_stream(), activity::access::write, "k\"q");
+  const auto events = finish();
+  ASSERT_EQ(events.size(), 1U);
+  const std::string json = trace::to_json(events[0]);
+  EXPECT_NE(json.find(R"("kind":"launch")"), std::string::npos) << json;
+  EXPECT_NE(json.find(R"("kernel":"k\"q")"), std::string::npos) << json;
+  EXPECT_NE(json.find(R"("access":"write")"), std::string::npos) << json;
+  EXPECT_NE(json.find(R"("stream":1)"), std::string::npos) << json;
+  EXPECT_EQ(json.find(R"("producer")"), std::string::npos) << json;  // an exchange's fields are not an activity's
+}
+
+}  // namespace
+}  // namespace handoff
