@@ -255,7 +255,7 @@ TEST_F(ArrayTest, StridesWhoseByteOffsetsOverflowAreRefused)
 // their order: each layout here is refused with the first check's message, as before that pass.
 TEST(ValidateLayout, EachRefusalNamesTheFirstCheckThatFails)
 {
-  const auto refusal = [](std::vector<std::int64_t> shape, std::vector<std::int64_t> strides, void* data,
+  const auto refusal = [](const std::vector<std::int64_t>& shape, const std::vector<std::int64_t>& strides, void* data,
                           DLDataType dtype = {kDLFloat, 32, 1}) -> std::string {
     array_layout layout;
     layout.data = data;
