@@ -55,7 +55,8 @@ cached_objects cached;
 named_stream consumer_stream(py::handle stream)
 {
   if (!stream.is_none()) { return stream_named_by(stream); }
-  return stream_named_by(enclosing_stream());  // None: the default stream
+  const py::object block = enclosing_stream();
+  return block.is_none() ? named_stream{} : stream_named_by(block);  // None: the default stream
 }
 
 bool is_numpy_array(PyObject* x) noexcept
@@ -304,7 +305,8 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
   }
   // The C exchange API has no dl_device or copy: calls with them go through __dlpack__, whose
   // producer may honour them itself (a copy made by the producer, in its own stream order).
-  if (device.is_none() && copy.is_none() && !is_numpy_array(x.ptr())) {
+  const bool numpy_array = is_numpy_array(x.ptr());
+  if (device.is_none() && copy.is_none() && !numpy_array) {
     // What the producer's __dlpack__ refuses stays refused: that call says why.
     // handoff's own table (a def_dlpack class offers it) is not asked: the class's __dlpack__
     // exports the same view.
@@ -326,7 +328,7 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
     // __dlpack__ is a plain method. Device data goes the general way, which names the default
     // stream: an omitted `stream` is "no synchronization" to some producers (PyTorch).
     if (PyObject* method = plain_dlpack_method(x.ptr())) {
-      if (!is_numpy_array(x.ptr())) {
+      if (!numpy_array) {
         claimed = producer_device(x, /*required=*/false);
         asked_device = true;
       }

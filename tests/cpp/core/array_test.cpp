@@ -251,6 +251,41 @@ TEST_F(ArrayTest, StridesWhoseByteOffsetsOverflowAreRefused)
   EXPECT_EQ(import_dlpack(&empty.versioned).size(), 0);
 }
 
+// validate_layout accepts the common layout in one pass and leaves every refusal to its checks in
+// their order: each layout here is refused with the first check's message, as before that pass.
+TEST(ValidateLayout, EachRefusalNamesTheFirstCheckThatFails)
+{
+  const auto refusal = [](const std::vector<std::int64_t>& shape, const std::vector<std::int64_t>& strides, void* data,
+                          DLDataType dtype = {kDLFloat, 32, 1}) -> std::string {
+    array_layout layout;
+    layout.data = data;
+    layout.dtype = dtype;
+    layout.shape = shape;
+    layout.strides = strides;
+    try {
+      validate_layout(layout);
+    } catch (const error& e) {
+      return e.what();
+    }
+    return "accepted";
+  };
+  float storage[4] = {};
+  constexpr std::int64_t big = std::int64_t{1} << 62;
+  EXPECT_EQ(refusal({2, 2}, {2, 1}, storage), "accepted");
+  EXPECT_EQ(refusal({}, {}, storage), "accepted");                  // 0-d: one element
+  EXPECT_EQ(refusal({0, 2}, {INT64_MAX, 1}, nullptr), "accepted");  // empty: no data, no offsets
+  EXPECT_EQ(refusal({2, 2}, {-2, 1}, storage + 2), "accepted");     // negative strides
+  EXPECT_NE(refusal({2, 2}, {1}, storage).find("strides has 1 entries but shape has 2"), std::string::npos);
+  EXPECT_NE(refusal({2}, {1}, storage, {kDLFloat, 32, 2}).find("unsupported dtype"), std::string::npos);
+  EXPECT_NE(refusal({2, -1}, {1, 1}, storage).find("shape[1] is negative"), std::string::npos);
+  // The element count overflows before the empty axis is reached: refused, as the checks go in order.
+  EXPECT_NE(refusal({big, 4, 0}, {1, 1, 1}, storage).find("element count does not fit"), std::string::npos);
+  EXPECT_NE(refusal({big / 2}, {1}, storage).find("size in bytes does not fit"), std::string::npos);
+  EXPECT_NE(refusal({2}, {1}, nullptr).find("data is a null pointer"), std::string::npos);
+  EXPECT_NE(refusal({2, 2}, {INT64_MIN / 2, 1}, storage).find("strides (-4611686018427387904, 1"), std::string::npos);
+  EXPECT_NE(refusal({3}, {big}, storage).find("overflow"), std::string::npos);
+}
+
 TEST_F(ArrayTest, ByteOffsetIsAddedAsAnAddress)
 {
   // Found by tests/fuzz/dlpack_fuzz: a byte_offset that wraps the address space was pointer
