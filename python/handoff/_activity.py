@@ -22,7 +22,8 @@ def is_activity(event: Mapping[str, Any]) -> bool:
     return event.get("kind") in KINDS
 
 
-def _int(value: Any) -> int:
+def int_or_zero(value: Any) -> int:
+    """A trace field as an int, 0 where it is missing or not a number (traces are read as written)."""
     try:
         return int(value)
     except (TypeError, ValueError):
@@ -32,7 +33,7 @@ def _int(value: Any) -> int:
 def stream_label(handle: Any) -> str:
     if handle is None:
         return "-"
-    number = _int(handle)
+    number = int_or_zero(handle)
     if number == 1:
         return "legacy"
     if number == 2:
@@ -75,13 +76,13 @@ def format_activity(event: Mapping[str, Any], device: str) -> str:
     if buffers:
         parts.append(
             ", ".join(
-                f"{b.get('access', '?')} {b.get('buffer') or hex(_int(b.get('address')))}"
+                f"{b.get('access', '?')} {b.get('buffer') or hex(int_or_zero(b.get('address')))}"
                 for b in buffers
                 if isinstance(b, Mapping)
             )
         )
-    if _int(event.get("blocked_ns")):
-        parts.append(f"blocked {duration(_int(event.get('blocked_ns')))}")
+    if int_or_zero(event.get("blocked_ns")):
+        parts.append(f"blocked {duration(int_or_zero(event.get('blocked_ns')))}")
     if event.get("library"):
         parts.append(f"in {event['library']}")
     if event.get("hazard") is not None:
@@ -99,7 +100,7 @@ def counts_line(activity: Sequence[Mapping[str, Any]]) -> str:
     """``device activity: 12 launches, 3 copies, 5 stream operations, 2 host waits (blocked 31.2 ms),
     1 allocation or free``."""
     kinds = [str(e.get("kind")) for e in activity]
-    blocked = sum(_int(e.get("blocked_ns")) for e in activity)
+    blocked = sum(int_or_zero(e.get("blocked_ns")) for e in activity)
     parts = [
         _count(kinds.count("launch"), "launch", "launches"),
         _count(kinds.count("copy"), "copy or set", "copies and sets"),
@@ -117,7 +118,7 @@ def guarded_exchanges(events: Sequence[Mapping[str, Any]]) -> dict[int, Mapping[
     blocking the host. Each maps to that exchange."""
     guarded: dict[int, Mapping[str, Any]] = {}
     pending: dict[Any, int] = {}  # thread -> index of its latest host wait not yet followed by an exchange
-    order = sorted(range(len(events)), key=lambda i: _int(events[i].get("time_ns")))
+    order = sorted(range(len(events)), key=lambda i: int_or_zero(events[i].get("time_ns")))
     for index in order:
         event = events[index]
         kind, thread = event.get("kind"), event.get("thread")
@@ -148,7 +149,7 @@ def host_wait_lines(events: Sequence[Mapping[str, Any]], table: Callable[..., li
         where = str(event.get("where") or "-")
         group = groups.setdefault(where, {"count": 0, "blocked": 0, "ops": [], "guards": 0})
         group["count"] += 1
-        group["blocked"] += _int(event.get("blocked_ns"))
+        group["blocked"] += int_or_zero(event.get("blocked_ns"))
         op = str(event.get("op") or "?")
         if op not in group["ops"]:
             group["ops"].append(op)
@@ -190,8 +191,8 @@ def chrome_slices(
     for event in raw:
         if not is_activity(event):
             continue
-        ts = (_int(event.get("time_ns")) - start) / 1000.0
-        blocked = _int(event.get("blocked_ns"))
+        ts = (int_or_zero(event.get("time_ns")) - start) / 1000.0
+        blocked = int_or_zero(event.get("blocked_ns"))
         if event.get("kind") == "sync" or blocked:
             tid = host_track(event.get("thread"))
             ts -= blocked / 1000.0  # recorded when the wait ended
@@ -212,14 +213,14 @@ def chrome_slices(
             slice_["name"] = f"\u26a0 {event['hazard']}: {name}"
             slice_["cname"] = "terrible"
         slices.append(slice_)
-        seq = _int(event.get("seq"))
+        seq = int_or_zero(event.get("seq"))
         placed[seq] = (tid, ts)
         if event.get("hazard") is None or event.get("other_seq") is None:
             continue
-        source = placed.get(_int(event.get("other_seq")))
+        source = placed.get(int_or_zero(event.get("other_seq")))
         if source is None:  # the earlier side was dropped from a bounded trace: where it ran
             source_tid = track(event.get("device"), event.get("other_stream"))
-            source = (source_tid, (_int(event.get("other_time_ns")) - start) / 1000.0)
+            source = (source_tid, (int_or_zero(event.get("other_time_ns")) - start) / 1000.0)
             slices.append(
                 {
                     "name": str(event.get("other_kernel") or event.get("other_kind") or "?"),
@@ -252,10 +253,10 @@ def with_races(graph: Mapping[str, Any], events: Sequence[Mapping[str, Any]]) ->
 
     def stream_node(device: Any, handle: Any) -> str:
         pair = list(device) if isinstance(device, (list, tuple)) else [0, 0]
-        node_id = f"stream:{_int(pair[0]) if pair else 0}:{_int(pair[1]) if len(pair) > 1 else 0}:{hex(_int(handle))}"
+        node_id = f"stream:{int_or_zero(pair[0]) if pair else 0}:{int_or_zero(pair[1]) if len(pair) > 1 else 0}:{hex(int_or_zero(handle))}"
         if node_id not in known:
             known.add(node_id)
-            nodes.append({"id": node_id, "kind": "stream", "device": pair, "handle": _int(handle)})
+            nodes.append({"id": node_id, "kind": "stream", "device": pair, "handle": int_or_zero(handle)})
         return node_id
 
     for event in events:

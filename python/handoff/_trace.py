@@ -217,13 +217,6 @@ def _stream(handle: Any) -> str:
         return str(handle)
 
 
-def _int(value: Any) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return 0
-
-
 def _human_bytes(count: int) -> str:
     size = float(count)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -242,7 +235,7 @@ def _shape(event: Mapping[str, Any]) -> str:
 def format_event(event: Mapping[str, Any]) -> str:
     """One line for an event: time, kind, producer -> consumer, array, streams, action, hazard, where
     (for device activity: time, kind, operation, kernel, stream, memory, blocked time, hazard, where)."""
-    time_ns = _int(event.get("time_ns"))
+    time_ns = _activity.int_or_zero(event.get("time_ns"))
     try:
         stamp = f"{time.strftime('%H:%M:%S', time.localtime(time_ns // 1_000_000_000))}.{time_ns % 1_000_000_000 // 1000:06d}"
     except (OverflowError, OSError, ValueError):  # a time no clock shows
@@ -253,7 +246,7 @@ def format_event(event: Mapping[str, Any]) -> str:
         stamp,
         f"{event.get('kind', '?')!s:<7}",
         _pair(event),
-        f"{_shape(event)} {_human_bytes(_int(event.get('nbytes')))}",
+        f"{_shape(event)} {_human_bytes(_activity.int_or_zero(event.get('nbytes')))}",
         device_name(event.get("device")),
         f"stream {_stream(event.get('producer_stream'))} -> {_stream(event.get('consumer_stream'))}",
         str(event.get("action", "?")),
@@ -394,7 +387,7 @@ def summary(
         if kind in ("import", "export", "release"):
             counts[kind] += 1
             if kind != "release" and own_action:  # a release hands nothing over
-                counts["bytes"] += _int(event.get("nbytes"))
+                counts["bytes"] += _activity.int_or_zero(event.get("nbytes"))
         if own_action and action in ("wait", "elided", "unordered", "refused"):
             counts[str(action)] += 1
     totals = {name: sum(c[name] for c in pairs.values()) for name in (*columns, "bytes")}
@@ -492,21 +485,21 @@ def chrome_trace(
     """
     pid = 1 if pid is None else int(pid)
     raw = [_json_event(e) for e in events]
-    start = min((_int(e.get("time_ns")) for e in raw), default=0) if start_ns is None else start_ns
+    start = min((_activity.int_or_zero(e.get("time_ns")) for e in raw), default=0) if start_ns is None else start_ns
     tracks: dict[tuple[Any, ...], int] = {}
 
     def track(device: Any, handle: Any) -> int:
-        key: tuple[Any, ...] = ("host",) if handle is None else (tuple(device or ()), _int(handle))
+        key: tuple[Any, ...] = ("host",) if handle is None else (tuple(device or ()), _activity.int_or_zero(handle))
         return tracks.setdefault(key, len(tracks) + 1)
 
     def host_track(thread: Any) -> int:
-        return tracks.setdefault(("thread", _int(thread)), len(tracks) + 1)
+        return tracks.setdefault(("thread", _activity.int_or_zero(thread)), len(tracks) + 1)
 
     slices: list[Event] = _activity.chrome_slices(raw, track=track, host_track=host_track, pid=pid, start=start)
     exchanges = [e for e in raw if not _activity.is_activity(e)]
     flow_id = 0
     for event, own_action in zip(exchanges, _own_actions(exchanges)):
-        ts = (_int(event.get("time_ns")) - start) / 1000.0
+        ts = (_activity.int_or_zero(event.get("time_ns")) - start) / 1000.0
         device = event.get("device")
         consumer_stream, producer_stream = event.get("consumer_stream"), event.get("producer_stream")
         tid = track(device, consumer_stream if consumer_stream is not None else producer_stream)
@@ -615,7 +608,7 @@ def _node_label(node: Mapping[str, Any]) -> str:
             f"{node.get('library') or '?'} buffer",
             f"{node.get('dtype', '?')} [{dims}]",
             device_name(node.get("device")),
-            _human_bytes(_int(node.get("nbytes"))) if "nbytes" in node else None,
+            _human_bytes(_activity.int_or_zero(node.get("nbytes"))) if "nbytes" in node else None,
             None if holders is None else f"{holders} holder{'s' if holders != 1 else ''}",
             node.get("id"),
         )
@@ -663,7 +656,7 @@ def graph_to_dot(graph: Mapping[str, Any], exchanges: Sequence[Mapping[str, Any]
         for pair in exchanges:
             hazards = pair.get("hazards") or 0
             label = _label(
-                f"{_plural(_int(pair.get('imports')), 'import')} ({', '.join(map(str, pair.get('protocols') or ()))})",
+                f"{_plural(_activity.int_or_zero(pair.get('imports')), 'import')} ({', '.join(map(str, pair.get('protocols') or ()))})",
                 _plural(hazards, "hazard") if hazards else None,
             )
             color = ', color="#d93025"' if hazards else ""
