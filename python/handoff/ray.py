@@ -8,6 +8,10 @@ until Ray's reference counting lets the object go (``garbage_collect``) and ever
 released what it opened. Between nodes the transport refuses with a ``ValueError`` that says so: use
 one of Ray's own transports there (``"nccl"``, ``"nixl"``). A :class:`handoff.ipc.Handle` travels in
 any Ray object, tasks and ``ray.put`` included.
+
+Give receiving actors ``max_concurrency=2`` (or make them async): Ray may send the receive after the
+task that takes the array (Ray issue 60954), and an actor that runs its tasks in order would wait for
+it behind that task until Ray's RDT timeout.
 """
 
 from __future__ import annotations
