@@ -11,12 +11,11 @@ the work its stream had by then; in a trace the call is recorded as one event.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from . import _handoff
@@ -135,8 +134,10 @@ def _protocol_of(value: Any, interface_first: bool) -> Any:
     """The protocol a consumer reads `value` through; None when it has neither (not an exchange)."""
     if isinstance(value, type):
         return None
-    dlpack, interface = hasattr(value, "__dlpack__"), hasattr(value, "__cuda_array_interface__")
-    if interface and (interface_first or not dlpack):
+    dlpack = hasattr(value, "__dlpack__")
+    if dlpack and not interface_first:  # the interface is not asked: a CPU tensor's raises, which costs
+        return Protocol.dlpack
+    if hasattr(value, "__cuda_array_interface__"):
         return Protocol.cuda_array_interface
     return Protocol.dlpack if dlpack else None
 
@@ -193,11 +194,33 @@ _POINTER_READS: tuple[Callable[[Any], Any], ...] = (
 )
 
 
+# The read that works for each type of array met, found once: trying each read costs an exception
+# per library that is not the array's (microseconds each, on every exchange).
+_pointer_read_of_type: dict[type, Callable[[Any], Any] | None] = {}
+
+
 def _data_pointer(value: Any) -> int | None:
-    for read in _POINTER_READS:
-        with contextlib.suppress(Exception):  # not this library's way
-            return int(read(value))
-    return None
+    kind = type(value)
+    try:
+        read = _pointer_read_of_type[kind]
+    except KeyError:
+        read = _pointer_read_of_type[kind] = next(
+            (read for read in _POINTER_READS if _reads_pointer(read, value)), None
+        )
+    if read is None:
+        return None
+    try:
+        return int(read(value))
+    except Exception:  # noqa: BLE001 - an array of that type that cannot say it now (a deleted JAX array)
+        return None
+
+
+def _reads_pointer(read: Callable[[Any], Any], value: Any) -> bool:
+    try:
+        int(read(value))
+    except Exception:  # noqa: BLE001 - not this library's way
+        return False
+    return True
 
 
 def _copy_note(consumer: str, handed: tuple[list[int], str, int] | None, result: Any, argument: Any) -> str:
@@ -267,27 +290,28 @@ def exchange(
         _local.exchange = None
         _handoff._interposed_mute(False)
         if tracing:
-            with _never_breaking():
+            try:
                 seen.stream_argument = in_progress.stream_argument
                 seen.record(Kind.import_data, Action.refused, Hazard.none, f"{type(error).__name__}: {error}"[:200])
+            except Exception as failure:  # noqa: BLE001
+                _not_recorded(failure)
         raise
     _local.exchange = None
     _handoff._interposed_mute(False)
     if tracing:
-        with _never_breaking():
+        try:
             seen.stream_argument = in_progress.stream_argument
             how = _classify(seen, in_progress, producer, interface_stream is not None, ordering)
             _record(seen, how, result, argument)
+        except Exception as failure:  # noqa: BLE001
+            _not_recorded(failure)
     return result
 
 
-@contextlib.contextmanager
-def _never_breaking() -> Iterator[None]:
-    """A tracing tool never breaks the program it watches: what fails to be recorded is said once."""
-    try:
-        yield
-    except Exception as error:  # noqa: BLE001
-        _warn_once(f"record:{type(error).__name__}", f"handoff could not record an exchange: {error!r}")
+def _not_recorded(error: Exception) -> None:
+    """A tracing tool never breaks the program it watches: what fails to be recorded is said once. (A
+    plain ``except`` at each place: a context manager would cost each exchange a microsecond.)"""
+    _warn_once(f"record:{type(error).__name__}", f"handoff could not record an exchange: {error!r}")
 
 
 def _order(seen: Any) -> bool:
@@ -388,7 +412,15 @@ def _action(
 
 def _made_by_nanobind(value: Any) -> bool:
     """nanobind's ndarray exports ignore `stream`; its types' metaclass is nanobind's ``nb_type``."""
-    return type(type(value)).__name__.startswith("nb_type")
+    kind = type(value)
+    try:
+        return _nanobind_types[kind]
+    except KeyError:
+        made = _nanobind_types[kind] = type(kind).__name__.startswith("nb_type")
+        return made
+
+
+_nanobind_types: dict[type, bool] = {}
 
 
 def _record(seen: Any, how: tuple[Any, Any, str], result: Any, argument: Any) -> None:
@@ -444,7 +476,7 @@ def _check_release(producer: weakref.ref[Any], seen: Any) -> None:
     # Besides the count's own: the consumer's capsule's, which it gives up next, and no other.
     if _references(producer) - _OWN_REFERENCES != 1:
         return  # gone already, or kept by someone else: its memory stays
-    with _never_breaking():  # nor does a finalizer's error
+    try:  # nor does a finalizer's error
         if not seen.consumer_stream_busy():
             return
         seen.record(
@@ -455,3 +487,5 @@ def _check_release(producer: weakref.ref[Any], seen: Any) -> None:
             f"queued, and with it the last reference to the {seen.producer} array: its memory may be reused before "
             "that work reads it",
         )
+    except Exception as failure:  # noqa: BLE001
+        _not_recorded(failure)

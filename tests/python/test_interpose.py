@@ -697,6 +697,16 @@ def test_a_consumer_that_copies_what_it_was_handed_is_recorded_with_the_data_han
     assert viewed["dtype"] == "float32" and not viewed["detail"]
 
 
+def test_a_copy_of_the_same_layout_is_told_by_its_data_pointer():
+    with handoff.trace(libraries=True) as t:
+        for _ in range(2):  # the second finds each type's pointer read remembered
+            np.from_dlpack(torch.ones(4), copy=True)
+            np.from_dlpack(torch.ones(4))  # negative control: a view, no copy to note
+    notes = [e["detail"] for e in t.events if e["interposed"]]
+    copied = "numpy made a copy of the float32[4] it was handed"
+    assert notes == [copied, None, copied, None]
+
+
 # --- the ordering mode's streams and keep-alive, on the simulator ----------------------------------
 
 
