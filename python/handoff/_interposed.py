@@ -255,6 +255,8 @@ def exchange(
     if argument is _MISSING:  # no array given: the consumer's own call says what is wrong
         return original(*args, **kwargs)
     producer_name, producer = registry.library_of(argument)
+    if not tracing and producer_name == "numpy":  # the ordering mode alone: NumPy's data is host data
+        return original(*args, **kwargs)
     protocol = _protocol_of(argument, consumer.interface_first)
     if protocol is None or producer_name in (None, consumer.adapter.name, "handoff"):
         # Not an exchange (a list, a host array read through __array__), one within a library, or
