@@ -96,9 +96,9 @@ def main() -> None:
 def ray_rows() -> None:
     """A 64 MiB device array (the simulator's, or PyTorch's on CUDA) between two actors of one node:
     Ray's object store (which needs the data on the host, so the producer copies it there, as a GPU
-    tensor's serialization does) beside the
-    "handoff" transport (zero-copy, stream-ordered). And a 64 MiB NumPy array both ways: the handoff
-    transport copies host memory into shared memory once per share, as the object store does."""
+    tensor's serialization does) beside the "handoff" transport (zero-copy, stream-ordered). And a
+    64 MiB NumPy array both ways: the handoff transport copies host memory into shared memory once
+    per share, as the object store does."""
     import os
 
     import ray

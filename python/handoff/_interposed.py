@@ -22,6 +22,8 @@ from . import _handoff
 from ._adapters import LibraryAdapter, registry
 
 _CPU = 1  # DLPack's kDLCPU: host data, which no stream orders
+# Libraries whose arrays are host data whatever the array: their device need not be asked.
+_HOST_ONLY_LIBRARIES = frozenset({"numpy"})
 _MISSING = object()
 
 Protocol = _handoff._InterposedProtocol
@@ -255,7 +257,7 @@ def exchange(
     if argument is _MISSING:  # no array given: the consumer's own call says what is wrong
         return original(*args, **kwargs)
     producer_name, producer = registry.library_of(argument)
-    if not tracing and producer_name == "numpy":  # the ordering mode alone: NumPy's data is host data
+    if not tracing and producer_name in _HOST_ONLY_LIBRARIES:  # the ordering mode alone: nothing to order
         return original(*args, **kwargs)
     protocol = _protocol_of(argument, consumer.interface_first)
     if protocol is None or producer_name in (None, consumer.adapter.name, "handoff"):
@@ -414,15 +416,7 @@ def _action(
 
 def _made_by_nanobind(value: Any) -> bool:
     """nanobind's ndarray exports ignore `stream`; its types' metaclass is nanobind's ``nb_type``."""
-    kind = type(value)
-    try:
-        return _nanobind_types[kind]
-    except KeyError:
-        made = _nanobind_types[kind] = type(kind).__name__.startswith("nb_type")
-        return made
-
-
-_nanobind_types: dict[type, bool] = {}
+    return type(type(value)).__name__.startswith("nb_type")
 
 
 def _record(seen: Any, how: tuple[Any, Any, str], result: Any, argument: Any) -> None:
