@@ -10,6 +10,13 @@ import pytest
 # A GPU JAX would otherwise take most of the GPU's memory on first use, starving PyTorch and CuPy
 # in the same process. Set before anything imports JAX.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# CUDA loads a kernel on its first launch by default (CUDA_MODULE_LOADING=LAZY), and loading one may
+# wait for every kernel running on the device: a first launch behind a producer's spin would then be
+# ordered after it (hiding the race a negative control must show), and a first launch onto a stream
+# that a test holds by a gate would wait for the gate it is inside. The GPU suites need kernels loaded
+# when their process makes its CUDA context (the variable is read then; processes started by a test
+# inherit it).
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 import handoff
 

@@ -235,12 +235,14 @@ def test_capture_with_an_import_an_export_and_a_release_inside(torch, settled_vi
     # Inside the capture every call names the capturing stream, so nothing is ordered across the
     # capture's edge; the release must not be recorded into the graph, and must keep the producer
     # (which nothing else holds then) until the graph is destroyed: its replays read its memory.
-    view, gone = owned_view(torch)
+    # The data is ready on the stream that captures: ordering it after any other (the legacy stream,
+    # say) would be an operation across the capture's edge, which handoff refuses.
+    capturing = torch.cuda.Stream()
+    view, gone = owned_view(torch, stream=capturing.cuda_stream)
     out = torch.zeros(N, device="cuda")
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        capturing = torch.cuda.current_stream()
+    with torch.cuda.graph(graph, stream=capturing):
         imported = handoff.from_dlpack(view, stream=capturing)
         tensor = torch.from_dlpack(imported)  # an export inside the capture
         tensor.add_(1.0)
@@ -425,7 +427,7 @@ def test_two_threads_hand_views_across_their_per_thread_default_streams(cupy, to
                 x.fill(value)
                 handed[other].put(handoff.from_dlpack(x, stream=2))
             view = handed[value].get(timeout=30)  # the other thread's
-            results[value] = read_with_cupy(cupy, out, view, cupy.cuda.ExternalStream(2))
+            results[value] = read_with_cupy(cupy, out, view, cupy.cuda.Stream.ptds)  # stream 2
             del view  # dropped on this thread, bound on the other's stream
             producer.synchronize()
         except Exception as error:  # noqa: BLE001 - reported by the main thread
@@ -515,7 +517,7 @@ def numba_cuda():
         if i < out.size:
             out[i] = value
 
-    fill[1, 32](cuda.device_array(32, np.float32), 0.0)  # compiled now, not behind a spin
+    fill[(N + 255) // 256, 256](cuda.device_array(N, np.float32), 0.0)  # compiled now, not behind a spin
     cuda.synchronize()
     return cuda, fill
 

@@ -23,6 +23,9 @@ def _agent(**env):
 def test_the_consumer_waits_for_the_producer_kernel(ordered, sync):
     producer, consumer = _agent(HANDOFF_IPC_SYNC=sync), _agent()
     try:
+        # The consumer's CUDA context and kernels are made before the producer's second of spin
+        # starts: made after, they could take longer than the spin and hide the negative control's race.
+        consumer.run("import torch; torch.zeros(1 << 20, device='cuda').clone().min(); torch.cuda.synchronize()")
         data = producer.run(
             "import torch; s = torch.cuda.Stream(); x = torch.zeros(1 << 20, device='cuda')\n"
             f"with torch.cuda.stream(s): torch.cuda._sleep({SLOW}); x.fill_(7.0)\n"

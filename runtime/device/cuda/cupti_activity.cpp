@@ -180,18 +180,22 @@ bool symbol(void* library, const char* name, F& out)
   return out != nullptr;
 }
 
+// Asks for each entry point as the headers compiled against declare it (CUDA_VERSION): a version
+// older than the one that introduced it is refused (cuStreamGetFlags at 2000, say, on a 13.0 driver),
+// and the pointer's type is this toolkit's.
 template <class F>
-std::string driver_entry(const char* name, F& out, unsigned int version)
+std::string driver_entry(const char* name, F& out)
 {
   void* address = nullptr;
   cudaDriverEntryPointQueryResult found{};
-  const cudaError_t status = cudaGetDriverEntryPointByVersion(name, &address, version, cudaEnableDefault, &found);
+  const cudaError_t status = cudaGetDriverEntryPointByVersion(name, &address, CUDA_VERSION, cudaEnableDefault, &found);
   if (status != cudaSuccess) {
     (void)cudaGetLastError();
     return fmt::format("the CUDA driver is not usable ({}: {})", cudaGetErrorName(status), cudaGetErrorString(status));
   }
   if (found != cudaDriverEntryPointSuccess || address == nullptr) {
-    return fmt::format("the CUDA driver has no {} (version {})", name, version);
+    return fmt::format("the CUDA driver has no {} (as CUDA {}.{} declares it)", name, CUDA_VERSION / 1000,
+                       CUDA_VERSION % 1000 / 10);
   }
   out = reinterpret_cast<F>(address);
   return {};
@@ -224,10 +228,10 @@ std::string watcher::load()
     failure = fmt::format("{} is not a CUPTI with the callback API", library_path);
   } else {
     // Checked now, so that a machine without a driver says so before anything is subscribed.
-    for (std::string problem : {driver_entry("cuFuncGetParamInfo", driver.func_param_info, 12040),
-                                driver_entry("cuStreamGetFlags", driver.stream_flags, 2000),
-                                driver_entry("cuStreamGetDevice", driver.stream_device, 12080),
-                                driver_entry("cuCtxGetDevice", driver.ctx_device, 2000)}) {
+    for (std::string problem : {driver_entry("cuFuncGetParamInfo", driver.func_param_info),
+                                driver_entry("cuStreamGetFlags", driver.stream_flags),
+                                driver_entry("cuStreamGetDevice", driver.stream_device),
+                                driver_entry("cuCtxGetDevice", driver.ctx_device)}) {
       if (!problem.empty()) {
         failure = fmt::format("CUPTI was found ({}), but {}", library_path, problem);
         break;

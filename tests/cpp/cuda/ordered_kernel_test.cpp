@@ -50,6 +50,12 @@ class OrderedKernelTest : public ::testing::Test {
     HANDOFF_CUDA_CHECK(cudaMemset(data_, 0, n * sizeof(float)));
     HANDOFF_CUDA_CHECK(cudaStreamCreateWithFlags(&producer_, cudaStreamNonBlocking));
     HANDOFF_CUDA_CHECK(cudaStreamCreateWithFlags(&consumer_, cudaStreamNonBlocking));
+    // CUDA loads a kernel on its first launch (CUDA_MODULE_LOADING=LAZY, the default), and loading
+    // may wait for the kernels running on the device: a consumer kernel launched for the first time
+    // behind the producer's spin would be ordered after it by the loading alone. Each is launched
+    // once here, on an idle device.
+    HANDOFF_CUDA_CHECK(kernels::spin_then_fill(data_, n, 0.0F, 0ns, consumer_));
+    HANDOFF_CUDA_CHECK(kernels::sum(data_, n, total_, consumer_));
     HANDOFF_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
