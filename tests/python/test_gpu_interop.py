@@ -94,7 +94,8 @@ def held(handle: int, timeout: float = 60.0):
     """Nothing enqueued on the stream `handle` after this point runs until the block ends (what
     `sim.hold` does on the simulator): a host function enqueued there waits for the block's end. A
     test checks inside the block what must still be there while the stream's work is pending, at
-    whatever speed it runs; the block must not wait for that stream itself."""
+    whatever speed it runs; the block must not wait for that stream itself, nor launch a kernel for
+    the first time (loading one may wait for the device's work: conftest.py loads them eagerly)."""
     released = threading.Event()
     gate = _HOST_FUNCTION(lambda _: released.wait(timeout))
     _host_functions.append(gate)
@@ -314,9 +315,12 @@ def test_expandable_segments(torch):
 @pytest.fixture(scope="module")
 def cupy():
     cupy = pytest.importorskip("cupy")
-    # CuPy compiles its kernels on first use: compiled now, a fill is queued at once behind a spin.
+    # CuPy compiles and loads its kernels on first use, and loading may wait for the kernels running
+    # on the device: the ones the tests run behind a spin, or inside a stream held by `held`, are
+    # made now.
     warm = cupy.zeros(8, dtype=cupy.float32)
     warm.fill(1.0)
+    warm += 1.0
     cupy.copyto(warm, warm.copy())
     cupy.cuda.Device().synchronize()
     return cupy
