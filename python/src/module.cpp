@@ -1,4 +1,6 @@
-// handoff._handoff: the extension module. It only binds; the logic lives in the runtime.
+// handoff._handoff: the extension module. It composes the py_*.cpp files' parts: each converts
+// Python objects into the exchange's requests and its results back; py_interpose.cpp records and
+// orders other libraries' exchanges through the runtime's ordering. The releases live in the runtime.
 #include "py_arguments.hpp"
 #include "py_array.hpp"
 #include "py_c_api.hpp"
