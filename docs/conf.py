@@ -2,6 +2,7 @@
 
 import doctest
 import os
+import sys
 
 # The examples in the pages that use a device run on the simulated one; the backend is chosen once per
 # process, before handoff first needs it, so set it before importing handoff.
@@ -15,8 +16,11 @@ copyright = "the handoff authors"
 release = handoff.__version__  # the installed package's: the docs describe what is installed
 version = ".".join(release.split(".")[:2])
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ext"))
+
 extensions = [
     "myst_parser",
+    "cpp_headers",  # docs/_ext/cpp_headers.py: the `cpp-header` directive of cpp-reference.md
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "sphinx.ext.doctest",
