@@ -88,31 +88,38 @@ PyObject* library_of_file(PyObject* filename) noexcept
   return library;
 }
 
-// The line a frame is at. CPython finds it by scanning the code's line table from the start, which
-// costs more than the rest of an event in a long function: lines are remembered per (code, offset).
-// The cache holds its code objects, so it is bounded.
-int line_of(PyFrameObject* frame, PyCodeObject* code) noexcept
+// Where a frame is, as "file:line", remembered per (code, offset): CPython finds a line by scanning
+// the code's line table from the start, and a key holding the code object would hash its contents
+// on every event. The cache holds a reference to each code object it names, so that no address is
+// reused while remembered, and is bounded. Holds the GIL, which guards the cache.
+std::string where_of(PyFrameObject* frame, PyCodeObject* code)
 {
-  static PyObject* lines = PyDict_New();
-  constexpr Py_ssize_t most_remembered = 4096;
-  PyObject* key = lines != nullptr ? Py_BuildValue("(Oi)", code, PyFrame_GetLasti(frame)) : nullptr;
-  if (key == nullptr) {
+  struct key_hash {
+    std::size_t operator()(const std::pair<PyCodeObject*, int>& key) const noexcept
+    {
+      return std::hash<const void*>{}(key.first) ^ (static_cast<std::size_t>(key.second) * 0x9E3779B97F4A7C15U);
+    }
+  };
+  using cache = std::unordered_map<std::pair<PyCodeObject*, int>, std::string, key_hash>;
+  static auto* known = new cache;  // NOLINT(cppcoreguidelines-owning-memory): leaked, as above
+  constexpr std::size_t most_remembered = 4096;
+  const std::pair key{code, PyFrame_GetLasti(frame)};
+  if (const auto found = known->find(key); found != known->end()) { return found->second; }
+  Py_ssize_t size = 0;
+  const char* text = PyUnicode_AsUTF8AndSize(code->co_filename, &size);
+  if (text == nullptr) {
     PyErr_Clear();
-    return PyFrame_GetLineNumber(frame);
+    return {};
   }
-  if (PyObject* known = PyDict_GetItemWithError(lines, key)) {
-    Py_DECREF(key);
-    return static_cast<int>(PyLong_AsLong(known));
+  std::string where =
+    fmt::format("{}:{}", std::string_view{text, static_cast<std::size_t>(size)}, PyFrame_GetLineNumber(frame));
+  if (known->size() >= most_remembered) {
+    for (const auto& [remembered, _] : *known) { Py_DECREF(remembered.first); }
+    known->clear();
   }
-  const int line = PyFrame_GetLineNumber(frame);
-  if (PyDict_Size(lines) >= most_remembered) { PyDict_Clear(lines); }
-  if (PyObject* value = PyLong_FromLong(line)) {
-    (void)PyDict_SetItem(lines, key, value);
-    Py_DECREF(value);
-  }
-  PyErr_Clear();
-  Py_DECREF(key);
-  return line;
+  known->emplace(key, where);
+  Py_INCREF(code);
+  return where;
 }
 
 // intern_library(name) for a name library_of_file returned, looked up by the object (the classifier's
@@ -146,12 +153,7 @@ python_location locate() noexcept
       PyObject* filename = code->co_filename;
       PyObject* library = library_of_file(filename);
       if (library == Py_None) {
-        Py_ssize_t size = 0;
-        const char* text = PyUnicode_AsUTF8AndSize(filename, &size);
-        if (text != nullptr) {
-          out.where =
-            fmt::format("{}:{}", std::string_view{text, static_cast<std::size_t>(size)}, line_of(frame, code));
-        }
+        out.where = where_of(frame, code);
         Py_DECREF(code);
         break;
       }

@@ -24,6 +24,7 @@
 #include <string_view>
 #include <type_traits>
 #include <unordered_map>
+#include <utility>
 
 namespace handoff::trace {
 
@@ -99,10 +100,12 @@ struct recorder {
     std::uint64_t dropped{0};    // events no longer kept
     bool activity{false};        // device activity is recorded too
 
-    void keep(event e)
+    // Copies for every session but the last, which takes the event itself: no move in between.
+    template <class Event>
+    void keep(Event&& e)
     {
       if (is_activity(e.kind) && !activity) { return; }
-      events.push_back(std::move(e));
+      events.push_back(std::forward<Event>(e));
       if (limit == 0 || events.size() <= limit) { return; }
       if (events.front().hazard != nullptr && hazards.size() < limit) {
         hazards.push_back(std::move(events.front()));

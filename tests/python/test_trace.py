@@ -110,6 +110,18 @@ def test_a_buffer_is_ready_on_and_released_after_its_consumer_stream(sim_streams
 # --- tracing -------------------------------------------------------------------------------------
 
 
+def test_each_event_names_the_line_it_came_from_however_often_that_line_runs():
+    # Locations are remembered per code object and offset: two lines of one function stay two, and
+    # a line run again is named again, as it was the first time.
+    data = np.ones(4, dtype=np.float32)
+    with handoff.trace() as t:
+        for _ in range(3):
+            handoff.from_dlpack(data)  # marker: first line
+            handoff.from_dlpack(data)  # marker: second line
+    imports = [e["where"] for e in t.events if e["kind"] == "import"]
+    assert imports == [line_of("# marker: first line"), line_of("# marker: second line")] * 3
+
+
 def test_each_exchange_is_an_event_with_the_contracts_fields(torch):
     with handoff.trace() as t:
         view = handoff.from_dlpack(np.ones(4, dtype=np.float64))  # marker: numpy import

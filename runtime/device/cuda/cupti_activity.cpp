@@ -228,10 +228,10 @@ std::string watcher::load()
     failure = fmt::format("{} is not a CUPTI with the callback API", library_path);
   } else {
     // Checked now, so that a machine without a driver says so before anything is subscribed.
-    for (std::string problem : {driver_entry("cuFuncGetParamInfo", driver.func_param_info),
-                                driver_entry("cuStreamGetFlags", driver.stream_flags),
-                                driver_entry("cuStreamGetDevice", driver.stream_device),
-                                driver_entry("cuCtxGetDevice", driver.ctx_device)}) {
+    for (std::string problem :
+         {driver_entry("cuFuncGetParamInfo", driver.func_param_info),
+          driver_entry("cuStreamGetFlags", driver.stream_flags),
+          driver_entry("cuStreamGetDevice", driver.stream_device), driver_entry("cuCtxGetDevice", driver.ctx_device)}) {
       if (!problem.empty()) {
         failure = fmt::format("CUPTI was found ({}), but {}", library_path, problem);
         break;
