@@ -56,14 +56,17 @@ class Consumer:
         return args, {**kwargs, self.parameter: value}
 
 
-@dataclasses.dataclass
 class _InFlight:
-    """The exchange in progress on a thread: what the producer's hooked ``__dlpack__`` reports."""
+    """The exchange in progress on a thread: what the producer's hooked ``__dlpack__`` reports. (A
+    plain class with slots: a dataclass's generated ``__init__`` costs each exchange a microsecond.)"""
 
-    argument: Any
-    device: tuple[int, int]
-    stream_argument: int | None = None
-    producer_device: int | None = None  # the device current when the producer's __dlpack__ ran
+    __slots__ = ("argument", "device", "producer_device", "stream_argument")
+
+    def __init__(self, argument: Any, device: tuple[int, int]) -> None:
+        self.argument = argument
+        self.device = device
+        self.stream_argument: int | None = None
+        self.producer_device: int | None = None  # the device current when the producer's __dlpack__ ran
 
 
 _local = threading.local()
@@ -146,7 +149,7 @@ def _protocol_of(value: Any, interface_first: bool) -> Any:
 
 def _device_of(value: Any, protocol: Any) -> tuple[int, int] | None:
     try:
-        if protocol == Protocol.dlpack:
+        if protocol is Protocol.dlpack:
             device = value.__dlpack_device__()
             return (int(device[0]), int(device[1]))
         pointer = int(value.__cuda_array_interface__["data"][0])
@@ -162,82 +165,6 @@ def _interface_stream(value: Any) -> object:
         return value.__cuda_array_interface__.get("stream")
     except Exception:  # noqa: BLE001 - the consumer's own call will say what is wrong
         return None
-
-
-_dtype_names: dict[Any, str] = {}
-
-
-def _dtype_name(dtype: Any) -> str:
-    """``"float32"`` for NumPy's, PyTorch's (``torch.float32``), CuPy's and JAX's float32; remembered
-    per dtype (NumPy's ``str`` of a dtype costs microseconds)."""
-    try:
-        return _dtype_names[dtype]
-    except KeyError:
-        name = _dtype_names[dtype] = str(dtype).rsplit(".", 1)[-1]
-        return name
-    except TypeError:  # not hashable
-        return str(dtype).rsplit(".", 1)[-1]
-
-
-def _description(value: Any) -> tuple[list[int], str, int] | None:
-    """Shape, dtype name and bytes of an array; None for what is not array-like."""
-    try:
-        return [int(n) for n in value.shape], _dtype_name(value.dtype), int(value.nbytes)
-    except Exception:  # noqa: BLE001 - not array-like
-        return None
-
-
-# Where an array's data starts, as each library says it without side effects.
-_POINTER_READS: tuple[Callable[[Any], Any], ...] = (
-    lambda value: value.data_ptr(),  # PyTorch
-    lambda value: value.unsafe_buffer_pointer(),  # JAX
-    lambda value: value.__array_interface__["data"][0],  # NumPy
-    lambda value: value.data.ptr,  # CuPy
-)
-
-
-# The read that works for each type of array met, found once: trying each read costs an exception
-# per library that is not the array's (microseconds each, on every exchange).
-_pointer_read_of_type: dict[type, Callable[[Any], Any] | None] = {}
-
-
-def _data_pointer(value: Any) -> int | None:
-    kind = type(value)
-    try:
-        read = _pointer_read_of_type[kind]
-    except KeyError:
-        read = _pointer_read_of_type[kind] = next(
-            (read for read in _POINTER_READS if _reads_pointer(read, value)), None
-        )
-    if read is None:
-        return None
-    try:
-        return int(read(value))
-    except Exception:  # noqa: BLE001 - an array of that type that cannot say it now (a deleted JAX array)
-        return None
-
-
-def _reads_pointer(read: Callable[[Any], Any], value: Any) -> bool:
-    try:
-        int(read(value))
-    except Exception:  # noqa: BLE001 - not this library's way
-        return False
-    return True
-
-
-def _copy_note(consumer: str, handed: tuple[list[int], str, int] | None, result: Any, argument: Any) -> str:
-    """What the trace says when the consumer made a copy of the data it was handed (JAX makes int32
-    of int64 data while x64 is off), rather than a view of it."""
-    made = _description(result)
-    if handed is None or made is None:
-        return ""
-    (shape, dtype, _), (made_shape, made_dtype, _) = handed, made
-    if (made_shape, made_dtype) != (shape, dtype):
-        return f"{consumer} made a copy: {made_dtype}{made_shape} of the {dtype}{shape} it was handed"
-    before, after = _data_pointer(argument), _data_pointer(result)
-    if before is not None and after is not None and before != after:
-        return f"{consumer} made a copy of the {dtype}{shape} it was handed"
-    return ""
 
 
 # --- one exchange --------------------------------------------------------------------------------
@@ -269,18 +196,11 @@ def exchange(
     if not tracing and device[0] == _CPU:  # the ordering mode alone: host data needs nothing
         return original(*args, **kwargs)
     seen = _handoff._InterposedExchange(protocol, producer_name, consumer.adapter.name, device)
-    consumer_stream = _current_stream(consumer.adapter, seen, seen.set_consumer_stream)
-    interface_stream = None
-    if protocol == Protocol.cuda_array_interface:
-        interface_stream = _interface_stream(argument)
-        try:
-            seen.set_producer_stream(interface_stream)
-        except Exception:  # noqa: BLE001 - a malformed interface: the consumer's own call says so
-            interface_stream = None
-    if interface_stream is None:
-        _current_stream(producer, seen, seen.set_producer_stream)
-    if ordering and device[0] != _CPU:
-        seen.ordered = _order(seen)
+    consumer_stream = interface_stream = None
+    if device[0] != _CPU:  # host data: no stream orders it
+        consumer_stream, interface_stream = _streams(seen, consumer, producer, argument, protocol)
+        if ordering:
+            seen.ordered = _order(seen)
 
     in_progress = _InFlight(argument, device)
     _local.exchange = in_progress
@@ -310,6 +230,24 @@ def exchange(
         except Exception as failure:  # noqa: BLE001
             _not_recorded(failure)
     return result
+
+
+def _streams(
+    seen: Any, consumer: Consumer, producer: LibraryAdapter | None, argument: Any, protocol: Any
+) -> tuple[object, object]:
+    """Both libraries' current streams, given to `seen`: (the consumer's as its adapter said it, the
+    producer's as a CUDA Array Interface names it, or None)."""
+    consumer_stream = _current_stream(consumer.adapter, seen, seen.set_consumer_stream)
+    interface_stream = None
+    if protocol is Protocol.cuda_array_interface:
+        interface_stream = _interface_stream(argument)
+        try:
+            seen.set_producer_stream(interface_stream)
+        except Exception:  # noqa: BLE001 - a malformed interface: the consumer's own call says so
+            interface_stream = None
+    if interface_stream is None:
+        _current_stream(producer, seen, seen.set_producer_stream)
+    return consumer_stream, interface_stream
 
 
 def _not_recorded(error: Exception) -> None:
@@ -355,7 +293,7 @@ def _import(argument: Any, protocol: Any, consumer_stream: Any) -> Any:
     """handoff's import of `argument` onto the consumer's stream, whose release waits for the work that
     stream has by then, for the consumer to import in its place; `argument` itself where handoff cannot
     import it."""
-    take = _handoff.asarray if protocol == Protocol.cuda_array_interface else _handoff.from_dlpack
+    take = _handoff.asarray if protocol is Protocol.cuda_array_interface else _handoff.from_dlpack
     try:
         return take(argument, stream=consumer_stream)
     except Exception as error:  # noqa: BLE001 - ordered still; only the producer is not kept past the consumer
@@ -372,6 +310,8 @@ def _classify(
 ) -> tuple[Any, Any, str]:
     """How the consumer's stream came to be ordered after the producer's: (action, hazard, why)."""
     device = call.device
+    if device[0] == _CPU:  # host data: nothing to order
+        return Action.none, Hazard.none, ""
     if call.producer_device is not None and call.producer_device != device[1]:
         return (
             Action.unordered,
@@ -380,18 +320,14 @@ def _classify(
             f"device's streams, not those of device {device[1]}, where the data is",
         )
     ignores = (producer is not None and producer.ignores_stream) or _made_by_nanobind(call.argument)
-    action, detail = _action(seen, device, call.stream_argument, ignores, interface_stream)
-    if ordering and action == Action.unordered and device[0] != _CPU:
+    action, detail = _action(seen, call.stream_argument, ignores, interface_stream)
+    if ordering and action == Action.unordered:
         # Flagged whatever the producer's stream has pending: the mode promised to order it.
         return action, Hazard.unordered, f"the ordering mode could not order {_why_not_ordered(seen)}"
     return action, Hazard.none, detail
 
 
-def _action(
-    seen: Any, device: tuple[int, int], stream_argument: int | None, ignores: bool, interface_stream: bool
-) -> tuple[Any, str]:
-    if device[0] == _CPU:
-        return Action.none, ""
+def _action(seen: Any, stream_argument: int | None, ignores: bool, interface_stream: bool) -> tuple[Any, str]:
     if seen.ordered:
         if seen.consumer_stream_outlives_releases:
             return Action.wait, "ordered by handoff: the consumer's stream waits for the producer's"
@@ -421,12 +357,8 @@ def _made_by_nanobind(value: Any) -> bool:
 
 def _record(seen: Any, how: tuple[Any, Any, str], result: Any, argument: Any) -> None:
     """Records the consumer's import, and watches the release of what it imported."""
-    handed = _description(argument) or _description(result)
-    if handed is not None:
-        seen.shape, seen.dtype, seen.nbytes = handed
     action, hazard, detail = how
-    copy = _copy_note(seen.consumer, handed, result, argument)
-    seen.record(Kind.import_data, action, hazard, "; ".join(filter(None, (detail, copy))))
+    seen.record_import(argument, result, action, hazard, detail)
     if not seen.ordered and seen.consumer_stream is not None:
         _watch_release(result, argument, seen)
 

@@ -2,8 +2,10 @@
 // each: both libraries' streams, resolved once by the exchange from what their adapters said; in the
 // ordering mode, the consumer stream's wait; and the trace events, classified as handoff's own are
 // (an unordered hand-off is a hazard only while the producer's stream has work pending).
+#include "py_cpython.hpp"
 #include "py_exchange.hpp"
 #include "py_gil.hpp"
+#include "py_numpy.hpp"
 #include "py_owners.hpp"
 #include "py_streams.hpp"
 #include "py_trace.hpp"
@@ -15,11 +17,17 @@
 #include <handoff/exchange.hpp>
 #include <handoff/stream.hpp>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <pybind11/stl.h>
 
+#include <array>
+#include <functional>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -78,6 +86,194 @@ std::optional<int> work_device_of(DLDevice data)
   const context* ctx = context_serving(data.device_type);
   if (ctx == nullptr) { return std::nullopt; }
   return is_host_accessible(data.device_type) ? ctx->backend().current_device() : data.device_id;
+}
+
+// --- what the hooks read of an array ------------------------------------------------------------
+
+// An array as the trace describes it: its shape, its dtype's name (NumPy's, PyTorch's, CuPy's and
+// JAX's float32 all read "float32"), its size, and where its data starts, where its library says so.
+struct array_description {
+  std::vector<std::int64_t> shape;
+  std::string dtype;
+  std::int64_t nbytes{0};
+  std::optional<std::uintptr_t> data;
+};
+
+// An attribute name, made once (the hooks read these on every exchange).
+PyObject* attribute_name(const char* name)
+{
+  PyObject* interned = PyUnicode_InternFromString(name);
+  if (interned == nullptr) { throw py::error_already_set(); }
+  return interned;
+}
+
+// The name of a dtype object ("torch.float32" reads "float32"), remembered per object: str() of a
+// NumPy dtype costs microseconds. Holds a reference to each dtype it names, so that no address is
+// reused while remembered; bounded (a program that makes a dtype per array would otherwise grow it).
+std::optional<std::string> dtype_name_of(PyObject* dtype)
+{
+  static auto* known =
+    new std::unordered_map<PyObject*, std::string>;  // NOLINT(cppcoreguidelines-owning-memory): leaked
+  constexpr std::size_t most_remembered = 1024;
+  if (const auto found = known->find(dtype); found != known->end()) { return found->second; }
+  const auto text = py::reinterpret_steal<py::object>(PyObject_Str(dtype));
+  Py_ssize_t size = 0;
+  const char* utf8 = text ? PyUnicode_AsUTF8AndSize(text.ptr(), &size) : nullptr;
+  if (utf8 == nullptr) {
+    PyErr_Clear();
+    return std::nullopt;
+  }
+  const std::string_view full{utf8, static_cast<std::size_t>(size)};
+  std::string name{full.substr(full.rfind('.') + 1)};
+  if (known->size() >= most_remembered) {
+    for (const auto& [remembered, _] : *known) { Py_DECREF(remembered); }
+    known->clear();
+  }
+  known->emplace(dtype, name);
+  Py_INCREF(dtype);
+  return name;
+}
+
+// How each library says where an array's data starts, without side effects.
+enum class pointer_read : std::uint8_t {
+  none,
+  data_ptr,               // PyTorch: tensor.data_ptr()
+  unsafe_buffer_pointer,  // JAX
+  array_interface,        // NumPy's __array_interface__["data"][0]
+  data_ptr_attribute,     // CuPy: array.data.ptr
+};
+
+std::optional<std::uintptr_t> read_pointer(PyObject* value, pointer_read how)
+{
+  static PyObject* const data_ptr = attribute_name("data_ptr");
+  static PyObject* const unsafe_buffer_pointer = attribute_name("unsafe_buffer_pointer");
+  static PyObject* const array_interface = attribute_name("__array_interface__");
+  static PyObject* const data = attribute_name("data");
+  static PyObject* const ptr = attribute_name("ptr");
+  py::object read;
+  switch (how) {
+    case pointer_read::data_ptr:
+      read = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(value, data_ptr));
+      break;
+    case pointer_read::unsafe_buffer_pointer:
+      read = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(value, unsafe_buffer_pointer));
+      break;
+    case pointer_read::array_interface:
+      if (auto interface = py::reinterpret_steal<py::object>(PyObject_GetAttr(value, array_interface))) {
+        PyObject* entry = PyDict_Check(interface.ptr()) != 0 ? PyDict_GetItemWithError(interface.ptr(), data) : nullptr;
+        if (entry != nullptr && PyTuple_Check(entry) != 0 && PyTuple_GET_SIZE(entry) > 0) {
+          read = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(entry, 0));
+        }
+      }
+      break;
+    case pointer_read::data_ptr_attribute:
+      if (auto memory = py::reinterpret_steal<py::object>(PyObject_GetAttr(value, data))) {
+        read = py::reinterpret_steal<py::object>(PyObject_GetAttr(memory.ptr(), ptr));
+      }
+      break;
+    case pointer_read::none:
+      break;
+  }
+  const unsigned long long pointer = read && PyLong_Check(read.ptr()) != 0 ? PyLong_AsUnsignedLongLong(read.ptr()) : 0;
+  if (!read || PyLong_Check(read.ptr()) == 0 || PyErr_Occurred() != nullptr) {
+    PyErr_Clear();  // not this library's way, or an array that cannot say it now (a deleted JAX array)
+    return std::nullopt;
+  }
+  return static_cast<std::uintptr_t>(pointer);
+}
+
+// Where `value`'s data starts, read the way that works for its type, found once per type: trying
+// each way costs an exception per library that is not the array's.
+std::optional<std::uintptr_t> data_pointer(PyObject* value)
+{
+  static auto* read_of_type = new std::unordered_map<PyTypeObject*, pointer_read>;  // NOLINT: leaked, as above
+  PyTypeObject* type = Py_TYPE(value);
+  if (const auto found = read_of_type->find(type); found != read_of_type->end()) {
+    return read_pointer(value, found->second);
+  }
+  for (const pointer_read how : {pointer_read::data_ptr, pointer_read::unsafe_buffer_pointer,
+                                 pointer_read::array_interface, pointer_read::data_ptr_attribute}) {
+    if (const auto pointer = read_pointer(value, how)) {
+      read_of_type->emplace(type, how);
+      Py_INCREF(type);  // no other type is made at its address while remembered
+      return pointer;
+    }
+  }
+  read_of_type->emplace(type, pointer_read::none);
+  Py_INCREF(type);
+  return std::nullopt;
+}
+
+std::optional<std::int64_t> as_int64(PyObject* value)
+{
+  if (value == nullptr || PyLong_Check(value) == 0) { return std::nullopt; }
+  const int64_reading read = read_int64(value);
+  if (read.overflow != 0) { return std::nullopt; }
+  return read.value;
+}
+
+// `value` described from its `shape`, `dtype` and `nbytes`; nullopt for what is not array-like.
+std::optional<array_description> describe_by_attributes(PyObject* value)
+{
+  static PyObject* const shape_name = attribute_name("shape");
+  static PyObject* const dtype_name = attribute_name("dtype");
+  static PyObject* const nbytes_name = attribute_name("nbytes");
+  array_description out;
+  const auto shape = py::reinterpret_steal<py::object>(PyObject_GetAttr(value, shape_name));
+  const auto sizes = shape ? py::reinterpret_steal<py::object>(PySequence_Fast(shape.ptr(), "shape")) : py::object{};
+  const auto dtype = py::reinterpret_steal<py::object>(PyObject_GetAttr(value, dtype_name));
+  const auto nbytes = py::reinterpret_steal<py::object>(PyObject_GetAttr(value, nbytes_name));
+  const auto size = nbytes ? as_int64(nbytes.ptr()) : std::nullopt;
+  auto name = dtype ? dtype_name_of(dtype.ptr()) : std::nullopt;
+  if (!sizes || !size || !name) {
+    PyErr_Clear();
+    return std::nullopt;
+  }
+  const Py_ssize_t rank = PySequence_Fast_GET_SIZE(sizes.ptr());
+  out.shape.reserve(static_cast<std::size_t>(rank));
+  for (Py_ssize_t i = 0; i < rank; ++i) {
+    const auto extent = as_int64(PySequence_Fast_GET_ITEM(sizes.ptr(), i));
+    if (!extent) { return std::nullopt; }
+    out.shape.push_back(*extent);
+  }
+  out.dtype = std::move(*name);
+  out.nbytes = *size;
+  out.data = data_pointer(value);
+  return out;
+}
+
+// `value` as the trace describes it; nullopt for what is not array-like. A NumPy array is read from
+// the fields NumPy's C API documents (its __array_interface__ builds a dictionary per call).
+std::optional<array_description> describe(py::handle value)
+{
+  if (is_numpy_array(value.ptr())) {
+    if (const std::optional<array_layout> layout = numpy_fields_layout(value.ptr())) {
+      array_description out;
+      out.shape.assign(layout->shape.begin(), layout->shape.end());
+      out.dtype = dtype_name(layout->dtype);
+      out.nbytes =
+        std::accumulate(out.shape.begin(), out.shape.end(), std::int64_t{layout->dtype.bits / 8}, std::multiplies<>{});
+      out.data = reinterpret_cast<std::uintptr_t>(layout->data);
+      return out;
+    }
+  }
+  return describe_by_attributes(value.ptr());
+}
+
+// What the trace says when the consumer made a copy of the data it was handed rather than a view of
+// it (JAX makes int32 of int64 data while x64 is off); empty when it made a view.
+std::string copy_note(std::string_view consumer, const array_description& handed, const array_description& made)
+{
+  if (made.shape != handed.shape || made.dtype != handed.dtype) {
+    return fmt::format("{} made a copy: {}[{}] of the {}[{}] it was handed", consumer, made.dtype,
+                       fmt::join(made.shape, ", "), handed.dtype, fmt::join(handed.shape, ", "));
+  }
+  // An empty array's data pointer is whatever its library chose (NumPy's is an allocation, PyTorch's null).
+  if (handed.nbytes > 0 && handed.data && made.data && handed.data != made.data) {
+    return fmt::format("{} made a copy of the {}[{}] it was handed", consumer, handed.dtype,
+                       fmt::join(handed.shape, ", "));
+  }
+  return {};
 }
 
 // handoff._adapters.stream_owner, which the package registers: the stream object of an imported
@@ -169,9 +365,9 @@ class interposed_exchange {
     e.producer = producer_;
     e.consumer = consumer_;
     e.device = device_;
-    e.shape = shape;
-    e.dtype = dtype_from_name(dtype).value_or(DLDataType{kDLOpaqueHandle, 0, 0});
-    e.nbytes = nbytes;
+    e.shape = shape_;
+    e.dtype = dtype_;
+    e.nbytes = nbytes_;
     e.stream_argument = stream_argument;
     e.interposed = ordered ? "ordered" : "observed";
     e.detail = detail;
@@ -201,10 +397,29 @@ class interposed_exchange {
     }
   }
 
-  // What the trace says of the data, filled in by the hooks once the consumer returned.
-  std::vector<std::int64_t> shape;
-  std::string dtype;
-  std::int64_t nbytes{0};
+  // Records the consumer's import of `argument` as `result`, described as they say they are (the
+  // argument's description, else the result's, is kept for a later release's event); a copy the
+  // consumer made in place of a view is noted in the detail. No-op unless tracing.
+  void record_import(py::handle argument, py::handle result, trace::action what, interposed_hazard hazard,
+                     std::string detail)
+  {
+    if (!trace::enabled()) { return; }
+    std::optional<array_description> handed = describe(argument);
+    const std::optional<array_description> made = describe(result);
+    if (!handed) { handed = made; }
+    if (handed) {
+      shape_ = handed->shape;
+      dtype_ = dtype_from_name(handed->dtype).value_or(DLDataType{kDLOpaqueHandle, 0, 0});
+      nbytes_ = handed->nbytes;
+      if (made) {
+        if (std::string copy = copy_note(consumer_, *handed, *made); !copy.empty()) {
+          detail = detail.empty() ? std::move(copy) : fmt::format("{}; {}", detail, copy);
+        }
+      }
+    }
+    record(trace::event_kind::import_data, what, hazard, detail);
+  }
+
   std::optional<std::int64_t> stream_argument;  // the `stream` the consumer passed, where seen
   bool ordered{false};                          // by handoff's hooks
 
@@ -227,6 +442,10 @@ class interposed_exchange {
   std::optional<stream_binding> producer_stream_;
   std::optional<stream_binding> consumer_stream_;
   std::optional<named_stream> consumer_named_;  // as the consumer's adapter named it
+  // What the trace says of the data, once the consumer returned.
+  std::vector<std::int64_t> shape_;
+  DLDataType dtype_{kDLOpaqueHandle, 0, 0};
+  std::int64_t nbytes_{0};
 };
 
 // The DLPack device of CUDA Array Interface data at `pointer`, as handoff's own imports name it; None
@@ -337,9 +556,9 @@ void bind_interpose(py::module_& m)
     .def("consumer_stream_busy", &interposed_exchange::consumer_stream_busy)
     .def("record", &interposed_exchange::record, py::arg("kind"), py::arg("action"), py::arg("hazard"),
          py::arg("detail"), "Records the exchange (no-op unless tracing).")
-    .def_readwrite("shape", &interposed_exchange::shape)
-    .def_readwrite("dtype", &interposed_exchange::dtype)
-    .def_readwrite("nbytes", &interposed_exchange::nbytes)
+    .def("record_import", &interposed_exchange::record_import, py::arg("argument"), py::arg("result"),
+         py::arg("action"), py::arg("hazard"), py::arg("detail"),
+         "Records the consumer's import of argument as result (described, a copy noted); no-op unless tracing")
     .def_readwrite("stream_argument", &interposed_exchange::stream_argument)
     .def_readwrite("ordered", &interposed_exchange::ordered);
   m.def("_interposed_device", &device_of_pointer, py::arg("pointer"),

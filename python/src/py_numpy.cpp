@@ -133,7 +133,6 @@ constexpr int writeable_flag = 0x400;  // NPY_ARRAY_WRITEABLE
 std::optional<array_layout> numpy_array_layout(PyObject* ndarray) noexcept
 {
   const auto& fields = *reinterpret_cast<const numpy_array_fields*>(ndarray);
-  const auto& descr = *reinterpret_cast<const numpy_descr_fields*>(fields.descr);
   // NumPy's __dlpack_device__ reports the device of a DLPack capsule at the root of the array's
   // bases (pinned or managed memory imported by numpy.from_dlpack): not host memory to assume.
   PyObject* root = fields.base;
@@ -141,6 +140,13 @@ std::optional<array_layout> numpy_array_layout(PyObject* ndarray) noexcept
     root = reinterpret_cast<const numpy_array_fields*>(root)->base;
   }
   if (root != nullptr && PyCapsule_CheckExact(root)) { return std::nullopt; }
+  return numpy_fields_layout(ndarray);
+}
+
+std::optional<array_layout> numpy_fields_layout(PyObject* ndarray) noexcept
+{
+  const auto& fields = *reinterpret_cast<const numpy_array_fields*>(ndarray);
+  const auto& descr = *reinterpret_cast<const numpy_descr_fields*>(fields.descr);
   constexpr char swapped = std::endian::native == std::endian::little ? '>' : '<';
   const std::optional<DLDataType> dtype = dlpack_type(descr.type_num);
   if (!dtype || descr.byteorder == swapped) { return std::nullopt; }

@@ -19,6 +19,10 @@ namespace py = pybind11;
 /// that are no multiple of the item): numpy's own __dlpack__ then says what it makes of it.
 [[nodiscard]] std::optional<array_layout> numpy_array_layout(PyObject* ndarray) noexcept;
 
+/// As numpy_array_layout, wherever the memory is: an array over a DLPack capsule (what
+/// numpy.from_dlpack returns) is read too. Its device is not the layout's to say (it is left kDLCPU).
+[[nodiscard]] std::optional<array_layout> numpy_fields_layout(PyObject* ndarray) noexcept;
+
 /// The most dimensions a NumPy array has (NumPy 2's NPY_MAXDIMS).
 inline constexpr std::size_t numpy_max_dims = 64;
 

@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -28,7 +29,13 @@ namespace handoff::python {
 // Only touched holding the GIL.
 const char* intern_library(std::string_view name)
 {
-  static auto* names = new std::unordered_set<std::string>;  // NOLINT(cppcoreguidelines-owning-memory): leaked
+  struct name_hash {
+    using is_transparent = void;  // found by a string_view, without making a string per lookup
+    std::size_t operator()(std::string_view key) const noexcept { return std::hash<std::string_view>{}(key); }
+  };
+  static auto* names =
+    new std::unordered_set<std::string, name_hash, std::equal_to<>>;  // NOLINT(cppcoreguidelines-owning-memory): leaked
+  if (const auto found = names->find(name); found != names->end()) { return found->c_str(); }
   return names->emplace(name).first->c_str();
 }
 

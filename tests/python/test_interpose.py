@@ -707,6 +707,19 @@ def test_a_copy_of_the_same_layout_is_told_by_its_data_pointer():
     assert notes == [copied, None, copied, None]
 
 
+@pytest.mark.parametrize(
+    "array",
+    [np.arange(6.0).reshape(2, 3).T, np.array([True, False, True]), np.zeros((0, 4), np.int16)],
+    ids=["transposed-view", "bool", "empty"],
+)
+def test_a_numpy_array_handed_over_is_described_as_numpy_describes_it(array):
+    with handoff.trace(libraries=True) as t:
+        torch.from_dlpack(array)
+    (event,) = [e for e in t.events if e["interposed"]]
+    assert (event["shape"], event["dtype"], event["nbytes"]) == (list(array.shape), str(array.dtype), array.nbytes)
+    assert event["detail"] is None, "a view of the same data: no copy to note"
+
+
 # --- the ordering mode's streams and keep-alive, on the simulator ----------------------------------
 
 

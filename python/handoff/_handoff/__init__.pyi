@@ -237,9 +237,6 @@ class _TraceAction(_PybindEnum):
 
 @final
 class _InterposedExchange:
-    shape: list[int]
-    dtype: str
-    nbytes: int
     stream_argument: int | None
     ordered: bool
     def __init__(
@@ -266,6 +263,9 @@ class _InterposedExchange:
     def order(self) -> bool: ...
     def consumer_stream_busy(self) -> bool: ...
     def record(self, kind: _TraceKind, action: _TraceAction, hazard: _InterposedHazard, detail: str) -> None: ...
+    def record_import(
+        self, argument: object, result: object, action: _TraceAction, hazard: _InterposedHazard, detail: str
+    ) -> None: ...
 
 def _interposed_device(pointer: int) -> tuple[int, int] | None: ...
 def _interposed_current_device(device_type: int) -> int | None: ...
