@@ -4,6 +4,7 @@
 #include "device/cuda/cuda_backend.hpp"
 #ifdef HANDOFF_HAS_CUPTI
 #include "device/cuda/cupti_activity.hpp"
+#include "device/cuda/driver_entry.hpp"
 #endif
 
 #include "log/logger.hpp"
@@ -77,14 +78,11 @@ struct driver_api {
 template <class F>
 void load_entry_point(const char* symbol, F& fn, unsigned int version)
 {
-  void* address = nullptr;
-  cudaDriverEntryPointQueryResult found{};
-  HANDOFF_CUDA_TRY(cudaGetDriverEntryPointByVersion(symbol, &address, version, cudaEnableDefault, &found));
-  if (found != cudaDriverEntryPointSuccess || address == nullptr) {
+  HANDOFF_CUDA_TRY(find_driver_entry(symbol, fn, version));
+  if (fn == nullptr) {
     throw device_error("cuda", "cudaErrorSymbolNotFound",
                        fmt::format("no usable CUDA device: the driver has no {} (version {})", symbol, version));
   }
-  fn = reinterpret_cast<F>(address);
 }
 
 cudaStream_t to_native(stream_handle h) noexcept

@@ -4,6 +4,7 @@
 // the process is known to have: the allocations CUPTI's callbacks report while subscribed, and the
 // arrays handoff saw exchanged.
 #include "device/cuda/cupti_activity.hpp"
+#include "device/cuda/driver_entry.hpp"
 
 #include "log/logger.hpp"
 
@@ -180,24 +181,20 @@ bool symbol(void* library, const char* name, F& out)
   return out != nullptr;
 }
 
-// Asks for each entry point as the headers compiled against declare it (CUDA_VERSION): a version
-// older than the one that introduced it is refused (cuStreamGetFlags at 2000, say, on a 13.0 driver),
-// and the pointer's type is this toolkit's.
+// Asks for each entry point as the headers compiled against declare it (CUDA_VERSION): the pointer's
+// type (a decltype of the declaration) is this toolkit's. Why it is not usable; empty when found.
 template <class F>
 std::string driver_entry(const char* name, F& out)
 {
-  void* address = nullptr;
-  cudaDriverEntryPointQueryResult found{};
-  const cudaError_t status = cudaGetDriverEntryPointByVersion(name, &address, CUDA_VERSION, cudaEnableDefault, &found);
+  const cudaError_t status = find_driver_entry(name, out, CUDA_VERSION);
   if (status != cudaSuccess) {
     (void)cudaGetLastError();
     return fmt::format("the CUDA driver is not usable ({}: {})", cudaGetErrorName(status), cudaGetErrorString(status));
   }
-  if (found != cudaDriverEntryPointSuccess || address == nullptr) {
+  if (out == nullptr) {
     return fmt::format("the CUDA driver has no {} (as CUDA {}.{} declares it)", name, CUDA_VERSION / 1000,
                        CUDA_VERSION % 1000 / 10);
   }
-  out = reinterpret_cast<F>(address);
   return {};
 }
 
