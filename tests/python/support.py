@@ -8,6 +8,7 @@ import gc
 import os
 import subprocess
 import sys
+import types
 from collections.abc import Iterator
 
 import pytest
@@ -133,3 +134,10 @@ class DlpackOnly:
 
     def __dlpack_device__(self):
         return self.array.__dlpack_device__()
+
+
+def cuda_core_module() -> types.ModuleType:
+    """cuda.core's public module, whichever of its layouts is installed (older releases kept the API
+    in cuda.core.experimental); skips the test where cuda.core is not installed."""
+    core = pytest.importorskip("cuda.core")
+    return core if hasattr(core, "Device") else pytest.importorskip("cuda.core.experimental")

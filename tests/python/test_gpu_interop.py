@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import importlib
 import os
 import re
 import sys
@@ -27,7 +28,7 @@ import pytest
 import handoff
 
 from dlpack_ctypes import CUDA, CUDA_MANAGED, DLManagedTensorVersioned, DLTensor, exchange_api_of
-from support import DlpackOnly, live_views, run_python
+from support import DlpackOnly, cuda_core_module, live_views, run_python
 
 INFO = handoff.runtime_info()
 CUDA_USABLE = INFO["backend"] == "cuda" and not INFO.get("backend_error") and INFO["device_count"] > 0
@@ -592,17 +593,12 @@ def test_handoff_to_numba_through_the_interface_stream(
 @pytest.fixture(scope="module")
 def cuda_core():
     """(Device, StridedMemoryView) from cuda.core, whichever of its layouts is installed."""
-    pytest.importorskip("cuda.core")
-    try:
-        from cuda.core import Device
-        from cuda.core.utils import StridedMemoryView
-    except ImportError:
-        from cuda.core.experimental import Device
-        from cuda.core.experimental.utils import StridedMemoryView
-    device = Device()
+    core = cuda_core_module()
+    device = core.Device()
     device.set_current()
+    strided_memory_view = importlib.import_module(f"{core.__name__}.utils").StridedMemoryView
     # Newer cuda.core deprecates the constructor for StridedMemoryView.from_dlpack (same arguments).
-    return device, getattr(StridedMemoryView, "from_dlpack", StridedMemoryView)
+    return device, getattr(strided_memory_view, "from_dlpack", strided_memory_view)
 
 
 class RawDeviceMemory:

@@ -10,7 +10,7 @@ import pytest
 
 import handoff
 
-from support import BACKEND, cuda_is_usable
+from support import BACKEND, cuda_core_module, cuda_is_usable
 
 pytestmark = pytest.mark.skipif(
     BACKEND != "cuda" or not cuda_is_usable(),
@@ -119,9 +119,7 @@ extern "C" __global__ void scale(const float* in, float* out, int n) {
 @pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "waited"])
 def test_a_raw_kernel_through_cuda_core_after_an_exchange(torch_cuda, ordered: bool):
     torch = torch_cuda
-    core = pytest.importorskip("cuda.core")
-    if not hasattr(core, "Device"):  # older cuda.core kept its API in cuda.core.experimental
-        core = pytest.importorskip("cuda.core.experimental")
+    core = cuda_core_module()
     device = core.Device()
     device.set_current()
     program = core.Program(KERNEL, code_type="c++")
