@@ -98,6 +98,15 @@ class call_argument {
   PyObject* object_{nullptr};
 };
 
+/// `text` as an interned Python string, for names looked up on every call (made once, kept for the
+/// life of the process). @throws py::error_already_set when Python cannot make it.
+[[nodiscard]] inline PyObject* interned(const char* text)
+{
+  PyObject* name = PyUnicode_InternFromString(text);
+  if (name == nullptr) { throw py::error_already_set(); }
+  return name;
+}
+
 /// A function of any calling convention as PyMethodDef stores it, a PyCFunction.
 template <typename Function>
 PyCFunction as_cfunction(Function* function) noexcept

@@ -99,14 +99,6 @@ struct array_description {
   std::optional<std::uintptr_t> data;
 };
 
-// An attribute name, made once (the hooks read these on every exchange).
-PyObject* attribute_name(const char* name)
-{
-  PyObject* interned = PyUnicode_InternFromString(name);
-  if (interned == nullptr) { throw py::error_already_set(); }
-  return interned;
-}
-
 // The name of a dtype object ("torch.float32" reads "float32"), remembered per object: str() of a
 // NumPy dtype costs microseconds. Holds a reference to each dtype it names, so that no address is
 // reused while remembered; bounded (a program that makes a dtype per array would otherwise grow it).
@@ -145,11 +137,11 @@ enum class pointer_read : std::uint8_t {
 
 std::optional<std::uintptr_t> read_pointer(PyObject* value, pointer_read how)
 {
-  static PyObject* const data_ptr = attribute_name("data_ptr");
-  static PyObject* const unsafe_buffer_pointer = attribute_name("unsafe_buffer_pointer");
-  static PyObject* const array_interface = attribute_name("__array_interface__");
-  static PyObject* const data = attribute_name("data");
-  static PyObject* const ptr = attribute_name("ptr");
+  static PyObject* const data_ptr = interned("data_ptr");
+  static PyObject* const unsafe_buffer_pointer = interned("unsafe_buffer_pointer");
+  static PyObject* const array_interface = interned("__array_interface__");
+  static PyObject* const data = interned("data");
+  static PyObject* const ptr = interned("ptr");
   py::object read;
   switch (how) {
     case pointer_read::data_ptr:
@@ -215,9 +207,9 @@ std::optional<std::int64_t> as_int64(PyObject* value)
 // `value` described from its `shape`, `dtype` and `nbytes`; nullopt for what is not array-like.
 std::optional<array_description> describe_by_attributes(PyObject* value)
 {
-  static PyObject* const shape_name = attribute_name("shape");
-  static PyObject* const dtype_name = attribute_name("dtype");
-  static PyObject* const nbytes_name = attribute_name("nbytes");
+  static PyObject* const shape_name = interned("shape");
+  static PyObject* const dtype_name = interned("dtype");
+  static PyObject* const nbytes_name = interned("nbytes");
   array_description out;
   const auto shape = py::reinterpret_steal<py::object>(PyObject_GetAttr(value, shape_name));
   const auto sizes = shape ? py::reinterpret_steal<py::object>(PySequence_Fast(shape.ptr(), "shape")) : py::object{};

@@ -35,13 +35,6 @@ struct stream_names {
 };
 stream_names names;
 
-PyObject* interned(const char* text)
-{
-  PyObject* name = PyUnicode_InternFromString(text);
-  if (name == nullptr) { throw py::error_already_set(); }
-  return name;
-}
-
 // A handoff.Stream handle: an int in [0, 2**63).
 std::uint64_t checked_handle(py::handle handle)
 {
