@@ -5,6 +5,7 @@ the producers are held with the simulator's gate where the race is real, never w
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -27,6 +28,13 @@ EXAMPLES = HERE.parents[2] / "examples"
 N = 1024
 
 
+@pytest.fixture(autouse=True)
+def no_earlier_garbage():
+    """Frees earlier tests' unreachable arrays now, so that a collection inside a traced block
+    neither adds memory events nor hands their addresses out again."""
+    gc.collect()
+
+
 def line_of(marker: str) -> str:
     """`file:line` of the line of this file that ends with the comment `# marker`."""
     for number, text in enumerate(HERE.read_text().splitlines(), start=1):
@@ -37,6 +45,12 @@ def line_of(marker: str) -> str:
 
 def races(t: handoff.trace) -> list[dict[str, Any]]:
     return [e for e in t.hazards() if e["hazard"] in ("race", "reuse")]
+
+
+def frees_of(t: handoff.trace, address: int, op: str) -> list[dict[str, Any]]:
+    """The `op` ("free" or "free-sync") memory events that freed `address`: by address, as a
+    collection of an earlier test's garbage inside a traced block frees memory too."""
+    return [e for e in t.events if e["kind"] == "memory" and e["op"] == op and e["buffers"][0]["address"] == address]
 
 
 def ordered_after(producer_ready: handoff.Array, consumer: Any) -> handoff.Array:
@@ -163,6 +177,7 @@ def test_memory_freed_on_one_stream_and_used_on_another(sim_streams, waits: bool
 
     first, second = sim_streams
     memory = sim.zeros(N, stream=first)  # allocated on `first`, freed on it when released
+    address = memory.data_ptr
     # What a caching allocator hands out again: the same memory, seen through another array.
     alias = handoff.view(memory.data_ptr, (N,), "float32", device=memory.device)
     marker = sim.zeros(1)
@@ -181,8 +196,8 @@ def test_memory_freed_on_one_stream_and_used_on_another(sim_streams, waits: bool
     else:
         assert races(t) == []
         del kept
-    frees = [e for e in t.events if e["kind"] == "memory" and e["op"] == "free"]
-    assert len(frees) == 1 and frees[0]["stream"] == first.handle
+    [free] = frees_of(t, address, "free")
+    assert free["stream"] == first.handle
 
 
 @needs_sim
@@ -193,13 +208,14 @@ def test_ordering_that_relied_on_a_synchronizing_free(sim_streams, free: str):
     producer, consumer = sim_streams
     data = sim.zeros(N)
     scratch = sim.zeros(16) if free == "cudaFree" else sim.zeros(16, stream=producer)
+    scratch_address = scratch.data_ptr
     with handoff.trace(launches=True) as t:
         sim.launch("produce", writes=[data], stream=producer)
         del scratch  # cudaFree waits for the whole device first; cudaFreeAsync orders nothing
         sim.launch("consume", reads=[data], stream=consumer)  # consume
     if free == "cudaFree":
         assert races(t) == []
-        [wait] = [e for e in t.events if e["kind"] == "memory" and e["op"] == "free-sync"]
+        [wait] = frees_of(t, scratch_address, "free-sync")
         assert wait["blocked_ns"] >= 0
     else:
         [race] = races(t)
