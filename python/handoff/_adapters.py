@@ -206,7 +206,6 @@ class _Registry:
     def __init__(self, adapters: Iterable[LibraryAdapter]) -> None:
         self._lock = threading.Lock()
         self._adapters = {adapter.name: adapter for adapter in adapters}
-        self._library_of_type: dict[type, tuple[str | None, LibraryAdapter | None]] = {}
 
     def get(self, name: str) -> LibraryAdapter | None:
         return self._adapters.get(name)
@@ -219,29 +218,23 @@ class _Registry:
         with self._lock:
             previous = self._adapters.get(adapter.name)
             self._adapters[adapter.name] = adapter
-            self._library_of_type = {}
+            _handoff._interposed_forget_libraries()
         return previous
 
     def remove(self, name: str) -> LibraryAdapter | None:
         """Forgets the adapter named `name`; the one it forgot, if any."""
         with self._lock:
             removed = self._adapters.pop(name, None)
-            self._library_of_type = {}
+            _handoff._interposed_forget_libraries()
         return removed
 
     def modules(self) -> set[str]:
         return set().union(*(adapter.modules() for adapter in self.adapters()))
 
-    def library_of(self, value: object) -> tuple[str | None, LibraryAdapter | None]:
-        """The library of an array (the adapter whose name is the longest prefix of its type's module,
-        else the module's top-level package) and its adapter, if any; remembered per type."""
-        kind = type(value)
-        known = self._library_of_type.get(kind)
-        if known is None:
-            known = self._library_of_type[kind] = self._find(kind)
-        return known
-
-    def _find(self, kind: type) -> tuple[str | None, LibraryAdapter | None]:
+    def find(self, kind: type) -> tuple[str | None, LibraryAdapter | None]:
+        """The library of an array type (the adapter whose name is the longest prefix of its module,
+        else the module's top-level package) and its adapter, if any. The hooked consumers' calls
+        remember it per type until an adapter is added or removed."""
         module = getattr(kind, "__module__", None)
         if not isinstance(module, str) or module == "builtins":
             return None, None

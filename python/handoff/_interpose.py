@@ -23,7 +23,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from . import _import_hooks, _interposed
+from . import _handoff, _import_hooks, _interposed
 from ._adapters import LibraryAdapter, Target, frameworks_on, registry
 
 __all__ = ["LibraryAdapter", "frameworks_on", "order_libraries", "register_library"]
@@ -84,6 +84,7 @@ class _Hooks:
     def _update(self) -> None:
         """Hooks in place for each library while wanted; a producer's only while a trace wants them
         (the stream a consumer passes matters to a trace only)."""
+        _handoff._interposed_set_mode(self.traces > 0, self.ordering)
         if not self.wanted:
             self._uninstall(lambda entry: True)
             for module in self.modules:
@@ -145,7 +146,7 @@ class _Hooks:
         wrapper = self._wrapper_of(value)
         if wrapper is None:
             consumer = _interposed.Consumer(adapter, interface_first, _array_parameter(value, target))
-            wrapper = _consumer_wrapper(value, consumer, self)
+            wrapper = _consumer_wrapper(value, consumer)
         setattr(module, target.attribute, wrapper)
         self.installed[(id(module), target.attribute)] = _Installed(module, target.attribute, value, wrapper)
         _pickle_as_installed(wrapper, module, target.attribute)
@@ -210,12 +211,12 @@ def _pickle_as_installed(wrapper: Any, module: types.ModuleType, attribute: str)
         wrapper.__module__, wrapper.__qualname__ = module.__name__, attribute
 
 
-def _consumer_wrapper(original: Any, consumer: _interposed.Consumer, hooks: _Hooks) -> Any:
+def _consumer_wrapper(original: Any, consumer: _interposed.Consumer) -> Any:
+    call = _handoff._interposed_call(original, consumer, registry.find, _interposed.exchange, _interposed.not_recorded)
+
     @functools.wraps(original)
     def hooked(*args: Any, **kwargs: Any) -> Any:
-        if _interposed.in_flight() is not None:  # the outermost call of a nest is the exchange
-            return original(*args, **kwargs)
-        return _interposed.exchange(original, consumer, args, kwargs, tracing=hooks.traces > 0, ordering=hooks.ordering)
+        return call(*args, **kwargs)
 
     hooked.__handoff_original__ = original  # type: ignore[attr-defined]
     return hooked
@@ -224,7 +225,7 @@ def _consumer_wrapper(original: Any, consumer: _interposed.Consumer, hooks: _Hoo
 def _producer_wrapper(original: Any) -> Any:
     @functools.wraps(original)
     def __dlpack__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _interposed.producer_called(self, kwargs.get("stream", args[0] if args else None))
+        _handoff._interposed_producer_called(self, kwargs.get("stream", args[0] if args else None))
         return original(self, *args, **kwargs)
 
     return __dlpack__

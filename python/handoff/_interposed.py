@@ -7,24 +7,22 @@ exchange once; in the ordering mode the consumer's stream then waits for the pro
 consumer is handed handoff's import of the array instead of the array itself, so that the producer is
 released by the consumer's own release of what it imported (its storage's, which views share), after
 the work its stream had by then; in a trace the call is recorded as one event.
+
+The hooked call itself (``_handoff._interposed_call``) decides in C++ whether a call is an exchange
+and of what data, and records an exchange of host data whole (no stream orders it); an exchange of
+device data comes here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from . import _handoff
-from ._adapters import LibraryAdapter, registry
-
-_CPU = 1  # DLPack's kDLCPU: host data, which no stream orders
-# Libraries whose arrays are host data whatever the array: their device need not be asked.
-_HOST_ONLY_LIBRARIES = frozenset({"numpy"})
-_MISSING = object()
+from ._adapters import LibraryAdapter
 
 Protocol = _handoff._InterposedProtocol
 Hazard = _handoff._InterposedHazard
@@ -40,12 +38,6 @@ class Consumer:
     interface_first: bool  # it reads the CUDA Array Interface before DLPack
     parameter: str | None  # the array's parameter, when the function takes it by keyword too
 
-    def argument(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The array the call hands over, or _MISSING."""
-        if args:
-            return args[0]
-        return kwargs.get(self.parameter, _MISSING) if self.parameter is not None else _MISSING
-
     def with_argument(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], value: Any
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -54,39 +46,6 @@ class Consumer:
             return (value, *args[1:]), kwargs
         assert self.parameter is not None
         return args, {**kwargs, self.parameter: value}
-
-
-class _InFlight:
-    """The exchange in progress on a thread: what the producer's hooked ``__dlpack__`` reports. (A
-    plain class with slots: a dataclass's generated ``__init__`` costs each exchange a microsecond.)"""
-
-    __slots__ = ("argument", "device", "producer_device", "stream_argument")
-
-    def __init__(self, argument: Any, device: tuple[int, int]) -> None:
-        self.argument = argument
-        self.device = device
-        self.stream_argument: int | None = None
-        self.producer_device: int | None = None  # the device current when the producer's __dlpack__ ran
-
-
-_local = threading.local()
-
-
-def in_flight() -> _InFlight | None:
-    """The exchange in progress on this thread: a consumer called inside it is part of it."""
-    exchange: _InFlight | None = getattr(_local, "exchange", None)
-    return exchange
-
-
-def producer_called(self: Any, stream: object) -> None:
-    """What a hooked producer ``__dlpack__`` reports of its call: the stream it was given, and which
-    device was current (a producer orders the streams of the device current when it is called)."""
-    exchange = in_flight()
-    if exchange is None or exchange.argument is not self:
-        return
-    exchange.stream_argument = stream if isinstance(stream, int) and not isinstance(stream, bool) else None
-    if exchange.device[0] != _CPU:
-        exchange.producer_device = _handoff._interposed_current_device(exchange.device[0])
 
 
 # --- what is said once ---------------------------------------------------------------------------
@@ -135,30 +94,6 @@ def _current_stream(adapter: LibraryAdapter | None, seen: Any, set_stream: Calla
 # --- reading the arrays ------------------------------------------------------------------------
 
 
-def _protocol_of(value: Any, interface_first: bool) -> Any:
-    """The protocol a consumer reads `value` through; None when it has neither (not an exchange)."""
-    if isinstance(value, type):
-        return None
-    dlpack = hasattr(value, "__dlpack__")
-    if dlpack and not interface_first:  # the interface is not asked: a CPU tensor's raises, which costs
-        return Protocol.dlpack
-    if hasattr(value, "__cuda_array_interface__"):
-        return Protocol.cuda_array_interface
-    return Protocol.dlpack if dlpack else None
-
-
-def _device_of(value: Any, protocol: Any) -> tuple[int, int] | None:
-    try:
-        if protocol is Protocol.dlpack:
-            device = value.__dlpack_device__()
-            return (int(device[0]), int(device[1]))
-        pointer = int(value.__cuda_array_interface__["data"][0])
-    except Exception:  # noqa: BLE001 - the consumer's own call will say what is wrong
-        return None
-    found = _handoff._interposed_device(pointer)
-    return None if found is None else (int(found[0]), int(found[1]))
-
-
 def _interface_stream(value: Any) -> object:
     """The producer's stream a CUDA Array Interface names (CUDA's numbering, as DLPack's), or None."""
     try:
@@ -174,61 +109,43 @@ def exchange(
     original: Callable[..., Any],
     consumer: Consumer,
     args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
+    kwargs: dict[str, Any] | None,
+    decided: tuple[Any, Any, str, LibraryAdapter | None, tuple[int, int]],
     tracing: bool,
     ordering: bool,
 ) -> Any:
-    """Calls the consumer `original` as the program did, seen (tracing) and ordered (ordering)."""
-    argument = consumer.argument(args, kwargs)
-    if argument is _MISSING:  # no array given: the consumer's own call says what is wrong
-        return original(*args, **kwargs)
-    producer_name, producer = registry.library_of(argument)
-    if not tracing and producer_name in _HOST_ONLY_LIBRARIES:  # the ordering mode alone: nothing to order
-        return original(*args, **kwargs)
-    protocol = _protocol_of(argument, consumer.interface_first)
-    if protocol is None or producer_name in (None, consumer.adapter.name, "handoff"):
-        # Not an exchange (a list, a host array read through __array__), one within a library, or
-        # one handoff records itself.
-        return original(*args, **kwargs)
-    assert producer_name is not None
-    device = _device_of(argument, protocol) or (_CPU, 0)
-    if not tracing and device[0] == _CPU:  # the ordering mode alone: host data needs nothing
-        return original(*args, **kwargs)
+    """Calls the consumer `original` as the program did, seen (tracing) and ordered (ordering): an
+    exchange of device data, as the hooked call decided it (the array handed over, the protocol, the
+    producer, its adapter, the data's device).
+    (The call decides, and records an exchange of host data, in C++: _handoff._interposed_call.)"""
+    kwargs = kwargs or {}
+    argument, protocol, producer_name, producer, device = decided
     seen = _handoff._InterposedExchange(protocol, producer_name, consumer.adapter.name, device)
-    consumer_stream = interface_stream = None
-    if device[0] != _CPU:  # host data: no stream orders it
-        consumer_stream, interface_stream = _streams(seen, consumer, producer, argument, protocol)
-        if ordering:
-            seen.ordered = _order(seen)
+    consumer_stream, interface_stream = _streams(seen, consumer, producer, argument, protocol)
+    if ordering:
+        seen.ordered = _order(seen)
 
-    in_progress = _InFlight(argument, device)
-    _local.exchange = in_progress
     # A producer or consumer built on handoff exchanges through it inside: this event covers those.
-    _handoff._interposed_mute(True)
+    _handoff._interposed_begin(argument, device)
     try:
         if seen.ordered and seen.consumer_stream_outlives_releases:
             args, kwargs = consumer.with_argument(args, kwargs, _import(argument, protocol, consumer_stream))
         result = original(*args, **kwargs)
     except BaseException as error:
-        _local.exchange = None
-        _handoff._interposed_mute(False)
+        seen.stream_argument, _ = _handoff._interposed_end()
         if tracing:
             try:
-                seen.stream_argument = in_progress.stream_argument
                 seen.record(Kind.import_data, Action.refused, Hazard.none, f"{type(error).__name__}: {error}"[:200])
             except Exception as failure:  # noqa: BLE001
-                _not_recorded(failure)
+                not_recorded(failure)
         raise
-    _local.exchange = None
-    _handoff._interposed_mute(False)
+    seen.stream_argument, producer_device = _handoff._interposed_end()
     if tracing:
         try:
-            seen.stream_argument = in_progress.stream_argument
-            how = _classify(seen, in_progress, producer, interface_stream is not None, ordering)
+            how = _classify(seen, device, producer_device, argument, producer, interface_stream is not None, ordering)
             _record(seen, how, result, argument)
         except Exception as failure:  # noqa: BLE001
-            _not_recorded(failure)
+            not_recorded(failure)
     return result
 
 
@@ -239,7 +156,7 @@ def _streams(
     producer's as a CUDA Array Interface names it, or None)."""
     consumer_stream = _current_stream(consumer.adapter, seen, seen.set_consumer_stream)
     interface_stream = None
-    if protocol is Protocol.cuda_array_interface:
+    if protocol == Protocol.cuda_array_interface:
         interface_stream = _interface_stream(argument)
         try:
             seen.set_producer_stream(interface_stream)
@@ -250,7 +167,7 @@ def _streams(
     return consumer_stream, interface_stream
 
 
-def _not_recorded(error: Exception) -> None:
+def not_recorded(error: Exception) -> None:
     """A tracing tool never breaks the program it watches: what fails to be recorded is said once. (A
     plain ``except`` at each place: a context manager would cost each exchange a microsecond.)"""
     _warn_once(f"record:{type(error).__name__}", f"handoff could not record an exchange: {error!r}")
@@ -293,7 +210,7 @@ def _import(argument: Any, protocol: Any, consumer_stream: Any) -> Any:
     """handoff's import of `argument` onto the consumer's stream, whose release waits for the work that
     stream has by then, for the consumer to import in its place; `argument` itself where handoff cannot
     import it."""
-    take = _handoff.asarray if protocol is Protocol.cuda_array_interface else _handoff.from_dlpack
+    take = _handoff.asarray if protocol == Protocol.cuda_array_interface else _handoff.from_dlpack
     try:
         return take(argument, stream=consumer_stream)
     except Exception as error:  # noqa: BLE001 - ordered still; only the producer is not kept past the consumer
@@ -306,21 +223,24 @@ def _import(argument: Any, protocol: Any, consumer_stream: Any) -> Any:
 
 
 def _classify(
-    seen: Any, call: _InFlight, producer: LibraryAdapter | None, interface_stream: bool, ordering: bool
+    seen: Any,
+    device: tuple[int, int],
+    producer_device: int | None,
+    argument: Any,
+    producer: LibraryAdapter | None,
+    interface_stream: bool,
+    ordering: bool,
 ) -> tuple[Any, Any, str]:
     """How the consumer's stream came to be ordered after the producer's: (action, hazard, why)."""
-    device = call.device
-    if device[0] == _CPU:  # host data: nothing to order
-        return Action.none, Hazard.none, ""
-    if call.producer_device is not None and call.producer_device != device[1]:
+    if producer_device is not None and producer_device != device[1]:
         return (
             Action.unordered,
             Hazard.cross_device,
-            f"the producer's __dlpack__ ran while device {call.producer_device} was current: it ordered that "
+            f"the producer's __dlpack__ ran while device {producer_device} was current: it ordered that "
             f"device's streams, not those of device {device[1]}, where the data is",
         )
-    ignores = (producer is not None and producer.ignores_stream) or _made_by_nanobind(call.argument)
-    action, detail = _action(seen, call.stream_argument, ignores, interface_stream)
+    ignores = (producer is not None and producer.ignores_stream) or _made_by_nanobind(argument)
+    action, detail = _action(seen, seen.stream_argument, ignores, interface_stream)
     if ordering and action == Action.unordered:
         # Flagged whatever the producer's stream has pending: the mode promised to order it.
         return action, Hazard.unordered, f"the ordering mode could not order {_why_not_ordered(seen)}"
@@ -416,4 +336,4 @@ def _check_release(producer: weakref.ref[Any], seen: Any) -> None:
             "that work reads it",
         )
     except Exception as failure:  # noqa: BLE001
-        _not_recorded(failure)
+        not_recorded(failure)

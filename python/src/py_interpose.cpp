@@ -284,11 +284,8 @@ DLDevice device_of(const py::tuple& device)
 class interposed_exchange {
  public:
   interposed_exchange(interposed_protocol protocol, std::string_view producer, std::string_view consumer,
-                      const py::tuple& device)
-      : protocol_(protocol),
-        producer_(intern_library(producer)),
-        consumer_(intern_library(consumer)),
-        device_(device_of(device))
+                      DLDevice device)
+      : protocol_(protocol), producer_(intern_library(producer)), consumer_(intern_library(consumer)), device_(device)
   {}
 
   // The device whose current streams order the data: its own, but for pinned and managed memory
@@ -440,27 +437,6 @@ class interposed_exchange {
   std::int64_t nbytes_{0};
 };
 
-// The DLPack device of CUDA Array Interface data at `pointer`, as handoff's own imports name it; None
-// where handoff has no backend or the backend does not know the memory.
-py::object device_of_pointer(std::uintptr_t pointer)
-{
-  std::optional<DLDevice> found;
-  try {
-    found = module_exchange().device_of(reinterpret_cast<const void*>(pointer));  // NOLINT(performance-no-int-to-ptr)
-  } catch (const error&) {
-    return py::none();
-  }
-  if (!found) { return py::none(); }
-  return py::make_tuple(static_cast<int>(found->device_type), found->device_id);
-}
-
-// The device current on the calling thread for data of `device_type`; None where handoff has no backend for it.
-py::object current_device(int device_type)
-{
-  const context* ctx = context_serving(static_cast<DLDeviceType>(device_type));
-  return ctx != nullptr ? py::object(py::int_(ctx->backend().current_device())) : py::object(py::none());
-}
-
 // The device of native stream `handle`, as the backend knows it (a default stream's: the current
 // device); None without a backend.
 py::object stream_device(std::uint64_t handle)
@@ -477,14 +453,357 @@ py::object stream_device(std::uint64_t handle)
   }
 }
 
-void mute(bool on)
+// --- the exchange in progress -----------------------------------------------------------------
+
+// The exchange in progress on this thread, from the consumer's call to its return: a consumer called
+// inside it is part of it, a hooked producer's __dlpack__ reports to it the stream it was given, and
+// handoff's own exchanges inside it are its workings, not events of their own.
+struct in_flight_exchange {
+  PyObject* argument;  // borrowed: the consumer's caller holds it for the call
+  DLDevice device;
+  std::optional<std::int64_t> stream_argument;  // what the producer's __dlpack__ was given
+  std::optional<int> producer_device;           // the device current when it ran (device data only)
+  trace::muted_scope muted;
+};
+
+thread_local std::unique_ptr<in_flight_exchange>
+  in_flight;  // NOLINT(cppcoreguidelines-avoid-non-const-global-variables)
+
+// A hooked producer's __dlpack__ was called on `self` with `stream`: noted when `self` is the
+// exchange's argument.
+void producer_called(py::handle self, py::handle stream)
 {
-  thread_local std::vector<std::unique_ptr<trace::muted_scope>> mutes;  // this thread's, innermost last
-  if (on) {
-    mutes.push_back(std::make_unique<trace::muted_scope>());
-  } else if (!mutes.empty()) {
-    mutes.pop_back();
+  if (!in_flight || in_flight->argument != self.ptr()) { return; }
+  in_flight->stream_argument = is_int(stream.ptr()) ? as_int64(stream.ptr()) : std::nullopt;
+  if (in_flight->device.device_type != kDLCPU) {
+    if (const context* ctx = context_serving(in_flight->device.device_type)) {
+      in_flight->producer_device = ctx->backend().current_device();
+    }
   }
+}
+
+void begin_exchange(py::handle argument, const py::tuple& device)
+{
+  in_flight.reset(
+    new in_flight_exchange{argument.ptr(), device_of(device), {}, {}, {}});  // NOLINT: muted_scope cannot move
+}
+
+// The stream the producer's __dlpack__ was given and the device current then, for the exchange begun last.
+std::pair<std::optional<std::int64_t>, std::optional<int>> end_exchange()
+{
+  if (!in_flight) { return {}; }
+  const auto seen = std::make_pair(in_flight->stream_argument, in_flight->producer_device);
+  in_flight.reset();
+  return seen;
+}
+
+// --- each array type's library ----------------------------------------------------------------
+
+// Each array type's (library name or None, adapter or None) as `find` (handoff._adapters' registry)
+// says it, remembered per type until the registry changes. Holds each type, so that no other is made
+// at its address while remembered; bounded, as a program may make types as it goes.
+std::unordered_map<PyTypeObject*, py::object>& libraries_of_types()
+{
+  static auto* known = new std::unordered_map<PyTypeObject*, py::object>;  // NOLINT(cppcoreguidelines-owning-memory):
+                                                                           // leaked, as Python may be gone at exit
+  return *known;
+}
+
+void forget_libraries()
+{
+  auto& known = libraries_of_types();
+  for (auto& [type, _] : known) { Py_DECREF(type); }
+  known.clear();
+}
+
+// `value`'s type's entry (borrowed), or nullptr with a Python error set.
+PyObject* registered_library_of(PyObject* value, PyObject* find)
+{
+  constexpr std::size_t most_remembered = 1024;
+  auto& known = libraries_of_types();
+  PyTypeObject* type = Py_TYPE(value);
+  if (const auto found = known.find(type); found != known.end()) { return found->second.ptr(); }
+  auto said = py::reinterpret_steal<py::object>(PyObject_CallOneArg(find, reinterpret_cast<PyObject*>(type)));
+  if (!said) { return nullptr; }
+  if (PyTuple_Check(said.ptr()) == 0 || PyTuple_GET_SIZE(said.ptr()) != 2 ||
+      (PyTuple_GET_ITEM(said.ptr(), 0) != Py_None && PyUnicode_Check(PyTuple_GET_ITEM(said.ptr(), 0)) == 0)) {
+    PyErr_SetString(PyExc_TypeError, "a library finder must return (name or None, adapter or None)");
+    return nullptr;
+  }
+  if (known.size() >= most_remembered) { forget_libraries(); }
+  Py_INCREF(type);
+  return known.emplace(type, std::move(said)).first->second.ptr();
+}
+
+// --- the hooked consumer's call ---------------------------------------------------------------
+
+// Libraries whose arrays are host data whatever the array: the ordering mode alone leaves them be.
+bool is_host_only_library(std::string_view name) noexcept
+{
+  return name == "numpy";
+}
+
+// What the hooks are for now: set by handoff._interpose as traces and the ordering mode come and go.
+struct interposed_mode {
+  bool tracing{false};
+  bool ordering{false};
+};
+interposed_mode mode;  // NOLINT(cppcoreguidelines-avoid-non-const-global-variables): read and set with the GIL
+
+// A hooked consumer function's call (handoff/_interpose.py wraps each in a Python function that calls
+// this): decides whether the call is an exchange between two libraries and of what data, records
+// one of host data whole, and hands one of device data to handoff._interposed.exchange, whose streams
+// its libraries' adapters are asked for. Decided here, in one call, as most exchanges a program
+// makes are of host data and each Python step of a hook costs the program a fraction of a microsecond.
+struct consumer_call {
+  PyObject_HEAD PyObject* original;  // the consumer function
+  PyObject* consumer;                // handoff._interposed.Consumer
+  PyObject* find_library;            // handoff._adapters.registry's finder of a type's library
+  PyObject* exchange;                // handoff._interposed.exchange
+  PyObject* not_recorded;            // handoff._interposed._not_recorded
+  PyObject* parameter;               // the array's keyword, or None
+  const char* library;               // the consumer's, interned
+  bool interface_first;              // the consumer reads the CUDA Array Interface before DLPack
+};
+
+PyObject* call_original(const consumer_call* self, PyObject* args, PyObject* kwargs)
+{
+  return PyObject_Call(self->original, args, kwargs);
+}
+
+// The array the call hands over (borrowed), or nullptr.
+PyObject* argument_of(const consumer_call* self, PyObject* args, PyObject* kwargs)
+{
+  if (PyTuple_GET_SIZE(args) > 0) { return PyTuple_GET_ITEM(args, 0); }
+  if (kwargs == nullptr || self->parameter == Py_None) { return nullptr; }
+  PyObject* found = PyDict_GetItemWithError(kwargs, self->parameter);
+  PyErr_Clear();
+  return found;
+}
+
+bool has_attribute(PyObject* value, PyObject* name)
+{
+  const int found = PyObject_HasAttr(value, name);
+  PyErr_Clear();
+  return found == 1;
+}
+
+// The protocol the consumer reads `value` through; nullopt when it has neither (not an exchange).
+std::optional<interposed_protocol> protocol_of(PyObject* value, bool interface_first)
+{
+  static PyObject* const dlpack_name = interned("__dlpack__");
+  static PyObject* const interface_name = interned("__cuda_array_interface__");
+  if (PyType_Check(value) != 0) { return std::nullopt; }
+  const bool dlpack = has_attribute(value, dlpack_name);
+  if (dlpack && !interface_first) { return interposed_protocol::dlpack; }  // a CPU tensor's interface raises
+  if (has_attribute(value, interface_name)) { return interposed_protocol::cuda_array_interface; }
+  if (dlpack) { return interposed_protocol::dlpack; }
+  return std::nullopt;
+}
+
+// The data's device as the protocol says it; host where it cannot say (the consumer's own call will
+// say what is wrong).
+DLDevice data_device_of(PyObject* value, interposed_protocol protocol)
+{
+  static PyObject* const dlpack_device_name = interned("__dlpack_device__");
+  static PyObject* const interface_name = interned("__cuda_array_interface__");
+  static PyObject* const data_name = interned("data");
+  constexpr DLDevice host{kDLCPU, 0};
+  const error_scope quiet;
+  if (protocol == interposed_protocol::dlpack) {
+    const auto said = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(value, dlpack_device_name));
+    const auto pair = said ? py::reinterpret_steal<py::object>(PySequence_Fast(said.ptr(), "")) : py::object{};
+    if (!pair || PySequence_Fast_GET_SIZE(pair.ptr()) != 2) { return host; }
+    const long type = PyLong_AsLong(PySequence_Fast_GET_ITEM(pair.ptr(), 0));
+    const long id = PyLong_AsLong(PySequence_Fast_GET_ITEM(pair.ptr(), 1));
+    if (PyErr_Occurred() != nullptr) { return host; }
+    return {static_cast<DLDeviceType>(type), static_cast<int>(id)};
+  }
+  const auto interface = py::reinterpret_steal<py::object>(PyObject_GetAttr(value, interface_name));
+  PyObject* data =
+    interface && PyDict_Check(interface.ptr()) != 0 ? PyDict_GetItemWithError(interface.ptr(), data_name) : nullptr;
+  if (data == nullptr || PyTuple_Check(data) == 0 || PyTuple_GET_SIZE(data) == 0) { return host; }
+  const unsigned long long pointer = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(data, 0));
+  if (PyErr_Occurred() != nullptr) { return host; }
+  try {
+    return module_exchange()
+      .device_of(reinterpret_cast<const void*>(pointer))
+      .value_or(host);  // NOLINT(performance-no-int-to-ptr)
+  } catch (const error&) {
+    return host;
+  }
+}
+
+// What a refused call's event says of its error: "TypeError: ...", at most 200 characters.
+std::string refusal_of(PyObject* error)
+{
+  static PyObject* const name_name = interned("__name__");
+  const auto name =
+    py::reinterpret_steal<py::object>(PyObject_GetAttr(reinterpret_cast<PyObject*>(Py_TYPE(error)), name_name));
+  const auto text =
+    name ? py::reinterpret_steal<py::object>(PyUnicode_FromFormat("%S: %S", name.ptr(), error)) : py::object{};
+  const auto cut = text ? py::reinterpret_steal<py::object>(PyUnicode_Substring(text.ptr(), 0, 200)) : py::object{};
+  const char* utf8 = cut ? PyUnicode_AsUTF8(cut.ptr()) : nullptr;
+  if (utf8 == nullptr) {
+    PyErr_Clear();
+    return Py_TYPE(error)->tp_name;
+  }
+  return utf8;
+}
+
+// Records an exchange of host data with `record`; what fails to be recorded is said (once per kind of
+// failure, by handoff._interposed._not_recorded), never raised: a tracing tool does not break the program.
+template <class Record>
+void record_host_exchange(const consumer_call* self, Record&& record)
+{
+  try {
+    record();
+  } catch (const py::error_already_set& failure) {
+    if (PyObject* said = PyObject_CallOneArg(self->not_recorded, failure.value().ptr())) { Py_DECREF(said); }
+  } catch (const std::exception& failure) {
+    const auto value =
+      py::reinterpret_steal<py::object>(PyObject_CallFunction(PyExc_RuntimeError, "s", failure.what()));
+    if (PyObject* said = value ? PyObject_CallOneArg(self->not_recorded, value.ptr()) : nullptr) { Py_DECREF(said); }
+  }
+  PyErr_Clear();
+}
+
+// An exchange of host data, recorded whole: no stream orders host data, so neither library is asked one.
+PyObject* host_exchange(const consumer_call* self, PyObject* args, PyObject* kwargs, PyObject* argument,
+                        interposed_protocol protocol, std::string_view producer)
+{
+  interposed_exchange seen{protocol, producer, self->library, DLDevice{kDLCPU, 0}};
+  in_flight.reset(new in_flight_exchange{argument, {kDLCPU, 0}, {}, {}, {}});  // NOLINT: as begin_exchange
+  PyObject* result = call_original(self, args, kwargs);
+  seen.stream_argument = in_flight->stream_argument;
+  in_flight.reset();
+  if (result == nullptr) {
+    PyObject* type = nullptr;
+    PyObject* value = nullptr;
+    PyObject* traceback = nullptr;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    record_host_exchange(self, [&] {
+      seen.record(trace::event_kind::import_data, trace::action::refused, interposed_hazard::none, refusal_of(value));
+    });
+    PyErr_Restore(type, value, traceback);
+    return nullptr;
+  }
+  record_host_exchange(self,
+                       [&] { seen.record_import(argument, result, trace::action::none, interposed_hazard::none, {}); });
+  return result;
+}
+
+PyObject* consumer_call_call(PyObject* object, PyObject* args, PyObject* kwargs)
+{
+  auto* self = reinterpret_cast<consumer_call*>(object);
+  if (in_flight) { return call_original(self, args, kwargs); }  // the outermost call of a nest is the exchange
+  PyObject* argument = argument_of(self, args, kwargs);
+  if (argument == nullptr) { return call_original(self, args, kwargs); }  // the consumer says what is wrong
+  PyObject* found = registered_library_of(argument, self->find_library);
+  if (found == nullptr) { return nullptr; }
+  PyObject* producer = PyTuple_GET_ITEM(found, 0);
+  const char* producer_name = producer != Py_None ? PyUnicode_AsUTF8(producer) : nullptr;
+  if (producer != Py_None && producer_name == nullptr) { return nullptr; }
+  const interposed_mode now = mode;
+  if (!now.tracing && producer_name != nullptr && is_host_only_library(producer_name)) {
+    return call_original(self, args, kwargs);  // the ordering mode alone: nothing to order
+  }
+  const std::optional<interposed_protocol> protocol = protocol_of(argument, self->interface_first);
+  if (!protocol || producer_name == nullptr || std::string_view{producer_name} == self->library ||
+      std::string_view{producer_name} == "handoff") {
+    // Not an exchange (a list, a host array read through __array__), one within a library, or one
+    // handoff records itself.
+    return call_original(self, args, kwargs);
+  }
+  const DLDevice device = data_device_of(argument, *protocol);
+  if (device.device_type == kDLCPU) {
+    if (!now.tracing) { return call_original(self, args, kwargs); }  // the ordering mode alone: host data needs nothing
+    return host_exchange(self, args, kwargs, argument, *protocol, producer_name);
+  }
+  const auto device_tuple = py::make_tuple(static_cast<int>(device.device_type), device.device_id);
+  const auto named = py::make_tuple(py::reinterpret_borrow<py::object>(argument), py::cast(*protocol),
+                                    py::reinterpret_borrow<py::object>(producer),
+                                    py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(found, 1)), device_tuple);
+  const auto keywords = py::reinterpret_borrow<py::object>(kwargs != nullptr ? kwargs : Py_None);
+  return PyObject_CallFunctionObjArgs(self->exchange, self->original, self->consumer, args, keywords.ptr(), named.ptr(),
+                                      now.tracing ? Py_True : Py_False, now.ordering ? Py_True : Py_False, nullptr);
+}
+
+int consumer_call_traverse(PyObject* object, visitproc visit, void* arg)
+{
+  auto* self = reinterpret_cast<consumer_call*>(object);
+  Py_VISIT(Py_TYPE(object));
+  Py_VISIT(self->original);
+  Py_VISIT(self->consumer);
+  Py_VISIT(self->find_library);
+  Py_VISIT(self->exchange);
+  Py_VISIT(self->not_recorded);
+  Py_VISIT(self->parameter);
+  return 0;
+}
+
+int consumer_call_clear(PyObject* object)
+{
+  auto* self = reinterpret_cast<consumer_call*>(object);
+  Py_CLEAR(self->original);
+  Py_CLEAR(self->consumer);
+  Py_CLEAR(self->find_library);
+  Py_CLEAR(self->exchange);
+  Py_CLEAR(self->not_recorded);
+  Py_CLEAR(self->parameter);
+  return 0;
+}
+
+void consumer_call_dealloc(PyObject* object)
+{
+  PyTypeObject* type = Py_TYPE(object);
+  PyObject_GC_UnTrack(object);
+  consumer_call_clear(object);
+  type->tp_free(object);
+  Py_DECREF(type);
+}
+
+PyTypeObject* consumer_call_type()
+{
+  static PyTypeObject* type = [] {
+    PyType_Slot slots[] = {
+      {Py_tp_call, reinterpret_cast<void*>(consumer_call_call)},
+      {Py_tp_traverse, reinterpret_cast<void*>(consumer_call_traverse)},
+      {Py_tp_clear, reinterpret_cast<void*>(consumer_call_clear)},
+      {Py_tp_dealloc, reinterpret_cast<void*>(consumer_call_dealloc)},
+      {0, nullptr},
+    };
+    PyType_Spec spec{"handoff._handoff._InterposedCall", static_cast<int>(sizeof(consumer_call)), 0,
+                     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, slots};
+    auto* made = reinterpret_cast<PyTypeObject*>(PyType_FromSpec(&spec));
+    if (made == nullptr) { throw py::error_already_set(); }
+    return made;  // kept for the process
+  }();
+  return type;
+}
+
+// A hooked consumer's call for `consumer` (handoff._interposed.Consumer), finding each array type's
+// library with `find_library` and handing device data to `exchange`.
+py::object make_consumer_call(py::handle original, py::handle consumer, py::handle find_library, py::handle exchange,
+                              py::handle not_recorded)
+{
+  const py::object adapter = consumer.attr("adapter");
+  const auto library = adapter.attr("name").cast<std::string>();
+  const bool interface_first = consumer.attr("interface_first").cast<bool>();
+  const py::object parameter = consumer.attr("parameter");
+  auto made = py::reinterpret_steal<py::object>(PyType_GenericAlloc(consumer_call_type(), 0));
+  if (!made) { throw py::error_already_set(); }
+  auto* self = reinterpret_cast<consumer_call*>(made.ptr());
+  self->original = py::reinterpret_borrow<py::object>(original).release().ptr();
+  self->consumer = py::reinterpret_borrow<py::object>(consumer).release().ptr();
+  self->find_library = py::reinterpret_borrow<py::object>(find_library).release().ptr();
+  self->exchange = py::reinterpret_borrow<py::object>(exchange).release().ptr();
+  self->not_recorded = py::reinterpret_borrow<py::object>(not_recorded).release().ptr();
+  self->parameter = parameter.inc_ref().ptr();
+  self->library = intern_library(library);
+  self->interface_first = interface_first;
+  return made;
 }
 
 }  // namespace
@@ -526,8 +845,11 @@ void bind_interpose(py::module_& m)
     .value("refused", trace::action::refused);
   py::class_<interposed_exchange>(m, "_InterposedExchange",
                                   "One exchange between two other libraries that handoff's hooks saw.")
-    .def(py::init<interposed_protocol, std::string_view, std::string_view, const py::tuple&>(), py::arg("protocol"),
-         py::arg("producer"), py::arg("consumer"), py::arg("device"))
+    .def(py::init([](interposed_protocol protocol, std::string_view producer, std::string_view consumer,
+                     const py::tuple& device) {
+           return interposed_exchange{protocol, producer, consumer, device_of(device)};
+         }),
+         py::arg("protocol"), py::arg("producer"), py::arg("consumer"), py::arg("device"))
     .def_property_readonly("work_device", &interposed_exchange::work_device,
                            "The device whose current streams order the data, or None.")
     .def("set_producer_stream", &interposed_exchange::set_producer_stream, py::arg("stream"),
@@ -553,10 +875,6 @@ void bind_interpose(py::module_& m)
          "Records the consumer's import of argument as result (described, a copy noted); no-op unless tracing")
     .def_readwrite("stream_argument", &interposed_exchange::stream_argument)
     .def_readwrite("ordered", &interposed_exchange::ordered);
-  m.def("_interposed_device", &device_of_pointer, py::arg("pointer"),
-        "The DLPack device of the CUDA memory at `pointer`, or None when handoff cannot tell.");
-  m.def("_interposed_current_device", &current_device, py::arg("device_type"),
-        "The device current on the calling thread for data of `device_type`, or None.");
   m.def("_interposed_stream_device", &stream_device, py::arg("handle"),
         "The device of a native stream handle, or None when handoff cannot tell.");
   m.def(
@@ -568,9 +886,27 @@ void bind_interpose(py::module_& m)
     py::arg("lookup"),
     "Registers `lookup(handle, device)`: the stream object of an imported library whose current stream on "
     "`device` is native stream `handle`, or None; asked for an export's consumer stream that nothing holds.");
-  m.def("_interposed_mute", &mute, py::arg("on"),
-        "Mutes (True) or unmutes (False, the latest mute) the recording of handoff's own exchanges on this thread: "
-        "the workings of an exchange between two other libraries that is recorded as one.");
+  m.def("_interposed_forget_libraries", &forget_libraries,
+        "Forgets each array type's library the hooked consumers' calls remember: the adapters changed.");
+  m.def("_interposed_call", &make_consumer_call, py::arg("original"), py::arg("consumer"), py::arg("find_library"),
+        py::arg("exchange"), py::arg("not_recorded"),
+        "A hooked consumer's call: decides whether a call is an exchange and of what data, records one of host data, "
+        "and hands one of device data to `exchange(original, consumer, args, kwargs, (argument, protocol, producer, "
+        "adapter, device), tracing, ordering)`.");
+  m.def(
+    "_interposed_set_mode",
+    [](bool tracing, bool ordering) {
+      mode = {tracing, ordering};
+    },
+    py::arg("tracing"), py::arg("ordering"), "What the hooked consumers' calls are for: a trace, the ordering mode.");
+  m.def("_interposed_begin", &begin_exchange, py::arg("argument"), py::arg("device"),
+        "Begins an exchange of `argument`, on this thread: consumers called inside it are part of it, and handoff's "
+        "own exchanges inside it are not recorded.");
+  m.def("_interposed_end", &end_exchange,
+        "Ends the exchange begun on this thread: (the stream its producer's __dlpack__ was given, the device "
+        "current then), each None where unseen.");
+  m.def("_interposed_producer_called", &producer_called, py::arg("self"), py::arg("stream"),
+        "A hooked producer's __dlpack__ was called on `self` with `stream`.");
 }
 
 }  // namespace handoff::python
