@@ -69,6 +69,10 @@ class LibraryAdapter:
             None where the library has no current stream to set (a CPU build).
         ignores_stream: Its arrays' ``__dlpack__`` ignore the ``stream`` argument (they never order
             for the consumer).
+        device: One of its arrays' DLPack device, ``(device_type, device_id)``, exactly as the
+            array's ``__dlpack_device__`` answers, for libraries where asking that costs more than it
+            need (PyTorch's is Python): the hooks ask it instead, once per exchange. None: the array
+            is asked.
     """
 
     name: str
@@ -78,10 +82,13 @@ class LibraryAdapter:
     current_stream: Callable[[int], object] | None = None
     use_stream: Callable[[int, int | None], contextlib.AbstractContextManager[Any] | None] | None = None
     ignores_stream: bool = False
+    device: Callable[[Any], tuple[int, int]] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"a library adapter needs a name (a non-empty str), not {self.name!r}")
+        if self.device is not None and not callable(self.device):
+            raise TypeError(f"device must be a function of an array, or None, not {type(self.device).__name__}")
         for kind in ("consumers", "interface_first", "producers"):
             given = getattr(self, kind)
             if isinstance(given, str):
@@ -121,6 +128,8 @@ def _function(entry: str) -> str:
 
 # --- the known libraries ---------------------------------------------------------------------------
 
+_DL_CPU, _DL_CUDA_HOST = 1, 3  # DLPack's kDLCPU, kDLCUDAHost
+
 
 def _torch_stream(device: int) -> object:
     """PyTorch's current stream: its own (the default stream, its pool's) live as long as the process,
@@ -140,6 +149,17 @@ def _torch_use(handle: int, device: int | None) -> contextlib.AbstractContextMan
         return None
     block: contextlib.AbstractContextManager[Any] = torch.cuda.stream(torch.cuda.ExternalStream(handle, device=device))
     return block
+
+
+def _torch_device(tensor: Any) -> tuple[int, int]:
+    """A tensor's DLPack device as ``Tensor.__dlpack_device__`` answers (torch/_tensor.py, PyTorch
+    2.13), at a tenth of its cost for a plain CPU tensor (it is Python, imports its enum and reads
+    the device's type through a string each call): kDLCPU, or kDLCUDAHost when pinned. A subclass
+    (which may answer through ``__torch_function__``) and device data are asked."""
+    if type(tensor) is sys.modules["torch"].Tensor and tensor.is_cpu:
+        return (_DL_CUDA_HOST if tensor.is_pinned() else _DL_CPU, 0)
+    device: tuple[int, int] = tensor.__dlpack_device__()
+    return device
 
 
 def _cupy_stream(device: int) -> object:
@@ -171,6 +191,7 @@ KNOWN_LIBRARIES: tuple[LibraryAdapter, ...] = (
         producers=("torch:Tensor",),
         current_stream=_torch_stream,
         use_stream=_torch_use,
+        device=_torch_device,
     ),
     LibraryAdapter(
         "cupy",

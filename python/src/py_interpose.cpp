@@ -499,13 +499,18 @@ std::pair<std::optional<std::int64_t>, std::optional<int>> end_exchange()
 
 // --- each array type's library ----------------------------------------------------------------
 
-// Each array type's (library name or None, adapter or None) as `find` (handoff._adapters' registry)
-// says it, remembered per type until the registry changes. Holds each type, so that no other is made
-// at its address while remembered; bounded, as a program may make types as it goes.
-std::unordered_map<PyTypeObject*, py::object>& libraries_of_types()
+// An array type's library as handoff._adapters' registry finds it.
+struct registered_library {
+  py::object found;        // (name or None, adapter or None)
+  py::object read_device;  // the adapter's `device`: its arrays' DLPack device, cheaper than asking them; or None
+};
+
+// Each array type's library, remembered per type until the registry changes. Holds each type, so
+// that no other is made at its address while remembered; bounded, as a program may make types as it goes.
+std::unordered_map<PyTypeObject*, registered_library>& libraries_of_types()
 {
-  static auto* known = new std::unordered_map<PyTypeObject*, py::object>;  // NOLINT(cppcoreguidelines-owning-memory):
-                                                                           // leaked, as Python may be gone at exit
+  // NOLINTNEXTLINE(cppcoreguidelines-owning-memory): leaked, as Python may be gone at exit
+  static auto* known = new std::unordered_map<PyTypeObject*, registered_library>;
   return *known;
 }
 
@@ -516,13 +521,14 @@ void forget_libraries()
   known.clear();
 }
 
-// `value`'s type's entry (borrowed), or nullptr with a Python error set.
-PyObject* registered_library_of(PyObject* value, PyObject* find)
+// `value`'s type's library as `find(type)` says it, or nullptr with a Python error set.
+const registered_library* registered_library_of(PyObject* value, PyObject* find)
 {
+  static PyObject* const device_name = interned("device");
   constexpr std::size_t most_remembered = 1024;
   auto& known = libraries_of_types();
   PyTypeObject* type = Py_TYPE(value);
-  if (const auto found = known.find(type); found != known.end()) { return found->second.ptr(); }
+  if (const auto found = known.find(type); found != known.end()) { return &found->second; }
   auto said = py::reinterpret_steal<py::object>(PyObject_CallOneArg(find, reinterpret_cast<PyObject*>(type)));
   if (!said) { return nullptr; }
   if (PyTuple_Check(said.ptr()) == 0 || PyTuple_GET_SIZE(said.ptr()) != 2 ||
@@ -530,9 +536,15 @@ PyObject* registered_library_of(PyObject* value, PyObject* find)
     PyErr_SetString(PyExc_TypeError, "a library finder must return (name or None, adapter or None)");
     return nullptr;
   }
+  PyObject* adapter = PyTuple_GET_ITEM(said.ptr(), 1);
+  auto read_device = py::reinterpret_borrow<py::object>(Py_None);
+  if (adapter != Py_None) {
+    read_device = py::reinterpret_steal<py::object>(PyObject_GetAttr(adapter, device_name));
+    if (!read_device) { return nullptr; }
+  }
   if (known.size() >= most_remembered) { forget_libraries(); }
   Py_INCREF(type);
-  return known.emplace(type, std::move(said)).first->second.ptr();
+  return &known.emplace(type, registered_library{std::move(said), std::move(read_device)}).first->second;
 }
 
 // --- the hooked consumer's call ---------------------------------------------------------------
@@ -556,14 +568,15 @@ interposed_mode mode;  // NOLINT(cppcoreguidelines-avoid-non-const-global-variab
 // its libraries' adapters are asked for. Decided here, in one call, as most exchanges a program
 // makes are of host data and each Python step of a hook costs the program a fraction of a microsecond.
 struct consumer_call {
-  PyObject_HEAD PyObject* original;  // the consumer function
-  PyObject* consumer;                // handoff._interposed.Consumer
-  PyObject* find_library;            // handoff._adapters.registry's finder of a type's library
-  PyObject* exchange;                // handoff._interposed.exchange
-  PyObject* not_recorded;            // handoff._interposed._not_recorded
-  PyObject* parameter;               // the array's keyword, or None
-  const char* library;               // the consumer's, interned
-  bool interface_first;              // the consumer reads the CUDA Array Interface before DLPack
+  PyObject ob_base;
+  PyObject* original;      // the consumer function
+  PyObject* consumer;      // handoff._interposed.Consumer
+  PyObject* find_library;  // handoff._adapters.registry's finder of a type's library
+  PyObject* exchange;      // handoff._interposed.exchange
+  PyObject* not_recorded;  // handoff._interposed._not_recorded
+  PyObject* parameter;     // the array's keyword, or None
+  const char* library;     // the consumer's, interned
+  bool interface_first;    // the consumer reads the CUDA Array Interface before DLPack
 };
 
 PyObject* call_original(const consumer_call* self, PyObject* args, PyObject* kwargs)
@@ -601,9 +614,9 @@ std::optional<interposed_protocol> protocol_of(PyObject* value, bool interface_f
   return std::nullopt;
 }
 
-// The data's device as the protocol says it; host where it cannot say (the consumer's own call will
-// say what is wrong).
-DLDevice data_device_of(PyObject* value, interposed_protocol protocol)
+// The data's device as the protocol says it (DLPack's as `read_device` says it, where the library's
+// adapter has one); host where it cannot say (the consumer's own call will say what is wrong).
+DLDevice data_device_of(PyObject* value, interposed_protocol protocol, PyObject* read_device)
 {
   static PyObject* const dlpack_device_name = interned("__dlpack_device__");
   static PyObject* const interface_name = interned("__cuda_array_interface__");
@@ -611,7 +624,9 @@ DLDevice data_device_of(PyObject* value, interposed_protocol protocol)
   constexpr DLDevice host{kDLCPU, 0};
   const error_scope quiet;
   if (protocol == interposed_protocol::dlpack) {
-    const auto said = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(value, dlpack_device_name));
+    const auto said =
+      py::reinterpret_steal<py::object>(read_device != Py_None ? PyObject_CallOneArg(read_device, value)
+                                                               : PyObject_CallMethodNoArgs(value, dlpack_device_name));
     const auto pair = said ? py::reinterpret_steal<py::object>(PySequence_Fast(said.ptr(), "")) : py::object{};
     if (!pair || PySequence_Fast_GET_SIZE(pair.ptr()) != 2) { return host; }
     const long type = PyLong_AsLong(PySequence_Fast_GET_ITEM(pair.ptr(), 0));
@@ -625,10 +640,9 @@ DLDevice data_device_of(PyObject* value, interposed_protocol protocol)
   if (data == nullptr || PyTuple_Check(data) == 0 || PyTuple_GET_SIZE(data) == 0) { return host; }
   const unsigned long long pointer = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(data, 0));
   if (PyErr_Occurred() != nullptr) { return host; }
+  const auto* address = reinterpret_cast<const void*>(pointer);  // NOLINT(performance-no-int-to-ptr)
   try {
-    return module_exchange()
-      .device_of(reinterpret_cast<const void*>(pointer))
-      .value_or(host);  // NOLINT(performance-no-int-to-ptr)
+    return module_exchange().device_of(address).value_or(host);
   } catch (const error&) {
     return host;
   }
@@ -700,9 +714,9 @@ PyObject* consumer_call_call(PyObject* object, PyObject* args, PyObject* kwargs)
   if (in_flight) { return call_original(self, args, kwargs); }  // the outermost call of a nest is the exchange
   PyObject* argument = argument_of(self, args, kwargs);
   if (argument == nullptr) { return call_original(self, args, kwargs); }  // the consumer says what is wrong
-  PyObject* found = registered_library_of(argument, self->find_library);
-  if (found == nullptr) { return nullptr; }
-  PyObject* producer = PyTuple_GET_ITEM(found, 0);
+  const registered_library* library = registered_library_of(argument, self->find_library);
+  if (library == nullptr) { return nullptr; }
+  PyObject* producer = PyTuple_GET_ITEM(library->found.ptr(), 0);
   const char* producer_name = producer != Py_None ? PyUnicode_AsUTF8(producer) : nullptr;
   if (producer != Py_None && producer_name == nullptr) { return nullptr; }
   const interposed_mode now = mode;
@@ -716,15 +730,15 @@ PyObject* consumer_call_call(PyObject* object, PyObject* args, PyObject* kwargs)
     // handoff records itself.
     return call_original(self, args, kwargs);
   }
-  const DLDevice device = data_device_of(argument, *protocol);
+  const DLDevice device = data_device_of(argument, *protocol, library->read_device.ptr());
   if (device.device_type == kDLCPU) {
     if (!now.tracing) { return call_original(self, args, kwargs); }  // the ordering mode alone: host data needs nothing
     return host_exchange(self, args, kwargs, argument, *protocol, producer_name);
   }
   const auto device_tuple = py::make_tuple(static_cast<int>(device.device_type), device.device_id);
-  const auto named = py::make_tuple(py::reinterpret_borrow<py::object>(argument), py::cast(*protocol),
-                                    py::reinterpret_borrow<py::object>(producer),
-                                    py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(found, 1)), device_tuple);
+  const auto named = py::make_tuple(
+    py::reinterpret_borrow<py::object>(argument), py::cast(*protocol), py::reinterpret_borrow<py::object>(producer),
+    py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(library->found.ptr(), 1)), device_tuple);
   const auto keywords = py::reinterpret_borrow<py::object>(kwargs != nullptr ? kwargs : Py_None);
   return PyObject_CallFunctionObjArgs(self->exchange, self->original, self->consumer, args, keywords.ptr(), named.ptr(),
                                       now.tracing ? Py_True : Py_False, now.ordering ? Py_True : Py_False, nullptr);

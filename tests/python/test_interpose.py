@@ -180,6 +180,7 @@ def test_a_refused_exchange_is_recorded_and_its_error_reaches_the_program_unchan
         (lambda: handoff.LibraryAdapter("lib", consumers="lib:f"), TypeError, "not one string"),
         (lambda: handoff.LibraryAdapter("lib", consumers=("lib.f",)), ValueError, "'lib.f' is not 'module:attr'"),
         (lambda: handoff.register_library("lib"), TypeError, "takes a handoff.LibraryAdapter, not str"),
+        (lambda: handoff.LibraryAdapter("lib", device=(2, 0)), TypeError, "device must be a function"),
     ],
 )
 def test_a_bad_adapter_is_refused_naming_what_is_wrong(adapter, error, text):
@@ -318,6 +319,46 @@ def test_a_device_said_as_a_list_is_device_data_as_one_said_as_a_tuple(peers):
     assert event["device"] == tuple(x.__dlpack_device__()), "not taken for host data"
     assert event["action"] == "refused" and event["detail"].startswith("TypeError: ")
     assert event["consumer_stream"] == consumer.handle, "its streams asked, as device data's are"
+
+
+@needs_sim
+def test_an_adapters_device_is_asked_once_an_exchange(peers):
+    _, torchlike, _, consumer = peers
+    library = make_library("simdevice", register=False)
+    asked = []
+
+    def device(array):
+        asked.append(array)
+        return array.__dlpack_device__()
+
+    handoff.register_library(handoff.LibraryAdapter("simdevice", device=device))
+    x = library.zeros(N)
+    with torchlike.use(consumer), handoff.trace(libraries=True) as t:
+        torchlike.from_dlpack(x)
+    assert asked == [x]
+    (event,) = [e for e in t.events if e["interposed"]]
+    assert event["producer"] == "simdevice" and event["device"] == tuple(x.__dlpack_device__())
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        pytest.param(lambda: torch.arange(6.0), id="plain"),
+        pytest.param(lambda: torch.arange(6.0).reshape(2, 3).T, id="view"),
+        pytest.param(lambda: torch.tensor(True), id="bool-0d"),
+        pytest.param(lambda: torch.nn.Parameter(torch.ones(2)), id="parameter"),
+        pytest.param(
+            lambda: torch.ones(3).pin_memory(),
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs PyTorch's CUDA"),
+            id="pinned",
+        ),
+    ],
+)
+def test_pytorchs_adapter_answers_the_device_as_pytorch_does(tensor):
+    made = tensor()
+    adapter = registry.get("torch")
+    assert adapter is not None and adapter.device is not None
+    assert adapter.device(made) == tuple(int(part) for part in made.__dlpack_device__())
 
 
 @needs_sim
