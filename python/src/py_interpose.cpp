@@ -471,16 +471,33 @@ thread_local std::unique_ptr<in_flight_exchange>
 
 // A hooked producer's __dlpack__ was called on `self` with `stream`: noted when `self` is the
 // exchange's argument.
-void producer_called(py::handle self, py::handle stream)
+// A plain CPython function (METH_FASTCALL, `(self, stream)`): each traced exchange whose producer's
+// class is hooked calls it, and pybind11's dispatch would cost more than what it does.
+PyObject* producer_called(PyObject* /*module*/, PyObject* const* args, Py_ssize_t count) noexcept
 {
-  if (!in_flight || in_flight->argument != self.ptr()) { return; }
-  in_flight->stream_argument = is_int(stream.ptr()) ? as_int64(stream.ptr()) : std::nullopt;
-  if (in_flight->device.device_type != kDLCPU) {
-    if (const context* ctx = context_serving(in_flight->device.device_type)) {
-      in_flight->producer_device = ctx->backend().current_device();
+  if (count != 2) {
+    PyErr_SetString(PyExc_TypeError, "_interposed_producer_called takes (self, stream)");
+    return nullptr;
+  }
+  if (in_flight && in_flight->argument == args[0]) {
+    in_flight->stream_argument = is_int(args[1]) ? as_int64(args[1]) : std::nullopt;
+    if (in_flight->device.device_type != kDLCPU) {
+      try {
+        if (const context* ctx = context_serving(in_flight->device.device_type)) {
+          in_flight->producer_device = ctx->backend().current_device();
+        }
+      } catch (const std::exception&) {  // the producer's call goes on; the device stays unseen
+      }
     }
   }
+  Py_RETURN_NONE;
 }
+
+PyMethodDef interpose_functions[] = {
+  {"_interposed_producer_called", as_cfunction(producer_called), METH_FASTCALL,
+   "A hooked producer's __dlpack__ was called on `self` with `stream`."},
+  {nullptr, nullptr, 0, nullptr},
+};
 
 void begin_exchange(py::handle argument, const py::tuple& device)
 {
@@ -919,8 +936,7 @@ void bind_interpose(py::module_& m)
   m.def("_interposed_end", &end_exchange,
         "Ends the exchange begun on this thread: (the stream its producer's __dlpack__ was given, the device "
         "current then), each None where unseen.");
-  m.def("_interposed_producer_called", &producer_called, py::arg("self"), py::arg("stream"),
-        "A hooked producer's __dlpack__ was called on `self` with `stream`.");
+  if (PyModule_AddFunctions(m.ptr(), interpose_functions) != 0) { throw py::error_already_set(); }
 }
 
 }  // namespace handoff::python
