@@ -1,5 +1,5 @@
-"""What tracing costs a realistic pipeline: a loop whose steps each do about 300 us of real work and
-exchange arrays between PyTorch (CPU) and NumPy four times, in a program that never imports handoff,
+"""What tracing costs a realistic pipeline: a loop whose steps each do about 300 us of real work (a
+matrix product, a softmax, an FFT) and exchange arrays between PyTorch (CPU) and NumPy four times, in a program that never imports handoff,
 run untraced, under `handoff-trace run`, under `handoff-trace run --order` and under
 `handoff-trace run --launches`; and a launch-heavy variant on the simulator (each step also launches
 kernels, orders two streams through an exchange and waits for one), untraced and under
@@ -85,7 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--steps", type=int, default=2000, help="steps per process (default 2000)")
-    parser.add_argument("--size", type=int, default=96, help="the work's matrix size (about 300 us a step)")
+    parser.add_argument("--size", type=int, default=96, help="the work's matrix size (about 200-300 us a step)")
     parser.add_argument("--launches-per-step", type=int, default=16, help="the launch-heavy variant's kernels")
     parser.add_argument("--quick", action="store_true", help="2 rounds of 200 steps (a smoke run)")
     args = parser.parse_args()
