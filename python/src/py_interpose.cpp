@@ -466,13 +466,12 @@ struct in_flight_exchange {
   trace::muted_scope muted;
 };
 
-thread_local std::unique_ptr<in_flight_exchange>
-  in_flight;  // NOLINT(cppcoreguidelines-avoid-non-const-global-variables)
+// NOLINTNEXTLINE(cppcoreguidelines-avoid-non-const-global-variables): this thread's, read and set with the GIL
+thread_local std::unique_ptr<in_flight_exchange> in_flight;
 
 // A hooked producer's __dlpack__ was called on `self` with `stream`: noted when `self` is the
-// exchange's argument.
-// A plain CPython function (METH_FASTCALL, `(self, stream)`): each traced exchange whose producer's
-// class is hooked calls it, and pybind11's dispatch would cost more than what it does.
+// exchange's argument. A plain CPython function (METH_FASTCALL, `(self, stream)`), as each traced
+// exchange whose producer's class is hooked calls it and pybind11's dispatch costs more than this does.
 PyObject* producer_called(PyObject* /*module*/, PyObject* const* args, Py_ssize_t count) noexcept
 {
   if (count != 2) {

@@ -269,14 +269,16 @@ def written(library, stream):
 def read_during_held_write(producer_library, consumer_library, producer, consumer, *, by_keyword: bool = False):
     """An array of the producer library's, written (1.0) on `producer` while that stream is held, and
     imported by the consumer library on `consumer` meanwhile (by position, or by keyword as
-    `ext_tensor`): (whether the consumer's read was still waiting when the hold ended, which an ordered
-    read must be and an unordered one may be, not having run yet; the values it read)."""
+    `ext_tensor`): (whether the consumer's read was still waiting once everything not held had run,
+    which an ordered read must be and an unordered one cannot be; the values it read). An unordered
+    read runs inside the hold, so that it reads what was there before the write on any machine."""
     x = producer_library.zeros(N)
     with sim.hold(producer), producer_library.use(producer), consumer_library.use(consumer):
         producer_library.fill(x, 1.0)
         y = consumer_library.from_dlpack(ext_tensor=x) if by_keyword else consumer_library.from_dlpack(x)
         read = consumer_library.to_numpy(y, wait=False)
-        waited = not read.done() and sim.pending(consumer) > 0
+        sim.synchronize_unheld()  # a read that does not wait for the held write runs now
+        waited = not read.done()
     return waited, read.result()
 
 
