@@ -34,8 +34,10 @@ def test_the_consumer_waits_for_the_producer_kernel(ordered, sync):
         seen = consumer.run(
             "import torch; c = torch.cuda.Stream()\n"
             f"a = ipc.open(ipc.Handle({bytes(data)!r}), stream=c.cuda_stream)\n"
+            # Read on `c`, which the open ordered, or unordered (stream=-1) on a stream of its own:
+            # naming that stream to `a.__dlpack__` would order it after `c` too.
             f"read_on = c if {ordered} else torch.cuda.Stream()\n"
-            "with torch.cuda.stream(read_on): t = torch.from_dlpack(a).clone()\n"
+            f"with torch.cuda.stream(read_on): t = torch.from_dlpack(a if {ordered} else a.__dlpack__(stream=-1)).clone()\n"
             "read_on.synchronize(); result = float(t.min())"
         )
         assert (seen == 7.0) is ordered
@@ -56,7 +58,9 @@ def test_the_producer_keeps_its_memory_until_the_consumer_kernel_is_done(back_si
             "import torch; from handoff import _handoff\n"
             f"_handoff._ipc._set_back_signal({back_signal}); c = torch.cuda.Stream()\n"
             f"a = ipc.open(ipc.Handle({bytes(data)!r}), stream=c.cuda_stream)\n"
-            f"with torch.cuda.stream(c): torch.cuda._sleep({SLOW}); t = torch.from_dlpack(a) * 2\n"
+            # Handed over unordered (stream=-1), so that the export's own release does not wait for
+            # `c`: what keeps the producer's memory is the opened view's release alone.
+            f"with torch.cuda.stream(c): torch.cuda._sleep({SLOW}); t = torch.from_dlpack(a.__dlpack__(stream=-1)) * 2\n"
             "del a"
         )
         released = producer.run(

@@ -68,6 +68,8 @@ struct driver_api {
   PFN_cuGetErrorString_v6000 get_error_string{nullptr};
   PFN_cuThreadExchangeStreamCaptureMode_v10010 thread_exchange_capture_mode{nullptr};
   PFN_cuStreamGetDevice_v12080 stream_get_device{nullptr};
+  PFN_cuStreamGetCtx_v9020 stream_get_ctx{nullptr};
+  PFN_cuStreamIsCapturing_v10000 stream_is_capturing{nullptr};
   PFN_cuCtxGetId_v12000 ctx_get_id{nullptr};
   // Across processes: looked up on first use (a driver without them still runs the rest).
   PFN_cuStreamWriteValue64_v11070 stream_write_value64{nullptr};
@@ -146,6 +148,8 @@ class cuda_backend final : public backend {
     load_entry_point("cuGetErrorString", driver_.get_error_string, 6000);
     load_entry_point("cuThreadExchangeStreamCaptureMode", driver_.thread_exchange_capture_mode, 10010);
     load_entry_point("cuStreamGetDevice", driver_.stream_get_device, 12080);
+    load_entry_point("cuStreamGetCtx", driver_.stream_get_ctx, 9020);
+    load_entry_point("cuStreamIsCapturing", driver_.stream_is_capturing, 10000);
     load_entry_point("cuCtxGetId", driver_.ctx_get_id, 12000);
     HANDOFF_LOG_DEBUG("cuda: {} devices", count);
   }
@@ -237,17 +241,24 @@ class cuda_backend final : public backend {
   // The driver's call: a stream knows its context, so nothing needs to be current, where the
   // runtime's would initialise a context on the current device of a thread that has none (the
   // service thread running releases).
+  // A capturing stream is not asked: the driver refuses cuStreamGetDevice during a capture, and the
+  // refusal invalidates the capture (tools/gpu-probe's stream-queries-during-capture: so do
+  // cuStreamGetFlags and cuStreamGetId). Its device is then its context's.
   [[nodiscard]] int stream_device(stream_handle stream) override
   {
     if (is_default_stream(stream)) { return current_device(); }
+    if (captures(stream)) { return context_device(stream); }
     CUdevice device = 0;
     check_driver(driver_.stream_get_device(to_native(stream), &device), "cuStreamGetDevice", to_native(stream));
     return static_cast<int>(device);
   }
 
+  // A capturing stream is not asked (the driver refuses cuStreamGetFlags during a capture, which
+  // invalidates it) and is taken as non-blocking: handoff then orders explicitly, never less.
   [[nodiscard]] bool stream_is_blocking(stream_handle stream) override
   {
     if (is_default_stream(stream)) { return true; }
+    if (captures(stream)) { return false; }
     unsigned int flags = 0;
     HANDOFF_CUDA_TRY(cudaStreamGetFlags(to_native(stream), &flags));
     return (flags & cudaStreamNonBlocking) == 0;
@@ -681,6 +692,27 @@ class cuda_backend final : public backend {
   void check_driver(CUresult status, const char* call, const void* arg) const
   {
     if (status != CUDA_SUCCESS) [[unlikely]] { throw_driver_error(status, call, arg); }
+  }
+
+  // Whether `stream` (not a default stream) is capturing: the driver's call, which needs no context.
+  bool captures(stream_handle stream)
+  {
+    CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+    check_driver(driver_.stream_is_capturing(to_native(stream), &status), "cuStreamIsCapturing", to_native(stream));
+    return status != CU_STREAM_CAPTURE_STATUS_NONE;
+  }
+
+  // The device of the context `stream` belongs to (cuStreamGetCtx may be asked during a capture).
+  int context_device(stream_handle stream)
+  {
+    CUcontext context = nullptr;
+    check_driver(driver_.stream_get_ctx(to_native(stream), &context), "cuStreamGetCtx", to_native(stream));
+    check_driver(driver_.ctx_push_current(context), "cuCtxPushCurrent", nullptr);
+    CUdevice device = 0;
+    const CUresult asked = driver_.ctx_get_device(&device);
+    pop_current_device();
+    check_driver(asked, "cuCtxGetDevice", nullptr);
+    return static_cast<int>(device);
   }
 
   [[noreturn]] void throw_driver_error(CUresult status, const char* call, const void* arg) const

@@ -1,8 +1,9 @@
 // CUPTI's driver API callbacks turned into handoff::activity records. A kernel's arguments are laid
-// out with cuFuncGetParamInfo, and each aligned 8-byte word of them (a pointer argument, or a pointer
-// inside a struct argument, as PyTorch's and CuPy's kernels take theirs) is matched against the memory
-// the process is known to have: the allocations CUPTI's callbacks report while subscribed, and the
-// arrays handoff saw exchanged.
+// out with cuFuncGetParamInfo (cuKernelGetParamInfo for a library's kernel), or read from the buffer
+// they were packed into, and each aligned 8-byte word of them (a pointer argument, or a pointer inside
+// a struct argument, as PyTorch's and CuPy's kernels take theirs) is matched against the memory the
+// process is known to have: the allocations and mappings CUPTI's callbacks report while subscribed,
+// and the arrays handoff saw exchanged.
 #include "device/cuda/cupti_activity.hpp"
 #include "device/cuda/driver_entry.hpp"
 
@@ -12,6 +13,7 @@
 #include <handoff/internal/activity_trace.hpp>
 
 #include <cuda.h>
+#include <cudaTypedefs.h>  // PFN_* driver prototypes; header only, nothing is linked
 #include <cuda_runtime_api.h>
 #include <cupti.h>
 #include <fmt/format.h>
@@ -48,14 +50,23 @@ struct cupti_api {
 };
 
 // The driver calls the callbacks make (a callback may call the driver; those calls are not traced).
+// Each is asked for at the version its prototype names: the newest version of a name can take other
+// arguments (CUDA 13's cuCtxGetDevice also takes a context).
 struct driver_api {
-  decltype(&cuFuncGetParamInfo) func_param_info{nullptr};
-  decltype(&cuStreamGetFlags) stream_flags{nullptr};
-  decltype(&cuStreamGetDevice) stream_device{nullptr};
-  decltype(&cuCtxGetDevice) ctx_device{nullptr};
+  PFN_cuFuncGetParamInfo_v12040 func_param_info{nullptr};
+  PFN_cuKernelGetParamInfo_v12040 kernel_param_info{nullptr};
+  PFN_cuStreamGetFlags_v5050 stream_flags{nullptr};
+  PFN_cuStreamGetDevice_v12080 stream_device{nullptr};
+  PFN_cuStreamIsCapturing_v10000 stream_is_capturing{nullptr};
+  PFN_cuCtxGetDevice_v2000 ctx_device{nullptr};
+#if CUDA_VERSION >= 13000
+  PFN_cuCtxGetDevice_v13000 device_of_context{nullptr};  // a named context's device
+#endif
 };
 
 // The driver API calls a launch trace listens to.
+// One callback a line, with a condition among them.
+// clang-format off
 constexpr std::array watched_callbacks{
   CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel,
   CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel_ptsz,
@@ -97,6 +108,9 @@ constexpr std::array watched_callbacks{
   CUPTI_DRIVER_TRACE_CBID_cuStreamSynchronize,
   CUPTI_DRIVER_TRACE_CBID_cuStreamSynchronize_ptsz,
   CUPTI_DRIVER_TRACE_CBID_cuCtxSynchronize,
+#if CUDA_VERSION >= 13000
+  CUPTI_DRIVER_TRACE_CBID_cuCtxSynchronize_v2,  // CUDA 13's cudaDeviceSynchronize
+#endif
   CUPTI_DRIVER_TRACE_CBID_cuEventSynchronize,
   CUPTI_DRIVER_TRACE_CBID_cuStreamQuery,
   CUPTI_DRIVER_TRACE_CBID_cuStreamQuery_ptsz,
@@ -111,7 +125,10 @@ constexpr std::array watched_callbacks{
   CUPTI_DRIVER_TRACE_CBID_cuMemFree_v2,
   CUPTI_DRIVER_TRACE_CBID_cuMemFreeAsync,
   CUPTI_DRIVER_TRACE_CBID_cuMemFreeAsync_ptsz,
+  CUPTI_DRIVER_TRACE_CBID_cuMemMap,    // virtual memory management (PyTorch's expandable
+  CUPTI_DRIVER_TRACE_CBID_cuMemUnmap,  // segments, for one)
 };
+// clang-format on
 
 // Words below it are sizes, counts and flags, never device addresses: not looked up.
 constexpr std::uintptr_t no_pointer_below = std::uintptr_t{1} << 20;
@@ -181,19 +198,18 @@ bool symbol(void* library, const char* name, F& out)
   return out != nullptr;
 }
 
-// Asks for each entry point as the headers compiled against declare it (CUDA_VERSION): the pointer's
-// type (a decltype of the declaration) is this toolkit's. Why it is not usable; empty when found.
+// Asks for an entry point at `version`, the one its prototype (a PFN_*_v<version>) names. Why it is
+// not usable; empty when found.
 template <class F>
-std::string driver_entry(const char* name, F& out)
+std::string driver_entry(const char* name, F& out, unsigned int version)
 {
-  const cudaError_t status = find_driver_entry(name, out, CUDA_VERSION);
+  const cudaError_t status = find_driver_entry(name, out, version);
   if (status != cudaSuccess) {
     (void)cudaGetLastError();
     return fmt::format("the CUDA driver is not usable ({}: {})", cudaGetErrorName(status), cudaGetErrorString(status));
   }
   if (out == nullptr) {
-    return fmt::format("the CUDA driver has no {} (as CUDA {}.{} declares it)", name, CUDA_VERSION / 1000,
-                       CUDA_VERSION % 1000 / 10);
+    return fmt::format("the CUDA driver has no {} as of CUDA {}.{}", name, version / 1000, version % 1000 / 10);
   }
   return {};
 }
@@ -225,10 +241,16 @@ std::string watcher::load()
     failure = fmt::format("{} is not a CUPTI with the callback API", library_path);
   } else {
     // Checked now, so that a machine without a driver says so before anything is subscribed.
-    for (std::string problem :
-         {driver_entry("cuFuncGetParamInfo", driver.func_param_info),
-          driver_entry("cuStreamGetFlags", driver.stream_flags),
-          driver_entry("cuStreamGetDevice", driver.stream_device), driver_entry("cuCtxGetDevice", driver.ctx_device)}) {
+    std::vector<std::string> problems{driver_entry("cuFuncGetParamInfo", driver.func_param_info, 12040),
+                                      driver_entry("cuKernelGetParamInfo", driver.kernel_param_info, 12040),
+                                      driver_entry("cuStreamGetFlags", driver.stream_flags, 5050),
+                                      driver_entry("cuStreamGetDevice", driver.stream_device, 12080),
+                                      driver_entry("cuStreamIsCapturing", driver.stream_is_capturing, 10000),
+                                      driver_entry("cuCtxGetDevice", driver.ctx_device, 2000)};
+#if CUDA_VERSION >= 13000
+    problems.push_back(driver_entry("cuCtxGetDevice", driver.device_of_context, 13000));
+#endif
+    for (const std::string& problem : problems) {
       if (!problem.empty()) {
         failure = fmt::format("CUPTI was found ({}), but {}", library_path, problem);
         break;
@@ -282,18 +304,21 @@ watcher::named_stream watcher::stream_of(CUstream stream, bool per_thread_call)
   if (raw == 0 || raw == reinterpret_cast<std::uintptr_t>(CU_STREAM_LEGACY)) {
     return {.handle = legacy_handle, .klass = stream_class::legacy, .device = current_device()};
   }
-  named_stream out{.handle = raw, .klass = stream_class::blocking, .device = 0};
+  named_stream out{.handle = raw, .klass = stream_class::blocking, .device = current_device()};
+  // A capturing stream is not asked: the driver refuses cuStreamGetDevice and cuStreamGetFlags during
+  // a capture, and the refusal invalidates it. Its work is launched from its device, the current one,
+  // and its class is known if the trace saw it made.
+  CUstreamCaptureStatus capturing = CU_STREAM_CAPTURE_STATUS_NONE;
+  const bool may_ask =
+    driver.stream_is_capturing(stream, &capturing) == CUDA_SUCCESS && capturing == CU_STREAM_CAPTURE_STATUS_NONE;
   CUdevice device = 0;
-  out.device = driver.stream_device(stream, &device) == CUDA_SUCCESS ? static_cast<int>(device) : current_device();
+  if (may_ask && driver.stream_device(stream, &device) == CUDA_SUCCESS) { out.device = static_cast<int>(device); }
   std::lock_guard lock{memory_mutex};
   if (const auto known = classes.find(stream); known != classes.end()) {
     out.klass = known->second;
-  } else {
-    unsigned int flags = 0;
-    if (driver.stream_flags(stream, &flags) == CUDA_SUCCESS) {
-      out.klass = (flags & CU_STREAM_NON_BLOCKING) != 0 ? stream_class::non_blocking : stream_class::blocking;
-      classes.emplace(stream, out.klass);
-    }
+  } else if (unsigned int flags = 0; may_ask && driver.stream_flags(stream, &flags) == CUDA_SUCCESS) {
+    out.klass = (flags & CU_STREAM_NON_BLOCKING) != 0 ? stream_class::non_blocking : stream_class::blocking;
+    classes.emplace(stream, out.klass);
   }
   return out;
 }
@@ -321,12 +346,26 @@ std::vector<std::size_t> watcher::argument_layout(CUfunction f)
     std::lock_guard lock{memory_mutex};
     if (const auto known = argument_sizes.find(f); known != argument_sizes.end()) { return known->second; }
   }
-  std::vector<std::size_t> sizes;
-  for (std::size_t index = 0;; ++index) {
-    std::size_t offset = 0;
-    std::size_t size = 0;
-    if (driver.func_param_info(f, index, &offset, &size) != CUDA_SUCCESS) { break; }
-    sizes.push_back(size);
+  // A launch names a CUfunction, or a library's CUkernel cast to one (the CUDA runtime's kernels, and
+  // cuda.core's), which cuFuncGetParamInfo does not take: asked again as a kernel, unless the
+  // function was valid and merely took no arguments (CUDA_ERROR_INVALID_VALUE: no argument 0).
+  CUresult ended = CUDA_SUCCESS;
+  const auto layout = [&ended](auto param_info) {
+    std::vector<std::size_t> sizes;
+    for (std::size_t index = 0;; ++index) {
+      std::size_t offset = 0;
+      std::size_t size = 0;
+      if (ended = param_info(index, &offset, &size); ended != CUDA_SUCCESS) { return sizes; }
+      sizes.push_back(size);
+    }
+  };
+  std::vector<std::size_t> sizes = layout([&](std::size_t index, std::size_t* offset, std::size_t* size) {
+    return driver.func_param_info(f, index, offset, size);
+  });
+  if (sizes.empty() && ended != CUDA_ERROR_INVALID_VALUE) {
+    sizes = layout([&](std::size_t index, std::size_t* offset, std::size_t* size) {
+      return driver.kernel_param_info(reinterpret_cast<CUkernel>(f), index, offset, size);
+    });
   }
   std::lock_guard lock{memory_mutex};
   argument_sizes.emplace(f, sizes);
@@ -365,22 +404,34 @@ void watcher::handle(CUpti_CallbackId id, const CUpti_CallbackData& data) noexce
     const auto touch = [&](CUdeviceptr address, std::size_t bytes, access mode) {
       if (auto use = device_memory(static_cast<std::uintptr_t>(address), bytes, mode)) { buffers.push_back(*use); }
     };
-    const auto launch = [&](CUfunction f, CUstream stream, void** arguments, bool per_thread_call) {
+    constexpr std::size_t most_words = 256;  // a kernel's arguments fit in 32 KiB; pointers come first
+    std::size_t words = 0;
+    const auto scan = [&](const std::byte* bytes, std::size_t size) {  // each aligned word that may be an address
+      for (std::size_t at = 0; at + sizeof(std::uintptr_t) <= size && words < most_words;
+           at += sizeof(std::uintptr_t), ++words) {
+        std::uintptr_t value = 0;
+        std::memcpy(&value, bytes + at, sizeof value);
+        if (value >= no_pointer_below) { touch(static_cast<CUdeviceptr>(value), 0, access::read_write); }
+      }
+    };
+    const auto launch = [&](CUfunction f, CUstream stream, void** arguments, void** extra, bool per_thread_call) {
       r.kind = activity::kind::launch;
       r.name = activity::intern(data.symbolName != nullptr ? data.symbolName : "?");
       on(stream, per_thread_call);
-      if (arguments == nullptr) { return; }    // arguments packed in `extra`: not read
-      constexpr std::size_t most_words = 256;  // a kernel's arguments fit in 32 KiB; pointers come first
-      std::size_t words = 0;
-      const std::vector<std::size_t> sizes = argument_layout(f);
-      for (std::size_t index = 0; index < sizes.size() && words < most_words; ++index) {
-        const auto* bytes = static_cast<const std::byte*>(arguments[index]);
-        for (std::size_t at = 0; at + sizeof(std::uintptr_t) <= sizes[index] && words < most_words;
-             at += sizeof(std::uintptr_t), ++words) {
-          std::uintptr_t value = 0;
-          std::memcpy(&value, bytes + at, sizeof value);
-          if (value >= no_pointer_below) { touch(static_cast<CUdeviceptr>(value), 0, access::read_write); }
+      if (arguments != nullptr) {
+        const std::vector<std::size_t> sizes = argument_layout(f);
+        for (std::size_t index = 0; index < sizes.size() && words < most_words; ++index) {
+          scan(static_cast<const std::byte*>(arguments[index]), sizes[index]);
         }
+      } else if (extra != nullptr) {
+        // Packed into one buffer (CU_LAUNCH_PARAM_BUFFER_POINTER), each argument at its own alignment.
+        const std::byte* packed = nullptr;
+        std::size_t size = 0;
+        for (void** option = extra; *option != CU_LAUNCH_PARAM_END; option += 2) {
+          if (option[0] == CU_LAUNCH_PARAM_BUFFER_POINTER) { packed = static_cast<const std::byte*>(option[1]); }
+          if (option[0] == CU_LAUNCH_PARAM_BUFFER_SIZE) { std::memcpy(&size, option[1], sizeof size); }
+        }
+        if (packed != nullptr) { scan(packed, size); }
       }
       // One use per memory: a pointer passed twice (or in and out) is one buffer, read and written.
       std::sort(buffers.begin(), buffers.end(),
@@ -427,28 +478,39 @@ void watcher::handle(CUpti_CallbackId id, const CUpti_CallbackData& data) noexce
       allocations.erase(found);
     };
 
+    // An unmapping ends every mapping in its range.
+    const auto unmapped = [&](CUdeviceptr address, std::size_t bytes) {
+      const auto low = static_cast<std::uintptr_t>(address);
+      std::lock_guard lock{memory_mutex};
+      for (auto it = allocations.lower_bound(low); it != allocations.end() && it->first - low < bytes;) {
+        r.kind = activity::kind::free;
+        buffers.push_back({.address = it->first, .bytes = it->second, .mode = access::write});
+        it = allocations.erase(it);
+      }
+    };
+
     switch (id) {
       case CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel: {
         const auto& p = params_of<cuLaunchKernel_params>(data);
-        launch(p.f, p.hStream, p.kernelParams, false);
+        launch(p.f, p.hStream, p.kernelParams, p.extra, false);
         break;
       }
       case CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel_ptsz: {
         const auto& p = params_of<cuLaunchKernel_ptsz_params>(data);
-        launch(p.f, p.hStream, p.kernelParams, true);
+        launch(p.f, p.hStream, p.kernelParams, p.extra, true);
         break;
       }
       case CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx:
       case CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx_ptsz: {
         const auto& p = params_of<cuLaunchKernelEx_params>(data);
-        launch(p.f, p.config != nullptr ? p.config->hStream : nullptr, p.kernelParams,
+        launch(p.f, p.config != nullptr ? p.config->hStream : nullptr, p.kernelParams, p.extra,
                id == CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx_ptsz);
         break;
       }
       case CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel:
       case CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel_ptsz: {
         const auto& p = params_of<cuLaunchCooperativeKernel_params>(data);
-        launch(p.f, p.hStream, p.kernelParams, id == CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel_ptsz);
+        launch(p.f, p.hStream, p.kernelParams, nullptr, id == CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel_ptsz);
         break;
       }
       case CUPTI_DRIVER_TRACE_CBID_cuMemcpyAsync:
@@ -592,6 +654,19 @@ void watcher::handle(CUpti_CallbackId id, const CUpti_CallbackData& data) noexce
         r.device = {kDLCUDA, current_device()};
         r.blocked_ns = blocked();
         break;
+#if CUDA_VERSION >= 13000
+      case CUPTI_DRIVER_TRACE_CBID_cuCtxSynchronize_v2: {
+        const CUcontext context = params_of<cuCtxSynchronize_v2_params>(data).ctx;  // null: the current one
+        CUdevice device = 0;
+        r.kind = activity::kind::host_sync;
+        r.scope = activity::sync_scope::device;
+        r.device = {kDLCUDA, context != nullptr && driver.device_of_context(&device, context) == CUDA_SUCCESS
+                               ? static_cast<int>(device)
+                               : current_device()};
+        r.blocked_ns = blocked();
+        break;
+      }
+#endif
       case CUPTI_DRIVER_TRACE_CBID_cuEventSynchronize:
       case CUPTI_DRIVER_TRACE_CBID_cuEventQuery: {
         const bool query = id == CUPTI_DRIVER_TRACE_CBID_cuEventQuery;
@@ -647,6 +722,18 @@ void watcher::handle(CUpti_CallbackId id, const CUpti_CallbackData& data) noexce
         on(p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuMemFreeAsync_ptsz);
         r.stream_ordered = true;
         freed(p.dptr);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuMemMap: {
+        const auto& p = params_of<cuMemMap_params>(data);
+        r.device = {kDLCUDA, current_device()};
+        allocated(p.ptr, p.size);
+        break;
+      }
+      case CUPTI_DRIVER_TRACE_CBID_cuMemUnmap: {
+        const auto& p = params_of<cuMemUnmap_params>(data);
+        r.device = {kDLCUDA, current_device()};
+        unmapped(p.ptr, p.size);
         break;
       }
       default:

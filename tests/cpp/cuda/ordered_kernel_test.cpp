@@ -14,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -85,12 +86,14 @@ class OrderedKernelTest : public ::testing::Test {
                                             handoff::named_stream::native(ready, nullptr));
   }
 
-  /// Exports `view` to a consumer that names `stream` (a DLPack stream value).
-  static DLManagedTensorVersioned* export_to(const handoff::array& view, std::int64_t stream)
+  /// Exports `view` to a consumer that names `stream` (a DLPack stream value). The release waits for
+  /// that stream only when `stream_owner` vouches that the stream outlives it (HANDOFF_EXPORT_RELEASE).
+  static DLManagedTensorVersioned* export_to(const handoff::array& view, std::int64_t stream,
+                                             std::shared_ptr<const void> stream_owner = nullptr)
   {
     return handoff::process_exchange()
       .export_dlpack(view, {.stream = stream,
-                            .stream_owner = nullptr,
+                            .stream_owner = std::move(stream_owner),
                             .max_version = DLPackVersion{1, 1},
                             .dl_device = std::nullopt,
                             .copy = std::nullopt})
@@ -141,7 +144,8 @@ TEST_F(OrderedKernelTest, TheProducerIsKeptUntilTheConsumerKernelIsDone)
   HANDOFF_CUDA_CHECK(kernels::spin_then_fill(data_, n, 1.0F, slow, producer_));
   {
     const handoff::array view = producer_view(released);
-    DLManagedTensorVersioned* tensor = export_to(view, consumer_value());
+    // The fixture destroys the consumer's stream only after synchronizing it: the stream outlives the release.
+    DLManagedTensorVersioned* tensor = export_to(view, consumer_value(), std::make_shared<int>(0));
     HANDOFF_CUDA_CHECK(kernels::spin(slow, consumer_));
     HANDOFF_CUDA_CHECK(kernels::sum(static_cast<const float*>(tensor->dl_tensor.data), n, total_, consumer_));
     tensor->deleter(tensor);  // the consumer let go while its kernel still reads the data
