@@ -30,6 +30,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -423,15 +424,9 @@ void watcher::handle(CUpti_CallbackId id, const CUpti_CallbackData& data) noexce
         for (std::size_t index = 0; index < sizes.size() && words < most_words; ++index) {
           scan(static_cast<const std::byte*>(arguments[index]), sizes[index]);
         }
-      } else if (extra != nullptr) {
-        // Packed into one buffer (CU_LAUNCH_PARAM_BUFFER_POINTER), each argument at its own alignment.
-        const std::byte* packed = nullptr;
-        std::size_t size = 0;
-        for (void** option = extra; *option != CU_LAUNCH_PARAM_END; option += 2) {
-          if (option[0] == CU_LAUNCH_PARAM_BUFFER_POINTER) { packed = static_cast<const std::byte*>(option[1]); }
-          if (option[0] == CU_LAUNCH_PARAM_BUFFER_SIZE) { std::memcpy(&size, option[1], sizeof size); }
-        }
-        if (packed != nullptr) { scan(packed, size); }
+      } else {  // packed into one buffer, each argument at its own alignment
+        const std::span<const std::byte> packed = packed_arguments(extra);
+        scan(packed.data(), packed.size());
       }
       // One use per memory: a pointer passed twice (or in and out) is one buffer, read and written.
       std::sort(buffers.begin(), buffers.end(),
@@ -761,6 +756,21 @@ std::vector<std::string> cupti_candidates()
   out.emplace_back(HANDOFF_CUDA_TOOLKIT_ROOT "/extras/CUPTI/lib64/libcupti.so");
 #endif
   return out;
+}
+
+std::span<const std::byte> packed_arguments(void* const* extra) noexcept
+{
+  if (extra == nullptr) { return {}; }
+  const std::byte* packed = nullptr;
+  std::size_t size = 0;
+  for (void* const* option = extra; *option != CU_LAUNCH_PARAM_END; option += 2) {
+    if (option[0] == CU_LAUNCH_PARAM_BUFFER_POINTER) { packed = static_cast<const std::byte*>(option[1]); }
+    if (option[0] == CU_LAUNCH_PARAM_BUFFER_SIZE && option[1] != nullptr) {
+      std::memcpy(&size, option[1], sizeof size);
+    }
+  }
+  if (packed == nullptr) { return {}; }
+  return {packed, size};
 }
 
 std::string watch_cupti(bool on) noexcept

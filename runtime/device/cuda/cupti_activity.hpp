@@ -3,6 +3,8 @@
 // one runs. Nothing links it, and nothing is subscribed otherwise.
 #pragma once
 
+#include <cstddef>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -17,5 +19,10 @@ namespace handoff::device::cuda {
 /// Where CUPTI is looked for, in order: $HANDOFF_CUPTI_LIBRARY, the loader's search path, then the
 /// toolkit this build was made with (its lib64 next to the runtime, and extras/CUPTI/lib64).
 [[nodiscard]] std::vector<std::string> cupti_candidates();
+
+/// The buffer a launch's `extra` options packed its arguments into (CU_LAUNCH_PARAM_BUFFER_POINTER,
+/// with its size under CU_LAUNCH_PARAM_BUFFER_SIZE), up to CU_LAUNCH_PARAM_END; empty when `extra`
+/// is null or names no buffer and size.
+[[nodiscard]] std::span<const std::byte> packed_arguments(void* const* extra) noexcept;
 
 }  // namespace handoff::device::cuda

@@ -5,7 +5,12 @@
 #ifdef HANDOFF_HAS_CUPTI
 #include "device/cuda/cupti_activity.hpp"
 
+#include <cuda.h>
+
+#include <array>
+#include <cstddef>
 #include <cstdlib>
+#include <span>
 #include <string>
 
 namespace handoff::device::cuda {
@@ -39,6 +44,33 @@ TEST(CuptiActivityTest, WatchingStartsOrSaysWhyNot)
   EXPECT_TRUE(reason.find("driver") != std::string::npos || reason.find("not found") != std::string::npos) << reason;
   EXPECT_EQ(watch_cupti(true), reason);  // said again, never retried into a crash
   EXPECT_EQ(watch_cupti(false), "");     // stopping what never started is harmless
+}
+
+// The CUDA runtime may launch with its arguments packed into one buffer named in `extra` rather than
+// with kernelParams: the detector reads the buffer to find the memory a launch touches.
+TEST(CuptiActivityTest, ArgumentsPackedIntoOneBufferAreReadFromIt)
+{
+  std::array<std::byte, 24> buffer{};
+  std::size_t size = buffer.size();
+  std::array<void*, 5> extra{CU_LAUNCH_PARAM_BUFFER_POINTER, buffer.data(), CU_LAUNCH_PARAM_BUFFER_SIZE, &size,
+                             CU_LAUNCH_PARAM_END};
+  const std::span<const std::byte> packed = packed_arguments(extra.data());
+  EXPECT_EQ(packed.data(), buffer.data());
+  EXPECT_EQ(packed.size(), buffer.size());
+
+  std::array<void*, 5> size_first{CU_LAUNCH_PARAM_BUFFER_SIZE, &size, CU_LAUNCH_PARAM_BUFFER_POINTER, buffer.data(),
+                                  CU_LAUNCH_PARAM_END};
+  EXPECT_EQ(packed_arguments(size_first.data()).size(), buffer.size()) << "the options come in any order";
+}
+
+TEST(CuptiActivityTest, NoBufferIsReadWhereNoneIsNamed)
+{
+  EXPECT_TRUE(packed_arguments(nullptr).empty()) << "a launch with kernelParams names no extra options";
+  std::array<void*, 1> none{CU_LAUNCH_PARAM_END};
+  EXPECT_TRUE(packed_arguments(none.data()).empty());
+  std::array<std::byte, 8> buffer{};
+  std::array<void*, 3> without_size{CU_LAUNCH_PARAM_BUFFER_POINTER, buffer.data(), CU_LAUNCH_PARAM_END};
+  EXPECT_TRUE(packed_arguments(without_size.data()).empty()) << "without its size the buffer has no extent to read";
 }
 
 }  // namespace
