@@ -73,6 +73,8 @@ class LibraryAdapter:
             array's ``__dlpack_device__`` answers, for libraries where asking that costs more than it
             need (PyTorch's is Python): the hooks ask it instead, once per exchange. None: the array
             is asked.
+        host_only: Its arrays are host data, whatever the array (NumPy's): the ordering mode alone
+            passes their exchanges through without asking their device.
     """
 
     name: str
@@ -83,12 +85,15 @@ class LibraryAdapter:
     use_stream: Callable[[int, int | None], contextlib.AbstractContextManager[Any] | None] | None = None
     ignores_stream: bool = False
     device: Callable[[Any], tuple[int, int]] | None = None
+    host_only: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"a library adapter needs a name (a non-empty str), not {self.name!r}")
         if self.device is not None and not callable(self.device):
             raise TypeError(f"device must be a function of an array, or None, not {type(self.device).__name__}")
+        if not isinstance(self.host_only, bool):
+            raise TypeError(f"host_only must be a bool, not {type(self.host_only).__name__}")
         for kind in ("consumers", "interface_first", "producers"):
             given = getattr(self, kind)
             if isinstance(given, str):
@@ -184,7 +189,7 @@ def _numba_stream(device: int) -> object:
 
 
 KNOWN_LIBRARIES: tuple[LibraryAdapter, ...] = (
-    LibraryAdapter("numpy", consumers=("numpy:from_dlpack",)),
+    LibraryAdapter("numpy", consumers=("numpy:from_dlpack",), host_only=True),
     LibraryAdapter(
         "torch",
         consumers=("torch:from_dlpack", "torch.utils.dlpack:from_dlpack"),

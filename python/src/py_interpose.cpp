@@ -519,6 +519,7 @@ std::pair<std::optional<std::int64_t>, std::optional<int>> end_exchange()
 struct registered_library {
   py::object found;        // (name or None, adapter or None)
   py::object read_device;  // the adapter's `device`: its arrays' DLPack device, cheaper than asking them; or None
+  bool host_only{false};   // the adapter's `host_only`: its arrays are host data, whatever the array
 };
 
 // Each array type's library, remembered per type until the registry changes. Holds each type, so
@@ -541,6 +542,7 @@ void forget_libraries()
 const registered_library* registered_library_of(PyObject* value, PyObject* find)
 {
   static PyObject* const device_name = interned("device");
+  static PyObject* const host_only_name = interned("host_only");
   constexpr std::size_t most_remembered = 1024;
   auto& known = libraries_of_types();
   PyTypeObject* type = Py_TYPE(value);
@@ -554,22 +556,22 @@ const registered_library* registered_library_of(PyObject* value, PyObject* find)
   }
   PyObject* adapter = PyTuple_GET_ITEM(said.ptr(), 1);
   auto read_device = py::reinterpret_borrow<py::object>(Py_None);
+  bool host_only = false;
   if (adapter != Py_None) {
     read_device = py::reinterpret_steal<py::object>(PyObject_GetAttr(adapter, device_name));
     if (!read_device) { return nullptr; }
+    const auto said_host_only = py::reinterpret_steal<py::object>(PyObject_GetAttr(adapter, host_only_name));
+    if (!said_host_only) { return nullptr; }
+    const int truth = PyObject_IsTrue(said_host_only.ptr());
+    if (truth < 0) { return nullptr; }
+    host_only = truth == 1;
   }
   if (known.size() >= most_remembered) { forget_libraries(); }
   Py_INCREF(type);
-  return &known.emplace(type, registered_library{std::move(said), std::move(read_device)}).first->second;
+  return &known.emplace(type, registered_library{std::move(said), std::move(read_device), host_only}).first->second;
 }
 
 // --- the hooked consumer's call ---------------------------------------------------------------
-
-// Libraries whose arrays are host data whatever the array: the ordering mode alone leaves them be.
-bool is_host_only_library(std::string_view name) noexcept
-{
-  return name == "numpy";
-}
 
 // What the hooks are for now: set by handoff._interpose as traces and the ordering mode come and go.
 struct interposed_mode {
@@ -736,8 +738,8 @@ PyObject* consumer_call_call(PyObject* object, PyObject* args, PyObject* kwargs)
   const char* producer_name = producer != Py_None ? PyUnicode_AsUTF8(producer) : nullptr;
   if (producer != Py_None && producer_name == nullptr) { return nullptr; }
   const interposed_mode now = mode;
-  if (!now.tracing && producer_name != nullptr && is_host_only_library(producer_name)) {
-    return call_original(self, args, kwargs);  // the ordering mode alone: nothing to order
+  if (!now.tracing && library->host_only) {
+    return call_original(self, args, kwargs);  // the ordering mode alone: host data needs nothing
   }
   const std::optional<interposed_protocol> protocol = protocol_of(argument, self->interface_first);
   if (!protocol || producer_name == nullptr || std::string_view{producer_name} == self->library ||

@@ -181,6 +181,7 @@ def test_a_refused_exchange_is_recorded_and_its_error_reaches_the_program_unchan
         (lambda: handoff.LibraryAdapter("lib", consumers=("lib.f",)), ValueError, "'lib.f' is not 'module:attr'"),
         (lambda: handoff.register_library("lib"), TypeError, "takes a handoff.LibraryAdapter, not str"),
         (lambda: handoff.LibraryAdapter("lib", device=(2, 0)), TypeError, "device must be a function"),
+        (lambda: handoff.LibraryAdapter("lib", host_only=1), TypeError, "host_only must be a bool, not int"),
     ],
 )
 def test_a_bad_adapter_is_refused_naming_what_is_wrong(adapter, error, text):
@@ -323,23 +324,46 @@ def test_a_device_said_as_a_list_is_device_data_as_one_said_as_a_tuple(peers):
     assert event["consumer_stream"] == consumer.handle, "its streams asked, as device data's are"
 
 
-@needs_sim
-def test_an_adapters_device_is_asked_once_an_exchange(peers):
-    _, torchlike, _, consumer = peers
-    library = make_library("simdevice", register=False)
-    asked = []
+def register_asking_device(name: str, **options) -> list:
+    """Registers an adapter for library `name` whose `device` answers as the array does and lists
+    each array it is asked about; returns that list."""
+    asked: list = []
 
     def device(array):
         asked.append(array)
         return array.__dlpack_device__()
 
-    handoff.register_library(handoff.LibraryAdapter("simdevice", device=device))
+    handoff.register_library(handoff.LibraryAdapter(name, device=device, **options))
+    return asked
+
+
+@needs_sim
+def test_an_adapters_device_is_asked_once_an_exchange(peers):
+    _, torchlike, _, consumer = peers
+    library = make_library("simdevice", register=False)
+    asked = register_asking_device("simdevice")
     x = library.zeros(N)
     with torchlike.use(consumer), handoff.trace(libraries=True) as t:
         torchlike.from_dlpack(x)
     assert asked == [x]
     (event,) = [e for e in t.events if e["interposed"]]
     assert event["producer"] == "simdevice" and event["device"] == tuple(x.__dlpack_device__())
+
+
+@needs_sim
+def test_a_host_only_librarys_exchanges_pass_the_ordering_mode_unasked_and_a_trace_records_them(peers):
+    _, torchlike, _, consumer = peers
+    library = make_library("simhostonly", register=False)
+    asked = register_asking_device("simhostonly", host_only=True)
+    x = library.zeros(N)
+    handoff.order_libraries(True)
+    with torchlike.use(consumer):
+        torchlike.from_dlpack(x)
+    assert asked == [], "the ordering mode alone asks nothing of a host-only library's arrays"
+    with torchlike.use(consumer), handoff.trace(libraries=True) as t:
+        torchlike.from_dlpack(x)
+    assert asked == [x], "a trace records the exchange, and asks its device"
+    assert [e["producer"] for e in t.events if e["interposed"]] == ["simhostonly"]
 
 
 @pytest.mark.parametrize(
