@@ -1,10 +1,14 @@
 // The few raw CPython idioms the bindings share, spelled once: Python's own rules for what counts
-// as an int, reading one that may not fit, and an attribute that may be missing.
+// as an int, reading one that may not fit, an attribute that may be missing, and what is remembered
+// per Python object.
 #pragma once
 
 #include <pybind11/pybind11.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <unordered_map>
 #include <utility>
 
 namespace handoff::python {
@@ -113,5 +117,50 @@ PyCFunction as_cfunction(Function* function) noexcept
 {
   return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(function));
 }
+
+/// What is remembered per Python object (a type, a dtype, a code object and an offset in it): the
+/// cache holds a reference to each object a key names, so that no other object is made at its
+/// address while remembered, and forgets everything when `most` are remembered (a program may make
+/// such objects as it goes). `object_of(key)` is the object a key names. Used with the GIL held,
+/// which guards it; made once and never destroyed, as Python may be gone when the process exits.
+template <class Key, class Value, class Hash = std::hash<Key>>
+class object_cache {
+ public:
+  using object_of_key = PyObject* (*)(const Key&) noexcept;
+
+  object_cache(std::size_t most, object_of_key object_of) : most_{most}, object_of_{object_of} {}
+  object_cache(const object_cache&) = delete;
+  object_cache& operator=(const object_cache&) = delete;
+  object_cache(object_cache&&) = delete;
+  object_cache& operator=(object_cache&&) = delete;
+  ~object_cache() = default;
+
+  /// What `key` is remembered as, or nullptr.
+  [[nodiscard]] Value* find(const Key& key)
+  {
+    const auto found = known_.find(key);
+    return found != known_.end() ? &found->second : nullptr;
+  }
+
+  /// Remembers `value` for `key` (not yet remembered), taking a reference to its object.
+  Value& remember(const Key& key, Value value)
+  {
+    if (known_.size() >= most_) { forget(); }
+    Value& kept = known_.emplace(key, std::move(value)).first->second;
+    Py_INCREF(object_of_(key));
+    return kept;
+  }
+
+  void forget() noexcept
+  {
+    for (const auto& [key, _] : known_) { Py_DECREF(object_of_(key)); }
+    known_.clear();
+  }
+
+ private:
+  std::unordered_map<Key, Value, Hash> known_;
+  std::size_t most_;
+  object_of_key object_of_;
+};
 
 }  // namespace handoff::python

@@ -100,14 +100,13 @@ struct array_description {
 };
 
 // The name of a dtype object ("torch.float32" reads "float32"), remembered per object: str() of a
-// NumPy dtype costs microseconds. Holds a reference to each dtype it names, so that no address is
-// reused while remembered; bounded (a program that makes a dtype per array would otherwise grow it).
+// NumPy dtype costs microseconds.
 std::optional<std::string> dtype_name_of(PyObject* dtype)
 {
+  // NOLINTNEXTLINE(cppcoreguidelines-owning-memory): never destroyed (object_cache)
   static auto* known =
-    new std::unordered_map<PyObject*, std::string>;  // NOLINT(cppcoreguidelines-owning-memory): leaked
-  constexpr std::size_t most_remembered = 1024;
-  if (const auto found = known->find(dtype); found != known->end()) { return found->second; }
+    new object_cache<PyObject*, std::string>{1024, [](PyObject* const& key) noexcept { return key; }};
+  if (const std::string* found = known->find(dtype)) { return *found; }
   const auto text = py::reinterpret_steal<py::object>(PyObject_Str(dtype));
   Py_ssize_t size = 0;
   const char* utf8 = text ? PyUnicode_AsUTF8AndSize(text.ptr(), &size) : nullptr;
@@ -116,14 +115,7 @@ std::optional<std::string> dtype_name_of(PyObject* dtype)
     return std::nullopt;
   }
   const std::string_view full{utf8, static_cast<std::size_t>(size)};
-  std::string name{full.substr(full.rfind('.') + 1)};
-  if (known->size() >= most_remembered) {
-    for (const auto& [remembered, _] : *known) { Py_DECREF(remembered); }
-    known->clear();
-  }
-  known->emplace(dtype, name);
-  Py_INCREF(dtype);
-  return name;
+  return known->remember(dtype, std::string{full.substr(full.rfind('.') + 1)});
 }
 
 // How each library says where an array's data starts, without side effects.
@@ -522,20 +514,18 @@ struct registered_library {
   bool host_only{false};   // the adapter's `host_only`: its arrays are host data, whatever the array
 };
 
-// Each array type's library, remembered per type until the registry changes. Holds each type, so
-// that no other is made at its address while remembered; bounded, as a program may make types as it goes.
-std::unordered_map<PyTypeObject*, registered_library>& libraries_of_types()
+// Each array type's library, remembered per type until the registry changes.
+object_cache<PyTypeObject*, registered_library>& libraries_of_types()
 {
-  // NOLINTNEXTLINE(cppcoreguidelines-owning-memory): leaked, as Python may be gone at exit
-  static auto* known = new std::unordered_map<PyTypeObject*, registered_library>;
+  // NOLINTNEXTLINE(cppcoreguidelines-owning-memory): never destroyed (object_cache)
+  static auto* known = new object_cache<PyTypeObject*, registered_library>{
+    1024, [](PyTypeObject* const& type) noexcept { return reinterpret_cast<PyObject*>(type); }};
   return *known;
 }
 
 void forget_libraries()
 {
-  auto& known = libraries_of_types();
-  for (auto& [type, _] : known) { Py_DECREF(type); }
-  known.clear();
+  libraries_of_types().forget();
 }
 
 // `value`'s type's library as `find(type)` says it, or nullptr with a Python error set.
@@ -543,10 +533,9 @@ const registered_library* registered_library_of(PyObject* value, PyObject* find)
 {
   static PyObject* const device_name = interned("device");
   static PyObject* const host_only_name = interned("host_only");
-  constexpr std::size_t most_remembered = 1024;
   auto& known = libraries_of_types();
   PyTypeObject* type = Py_TYPE(value);
-  if (const auto found = known.find(type); found != known.end()) { return &found->second; }
+  if (const registered_library* found = known.find(type)) { return found; }
   auto said = py::reinterpret_steal<py::object>(PyObject_CallOneArg(find, reinterpret_cast<PyObject*>(type)));
   if (!said) { return nullptr; }
   if (PyTuple_Check(said.ptr()) == 0 || PyTuple_GET_SIZE(said.ptr()) != 2 ||
@@ -566,9 +555,7 @@ const registered_library* registered_library_of(PyObject* value, PyObject* find)
     if (truth < 0) { return nullptr; }
     host_only = truth == 1;
   }
-  if (known.size() >= most_remembered) { forget_libraries(); }
-  Py_INCREF(type);
-  return &known.emplace(type, registered_library{std::move(said), std::move(read_device), host_only}).first->second;
+  return &known.remember(type, registered_library{std::move(said), std::move(read_device), host_only});
 }
 
 // --- the hooked consumer's call ---------------------------------------------------------------

@@ -97,36 +97,29 @@ PyObject* library_of_file(PyObject* filename) noexcept
 
 // Where a frame is, as "file:line", remembered per (code, offset): CPython finds a line by scanning
 // the code's line table from the start, and a key holding the code object would hash its contents
-// on every event. The cache holds a reference to each code object it names, so that no address is
-// reused while remembered, and is bounded. Holds the GIL, which guards the cache.
+// on every event.
 std::string where_of(PyFrameObject* frame, PyCodeObject* code)
 {
+  using key = std::pair<PyCodeObject*, int>;
   struct key_hash {
-    std::size_t operator()(const std::pair<PyCodeObject*, int>& key) const noexcept
+    std::size_t operator()(const key& k) const noexcept
     {
-      return std::hash<const void*>{}(key.first) ^ (static_cast<std::size_t>(key.second) * 0x9E3779B97F4A7C15U);
+      return std::hash<const void*>{}(k.first) ^ (static_cast<std::size_t>(k.second) * 0x9E3779B97F4A7C15U);
     }
   };
-  using cache = std::unordered_map<std::pair<PyCodeObject*, int>, std::string, key_hash>;
-  static auto* known = new cache;  // NOLINT(cppcoreguidelines-owning-memory): leaked, as above
-  constexpr std::size_t most_remembered = 4096;
-  const std::pair key{code, PyFrame_GetLasti(frame)};
-  if (const auto found = known->find(key); found != known->end()) { return found->second; }
+  // NOLINTNEXTLINE(cppcoreguidelines-owning-memory): never destroyed (object_cache)
+  static auto* known = new object_cache<key, std::string, key_hash>{
+    4096, [](const key& k) noexcept { return reinterpret_cast<PyObject*>(k.first); }};
+  const key here{code, PyFrame_GetLasti(frame)};
+  if (const std::string* found = known->find(here)) { return *found; }
   Py_ssize_t size = 0;
   const char* text = PyUnicode_AsUTF8AndSize(code->co_filename, &size);
   if (text == nullptr) {
     PyErr_Clear();
     return {};
   }
-  std::string where =
-    fmt::format("{}:{}", std::string_view{text, static_cast<std::size_t>(size)}, PyFrame_GetLineNumber(frame));
-  if (known->size() >= most_remembered) {
-    for (const auto& [remembered, _] : *known) { Py_DECREF(remembered.first); }
-    known->clear();
-  }
-  known->emplace(key, where);
-  Py_INCREF(code);
-  return where;
+  return known->remember(
+    here, fmt::format("{}:{}", std::string_view{text, static_cast<std::size_t>(size)}, PyFrame_GetLineNumber(frame)));
 }
 
 // intern_library(name) for a name library_of_file returned, looked up by the object (the classifier's

@@ -189,6 +189,31 @@ def test_a_bad_adapter_is_refused_naming_what_is_wrong(adapter, error, text):
         adapter()
 
 
+class Delegating:
+    """An array type of its own whose exchanges are its tensor's."""
+
+    def __init__(self, tensor) -> None:
+        self.tensor = tensor
+
+    def __dlpack__(self, **kwargs):
+        return self.tensor.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.tensor.__dlpack_device__()
+
+
+def test_a_program_that_makes_array_types_as_it_goes_is_traced_past_what_the_hooks_remember():
+    # The hooks remember each array type's library and each dtype's name up to a bound, then forget
+    # them all (releasing the types they held): past it, every exchange is still seen and described.
+    made = [type(f"Made{i}", (Delegating,), {}) for i in range(1100)]
+    with handoff.trace(libraries=True) as t:
+        for kind in made:
+            np.from_dlpack(kind(torch.arange(3.0)))
+    described = [e for e in t.events if e["interposed"]]
+    assert len(described) == len(made)
+    assert {(e["dtype"], e["nbytes"]) for e in described} == {("float32", 12)}
+
+
 def test_the_process_trace_is_bounded_and_says_what_it_dropped(tmp_path):
     script = """
         import numpy as np, torch
