@@ -135,7 +135,7 @@ def exchange(
         seen.stream_argument, _ = _handoff._interposed_end()
         if tracing:
             try:
-                seen.record(Kind.import_data, Action.refused, Hazard.none, f"{type(error).__name__}: {error}"[:200])
+                seen.record_refusal(error)
             except Exception as failure:  # noqa: BLE001
                 not_recorded(failure)
         raise

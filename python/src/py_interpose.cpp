@@ -670,6 +670,12 @@ std::string refusal_of(PyObject* error)
   return utf8;
 }
 
+// Records the consumer's refusal of the exchange: every refused exchange, of host or device data.
+void record_refusal(interposed_exchange& seen, PyObject* error)
+{
+  seen.record(trace::event_kind::import_data, trace::action::refused, interposed_hazard::none, refusal_of(error));
+}
+
 // Records an exchange of host data with `record`; what fails to be recorded is said (once per kind of
 // failure, by handoff._interposed._not_recorded), never raised: a tracing tool does not break the program.
 template <class Record>
@@ -702,9 +708,7 @@ PyObject* host_exchange(const consumer_call* self, PyObject* args, PyObject* kwa
     PyObject* traceback = nullptr;
     PyErr_Fetch(&type, &value, &traceback);
     PyErr_NormalizeException(&type, &value, &traceback);
-    record_host_exchange(self, [&] {
-      seen.record(trace::event_kind::import_data, trace::action::refused, interposed_hazard::none, refusal_of(value));
-    });
+    record_host_exchange(self, [&] { record_refusal(seen, value); });
     PyErr_Restore(type, value, traceback);
     return nullptr;
   }
@@ -887,6 +891,9 @@ void bind_interpose(py::module_& m)
     .def("record_import", &interposed_exchange::record_import, py::arg("argument"), py::arg("result"),
          py::arg("action"), py::arg("hazard"), py::arg("detail"),
          "Records the consumer's import of argument as result (described, a copy noted); no-op unless tracing")
+    .def(
+      "record_refusal", [](interposed_exchange& seen, py::handle error) { record_refusal(seen, error.ptr()); },
+      py::arg("error"), "Records the consumer's refusal, saying its error (no-op unless tracing).")
     .def_readwrite("stream_argument", &interposed_exchange::stream_argument)
     .def_readwrite("ordered", &interposed_exchange::ordered);
   m.def("_interposed_stream_device", &stream_device, py::arg("handle"),
