@@ -188,9 +188,21 @@ std::optional<std::uintptr_t> data_pointer(PyObject* value)
   return std::nullopt;
 }
 
+// An integer as Python reads one (an int, or what has __index__: NumPy's integers in a shape) that
+// fits in int64; nullopt for anything else. Sets no Python error.
 std::optional<std::int64_t> as_int64(PyObject* value)
 {
-  if (value == nullptr || PyLong_Check(value) == 0) { return std::nullopt; }
+  if (value == nullptr) { return std::nullopt; }
+  py::object index;
+  if (PyLong_Check(value) == 0) {
+    if (PyIndex_Check(value) == 0) { return std::nullopt; }
+    index = py::reinterpret_steal<py::object>(PyNumber_Index(value));
+    if (!index) {
+      PyErr_Clear();
+      return std::nullopt;
+    }
+    value = index.ptr();
+  }
   const int64_reading read = read_int64(value);
   if (read.overflow != 0) { return std::nullopt; }
   return read.value;

@@ -202,6 +202,22 @@ class Delegating:
         return self.tensor.__dlpack_device__()
 
 
+class FlatNumpySized(Delegating):
+    """An array type that says its size in NumPy integers, as some libraries do, and its shape flat:
+    what the trace reads of it is told apart from what the consumer's array says."""
+
+    shape = property(lambda self: (np.int64(self.tensor.numel()),))
+    dtype = property(lambda self: self.tensor.dtype)
+    nbytes = property(lambda self: np.int64(self.tensor.nbytes))
+
+
+def test_the_array_handed_over_is_described_by_its_own_attributes_numpy_integers_included():
+    with handoff.trace(libraries=True) as t:
+        np.from_dlpack(FlatNumpySized(torch.zeros(2, 3)))
+    (event,) = [e for e in t.events if e["interposed"]]
+    assert (event["shape"], event["dtype"], event["nbytes"]) == ([6], "float32", 24)
+
+
 def test_a_program_that_makes_array_types_as_it_goes_is_traced_past_what_the_hooks_remember():
     # The hooks remember each array type's library and each dtype's name up to a bound, then forget
     # them all (releasing the types they held): past it, every exchange is still seen and described.
