@@ -296,63 +296,66 @@ void init_exchange(py::module_& m)
   if (PyModule_AddFunctions(m.ptr(), import_functions) != 0) { throw py::error_already_set(); }
 }
 
-py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::handle stream)
+namespace {
+
+// from_dlpack(x) through the C exchange table x's type offers (DLPack's; handoff's own is not asked:
+// a def_dlpack class's __dlpack__ exports the same view). nullopt where it offers none, or its
+// conversion failed: __dlpack__ is asked then, and what it refuses stays refused, that call saying why.
+std::optional<py::object> import_through_table(exchange& on, py::handle x, const named_stream& consumer)
 {
-  exchange& on = module_exchange();
-  const named_stream consumer = consumer_stream(stream);
-  if (const array* source = as_array(x); source != nullptr && device.is_none() && copy.is_none()) {
-    return wrap(on.share(*source, consumer));  // shares its producer: re-imports never chain
+  const DLPackExchangeAPI* api = exchange_api_of(Py_TYPE(x.ptr()));
+  if (api == nullptr || is_handoff_exchange_api(api) || requires_grad(x.ptr())) { return std::nullopt; }
+  trace_protocol("dlpack-c-api");
+  if (DLManagedTensorVersioned* tensor = managed_tensor_of(*api, x.ptr())) {
+    table_producer_object producer{*api, x.ptr()};
+    if (auto view = on.import_from_table(tensor, consumer, producer)) { return wrap(std::move(*view)); }
   }
-  // The C exchange API has no dl_device or copy: calls with them go through __dlpack__, whose
-  // producer may honour them itself (a copy made by the producer, in its own stream order).
-  const bool numpy_array = is_numpy_array(x.ptr());
-  if (device.is_none() && copy.is_none() && !numpy_array) {
-    // What the producer's __dlpack__ refuses stays refused: that call says why.
-    // handoff's own table (a def_dlpack class offers it) is not asked: the class's __dlpack__
-    // exports the same view.
-    if (const DLPackExchangeAPI* api = exchange_api_of(Py_TYPE(x.ptr()));
-        api != nullptr && !is_handoff_exchange_api(api) && !requires_grad(x.ptr())) {
-      trace_protocol("dlpack-c-api");
-      if (DLManagedTensorVersioned* tensor = managed_tensor_of(*api, x.ptr())) {
-        table_producer_object producer{*api, x.ptr()};
-        if (auto view = on.import_from_table(tensor, consumer, producer)) { return wrap(std::move(*view)); }
-      }
-      trace_protocol("dlpack");  // the table failed: __dlpack__ is asked instead
-    }
+  trace_protocol("dlpack");  // the table failed: __dlpack__ is asked instead
+  return std::nullopt;
+}
+
+// What x.__dlpack_device__() said, once asked.
+struct producer_claim {
+  std::optional<DLDevice> device;
+  bool asked{false};
+};
+
+// The common call, from_dlpack(x) outside any handoff.stream block, for data without streams: the
+// general path with nothing to check, settle or resolve, and a producer whose __dlpack__ is a plain
+// method. nullopt for device data, which goes the general way naming the default stream (an omitted
+// `stream` is "no synchronization" to some producers: PyTorch), having asked its device (`claim`).
+std::optional<py::object> import_without_streams(exchange& on, py::handle x, const named_stream& consumer,
+                                                 bool numpy_array, producer_claim& claim)
+{
+  PyObject* method = plain_dlpack_method(x.ptr());
+  if (method == nullptr) { return std::nullopt; }
+  if (!numpy_array) {
+    claim.device = producer_device(x, /*required=*/false);
+    claim.asked = true;
   }
-  std::optional<DLDevice> claimed;  // what x.__dlpack_device__() says, once asked
-  bool asked_device = false;
-  if (device.is_none() && copy.is_none() && consumer.is_default()) {
-    // The common call, from_dlpack(x), outside any handoff.stream block, for data without streams:
-    // the general path below with nothing to check, settle or resolve, and a producer whose
-    // __dlpack__ is a plain method. Device data goes the general way, which names the default
-    // stream: an omitted `stream` is "no synchronization" to some producers (PyTorch).
-    if (PyObject* method = plain_dlpack_method(x.ptr())) {
-      if (!numpy_array) {
-        claimed = producer_device(x, /*required=*/false);
-        asked_device = true;
-      }
-      if (!claimed || !default_stream_value(claimed->device_type)) {
-        std::array<PyObject*, 2> args{x.ptr(), cached.max_version};  // x.__dlpack__(max_version=(1, 1))
-        py::object capsule =
-          py::reinterpret_steal<py::object>(PyObject_Vectorcall(method, args.data(), 1, cached.kw_max_version));
-        if (!capsule) {
-          if (!PyErr_ExceptionMatches(PyExc_TypeError)) { throw py::error_already_set(); }
-          PyErr_Clear();
-          capsule = call_dlpack(x, {});  // a producer older than DLPack 1.0
-        }
-        // Data on another device than claimed is refused; device data from a producer that hid
-        // its device is bound to the consumer stream.
-        return wrap(on.import(consume_capsule(capsule), {.consumer = consumer, .device = {}, .copy = {}},
-                              {.name = claimed ? type_name(x) : std::string_view{},
-                               .claimed = claimed,
-                               .honoured_arguments = true,
-                               .ordered_for_consumer = false}));
-      }
-    }
+  if (claim.device && default_stream_value(claim.device->device_type)) { return std::nullopt; }
+  std::array<PyObject*, 2> args{x.ptr(), cached.max_version};  // x.__dlpack__(max_version=(1, 1))
+  py::object capsule =
+    py::reinterpret_steal<py::object>(PyObject_Vectorcall(method, args.data(), 1, cached.kw_max_version));
+  if (!capsule) {
+    if (!PyErr_ExceptionMatches(PyExc_TypeError)) { throw py::error_already_set(); }
+    PyErr_Clear();
+    capsule = call_dlpack(x, {});  // a producer older than DLPack 1.0
   }
-  const import_request request{
-    .consumer = consumer, .device = device_argument(device, "device"), .copy = copy_argument(copy)};
+  // Data on another device than claimed is refused; device data from a producer that hid its
+  // device is bound to the consumer stream.
+  return wrap(on.import(consume_capsule(capsule), {.consumer = consumer, .device = {}, .copy = {}},
+                        {.name = claim.device ? type_name(x) : std::string_view{},
+                         .claimed = claim.device,
+                         .honoured_arguments = true,
+                         .ordered_for_consumer = false}));
+}
+
+// Any call: a capsule, or a producer asked through __dlpack__ with the consumer's stream, `device`
+// and `copy` (DLPack's fallbacks for producers that predate them included).
+py::object import_through_dlpack(exchange& on, py::handle x, const import_request& request, py::handle copy,
+                                 producer_claim claim)
+{
   const std::optional<DLDevice>& target = request.device;
   if (PyCapsule_CheckExact(x.ptr())) {
     return wrap(
@@ -364,7 +367,9 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
     fmt::format("from_dlpack: {} object has no __dlpack__ method and is not a DLPack capsule", type_name(x)));
   // The stream value the producer gets depends on the device it says its data is on; for device
   // data the default stream is named explicitly, never left to the producer's reading of "omitted".
-  if (!asked_device) { claimed = producer_device(x, /*required=*/!consumer.is_default()); }
+  const named_stream& consumer = request.consumer;
+  if (!claim.asked) { claim.device = producer_device(x, /*required=*/!consumer.is_default()); }
+  const std::optional<DLDevice>& claimed = claim.device;
   // Made here and held while the producer's Python code runs (see call_argument).
   const call_argument producer_arg{claimed ? stream_argument_for(consumer, claimed->device_type)
                                            : py::object(py::none())};
@@ -395,6 +400,31 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
                          .honoured_arguments = !legacy,
                          .ordered_for_consumer = !producer_arg.get().is_none() && !through_legacy_stream,
                          .ordered_for_default_stream = none_for_pinned || through_legacy_stream}));
+}
+
+}  // namespace
+
+py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::handle stream)
+{
+  exchange& on = module_exchange();
+  const named_stream consumer = consumer_stream(stream);
+  // The C exchange API has no dl_device or copy: calls with them go through __dlpack__, whose
+  // producer may honour them itself (a copy made by the producer, in its own stream order).
+  const bool plain = device.is_none() && copy.is_none();
+  if (const array* source = as_array(x); source != nullptr && plain) {
+    return wrap(on.share(*source, consumer));  // shares its producer: re-imports never chain
+  }
+  const bool numpy_array = is_numpy_array(x.ptr());
+  if (plain && !numpy_array) {
+    if (auto view = import_through_table(on, x, consumer)) { return std::move(*view); }
+  }
+  producer_claim claim;
+  if (plain && consumer.is_default()) {
+    if (auto view = import_without_streams(on, x, consumer, numpy_array, claim)) { return std::move(*view); }
+  }
+  const import_request request{
+    .consumer = consumer, .device = device_argument(device, "device"), .copy = copy_argument(copy)};
+  return import_through_dlpack(on, x, request, copy, claim);
 }
 
 py::object asarray(py::handle x, py::handle device, py::handle copy, py::handle stream)
