@@ -296,8 +296,10 @@ PyObject* producer_called(PyObject* /*module*/, PyObject* const* args, Py_ssize_
     return nullptr;
   }
   if (in_flight && in_flight->argument == args[0]) {
-    const int64_reading read = is_int(args[1]) ? read_int64(args[1]) : int64_reading{.value = 0, .overflow = 1};
-    in_flight->stream_argument = read.fits() ? std::optional{read.value} : std::nullopt;
+    in_flight->stream_argument.reset();  // None, or what no int64 holds, names no stream
+    if (is_int(args[1])) {
+      if (const int64_reading read = read_int64(args[1]); read.fits()) { in_flight->stream_argument = read.value; }
+    }
     if (in_flight->device.device_type != kDLCPU) {
       try {
         if (const context* ctx = context_serving(in_flight->device.device_type)) {
