@@ -69,7 +69,7 @@ void stream_view::wait(stream_view producer, int device, event_pool& events) con
 
   // Work on the data may have been enqueued from a peer device (a stream of another device reading
   // or writing it): the event is recorded on the producer stream's own device.
-  const int producer_device = b.stream_device(producer.handle_);
+  const int producer_device = b.stream_device(producer.handle_, producer_captures);
   std::optional<device_guard> on_producer;
   if (producer_device != device) { on_producer.emplace(b, producer_device); }
   const pooled_event event = events.record(producer_device, producer.handle_);

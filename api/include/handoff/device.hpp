@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -108,8 +109,11 @@ class backend {
   /// Creates a stream on the current device.
   [[nodiscard]] virtual stream_handle create_stream(bool non_blocking) = 0;
   virtual void destroy_stream(stream_handle stream) noexcept = 0;
-  /// The device a stream belongs to (a default stream belongs to the current device).
-  [[nodiscard]] virtual int stream_device(stream_handle stream) = 0;
+  /// The device a stream belongs to (a default stream belongs to the current device). `capturing`:
+  /// whether the stream captures (stream_capture_status() is not `none`), where the caller has just
+  /// asked, so that the backend need not ask again (CUDA refuses a capturing stream's device, and
+  /// the refusal invalidates the capture); nullopt: the backend asks where it must.
+  [[nodiscard]] virtual int stream_device(stream_handle stream, std::optional<bool> capturing = std::nullopt) = 0;
   /// False for streams created non-blocking, which do not synchronize with the legacy default.
   [[nodiscard]] virtual bool stream_is_blocking(stream_handle stream) = 0;
   /// A capture under way. The legacy default stream reports `active` while a blocking stream of

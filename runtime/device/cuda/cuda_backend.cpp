@@ -244,10 +244,10 @@ class cuda_backend final : public backend {
   // A capturing stream is not asked: the driver refuses cuStreamGetDevice during a capture, and the
   // refusal invalidates the capture (tools/gpu-probe's stream-queries-during-capture: so do
   // cuStreamGetFlags and cuStreamGetId). Its device is then its context's.
-  [[nodiscard]] int stream_device(stream_handle stream) override
+  [[nodiscard]] int stream_device(stream_handle stream, std::optional<bool> capturing = std::nullopt) override
   {
     if (is_default_stream(stream)) { return current_device(); }
-    if (captures(stream)) { return context_device(stream); }
+    if (capturing.has_value() ? *capturing : captures(stream)) { return context_device(stream); }
     CUdevice device = 0;
     check_driver(driver_.stream_get_device(to_native(stream), &device), "cuStreamGetDevice", to_native(stream));
     return static_cast<int>(device);

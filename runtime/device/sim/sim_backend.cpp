@@ -174,7 +174,8 @@ void sim_backend::destroy_stream(stream_handle stream) noexcept
   }
 }
 
-int sim_backend::stream_device(stream_handle stream)
+int sim_backend::stream_device(stream_handle stream,
+                               std::optional<bool> /*capturing: a simulated stream always answers*/)
 {
   const call_with c{"stream_device", "{:#x}", raw(stream)};
   impl_->open(c);

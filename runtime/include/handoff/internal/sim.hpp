@@ -112,7 +112,7 @@ class sim_backend final : public backend {
   [[nodiscard]] stream_handle per_thread_default_stream() const noexcept override;
   [[nodiscard]] stream_handle create_stream(bool non_blocking) override;
   void destroy_stream(stream_handle stream) noexcept override;
-  [[nodiscard]] int stream_device(stream_handle stream) override;
+  [[nodiscard]] int stream_device(stream_handle stream, std::optional<bool> capturing = std::nullopt) override;
   [[nodiscard]] bool stream_is_blocking(stream_handle stream) override;
   [[nodiscard]] bool query_stream(stream_handle stream) override;
   [[nodiscard]] capture_status stream_capture_status(stream_handle stream) override;
