@@ -73,21 +73,19 @@ started_backend start()
 }
 
 // HANDOFF_EXPORT_RELEASE: which consumer streams an export's release waits for (export_release).
-void apply_export_release_setting()
+export_release export_release_setting()
 {
   const std::string value = detail::setting_choice("HANDOFF_EXPORT_RELEASE");
-  if (value.empty() || value == "known-streams") { return; }
-  if (value == "every-stream") {
-    set_export_release(export_release::every_stream);
-    return;
+  if (value == "every-stream") { return export_release::every_stream; }
+  if (!value.empty() && value != "known-streams") {
+    HANDOFF_LOG_WARN("HANDOFF_EXPORT_RELEASE={} is neither 'known-streams' nor 'every-stream'; known-streams applies",
+                     value);
   }
-  HANDOFF_LOG_WARN("HANDOFF_EXPORT_RELEASE={} is neither 'known-streams' nor 'every-stream'; known-streams applies",
-                   value);
+  return export_release::known_streams;
 }
 
 started_backend start_with_context()
 {
-  apply_export_release_setting();
   started_backend s = start();
   if (s.backend) {
     auto service = std::make_unique<detail::service_thread>();
@@ -192,8 +190,12 @@ exchange& process_exchange() noexcept
 {
   // Leaked: releases run by other threads may export and import during static destruction. An
   // allocation failure this early ends the process either way.
-  // NOLINTNEXTLINE(cppcoreguidelines-owning-memory,bugprone-unhandled-exception-at-new)
-  static auto* const instance = new exchange{*new runtime_context};
+  static auto* const instance = [] {
+    // NOLINTNEXTLINE(cppcoreguidelines-owning-memory,bugprone-unhandled-exception-at-new)
+    auto* made = new exchange{*new runtime_context};
+    made->set_export_release(export_release_setting());
+    return made;
+  }();
   return *instance;
 }
 

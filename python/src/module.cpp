@@ -133,17 +133,15 @@ PYBIND11_MODULE(_handoff, m)
   m.def(
     "set_export_release",
     [](const std::string& policy) {
-      const char* previous =
-        current_export_release() == export_release::every_stream ? "every-stream" : "known-streams";
-      if (policy == "known-streams") {
-        set_export_release(export_release::known_streams);
-      } else if (policy == "every-stream") {
-        set_export_release(export_release::every_stream);
-      } else {
+      export_release chosen = export_release::known_streams;
+      if (policy == "every-stream") {
+        chosen = export_release::every_stream;
+      } else if (policy != "known-streams") {
         throw value_error(
           fmt::format("set_export_release: policy must be 'known-streams' or 'every-stream', not '{}'", policy));
       }
-      return previous;
+      const export_release previous = module_exchange().set_export_release(chosen);
+      return previous == export_release::every_stream ? "every-stream" : "known-streams";
     },
     py::arg("policy"),
     "Which consumer streams an export's producer waits for when the consumer releases what it imported, and\n"

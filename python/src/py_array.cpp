@@ -434,7 +434,7 @@ py::capsule export_dlpack(const array& view, py::handle stream, py::handle max_v
     const stream_request consumer = classify_stream(view.device().device_type, request.stream);
     if (consumer.order == stream_order::handle) {
       request.stream_owner = enclosing_stream_owner(consumer.handle);
-      if (!request.stream_owner && current_export_release() == export_release::known_streams) {
+      if (!request.stream_owner && module_exchange().export_release_policy() == export_release::known_streams) {
         request.stream_owner = framework_stream_owner(consumer.handle, view.device());
       }
     }

@@ -309,7 +309,8 @@ exported_tensor exchange::export_dlpack(const array& view, const export_request&
   const std::unique_ptr<const array> made = prepare_export(
     consumer.order != stream_order::none || how != handoff::transfer::none ? context_for(view.device().device_type)
                                                                            : nullptr,
-    view, consumer, how, consumer.order == stream_order::handle ? request.stream_owner : nullptr);
+    view, consumer, how, export_release_policy(),
+    consumer.order == stream_order::handle ? request.stream_owner : nullptr);
   const array& handed = made ? *made : view;
   const bool copied = how == handoff::transfer::to_host || how == handoff::transfer::same_device;
   exported_tensor out;
@@ -343,7 +344,7 @@ void exchange::order_hand_over(const array& view, const named_stream& consumer) 
 {
   const DLDeviceType type = view.device().device_type;
   if (has_streams(type)) {
-    order_export(device_context(), view, request_for(consumer, type));
+    order_export(device_context(), view, request_for(consumer, type), export_release_policy());
     if (const auto binding = consumer_binding(view, consumer)) { view.owner().release_after(*binding); }
   }
 }
@@ -367,7 +368,7 @@ std::optional<stream_binding> exchange::bind_stream(DLDevice data, const named_s
 
 bool exchange::may_release_after(const named_stream& stream, DLDeviceType type) const
 {
-  return alive_at_release(request_for(stream, type), stream.owner);
+  return alive_at_release(request_for(stream, type), stream.owner, export_release_policy());
 }
 
 std::optional<DLDevice> exchange::device_of(const void* data) const

@@ -2,7 +2,6 @@
 // waits for, and what a producer is kept for (see <handoff/internal/ordering.hpp>).
 #include <handoff/device_guard.hpp>
 #include <handoff/error.hpp>
-#include <handoff/exchange.hpp>
 #include <handoff/internal/counters.hpp>
 #include <handoff/internal/ordering.hpp>
 #include <handoff/internal/trace_scope.hpp>
@@ -10,7 +9,6 @@
 
 #include <fmt/format.h>
 
-#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -19,16 +17,9 @@
 
 namespace handoff {
 
-namespace {
-
-std::atomic<export_release> export_release_policy{export_release::known_streams};
-
-}  // namespace
-
-bool alive_at_release(stream_request consumer, const std::shared_ptr<const void>& owner) noexcept
+bool alive_at_release(stream_request consumer, const std::shared_ptr<const void>& owner, export_release policy) noexcept
 {
-  if (consumer.order != stream_order::handle || owner) { return true; }
-  return current_export_release() == export_release::every_stream;
+  return consumer.order != stream_order::handle || owner || policy == export_release::every_stream;
 }
 
 // An export handed over with no ordering: the trace asks the producer's stream whether it is idle.
@@ -38,16 +29,6 @@ void note_unordered_export(const array& view) noexcept
   if (scope == nullptr || view.device().device_type == kDLCPU) { return; }
   scope->note_unordered();
   if (const auto ready = view.owner().ready_on()) { scope->set_producer_stream(*ready); }
-}
-
-void set_export_release(export_release policy) noexcept
-{
-  export_release_policy.store(policy, std::memory_order_relaxed);
-}
-
-export_release current_export_release() noexcept
-{
-  return export_release_policy.load(std::memory_order_relaxed);
 }
 
 std::optional<device::stream_handle> resolve_stream(device::backend& backend, stream_request request)
@@ -208,10 +189,11 @@ std::optional<stream_binding> order_for_consumer(context* ctx, const array& view
   return stream_binding{.ctx = ctx, .device = device, .stream = consumer_stream, .stream_owner = nullptr};
 }
 
-void order_export(context* ctx, const array& view, stream_request consumer, std::shared_ptr<const void> consumer_owner)
+void order_export(context* ctx, const array& view, stream_request consumer, export_release policy,
+                  std::shared_ptr<const void> consumer_owner)
 {
   auto ordered = order_for_consumer(ctx, view, consumer);
-  if (ordered && alive_at_release(consumer, consumer_owner)) {
+  if (ordered && alive_at_release(consumer, consumer_owner, policy)) {
     ordered->stream_owner = std::move(consumer_owner);
     view.owner().release_after(*ordered);
   }

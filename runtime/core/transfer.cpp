@@ -131,12 +131,13 @@ namespace {
 // instructions.
 [[gnu::noinline]] std::unique_ptr<const array> transferred_export(context* ctx, const array& view,
                                                                   stream_request consumer, transfer how,
+                                                                  export_release policy,
                                                                   std::shared_ptr<const void> owner)
 {
   auto made = std::make_unique<const array>(transfer_array(ctx, view, how));
   if (how == transfer::same_device) {
     if (consumer.order != stream_order::none) {
-      order_export(ctx, *made, consumer, std::move(owner));
+      order_export(ctx, *made, consumer, policy, std::move(owner));
     } else {
       note_unordered_export(*made);
     }
@@ -147,11 +148,11 @@ namespace {
 }  // namespace
 
 std::unique_ptr<const array> prepare_export(context* ctx, const array& view, stream_request consumer, transfer how,
-                                            std::shared_ptr<const void> consumer_owner)
+                                            export_release policy, std::shared_ptr<const void> consumer_owner)
 {
-  if (how != transfer::none) { return transferred_export(ctx, view, consumer, how, std::move(consumer_owner)); }
+  if (how != transfer::none) { return transferred_export(ctx, view, consumer, how, policy, std::move(consumer_owner)); }
   if (consumer.order != stream_order::none) {
-    order_export(ctx, view, consumer, std::move(consumer_owner));
+    order_export(ctx, view, consumer, policy, std::move(consumer_owner));
   } else {
     note_unordered_export(view);
   }

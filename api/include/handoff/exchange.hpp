@@ -8,6 +8,7 @@
 #include <handoff/interface.hpp>
 #include <handoff/stream_value.hpp>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -16,19 +17,6 @@
 #include <utility>
 
 namespace handoff {
-
-/// Which consumer streams an export's producer waits for when the consumer releases the export
-/// (its deleter: PyTorch and CuPy call it at their refcount zero, whatever their stream still has
-/// queued). A stream that may be destroyed by then is never touched: recording on it is undefined.
-enum class export_release : std::uint8_t {
-  known_streams,  ///< the default streams (1, 2; ROCm's 0) and streams whose owner the export holds
-  every_stream,   ///< raw handles too: the application promises that each consumer stream outlives
-                  ///< the exports it was handed (HANDOFF_EXPORT_RELEASE=every-stream)
-};
-/// Sets the policy for every later export of every exchange. Thread-safe.
-void set_export_release(export_release policy) noexcept;
-/// The policy in force (the runtime starts with HANDOFF_EXPORT_RELEASE's, default known_streams).
-[[nodiscard]] export_release current_export_release() noexcept;
 
 /// Why an exchange has no device context, which the errors of the operations that need one say.
 struct absent_backend {
@@ -122,7 +110,8 @@ class table_producer {
 /// for, what is kept until when, what is copied, and what is counted (stats()) and traced. Every
 /// operation orders with events, never blocking the host, except the transfers to the host that
 /// the consumer asked for (waited for in the embedding's blocking section).
-/// @note Thread-safe: an exchange holds no mutable state of its own; the context synchronizes.
+/// @note Thread-safe: an exchange's one mutable state, its export-release policy, is atomic; the
+///       context synchronizes the rest.
 class exchange {
  public:
   /// An exchange over `device_context`, which must outlive it.
@@ -133,6 +122,18 @@ class exchange {
   /// An exchange over the context `source` gives when an operation first needs one; `source` must
   /// outlive the exchange.
   explicit exchange(context_source& source) noexcept : source_(&source) {}
+
+  /// Which consumer streams the releases of this exchange's later exports wait for (the process's
+  /// exchange starts with HANDOFF_EXPORT_RELEASE's, every other with known_streams).
+  [[nodiscard]] export_release export_release_policy() const noexcept
+  {
+    return export_release_.load(std::memory_order_relaxed);
+  }
+  /// Sets the policy for this exchange's later exports. @return the policy it replaces.
+  export_release set_export_release(export_release policy) noexcept
+  {
+    return export_release_.exchange(policy, std::memory_order_relaxed);
+  }
 
   /// The device context (started, for a context_source); null without a device backend.
   /// @throws what context_source::device_context throws.
@@ -272,6 +273,7 @@ class exchange {
   context* ctx_{nullptr};
   absent_backend absent_;            // why ctx_ is null
   context_source* source_{nullptr};  // when set, gives both
+  std::atomic<export_release> export_release_{export_release::known_streams};
 };
 
 /// Makes the device of the data a producer says it holds (its `__dlpack_device__`) current for the

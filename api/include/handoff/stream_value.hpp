@@ -20,6 +20,15 @@ enum class stream_order {
   handle,              ///< the consumer's stream, given by handle (> 2)
 };
 
+/// Which consumer streams an export's producer waits for when the consumer releases the export
+/// (its deleter: PyTorch and CuPy call it at their refcount zero, whatever their stream still has
+/// queued). A stream that may be destroyed by then is never touched: recording on it is undefined.
+enum class export_release : std::uint8_t {
+  known_streams,  ///< the default streams (1, 2; ROCm's 0) and streams whose owner the export holds
+  every_stream,   ///< raw handles too: the application promises that each consumer stream outlives
+                  ///< the exports it was handed (HANDOFF_EXPORT_RELEASE=every-stream)
+};
+
 /// A validated consumer stream request.
 struct stream_request {
   stream_order order{stream_order::none};

@@ -393,6 +393,37 @@ TEST_P(ExchangeTest, NegativeControlAnExportForStreamMinusOneLeavesTheConsumerUn
   b().synchronize_device();
 }
 
+TEST_P(ExchangeTest, AnExportsReleaseWaitsForABareConsumerHandleOnlyWhereThisExchangesPolicySaysSo)
+{
+  const auto consumer = stream_on(0);
+  // Released at once (the consumer's held work notwithstanding) or only once that work is done.
+  const auto released_at_once = [&](exchange& on) {
+    std::atomic<int> released{0};
+    int at_once = 0;
+    {
+      const auto consumer_works = hold(consumer);
+      std::optional<array> view{written_on(stream_on(0), &released)};
+      export_request request;
+      request.stream = value_of(consumer);  // a bare handle: nothing keeps the stream alive
+      request.max_version = DLPackVersion{1, 0};
+      const exported_tensor made = on.export_dlpack(*view, request);
+      view.reset();
+      made.versioned->deleter(made.versioned);
+      at_once = released.load();
+    }
+    EXPECT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
+    EXPECT_EQ(released.load(), 1);
+    return at_once == 1;
+  };
+  exchange vouching{ctx()};
+  EXPECT_EQ(vouching.set_export_release(export_release::every_stream), export_release::known_streams);
+  EXPECT_EQ(vouching.export_release_policy(), export_release::every_stream);
+  EXPECT_FALSE(released_at_once(vouching)) << "the application vouched for its streams: the release waits";
+  // Negative control: another exchange keeps the default, and a bare handle is never touched.
+  EXPECT_EQ(ex().export_release_policy(), export_release::known_streams);
+  EXPECT_TRUE(released_at_once(ex())) << "a bare handle may be destroyed by the release: it is not waited for";
+}
+
 TEST_P(ExchangeTest, AnExportCopyIsFlaggedAndAStreamTheDeviceDoesNotTakeIsRefused)
 {
   const auto producer = stream_on(0);

@@ -67,7 +67,7 @@ TEST_P(OrderingTest, ExportOrdersTheStreamTheDataIsReadyOn)
   {
     const auto held = hold(producer);
     const array view = pending_view(data, producer, 1.0F);
-    order_export(&ctx(), view, on(consumer));
+    order_export(&ctx(), view, on(consumer), export_release::known_streams);
     seen = read_later(data, consumer);
     EXPECT_TRUE(held_back(consumer));
   }
@@ -83,7 +83,7 @@ TEST_P(OrderingTest, NegativeControlNoOrderingRequestedSeesStaleData)
   {
     const auto held = hold(producer);
     const array view = pending_view(data, producer, 1.0F);
-    order_export(&ctx(), view, {stream_order::none, 0});
+    order_export(&ctx(), view, {stream_order::none, 0}, export_release::known_streams);
     EXPECT_EQ(read(data, consumer).front(), 0.0F);
   }
   b().synchronize_device();
@@ -100,7 +100,7 @@ TEST_P(OrderingTest, AnExportKeepsItsProducerUntilTheDefaultConsumerStreamIsDone
     {
       array_layout layout = device_view(allocate_on(0), 0).layout();
       const array view{std::move(layout), producer_ref{[&] { ++released; }}};
-      order_export(&ctx(), view, {stream_order::legacy_default, 0});
+      order_export(&ctx(), view, {stream_order::legacy_default, 0}, export_release::known_streams);
     }
     EXPECT_EQ(released.load(), 0) << "released while the consumer's stream still reads the data";
   }
@@ -111,7 +111,7 @@ TEST_P(OrderingTest, AnExportKeepsItsProducerUntilTheDefaultConsumerStreamIsDone
 TEST_P(OrderingTest, AnExportLeavesABareConsumerHandleUntouchedUnlessItsOwnerIsHeldOrThePolicySaysSo)
 {
   const auto consumer = stream_on(0);
-  const auto exported = [&](std::shared_ptr<const void> owner) {
+  const auto exported = [&](std::shared_ptr<const void> owner, export_release policy) {
     std::atomic<int> released{0};
     int at_once = 0;
     {
@@ -119,18 +119,17 @@ TEST_P(OrderingTest, AnExportLeavesABareConsumerHandleUntouchedUnlessItsOwnerIsH
       {
         array_layout layout = device_view(allocate_on(0), 0).layout();
         const array view{std::move(layout), producer_ref{[&] { ++released; }}};
-        order_export(&ctx(), view, on(consumer), std::move(owner));
+        order_export(&ctx(), view, on(consumer), policy, std::move(owner));
       }
       at_once = released.load();
     }
     EXPECT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
     return at_once;
   };
-  EXPECT_EQ(exported(nullptr), 1) << "a bare handle may be destroyed by the release: it is not touched";
-  EXPECT_EQ(exported(std::make_shared<int>(0)), 0) << "a held stream must be waited for";
-  set_export_release(export_release::every_stream);
-  EXPECT_EQ(exported(nullptr), 0) << "the application vouched for its streams";
-  set_export_release(export_release::known_streams);
+  EXPECT_EQ(exported(nullptr, export_release::known_streams), 1)
+    << "a bare handle may be destroyed by the release: it is not touched";
+  EXPECT_EQ(exported(std::make_shared<int>(0), export_release::known_streams), 0) << "a held stream must be waited for";
+  EXPECT_EQ(exported(nullptr, export_release::every_stream), 0) << "the application vouched for its streams";
 }
 
 TEST_P(OrderingTest, TheStreamPublishedForSynchronizingConsumersCoversTheBlockingStreamsWork)
@@ -182,7 +181,7 @@ TEST_P(OrderingTest, WithoutAKnownProducerStreamTheDefaultStreamIsOrdered)
   {
     const auto held = hold(b().legacy_default_stream());
     fill(b().legacy_default_stream(), data, 4.0F);
-    order_export(&ctx(), view, on(consumer));
+    order_export(&ctx(), view, on(consumer), export_release::known_streams);
     seen = read_later(data, consumer);
     EXPECT_TRUE(held_back(consumer));
   }
@@ -196,7 +195,7 @@ TEST_P(OrderingTest, AViewClaimingAnotherDeviceIsRefused)
   float* data = allocate_on(1);
   const array lying = device_view(data, 0);  // the memory belongs to device 1
   EXPECT_THROW((void)owning_device(ctx(), lying), value_error);
-  EXPECT_THROW(order_export(&ctx(), lying, on(stream_on(0))), value_error);
+  EXPECT_THROW(order_export(&ctx(), lying, on(stream_on(0)), export_release::known_streams), value_error);
 }
 
 TEST_P(OrderingTest, AnEmptyViewOnADeviceTheBackendDoesNotHaveIsRefused)
@@ -216,8 +215,9 @@ TEST_P(OrderingTest, AnEmptyViewOnADeviceTheBackendDoesNotHaveIsRefused)
 TEST_P(OrderingTest, OrderingWithoutABackendIsADeviceError)
 {
   const array view = device_view(allocate_on(0), 0);
-  EXPECT_THROW(order_export(nullptr, view, {stream_order::legacy_default, 0}), device_error);
-  EXPECT_NO_THROW(order_export(nullptr, view, {stream_order::none, 0}));
+  EXPECT_THROW(order_export(nullptr, view, {stream_order::legacy_default, 0}, export_release::known_streams),
+               device_error);
+  EXPECT_NO_THROW(order_export(nullptr, view, {stream_order::none, 0}, export_release::known_streams));
 }
 
 TEST_P(OrderingTest, ResolvesDlpackRequestsToStreams)
@@ -380,7 +380,7 @@ TEST_P(OrderingTest, OrderingDataOnAnotherDeviceCreatesNoContextOnTheCurrentOne)
       fill(producer, data, 2.0F);
       const array view = device_view(data, 1);
       mark_ready(view, producer, 1);
-      order_export(&ctx(), view, on(consumer));
+      order_export(&ctx(), view, on(consumer), export_release::known_streams);
       bind_import(ctx(), view, owning_device(ctx(), view), consumer);
       seen = read_later(data, consumer);
       EXPECT_TRUE(held_back(consumer));
@@ -414,7 +414,8 @@ TEST_P(OrderingTest, ManyThreadsExchangeAtOnce)
         const array view = device_view(data, device);
         fill(producer, data, static_cast<float>(round));
         mark_ready(view, producer, device);
-        order_export(&ctx(), view, on(consumer));  // from the data's device, whatever is current
+        order_export(&ctx(), view, on(consumer),
+                     export_release::known_streams);  // from the data's device, whatever is current
         bind_import(ctx(), view, device, consumer);
         if (read(data, consumer).back() != static_cast<float>(round)) { ++wrong; }
       }

@@ -17,8 +17,9 @@ void note_unordered_export(const array& view) noexcept;
 
 /// Whether a consumer stream `consumer` asks for is certain to be alive when a release deferred behind
 /// it runs: a default stream always is; a stream handle when `owner` keeps it, or the application
-/// vouches for every consumer stream (export_release::every_stream).
-[[nodiscard]] bool alive_at_release(stream_request consumer, const std::shared_ptr<const void>& owner) noexcept;
+/// vouches for every consumer stream (`policy` is export_release::every_stream).
+[[nodiscard]] bool alive_at_release(stream_request consumer, const std::shared_ptr<const void>& owner,
+                                    export_release policy) noexcept;
 
 /// The stream a validated DLPack request names on `backend`; nullopt when it asks for no ordering.
 [[nodiscard]] std::optional<device::stream_handle> resolve_stream(device::backend& backend, stream_request request);
@@ -56,10 +57,10 @@ void require_stream_ordered(const context& ctx, const array& view);
 /// write; the device's legacy default stream when unknown) before the work the consumer will
 /// enqueue on the requested stream, and keeps `view`'s producer until the work the consumer has
 /// enqueued there by the time the export is released is done, when that stream is certain to be
-/// alive then (export_release; `consumer_owner`, possibly empty, keeps it so). Never blocks the host.
+/// alive then (`policy`; `consumer_owner`, possibly empty, keeps it so). Never blocks the host.
 /// @throws device_error when the view is on a device and there is no backend (`ctx` null), or the
 ///         backend is of another family (a CUDA array with a ROCm backend).
-void order_export(context* ctx, const array& view, stream_request consumer,
+void order_export(context* ctx, const array& view, stream_request consumer, export_release policy,
                   std::shared_ptr<const void> consumer_owner = {});
 
 /// The ordering half of an export, alone: the consumer's stream waits for the stream `view` is

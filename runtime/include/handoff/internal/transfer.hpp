@@ -51,12 +51,13 @@ void block_host(void (*body)(void* state), void* state);
 [[nodiscard]] array transfer_array(context* ctx, const array& view, transfer how);
 
 /// Prepares the export of `view` to a consumer asking for `consumer` (`consumer_owner`, possibly
-/// empty, keeps that stream alive), `how` as plan_export chose: the array to hand over instead of
+/// empty, keeps that stream alive; `policy` says whether a bare handle is waited for at release),
+/// `how` as plan_export chose: the array to hand over instead of
 /// the view (transfer_array's), or null for the view itself (the common export, which allocates
 /// nothing); either is ordered for the consumer where it stays on the device (order_export).
 /// @throws what transfer_array and order_export throw.
 [[nodiscard]] std::unique_ptr<const array> prepare_export(context* ctx, const array& view, stream_request consumer,
-                                                          transfer how,
+                                                          transfer how, export_release policy,
                                                           std::shared_ptr<const void> consumer_owner = {});
 
 }  // namespace handoff
