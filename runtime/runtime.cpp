@@ -84,13 +84,29 @@ export_release export_release_setting()
   return export_release::known_streams;
 }
 
+// The process's embedding (embed_process), fixed once the process's exchange or context is made.
+struct process_embedding {
+  std::mutex mutex;
+  embedding hooks;
+  bool fixed{false};
+
+  // The hooks the process's exchange and context are made with: none may change them after.
+  embedding fix()
+  {
+    const std::lock_guard lock{mutex};
+    fixed = true;
+    return hooks;
+  }
+};
+constinit process_embedding the_embedding;  // usable during static destruction, as the exchange is
+
 started_backend start_with_context()
 {
   started_backend s = start();
   if (s.backend) {
     auto service = std::make_unique<detail::service_thread>();
     s.service = service.get();
-    s.device_context = std::make_unique<context>(*s.backend, std::move(service));
+    s.device_context = std::make_unique<context>(*s.backend, std::move(service), the_embedding.fix());
   } else {
     const std::string requested = detail::setting_choice("HANDOFF_BACKEND");
     s.absent = {.setting = fmt::format("HANDOFF_BACKEND={}", requested.empty() ? "auto" : requested),
@@ -192,11 +208,19 @@ exchange& process_exchange() noexcept
   // allocation failure this early ends the process either way.
   static auto* const instance = [] {
     // NOLINTNEXTLINE(cppcoreguidelines-owning-memory,bugprone-unhandled-exception-at-new)
-    auto* made = new exchange{*new runtime_context};
+    auto* made = new exchange{*new runtime_context, the_embedding.fix()};
     made->set_export_release(export_release_setting());
     return made;
   }();
   return *instance;
+}
+
+bool embed_process(const embedding& hooks) noexcept
+{
+  const std::lock_guard lock{the_embedding.mutex};
+  if (the_embedding.fixed) { return false; }
+  the_embedding.hooks = hooks;
+  return true;
 }
 
 context* started_context() noexcept

@@ -15,7 +15,6 @@
 #include "py_view.hpp"
 
 #include <handoff/context.hpp>
-#include <handoff/embedding.hpp>
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
 #include <handoff/ipc.hpp>
@@ -110,9 +109,11 @@ PYBIND11_MODULE(_handoff, m)
   py::register_exception_translator(translate_exception);
 
   set_finalizing_thread(py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>());
-  set_deleter_runner(&run_deleter_with_gil);
-  set_blocking_section(&run_without_gil);
-  set_release_section(&run_releases_in_gil_batch);
+  if (!embed_process(python_embedding)) {
+    log_warning(
+      "the process's exchange was in use before handoff's Python module loaded: producers' deleters and "
+      "host waits run without regard to the GIL");
+  }
   bind_array(m);
   bind_streams(m);
   init_exchange(m);

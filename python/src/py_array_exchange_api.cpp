@@ -117,7 +117,7 @@ int managed_tensor_to_py_object(DLManagedTensorVersioned* tensor, void** out) no
     constexpr const char* function = "managed_tensor_to_py_object_no_sync";
     const trace::exchange_scope scope{trace::event_kind::import_data, "dlpack-c-api"};
     HANDOFF_EXPECTS(tensor != nullptr, value_error, fmt::format("{}: the tensor is NULL", function));
-    array view = import_dlpack(tensor);  // its deleter runs exactly once from here on
+    array view = import_dlpack(tensor, &run_deleter_with_gil);  // its deleter runs exactly once from here on
     expect_output(out, function);
     *out = nullptr;
     const named_stream made_on = work_stream(view.device());

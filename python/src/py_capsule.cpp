@@ -67,13 +67,13 @@ array consume_capsule(py::handle capsule)
     auto* tensor = static_cast<DLManagedTensorVersioned*>(PyCapsule_GetPointer(raw, name));
     if (tensor == nullptr) { throw py::error_already_set(); }
     PyCapsule_SetName(raw, used_versioned_name);  // before import: its deleter now belongs to us
-    return import_dlpack(tensor);
+    return import_dlpack(tensor, &run_deleter_with_gil);
   }
   if (name != nullptr && std::strcmp(name, legacy_name) == 0) {
     auto* tensor = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(raw, name));
     if (tensor == nullptr) { throw py::error_already_set(); }
     PyCapsule_SetName(raw, used_legacy_name);
-    return import_dlpack(tensor);
+    return import_dlpack(tensor, &run_deleter_with_gil);
   }
   PyErr_Clear();
   const std::string_view seen = name != nullptr ? name : "";

@@ -5,6 +5,7 @@
 #include <Python.h>
 
 #include <handoff/activity.hpp>
+#include <handoff/embedding.hpp>
 
 #include <exception>
 #include <optional>
@@ -175,19 +176,23 @@ std::invoke_result_t<Work&> without_gil(Work&& work)
   }
 }
 
-/// The deleter runner handoff uses in Python (set_deleter_runner): a producer's deleter runs holding
+/// The deleter runner handoff uses in Python (embedding::run_deleter): a producer's deleter runs holding
 /// the GIL, since producers' deleters may take it; once the interpreter is finalizing, or other
 /// threads may no longer enter it, the deleter is not run and the process keeps the memory.
 void run_deleter_with_gil(void (*invoke)(void*) noexcept, void* tensor) noexcept;
 
-/// The release section handoff uses in Python (set_release_section): a batch of releases runs in a
+/// The release section handoff uses in Python (embedding::run_releases): a batch of releases runs in a
 /// gil_batch, so that producers' deleters take the GIL once for the batch.
 void run_releases_in_gil_batch(void (*body)(void*) noexcept, void* state) noexcept;
 
-/// The blocking section handoff uses in Python (set_blocking_section): the host waits with the GIL
+/// The blocking section handoff uses in Python (embedding::block_host): the host waits with the GIL
 /// released, so that other threads run meanwhile (and a host function queued on the device that
 /// needs the GIL can run): a Python thread releases it around the wait, a batch of releases hands
 /// it back, a thread that does not hold it just waits.
 void run_without_gil(void (*body)(void*), void* state);
+
+/// The embedding handoff runs under in Python: the process's exchange and context are made with it.
+inline constexpr embedding python_embedding{
+  .run_deleter = &run_deleter_with_gil, .block_host = &run_without_gil, .run_releases = &run_releases_in_gil_batch};
 
 }  // namespace handoff::python

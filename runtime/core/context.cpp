@@ -3,20 +3,13 @@
 #include <handoff/device_guard.hpp>
 #include <handoff/embedding.hpp>
 #include <handoff/internal/counters.hpp>
-#include <handoff/internal/transfer.hpp>
 
 #include "log/logger.hpp"
 
 #include <algorithm>
-#include <atomic>
 #include <string>
 
 namespace handoff {
-namespace {
-
-std::atomic<release_section> installed_release_section{nullptr};
-
-}  // namespace
 
 std::string detail::what_failed()
 {
@@ -29,13 +22,13 @@ std::string detail::what_failed()
   }
 }
 
-void set_release_section(release_section section) noexcept
-{
-  installed_release_section.store(section, std::memory_order_release);
-}
-
-context::impl::impl(device::backend& backend, event_pool& events, std::unique_ptr<executor> deferred)
-    : backend_(backend), events_(events), shared_(std::make_shared<shared_state>(this)), deferred_(std::move(deferred))
+context::impl::impl(device::backend& backend, const embedding& hooks, event_pool& events,
+                    std::unique_ptr<executor> deferred)
+    : backend_(backend),
+      hooks_(hooks),
+      events_(events),
+      shared_(std::make_shared<shared_state>(this)),
+      deferred_(std::move(deferred))
 {}
 
 void context::impl::finished_one(const pending_release& pending) noexcept
@@ -208,7 +201,8 @@ void context::impl::wait_for_stream(int device, device::stream_handle stream)
   } wait{&backend_, stream};
   // A synchronization of the legacy default stream waits only for the work enqueued on it; the
   // blocking streams' work it stands for is waited for with the whole device's.
-  block_host(
+  run_blocking(
+    hooks_.block_host,
     [](void* raw) {
       const auto& w = *static_cast<waiting*>(raw);
       if (w.stream == w.backend->legacy_default_stream()) {
@@ -347,8 +341,8 @@ void context::impl::run_releases(std::vector<pending_release*>& releases) noexce
       pending_release::retire(pending);
     }
   };
-  if (const release_section section = installed_release_section.load(std::memory_order_acquire)) {
-    section(body, &state);
+  if (hooks_.run_releases != nullptr) {
+    hooks_.run_releases(body, &state);
   } else {
     body(&state);
   }
@@ -356,8 +350,11 @@ void context::impl::run_releases(std::vector<pending_release*>& releases) noexce
 
 // --- the public face ---------------------------------------------------------------------------------
 
-context::context(device::backend& backend, std::unique_ptr<executor> deferred)
-    : backend_(backend), events_(backend), impl_(std::make_unique<impl>(backend, events_, std::move(deferred)))
+context::context(device::backend& backend, std::unique_ptr<executor> deferred, embedding hooks)
+    : backend_(backend),
+      hooks_(hooks),
+      events_(backend),
+      impl_(std::make_unique<impl>(backend, hooks_, events_, std::move(deferred)))
 {}
 
 context::~context() = default;

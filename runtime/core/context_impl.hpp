@@ -59,7 +59,7 @@ std::string what_failed();
 }  // namespace detail
 
 struct context::impl {
-  impl(device::backend& backend, event_pool& events, std::unique_ptr<executor> deferred);
+  impl(device::backend& backend, const embedding& hooks, event_pool& events, std::unique_ptr<executor> deferred);
   impl(const impl&) = delete;
   impl& operator=(const impl&) = delete;
   impl(impl&&) = delete;
@@ -103,6 +103,7 @@ struct context::impl {
   void leave_outstanding_to_the_process() noexcept;
 
   device::backend& backend_;
+  const embedding& hooks_;
   event_pool& events_;
   detail::release_count count_;  // every deferred release not yet run, and the exit's share of them
   std::mutex watch_mutex_;

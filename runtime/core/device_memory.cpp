@@ -1,11 +1,11 @@
 // Device memory handoff owns or reads through a backend: allocations in stream order, copies after
 // the producer's pending work, and host views waited for through an event.
 #include <handoff/device_guard.hpp>
+#include <handoff/embedding.hpp>
 #include <handoff/error.hpp>
 #include <handoff/event_pool.hpp>
 #include <handoff/internal/device_memory.hpp>
 #include <handoff/internal/ordering.hpp>
-#include <handoff/internal/transfer.hpp>
 
 #include "log/logger.hpp"
 
@@ -142,7 +142,8 @@ array allocate_host_accessible_array(const stream_binding& on, DLDevice kind, DL
   }
   device::backend* owner = &backend;
   // Not stream-ordered: freed once the device is idle, which covers the work on `on.stream`.
-  const auto release = [owner, data = layout.data, device = on.device, stream_owner = on.stream_owner]() noexcept {
+  const auto release = [owner, block_host = on.ctx->hooks().block_host, data = layout.data, device = on.device,
+                        stream_owner = on.stream_owner]() noexcept {
     if (data == nullptr) { return; }
     try {
       device_guard on_data{*owner, device};
@@ -151,8 +152,9 @@ array allocate_host_accessible_array(const stream_binding& on, DLDevice kind, DL
         void* data;
       } freed{owner, data};
       // It waits for the device: a thread that holds the GIL lets go of it meanwhile.
-      block_host([](void* raw) { static_cast<freeing*>(raw)->backend->free_sync(static_cast<freeing*>(raw)->data); },
-                 &freed);
+      run_blocking(
+        block_host, [](void* raw) { static_cast<freeing*>(raw)->backend->free_sync(static_cast<freeing*>(raw)->data); },
+        &freed);
     } catch (const std::exception& e) {
       HANDOFF_LOG_ERROR("host-accessible memory could not be freed on device {} ({}); it is kept", device, e.what());
     }

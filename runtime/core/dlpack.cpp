@@ -24,15 +24,6 @@ namespace handoff {
 // Import
 
 namespace {
-std::atomic<deleter_runner> installed_runner{nullptr};
-}  // namespace
-
-void set_deleter_runner(deleter_runner runner) noexcept
-{
-  installed_runner.store(runner, std::memory_order_release);
-}
-
-namespace {
 
 template <typename Managed>
 void invoke_deleter(void* tensor) noexcept
@@ -47,13 +38,12 @@ template <typename Managed>
 bool exported_by_handoff(const Managed* tensor) noexcept;
 
 template <typename Managed>
-producer_ref adopt(Managed* tensor)
+producer_ref adopt(Managed* tensor, deleter_runner run_deleter)
 {
-  return producer_ref{[tensor]() noexcept {
+  return producer_ref{[tensor, run_deleter]() noexcept {
     if (tensor->deleter == nullptr) { return; }
-    if (const deleter_runner runner = installed_runner.load(std::memory_order_acquire);
-        runner != nullptr && !exported_by_handoff(tensor)) {
-      runner(&invoke_deleter<Managed>, tensor);
+    if (run_deleter != nullptr && !exported_by_handoff(tensor)) {
+      run_deleter(&invoke_deleter<Managed>, tensor);
     } else {
       tensor->deleter(tensor);
     }
@@ -109,10 +99,10 @@ array_layout layout_of(const DLTensor& t, bool readonly)
 
 }  // namespace
 
-array import_dlpack(DLManagedTensorVersioned* tensor)
+array import_dlpack(DLManagedTensorVersioned* tensor, deleter_runner run_deleter)
 {
   HANDOFF_EXPECTS(tensor != nullptr, value_error, "DLPack capsule holds a null DLManagedTensorVersioned");
-  producer_ref owner = adopt(tensor);  // from here on, the deleter runs exactly once
+  producer_ref owner = adopt(tensor, run_deleter);  // from here on, the deleter runs exactly once
   HANDOFF_EXPECTS(tensor->version.major == DLPACK_MAJOR_VERSION, buffer_error,
                   fmt::format("DLPack major version {}.{} is not supported (handoff understands {}.x)",
                               tensor->version.major, tensor->version.minor, DLPACK_MAJOR_VERSION));
@@ -123,10 +113,10 @@ array import_dlpack(DLManagedTensorVersioned* tensor)
   return array{layout_of(t, (tensor->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0), std::move(owner)};
 }
 
-array import_dlpack(DLManagedTensor* tensor)
+array import_dlpack(DLManagedTensor* tensor, deleter_runner run_deleter)
 {
   HANDOFF_EXPECTS(tensor != nullptr, value_error, "DLPack capsule holds a null DLManagedTensor");
-  producer_ref owner = adopt(tensor);
+  producer_ref owner = adopt(tensor, run_deleter);
   HANDOFF_EXPECTS(tensor->dl_tensor.dtype.bits >= 8, buffer_error,
                   fmt::format("sub-byte dtype ({} bits) cannot be exchanged through a legacy DLPack capsule",
                               tensor->dl_tensor.dtype.bits));

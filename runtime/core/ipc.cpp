@@ -31,8 +31,6 @@ namespace {
 using namespace detail;
 using handoff::detail::shared_mapping;
 
-std::atomic<bool> back_signal{true};
-
 // How often the producer looks at its consumers: soon while they come and go, backing off while
 // nothing changes; whether a consumer process still runs is asked at most this often.
 constexpr std::chrono::microseconds min_poll{200};
@@ -113,6 +111,7 @@ class endpoint {
   array open(exchange& on, std::span<const std::byte> bytes, const named_stream& consumer);
   void stop() noexcept;
   void poll_now() noexcept { poll(/*scheduled=*/false); }
+  bool set_back_signal(bool on) noexcept { return back_signal_.exchange(on); }
 
  private:
   struct slot_ref {
@@ -121,6 +120,21 @@ class endpoint {
     std::uint32_t generation{0};
   };
 
+  // Where a share of device memory is: its context, its device, and the stream its data is ready on.
+  struct device_source {
+    context* ctx{nullptr};
+    int device{0};
+    stream_binding ready_on;
+  };
+
+  /// Copies host data into a new shared memory segment, which the handle names.
+  void copy_into_shared_memory(const array& x, share_options options, wire_handle& h, local_share& record);
+  /// Describes device memory in the handle (its IPC memory handle, offset and allocation).
+  static device_source describe_device_memory(exchange& on, const array& x, const named_stream& ready, wire_handle& h);
+  /// Orders the share after its data's stream: an interprocess event recorded there, or, where none
+  /// can be made, a value written there to the slot's flag (mutex held).
+  void signal_ready(const device_source& source, producer_block& block, share_slot& slot, wire_handle& h,
+                    local_share& record);
   slot_ref take_slot(std::uint32_t holds, std::uint32_t tickets);  // mutex held
   void release_hold(slot_ref where) noexcept;
   void count_out(slot_ref where, std::uint32_t holds, std::vector<local_share>& freed) noexcept;  // mutex held
@@ -130,6 +144,18 @@ class endpoint {
   pooled_ipc_event acquire_event(context& ctx, int device);  // mutex held
   void* device_address(context& ctx, std::map<context*, void*>& known, const shared_mapping& mapping);
   remote_block& remote(const wire_handle& h);  // mutex held
+  // An opened mapping of another process's memory: its key in mappings_, and its address here.
+  struct mapped {
+    std::string key;
+    void* base{nullptr};
+  };
+  /// The mapping of the host segment (or device memory) `h` shares, opened once per process and
+  /// counted once more (mutex held).
+  mapped map_host_segment(const wire_handle& h);
+  mapped map_device_memory(context& ctx, const wire_handle& h);
+  /// Makes `consumer` wait for the producer's signal that the data `h` shares is ready (mutex held).
+  void wait_for_producer(context& ctx, remote_block& block, share_slot& slot, const wire_handle& h,
+                         device::stream_handle consumer);
   void close_mapping(const std::string& key) noexcept;
   device::event_handle opened_event(context& ctx, const wire_handle& h);  // mutex held
 
@@ -150,6 +176,7 @@ class endpoint {
   std::map<std::string, open_mapping> mappings_;
   std::map<std::string, std::pair<context*, device::event_handle>> opened_events_;
   std::deque<std::string> opened_order_;
+  std::atomic<bool> back_signal_{true};  // off: the negative control of tests (ipc::set_back_signal)
 };
 
 // --- producer ---------------------------------------------------------------------------------------
@@ -235,56 +262,11 @@ shared endpoint::share(exchange& on, const array& x, const named_stream& ready, 
   h.device = x.device();
   const DLDeviceType type = x.device().device_type;
   local_share record;
-  context* ctx = nullptr;
-  int device = 0;
-  std::optional<stream_binding> ready_on;
+  std::optional<device_source> source;
   if (type == kDLCPU) {
-    HANDOFF_EXPECTS(options.copy != false, buffer_error,
-                    "copy=False: host memory that is not in shared memory is copied once into shared memory to be "
-                    "shared between processes");
-    const auto bytes = static_cast<std::size_t>(x.nbytes());
-    h.flags |= host_memory;
-    h.backend = "none";
-    std::lock_guard lock{mutex_};
-    h.host_segment = handoff::detail::next_shared_serial();
-    try {
-      record.host_copy = std::make_unique<shared_mapping>(shared_mapping::create(
-        handoff::detail::shared_memory_name(host_kind, h.host_segment), std::max<std::size_t>(bytes, 1)));
-    } catch (const std::system_error& e) {
-      throw buffer_error(fmt::format("cannot copy host memory into shared memory: {}", e.what()));
-    }
-    if (bytes > 0) {
-      if (x.is_c_contiguous()) {
-        std::memcpy(record.host_copy->data(), x.data(), bytes);
-      } else {
-        const array compact = copy_to_host(x);
-        std::memcpy(record.host_copy->data(), compact.data(), bytes);
-      }
-    }
-    const auto strides = contiguous_strides(x.shape());
-    h.strides.assign(strides.begin(), strides.end());
-    h.allocation_size = bytes;
+    copy_into_shared_memory(x, options, h, record);
   } else if (has_streams(type) && !is_host_accessible(type) && type != kDLCUDAManaged) {
-    ctx = &on.require_device("sharing device memory with another process");
-    require_stream_ordered(*ctx, x);
-    device = owning_device(*ctx, x);
-    device::backend& b = ctx->backend();
-    const device_guard on_device{b, device};
-    const device::pointer_attributes attributes = b.attributes(x.data());
-    HANDOFF_EXPECTS(attributes.kind == device::memory_kind::device, buffer_error,
-                    "only device memory can be shared between processes (CUDA IPC maps cudaMalloc's memory)");
-    try {
-      h.memory = b.ipc_memory_handle(const_cast<void*>(attributes.base));
-    } catch (const device_error& e) {
-      throw buffer_error(fmt::format("this device memory cannot be shared between processes: {}", e.what()));
-    }
-    h.offset = static_cast<std::uint64_t>(static_cast<const std::byte*>(x.data()) -
-                                          static_cast<const std::byte*>(attributes.base));
-    h.allocation_size = attributes.size;
-    h.backend = std::string{b.name()};
-    h.device = {type, device};
-    if (ready.is_default()) { ready_on = x.owner().ready_on(); }
-    if (!ready_on || ready_on->ctx != ctx) { ready_on = binding_on(*ctx, x.device(), ready); }
+    source = describe_device_memory(on, x, ready, h);
     record.data = x;
   } else {
     throw buffer_error(
@@ -297,38 +279,12 @@ shared endpoint::share(exchange& on, const array& x, const named_stream& ready, 
   HANDOFF_EXPECTS(!stopped_, error, "handoff.ipc: the process is shutting down");
   const slot_ref where = take_slot(1, options.in_flight ? 1 : 0);
   auto& block = blocks_[where.block];
-  auto& slot = block.shared->slots[where.index];
   h.block = where.block;
   h.slot = where.index;
   h.generation = where.generation;
   h.block_token = block.shared->header.token;
   try {
-    if (ctx != nullptr) {
-      device::backend& b = ctx->backend();
-      const device_guard on_device{b, device};
-      if (!values_only_) {
-        try {
-          record.event = acquire_event(*ctx, device);
-        } catch (const device_error& e) {
-          if (e.error_name() != "cudaErrorNotSupported" && e.error_name() != "hipErrorNotSupported") { throw; }
-          HANDOFF_LOG_INFO(
-            "handoff.ipc: interprocess events cannot be made here ({}); shares are ordered by stream "
-            "memory operations instead",
-            e.what());
-          values_only_ = true;
-        }
-      }
-      if (record.event) {
-        b.record_event(record.event->event, ready_on->stream);
-        h.event = record.event->handle;
-      } else {
-        h.flags |= value_ordered;
-        h.ready_value = ++next_ready_;
-        auto* flag = static_cast<std::byte*>(device_address(*ctx, block.device_address, block.mapping)) +
-                     (reinterpret_cast<std::byte*>(&slot.ready) - static_cast<std::byte*>(block.mapping.data()));
-        b.stream_write_value(ready_on->stream, flag, h.ready_value);
-      }
-    }
+    if (source) { signal_ready(*source, block, block.shared->slots[where.index], h, record); }
   } catch (...) {
     std::vector<local_share> freed;
     if (record.event) { idle_events_[{record.event->ctx, record.event->device}].push_back(*record.event); }
@@ -348,6 +304,91 @@ shared endpoint::share(exchange& on, const array& x, const named_stream& ready, 
     });
   }
   return out;
+}
+
+void endpoint::copy_into_shared_memory(const array& x, share_options options, wire_handle& h, local_share& record)
+{
+  HANDOFF_EXPECTS(options.copy != false, buffer_error,
+                  "copy=False: host memory that is not in shared memory is copied once into shared memory to be "
+                  "shared between processes");
+  const auto bytes = static_cast<std::size_t>(x.nbytes());
+  h.flags |= host_memory;
+  h.backend = "none";
+  std::lock_guard lock{mutex_};
+  h.host_segment = handoff::detail::next_shared_serial();
+  try {
+    record.host_copy = std::make_unique<shared_mapping>(shared_mapping::create(
+      handoff::detail::shared_memory_name(host_kind, h.host_segment), std::max<std::size_t>(bytes, 1)));
+  } catch (const std::system_error& e) {
+    throw buffer_error(fmt::format("cannot copy host memory into shared memory: {}", e.what()));
+  }
+  if (bytes > 0) {
+    if (x.is_c_contiguous()) {
+      std::memcpy(record.host_copy->data(), x.data(), bytes);
+    } else {
+      const array compact = copy_to_host(x);
+      std::memcpy(record.host_copy->data(), compact.data(), bytes);
+    }
+  }
+  const auto strides = contiguous_strides(x.shape());
+  h.strides.assign(strides.begin(), strides.end());
+  h.allocation_size = bytes;
+}
+
+endpoint::device_source endpoint::describe_device_memory(exchange& on, const array& x, const named_stream& ready,
+                                                         wire_handle& h)
+{
+  context& ctx = on.require_device("sharing device memory with another process");
+  require_stream_ordered(ctx, x);
+  const int device = owning_device(ctx, x);
+  device::backend& b = ctx.backend();
+  const device_guard on_device{b, device};
+  const device::pointer_attributes attributes = b.attributes(x.data());
+  HANDOFF_EXPECTS(attributes.kind == device::memory_kind::device, buffer_error,
+                  "only device memory can be shared between processes (CUDA IPC maps cudaMalloc's memory)");
+  try {
+    h.memory = b.ipc_memory_handle(const_cast<void*>(attributes.base));
+  } catch (const device_error& e) {
+    throw buffer_error(fmt::format("this device memory cannot be shared between processes: {}", e.what()));
+  }
+  h.offset = static_cast<std::uint64_t>(static_cast<const std::byte*>(x.data()) -
+                                        static_cast<const std::byte*>(attributes.base));
+  h.allocation_size = attributes.size;
+  h.backend = std::string{b.name()};
+  h.device = {x.device().device_type, device};
+  std::optional<stream_binding> ready_on;
+  if (ready.is_default()) { ready_on = x.owner().ready_on(); }
+  if (!ready_on || ready_on->ctx != &ctx) { ready_on = binding_on(ctx, x.device(), ready); }
+  return {.ctx = &ctx, .device = device, .ready_on = *ready_on};
+}
+
+void endpoint::signal_ready(const device_source& source, producer_block& block, share_slot& slot, wire_handle& h,
+                            local_share& record)
+{
+  device::backend& b = source.ctx->backend();
+  const device_guard on_device{b, source.device};
+  if (!values_only_) {
+    try {
+      record.event = acquire_event(*source.ctx, source.device);
+    } catch (const device_error& e) {
+      if (e.error_name() != "cudaErrorNotSupported" && e.error_name() != "hipErrorNotSupported") { throw; }
+      HANDOFF_LOG_INFO(
+        "handoff.ipc: interprocess events cannot be made here ({}); shares are ordered by stream "
+        "memory operations instead",
+        e.what());
+      values_only_ = true;
+    }
+  }
+  if (record.event) {
+    b.record_event(record.event->event, source.ready_on.stream);
+    h.event = record.event->handle;
+    return;
+  }
+  h.flags |= value_ordered;
+  h.ready_value = ++next_ready_;
+  auto* flag = static_cast<std::byte*>(device_address(*source.ctx, block.device_address, block.mapping)) +
+               (reinterpret_cast<std::byte*>(&slot.ready) - static_cast<std::byte*>(block.mapping.data()));
+  b.stream_write_value(source.ready_on.stream, flag, h.ready_value);
 }
 
 void endpoint::release_hold(slot_ref where) noexcept
@@ -560,23 +601,9 @@ array endpoint::open(exchange& on, std::span<const std::byte> bytes, const named
   std::string key;
   try {
     if (host) {
-      key = key_of(h.pid, h.start_time, std::as_bytes(std::span{&h.host_segment, 1}));
-      auto it = mappings_.find(key);
-      if (it == mappings_.end()) {
-        std::optional<shared_mapping> mapping;
-        try {
-          mapping = shared_mapping::open(handoff::detail::shared_memory_name(host_kind, h.pid, h.host_segment));
-        } catch (const std::system_error& e) {
-          throw buffer_error(fmt::format("cannot map the shared host memory: {}", e.what()));
-        }
-        HANDOFF_EXPECTS(mapping && mapping->size() >= h.allocation_size, buffer_error,
-                        "the shared host memory is gone: its producer released it");
-        auto file = std::make_shared<shared_mapping>(std::move(*mapping));
-        it = mappings_.emplace(key, open_mapping{file->data(), 0, nullptr, 0, file}).first;
-        handoff::detail::ipc_mappings_changed(+1);
-      }
-      ++it->second.refs;
-      layout.data = it->second.base;
+      const mapped segment = map_host_segment(h);
+      key = segment.key;
+      layout.data = segment.base;
       lock.unlock();
       count(counter::ipc_opens);
       count(counter::imports);
@@ -585,34 +612,14 @@ array endpoint::open(exchange& on, std::span<const std::byte> bytes, const named
                      done_with_entry();
                    }}};
     }
-    device::backend& b = ctx->backend();
     const int device = h.device.device_id;
-    const device_guard on_device{b, device};
-    key = key_of(h.pid, h.start_time, h.memory.bytes);
-    auto it = mappings_.find(key);
-    if (it == mappings_.end()) {
-      void* base = nullptr;
-      try {
-        base = b.open_ipc_memory(h.memory);
-      } catch (const device_error& e) {
-        throw buffer_error(
-          fmt::format("cannot map the memory process {} shared (freed, or its process ended?): {}", h.pid, e.what()));
-      }
-      it = mappings_.emplace(key, open_mapping{base, 0, ctx, device, nullptr}).first;
-      handoff::detail::ipc_mappings_changed(+1);
-    }
-    ++it->second.refs;
-    layout.data = static_cast<std::byte*>(it->second.base) + h.offset;
+    const device_guard on_device{ctx->backend(), device};
+    const mapped memory = map_device_memory(*ctx, h);
+    key = memory.key;
+    layout.data = static_cast<std::byte*>(memory.base) + h.offset;
     const stream_binding waits = binding_on(*ctx, h.device, consumer);
     try {
-      if ((h.flags & value_ordered) != 0U) {
-        auto* flag = static_cast<std::byte*>(device_address(*ctx, block.device_address, *block.mapping)) +
-                     (reinterpret_cast<std::byte*>(&slot.ready) - static_cast<std::byte*>(block.mapping->data()));
-        b.stream_wait_value(waits.stream, flag, h.ready_value);
-      } else {
-        b.stream_wait_event(waits.stream, opened_event(*ctx, h));
-      }
-      count(counter::waits_inserted);
+      wait_for_producer(*ctx, block, slot, h, waits.stream);
     } catch (...) {
       lock.unlock();
       close_mapping(key);
@@ -621,7 +628,7 @@ array endpoint::open(exchange& on, std::span<const std::byte> bytes, const named
     lock.unlock();
     count(counter::ipc_opens);
     count(counter::imports);
-    if (back_signal.load(std::memory_order_relaxed)) {
+    if (back_signal_.load(std::memory_order_relaxed)) {
       // Released once the work enqueued on the consumer's stream by then is done: the mapping is
       // closed first (CUDA: the producer must not free memory another process still maps).
       array view{std::move(layout), producer_ref{[this, key, done_with_entry]() noexcept {
@@ -643,6 +650,60 @@ array endpoint::open(exchange& on, std::span<const std::byte> bytes, const named
     done_with_entry();  // the producer counts the hold out
     throw;
   }
+}
+
+endpoint::mapped endpoint::map_host_segment(const wire_handle& h)
+{
+  std::string key = key_of(h.pid, h.start_time, std::as_bytes(std::span{&h.host_segment, 1}));
+  auto it = mappings_.find(key);
+  if (it == mappings_.end()) {
+    std::optional<shared_mapping> mapping;
+    try {
+      mapping = shared_mapping::open(handoff::detail::shared_memory_name(host_kind, h.pid, h.host_segment));
+    } catch (const std::system_error& e) {
+      throw buffer_error(fmt::format("cannot map the shared host memory: {}", e.what()));
+    }
+    HANDOFF_EXPECTS(mapping && mapping->size() >= h.allocation_size, buffer_error,
+                    "the shared host memory is gone: its producer released it");
+    auto file = std::make_shared<shared_mapping>(std::move(*mapping));
+    it = mappings_.emplace(key, open_mapping{file->data(), 0, nullptr, 0, file}).first;
+    handoff::detail::ipc_mappings_changed(+1);
+  }
+  ++it->second.refs;
+  return {std::move(key), it->second.base};
+}
+
+endpoint::mapped endpoint::map_device_memory(context& ctx, const wire_handle& h)
+{
+  std::string key = key_of(h.pid, h.start_time, h.memory.bytes);
+  auto it = mappings_.find(key);
+  if (it == mappings_.end()) {
+    void* base = nullptr;
+    try {
+      base = ctx.backend().open_ipc_memory(h.memory);
+    } catch (const device_error& e) {
+      throw buffer_error(
+        fmt::format("cannot map the memory process {} shared (freed, or its process ended?): {}", h.pid, e.what()));
+    }
+    it = mappings_.emplace(key, open_mapping{base, 0, &ctx, h.device.device_id, nullptr}).first;
+    handoff::detail::ipc_mappings_changed(+1);
+  }
+  ++it->second.refs;
+  return {std::move(key), it->second.base};
+}
+
+void endpoint::wait_for_producer(context& ctx, remote_block& block, share_slot& slot, const wire_handle& h,
+                                 device::stream_handle consumer)
+{
+  device::backend& b = ctx.backend();
+  if ((h.flags & value_ordered) != 0U) {
+    auto* flag = static_cast<std::byte*>(device_address(ctx, block.device_address, *block.mapping)) +
+                 (reinterpret_cast<std::byte*>(&slot.ready) - static_cast<std::byte*>(block.mapping->data()));
+    b.stream_wait_value(consumer, flag, h.ready_value);
+  } else {
+    b.stream_wait_event(consumer, opened_event(ctx, h));
+  }
+  count(counter::waits_inserted);
 }
 
 void endpoint::stop() noexcept
@@ -704,7 +765,7 @@ void shutdown() noexcept
 
 bool set_back_signal(bool on) noexcept
 {
-  return back_signal.exchange(on);
+  return endpoint::get().set_back_signal(on);
 }
 
 }  // namespace handoff::ipc

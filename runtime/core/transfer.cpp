@@ -9,7 +9,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -69,36 +68,17 @@ transfer plan_import(const array& view, std::optional<DLDevice> target, std::opt
 
 namespace {
 
-std::atomic<blocking_section> installed_section{nullptr};
-
-}  // namespace
-
-void set_blocking_section(blocking_section section) noexcept
-{
-  installed_section.store(section, std::memory_order_release);
-}
-
-void block_host(void (*body)(void* state), void* state)
-{
-  if (const blocking_section section = installed_section.load(std::memory_order_acquire)) {
-    section(body, state);
-  } else {
-    body(state);
-  }
-}
-
-namespace {
-
-// Runs `wait` (returning an array) in the installed blocking section.
+// Runs `wait` (returning an array) in `ctx`'s blocking section.
 template <typename Wait>
-array blocking(Wait&& wait)
+array blocking(const context& ctx, Wait&& wait)
 {
   struct state_type {
     Wait& wait;
     std::optional<array> result;
   } state{wait, std::nullopt};
-  block_host([](void* raw) { static_cast<state_type*>(raw)->result.emplace(static_cast<state_type*>(raw)->wait()); },
-             &state);
+  run_blocking(
+    ctx.hooks().block_host,
+    [](void* raw) { static_cast<state_type*>(raw)->result.emplace(static_cast<state_type*>(raw)->wait()); }, &state);
   return std::move(*state.result);
 }
 
@@ -116,13 +96,13 @@ array transfer_array(context* ctx_or_null, const array& view, transfer how)
   }
   context& ctx = *ctx_or_null;
   if (how == transfer::host_view) {
-    return blocking([&] { return host_view(ctx, view); });
+    return blocking(ctx, [&] { return host_view(ctx, view); });
   }
   HANDOFF_EXPECTS(is_stream_ordered(ctx, view), buffer_error,
                   fmt::format("the {} backend cannot copy {} memory", ctx.backend().name(),
                               device_type_name(view.device().device_type)));
   if (how == transfer::same_device) { return copy_device_array(ctx, view, false); }  // only enqueues
-  return blocking([&] { return copy_device_array(ctx, view, true); });
+  return blocking(ctx, [&] { return copy_device_array(ctx, view, true); });
 }
 
 namespace {

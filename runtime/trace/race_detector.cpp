@@ -225,75 +225,98 @@ std::optional<found_hazard> race_detector::observe(const activity::record& r, st
     }
     case kind::host_sync:
     case kind::host_query:
-      switch (r.scope) {
-        case activity::sync_scope::stream:
-        case activity::sync_scope::copy:
-          join(host_, streams_[stream_of(r, thread)].clock);
-          ++host_version_;
-          break;
-        case activity::sync_scope::event:
-          if (const auto recorded = events_.find(r.event); recorded != events_.end()) {
-            join(host_, recorded->second);
-            ++host_version_;
-          }
-          break;
-        case activity::sync_scope::device:
-          join_host_with(r.device.device_id);
-          break;
-      }
+      observe_host_wait(r, thread);
       break;
-    case kind::allocate: {
-      std::optional<std::uint32_t> s;
-      if (r.stream_ordered) {
-        s = stream_of(r, thread);
-        order_operation(*s);
-      }
-      for (const auto& use : r.buffers) {
-        // A stream-ordered allocator hands out memory freed on another stream only once that free is
-        // ordered before the allocating stream's work (CUDA's pools insert the wait): trusted.
-        for_each_overlap(use.address, use.address + use.bytes, [&](const auto&, const range_state& range) {
-          if (s && range.freed_clock) { join(streams_[*s].clock, *range.freed_clock); }
-        });
-        forget(use.address, use.address + use.bytes);
-      }
+    case kind::allocate:
+      observe_allocation(r, thread);
       break;
-    }
-    case kind::free: {
-      if (!r.stream_ordered) {  // a free that synchronized the device first: every earlier use is done
-        join_host_with(r.device.device_id);
-        for (const auto& use : r.buffers) { forget(use.address, use.address + use.bytes); }
-        break;
-      }
-      const std::uint32_t s = stream_of(r, thread);
-      const std::uint32_t now = tick(s);
-      for (const auto& use : r.buffers) {
-        if (!found) { found = check(use, s, /*freeing=*/true); }
-      }
-      auto clock = std::make_shared<const clock_vector>(streams_[s].clock);
-      for (const auto& use : r.buffers) {
-        forget(use.address, use.address + use.bytes);
-        range_state& range = shadow_[{use.address, use.address + use.bytes}];
-        longest_ = std::max<std::uintptr_t>(longest_, use.bytes);
-        range.freed = epoch{.stream = s, .clock = now, .mode = access::write, .site = site};
-        range.freed_clock = clock;
-      }
+    case kind::free:
+      found = observe_free(r, thread, site);
       break;
-    }
     case kind::launch:
     case kind::copy:
-    case kind::set: {
-      const std::uint32_t s = stream_of(r, thread);
-      const std::uint32_t now = tick(s);
-      for (const auto& use : r.buffers) {
-        if (!found) { found = check(use, s, /*freeing=*/false); }
-      }
-      for (const auto& use : r.buffers) {
-        record_access(use, epoch{.stream = s, .clock = now, .mode = use.mode, .site = site});
-      }
+    case kind::set:
+      found = observe_access(r, thread, site);
       break;
-    }
   }
   current_ = nullptr;
+  return found;
+}
+
+void race_detector::observe_host_wait(const activity::record& r, std::uint64_t thread)
+{
+  switch (r.scope) {
+    case activity::sync_scope::stream:
+    case activity::sync_scope::copy:
+      join(host_, streams_[stream_of(r, thread)].clock);
+      ++host_version_;
+      break;
+    case activity::sync_scope::event:
+      if (const auto recorded = events_.find(r.event); recorded != events_.end()) {
+        join(host_, recorded->second);
+        ++host_version_;
+      }
+      break;
+    case activity::sync_scope::device:
+      join_host_with(r.device.device_id);
+      break;
+  }
+}
+
+void race_detector::observe_allocation(const activity::record& r, std::uint64_t thread)
+{
+  std::optional<std::uint32_t> s;
+  if (r.stream_ordered) {
+    s = stream_of(r, thread);
+    order_operation(*s);
+  }
+  for (const auto& use : r.buffers) {
+    // A stream-ordered allocator hands out memory freed on another stream only once that free is
+    // ordered before the allocating stream's work (CUDA's pools insert the wait): trusted.
+    for_each_overlap(use.address, use.address + use.bytes, [&](const auto&, const range_state& range) {
+      if (s && range.freed_clock) { join(streams_[*s].clock, *range.freed_clock); }
+    });
+    forget(use.address, use.address + use.bytes);
+  }
+}
+
+std::optional<found_hazard> race_detector::observe_free(const activity::record& r, std::uint64_t thread,
+                                                        const std::shared_ptr<const access_site>& site)
+{
+  if (!r.stream_ordered) {  // a free that synchronized the device first: every earlier use is done
+    join_host_with(r.device.device_id);
+    for (const auto& use : r.buffers) { forget(use.address, use.address + use.bytes); }
+    return std::nullopt;
+  }
+  const std::uint32_t s = stream_of(r, thread);
+  const std::uint32_t now = tick(s);
+  std::optional<found_hazard> found;
+  for (const auto& use : r.buffers) {
+    if (!found) { found = check(use, s, /*freeing=*/true); }
+  }
+  auto clock = std::make_shared<const clock_vector>(streams_[s].clock);
+  for (const auto& use : r.buffers) {
+    forget(use.address, use.address + use.bytes);
+    range_state& range = shadow_[{use.address, use.address + use.bytes}];
+    longest_ = std::max<std::uintptr_t>(longest_, use.bytes);
+    range.freed = epoch{.stream = s, .clock = now, .mode = access::write, .site = site};
+    range.freed_clock = clock;
+  }
+  return found;
+}
+
+std::optional<found_hazard> race_detector::observe_access(const activity::record& r, std::uint64_t thread,
+                                                          const std::shared_ptr<const access_site>& site)
+{
+  const std::uint32_t s = stream_of(r, thread);
+  const std::uint32_t now = tick(s);
+  std::optional<found_hazard> found;
+  for (const auto& use : r.buffers) {
+    if (!found) { found = check(use, s, /*freeing=*/false); }
+  }
+  for (const auto& use : r.buffers) {
+    record_access(use, epoch{.stream = s, .clock = now, .mode = use.mode, .site = site});
+  }
   return found;
 }
 

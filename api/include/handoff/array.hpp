@@ -3,6 +3,7 @@
 
 #include <handoff/dlpack.h>
 #include <handoff/device.hpp>
+#include <handoff/embedding.hpp>
 
 #include <algorithm>
 #include <cstddef>
@@ -306,12 +307,13 @@ struct byte_range {
 inline constexpr DLPackVersion dlpack_version{DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION};
 
 /// Takes ownership of a producer's versioned tensor. On every path, success or exception, its
-/// deleter runs exactly once: when the last view of the result is gone, or before throwing.
+/// deleter runs exactly once: when the last view of the result is gone, or before throwing, through
+/// `run_deleter` where given (an embedding's, embedding.hpp) unless handoff exported the tensor itself.
 /// @throws buffer_error for an unknown major version, unsupported dtype or packed sub-byte data;
 ///         value_error for an invalid layout.
-[[nodiscard]] array import_dlpack(DLManagedTensorVersioned* tensor);
+[[nodiscard]] array import_dlpack(DLManagedTensorVersioned* tensor, deleter_runner run_deleter = nullptr);
 /// Legacy form of `import_dlpack`; the result is never read-only (the format cannot say).
-[[nodiscard]] array import_dlpack(DLManagedTensor* tensor);
+[[nodiscard]] array import_dlpack(DLManagedTensor* tensor, deleter_runner run_deleter = nullptr);
 
 /// Options of an export.
 struct export_options {

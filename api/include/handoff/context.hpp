@@ -1,7 +1,9 @@
 // The exchange services of one backend: its event pool and the executor of deferred releases.
 #pragma once
 
+#include <handoff/detail/immovable.hpp>
 #include <handoff/device.hpp>
+#include <handoff/embedding.hpp>
 #include <handoff/event_pool.hpp>
 
 #include <chrono>
@@ -12,13 +14,8 @@
 namespace handoff {
 
 /// Runs work on another thread, in the order it was posted.
-class executor {
+class executor : detail::immovable {
  public:
-  executor() = default;
-  executor(const executor&) = delete;
-  executor& operator=(const executor&) = delete;
-  executor(executor&&) = delete;
-  executor& operator=(executor&&) = delete;
   virtual ~executor() = default;
   /// Hands `work` over; it must not throw.
   virtual void post(std::function<void()> work) = 0;
@@ -38,7 +35,8 @@ class executor {
 class context {
  public:
   /// @param deferred runs releases that must wait for a consumer stream (never the caller's thread)
-  context(device::backend& backend, std::unique_ptr<executor> deferred);
+  /// @param hooks how the host waits (block_host) and how batches of releases run (run_releases)
+  context(device::backend& backend, std::unique_ptr<executor> deferred, embedding hooks = {});
   context(const context&) = delete;
   context& operator=(const context&) = delete;
   context(context&&) = delete;
@@ -52,6 +50,8 @@ class context {
 
   [[nodiscard]] device::backend& backend() const noexcept { return backend_; }
   [[nodiscard]] event_pool& events() noexcept { return events_; }
+  /// The embedding's hooks this context was made with.
+  [[nodiscard]] const embedding& hooks() const noexcept { return hooks_; }
 
   /// A handle that names `stream` (of `device`) from any thread, for work or a release enqueued
   /// later elsewhere: the calling thread's per-thread default stream becomes the legacy default
@@ -100,6 +100,7 @@ class context {
   struct impl;
 
   device::backend& backend_;
+  embedding hooks_;
   event_pool events_;
   std::unique_ptr<impl> impl_;  // last: destroyed first, draining while the pool is alive
 };

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <handoff/dlpack.h>
+#include <handoff/detail/immovable.hpp>
 
 #include <array>
 #include <cstddef>
@@ -66,13 +67,8 @@ enum class capture_mode {
 /// An accelerator runtime. Every call is checked: a failure throws `handoff::device_error` naming
 /// the call, the backend's error name and its text. Calls are thread-safe. Streams, events and
 /// allocations belong to the device that was current when they were created.
-class backend {
+class backend : handoff::detail::immovable {
  public:
-  backend() = default;
-  backend(const backend&) = delete;
-  backend& operator=(const backend&) = delete;
-  backend(backend&&) = delete;
-  backend& operator=(backend&&) = delete;
   virtual ~backend() = default;
 
   /// "cuda", "sim" or "sim-rocm".

@@ -1,32 +1,45 @@
-// What an embedding runtime (the Python module) installs so that handoff runs what it hands over
-// under the embedding's rules: producers' deleters, host waits, and batches of deferred releases.
+// What an embedding runtime (the Python module) gives the exchange and the device context it composes,
+// so that handoff runs what it hands over under the embedding's rules: producers' deleters, host
+// waits, and batches of deferred releases.
 #pragma once
 
 namespace handoff {
 
-/// Runs an imported tensor's deleter: `invoke(tensor)` calls it. The default runs it at once, where
-/// the last view goes (any thread). An embedding runtime installs its own to run producers'
-/// deleters under its rules: the Python module runs them holding the GIL, and keeps them unrun,
-/// deliberately, once other threads may no longer enter the interpreter (CuPy's and PyTorch's
-/// deleters take the GIL, which aborts or hangs a thread at interpreter exit).
+/// Runs an imported tensor's deleter: `invoke(tensor)` calls it. Without one, it runs at once, where
+/// the last view goes (any thread). The Python module's runs producers' deleters holding the GIL, and
+/// keeps them unrun, deliberately, once other threads may no longer enter the interpreter (CuPy's and
+/// PyTorch's deleters take the GIL, which aborts or hangs a thread at interpreter exit).
 using deleter_runner = void (*)(void (*invoke)(void* tensor) noexcept, void* tensor) noexcept;
-/// Installs `runner` for every later release of an imported tensor (nullptr: the default).
-void set_deleter_runner(deleter_runner runner) noexcept;
 
-/// How the host waits where an exchange must block it (a copy to the host, a host view): `body(state)`
-/// runs on the calling thread and may throw, which must propagate. The Python module releases the
-/// GIL around it, so that other threads run while this one waits.
+/// How the host waits where an exchange must block it (a copy to the host, a host view, a free that
+/// waits for its device): `body(state)` runs on the calling thread and may throw, which must
+/// propagate. The Python module's releases the GIL around it, so that other threads run meanwhile.
 using blocking_section = void (*)(void (*body)(void* state), void* state);
-/// Installs `section` for every later blocking transfer (nullptr: the body runs as it is).
-void set_blocking_section(blocking_section section) noexcept;
 
 /// How the executor runs a batch of deferred releases that their streams let go together: `body(state)`
-/// runs them all. An embedding runtime installs one to take, at most once per batch, what releases
-/// need: the Python module's takes the GIL when the first producer's deleter asks for it and keeps
-/// it to the batch's end, so that a busy interpreter hands it over once per batch, not once per
-/// release (which let releases fall behind imports without bound). Must call `body` exactly once.
+/// runs them all, and must be called exactly once. The Python module's takes the GIL when the first
+/// producer's deleter asks for it and keeps it to the batch's end, so that a busy interpreter hands
+/// it over once per batch, not once per release (which let releases fall behind imports without bound).
 using release_section = void (*)(void (*body)(void* state) noexcept, void* state) noexcept;
-/// Installs `section` for every later batch of releases (nullptr: the body runs as it is).
-void set_release_section(release_section section) noexcept;
+
+/// The hooks an exchange and a device context are made with (null: the work runs as it is). The
+/// exchange runs its imports' deleters with `run_deleter`; the context waits in `block_host` and runs
+/// its releases in `run_releases`. The process's runtime makes both with the process's embedding
+/// (runtime.hpp: embed_process).
+struct embedding {
+  deleter_runner run_deleter{nullptr};
+  blocking_section block_host{nullptr};
+  release_section run_releases{nullptr};
+};
+
+/// Runs `body(state)` in `section`, or as it is where there is none. What `body` throws propagates.
+inline void run_blocking(blocking_section section, void (*body)(void* state), void* state)
+{
+  if (section != nullptr) {
+    section(body, state);
+  } else {
+    body(state);
+  }
+}
 
 }  // namespace handoff

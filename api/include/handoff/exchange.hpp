@@ -4,7 +4,9 @@
 
 #include <handoff/array.hpp>
 #include <handoff/context.hpp>
+#include <handoff/detail/immovable.hpp>
 #include <handoff/device_guard.hpp>
+#include <handoff/embedding.hpp>
 #include <handoff/interface.hpp>
 #include <handoff/stream_value.hpp>
 
@@ -30,7 +32,7 @@ struct absent_backend {
 
 /// Where an exchange finds its device context when an operation first needs one: the process's
 /// runtime starts its backend then, so that exchanges of host data never start a device runtime.
-class context_source {
+class context_source : detail::immovable {
  public:
   virtual ~context_source() = default;
 
@@ -40,13 +42,6 @@ class context_source {
   [[nodiscard]] virtual context* device_context() = 0;
   /// Why device_context() is null.
   [[nodiscard]] virtual const absent_backend& absent() = 0;
-
- protected:
-  context_source() = default;
-  context_source(const context_source&) = default;
-  context_source& operator=(const context_source&) = default;
-  context_source(context_source&&) = default;
-  context_source& operator=(context_source&&) = default;
 };
 
 /// What a consumer asks of an import besides the data: its stream, and the array API's arguments.
@@ -86,7 +81,7 @@ struct exported_tensor {
 
 /// What an import through a producer's DLPack C exchange API table asks of the producer's object:
 /// the front end answers, the exchange decides.
-class table_producer {
+class table_producer : detail::immovable {
  public:
   virtual ~table_producer() = default;
 
@@ -97,13 +92,6 @@ class table_producer {
   /// The stream the producer's work on `device` is enqueued on (nullopt in `stream`: the default
   /// stream). False when the producer cannot say (its error logged and cleared).
   [[nodiscard]] virtual bool current_work_stream(DLDevice device, std::optional<std::int64_t>& stream) noexcept = 0;
-
- protected:
-  table_producer() = default;
-  table_producer(const table_producer&) = default;
-  table_producer& operator=(const table_producer&) = default;
-  table_producer(table_producer&&) = default;
-  table_producer& operator=(table_producer&&) = default;
 };
 
 /// The exchange policy over one device context: which stream a consumer works on, what it must wait
@@ -114,14 +102,17 @@ class table_producer {
 ///       context synchronizes the rest.
 class exchange {
  public:
-  /// An exchange over `device_context`, which must outlive it.
-  explicit exchange(context& device_context) noexcept : ctx_(&device_context) {}
+  /// An exchange over `device_context`, which must outlive it, with that context's embedding hooks.
+  explicit exchange(context& device_context) noexcept : ctx_(&device_context), hooks_(device_context.hooks()) {}
   /// An exchange with no device backend: host data is exchanged, device data as it comes, or, where
   /// `why` refuses unordered exchanges, refused where it needs ordering.
-  explicit exchange(absent_backend why) : absent_(std::move(why)) {}
+  explicit exchange(absent_backend why, embedding hooks = {}) : absent_(std::move(why)), hooks_(hooks) {}
   /// An exchange over the context `source` gives when an operation first needs one; `source` must
-  /// outlive the exchange.
-  explicit exchange(context_source& source) noexcept : source_(&source) {}
+  /// outlive the exchange. `hooks` should be those the context is made with.
+  explicit exchange(context_source& source, embedding hooks = {}) noexcept : source_(&source), hooks_(hooks) {}
+
+  /// The embedding's hooks: imports run their producers' deleters with `run_deleter`.
+  [[nodiscard]] const embedding& hooks() const noexcept { return hooks_; }
 
   /// Which consumer streams the releases of this exchange's later exports wait for (the process's
   /// exchange starts with HANDOFF_EXPORT_RELEASE's, every other with known_streams).
@@ -273,6 +264,7 @@ class exchange {
   context* ctx_{nullptr};
   absent_backend absent_;            // why ctx_ is null
   context_source* source_{nullptr};  // when set, gives both
+  embedding hooks_;
   std::atomic<export_release> export_release_{export_release::known_streams};
 };
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <handoff/context.hpp>
+#include <handoff/embedding.hpp>
 #include <handoff/exchange.hpp>
 
 #include <string>
@@ -35,6 +36,11 @@ struct runtime_description {
 /// (every call, with the original reason), or the process is a child forked after its parent
 /// started a backend. Thread-safe.
 [[nodiscard]] exchange& process_exchange() noexcept;
+
+/// Makes the process's exchange and device context with `hooks` (the Python module gives its own as it
+/// loads). Thread-safe. @return false, and nothing changes, once either was made: call it before the
+/// process's first exchange.
+bool embed_process(const embedding& hooks) noexcept;
 
 /// The process exchange's device context if a backend has started (never starts one); nullptr
 /// otherwise.

@@ -39,8 +39,20 @@ namespace {
   throw device_error("cuda", name, fmt::format("{} failed at {}:{}: {}: {}", call, file, line, name, text));
 }
 
+// A query's answer (cudaStreamQuery, cudaEventQuery): true when the work is done, false while it is
+// not ready; any other status throws as HANDOFF_CUDA_TRY does.
+bool query_done(cudaError_t status, const char* call, const char* file, int line)
+{
+  if (status == cudaErrorNotReady) { return false; }
+  if (status != cudaSuccess) [[unlikely]] { throw_cuda_error(status, call, file, line); }
+  return true;
+}
+
 }  // namespace
 }  // namespace handoff::device::cuda
+
+/// Checks a CUDA runtime query: whether the work it asks about is done (query_done).
+#define HANDOFF_CUDA_QUERY_DONE(call) ::handoff::device::cuda::query_done((call), #call, __FILE__, __LINE__)
 
 /// Checks a CUDA runtime call; a failure throws handoff::device_error with the call, file:line,
 /// the error's name and its text.
@@ -295,10 +307,7 @@ class cuda_backend final : public backend {
 
   [[nodiscard]] bool query_stream(stream_handle stream) override
   {
-    const cudaError_t status = cudaStreamQuery(to_native(stream));
-    if (status == cudaErrorNotReady) { return false; }
-    HANDOFF_CUDA_TRY(status);
-    return true;
+    return HANDOFF_CUDA_QUERY_DONE(cudaStreamQuery(to_native(stream)));
   }
 
   void synchronize_stream(stream_handle stream) override { HANDOFF_CUDA_TRY(cudaStreamSynchronize(to_native(stream))); }
@@ -332,10 +341,7 @@ class cuda_backend final : public backend {
 
   [[nodiscard]] bool query_event(event_handle event) override
   {
-    const cudaError_t status = cudaEventQuery(to_native(event));
-    if (status == cudaErrorNotReady) { return false; }
-    HANDOFF_CUDA_TRY(status);
-    return true;
+    return HANDOFF_CUDA_QUERY_DONE(cudaEventQuery(to_native(event)));
   }
 
   void synchronize_event(event_handle event) override { HANDOFF_CUDA_TRY(cudaEventSynchronize(to_native(event))); }

@@ -8,6 +8,7 @@
 #include "device/sim/work_queue.hpp"
 
 #include <handoff/activity.hpp>
+#include <handoff/detail/immovable.hpp>
 #include <handoff/error.hpp>
 #include <handoff/internal/sim.hpp>
 
@@ -43,13 +44,8 @@ enum class thread_key : std::uint64_t {};
 
 /// Keeps state per thread and frees it when the thread ends (CUDA destroys a thread's per-thread
 /// default stream with it).
-class thread_state_owner {
+class thread_state_owner : handoff::detail::immovable {
  public:
-  thread_state_owner() = default;
-  thread_state_owner(const thread_state_owner&) = delete;
-  thread_state_owner& operator=(const thread_state_owner&) = delete;
-  thread_state_owner(thread_state_owner&&) = delete;
-  thread_state_owner& operator=(thread_state_owner&&) = delete;
   virtual ~thread_state_owner() = default;
 
   /// Called on the ending thread, from its exit, for each owner watched then.

@@ -83,30 +83,29 @@ TEST_F(ArrayTest, ImportKeepsProducerUntilLastViewIsGone)
 int runner_calls = 0;
 bool runner_runs_deleters = true;
 
-TEST_F(ArrayTest, AnInstalledDeleterRunnerRunsEveryImportedDeleter)
+TEST_F(ArrayTest, ADeleterRunnerGivenToTheImportRunsItsDeleter)
 {
-  set_deleter_runner([](void (*invoke)(void*) noexcept, void* tensor) noexcept {
+  const deleter_runner counting = [](void (*invoke)(void*) noexcept, void* tensor) noexcept {
     ++runner_calls;
     if (runner_runs_deleters) { invoke(tensor); }
-  });
+  };
   fake_producer p{{4}};
   {
-    array view = import_dlpack(&p.versioned);
+    array view = import_dlpack(&p.versioned, counting);
   }
   {
-    array view = import_dlpack(&p.legacy);
+    array view = import_dlpack(&p.legacy, counting);
   }
   EXPECT_EQ(runner_calls, 2);
   EXPECT_EQ(p.deleted, 2);
   runner_runs_deleters = false;  // an embedding runtime may keep a deleter unrun (at interpreter exit)
   {
-    array view = import_dlpack(&p.versioned);
+    array view = import_dlpack(&p.versioned, counting);
   }
   EXPECT_EQ(runner_calls, 3);
   EXPECT_EQ(p.deleted, 2);
-  set_deleter_runner(nullptr);
   {
-    array view = import_dlpack(&p.versioned);
+    array view = import_dlpack(&p.versioned);  // no runner: the deleter runs as it is
   }
   EXPECT_EQ(runner_calls, 3);
   EXPECT_EQ(p.deleted, 3);

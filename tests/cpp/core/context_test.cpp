@@ -2,8 +2,11 @@
 #include <handoff/array.hpp>
 #include <handoff/context.hpp>
 #include <handoff/device_guard.hpp>
+#include <handoff/embedding.hpp>
 #include <handoff/error.hpp>
+#include <handoff/internal/device_memory.hpp>
 #include <handoff/internal/sim.hpp>
+#include <handoff/internal/transfer.hpp>
 #include <handoff/stats.hpp>
 
 #include "support/backend_fixture.hpp"
@@ -11,6 +14,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -49,6 +53,57 @@ TEST_P(ContextTest, ReleaseWaitsForTheConsumerStream)
   ctx().drain();
   EXPECT_TRUE(released.load());
   EXPECT_EQ(seen_at_release.load(), 5.0F);
+}
+
+// What an embedding gives a context at construction is that context's: its batches of releases and
+// its host waits (a copy to the host, a free that waits for the device) run in its hooks, while a
+// context made without them (the fixture's, the negative control) runs the same work as it is.
+std::atomic<int> batches_in_hooks{0};
+std::atomic<int> waits_in_hooks{0};
+
+TEST_P(ContextTest, AContextRunsItsReleasesAndHostWaitsInTheHooksItWasMadeWith)
+{
+  const embedding counting{
+    .block_host =
+      [](void (*body)(void*), void* state) {
+        ++waits_in_hooks;
+        body(state);
+      },
+    .run_releases =
+      [](void (*body)(void*) noexcept, void* state) noexcept {
+        ++batches_in_hooks;
+        body(state);
+      },
+  };
+  batches_in_hooks = 0;
+  waits_in_hooks = 0;
+  context embedded{b(), std::make_unique<detail::service_thread>(), counting};
+  float* data = allocate_on(0);
+  const auto consumer = stream_on(0);
+  const DLDevice pinned{b().device_type() == kDLCUDA ? kDLCUDAHost : kDLROCMHost, 0};
+  const std::array<std::int64_t, 1> shape{4};
+  const auto release_copy_and_free = [&](context& on) {
+    std::atomic<bool> released{false};
+    {
+      producer_ref owner{[&] { released = true; }};
+      owner.release_after({.ctx = &on, .device = 0, .stream = consumer, .stream_owner = nullptr});
+    }
+    on.drain();
+    EXPECT_TRUE(released.load());
+    const array copied = transfer_array(&on, device_view(data, 0), transfer::to_host);
+    EXPECT_EQ(copied.device().device_type, kDLCPU);
+    const array host_accessible = allocate_host_accessible_array(
+      {.ctx = &on, .device = 0, .stream = consumer, .stream_owner = nullptr}, pinned, {kDLFloat, 32, 1}, shape);
+  };
+
+  release_copy_and_free(embedded);
+  EXPECT_GE(batches_in_hooks.load(), 1) << "the release ran outside the context's release section";
+  EXPECT_EQ(waits_in_hooks.load(), 2) << "the copy to the host and the free must each wait in the blocking section";
+
+  const int batches = batches_in_hooks.load();
+  release_copy_and_free(ctx());
+  EXPECT_EQ(batches_in_hooks.load(), batches) << "a context made without hooks ran another's";
+  EXPECT_EQ(waits_in_hooks.load(), 2) << "a context made without hooks ran another's";
 }
 
 TEST_P(ContextTest, TheConsumerStreamsOwnerOutlivesTheRelease)

@@ -2,6 +2,8 @@
 // as a C++ application calls them: what each orders (with a negative control), keeps, copies and
 // counts.
 #include <handoff/array.hpp>
+#include <handoff/context.hpp>
+#include <handoff/embedding.hpp>
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
 #include <handoff/stats.hpp>
@@ -208,6 +210,53 @@ TEST_P(ExchangeTest, ATableImportDefersToDunderDlpackForALazilyConjugatedTensorO
     EXPECT_FALSE(ex().import_from_table(export_versioned(complex), {}, silent).has_value());
   }
   EXPECT_EQ(released.load(), 1) << "each tensor's deleter ran once";
+}
+
+// An exchange runs the deleters of what it imports with the embedding's hooks it was made with (an
+// exchange over a context: that context's); the fixture's, made without, runs them as they are.
+std::atomic<int> deleters_in_hooks{0};
+
+TEST_P(ExchangeTest, AnExchangeRunsItsImportsDeletersWithItsEmbeddingsDeleterRunner)
+{
+  const embedding counting{.run_deleter = [](void (*invoke)(void*) noexcept, void* tensor) noexcept {
+    ++deleters_in_hooks;
+    invoke(tensor);
+  }};
+  deleters_in_hooks = 0;
+  context embedded{b(), make_service_thread(), counting};
+  exchange hooked{embedded};
+  struct foreign_tensor {
+    std::array<std::int64_t, 1> shape{4};
+    int deleted{0};
+    DLManagedTensorVersioned managed{};
+  } foreign;
+  float* data = allocate_on(0);
+  const auto import_foreign = [&](exchange& through) {
+    foreign.managed = {};
+    foreign.managed.version = {DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION};
+    foreign.managed.manager_ctx = &foreign;
+    foreign.managed.deleter = [](DLManagedTensorVersioned* self) {
+      ++static_cast<foreign_tensor*>(self->manager_ctx)->deleted;
+    };
+    foreign.managed.dl_tensor = {.data = data,
+                                 .device = {b().device_type(), 0},
+                                 .ndim = 1,
+                                 .dtype = {kDLFloat, 32, 1},
+                                 .shape = foreign.shape.data(),
+                                 .strides = nullptr,
+                                 .byte_offset = 0};
+    scripted_table table;
+    EXPECT_TRUE(through.import_from_table(&foreign.managed, named(stream_on(0)), table).has_value());
+    through.device_context()->drain();  // the release waits for the consumer stream's work
+  };
+
+  import_foreign(hooked);
+  EXPECT_EQ(foreign.deleted, 1);
+  EXPECT_EQ(deleters_in_hooks.load(), 1) << "the producer's deleter ran outside the exchange's deleter runner";
+
+  import_foreign(ex());
+  EXPECT_EQ(foreign.deleted, 2);
+  EXPECT_EQ(deleters_in_hooks.load(), 1) << "an exchange made without hooks ran another's";
 }
 
 TEST_P(ExchangeTest, AnInterfaceImportWaitsForTheInterfacesStream)

@@ -101,6 +101,15 @@ class race_detector {
   /// A new operation on `s`: its epoch.
   std::uint32_t tick(std::uint32_t s);
   void join_host_with(int device);
+  // observe()'s steps by kind of activity: a host wait joins the host's clock with what it waited
+  // for; an allocation forgets what the memory held; a stream-ordered free is checked as a write and
+  // remembered for reuse; a launch, copy or set is checked and recorded.
+  void observe_host_wait(const activity::record& r, std::uint64_t thread);
+  void observe_allocation(const activity::record& r, std::uint64_t thread);
+  std::optional<found_hazard> observe_free(const activity::record& r, std::uint64_t thread,
+                                           const std::shared_ptr<const access_site>& site);
+  std::optional<found_hazard> observe_access(const activity::record& r, std::uint64_t thread,
+                                             const std::shared_ptr<const access_site>& site);
   [[nodiscard]] bool ordered(const epoch& earlier, std::uint32_t s) const;
   std::optional<found_hazard> check(const activity::buffer_use& use, std::uint32_t s, bool freeing);
   void record_access(const activity::buffer_use& use, const epoch& now);

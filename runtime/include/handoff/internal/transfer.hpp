@@ -37,15 +37,10 @@ enum class transfer {
 [[nodiscard]] transfer plan_import(const array& view, std::optional<DLDevice> target, std::optional<bool> copy,
                                    bool producer_copied);
 
-/// Runs `body(state)`, a wait that blocks the host (a stream synchronization, a free that waits for
-/// its device), in the embedding's blocking section (set_blocking_section): the Python module lets
-/// go of the GIL meanwhile, where the calling thread holds it. What `body` throws propagates.
-void block_host(void (*body)(void* state), void* state);
-
 /// What an exchange hands over for `how`: the view itself; a compact copy (host data copied on the
 /// host; device data through `ctx`'s backend, in stream order, a copy to the host waited for); or
-/// the host view of host-accessible memory (waited for). Waits run in the embedding's blocking
-/// section (set_blocking_section).
+/// the host view of host-accessible memory (waited for). Waits run in `ctx`'s blocking
+/// section (embedding::block_host).
 /// @throws device_error when device data needs a backend and `ctx` is null, or a device call
 ///         fails; buffer_error when the backend does not order that memory.
 [[nodiscard]] array transfer_array(context* ctx, const array& view, transfer how);
