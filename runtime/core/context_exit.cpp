@@ -48,11 +48,12 @@ context::impl::~impl()
 // finds no owner.
 void context::impl::leave_outstanding_to_the_process() noexcept
 {
+  const std::uint64_t first_unreported = count_.first_after_exit_began();
   std::lock_guard lock{shared_->mutex};
   shared_->owner = nullptr;
   const auto unreported =
     std::count_if(shared_->outstanding.begin(), shared_->outstanding.end(),
-                  [this](const pending_release* p) { return count_.asked_after_exit_began(p->sequence); });
+                  [first_unreported](const pending_release* p) { return p->sequence >= first_unreported; });
   if (unreported > 0) {
     HANDOFF_LOG_INFO(
       "shutting down: {} stream-ordered release(s) asked for after the exit's wait began did not run; their "
@@ -129,10 +130,11 @@ bool context::impl::drain_at_exit(std::chrono::nanoseconds limit) noexcept
     for (auto& probe : probes) { look_at(probe); }
   };
   look_at_all();
+  // The probes are in the order of their streams (begin_exit()'s): found by a binary search.
   const auto failure_of = [&](const stream_key& where) -> const std::string* {  // null: not given up on
-    const auto probe =
-      std::find_if(probes.begin(), probes.end(), [&](const exit_probe& p) { return p.where == where; });
-    return probe == probes.end() || probe->failure.empty() ? nullptr : &probe->failure;
+    const auto probe = std::lower_bound(probes.begin(), probes.end(), where,
+                                        [](const exit_probe& p, const stream_key& key) { return p.where < key; });
+    return probe == probes.end() || probe->where != where || probe->failure.empty() ? nullptr : &probe->failure;
   };
   const auto outcome = count_.wait_exit(deadline, detail::exit_poll, look_at_all,
                                         [&](const stream_key& where) { return failure_of(where) != nullptr; });

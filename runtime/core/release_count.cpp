@@ -69,10 +69,10 @@ bool release_count::asked_since_exit_began() const
   return !before_exit_ || next_sequence_ > exit_cutoff_;
 }
 
-bool release_count::asked_after_exit_began(std::uint64_t sequence) const
+std::uint64_t release_count::first_after_exit_began() const
 {
   std::lock_guard lock{mutex_};
-  return !before_exit_ || sequence >= exit_cutoff_;
+  return before_exit_ ? exit_cutoff_ : 0;
 }
 
 }  // namespace handoff::detail

@@ -39,12 +39,13 @@ class release_count {
   // --- the exit ---------------------------------------------------------------------------------
 
   /// Counts apart the releases pending now: the exit waits for them. @return the streams they wait
-  /// for. @throws std::bad_alloc
+  /// for, in ascending order. @throws std::bad_alloc
   [[nodiscard]] std::vector<stream_key> begin_exit();
   /// Whether a release was asked for since begin_exit() (true when it never ran).
   [[nodiscard]] bool asked_since_exit_began() const;
-  /// Whether the release `sequence` was asked for after begin_exit() (true when it never ran).
-  [[nodiscard]] bool asked_after_exit_began(std::uint64_t sequence) const;
+  /// The sequence of the first release asked for after begin_exit(): a release whose sequence is
+  /// not below it was asked for after the exit began (0, every release, when it never began).
+  [[nodiscard]] std::uint64_t first_after_exit_began() const;
 
   /// What the exit's wait left pending.
   struct exit_outcome {

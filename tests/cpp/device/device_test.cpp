@@ -3,6 +3,7 @@
 // skip on "cuda"; tests that need a second device skip where there is one.
 #include "device/backend_factory.hpp"
 #include "device/sim/sim_backend.hpp"
+#include "support/expect_device_error.hpp"
 #include "support/test_device.hpp"
 
 #include <handoff/device_guard.hpp>
@@ -31,16 +32,6 @@ namespace {
 using namespace std::chrono_literals;
 
 constexpr std::size_t count = 1024;
-
-#define EXPECT_DEVICE_ERROR(statement, expected_name)                   \
-  do {                                                                  \
-    try {                                                               \
-      statement;                                                        \
-      ADD_FAILURE() << #statement " did not throw " << (expected_name); \
-    } catch (const ::handoff::device_error& error_) {                   \
-      EXPECT_EQ(error_.error_name(), (expected_name)) << error_.what(); \
-    }                                                                   \
-  } while (false)
 
 bool all_equal(std::span<const float> values, float expected)
 {

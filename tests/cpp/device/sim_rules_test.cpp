@@ -3,6 +3,7 @@
 // and recorded, host functions may not call the runtime and run one at a time per device; and the
 // hold a test orders its races with.
 #include "device/sim/sim_backend.hpp"
+#include "support/expect_device_error.hpp"
 
 #include <handoff/error.hpp>
 
@@ -59,16 +60,6 @@ class SimRulesTest : public ::testing::TestWithParam<std::tuple<sim_flavour, int
 
   static void count(void* counter) { static_cast<std::atomic<int>*>(counter)->fetch_add(1); }
 };
-
-#define EXPECT_DEVICE_ERROR(statement, expected_name)                   \
-  do {                                                                  \
-    try {                                                               \
-      statement;                                                        \
-      ADD_FAILURE() << #statement " did not throw " << (expected_name); \
-    } catch (const ::handoff::device_error& error_) {                   \
-      EXPECT_EQ(error_.error_name(), (expected_name)) << error_.what(); \
-    }                                                                   \
-  } while (false)
 
 // --- capture -------------------------------------------------------------------------------------
 
