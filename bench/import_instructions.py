@@ -20,26 +20,20 @@ N = 20_000
 NDARRAY = "np.ones((64, 64), dtype=np.float32)"
 TENSOR = "torch.ones((64, 64), dtype=torch.float32)"
 HANDOFF_ARRAY = f"handoff.from_dlpack({NDARRAY})"
+NUMPY_IMPORT = "np.from_dlpack(ndarray)"  # the reference rows: NumPy importing, and exporting, its own array
+NUMPY_EXPORT = "ndarray.__dlpack__()"
 IMPORTS = {  # name: (set-up, the argument f is called with, the row it is compared with)
-    "handoff.from_dlpack(ndarray)": ("import handoff; f = handoff.from_dlpack", NDARRAY, "np.from_dlpack(ndarray)"),
-    "np.from_dlpack(ndarray)": ("f = np.from_dlpack", NDARRAY, "np.from_dlpack(ndarray)"),
-    "torch.from_dlpack(ndarray)": ("import torch; f = torch.from_dlpack", NDARRAY, "np.from_dlpack(ndarray)"),
+    "handoff.from_dlpack(ndarray)": ("import handoff; f = handoff.from_dlpack", NDARRAY, NUMPY_IMPORT),
+    NUMPY_IMPORT: ("f = np.from_dlpack", NDARRAY, NUMPY_IMPORT),
+    "torch.from_dlpack(ndarray)": ("import torch; f = torch.from_dlpack", NDARRAY, NUMPY_IMPORT),
     # Through PyTorch's DLPack C exchange API.
-    "handoff.from_dlpack(tensor)": (
-        "import handoff, torch; f = handoff.from_dlpack",
-        TENSOR,
-        "np.from_dlpack(ndarray)",
-    ),
+    "handoff.from_dlpack(tensor)": ("import handoff, torch; f = handoff.from_dlpack", TENSOR, NUMPY_IMPORT),
 }
 EXPORTS = {  # each next to NumPy exporting its own array
-    "np.from_dlpack(handoff_array)": ("import handoff; f = np.from_dlpack", HANDOFF_ARRAY, "np.from_dlpack(ndarray)"),
-    "np.from_dlpack(ndarray)": ("f = np.from_dlpack", NDARRAY, "np.from_dlpack(ndarray)"),
-    "handoff_array.__dlpack__()": (
-        "import handoff; f = handoff.Array.__dlpack__",
-        HANDOFF_ARRAY,
-        "ndarray.__dlpack__()",
-    ),
-    "ndarray.__dlpack__()": ("f = np.ndarray.__dlpack__", NDARRAY, "ndarray.__dlpack__()"),
+    "np.from_dlpack(handoff_array)": ("import handoff; f = np.from_dlpack", HANDOFF_ARRAY, NUMPY_IMPORT),
+    NUMPY_IMPORT: ("f = np.from_dlpack", NDARRAY, NUMPY_IMPORT),
+    "handoff_array.__dlpack__()": ("import handoff; f = handoff.Array.__dlpack__", HANDOFF_ARRAY, NUMPY_EXPORT),
+    NUMPY_EXPORT: ("f = np.ndarray.__dlpack__", NDARRAY, NUMPY_EXPORT),
 }
 
 # Imports of a simulated device's array (HANDOFF_BACKEND=sim), its data ready on stream p, onto
@@ -94,24 +88,34 @@ def per_call(setup: str, argument: str, backend: str = "auto", call: str = "f(a)
     return (twice[0] - once[0]) / N, (twice[1] - once[1]) / N
 
 
+def print_table(columns: list[tuple[str, int, str]], rows: list[tuple]) -> None:
+    """Prints a Markdown table and a blank line. `columns`: (title, width, format) each: a text column,
+    left-aligned, where the format is "", else a number column, right-aligned, in that format."""
+    print("| " + " | ".join(f"{title:>{w}}" if f else f"{title:<{w}}" for title, w, f in columns) + " |")
+    print("|" + "|".join(f"{'-' * (w + 1)}:" if f else "-" * (w + 2) for _, w, f in columns) + "|")
+    for row in rows:
+        print("| " + " | ".join(f"{c:>{w}{f}}" if f else f"{c:<{w}}" for c, (_, w, f) in zip(row, columns)) + " |")
+    print()
+
+
 def table(what: str, cases: dict[str, tuple[str, str, str]]) -> None:
     counts = {name: per_call(setup, argument)[0] for name, (setup, argument, _) in cases.items()}
-    print(f"| {what:<30} | {'instructions':>12} | {'vs':<24} | {'ratio':>5} |")
-    print(f"|{'-' * 32}|{'-' * 13}:|{'-' * 26}|{'-' * 6}:|")
-    for name, (_, _, reference) in cases.items():
-        print(f"| {name:<30} | {counts[name]:>12.0f} | {reference:<24} | {counts[name] / counts[reference]:>5.2f} |")
-    print()
+    print_table(
+        [(what, 30, ""), ("instructions", 12, ".0f"), ("vs", 24, ""), ("ratio", 5, ".2f")],
+        [
+            (name, counts[name], reference, counts[name] / counts[reference])
+            for name, (_, _, reference) in cases.items()
+        ],
+    )
 
 
 def ordered_table() -> None:
     print("handoff.from_dlpack(sim array, ...) on HANDOFF_BACKEND=sim; other threads: the deferred releases")
     print("on the service thread and the simulator's own threads (timing-dependent: about 1% run to run)\n")
-    print(f"| {'import':<26} | {'calling thread':>14} | {'other threads':>13} |")
-    print(f"|{'-' * 28}|{'-' * 15}:|{'-' * 14}:|")
-    for name, (setup, argument) in ORDERED.items():
-        calling, other = per_call(setup, argument, backend="sim")
-        print(f"| {name:<26} | {calling:>14.0f} | {other:>13.0f} |")
-    print()
+    print_table(
+        [("import", 26, ""), ("calling thread", 14, ".0f"), ("other threads", 13, ".0f")],
+        [(name, *per_call(setup, argument, backend="sim")) for name, (setup, argument) in ORDERED.items()],
+    )
 
 
 TRACE_ON = "t = handoff.trace(); t.__enter__(); "  # open for the whole loop: every call is recorded
@@ -129,11 +133,10 @@ TRACED = {  # name: (set-up, the argument, the backend)
 
 def traced_table() -> None:
     print("the cost of tracing: the same import with a handoff.trace() open (events kept in memory)\n")
-    print(f"| {'import':<34} | {'calling thread':>14} |")
-    print(f"|{'-' * 36}|{'-' * 15}:|")
-    for name, (setup, argument, backend) in TRACED.items():
-        print(f"| {name:<34} | {per_call(setup, argument, backend=backend)[0]:>14.0f} |")
-    print()
+    print_table(
+        [("import", 34, ""), ("calling thread", 14, ".0f")],
+        [(name, per_call(setup, argument, backend=backend)[0]) for name, (setup, argument, backend) in TRACED.items()],
+    )
 
 
 def main() -> None:

@@ -117,22 +117,17 @@ def cuda_rows(keep: list, stack: contextlib.ExitStack, notes: list[str]) -> tupl
         return [], lambda: None
     keep += [producer_stream, consumer_stream]
 
+    def exported(library, source) -> Callable[[], object]:
+        """`library` importing the capsule that `source` exports for the consumer stream."""
+        return lambda: library.from_dlpack(source.__dlpack__(stream=consumer, max_version=MAX_VERSION))
+
     rows: list[Row] = []
     if torch is not None:
         tensor = torch.ones(SHAPE, device="cuda")  # written on the producer stream
         view = handoff.from_dlpack(tensor, stream=producer)  # its data is ready on the producer
         rows += [
-            Row(
-                BASELINE,
-                "PyTorch",
-                lambda: torch.from_dlpack(tensor.__dlpack__(stream=consumer, max_version=MAX_VERSION)),
-            ),
-            Row(
-                "handoff -> torch",
-                "handoff",
-                lambda: torch.from_dlpack(view.__dlpack__(stream=consumer, max_version=MAX_VERSION)),
-                target=True,
-            ),
+            Row(BASELINE, "PyTorch", exported(torch, tensor)),
+            Row("handoff -> torch", "handoff", exported(torch, view), target=True),
             Row("handoff -> handoff", "handoff", lambda: handoff.from_dlpack(view, stream=consumer), target=True),
             Row(
                 "torch -> handoff",
@@ -145,16 +140,8 @@ def cuda_rows(keep: list, stack: contextlib.ExitStack, notes: list[str]) -> tupl
         array = cupy.ones(SHAPE, dtype=cupy.float32)
         cupy_view = handoff.from_dlpack(array, stream=producer)
         rows += [
-            Row(
-                "cupy -> cupy",
-                "CuPy",
-                lambda: cupy.from_dlpack(array.__dlpack__(stream=consumer, max_version=MAX_VERSION)),
-            ),
-            Row(
-                "handoff -> cupy",
-                "handoff",
-                lambda: cupy.from_dlpack(cupy_view.__dlpack__(stream=consumer, max_version=MAX_VERSION)),
-            ),
+            Row("cupy -> cupy", "CuPy", exported(cupy, array)),
+            Row("handoff -> cupy", "handoff", exported(cupy, cupy_view)),
             Row("cupy -> handoff", "CuPy", lambda: handoff.from_dlpack(array, stream=consumer)),
         ]
         if torch is None:

@@ -174,6 +174,28 @@ def host_wait_lines(events: Sequence[Mapping[str, Any]], table: Callable[..., li
     return lines
 
 
+def complete_slice(
+    name: str, cat: str, *, ts: float, dur: float, pid: int, tid: int, args: Event, hazard: Any = None
+) -> Event:
+    """A Chrome trace complete event ("X"); the slice of a hazard is named after it, and drawn red."""
+    slice_: Event = {"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur, "pid": pid, "tid": tid, "args": args}
+    if hazard is not None:
+        slice_["name"] = f"\u26a0 {hazard}: {name}"
+        slice_["cname"] = "terrible"
+    return slice_
+
+
+def arrow(
+    name: str, cat: str, flow: int, *, source: tuple[int, float], target: tuple[int, float], pid: int
+) -> list[Event]:
+    """A Chrome trace flow (an arrow) from the slice at `source` to the one at `target`, each a
+    (track, time) pair: a flow binds to the slices that enclose its ends."""
+    return [
+        {"name": name, "cat": cat, "ph": "s", "id": flow, "ts": source[1], "pid": pid, "tid": source[0]},
+        {"name": name, "cat": cat, "ph": "f", "bp": "e", "id": flow, "ts": target[1], "pid": pid, "tid": target[0]},
+    ]
+
+
 def chrome_slices(
     raw: Sequence[Mapping[str, Any]],
     *,
@@ -199,20 +221,18 @@ def chrome_slices(
         else:
             tid = track(event.get("device"), event.get("stream"))
         name = str(event.get("kernel") or f"{event.get('kind')} {event.get('op') or ''}".strip())
-        slice_: Event = {
-            "name": name,
-            "cat": f"handoff.{event.get('kind')}",
-            "ph": "X",
-            "ts": ts,
-            "dur": max(blocked / 1000.0, 1.0),
-            "pid": pid,
-            "tid": tid,
-            "args": dict(event),
-        }
-        if event.get("hazard") is not None:
-            slice_["name"] = f"\u26a0 {event['hazard']}: {name}"
-            slice_["cname"] = "terrible"
-        slices.append(slice_)
+        slices.append(
+            complete_slice(
+                name,
+                f"handoff.{event.get('kind')}",
+                ts=ts,
+                dur=max(blocked / 1000.0, 1.0),
+                pid=pid,
+                tid=tid,
+                args=dict(event),
+                hazard=event.get("hazard"),
+            )
+        )
         seq = int_or_zero(event.get("seq"))
         placed[seq] = (tid, ts)
         if event.get("hazard") is None or event.get("other_seq") is None:
@@ -221,26 +241,13 @@ def chrome_slices(
         if source is None:  # the earlier side was dropped from a bounded trace: where it ran
             source_tid = track(event.get("device"), event.get("other_stream"))
             source = (source_tid, (int_or_zero(event.get("other_time_ns")) - start) / 1000.0)
+            other = str(event.get("other_kernel") or event.get("other_kind") or "?")
+            args = {"seq": event.get("other_seq"), "where": event.get("other_where")}
             slices.append(
-                {
-                    "name": str(event.get("other_kernel") or event.get("other_kind") or "?"),
-                    "cat": "handoff.race",
-                    "ph": "X",
-                    "ts": source[1],
-                    "dur": 1.0,
-                    "pid": pid,
-                    "tid": source_tid,
-                    "args": {"seq": event.get("other_seq"), "where": event.get("other_where")},
-                }
+                complete_slice(other, "handoff.race", ts=source[1], dur=1.0, pid=pid, tid=source_tid, args=args)
             )
         flow += 1
-        name = f"{event['hazard']}"
-        slices.append(
-            {"name": name, "cat": "handoff.race", "ph": "s", "id": flow, "ts": source[1], "pid": pid, "tid": source[0]}
-        )
-        slices.append(
-            {"name": name, "cat": "handoff.race", "ph": "f", "bp": "e", "id": flow, "ts": ts, "pid": pid, "tid": tid}
-        )
+        slices += arrow(f"{event['hazard']}", "handoff.race", flow, source=source, target=(tid, ts), pid=pid)
     return slices
 
 

@@ -22,6 +22,7 @@ from types import TracebackType
 from typing import Any, Union
 
 from . import _activity, _handoff, _settings
+from ._activity import complete_slice
 
 __all__ = [
     "chrome_trace",
@@ -323,46 +324,64 @@ def summary(
     held = [e for e in events if e.get("kind") == "held"]
     everything = [e for e in events if e.get("kind") != "held"]
     activity = [e for e in everything if _activity.is_activity(e)]
-    events = [e for e in everything if not _activity.is_activity(e)]
-    if not events and not held and not activity:
-        lines.append("no exchanges recorded")
-        lines += _bounded_note(dropped, limit)
-        return "\n".join(lines)
+    exchanges = [e for e in everything if not _activity.is_activity(e)]
+    if not exchanges and not held and not activity:
+        return "\n".join([*lines, "no exchanges recorded", *_bounded_note(dropped, limit)])
 
-    # Hazards, grouped by (hazard, where) in the order they first happened.
+    hazard_lines, hazard_count = _hazard_lines(everything)
+    lines += [*hazard_lines, ""]
+    if activity and (host_waits := _activity.host_wait_lines(everything, _table)):
+        lines += [*host_waits, ""]
+    table, totals = _exchange_lines(_exchange_counts(exchanges))
+    lines += ["EXCHANGES", *table, ""]
+    ordered = sum(1 for e in exchanges if e.get("interposed") == "ordered")
+    lines.append(
+        f"{_plural(len(exchanges), 'event')}"
+        + (f" in {processes} processes" if processes > 1 else "")
+        + f", {_plural(totals['wait'], 'wait')} inserted, {totals['elided']} elided, "
+        f"{_plural(hazard_count, 'hazard')}" + (f", {ordered} ordered by handoff's hooks" if ordered else "")
+    )
+    if activity:
+        lines.append(_activity.counts_line(activity))
+    if held:
+        lines.append(_held_line(held))
+    lines += _bounded_note(dropped, limit)
+    return "\n".join(lines)
+
+
+def _hazard_lines(events: Sequence[Mapping[str, Any]]) -> tuple[list[str], int]:
+    """The HAZARDS section, grouped by (hazard, where) in the order they first happened, each group
+    with its first event's detail and fix; and how many hazards there are."""
     groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
-    for event in everything:
+    for event in events:
         if event.get("hazard") is not None:
             key = (str(event["hazard"]), str(event.get("where") or _NO_LIBRARY))
             groups.setdefault(key, []).append(event)
-    hazard_count = sum(len(group) for group in groups.values())
-    if groups:
-        lines.append(f"HAZARDS ({hazard_count})")
-        rows = []
-        details = []
-        for (hazard, where), group in groups.items():
-            first = group[0]
-            pair = _activity.sides(first) if _activity.is_activity(first) else _pair(first)
-            rows.append([f"{len(group)}x", hazard, where, str(first.get("kind", "?")), pair])
-            details.append([str(first.get(key) or "") for key in ("detail", "fix")])
-        table = _table(["count", "hazard", "where", "kind", "producer -> consumer"], rows, right=[0])
-        lines.append(table[0])
-        for row, (detail, fix) in zip(table[1:], details):
-            lines.append(row)
-            if detail:
-                lines.append(f"        {detail}")
-            if fix:
-                lines.append(f"        fix: {fix}")
-    else:
-        lines.append("no hazards")
-    lines.append("")
-    if activity:
-        host_waits = _activity.host_wait_lines(everything, _table)
-        if host_waits:
-            lines += [*host_waits, ""]
+    if not groups:
+        return ["no hazards"], 0
+    count = sum(len(group) for group in groups.values())
+    rows, details = [], []
+    for (hazard, where), group in groups.items():
+        first = group[0]
+        pair = _activity.sides(first) if _activity.is_activity(first) else _pair(first)
+        rows.append([f"{len(group)}x", hazard, where, str(first.get("kind", "?")), pair])
+        details.append([str(first.get(key) or "") for key in ("detail", "fix")])
+    table = _table(["count", "hazard", "where", "kind", "producer -> consumer"], rows, right=[0])
+    lines = [f"HAZARDS ({count})", table[0]]
+    for row, (detail, fix) in zip(table[1:], details):
+        lines.append(row)
+        if detail:
+            lines.append(f"        {detail}")
+        if fix:
+            lines.append(f"        fix: {fix}")
+    return lines, count
 
-    # Exchanges per (producer, consumer), in the order the pairs first appear.
-    columns = ("import", "export", "release", "wait", "elided", "unordered", "refused")
+
+_EXCHANGE_COLUMNS = ("import", "export", "release", "wait", "elided", "unordered", "refused")
+
+
+def _exchange_counts(events: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str], dict[str, int]]:
+    """The exchanges' counts per (producer, consumer), in the order the pairs first appear."""
     pairs: dict[tuple[str, str], dict[str, int]] = {}
     # A release names no consumer: it is counted with the hand-off it ends, found by its view's id
     # or else its buffer's latest import or export.
@@ -378,11 +397,11 @@ def summary(
             exchanges.add((kind, str(view)))
         key = (_library(event.get("producer")), _library(event.get("consumer")))
         ids = [i for i in (event.get("view"), event.get("buffer")) if i is not None]
-        if event.get("kind") == "release" and event.get("consumer") is None:
+        if kind == "release" and event.get("consumer") is None:
             key = next((pair_of[i] for i in ids if i in pair_of), key)
-        elif event.get("kind") in ("import", "export"):
+        elif kind in ("import", "export"):
             pair_of.update(dict.fromkeys(ids, key))
-        counts = pairs.setdefault(key, dict.fromkeys((*columns, "bytes"), 0))
+        counts = pairs.setdefault(key, dict.fromkeys((*_EXCHANGE_COLUMNS, "bytes"), 0))
         action = event.get("action")
         if kind in ("import", "export", "release"):
             counts[kind] += 1
@@ -390,38 +409,28 @@ def summary(
                 counts["bytes"] += _activity.int_or_zero(event.get("nbytes"))
         if own_action and action in ("wait", "elided", "unordered", "refused"):
             counts[str(action)] += 1
-    totals = {name: sum(c[name] for c in pairs.values()) for name in (*columns, "bytes")}
+    return pairs
+
+
+def _exchange_lines(pairs: dict[tuple[str, str], dict[str, int]]) -> tuple[list[str], dict[str, int]]:
+    """The EXCHANGES table of `pairs` (with a total row where there are several), and the totals."""
+    totals = {name: sum(c[name] for c in pairs.values()) for name in (*_EXCHANGE_COLUMNS, "bytes")}
     rows = [
-        [producer, consumer, *(str(c[n]) for n in columns), _human_bytes(c["bytes"])]
+        [producer, consumer, *(str(c[n]) for n in _EXCHANGE_COLUMNS), _human_bytes(c["bytes"])]
         for (producer, consumer), c in pairs.items()
     ]
     if len(pairs) > 1:
-        rows.append(["total", "", *(str(totals[n]) for n in columns), _human_bytes(totals["bytes"])])
-    lines.append("EXCHANGES")
-    lines += _table(
-        ["producer", "consumer", "imports", "exports", "releases", "waits", "elided", "unordered", "refused", "bytes"],
-        rows,
-        right=range(2, 10),
-    )
-    lines.append("")
-    ordered = sum(1 for e in events if e.get("interposed") == "ordered")
-    lines.append(
-        f"{_plural(len(events), 'event')}"
-        + (f" in {processes} processes" if processes > 1 else "")
-        + f", {_plural(totals['wait'], 'wait')} inserted, {totals['elided']} elided, "
-        f"{_plural(hazard_count, 'hazard')}" + (f", {ordered} ordered by handoff's hooks" if ordered else "")
-    )
-    if activity:
-        lines.append(_activity.counts_line(activity))
-    if held:
-        places = Counter(str(e.get("where") or _NO_LIBRARY) for e in held)
-        shown = ", ".join(f"{where} ({count})" for where, count in places.most_common(3))
-        more = "" if len(places) <= 3 else f" and {len(places) - 3} more places"
-        lines.append(
-            f"{_plural(len(held), 'view')} still held when the trace ended (not a hazard): made at {shown}{more}"
-        )
-    lines += _bounded_note(dropped, limit)
-    return "\n".join(lines)
+        rows.append(["total", "", *(str(totals[n]) for n in _EXCHANGE_COLUMNS), _human_bytes(totals["bytes"])])
+    header = ["producer", "consumer", "imports", "exports", "releases", "waits", "elided", "unordered", "refused"]
+    return _table([*header, "bytes"], rows, right=range(2, 10)), totals
+
+
+def _held_line(held: Sequence[Mapping[str, Any]]) -> str:
+    """The views still held when the trace ended, by the three places that made most of them."""
+    places = Counter(str(e.get("where") or _NO_LIBRARY) for e in held)
+    shown = ", ".join(f"{where} ({count})" for where, count in places.most_common(3))
+    more = "" if len(places) <= 3 else f" and {len(places) - 3} more places"
+    return f"{_plural(len(held), 'view')} still held when the trace ended (not a hazard): made at {shown}{more}"
 
 
 def _bounded_note(dropped: int, limit: int | None) -> list[str]:
@@ -505,53 +514,21 @@ def chrome_trace(
         tid = track(device, consumer_stream if consumer_stream is not None else producer_stream)
         producer, consumer = event.get("producer") or "?", event.get("consumer") or "?"
         name = f"{event.get('kind', '?')} {producer}" + (f"\u2192{consumer}" if consumer != "?" else "")
-        slice_: Event = {
-            "name": name,
-            "cat": "handoff",
-            "ph": "X",
-            "ts": ts,
-            "dur": 1.0,
-            "pid": pid,
-            "tid": tid,
-            "args": _slice_args(event),
-        }
-        if event.get("hazard") is not None:
-            slice_["name"] = f"\u26a0 {event['hazard']}: {name}"
-            slice_["cname"] = "terrible"
-        elif event.get("action") == "refused":
+        slice_ = complete_slice(
+            name, "handoff", ts=ts, dur=1.0, pid=pid, tid=tid, args=_slice_args(event), hazard=event.get("hazard")
+        )
+        if event.get("hazard") is None and event.get("action") == "refused":
             slice_["cname"] = "bad"
         slices.append(slice_)
         if own_action and event.get("action") == "wait" and producer_stream is not None and consumer_stream is not None:
             # The arrow starts in a slice on the producer's track (a flow binds to enclosing slices).
             flow_id += 1
             source = track(device, producer_stream)
+            args = {"buffer": event.get("buffer")}
             slices.append(
-                {
-                    "name": f"ready for {consumer}",
-                    "cat": "handoff.wait",
-                    "ph": "X",
-                    "ts": ts,
-                    "dur": 1.0,
-                    "pid": pid,
-                    "tid": source,
-                    "args": {"buffer": event.get("buffer")},
-                }
+                complete_slice(f"ready for {consumer}", "handoff.wait", ts=ts, dur=1.0, pid=pid, tid=source, args=args)
             )
-            slices.append(
-                {"name": "wait", "cat": "handoff.wait", "ph": "s", "id": flow_id, "ts": ts, "pid": pid, "tid": source}
-            )
-            slices.append(
-                {
-                    "name": "wait",
-                    "cat": "handoff.wait",
-                    "ph": "f",
-                    "bp": "e",
-                    "id": flow_id,
-                    "ts": ts,
-                    "pid": pid,
-                    "tid": tid,
-                }
-            )
+            slices += _activity.arrow("wait", "handoff.wait", flow_id, source=(source, ts), target=(tid, ts), pid=pid)
 
     metadata: list[Event] = [
         {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": f"handoff (pid {pid})"}}

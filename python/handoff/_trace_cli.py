@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -366,7 +366,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         title = f"handoff trace of {shlex.join(command)}"
         print(
             summary(
-                section["events"],
+                shown_from_here(section["events"]),
                 title=title,
                 dropped=section["dropped"],
                 processes=len(traces),
@@ -380,6 +380,20 @@ def cmd_run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     return status if status != 0 or saved else 1
+
+
+def shown_from_here(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`events` with each source line below the working directory shown relative to it, as a user
+    reads a path from there (the trace file keeps the full paths)."""
+    here = os.path.join(os.getcwd(), "")
+
+    def shown(event: dict[str, Any]) -> dict[str, Any]:
+        where = event.get("where")
+        if isinstance(where, str) and where.startswith(here):
+            return {**event, "where": where[len(here) :]}
+        return event
+
+    return [shown(event) for event in events]
 
 
 # --- show, graph ----------------------------------------------------------------------------------
@@ -396,9 +410,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         limit = int(trace["limit"]) if _is_int(trace.get("limit")) else None
         dropped = int(trace["dropped"]) if _is_int(trace.get("dropped")) else 0
         problem = str(trace["launch_problem"]) if trace.get("launch_problem") else None
-        print(
-            summary(trace["events"], title=title, dropped=dropped, limit=limit, processes=count, launch_problem=problem)
-        )
+        events = shown_from_here(trace["events"])
+        print(summary(events, title=title, dropped=dropped, limit=limit, processes=count, launch_problem=problem))
     return 0
 
 
@@ -638,8 +651,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="subcommand", metavar="COMMAND")
 
-    run = commands.add_parser(
+    def command(
+        name: str, handler: Callable[[argparse.Namespace], int], *, help: str, description: str | None = None
+    ) -> argparse.ArgumentParser:
+        """The parser of the subcommand `name`, which `handler` runs, with its help and description."""
+        sub = commands.add_parser(name, help=help, description=description)
+        sub.set_defaults(handler=handler)
+        return sub
+
+    run = command(
         "run",
+        cmd_run,
         help="run a program with tracing on and summarize its exchanges",
         description="Runs CMD with HANDOFF_TRACE set, and a sitecustomize.py on its PYTHONPATH that imports "
         "handoff (so a Python program is traced without changes, its exchanges between NumPy, PyTorch, "
@@ -669,19 +691,19 @@ def build_parser() -> argparse.ArgumentParser:
         "waits by line",
     )
     run.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...", help="the program to run")
-    run.set_defaults(handler=cmd_run)
 
-    show = commands.add_parser(
+    show = command(
         "show",
+        cmd_show,
         help="summarize a saved trace",
         description="Prints the summary of a trace file: hazards first, then the exchanges per producer and consumer.",
     )
     show.add_argument("file", metavar="FILE", help="a trace file (handoff.trace(path=...), HANDOFF_TRACE); - for stdin")
     show.add_argument("--json", action="store_true", help="print the events as JSON instead")
-    show.set_defaults(handler=cmd_show)
 
-    graph = commands.add_parser(
+    graph = command(
         "graph",
+        cmd_graph,
         help="the ownership graph saved in a trace",
         description="Prints or draws the ownership graph of a trace file (buffers, "
         "views, streams) as it was when the trace ended.",
@@ -699,10 +721,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="OUT",
         help="where to write; default: stdout for dot and json, FILE.svg or FILE.png for images",
     )
-    graph.set_defaults(handler=cmd_graph)
 
-    attach = commands.add_parser(
+    attach = command(
         "attach",
+        cmd_attach,
         help="follow the exchanges of a running process",
         description="Connects to the trace socket of a process that serves one (HANDOFF_TRACE_SOCKET=1 or "
         "handoff.serve_trace()) and prints each exchange as it happens, until the process ends.",
@@ -711,15 +733,14 @@ def build_parser() -> argparse.ArgumentParser:
     attach.add_argument("--count", type=int, metavar="N", help="stop after N events")
     attach.add_argument("--json", action="store_true", help="print each event as its JSON line")
     attach.add_argument("--timeout", type=float, metavar="SECONDS", help="stop after SECONDS")
-    attach.set_defaults(handler=cmd_attach)
 
-    info = commands.add_parser(
+    info = command(
         "info",
+        cmd_info,
         help="the runtime: version, backend, devices",
         description="Prints handoff's runtime: backend, devices and versions.",
     )
     info.add_argument("--json", action="store_true", help="print it as JSON")
-    info.set_defaults(handler=cmd_info)
     return parser
 
 

@@ -42,7 +42,10 @@ struct active_sim {
 
 active_sim require_sim()
 {
-  context& ctx = module_exchange().require_device("handoff.sim");
+  // Said first: a newcomer running an example without the setting learns what to set.
+  context& ctx = module_exchange().require_device(
+    "handoff.sim runs on the simulated device: set HANDOFF_BACKEND=sim (or sim-rocm) before the process first uses "
+    "handoff. It");
   sim_backend* sim = device::as_sim(ctx.backend());
   if (sim == nullptr) {
     throw device_error(

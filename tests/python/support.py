@@ -3,14 +3,18 @@ skip what it cannot run, and the helpers the test modules share. Fixtures are in
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import os
 import subprocess
 import sys
+import threading
 import types
 from collections.abc import Iterator
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 import handoff
@@ -49,6 +53,49 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=120, check=False
     )
+
+
+def run_threads(worker, count: int) -> None:
+    """Runs worker(0) to worker(count - 1), each on a thread of its own, all at once, and waits for
+    them all to end."""
+    threads = [threading.Thread(target=worker, args=(index,)) for index in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def assert_dl_device_refused(dl_device: object, error: type[BaseException]) -> None:
+    """A CPU export asked to copy to `dl_device` (`__dlpack__(dl_device=...)`) raises `error`, which
+    names dl_device."""
+    array = handoff.from_dlpack(np.arange(3.0))
+    with pytest.raises(error, match="dl_device"):
+        array.__dlpack__(dl_device=dl_device, max_version=(1, 1))
+
+
+@contextlib.contextmanager
+def serving_child(script: str, runtime_dir: Path) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A process running `script`, which serves its trace (handoff.serve_trace), with XDG_RUNTIME_DIR
+    at `runtime_dir`: (the process, the path of the socket it printed first). Killed at the block's
+    end if it has not exited."""
+    with subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "XDG_RUNTIME_DIR": str(runtime_dir)},
+    ) as child:
+        try:
+            yield child, child.stdout.readline().strip()
+        finally:
+            if child.poll() is None:
+                child.kill()
+
+
+def go_on(child: subprocess.Popen, steps: int = 1) -> None:
+    """Writes `steps` lines to the stdin of a serving_child, each of which lets its script go on."""
+    child.stdin.write("\n" * steps)
+    child.stdin.flush()
 
 
 @functools.cache

@@ -582,3 +582,14 @@ def test_stats_count_every_exchange_of_concurrent_threads():
     after = handoff.stats()
     assert after["imports"] - before["imports"] == threads * rounds
     assert after["exports"] - before["exports"] == threads * rounds
+
+
+@pytest.mark.parametrize("setting", ["none", "auto"])
+def test_the_simulator_without_its_backend_says_what_to_set(setting):
+    if setting == "auto" and cuda_is_usable():
+        pytest.skip("with a usable CUDA device, auto starts the CUDA backend (the message then names it)")
+    code = "from handoff import sim\ntry:\n    sim.Stream()\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
+    out = run_python(code, HANDOFF_BACKEND=setting)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("DeviceError handoff.sim runs on the simulated device: set HANDOFF_BACKEND=sim")
+    assert f"HANDOFF_BACKEND={setting}" in out.stdout  # and what the process runs instead

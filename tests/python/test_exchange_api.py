@@ -16,7 +16,7 @@ import pytest
 import handoff
 
 from dlpack_ctypes import DLManagedTensorVersioned, DLPackVersion, HandMadeTensor, new_capsule
-from support import BACKEND, CUDA_ORDERING_REFUSED, DEVICE_TYPE, SIM, needs_sim, waiting_read
+from support import BACKEND, CUDA_ORDERING_REFUSED, DEVICE_TYPE, SIM, needs_sim, settle_sim, waiting_read
 
 if SIM:
     from handoff import sim
@@ -343,20 +343,27 @@ def streams():
 
 
 @needs_sim
-def test_the_consumer_waits_for_the_current_work_stream(streams):
+@pytest.mark.parametrize(
+    ("stream_fails", "dlpack_calls"),
+    [
+        pytest.param(False, 0, id="the consumer waits for the current work stream"),
+        # The read is then ordered by the producer's __dlpack__, and the table's tensor is still
+        # deleted exactly once.
+        pytest.param(True, 1, id="a failing current_work_stream falls back without leaking"),
+    ],
+)
+def test_an_ordered_import_through_the_table(streams, stream_fails, dlpack_calls):
     producer_stream, consumer = streams
-    table = Table()
+    table = Table(stream_fails=stream_fails)
     with sim.hold(producer_stream):
         producer = pending_producer(table, producer_stream)
         view = handoff.from_dlpack(producer, stream=consumer.handle)
-        assert (table.calls["stream"], producer.dlpack_calls) == (1, 0)
+        assert (table.calls["from_py"], table.calls["stream"], producer.dlpack_calls) == (1, 1, dlpack_calls)
         read = waiting_read(view, consumer)
     assert read.result()[[0, -1]].tolist() == [1.0, 1.0]
     del view
-    sim.synchronize()
-    gc.collect()
-    sim.drain()
-    assert producer.tensor.deleted == 1
+    settle_sim()
+    assert producer.tensor.deleted == 1, "the table's tensor is deleted exactly once"
 
 
 @needs_sim
@@ -379,23 +386,6 @@ def test_negative_control_stream_minus_one_reads_stale_data(streams):
         view = handoff.from_dlpack(producer, stream=-1)
         assert table.calls["stream"] == 0, "no ordering asked, so no stream to ask for"
         assert sim.to_numpy(view, stream=consumer)[0] == 0.0, "expected stale data without ordering"
-
-
-@needs_sim
-def test_a_failing_current_work_stream_falls_back_without_leaking(streams):
-    producer_stream, consumer = streams
-    table = Table(stream_fails=True)
-    with sim.hold(producer_stream):
-        producer = pending_producer(table, producer_stream)
-        view = handoff.from_dlpack(producer, stream=consumer.handle)
-        assert (table.calls["from_py"], table.calls["stream"], producer.dlpack_calls) == (1, 1, 1)
-        read = waiting_read(view, consumer)  # ordered by the producer's __dlpack__
-    assert read.result()[0] == 1.0
-    del view
-    sim.synchronize()
-    gc.collect()
-    sim.drain()
-    assert producer.tensor.deleted == 1, "the table's tensor is deleted exactly once"
 
 
 @needs_sim

@@ -541,32 +541,24 @@ def numba_pending(numba_cuda, torch, spin_cycles, producer):
     return x
 
 
+@pytest.mark.parametrize("ordered", [True, NEGATIVE_CONTROL])
 def test_numba_to_handoff_honours_the_interface_stream(
-    numba_cuda, torch, spin_cycles, torch_streams, settled_views, torch_out
+    numba_cuda, torch, spin_cycles, torch_streams, ordered, settled_views, torch_out
 ):
+    # The negative control imports with no ordering (stream=-1): the read shows the race.
     cuda, _ = numba_cuda
     producer = cuda.stream()
     _, consumer = torch_streams
     x = numba_pending(numba_cuda, torch, spin_cycles, producer)
-    assert x.__cuda_array_interface__["stream"] == int(producer)
-    view = handoff.asarray(x, stream=consumer)
-    assert view.data_ptr == x.__cuda_array_interface__["data"][0]
-    assert read_with_torch(torch, torch_out, view, consumer.cuda_stream) == (DONE, DONE)
-    producer.synchronize()
-
-
-@pytest.mark.negative_control
-def test_numba_to_handoff_negative_control_shows_the_race(
-    numba_cuda, torch, spin_cycles, torch_streams, settled_views, torch_out
-):
-    cuda, _ = numba_cuda
-    producer = cuda.stream()
-    _, consumer = torch_streams
-    x = numba_pending(numba_cuda, torch, spin_cycles, producer)
-    view = handoff.asarray(x, stream=-1)
-    assert read_with_torch(torch, torch_out, Unordered(view), consumer.cuda_stream) == (STALE, STALE), (
-        "expected stale data"
-    )
+    view = handoff.asarray(x, stream=consumer if ordered else -1)
+    if ordered:
+        assert x.__cuda_array_interface__["stream"] == int(producer)
+        assert view.data_ptr == x.__cuda_array_interface__["data"][0]
+    expected = DONE if ordered else STALE
+    assert read_with_torch(torch, torch_out, view if ordered else Unordered(view), consumer.cuda_stream) == (
+        expected,
+        expected,
+    ), "expected the producer's data" if ordered else "expected stale data"
     producer.synchronize()
 
 
@@ -679,21 +671,32 @@ def owned_view(torch, stream=None):
     return view, weakref.ref(owner)
 
 
+def assert_producer_kept_until_done(torch, consumer, ordered, settled_views, consume) -> None:
+    """`consume(view)` hands an owned_view over to work on `consumer`, held back, and drops every
+    reference it took: the producer must outlive that work when `ordered`, and go at once in the
+    negative control."""
+    view, gone = owned_view(torch)
+    with held(consumer.cuda_stream):
+        consume(view)
+        del view
+        gc.collect()
+        assert_kept_while_the_stream_works(gone() is not None, ordered, "the producer")
+    assert_let_go_once_done(consumer, gone, settled_views)
+
+
 @pytest.mark.parametrize("ordered", [True, NEGATIVE_CONTROL])
 def test_an_export_keeps_its_producer_until_the_consumers_stream_is_done(torch, torch_streams, ordered, settled_views):
     # PyTorch calls the capsule's deleter when its tensor goes, whatever its stream still has queued:
     # the caching allocator would hand the block out again while the consumer's kernel reads it. The
     # negative control exports with no ordering (stream=-1): nothing then says when to release.
     _, consumer = torch_streams
-    view, gone = owned_view(torch)
-    with held(consumer.cuda_stream):
+
+    def consume(view):
         with handoff.stream(consumer), torch.cuda.stream(consumer):
             t = torch.from_dlpack(view if ordered else Unordered(view))  # PyTorch names `consumer`
             t.add_(1.0)  # the consumer's later work on the data, held back
-        del t, view
-        gc.collect()
-        assert_kept_while_the_stream_works(gone() is not None, ordered, "the producer")
-    assert_let_go_once_done(consumer, gone, settled_views)
+
+    assert_producer_kept_until_done(torch, consumer, ordered, settled_views, consume)
 
 
 @pytest.mark.parametrize("ordered", [True, NEGATIVE_CONTROL])
@@ -701,15 +704,13 @@ def test_a_view_released_while_its_consumer_stream_is_busy_keeps_the_producer(
     torch, torch_streams, ordered, settled_views
 ):
     _, consumer = torch_streams
-    view, gone = owned_view(torch)
-    with held(consumer.cuda_stream):
+
+    def consume(view):
         imported = handoff.from_dlpack(view, stream=consumer if ordered else -1)
         with torch.cuda.stream(consumer):
             torch.from_dlpack(imported if ordered else Unordered(imported)).add_(1.0)
-        del imported, view
-        gc.collect()
-        assert_kept_while_the_stream_works(gone() is not None, ordered, "the producer")
-    assert_let_go_once_done(consumer, gone, settled_views)
+
+    assert_producer_kept_until_done(torch, consumer, ordered, settled_views, consume)
 
 
 @pytest.mark.parametrize("ordered", [True, NEGATIVE_CONTROL])

@@ -22,6 +22,7 @@ import textwrap
 import time
 import types
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -479,6 +480,10 @@ def test_the_ordering_mode_from_the_environment_fixes_an_unchanged_program(tmp_p
     assert [e["interposed"] for e in section["events"] if e["interposed"]] == ["ordered"]
 
 
+# The ordering mode on (handoff.order_libraries), and off: the negative control.
+ordering_on_and_off = pytest.mark.parametrize("ordering", [True, False], ids=["ordered", "negative-control-unordered"])
+
+
 def imported_by_torchlike(peers, ordering: bool) -> tuple:
     """An array of the careless library's, imported by the PyTorch-like one with the ordering mode on
     or off: (the import, a weak reference to the producer's array, the producer's memory). The caller
@@ -509,19 +514,28 @@ def released_while_held(gone, held: bool) -> None:
     assert gone() is None, "released with the consumer's array, whatever its stream still does"
 
 
+@contextlib.contextmanager
+def consumer_work_held(consumer, gone, kept: bool) -> Iterator[None]:
+    """A hold of the consumer's stream around its work on an import and the drop of its arrays: at the
+    block's end, released_while_held(gone, kept) while the work is still held; after the hold, once
+    that work is done, the producer must be gone."""
+    with sim.hold(consumer):
+        yield
+        released_while_held(gone, held=kept)
+    settle_sim()
+    assert gone() is None
+
+
 @needs_sim
-@pytest.mark.parametrize("ordering", [True, False], ids=["ordered", "negative-control-unordered"])
+@ordering_on_and_off
 def test_the_ordering_mode_keeps_the_producer_until_the_consumers_array_is_gone_and_its_stream_done(peers, ordering):
     _, torchlike, _, consumer = peers
     y, gone, _memory = imported_by_torchlike(peers, ordering)
-    with sim.hold(consumer):
+    # Ordered, the producer is kept until the work the consumer's stream had when its array went is
+    # done; unordered, it goes with the array, while that work still reads its memory.
+    with consumer_work_held(consumer, gone, kept=ordering):
         write(torchlike, y, consumer, 2.0)  # the consumer's kernel, still running on its stream
         del y
-        # Ordered, the producer is kept until the work the consumer's stream had when its array went
-        # is done; unordered, it goes with the array, while that work still reads its memory.
-        released_while_held(gone, held=ordering)
-    settle_sim()
-    assert gone() is None
 
 
 @needs_sim
@@ -858,7 +872,7 @@ def test_a_numpy_array_handed_over_is_described_as_numpy_describes_it(array):
 
 
 @needs_sim
-@pytest.mark.parametrize("ordering", [True, False], ids=["ordered", "negative-control-unordered"])
+@ordering_on_and_off
 def test_an_array_given_by_keyword_is_ordered_as_one_given_by_position(peers, ordering):
     careless, torchlike, producer, consumer = peers
     handoff.order_libraries(ordering)
@@ -965,7 +979,7 @@ def test_a_consumer_stream_destroyed_before_its_array_is_never_used_after_it_is_
 
 
 @needs_sim
-@pytest.mark.parametrize("ordering", [True, False], ids=["ordered", "negative-control-unordered"])
+@ordering_on_and_off
 def test_the_ordering_mode_releases_the_producer_after_the_consumers_storage_not_its_first_wrapper(peers, ordering):
     _, torchlike, _, consumer = peers
     y, gone, _memory = imported_by_torchlike(peers, ordering)
@@ -973,13 +987,10 @@ def test_the_ordering_mode_releases_the_producer_after_the_consumers_storage_not
     del y
     settle_sim()
     assert gone() is not None, "the view still holds the data"
-    with sim.hold(consumer):
+    # Ordered, the release waits for the work the consumer's stream had when its storage went.
+    with consumer_work_held(consumer, gone, kept=ordering):
         write(torchlike, view, consumer, 3.0)  # later work of the consumer's, through the view
         del view
-        # Ordered, the release waits for the work the consumer's stream had when its storage went.
-        released_while_held(gone, held=ordering)
-    settle_sim()
-    assert gone() is None
 
 
 @needs_sim

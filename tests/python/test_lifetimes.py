@@ -16,7 +16,7 @@ import pytest
 import handoff
 
 from dlpack_ctypes import capsule_name
-from support import SIM_ROCM, live_views, needs_sim, run_python
+from support import SIM_ROCM, live_views, needs_sim, run_python, run_threads
 
 
 class Owned(np.ndarray):
@@ -252,11 +252,7 @@ def test_many_threads_exchanging_at_once(torch, settled):
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    workers = [threading.Thread(target=worker, args=(n,)) for n in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    run_threads(worker, threads)
     assert not errors, errors[0]
     assert live_views() == settled
 

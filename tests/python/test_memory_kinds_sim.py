@@ -61,12 +61,18 @@ def _imported_to_the_cpu(source, copy):
     return handoff.from_dlpack(source.__dlpack__(max_version=(1, 1)), device="cpu", copy=copy)
 
 
-@pytest.mark.parametrize("to_cpu", [_exported_to_the_cpu, _imported_to_the_cpu], ids=["export", "import"])
-@pytest.mark.parametrize("memory", ["pinned", "managed"])
-def test_host_accessible_memory_goes_to_the_cpu_without_a_copy(memory, to_cpu):
-    if SIM_ROCM and memory == "managed":
+@pytest.fixture(params=["pinned", "managed"])
+def host_accessible(request):
+    """Simulator memory of N zeros that the host can reach: pinned, or managed (not on ROCm, where
+    managed memory has no DLPack device type)."""
+    if SIM_ROCM and request.param == "managed":
         pytest.skip("managed memory has no DLPack device type on ROCm")
-    source = sim.zeros(N, memory=memory)
+    return sim.zeros(N, memory=request.param)
+
+
+@pytest.mark.parametrize("to_cpu", [_exported_to_the_cpu, _imported_to_the_cpu], ids=["export", "import"])
+def test_host_accessible_memory_goes_to_the_cpu_without_a_copy(host_accessible, to_cpu):
+    source = host_accessible
     producer = sim.Stream(non_blocking=True)
     with sim.hold(producer):
         sim.fill(source, 8.0, stream=producer)
@@ -83,11 +89,8 @@ def test_host_accessible_memory_goes_to_the_cpu_without_a_copy(memory, to_cpu):
     assert np.from_dlpack(copied)[-1] == 8.0
 
 
-@pytest.mark.parametrize("memory", ["pinned", "managed"])
-def test_a_copy_of_host_accessible_memory_comes_back_on_the_same_device(memory):
-    if SIM_ROCM and memory == "managed":
-        pytest.skip("managed memory has no DLPack device type on ROCm")
-    source = sim.zeros(N, memory=memory)
+def test_a_copy_of_host_accessible_memory_comes_back_on_the_same_device(host_accessible):
+    source = host_accessible
     producer = sim.Stream(non_blocking=True)
     with sim.hold(producer):
         sim.fill(source, 5.0, stream=producer)

@@ -60,6 +60,17 @@ def pending_write(stream, value=1.0, device=0):
     return array
 
 
+def import_and_read(source, consumer, ordered: bool) -> tuple:
+    """Inside a hold of `source`'s producer: imports it for `consumer` (with no ordering, stream=-1, in
+    the negative control) and enqueues a read of it there, which waits for the hold when ordered and
+    reads stale data at once in the negative control. Returns (the view, the read's PendingCopy)."""
+    view = handoff.from_dlpack(source, stream=consumer if ordered else -1)
+    read = waiting_read(view, consumer) if ordered else sim.to_numpy(view, stream=consumer, wait=False)
+    if not ordered:
+        assert read.result()[0] == 0.0, "expected stale data without ordering"
+    return view, read
+
+
 class OlderTorchStream:
     """PyTorch's stream before its CUDA stream protocol (pytorch/pytorch#163614, 2025), which handoff
     reads by `.cuda_stream`; its `.device` a torch.device."""
@@ -97,24 +108,20 @@ def test_arrays_of_the_second_device_report_its_id():
     assert sim.zeros(4, device=1).device == (DEVICE_TYPE, 1)
 
 
-@pytest.mark.parametrize("spelling", CONSUMER_SPELLINGS)
+@pytest.mark.parametrize(
+    "spelling", [*CONSUMER_SPELLINGS, None], ids=[*CONSUMER_SPELLINGS, "the enclosing stream block"]
+)
 def test_import_orders_a_pending_write_for_every_stream_spelling(streams, spelling):
     producer, consumer = streams
     with sim.hold(producer):
         source = pending_write(producer)
-        view = handoff.from_dlpack(source, stream=CONSUMER_SPELLINGS[spelling](consumer))
+        if spelling is None:  # no stream argument: the enclosing handoff.stream block names the consumer
+            with handoff.stream(consumer):
+                view = handoff.from_dlpack(source)
+        else:
+            view = handoff.from_dlpack(source, stream=CONSUMER_SPELLINGS[spelling](consumer))
         read = waiting_read(view, consumer)
     assert read.result()[[0, -1]].tolist() == [1.0, 1.0]
-
-
-def test_import_orders_for_the_enclosing_stream_block(streams):
-    producer, consumer = streams
-    with sim.hold(producer):
-        source = pending_write(producer)
-        with handoff.stream(consumer):
-            view = handoff.from_dlpack(source)
-        read = waiting_read(view, consumer)
-    assert read.result()[0] == 1.0
 
 
 def test_negative_control_no_ordering_shows_the_race(streams):
@@ -221,10 +228,7 @@ def test_data_written_from_a_peer_devices_stream_is_ordered_on_that_stream(order
     consumer = sim.Stream(1, non_blocking=True)
     with sim.hold(peer):
         sim.fill(source, 5.0, stream=peer)  # device 1's data written from a device 0 stream
-        view = handoff.from_dlpack(source, stream=consumer if ordered else -1)
-        read = waiting_read(view, consumer) if ordered else sim.to_numpy(view, stream=consumer, wait=False)
-        if not ordered:
-            assert read.result()[0] == 0.0, "expected stale data without ordering"
+        _view, read = import_and_read(source, consumer, ordered)  # the view lives to the end
     assert read.result()[0] == (5.0 if ordered else 0.0)
     sim.synchronize()
 
@@ -777,31 +781,34 @@ def test_an_export_keeps_its_producer_until_a_stream_the_block_holds_is_done():
     assert gone() is None
 
 
-@pytest.mark.negative_control
-def test_negative_control_a_bare_consumer_handle_is_not_waited_for_at_release():
-    # A stream named by a bare handle may be destroyed before the deleter runs: it is not touched,
-    # and the producer goes with the deleter (the consumer's duty; see HANDOFF_EXPORT_RELEASE).
+def exported_to_a_bare_handle_that_works() -> tuple:
+    """An owned_view exported to a consumer stream named by its bare handle and dropped while held
+    work of that stream's uses it: (whether the producer was kept while the work was held, a weak
+    reference to the producer), once everything settled."""
     view, gone = owned_view()
     consumer = sim.Stream(non_blocking=True)
     with sim.hold(consumer):
         dropped_while_the_consumer_works(view, consumer.handle, consumer)
         del view
         gc.collect()
-        assert gone() is None
+        kept = gone() is not None
     settle()
+    return kept, gone
+
+
+@pytest.mark.negative_control
+def test_negative_control_a_bare_consumer_handle_is_not_waited_for_at_release():
+    # A stream named by a bare handle may be destroyed before the deleter runs: it is not touched,
+    # and the producer goes with the deleter (the consumer's duty; see HANDOFF_EXPORT_RELEASE).
+    kept, _ = exported_to_a_bare_handle_that_works()
+    assert not kept
 
 
 def test_every_stream_policy_waits_for_bare_consumer_handles_too():
     previous = handoff.set_export_release("every-stream")
     try:
-        view, gone = owned_view()
-        consumer = sim.Stream(non_blocking=True)
-        with sim.hold(consumer):
-            dropped_while_the_consumer_works(view, consumer.handle, consumer)
-            del view
-            gc.collect()
-            assert gone() is not None, "the producer was released while the consumer's stream still used it"
-        settle()
+        kept, gone = exported_to_a_bare_handle_that_works()
+        assert kept, "the producer was released while the consumer's stream still used it"
         assert gone() is None
     finally:
         assert handoff.set_export_release(previous) == "every-stream"
@@ -931,10 +938,7 @@ def test_data_ready_on_an_ended_threads_default_stream_is_read_finished(streams,
 
     with sim.hold(gate):
         in_a_thread(write)
-        view = handoff.from_dlpack(source, stream=consumer if ordered else -1)
-        read = waiting_read(view, consumer) if ordered else sim.to_numpy(view, stream=consumer, wait=False)
-        if not ordered:
-            assert read.result()[0] == 0.0, "expected stale data without ordering"
+        _view, read = import_and_read(source, consumer, ordered)  # the view lives to the end
     assert read.result()[0] == (7.0 if ordered else 0.0)
     sim.synchronize()
 

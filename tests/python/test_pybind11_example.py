@@ -92,17 +92,21 @@ def test_a_mismatch_lists_the_accepted_signature(call, argument, signature):
         call(argument) if call is not te.scale else call(argument, 2.0)
 
 
+def pass_pending_rows(function, producer, consumer):
+    """`function` called inside a handoff.stream(consumer) block with 1024 rows of three float32s
+    whose write of 1.0 is enqueued on `producer`: still pending while the caller holds `producer`."""
+    pending = pending_write(producer, 3 * 1024)
+    with handoff.stream(consumer):
+        return function(
+            handoff.view(pending.data_ptr, (1024, 3), "float32", device=pending.device, owner=pending, stream=producer)
+        )
+
+
 @needs_sim
 def test_a_device_argument_is_ordered_onto_the_consumer_stream(sim_streams):
     producer, consumer = sim_streams
     with sim.hold(producer):
-        pending = pending_write(producer, 3 * 1024)
-        with handoff.stream(consumer):
-            imported = te.rows_of_three(
-                handoff.view(
-                    pending.data_ptr, (1024, 3), "float32", device=pending.device, owner=pending, stream=producer
-                )
-            )
+        imported = pass_pending_rows(te.rows_of_three, producer, consumer)
         read = waiting_read(imported, consumer)
     assert read.result()[[0, -1]].tolist() == [[1.0] * 3] * 2
 
@@ -113,13 +117,7 @@ def test_a_parameter_that_orders_itself_gets_no_wait(sim_streams):
     # nothing, so a read on the consumer stream at once races the producer, as it must here.
     producer, consumer = sim_streams
     with sim.hold(producer):
-        pending = pending_write(producer, 3 * 1024)
-        with handoff.stream(consumer):
-            imported = te.rows_of_three_unordered(
-                handoff.view(
-                    pending.data_ptr, (1024, 3), "float32", device=pending.device, owner=pending, stream=producer
-                )
-            )
+        imported = pass_pending_rows(te.rows_of_three_unordered, producer, consumer)
         assert sim.to_numpy(imported, stream=consumer)[0].tolist() == [0.0] * 3, "expected stale data: nothing waited"
 
 

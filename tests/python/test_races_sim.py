@@ -20,7 +20,7 @@ import pytest
 import handoff
 from handoff import _trace_cli
 
-from support import DEFAULT_STREAM, cuda_is_usable, needs_sim, run_python
+from support import DEFAULT_STREAM, cuda_is_usable, go_on, needs_sim, run_python, serving_child
 
 HERE = Path(__file__).resolve()
 EXAMPLES = HERE.parents[2] / "examples"
@@ -440,33 +440,20 @@ sys.stdin.readline()
 
 @needs_sim
 def test_attach_carries_the_device_activity_of_a_launch_trace(tmp_path):
-    with subprocess.Popen(
-        [sys.executable, "-c", ATTACHED],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)},
-    ) as child:
-        try:
-            path = child.stdout.readline().strip()
-            with socket.socket(socket.AF_UNIX) as client:
-                client.settimeout(30)
-                client.connect(path)
-                with client.makefile("r") as reader:
-                    # admitted: the hello is sent once the client counts as attached
-                    assert json.loads(reader.readline())["hello"] == "handoff"
-                    child.stdin.write("\n")
-                    child.stdin.flush()
-                    events = [json.loads(reader.readline()) for _ in range(2)]
-            assert [(e["kind"], e["op"]) for e in events] == [("launch", "kernel"), ("sync", "stream")]
-            launch = next(e for e in events if e["kind"] == "launch")
-            assert launch["kernel"] == "watched" and "launch" in _trace_cli.format_event(launch)
-            child.stdin.write("\n")
-            child.stdin.flush()
-            assert child.wait(timeout=60) == 0
-        finally:
-            if child.poll() is None:
-                child.kill()
+    with serving_child(ATTACHED, tmp_path) as (child, path):
+        with socket.socket(socket.AF_UNIX) as client:
+            client.settimeout(30)
+            client.connect(path)
+            with client.makefile("r") as reader:
+                # admitted: the hello is sent once the client counts as attached
+                assert json.loads(reader.readline())["hello"] == "handoff"
+                go_on(child)
+                events = [json.loads(reader.readline()) for _ in range(2)]
+        assert [(e["kind"], e["op"]) for e in events] == [("launch", "kernel"), ("sync", "stream")]
+        launch = next(e for e in events if e["kind"] == "launch")
+        assert launch["kernel"] == "watched" and "launch" in _trace_cli.format_event(launch)
+        go_on(child)
+        assert child.wait(timeout=60) == 0
 
 
 # --- handoff-trace run --launches on the examples ---------------------------------------------------

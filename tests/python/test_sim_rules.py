@@ -357,8 +357,8 @@ def test_a_wait_for_held_work_on_the_holding_thread_fails_instead_of_hanging(no_
     assert read.result()[0] == 4.0
 
 
-def test_synchronize_unheld_waits_for_what_can_run_and_not_for_what_is_held(no_leaks):
-    held, free = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)
+def test_synchronize_unheld_waits_for_what_can_run_and_not_for_what_is_held(no_leaks, sim_streams):
+    held, free = sim_streams
     held_array, free_array = sim.zeros(8), sim.zeros(8)
     with sim.hold(held):
         sim.fill(held_array, 1.0, stream=held)

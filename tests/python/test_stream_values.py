@@ -44,9 +44,9 @@ def test_cuda_special_values(device, value, expected):
     assert classify(device, value) == expected
 
 
-@pytest.mark.parametrize("device", CUDA_LIKE)
+@pytest.mark.parametrize("device", CUDA_LIKE + ROCM_LIKE)
 @pytest.mark.parametrize("handle", HANDLES)
-def test_cuda_handle_is_that_stream(device, handle):
+def test_cuda_and_rocm_handle_is_that_stream(device, handle):
     assert classify(device, handle) == ("handle", handle)
 
 
@@ -72,12 +72,6 @@ def test_cuda_other_values(device, value):
 )
 def test_rocm_special_values(device, value, expected):
     assert classify(device, value) == expected
-
-
-@pytest.mark.parametrize("device", ROCM_LIKE)
-@pytest.mark.parametrize("handle", HANDLES)
-def test_rocm_handle_is_that_stream(device, handle):
-    assert classify(device, handle) == ("handle", handle)
 
 
 @pytest.mark.parametrize("device", ROCM_LIKE)

@@ -24,7 +24,7 @@ import pytest
 
 import handoff
 
-from support import BACKEND, DEFAULT_STREAM, DEVICE_COUNT, SIM_ROCM, needs_sim, sim_leak_check
+from support import BACKEND, DEFAULT_STREAM, DEVICE_COUNT, SIM_ROCM, needs_sim, run_threads, sim_leak_check
 
 pytestmark = needs_sim
 if BACKEND.startswith("sim"):
@@ -208,11 +208,7 @@ def run_in_threads(seed: int, rounds_of) -> list[dict]:
         except BaseException as error:  # noqa: BLE001 - reported below, with the seed
             errors.append(error)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(THREADS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_threads(worker, THREADS)
     if errors:
         raise AssertionError(f"HANDOFF_STRESS_SEED={seed}: a thread failed") from errors[0]
     return outcomes

@@ -4,7 +4,6 @@ trace, debug logging and the live socket."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import os
@@ -15,7 +14,6 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +21,16 @@ import pytest
 
 import handoff
 
-from support import BACKEND, needs_sim, needs_two_devices, pending_write, run_python, waiting_read
+from support import (
+    BACKEND,
+    go_on,
+    needs_sim,
+    needs_two_devices,
+    pending_write,
+    run_python,
+    serving_child,
+    waiting_read,
+)
 
 THIS_FILE = Path(__file__).resolve()
 
@@ -340,6 +347,7 @@ def socket_path(pid: int) -> Path:
     return Path(os.environ.get("TMPDIR") or "/tmp") / f"handoff-{os.geteuid()}" / f"trace-{pid}.sock"
 
 
+# For serving_child: each line written to its stdin lets it go on (first: make three imports; second: exit).
 SERVING_SCRIPT = """
 import sys, numpy as np, handoff
 print(handoff.serve_trace(), flush=True)
@@ -348,29 +356,6 @@ for _ in range(3):
     handoff.from_dlpack(np.zeros(5))
 sys.stdin.readline()
 """
-
-
-@contextlib.contextmanager
-def serving_child(runtime_dir: Path) -> Iterator[tuple[subprocess.Popen, str]]:
-    """A process that serves its trace, with XDG_RUNTIME_DIR at `runtime_dir`; each line written to
-    its stdin lets it go on (first: make three imports; second: exit)."""
-    with subprocess.Popen(
-        [sys.executable, "-c", SERVING_SCRIPT],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "XDG_RUNTIME_DIR": str(runtime_dir)},
-    ) as child:
-        try:
-            yield child, child.stdout.readline().strip()
-        finally:
-            if child.poll() is None:
-                child.kill()
-
-
-def go_on(child: subprocess.Popen, steps: int = 1) -> None:
-    child.stdin.write("\n" * steps)
-    child.stdin.flush()
 
 
 SERVING_WHILE_RELEASING = """
@@ -410,7 +395,7 @@ def test_the_socket_serves_while_the_service_thread_runs_a_release_and_refuses_c
 
 
 def test_a_served_trace_streams_each_exchange_to_an_attached_client(tmp_path):
-    with serving_child(tmp_path) as (child, path):
+    with serving_child(SERVING_SCRIPT, tmp_path) as (child, path):
         assert path == str(tmp_path / "handoff" / f"trace-{child.pid}.sock")
         assert (os.stat(tmp_path / "handoff").st_mode & 0o777) == 0o700
         assert (os.stat(path).st_mode & 0o777) == 0o600
@@ -430,7 +415,7 @@ def test_a_served_trace_streams_each_exchange_to_an_attached_client(tmp_path):
 
 
 def test_garbage_and_a_vanishing_client_do_not_disturb_the_traced_process(tmp_path):
-    with serving_child(tmp_path) as (child, path):
+    with serving_child(SERVING_SCRIPT, tmp_path) as (child, path):
         with socket.socket(socket.AF_UNIX) as rude:
             rude.connect(path)
             rude.sendall(os.urandom(1 << 20) + b"x" * (1 << 20))  # garbage, and one huge line
@@ -489,7 +474,7 @@ def test_a_client_of_another_uid_is_refused():
 
 
 def refused_by_peer_credentials(runtime_dir: Path) -> None:
-    with serving_child(runtime_dir) as (child, path):
+    with serving_child(SERVING_SCRIPT, runtime_dir) as (child, path):
         assert connect_as_nobody(path) == "denied", "the 0700 directory and 0600 socket keep other users out"
         # Past the file modes (opened up here on purpose), the peer's credentials refuse it.
         os.chmod(runtime_dir / "handoff", 0o711)
@@ -500,7 +485,7 @@ def refused_by_peer_credentials(runtime_dir: Path) -> None:
 
 
 def test_handoff_trace_attach_prints_a_live_process_exchanges(tmp_path):
-    with serving_child(tmp_path) as (child, _):
+    with serving_child(SERVING_SCRIPT, tmp_path) as (child, _):
         cli = Path(sys.executable).with_name("handoff-trace")
         command = [str(cli)] if cli.exists() else [sys.executable, "-m", "handoff._trace_cli"]
         with subprocess.Popen(

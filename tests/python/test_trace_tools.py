@@ -58,6 +58,23 @@ def event(**fields: Any) -> dict[str, Any]:
     return out
 
 
+def unordered_import(time_ns: int, *, buffer: str, view: str) -> dict[str, Any]:
+    """An import from line 20 of TRAIN handed over with no ordering while its producer stream had work."""
+    return event(
+        time_ns=time_ns,
+        producer_stream=0x10,
+        action="unordered",
+        hazard="unordered",
+        detail=UNORDERED,
+        where=f"{TRAIN}:20",
+        buffer=buffer,
+        view=view,
+    )
+
+
+# The fields of a numpy array of 3 float64s on the CPU, which one event imports and the next releases.
+NUMPY_ARRAY: dict[str, Any] = {"producer": "numpy", "device": (1, 0), "shape": [3], "dtype": "float64", "nbytes": 24}
+
 EVENTS = [
     event(time_ns=1_000_000_000, producer_stream=0x10, consumer_stream=0x20, action="wait", where=f"{TRAIN}:10"),
     event(
@@ -70,46 +87,15 @@ EVENTS = [
         view="view:3",
         where=f"{TRAIN}:11",
     ),
-    event(
-        time_ns=1_000_005_000,
-        producer_stream=0x10,
-        action="unordered",
-        hazard="unordered",
-        detail=UNORDERED,
-        where=f"{TRAIN}:20",
-        buffer="buffer:4",
-        view="view:5",
-    ),
-    event(
-        time_ns=1_000_006_000,
-        producer_stream=0x10,
-        action="unordered",
-        hazard="unordered",
-        detail=UNORDERED,
-        where=f"{TRAIN}:20",
-        buffer="buffer:6",
-        view="view:7",
-    ),
-    event(
-        time_ns=1_000_007_000,
-        producer="numpy",
-        device=(1, 0),
-        shape=[3],
-        dtype="float64",
-        nbytes=24,
-        where=f"{TRAIN}:30",
-        buffer="buffer:8",
-        view="view:9",
-    ),
+    # The same unordered hand-over twice, from one line: the summary groups them as "2x".
+    unordered_import(1_000_005_000, buffer="buffer:4", view="view:5"),
+    unordered_import(1_000_006_000, buffer="buffer:6", view="view:7"),
+    event(time_ns=1_000_007_000, **NUMPY_ARRAY, where=f"{TRAIN}:30", buffer="buffer:8", view="view:9"),
     event(
         kind="release",
         time_ns=1_000_008_000,
-        producer="numpy",
+        **NUMPY_ARRAY,
         consumer=None,
-        device=(1, 0),
-        shape=[3],
-        dtype="float64",
-        nbytes=24,
         where=f"{TRAIN}:31",
         buffer="buffer:8",
         view=None,
@@ -203,27 +189,16 @@ def test_summary_table_columns_are_aligned():
 
 
 def test_summary_counts_one_action_for_the_two_halves_of_an_import_from_handoffs_own_exporter():
+    exchange = {
+        "producer": "handoff.sim",
+        "producer_stream": 1,
+        "consumer_stream": 2,
+        "action": "wait",
+        "where": "x.py:1",
+    }
     halves = [
-        event(
-            kind="export",
-            producer="handoff.sim",
-            producer_stream=1,
-            consumer_stream=2,
-            action="wait",
-            where="x.py:1",
-            buffer="buffer:1",
-            view="view:2",
-        ),
-        event(
-            kind="import",
-            producer="handoff.sim",
-            producer_stream=1,
-            consumer_stream=2,
-            action="wait",
-            where="x.py:1",
-            buffer="buffer:3",
-            view="view:4",
-        ),
+        event(kind="export", **exchange, buffer="buffer:1", view="view:2"),
+        event(kind="import", **exchange, buffer="buffer:3", view="view:4"),
     ]
     text = summary(halves)
     assert row_of(text, "handoff.sim", "handoff")[2:] == ["1", "1", "0", "1", "0", "0", "0", "64", "B"]
@@ -497,6 +472,25 @@ def test_show_prints_the_summary_or_the_events(saved: Path, capsys: pytest.Captu
     assert capsys.readouterr().out.rstrip("\n").endswith(summary(EVENTS).splitlines()[-1])
     assert _trace_cli.main(["show", "--json", str(saved)]) == 0
     assert json.loads(capsys.readouterr().out) == as_json(EVENTS)
+
+
+def test_show_gives_source_lines_below_the_working_directory_relative_to_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    train = str(tmp_path / "project" / "train.py")
+    events = [{**e, "where": str(e["where"]).replace(TRAIN, train)} if e.get("where") else e for e in EVENTS]
+    path = tmp_path / "saved.json"
+    path.write_text(json.dumps(chrome_trace(events)))
+    monkeypatch.chdir(tmp_path)
+    assert _trace_cli.main(["show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "  project/train.py:20  " in out and train not in out
+    assert _trace_cli.main(["show", "--json", str(path)]) == 0
+    assert f"{train}:20" in capsys.readouterr().out, "the events themselves keep the full path"
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # the negative control: a line not below it stays whole
+    assert _trace_cli.main(["show", str(path)]) == 0
+    assert f"  {train}:20  " in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
