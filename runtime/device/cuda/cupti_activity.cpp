@@ -379,11 +379,505 @@ const Params& params_of(const CUpti_CallbackData& data) noexcept
   return *static_cast<const Params*>(data.functionParams);
 }
 
+// One driver call as the detector records it: what it did, on which stream, and the device memory
+// it touches. Decoded by kind of call: launches, copies and sets; streams and events; host waits;
+// memory.
+class decoded_call {
+ public:
+  enum class outcome {
+    other_call,  // not a call of the kind asked
+    nothing,     // a call of that kind that records nothing
+    activity,    // an activity to report
+  };
+
+  decoded_call(watcher& w, CUpti_CallbackId id, const CUpti_CallbackData& data) noexcept
+      : w_(w), id_(id), data_(data), entering_(data.callbackSite == CUPTI_API_ENTER)
+  {}
+
+  /// Decodes the call; a call the detector does not record is an `other_call`.
+  outcome decode()
+  {
+    for (const auto kind : {&decoded_call::launches, &decoded_call::copies, &decoded_call::sets,
+                            &decoded_call::stream_or_event, &decoded_call::host_wait, &decoded_call::memory}) {
+      if (const outcome decoded = (this->*kind)(); decoded != outcome::other_call) { return decoded; }
+    }
+    return outcome::other_call;
+  }
+  /// Reports the activity decoded; an allocation or a free of memory the detector does not know
+  /// records nothing.
+  void report();
+
+ private:
+  template <class Params>
+  [[nodiscard]] const Params& params() const noexcept
+  {
+    return params_of<Params>(data_);
+  }
+  [[nodiscard]] bool is(CUpti_CallbackId id) const noexcept { return id_ == id; }
+  // How long the host waited in the call, from its entry to its exit.
+  [[nodiscard]] std::int64_t blocked() const noexcept
+  {
+    return data_.correlationData != nullptr ? steady_ns() - static_cast<std::int64_t>(*data_.correlationData) : 0;
+  }
+  void on(CUstream stream, bool per_thread_call);
+  void touch(CUdeviceptr address, std::size_t bytes, access mode);
+  void scan(const std::byte* bytes, std::size_t size);
+  void launch(CUfunction f, CUstream stream, void** arguments, void** extra, bool per_thread_call);
+  void copy(CUdeviceptr dst, CUdeviceptr src, std::size_t bytes, CUstream stream, bool per_thread_call);
+  void copy_and_wait(CUdeviceptr dst, CUdeviceptr src, std::size_t bytes, bool per_thread_call);
+  void set(CUdeviceptr dst, std::size_t bytes, CUstream stream, bool per_thread_call);
+  void allocated(CUdeviceptr address, std::size_t bytes);
+  void freed(CUdeviceptr address);
+  void unmapped(CUdeviceptr address, std::size_t bytes);
+  // Each decodes the calls of one kind.
+  outcome launches();
+  outcome copies();
+  outcome sets();
+  outcome stream_or_event();
+  outcome stream_created();
+  outcome host_wait();
+  outcome memory();
+  outcome allocation();
+
+  static constexpr std::size_t most_words = 256;  // a kernel's arguments fit in 32 KiB; pointers come first
+
+  watcher& w_;
+  CUpti_CallbackId id_;
+  const CUpti_CallbackData& data_;
+  bool entering_;
+  activity::record r_;
+  std::vector<buffer_use> buffers_;
+  std::size_t words_{0};  // of the kernel's arguments, scanned for addresses
+};
+
+void decoded_call::on(CUstream stream, bool per_thread_call)
+{
+  const watcher::named_stream s = w_.stream_of(stream, per_thread_call);
+  r_.stream = s.handle;
+  r_.stream_class = s.klass;
+  r_.device = {kDLCUDA, s.device};
+}
+
+void decoded_call::touch(CUdeviceptr address, std::size_t bytes, access mode)
+{
+  if (auto use = w_.device_memory(static_cast<std::uintptr_t>(address), bytes, mode)) { buffers_.push_back(*use); }
+}
+
+// Each aligned word that may be an address.
+void decoded_call::scan(const std::byte* bytes, std::size_t size)
+{
+  for (std::size_t at = 0; at + sizeof(std::uintptr_t) <= size && words_ < most_words;
+       at += sizeof(std::uintptr_t), ++words_) {
+    std::uintptr_t value = 0;
+    std::memcpy(&value, bytes + at, sizeof value);
+    if (value >= no_pointer_below) { touch(static_cast<CUdeviceptr>(value), 0, access::read_write); }
+  }
+}
+
+void decoded_call::launch(CUfunction f, CUstream stream, void** arguments, void** extra, bool per_thread_call)
+{
+  r_.kind = activity::kind::launch;
+  r_.name = activity::intern(data_.symbolName != nullptr ? data_.symbolName : "?");
+  on(stream, per_thread_call);
+  if (arguments != nullptr) {
+    const std::vector<std::size_t> sizes = w_.argument_layout(f);
+    for (std::size_t index = 0; index < sizes.size() && words_ < most_words; ++index) {
+      scan(static_cast<const std::byte*>(arguments[index]), sizes[index]);
+    }
+  } else {  // packed into one buffer, each argument at its own alignment
+    const std::span<const std::byte> packed = packed_arguments(extra);
+    scan(packed.data(), packed.size());
+  }
+  // One use per memory: a pointer passed twice (or in and out) is one buffer, read and written.
+  std::sort(buffers_.begin(), buffers_.end(),
+            [](const buffer_use& a, const buffer_use& b) { return a.address < b.address; });
+  buffers_.erase(std::unique(buffers_.begin(), buffers_.end(),
+                             [](const buffer_use& a, const buffer_use& b) { return a.address == b.address; }),
+                 buffers_.end());
+}
+
+void decoded_call::copy(CUdeviceptr dst, CUdeviceptr src, std::size_t bytes, CUstream stream, bool per_thread_call)
+{
+  r_.kind = activity::kind::copy;
+  on(stream, per_thread_call);
+  touch(src, bytes, access::read);
+  touch(dst, bytes, access::write);
+}
+
+// A synchronous copy is a copy on the default stream that the host waits for.
+void decoded_call::copy_and_wait(CUdeviceptr dst, CUdeviceptr src, std::size_t bytes, bool per_thread_call)
+{
+  copy(dst, src, bytes, nullptr, per_thread_call);
+  r_.buffers = buffers_;
+  activity::report(r_);
+  buffers_.clear();
+  r_.kind = activity::kind::host_sync;
+  r_.scope = activity::sync_scope::copy;
+  r_.blocked_ns = blocked();
+}
+
+void decoded_call::set(CUdeviceptr dst, std::size_t bytes, CUstream stream, bool per_thread_call)
+{
+  r_.kind = activity::kind::set;
+  on(stream, per_thread_call);
+  touch(dst, bytes, access::write);
+}
+
+void decoded_call::allocated(CUdeviceptr address, std::size_t bytes)
+{
+  {
+    std::lock_guard lock{w_.memory_mutex};
+    w_.allocations.insert_or_assign(static_cast<std::uintptr_t>(address), bytes);
+  }
+  r_.kind = activity::kind::allocate;
+  buffers_.push_back({.address = static_cast<std::uintptr_t>(address), .bytes = bytes, .mode = access::write});
+}
+
+void decoded_call::freed(CUdeviceptr address)
+{
+  std::lock_guard lock{w_.memory_mutex};
+  const auto found = w_.allocations.find(static_cast<std::uintptr_t>(address));
+  if (found == w_.allocations.end()) { return; }
+  r_.kind = activity::kind::free;
+  buffers_.push_back({.address = found->first, .bytes = found->second, .mode = access::write});
+  w_.allocations.erase(found);
+}
+
+// An unmapping ends every mapping in its range.
+void decoded_call::unmapped(CUdeviceptr address, std::size_t bytes)
+{
+  const auto low = static_cast<std::uintptr_t>(address);
+  std::lock_guard lock{w_.memory_mutex};
+  for (auto it = w_.allocations.lower_bound(low); it != w_.allocations.end() && it->first - low < bytes;) {
+    r_.kind = activity::kind::free;
+    buffers_.push_back({.address = it->first, .bytes = it->second, .mode = access::write});
+    it = w_.allocations.erase(it);
+  }
+}
+
+decoded_call::outcome decoded_call::launches()
+{
+  switch (id_) {
+    case CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel: {
+      const auto& p = params<cuLaunchKernel_params>();
+      launch(p.f, p.hStream, p.kernelParams, p.extra, false);
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel_ptsz: {
+      const auto& p = params<cuLaunchKernel_ptsz_params>();
+      launch(p.f, p.hStream, p.kernelParams, p.extra, true);
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx:
+    case CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx_ptsz: {
+      const auto& p = params<cuLaunchKernelEx_params>();
+      launch(p.f, p.config != nullptr ? p.config->hStream : nullptr, p.kernelParams, p.extra,
+             is(CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx_ptsz));
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel:
+    case CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel_ptsz: {
+      const auto& p = params<cuLaunchCooperativeKernel_params>();
+      launch(p.f, p.hStream, p.kernelParams, nullptr, is(CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel_ptsz));
+      break;
+    }
+    default:
+      return outcome::other_call;
+  }
+  return outcome::activity;
+}
+
+decoded_call::outcome decoded_call::copies()
+{
+  switch (id_) {
+    case CUPTI_DRIVER_TRACE_CBID_cuMemcpyAsync:
+    case CUPTI_DRIVER_TRACE_CBID_cuMemcpyAsync_ptsz: {
+      const auto& p = params<cuMemcpyAsync_params>();
+      copy(p.dst, p.src, p.ByteCount, p.hStream, is(CUPTI_DRIVER_TRACE_CBID_cuMemcpyAsync_ptsz));
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuMemcpyHtoDAsync_v2:
+    case CUPTI_DRIVER_TRACE_CBID_cuMemcpyHtoDAsync_v2_ptsz: {
+      const auto& p = params<cuMemcpyHtoDAsync_v2_params>();
+      copy(p.dstDevice, 0, p.ByteCount, p.hStream, is(CUPTI_DRIVER_TRACE_CBID_cuMemcpyHtoDAsync_v2_ptsz));
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoHAsync_v2:
+    case CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoHAsync_v2_ptsz: {
+      const auto& p = params<cuMemcpyDtoHAsync_v2_params>();
+      copy(0, p.srcDevice, p.ByteCount, p.hStream, is(CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoHAsync_v2_ptsz));
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoDAsync_v2:
+    case CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoDAsync_v2_ptsz: {
+      const auto& p = params<cuMemcpyDtoDAsync_v2_params>();
+      copy(p.dstDevice, p.srcDevice, p.ByteCount, p.hStream, is(CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoDAsync_v2_ptsz));
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuMemcpy:
+    case CUPTI_DRIVER_TRACE_CBID_cuMemcpy_ptds: {
+      const auto& p = params<cuMemcpy_params>();
+      copy_and_wait(p.dst, p.src, p.ByteCount, is(CUPTI_DRIVER_TRACE_CBID_cuMemcpy_ptds));
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuMemcpyHtoD_v2:
+    case CUPTI_DRIVER_TRACE_CBID_cuMemcpyHtoD_v2_ptds: {
+      const auto& p = params<cuMemcpyHtoD_v2_params>();
+      copy_and_wait(p.dstDevice, 0, p.ByteCount, is(CUPTI_DRIVER_TRACE_CBID_cuMemcpyHtoD_v2_ptds));
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoH_v2:
+    case CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoH_v2_ptds: {
+      const auto& p = params<cuMemcpyDtoH_v2_params>();
+      copy_and_wait(0, p.srcDevice, p.ByteCount, is(CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoH_v2_ptds));
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoD_v2:
+    case CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoD_v2_ptds: {
+      const auto& p = params<cuMemcpyDtoD_v2_params>();
+      copy_and_wait(p.dstDevice, p.srcDevice, p.ByteCount, is(CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoD_v2_ptds));
+      break;
+    }
+    default:
+      return outcome::other_call;
+  }
+  return outcome::activity;
+}
+
+decoded_call::outcome decoded_call::sets()
+{
+  switch (id_) {
+    case CUPTI_DRIVER_TRACE_CBID_cuMemsetD8Async:
+    case CUPTI_DRIVER_TRACE_CBID_cuMemsetD8Async_ptsz: {
+      const auto& p = params<cuMemsetD8Async_params>();
+      set(p.dstDevice, p.N, p.hStream, is(CUPTI_DRIVER_TRACE_CBID_cuMemsetD8Async_ptsz));
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuMemsetD16Async:
+    case CUPTI_DRIVER_TRACE_CBID_cuMemsetD16Async_ptsz: {
+      const auto& p = params<cuMemsetD16Async_params>();
+      set(p.dstDevice, p.N * 2, p.hStream, is(CUPTI_DRIVER_TRACE_CBID_cuMemsetD16Async_ptsz));
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuMemsetD32Async:
+    case CUPTI_DRIVER_TRACE_CBID_cuMemsetD32Async_ptsz: {
+      const auto& p = params<cuMemsetD32Async_params>();
+      set(p.dstDevice, p.N * 4, p.hStream, is(CUPTI_DRIVER_TRACE_CBID_cuMemsetD32Async_ptsz));
+      break;
+    }
+    default:
+      return outcome::other_call;
+  }
+  return outcome::activity;
+}
+
+decoded_call::outcome decoded_call::stream_created()
+{
+  CUstream* made = nullptr;
+  unsigned int flags = 0;
+  if (is(CUPTI_DRIVER_TRACE_CBID_cuStreamCreate)) {
+    made = params<cuStreamCreate_params>().phStream;
+    flags = params<cuStreamCreate_params>().Flags;
+  } else {
+    made = params<cuStreamCreateWithPriority_params>().phStream;
+    flags = params<cuStreamCreateWithPriority_params>().flags;
+  }
+  if (made == nullptr) { return outcome::nothing; }
+  {
+    std::lock_guard lock{w_.memory_mutex};
+    w_.classes.insert_or_assign(
+      *made, (flags & CU_STREAM_NON_BLOCKING) != 0 ? stream_class::non_blocking : stream_class::blocking);
+  }
+  r_.kind = activity::kind::stream_create;
+  on(*made, false);
+  return outcome::activity;
+}
+
+decoded_call::outcome decoded_call::stream_or_event()
+{
+  switch (id_) {
+    case CUPTI_DRIVER_TRACE_CBID_cuStreamCreate:
+    case CUPTI_DRIVER_TRACE_CBID_cuStreamCreateWithPriority:
+      return stream_created();
+    case CUPTI_DRIVER_TRACE_CBID_cuStreamDestroy_v2: {
+      const CUstream stream = params<cuStreamDestroy_v2_params>().hStream;
+      if (!entering_) {  // the handle may be reused now: forget its class
+        std::lock_guard lock{w_.memory_mutex};
+        w_.classes.erase(stream);
+        return outcome::nothing;
+      }
+      r_.kind = activity::kind::stream_destroy;
+      on(stream, false);
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuEventRecord:
+    case CUPTI_DRIVER_TRACE_CBID_cuEventRecord_ptsz: {
+      const auto& p = params<cuEventRecord_params>();
+      r_.kind = activity::kind::event_record;
+      r_.event = reinterpret_cast<std::uintptr_t>(p.hEvent);
+      on(p.hStream, is(CUPTI_DRIVER_TRACE_CBID_cuEventRecord_ptsz));
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuEventRecordWithFlags:
+    case CUPTI_DRIVER_TRACE_CBID_cuEventRecordWithFlags_ptsz: {
+      const auto& p = params<cuEventRecordWithFlags_params>();
+      r_.kind = activity::kind::event_record;
+      r_.event = reinterpret_cast<std::uintptr_t>(p.hEvent);
+      on(p.hStream, is(CUPTI_DRIVER_TRACE_CBID_cuEventRecordWithFlags_ptsz));
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuStreamWaitEvent:
+    case CUPTI_DRIVER_TRACE_CBID_cuStreamWaitEvent_ptsz: {
+      const auto& p = params<cuStreamWaitEvent_params>();
+      r_.kind = activity::kind::stream_wait;
+      r_.event = reinterpret_cast<std::uintptr_t>(p.hEvent);
+      on(p.hStream, is(CUPTI_DRIVER_TRACE_CBID_cuStreamWaitEvent_ptsz));
+      break;
+    }
+    default:
+      return outcome::other_call;
+  }
+  return outcome::activity;
+}
+
+decoded_call::outcome decoded_call::host_wait()
+{
+  switch (id_) {
+    case CUPTI_DRIVER_TRACE_CBID_cuStreamSynchronize:
+    case CUPTI_DRIVER_TRACE_CBID_cuStreamSynchronize_ptsz:
+    case CUPTI_DRIVER_TRACE_CBID_cuStreamQuery:
+    case CUPTI_DRIVER_TRACE_CBID_cuStreamQuery_ptsz: {
+      const bool query = is(CUPTI_DRIVER_TRACE_CBID_cuStreamQuery) || is(CUPTI_DRIVER_TRACE_CBID_cuStreamQuery_ptsz);
+      r_.kind = query ? activity::kind::host_query : activity::kind::host_sync;
+      r_.scope = activity::sync_scope::stream;
+      on(params<cuStreamSynchronize_params>().hStream,
+         is(CUPTI_DRIVER_TRACE_CBID_cuStreamSynchronize_ptsz) || is(CUPTI_DRIVER_TRACE_CBID_cuStreamQuery_ptsz));
+      r_.blocked_ns = query ? 0 : blocked();
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuCtxSynchronize:
+      r_.kind = activity::kind::host_sync;
+      r_.scope = activity::sync_scope::device;
+      r_.device = {kDLCUDA, w_.current_device()};
+      r_.blocked_ns = blocked();
+      break;
+#if CUDA_VERSION >= 13000
+    case CUPTI_DRIVER_TRACE_CBID_cuCtxSynchronize_v2: {
+      const CUcontext context = params<cuCtxSynchronize_v2_params>().ctx;  // null: the current one
+      CUdevice device = 0;
+      r_.kind = activity::kind::host_sync;
+      r_.scope = activity::sync_scope::device;
+      r_.device = {kDLCUDA, context != nullptr && w_.driver.device_of_context(&device, context) == CUDA_SUCCESS
+                              ? static_cast<int>(device)
+                              : w_.current_device()};
+      r_.blocked_ns = blocked();
+      break;
+    }
+#endif
+    case CUPTI_DRIVER_TRACE_CBID_cuEventSynchronize:
+    case CUPTI_DRIVER_TRACE_CBID_cuEventQuery: {
+      const bool query = is(CUPTI_DRIVER_TRACE_CBID_cuEventQuery);
+      r_.kind = query ? activity::kind::host_query : activity::kind::host_sync;
+      r_.scope = activity::sync_scope::event;
+      r_.event = reinterpret_cast<std::uintptr_t>(params<cuEventSynchronize_params>().hEvent);
+      r_.device = {kDLCUDA, w_.current_device()};
+      r_.blocked_ns = query ? 0 : blocked();
+      break;
+    }
+    default:
+      return outcome::other_call;
+  }
+  return outcome::activity;
+}
+
+decoded_call::outcome decoded_call::allocation()
+{
+  switch (id_) {
+    case CUPTI_DRIVER_TRACE_CBID_cuMemAlloc_v2: {
+      const auto& p = params<cuMemAlloc_v2_params>();
+      r_.device = {kDLCUDA, w_.current_device()};
+      allocated(*p.dptr, p.bytesize);
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuMemAllocManaged: {
+      const auto& p = params<cuMemAllocManaged_params>();
+      r_.device = {kDLCUDA, w_.current_device()};
+      allocated(*p.dptr, p.bytesize);
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuMemAllocPitch_v2: {
+      const auto& p = params<cuMemAllocPitch_v2_params>();
+      r_.device = {kDLCUDA, w_.current_device()};
+      allocated(*p.dptr, *p.pPitch * p.Height);
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuMemAllocAsync:
+    case CUPTI_DRIVER_TRACE_CBID_cuMemAllocAsync_ptsz: {
+      const auto& p = params<cuMemAllocAsync_params>();
+      on(p.hStream, is(CUPTI_DRIVER_TRACE_CBID_cuMemAllocAsync_ptsz));
+      r_.stream_ordered = true;
+      allocated(*p.dptr, p.bytesize);
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuMemAllocFromPoolAsync:
+    case CUPTI_DRIVER_TRACE_CBID_cuMemAllocFromPoolAsync_ptsz: {
+      const auto& p = params<cuMemAllocFromPoolAsync_params>();
+      on(p.hStream, is(CUPTI_DRIVER_TRACE_CBID_cuMemAllocFromPoolAsync_ptsz));
+      r_.stream_ordered = true;
+      allocated(*p.dptr, p.bytesize);
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuMemMap: {
+      const auto& p = params<cuMemMap_params>();
+      r_.device = {kDLCUDA, w_.current_device()};
+      allocated(p.ptr, p.size);
+      break;
+    }
+    default:
+      return outcome::other_call;
+  }
+  return outcome::activity;
+}
+
+decoded_call::outcome decoded_call::memory()
+{
+  switch (id_) {
+    case CUPTI_DRIVER_TRACE_CBID_cuMemFree_v2:
+      r_.device = {kDLCUDA, w_.current_device()};
+      r_.blocked_ns = blocked();  // cuMemFree synchronizes the device first
+      freed(params<cuMemFree_v2_params>().dptr);
+      break;
+    case CUPTI_DRIVER_TRACE_CBID_cuMemFreeAsync:
+    case CUPTI_DRIVER_TRACE_CBID_cuMemFreeAsync_ptsz: {
+      const auto& p = params<cuMemFreeAsync_params>();
+      on(p.hStream, is(CUPTI_DRIVER_TRACE_CBID_cuMemFreeAsync_ptsz));
+      r_.stream_ordered = true;
+      freed(p.dptr);
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuMemUnmap: {
+      const auto& p = params<cuMemUnmap_params>();
+      r_.device = {kDLCUDA, w_.current_device()};
+      unmapped(p.ptr, p.size);
+      break;
+    }
+    default:
+      return allocation();
+  }
+  return outcome::activity;
+}
+
+void decoded_call::report()
+{
+  if ((r_.kind == activity::kind::free || r_.kind == activity::kind::allocate) && buffers_.empty()) { return; }
+  r_.buffers = buffers_;
+  activity::report(r_);
+}
+
 void watcher::handle(CUpti_CallbackId id, const CUpti_CallbackData& data) noexcept
 {
   try {
-    const bool entering = data.callbackSite == CUPTI_API_ENTER;
-    if (entering) {
+    if (data.callbackSite == CUPTI_API_ENTER) {
       if (data.correlationData != nullptr) { *data.correlationData = static_cast<std::uint64_t>(steady_ns()); }
       if (id != CUPTI_DRIVER_TRACE_CBID_cuStreamDestroy_v2) { return; }  // reported once done, as it succeeded
     } else if (data.functionReturnValue != nullptr &&
@@ -391,352 +885,8 @@ void watcher::handle(CUpti_CallbackId id, const CUpti_CallbackData& data) noexce
                id != CUPTI_DRIVER_TRACE_CBID_cuStreamDestroy_v2) {
       return;  // a failed call did nothing (a query that said "not ready" saw nothing done either)
     }
-    const auto blocked = [&] {
-      return data.correlationData != nullptr ? steady_ns() - static_cast<std::int64_t>(*data.correlationData) : 0;
-    };
-    activity::record r;
-    std::vector<buffer_use> buffers;
-    const auto on = [&](CUstream stream, bool per_thread_call) {
-      const named_stream s = stream_of(stream, per_thread_call);
-      r.stream = s.handle;
-      r.stream_class = s.klass;
-      r.device = {kDLCUDA, s.device};
-    };
-    const auto touch = [&](CUdeviceptr address, std::size_t bytes, access mode) {
-      if (auto use = device_memory(static_cast<std::uintptr_t>(address), bytes, mode)) { buffers.push_back(*use); }
-    };
-    constexpr std::size_t most_words = 256;  // a kernel's arguments fit in 32 KiB; pointers come first
-    std::size_t words = 0;
-    const auto scan = [&](const std::byte* bytes, std::size_t size) {  // each aligned word that may be an address
-      for (std::size_t at = 0; at + sizeof(std::uintptr_t) <= size && words < most_words;
-           at += sizeof(std::uintptr_t), ++words) {
-        std::uintptr_t value = 0;
-        std::memcpy(&value, bytes + at, sizeof value);
-        if (value >= no_pointer_below) { touch(static_cast<CUdeviceptr>(value), 0, access::read_write); }
-      }
-    };
-    const auto launch = [&](CUfunction f, CUstream stream, void** arguments, void** extra, bool per_thread_call) {
-      r.kind = activity::kind::launch;
-      r.name = activity::intern(data.symbolName != nullptr ? data.symbolName : "?");
-      on(stream, per_thread_call);
-      if (arguments != nullptr) {
-        const std::vector<std::size_t> sizes = argument_layout(f);
-        for (std::size_t index = 0; index < sizes.size() && words < most_words; ++index) {
-          scan(static_cast<const std::byte*>(arguments[index]), sizes[index]);
-        }
-      } else {  // packed into one buffer, each argument at its own alignment
-        const std::span<const std::byte> packed = packed_arguments(extra);
-        scan(packed.data(), packed.size());
-      }
-      // One use per memory: a pointer passed twice (or in and out) is one buffer, read and written.
-      std::sort(buffers.begin(), buffers.end(),
-                [](const buffer_use& a, const buffer_use& b) { return a.address < b.address; });
-      buffers.erase(std::unique(buffers.begin(), buffers.end(),
-                                [](const buffer_use& a, const buffer_use& b) { return a.address == b.address; }),
-                    buffers.end());
-    };
-    const auto copy = [&](CUdeviceptr dst, CUdeviceptr src, std::size_t bytes, CUstream stream, bool per_thread_call) {
-      r.kind = activity::kind::copy;
-      on(stream, per_thread_call);
-      touch(src, bytes, access::read);
-      touch(dst, bytes, access::write);
-    };
-    // A synchronous copy is a copy on the default stream that the host waits for.
-    const auto copy_and_wait = [&](CUdeviceptr dst, CUdeviceptr src, std::size_t bytes, bool per_thread_call) {
-      copy(dst, src, bytes, nullptr, per_thread_call);
-      r.buffers = buffers;
-      activity::report(r);
-      buffers.clear();
-      r.kind = activity::kind::host_sync;
-      r.scope = activity::sync_scope::copy;
-      r.blocked_ns = blocked();
-    };
-    const auto set = [&](CUdeviceptr dst, std::size_t bytes, CUstream stream, bool per_thread_call) {
-      r.kind = activity::kind::set;
-      on(stream, per_thread_call);
-      touch(dst, bytes, access::write);
-    };
-    const auto allocated = [&](CUdeviceptr address, std::size_t bytes) {
-      {
-        std::lock_guard lock{memory_mutex};
-        allocations.insert_or_assign(static_cast<std::uintptr_t>(address), bytes);
-      }
-      r.kind = activity::kind::allocate;
-      buffers.push_back({.address = static_cast<std::uintptr_t>(address), .bytes = bytes, .mode = access::write});
-    };
-    const auto freed = [&](CUdeviceptr address) {
-      std::lock_guard lock{memory_mutex};
-      const auto found = allocations.find(static_cast<std::uintptr_t>(address));
-      if (found == allocations.end()) { return; }
-      r.kind = activity::kind::free;
-      buffers.push_back({.address = found->first, .bytes = found->second, .mode = access::write});
-      allocations.erase(found);
-    };
-
-    // An unmapping ends every mapping in its range.
-    const auto unmapped = [&](CUdeviceptr address, std::size_t bytes) {
-      const auto low = static_cast<std::uintptr_t>(address);
-      std::lock_guard lock{memory_mutex};
-      for (auto it = allocations.lower_bound(low); it != allocations.end() && it->first - low < bytes;) {
-        r.kind = activity::kind::free;
-        buffers.push_back({.address = it->first, .bytes = it->second, .mode = access::write});
-        it = allocations.erase(it);
-      }
-    };
-
-    switch (id) {
-      case CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel: {
-        const auto& p = params_of<cuLaunchKernel_params>(data);
-        launch(p.f, p.hStream, p.kernelParams, p.extra, false);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel_ptsz: {
-        const auto& p = params_of<cuLaunchKernel_ptsz_params>(data);
-        launch(p.f, p.hStream, p.kernelParams, p.extra, true);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx:
-      case CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx_ptsz: {
-        const auto& p = params_of<cuLaunchKernelEx_params>(data);
-        launch(p.f, p.config != nullptr ? p.config->hStream : nullptr, p.kernelParams, p.extra,
-               id == CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx_ptsz);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel:
-      case CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel_ptsz: {
-        const auto& p = params_of<cuLaunchCooperativeKernel_params>(data);
-        launch(p.f, p.hStream, p.kernelParams, nullptr, id == CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel_ptsz);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyAsync:
-      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyAsync_ptsz: {
-        const auto& p = params_of<cuMemcpyAsync_params>(data);
-        copy(p.dst, p.src, p.ByteCount, p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuMemcpyAsync_ptsz);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyHtoDAsync_v2:
-      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyHtoDAsync_v2_ptsz: {
-        const auto& p = params_of<cuMemcpyHtoDAsync_v2_params>(data);
-        copy(p.dstDevice, 0, p.ByteCount, p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuMemcpyHtoDAsync_v2_ptsz);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoHAsync_v2:
-      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoHAsync_v2_ptsz: {
-        const auto& p = params_of<cuMemcpyDtoHAsync_v2_params>(data);
-        copy(0, p.srcDevice, p.ByteCount, p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoHAsync_v2_ptsz);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoDAsync_v2:
-      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoDAsync_v2_ptsz: {
-        const auto& p = params_of<cuMemcpyDtoDAsync_v2_params>(data);
-        copy(p.dstDevice, p.srcDevice, p.ByteCount, p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoDAsync_v2_ptsz);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuMemcpy:
-      case CUPTI_DRIVER_TRACE_CBID_cuMemcpy_ptds: {
-        const auto& p = params_of<cuMemcpy_params>(data);
-        copy_and_wait(p.dst, p.src, p.ByteCount, id == CUPTI_DRIVER_TRACE_CBID_cuMemcpy_ptds);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyHtoD_v2:
-      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyHtoD_v2_ptds: {
-        const auto& p = params_of<cuMemcpyHtoD_v2_params>(data);
-        copy_and_wait(p.dstDevice, 0, p.ByteCount, id == CUPTI_DRIVER_TRACE_CBID_cuMemcpyHtoD_v2_ptds);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoH_v2:
-      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoH_v2_ptds: {
-        const auto& p = params_of<cuMemcpyDtoH_v2_params>(data);
-        copy_and_wait(0, p.srcDevice, p.ByteCount, id == CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoH_v2_ptds);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoD_v2:
-      case CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoD_v2_ptds: {
-        const auto& p = params_of<cuMemcpyDtoD_v2_params>(data);
-        copy_and_wait(p.dstDevice, p.srcDevice, p.ByteCount, id == CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoD_v2_ptds);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuMemsetD8Async:
-      case CUPTI_DRIVER_TRACE_CBID_cuMemsetD8Async_ptsz: {
-        const auto& p = params_of<cuMemsetD8Async_params>(data);
-        set(p.dstDevice, p.N, p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuMemsetD8Async_ptsz);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuMemsetD16Async:
-      case CUPTI_DRIVER_TRACE_CBID_cuMemsetD16Async_ptsz: {
-        const auto& p = params_of<cuMemsetD16Async_params>(data);
-        set(p.dstDevice, p.N * 2, p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuMemsetD16Async_ptsz);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuMemsetD32Async:
-      case CUPTI_DRIVER_TRACE_CBID_cuMemsetD32Async_ptsz: {
-        const auto& p = params_of<cuMemsetD32Async_params>(data);
-        set(p.dstDevice, p.N * 4, p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuMemsetD32Async_ptsz);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuStreamCreate:
-      case CUPTI_DRIVER_TRACE_CBID_cuStreamCreateWithPriority: {
-        CUstream* made = nullptr;
-        unsigned int flags = 0;
-        if (id == CUPTI_DRIVER_TRACE_CBID_cuStreamCreate) {
-          made = params_of<cuStreamCreate_params>(data).phStream;
-          flags = params_of<cuStreamCreate_params>(data).Flags;
-        } else {
-          made = params_of<cuStreamCreateWithPriority_params>(data).phStream;
-          flags = params_of<cuStreamCreateWithPriority_params>(data).flags;
-        }
-        if (made == nullptr) { return; }
-        {
-          std::lock_guard lock{memory_mutex};
-          classes.insert_or_assign(
-            *made, (flags & CU_STREAM_NON_BLOCKING) != 0 ? stream_class::non_blocking : stream_class::blocking);
-        }
-        r.kind = activity::kind::stream_create;
-        on(*made, false);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuStreamDestroy_v2: {
-        const CUstream stream = params_of<cuStreamDestroy_v2_params>(data).hStream;
-        if (!entering) {  // the handle may be reused now: forget its class
-          std::lock_guard lock{memory_mutex};
-          classes.erase(stream);
-          return;
-        }
-        r.kind = activity::kind::stream_destroy;
-        on(stream, false);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuEventRecord:
-      case CUPTI_DRIVER_TRACE_CBID_cuEventRecord_ptsz: {
-        const auto& p = params_of<cuEventRecord_params>(data);
-        r.kind = activity::kind::event_record;
-        r.event = reinterpret_cast<std::uintptr_t>(p.hEvent);
-        on(p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuEventRecord_ptsz);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuEventRecordWithFlags:
-      case CUPTI_DRIVER_TRACE_CBID_cuEventRecordWithFlags_ptsz: {
-        const auto& p = params_of<cuEventRecordWithFlags_params>(data);
-        r.kind = activity::kind::event_record;
-        r.event = reinterpret_cast<std::uintptr_t>(p.hEvent);
-        on(p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuEventRecordWithFlags_ptsz);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuStreamWaitEvent:
-      case CUPTI_DRIVER_TRACE_CBID_cuStreamWaitEvent_ptsz: {
-        const auto& p = params_of<cuStreamWaitEvent_params>(data);
-        r.kind = activity::kind::stream_wait;
-        r.event = reinterpret_cast<std::uintptr_t>(p.hEvent);
-        on(p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuStreamWaitEvent_ptsz);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuStreamSynchronize:
-      case CUPTI_DRIVER_TRACE_CBID_cuStreamSynchronize_ptsz:
-      case CUPTI_DRIVER_TRACE_CBID_cuStreamQuery:
-      case CUPTI_DRIVER_TRACE_CBID_cuStreamQuery_ptsz: {
-        const bool query =
-          id == CUPTI_DRIVER_TRACE_CBID_cuStreamQuery || id == CUPTI_DRIVER_TRACE_CBID_cuStreamQuery_ptsz;
-        r.kind = query ? activity::kind::host_query : activity::kind::host_sync;
-        r.scope = activity::sync_scope::stream;
-        on(params_of<cuStreamSynchronize_params>(data).hStream,
-           id == CUPTI_DRIVER_TRACE_CBID_cuStreamSynchronize_ptsz || id == CUPTI_DRIVER_TRACE_CBID_cuStreamQuery_ptsz);
-        r.blocked_ns = query ? 0 : blocked();
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuCtxSynchronize:
-        r.kind = activity::kind::host_sync;
-        r.scope = activity::sync_scope::device;
-        r.device = {kDLCUDA, current_device()};
-        r.blocked_ns = blocked();
-        break;
-#if CUDA_VERSION >= 13000
-      case CUPTI_DRIVER_TRACE_CBID_cuCtxSynchronize_v2: {
-        const CUcontext context = params_of<cuCtxSynchronize_v2_params>(data).ctx;  // null: the current one
-        CUdevice device = 0;
-        r.kind = activity::kind::host_sync;
-        r.scope = activity::sync_scope::device;
-        r.device = {kDLCUDA, context != nullptr && driver.device_of_context(&device, context) == CUDA_SUCCESS
-                               ? static_cast<int>(device)
-                               : current_device()};
-        r.blocked_ns = blocked();
-        break;
-      }
-#endif
-      case CUPTI_DRIVER_TRACE_CBID_cuEventSynchronize:
-      case CUPTI_DRIVER_TRACE_CBID_cuEventQuery: {
-        const bool query = id == CUPTI_DRIVER_TRACE_CBID_cuEventQuery;
-        r.kind = query ? activity::kind::host_query : activity::kind::host_sync;
-        r.scope = activity::sync_scope::event;
-        r.event = reinterpret_cast<std::uintptr_t>(params_of<cuEventSynchronize_params>(data).hEvent);
-        r.device = {kDLCUDA, current_device()};
-        r.blocked_ns = query ? 0 : blocked();
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuMemAlloc_v2: {
-        const auto& p = params_of<cuMemAlloc_v2_params>(data);
-        r.device = {kDLCUDA, current_device()};
-        allocated(*p.dptr, p.bytesize);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuMemAllocManaged: {
-        const auto& p = params_of<cuMemAllocManaged_params>(data);
-        r.device = {kDLCUDA, current_device()};
-        allocated(*p.dptr, p.bytesize);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuMemAllocPitch_v2: {
-        const auto& p = params_of<cuMemAllocPitch_v2_params>(data);
-        r.device = {kDLCUDA, current_device()};
-        allocated(*p.dptr, *p.pPitch * p.Height);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuMemAllocAsync:
-      case CUPTI_DRIVER_TRACE_CBID_cuMemAllocAsync_ptsz: {
-        const auto& p = params_of<cuMemAllocAsync_params>(data);
-        on(p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuMemAllocAsync_ptsz);
-        r.stream_ordered = true;
-        allocated(*p.dptr, p.bytesize);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuMemAllocFromPoolAsync:
-      case CUPTI_DRIVER_TRACE_CBID_cuMemAllocFromPoolAsync_ptsz: {
-        const auto& p = params_of<cuMemAllocFromPoolAsync_params>(data);
-        on(p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuMemAllocFromPoolAsync_ptsz);
-        r.stream_ordered = true;
-        allocated(*p.dptr, p.bytesize);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuMemFree_v2:
-        r.device = {kDLCUDA, current_device()};
-        r.blocked_ns = blocked();  // cuMemFree synchronizes the device first
-        freed(params_of<cuMemFree_v2_params>(data).dptr);
-        break;
-      case CUPTI_DRIVER_TRACE_CBID_cuMemFreeAsync:
-      case CUPTI_DRIVER_TRACE_CBID_cuMemFreeAsync_ptsz: {
-        const auto& p = params_of<cuMemFreeAsync_params>(data);
-        on(p.hStream, id == CUPTI_DRIVER_TRACE_CBID_cuMemFreeAsync_ptsz);
-        r.stream_ordered = true;
-        freed(p.dptr);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuMemMap: {
-        const auto& p = params_of<cuMemMap_params>(data);
-        r.device = {kDLCUDA, current_device()};
-        allocated(p.ptr, p.size);
-        break;
-      }
-      case CUPTI_DRIVER_TRACE_CBID_cuMemUnmap: {
-        const auto& p = params_of<cuMemUnmap_params>(data);
-        r.device = {kDLCUDA, current_device()};
-        unmapped(p.ptr, p.size);
-        break;
-      }
-      default:
-        return;
-    }
-    if ((r.kind == activity::kind::free || r.kind == activity::kind::allocate) && buffers.empty()) { return; }
-    r.buffers = buffers;
-    activity::report(r);
+    decoded_call call{*this, id, data};
+    if (call.decode() == decoded_call::outcome::activity) { call.report(); }
   } catch (...) {  // a tracing tool never breaks the program it watches: this activity goes untraced
   }
 }
