@@ -126,13 +126,19 @@ _capsule_is_valid.restype = ctypes.c_int
 _capsule_is_valid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
 
 
+# Each HandMadeTensor until its deleter has run: as a producer's manager_ctx keeps what its deleter
+# needs, so that a release handoff defers to a consumer's stream may run after a test let go of it.
+_ALIVE_UNTIL_DELETED: set[HandMadeTensor] = set()
+
+
 class HandMadeTensor:
     """A DLPack managed tensor built in ctypes whose deleter counts its calls.
 
     Versioned ("dltensor_versioned") by default, legacy ("dltensor") with `legacy=True`. The fields
     are set by the test to produce tensors that handoff must accept or refuse; either way the
     deleter must run exactly once. `ndim` defaults to len(shape) and may be smaller (or negative);
-    `strides` None leaves the pointer NULL. The tensor must outlive its capsules.
+    `strides` None leaves the pointer NULL. The tensor outlives its capsules, and stays alive until
+    its deleter has run (its deleter is Python code this object owns).
     """
 
     def __init__(
@@ -154,6 +160,7 @@ class HandMadeTensor:
         legacy: bool = False,
     ) -> None:
         self.deleted = 0
+        _ALIVE_UNTIL_DELETED.add(self)
         self.legacy = legacy
         self.name = b"dltensor" if legacy else b"dltensor_versioned"
         self.shape = (ctypes.c_int64 * max(len(shape), 1))(*shape)
@@ -180,6 +187,7 @@ class HandMadeTensor:
 
     def _delete(self, _managed: object) -> None:
         self.deleted += 1
+        _ALIVE_UNTIL_DELETED.discard(self)
 
     def _destroy_capsule(self, capsule: int) -> None:
         # What producers' capsule destructors do: delete the tensor unless a consumer took it.
