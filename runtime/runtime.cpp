@@ -208,7 +208,7 @@ exchange& process_exchange() noexcept
   // allocation failure this early ends the process either way.
   static auto* const instance = [] {
     // NOLINTNEXTLINE(cppcoreguidelines-owning-memory,bugprone-unhandled-exception-at-new)
-    auto* made = new exchange{*new runtime_context, the_embedding.fix()};
+    auto* made = new exchange{*new runtime_context, the_embedding.fix().run_deleter};
     made->set_export_release(export_release_setting());
     return made;
   }();

@@ -90,12 +90,6 @@ const char* stream_order_name(stream_order order)
 
 }  // namespace
 
-// The composition root of the extension: its calls run the process's exchange.
-exchange& handoff::python::module_exchange()
-{
-  return process_exchange();
-}
-
 PYBIND11_MODULE(_handoff, m)
 {
   m.doc() = "handoff's native core: stream-correct zero-copy array exchange.";
@@ -114,15 +108,18 @@ PYBIND11_MODULE(_handoff, m)
       "the process's exchange was in use before handoff's Python module loaded: producers' deleters and "
       "host waits run without regard to the GIL");
   }
-  bind_array(m);
+  // The composition root of the extension: every binder gets the exchange its calls run, the
+  // process's, made with the embedding above.
+  exchange& on = process_exchange();
+  bind_array(m, on);
   bind_streams(m);
-  init_exchange(m);
-  bind_view(m);
-  bind_c_api(m);
-  bind_sim(m);
-  bind_ipc(m);
-  bind_trace(m);
-  bind_interpose(m);
+  init_exchange(m, on);
+  bind_view(m, on);
+  bind_c_api(m, on);
+  bind_sim(m, on);
+  bind_ipc(m, on);
+  bind_trace(m, on);
+  bind_interpose(m, on);
 
   m.def("stats", &stats_dict,
         "Exchange counters since the last reset_stats(), a dict of ints: exports, imports, waits_inserted, "
@@ -133,7 +130,7 @@ PYBIND11_MODULE(_handoff, m)
   m.def("reset_stats", &reset_stats, "Zeroes the counters (live_views and pending_releases keep counting).");
   m.def(
     "set_export_release",
-    [](const std::string& policy) {
+    [&on](const std::string& policy) {
       export_release chosen = export_release::known_streams;
       if (policy == "every-stream") {
         chosen = export_release::every_stream;
@@ -141,7 +138,7 @@ PYBIND11_MODULE(_handoff, m)
         throw value_error(
           fmt::format("set_export_release: policy must be 'known-streams' or 'every-stream', not '{}'", policy));
       }
-      const export_release previous = module_exchange().set_export_release(chosen);
+      const export_release previous = on.set_export_release(chosen);
       return previous == export_release::every_stream ? "every-stream" : "known-streams";
     },
     py::arg("policy"),

@@ -87,6 +87,8 @@ struct array_object {
 };
 
 PyTypeObject* array_type = nullptr;
+// The exchange bind_array was given, which the type's slots export through: a slot has no closure.
+exchange* bound_exchange = nullptr;
 const signature* dlpack_signature = nullptr;
 
 array& view_of(PyObject* self) noexcept
@@ -219,7 +221,7 @@ PyObject* get_array_interface(PyObject* self, void* /*closure*/) noexcept
 
 PyObject* get_cuda_array_interface(PyObject* self, void* /*closure*/) noexcept
 {
-  return python_entry([self] { return py::object(cuda_array_interface(view_of(self))); });
+  return python_entry([self] { return py::object(cuda_array_interface(*bound_exchange, view_of(self))); });
 }
 
 // Not noexcept: the owner of a bare consumer stream is looked up in Python (see python_code_entry).
@@ -227,8 +229,10 @@ PyObject* method_dlpack(PyObject* self, PyObject* const* args, Py_ssize_t nargsf
 {
   PyObject* arguments[4];  // stream, max_version, dl_device, copy
   if (!dlpack_signature->parse(args, nargsf, kwnames, arguments)) { return nullptr; }
-  return python_code_entry(
-    [&] { return py::object(export_dlpack(view_of(self), arguments[0], arguments[1], arguments[2], arguments[3])); });
+  return python_code_entry([&] {
+    return py::object(
+      export_dlpack(*bound_exchange, view_of(self), arguments[0], arguments[1], arguments[2], arguments[3]));
+  });
 }
 
 PyObject* method_dlpack_device(PyObject* self, PyObject* /*unused*/) noexcept
@@ -292,7 +296,7 @@ constexpr const char* array_doc =
 
 // CUDA Array Interface v3 of CUDA-resident data; `stream` is where the data is ready, so that the
 // consumer can order its work after it (None when unknown: nothing to wait for).
-py::dict cuda_array_interface(const array& view)
+py::dict cuda_array_interface(const exchange& on, const array& view)
 {
   if (!is_cuda_device(view.device().device_type)) {
     throw py::attribute_error(
@@ -315,7 +319,7 @@ py::dict cuda_array_interface(const array& view)
   descr.append(py::make_tuple("", type));
   out["descr"] = descr;
   out["version"] = 3;
-  const auto ready = module_exchange().interface_stream(view);
+  const auto ready = on.interface_stream(view);
   out["stream"] = ready ? py::object(py::int_(*ready)) : py::object(py::none());
   return out;
 }
@@ -416,8 +420,8 @@ void refuse_pinned_export_to_torch(const array& view)
 
 }  // namespace
 
-py::capsule export_dlpack(const array& view, py::handle stream, py::handle max_version, py::handle dl_device,
-                          py::handle copy)
+py::capsule export_dlpack(exchange& on, const array& view, py::handle stream, py::handle max_version,
+                          py::handle dl_device, py::handle copy)
 {
   if (is_pinned_host(view.device().device_type) && dl_device.is_none()) { refuse_pinned_export_to_torch(view); }
   export_request request;
@@ -434,12 +438,12 @@ py::capsule export_dlpack(const array& view, py::handle stream, py::handle max_v
     const stream_request consumer = classify_stream(view.device().device_type, request.stream);
     if (consumer.order == stream_order::handle) {
       request.stream_owner = enclosing_stream_owner(consumer.handle);
-      if (!request.stream_owner && module_exchange().export_release_policy() == export_release::known_streams) {
+      if (!request.stream_owner && on.export_release_policy() == export_release::known_streams) {
         request.stream_owner = framework_stream_owner(consumer.handle, view.device());
       }
     }
   }
-  const exported_tensor made = module_exchange().export_dlpack(view, request);
+  const exported_tensor made = on.export_dlpack(view, request);
   return made.versioned != nullptr ? make_capsule(made.versioned) : make_capsule(made.legacy);
 }
 
@@ -474,8 +478,10 @@ const char* library_of_array(py::handle object) noexcept
   return std::launder(reinterpret_cast<tracked_view*>(reinterpret_cast<array_object*>(object.ptr())->node))->library();
 }
 
-void bind_array(py::module_& m)
+void bind_array(py::module_& m, exchange& on)
 {
+  bound_exchange = &on;
+  bind_exchange_api(on);
   dlpack_signature = new signature("__dlpack__", 0, {"stream", "max_version", "dl_device", "copy"});
   PyType_Slot slots[] = {
     {Py_tp_dealloc, reinterpret_cast<void*>(array_dealloc)},

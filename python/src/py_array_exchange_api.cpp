@@ -8,7 +8,6 @@
 #include "py_array.hpp"
 #include "py_dlpack_class.hpp"
 #include "py_errors.hpp"
-#include "py_exchange.hpp"
 #include "py_gil.hpp"
 #include "py_streams.hpp"
 
@@ -27,6 +26,9 @@ namespace handoff::python {
 namespace {
 
 constexpr const char* capsule_name = "dlpack_exchange_api";
+
+// The exchange bind_exchange_api was given: the tables' functions have no closure to hold it.
+exchange* bound_exchange = nullptr;
 
 // The current work stream of `device`'s consumer (see above): the enclosing handoff.stream block's
 // when it serves `device`, else the default stream.
@@ -76,7 +78,7 @@ int managed_tensor_from_py_object(void* py_object, DLManagedTensorVersioned** ou
     *out = nullptr;
     std::optional<array> described;
     const array& view = array_argument(py_object, function, described);
-    *out = module_exchange().hand_over(view, work_stream(view.device()));
+    *out = bound_exchange->hand_over(view, work_stream(view.device()));
   });
 }
 
@@ -98,7 +100,7 @@ int dltensor_from_py_object(void* py_object, DLTensor* out) noexcept
                     fmt::format("{}: the array is read-only and a DLTensor cannot say so; use "
                                 "managed_tensor_from_py_object_no_sync",
                                 function));
-    module_exchange().lend(view, work_stream(view.device()));
+    bound_exchange->lend(view, work_stream(view.device()));
     // Shape and strides point into the array object: valid while the caller holds it.
     *out = DLTensor{.data = view.data(),
                     .device = view.device(),
@@ -117,11 +119,11 @@ int managed_tensor_to_py_object(DLManagedTensorVersioned* tensor, void** out) no
     constexpr const char* function = "managed_tensor_to_py_object_no_sync";
     const trace::exchange_scope scope{trace::event_kind::import_data, "dlpack-c-api"};
     HANDOFF_EXPECTS(tensor != nullptr, value_error, fmt::format("{}: the tensor is NULL", function));
-    array view = import_dlpack(tensor, &run_deleter_with_gil);  // its deleter runs exactly once from here on
+    array view = bound_exchange->take_tensor(tensor);  // its deleter runs exactly once from here on
     expect_output(out, function);
     *out = nullptr;
     const named_stream made_on = work_stream(view.device());
-    *out = wrap(module_exchange().adopt(std::move(view), made_on)).release().ptr();
+    *out = wrap(bound_exchange->adopt(std::move(view), made_on)).release().ptr();
   });
 }
 
@@ -190,7 +192,7 @@ int managed_tensor_allocator(DLTensor* prototype, DLManagedTensorVersioned** out
     expect_output(out, "managed_tensor_allocator");
     *out = nullptr;
     HANDOFF_EXPECTS(prototype != nullptr, value_error, "the prototype is NULL");
-    const array made = module_exchange().allocate(*prototype, allocation_stream(prototype->device));
+    const array made = bound_exchange->allocate(*prototype, allocation_stream(prototype->device));
     *out = export_versioned(made);
     return 0;
   } catch (abi::__forced_unwind&) {
@@ -220,6 +222,11 @@ const DLPackExchangeAPI class_table = []() noexcept {
 }();
 
 }  // namespace
+
+void bind_exchange_api(exchange& on) noexcept
+{
+  bound_exchange = &on;
+}
 
 const DLPackExchangeAPI& array_exchange_api() noexcept
 {

@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 
 #include <handoff/dlpack.h>
+#include <handoff/exchange.hpp>
 
 namespace handoff::python {
 
@@ -12,6 +13,10 @@ namespace py = pybind11;
 
 /// The DLPack version whose exchange API the table implements.
 inline constexpr DLPackVersion exchange_api_version{1, 2};
+
+/// Makes the tables below run `on`, which must outlive the process's extensions; called once,
+/// before either table is published.
+void bind_exchange_api(exchange& on) noexcept;
 
 /// handoff.Array's table, for the life of the process.
 [[nodiscard]] const DLPackExchangeAPI& array_exchange_api() noexcept;

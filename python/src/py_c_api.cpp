@@ -21,6 +21,9 @@
 namespace handoff::python {
 namespace {
 
+// The exchange bind_c_api was given: the table's functions have no closure to hold it.
+exchange* bound_exchange = nullptr;
+
 py::handle none_if_null(PyObject* object) noexcept
 {
   return object != nullptr ? py::handle(object) : py::handle(Py_None);
@@ -30,7 +33,7 @@ PyObject* view(const handoff_array_desc* desc, PyObject* owner) noexcept
 {
   return python_entry([&] {
     HANDOFF_EXPECTS(desc != nullptr, value_error, "view: the description is NULL");
-    return make_array(layout_of(*desc), none_if_null(owner), ready_stream_of(*desc));
+    return make_array(*bound_exchange, layout_of(*desc), none_if_null(owner), ready_stream_of(*desc));
   });
 }
 
@@ -39,8 +42,9 @@ PyObject* export_dlpack(PyObject* instance, PyObject* exported, PyObject* stream
                         PyObject* dl_device, PyObject* copy)
 {
   return python_code_entry([&] {
-    return py::object(exporter_dlpack(none_if_null(instance), none_if_null(exported), none_if_null(stream),
-                                      none_if_null(max_version), none_if_null(dl_device), none_if_null(copy)));
+    return py::object(exporter_dlpack(*bound_exchange, none_if_null(instance), none_if_null(exported),
+                                      none_if_null(stream), none_if_null(max_version), none_if_null(dl_device),
+                                      none_if_null(copy)));
   });
 }
 
@@ -48,7 +52,7 @@ PyObject* asarray(PyObject* object, PyObject* stream) noexcept
 {
   return python_entry([&] {
     HANDOFF_EXPECTS(object != nullptr, value_error, "asarray: the object is NULL");
-    return python::asarray(object, py::none(), py::none(), none_if_null(stream));
+    return python::asarray(*bound_exchange, object, py::none(), py::none(), none_if_null(stream));
   });
 }
 
@@ -75,8 +79,9 @@ int import_array(PyObject* object, PyObject* stream, PyObject** out) noexcept
     return -1;
   }
   *out = nullptr;
-  return import_if_it_fits(
-    [&] { *out = python::asarray(object, py::none(), py::none(), none_if_null(stream)).release().ptr(); });
+  return import_if_it_fits([&] {
+    *out = python::asarray(*bound_exchange, object, py::none(), py::none(), none_if_null(stream)).release().ptr();
+  });
 }
 
 int describe(PyObject* object, handoff_array_info* out) noexcept
@@ -99,7 +104,7 @@ int import_view(PyObject* object, PyObject* stream, handoff_view** out, handoff_
   }
   *out = nullptr;
   return import_if_it_fits([&] {
-    *out = import_extension_view(object, none_if_null(stream));
+    *out = import_extension_view(*bound_exchange, object, none_if_null(stream));
     *info = (*out)->info;
   });
 }
@@ -108,7 +113,8 @@ handoff_view* make_view(const handoff_array_desc* desc, PyObject* owner, handoff
 {
   try {
     HANDOFF_EXPECTS(desc != nullptr && info != nullptr, value_error, "make_view: the description or output is NULL");
-    handoff_view* made = describe_extension_view(layout_of(*desc), none_if_null(owner), ready_stream_of(*desc));
+    handoff_view* made =
+      describe_extension_view(*bound_exchange, layout_of(*desc), none_if_null(owner), ready_stream_of(*desc));
     *info = made->info;
     return made;
   } catch (...) {
@@ -131,7 +137,7 @@ PyObject* view_to_python(handoff_view* view, int framework) noexcept
 {
   return python_entry([&] {
     HANDOFF_EXPECTS(view != nullptr, value_error, "view_to_python: the view is NULL");
-    return extension_view_to_python(*view, framework);
+    return extension_view_to_python(*bound_exchange, *view, framework);
   });
 }
 
@@ -139,7 +145,7 @@ int def_dlpack(PyObject* type, handoff_describe_fn describe, void* context, PyOb
 {
   try {
     HANDOFF_EXPECTS(type != nullptr, value_error, "def_dlpack: the type is NULL");
-    python::def_dlpack(type, describe, context, none_if_null(context_owner));
+    python::def_dlpack(*bound_exchange, type, describe, context, none_if_null(context_owner));
     return 0;
   } catch (...) {
     raise_current_exception();
@@ -165,8 +171,9 @@ const handoff_py_api table{
 
 }  // namespace
 
-void bind_c_api(py::module_& m)
+void bind_c_api(py::module_& m, exchange& on)
 {
+  bound_exchange = &on;
   m.attr("_C_API") = py::capsule(const_cast<handoff_py_api*>(&table), HANDOFF_PY_API_CAPSULE);
 }
 

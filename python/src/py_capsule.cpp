@@ -56,7 +56,7 @@ py::capsule wrap_capsule(Managed* tensor, const char* name, PyCapsule_Destructor
 
 }  // namespace
 
-array consume_capsule(py::handle capsule)
+array consume_capsule(const exchange& on, py::handle capsule)
 {
   PyObject* raw = capsule.ptr();
   HANDOFF_EXPECTS(PyCapsule_CheckExact(raw) != 0, type_error,
@@ -67,13 +67,13 @@ array consume_capsule(py::handle capsule)
     auto* tensor = static_cast<DLManagedTensorVersioned*>(PyCapsule_GetPointer(raw, name));
     if (tensor == nullptr) { throw py::error_already_set(); }
     PyCapsule_SetName(raw, used_versioned_name);  // before import: its deleter now belongs to us
-    return import_dlpack(tensor, &run_deleter_with_gil);
+    return on.take_tensor(tensor);
   }
   if (name != nullptr && std::strcmp(name, legacy_name) == 0) {
     auto* tensor = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(raw, name));
     if (tensor == nullptr) { throw py::error_already_set(); }
     PyCapsule_SetName(raw, used_legacy_name);
-    return import_dlpack(tensor, &run_deleter_with_gil);
+    return on.take_tensor(tensor);
   }
   PyErr_Clear();
   const std::string_view seen = name != nullptr ? name : "";

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <handoff/array.hpp>
+#include <handoff/exchange.hpp>
 
 #include <pybind11/pybind11.h>
 
@@ -9,9 +10,10 @@ namespace handoff::python {
 
 namespace py = pybind11;
 
-/// Consumes a "dltensor_versioned" or "dltensor" capsule: renames it "used_..." and imports it.
+/// Consumes a "dltensor_versioned" or "dltensor" capsule: renames it "used_..." and takes its tensor
+/// through `on` (exchange::take_tensor: its deleter runs with the exchange's deleter runner).
 /// @throws value_error if it was consumed already, type_error if it is not a DLPack capsule.
-[[nodiscard]] array consume_capsule(py::handle capsule);
+[[nodiscard]] array consume_capsule(const exchange& on, py::handle capsule);
 
 /// Wraps an exported tensor in a capsule whose destructor runs the deleter unless consumed.
 [[nodiscard]] py::capsule make_capsule(DLManagedTensorVersioned* tensor);

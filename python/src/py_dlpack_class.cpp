@@ -23,11 +23,13 @@ namespace {
 constexpr const char* capsule_name = "handoff.dlpack_class";
 PyObject* class_attribute = nullptr;  // "__handoff_dlpack_class__": the class's capsule, on the type
 
-// How a class describes its instances, held by a capsule on the class.
+// How a class describes its instances, and the exchange its methods export through, held by a
+// capsule on the class.
 struct described_class {
   handoff_describe_fn describe;
   void* context;
   py::object context_owner;
+  exchange* on;
 };
 
 // The description of `self`'s class (the type attribute cache answers the lookup); null for an
@@ -59,7 +61,7 @@ handoff_array_desc description(const described_class& cls, PyObject* self)
 array view_of(const described_class& cls, PyObject* self)
 {
   const handoff_array_desc desc = description(cls, self);
-  return described_view(layout_of(desc), self, ready_stream_of(desc));
+  return described_view(*cls.on, layout_of(desc), self, ready_stream_of(desc));
 }
 
 const signature* dlpack_signature = nullptr;
@@ -70,8 +72,9 @@ PyObject* class_dlpack(PyObject* self, PyObject* const* args, Py_ssize_t nargsf,
   PyObject* arguments[4];  // stream, max_version, dl_device, copy
   if (!dlpack_signature->parse(args, nargsf, kwnames, arguments)) { return nullptr; }
   return python_code_entry([&] {
+    const described_class& cls = instance_class(self);
     return py::object(
-      export_dlpack(view_of(instance_class(self), self), arguments[0], arguments[1], arguments[2], arguments[3]));
+      export_dlpack(*cls.on, view_of(cls, self), arguments[0], arguments[1], arguments[2], arguments[3]));
   });
 }
 
@@ -85,7 +88,10 @@ PyObject* class_dlpack_device(PyObject* self, PyObject* /*unused*/) noexcept
 
 PyObject* class_cuda_array_interface(PyObject* self, void* /*closure*/) noexcept
 {
-  return python_entry([&] { return py::object(cuda_array_interface(view_of(instance_class(self), self))); });
+  return python_entry([&] {
+    const described_class& cls = instance_class(self);
+    return py::object(cuda_array_interface(*cls.on, view_of(cls, self)));
+  });
 }
 
 PyObject* class_array_interface(PyObject* self, void* /*closure*/) noexcept
@@ -112,7 +118,7 @@ PyGetSetDef class_getset[] = {
 
 }  // namespace
 
-void def_dlpack(py::handle type, handoff_describe_fn describe, void* context, py::handle context_owner)
+void def_dlpack(exchange& on, py::handle type, handoff_describe_fn describe, void* context, py::handle context_owner)
 {
   HANDOFF_EXPECTS(PyType_Check(type.ptr()) != 0 && describe != nullptr, type_error,
                   "def_dlpack: expected a type and a describe function");
@@ -122,7 +128,7 @@ void def_dlpack(py::handle type, handoff_describe_fn describe, void* context, py
     dlpack_signature = new signature("__dlpack__", 0, {"stream", "max_version", "dl_device", "copy"});
   }
   auto held = std::make_unique<described_class>(
-    described_class{describe, context, py::reinterpret_borrow<py::object>(context_owner)});
+    described_class{describe, context, py::reinterpret_borrow<py::object>(context_owner), &on});
   const py::capsule shared(held.get(), capsule_name, [](PyObject* capsule) {
     delete static_cast<described_class*>(PyCapsule_GetPointer(capsule, capsule_name));
   });

@@ -4,6 +4,7 @@
 
 #include <handoff/python_c_api.h>
 #include <handoff/array.hpp>
+#include <handoff/exchange.hpp>
 
 #include <pybind11/pybind11.h>
 
@@ -15,10 +16,10 @@ namespace py = pybind11;
 
 /// Gives `type` __dlpack__, __dlpack_device__, __cuda_array_interface__, __array_interface__ and
 /// handoff.Array's DLPack C exchange API (both attributes), each asking `describe(self, context,
-/// ...)` for the memory an instance holds, with handoff.Array's semantics; `context_owner` (may be
-/// None) is held as long as the methods are.
+/// ...)` for the memory an instance holds, with handoff.Array's semantics, exporting through `on`
+/// (which must outlive the class); `context_owner` (may be None) is held as long as the methods are.
 /// @throws what setting the type's attributes raises.
-void def_dlpack(py::handle type, handoff_describe_fn describe, void* context, py::handle context_owner);
+void def_dlpack(exchange& on, py::handle type, handoff_describe_fn describe, void* context, py::handle context_owner);
 
 /// The view of what `object` holds when it is an instance of a def_dlpack class, holding it, as its
 /// __dlpack__ exports it; nullopt for any other object.

@@ -233,10 +233,13 @@ class table_producer_object final : public table_producer {
 const signature* from_dlpack_signature = nullptr;
 const signature* asarray_signature = nullptr;
 
+// The exchange init_exchange was given: a METH_FASTCALL function has no closure to hold it.
+exchange* bound_exchange = nullptr;
+
 // Not noexcept: an import runs producers' Python code, and a daemon thread that asks for the GIL
 // back there while the interpreter finalizes is ended by CPython with pthread_exit, whose
 // unwinding must pass through (std::terminate otherwise).
-template <py::object (*Import)(py::handle, py::handle, py::handle, py::handle), const signature** Signature>
+template <py::object (*Import)(exchange&, py::handle, py::handle, py::handle, py::handle), const signature** Signature>
 PyObject* import_entry(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames)
 {
   PyObject* arguments[4];  // x, device, copy, stream
@@ -245,7 +248,7 @@ PyObject* import_entry(PyObject* /*module*/, PyObject* const* args, Py_ssize_t n
     const producer_naming naming{arguments[0]};
     trace::exchange_scope scope{trace::event_kind::import_data, "dlpack"};
     if (scope.active()) { scope.event().consumer = "handoff"; }
-    return Import(arguments[0], arguments[1], arguments[2], arguments[3]).release().ptr();
+    return Import(*bound_exchange, arguments[0], arguments[1], arguments[2], arguments[3]).release().ptr();
   } catch (abi::__forced_unwind&) {
     throw;
   } catch (...) {
@@ -272,8 +275,9 @@ PyMethodDef import_functions[] = {
 
 }  // namespace
 
-void init_exchange(py::module_& m)
+void init_exchange(py::module_& m, exchange& on)
 {
+  bound_exchange = &on;
   cached.dlpack = PyUnicode_InternFromString("__dlpack__");
   cached.dlpack_device = PyUnicode_InternFromString("__dlpack_device__");
   cached.cuda_array_interface = PyUnicode_InternFromString("__cuda_array_interface__");
@@ -344,7 +348,7 @@ std::optional<py::object> import_without_streams(exchange& on, py::handle x, con
   }
   // Data on another device than claimed is refused; device data from a producer that hid its
   // device is bound to the consumer stream.
-  return wrap(on.import(consume_capsule(capsule), {.consumer = consumer, .device = {}, .copy = {}},
+  return wrap(on.import(consume_capsule(on, capsule), {.consumer = consumer, .device = {}, .copy = {}},
                         {.name = claim.device ? type_name(x) : std::string_view{},
                          .claimed = claim.device,
                          .honoured_arguments = true,
@@ -359,7 +363,7 @@ py::object import_through_dlpack(exchange& on, py::handle x, const import_reques
   const std::optional<DLDevice>& target = request.device;
   if (PyCapsule_CheckExact(x.ptr())) {
     return wrap(
-      on.import(consume_capsule(x), request,
+      on.import(consume_capsule(on, x), request,
                 {.name = "PyCapsule", .claimed = {}, .honoured_arguments = false, .ordered_for_consumer = false}));
   }
   HANDOFF_EXPECTS(
@@ -394,7 +398,7 @@ py::object import_through_dlpack(exchange& on, py::handle x, const import_reques
   // the per-thread default stream with 1: the consumer stream then waits for the legacy default
   // stream, as DLPack reads both.
   const bool none_for_pinned = claimed && is_pinned_host(claimed->device_type) && producer_arg.get().is_none();
-  return wrap(on.import(consume_capsule(capsule), request,
+  return wrap(on.import(consume_capsule(on, capsule), request,
                         {.name = type_name(x),
                          .claimed = claimed,
                          .honoured_arguments = !legacy,
@@ -404,9 +408,8 @@ py::object import_through_dlpack(exchange& on, py::handle x, const import_reques
 
 }  // namespace
 
-py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::handle stream)
+py::object from_dlpack(exchange& on, py::handle x, py::handle device, py::handle copy, py::handle stream)
 {
-  exchange& on = module_exchange();
   const named_stream consumer = consumer_stream(stream);
   // The C exchange API has no dl_device or copy: calls with them go through __dlpack__, whose
   // producer may honour them itself (a copy made by the producer, in its own stream order).
@@ -427,12 +430,12 @@ py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::han
   return import_through_dlpack(on, x, request, copy, claim);
 }
 
-py::object asarray(py::handle x, py::handle device, py::handle copy, py::handle stream)
+py::object asarray(exchange& on, py::handle x, py::handle device, py::handle copy, py::handle stream)
 {
   std::exception_ptr dlpack_refused;  // raised again when no other protocol is there to try
   if (PyCapsule_CheckExact(x.ptr()) || has_dlpack(x.ptr())) {
     try {
-      return from_dlpack(x, device, copy, stream);
+      return from_dlpack(on, x, device, copy, stream);
     } catch (py::error_already_set& e) {
       // DLPack could not express it (say, a byte-swapped array): another protocol may.
       if (!e.matches(PyExc_BufferError)) { throw; }
@@ -441,7 +444,6 @@ py::object asarray(py::handle x, py::handle device, py::handle copy, py::handle 
       dlpack_refused = std::current_exception();
     }
   }
-  exchange& on = module_exchange();
   import_request request{.consumer = {}, .device = device_argument(device, "device"), .copy = copy_argument(copy)};
   // Held while the interface is read, which may run the producer's Python code (see call_argument).
   if (const call_argument cai{optional_attribute(x, cached.cuda_array_interface)}; !cai.get().is_none()) {

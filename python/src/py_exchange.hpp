@@ -15,13 +15,9 @@ namespace handoff::python {
 
 namespace py = pybind11;
 
-/// The exchange every call of the module runs, the process's (module.cpp, the composition root).
-/// @throws device_error as handoff::process_exchange does.
-[[nodiscard]] exchange& module_exchange();
-
 /// Creates the cached call arguments, and adds `from_dlpack` and `asarray` to `m` as METH_FASTCALL
-/// functions.
-void init_exchange(py::module_& m);
+/// functions that import through `on`, which must outlive the module.
+void init_exchange(py::module_& m, exchange& on);
 
 /// A consumer's `stream` argument, read once (stream_named_by): the argument, else the stream of the
 /// enclosing handoff.stream block, else the default stream.
@@ -31,8 +27,8 @@ void init_exchange(py::module_& m);
 /// True for NumPy's arrays (not subclasses), which live on the host: their device need not be asked.
 [[nodiscard]] bool is_numpy_array(PyObject* x) noexcept;
 
-/// handoff.from_dlpack(x, /, *, device=None, copy=None, stream=None)
-[[nodiscard]] py::object from_dlpack(py::handle x, py::handle device, py::handle copy, py::handle stream);
+/// handoff.from_dlpack(x, /, *, device=None, copy=None, stream=None), imported through `on`.
+[[nodiscard]] py::object from_dlpack(exchange& on, py::handle x, py::handle device, py::handle copy, py::handle stream);
 
 /// What asarray raises for an object that speaks none of its protocols: a TypeError that says the
 /// object does not fit (an overload may take it), unlike any other failure of the import.
@@ -41,7 +37,7 @@ class no_array_protocol : public type_error {
   using type_error::type_error;
 };
 
-/// handoff.asarray(x, /, *, device=None, copy=None, stream=None)
-[[nodiscard]] py::object asarray(py::handle x, py::handle device, py::handle copy, py::handle stream);
+/// handoff.asarray(x, /, *, device=None, copy=None, stream=None), imported through `on`.
+[[nodiscard]] py::object asarray(exchange& on, py::handle x, py::handle device, py::handle copy, py::handle stream);
 
 }  // namespace handoff::python

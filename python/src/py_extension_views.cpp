@@ -38,7 +38,7 @@ handoff_array_info info_of(const array_layout& layout, std::intptr_t stream)
 // The view of a NumPy array, read from its fields and holding a reference to it, as its own
 // __dlpack__ capsule would; null where the general import must decide (a subclass, which may
 // override __dlpack__; a trace, which records the import as asarray's; what DLPack would refuse).
-std::unique_ptr<handoff_view> numpy_view(PyObject* object)
+std::unique_ptr<handoff_view> numpy_view(exchange& on, PyObject* object)
 {
   if (!is_numpy_array(object) || trace::enabled()) { return nullptr; }
   std::optional<array_layout> layout = numpy_array_layout(object);
@@ -48,7 +48,7 @@ std::unique_ptr<handoff_view> numpy_view(PyObject* object)
   made->owner = py::reinterpret_borrow<py::object>(object);
   made->library = "numpy";
   made->info = info_of(*made->host, 0);
-  module_exchange().count_host_import();
+  on.count_host_import();
   return made;
 }
 
@@ -61,9 +61,9 @@ const array& hold(handoff_view& view, array&& made)
 }
 
 // The view's handoff.Array, made once.
-const py::object& python_object(handoff_view& view)
+const py::object& python_object(exchange& on, handoff_view& view)
 {
-  if (!view.python) { view.python = wrap(array{runtime_view(view)}, view.library); }
+  if (!view.python) { view.python = wrap(array{runtime_view(on, view)}, view.library); }
   return view.python;
 }
 
@@ -130,22 +130,22 @@ handoff_array_info array_info(const array& view)
                  ready ? stream_value_of(view.device().device_type, static_cast<std::uint64_t>(ready->stream)) : 0);
 }
 
-handoff_view* import_extension_view(py::handle object, py::handle stream)
+handoff_view* import_extension_view(exchange& on, py::handle object, py::handle stream)
 {
-  std::unique_ptr<handoff_view> made = numpy_view(object.ptr());
+  std::unique_ptr<handoff_view> made = numpy_view(on, object.ptr());
   if (!made) {
     // Traced as handoff.asarray's own imports are, the consumer being the extension.
     const producer_naming naming{object.ptr()};
     trace::exchange_scope scope{trace::event_kind::import_data, "dlpack"};
     if (scope.active()) { scope.event().consumer = "handoff::pybind"; }
     made = std::make_unique<handoff_view>();
-    made->python = asarray(object, py::none(), py::none(), stream);
+    made->python = asarray(on, object, py::none(), py::none(), stream);
     made->info = array_info(*as_array(made->python));
   }
   return made.release();
 }
 
-handoff_view* describe_extension_view(array_layout layout, py::handle owner, py::handle stream)
+handoff_view* describe_extension_view(exchange& on, array_layout layout, py::handle owner, py::handle stream)
 {
   auto made = std::make_unique<handoff_view>();
   if (layout.device.device_type == kDLCPU && stream.is_none() && !trace::enabled()) {
@@ -154,7 +154,7 @@ handoff_view* describe_extension_view(array_layout layout, py::handle owner, py:
     made->owner = py::reinterpret_borrow<py::object>(owner);
     made->info = info_of(*made->host, 0);
   } else {
-    made->info = array_info(hold(*made, described_view(std::move(layout), owner, stream)));
+    made->info = array_info(hold(*made, described_view(on, std::move(layout), owner, stream)));
   }
   return made.release();
 }
@@ -169,21 +169,21 @@ void release_extension_view(handoff_view* view) noexcept
   if (view != nullptr && --view->references == 0) { delete view; }
 }
 
-const array& runtime_view(handoff_view& view)
+const array& runtime_view(exchange& on, handoff_view& view)
 {
   if (view.python) { return *as_array(view.python); }
   if (view.held) { return *view.held; }
-  return hold(view, described_view(array_layout{*view.host}, view.owner, py::none()));
+  return hold(view, described_view(on, array_layout{*view.host}, view.owner, py::none()));
 }
 
-py::object extension_view_to_python(handoff_view& view, int framework)
+py::object extension_view_to_python(exchange& on, handoff_view& view, int framework)
 {
   HANDOFF_EXPECTS(framework >= HANDOFF_FRAMEWORK_HANDOFF && framework <= HANDOFF_FRAMEWORK_CUPY, value_error,
                   fmt::format("view_to_python: {} is no handoff_framework", framework));
-  if (framework == HANDOFF_FRAMEWORK_HANDOFF) { return python_object(view); }
+  if (framework == HANDOFF_FRAMEWORK_HANDOFF) { return python_object(on, view); }
   // What NumPy cannot hold is refused naming why, not with numpy.from_dlpack's bare RuntimeError.
   if (framework == HANDOFF_FRAMEWORK_NUMPY) {
-    require_numpy_can_hold(view.host ? *view.host : runtime_view(view).layout());
+    require_numpy_can_hold(view.host ? *view.host : runtime_view(on, view).layout());
   }
   // NumPy's array of host data is made directly, the same array numpy.from_dlpack would make
   // without the export; its base keeps the data: the owner of writable host memory, else the view
@@ -198,10 +198,10 @@ py::object extension_view_to_python(handoff_view& view, int framework)
       });
       retain_extension_view(&view);  // the capsule's, once it exists
     }
-    const array_layout& layout = view.host ? *view.host : runtime_view(view).layout();
+    const array_layout& layout = view.host ? *view.host : runtime_view(on, view).layout();
     if (py::object made = numpy_array_of(layout, std::move(base)); !made.is_none()) { return made; }
   }
-  const py::object& exported = python_object(view);
+  const py::object& exported = python_object(on, view);
   const DLDevice device = as_array(exported)->device();
   if (framework == HANDOFF_FRAMEWORK_NUMPY || !has_streams(device.device_type)) {
     return from_dlpack_of(framework)(exported);

@@ -4,6 +4,7 @@
 
 #include <handoff/python_c_api.h>
 #include <handoff/array.hpp>
+#include <handoff/exchange.hpp>
 #include <handoff/ownership.hpp>
 
 #include <pybind11/pybind11.h>
@@ -48,11 +49,12 @@ namespace py = pybind11;
 /// The view of `object` that handoff.asarray(object, stream=stream) imports (NumPy's arrays, while
 /// nothing is traced, read from their fields: the layout their __dlpack__ would describe).
 /// @throws what asarray throws (no_array_protocol when nothing fits).
-[[nodiscard]] handoff_view* import_extension_view(py::handle object, py::handle stream);
+[[nodiscard]] handoff_view* import_extension_view(exchange& on, py::handle object, py::handle stream);
 
 /// The view handoff.view makes of `layout`, held by `owner` (None: nothing), ready on `stream`
 /// (None: unknown). @throws what handoff.view throws.
-[[nodiscard]] handoff_view* describe_extension_view(array_layout layout, py::handle owner, py::handle stream);
+[[nodiscard]] handoff_view* describe_extension_view(exchange& on, array_layout layout, py::handle owner,
+                                                    py::handle stream);
 
 /// Takes one more reference to `view`. Under the GIL.
 void retain_extension_view(handoff_view* view) noexcept;
@@ -61,10 +63,10 @@ void retain_extension_view(handoff_view* view) noexcept;
 void release_extension_view(handoff_view* view) noexcept;
 
 /// The runtime's view of `view`'s data, made on first use. @throws what an import of the data throws.
-[[nodiscard]] const array& runtime_view(handoff_view& view);
+[[nodiscard]] const array& runtime_view(exchange& on, handoff_view& view);
 
 /// `view` as a handoff_framework's array (a handoff.Array for HANDOFF_FRAMEWORK_HANDOFF).
 /// @throws value_error for an unknown framework; what the framework's from_dlpack raises.
-[[nodiscard]] py::object extension_view_to_python(handoff_view& view, int framework);
+[[nodiscard]] py::object extension_view_to_python(exchange& on, handoff_view& view, int framework);
 
 }  // namespace handoff::python

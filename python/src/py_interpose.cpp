@@ -62,13 +62,16 @@ std::string_view protocol_name(interposed_protocol protocol) noexcept
   return protocol == interposed_protocol::dlpack ? "dlpack" : "cuda-array-interface";
 }
 
+// The exchange bind_interpose was given, which orders the exchanges the hooks see.
+exchange* bound_exchange = nullptr;
+
 // The context that orders the streams of `type`'s data: none for host data, or where handoff has no
 // backend for that device type (the data's library started the device already).
 context* context_serving(DLDeviceType type)
 {
   if (!has_streams(type)) { return nullptr; }
   try {
-    context* ctx = module_exchange().device_context();
+    context* ctx = bound_exchange->device_context();
     return ctx != nullptr && (ctx->backend().device_type() == kDLROCM) == is_rocm_device(type) ? ctx : nullptr;
   } catch (const error&) {
     return nullptr;
@@ -145,7 +148,7 @@ class interposed_exchange {
   // Whether a release deferred behind the consumer's stream is certain to find it alive (export_release).
   [[nodiscard]] bool consumer_stream_outlives_releases() const
   {
-    return consumer_named_ && module_exchange().may_release_after(*consumer_named_, device_.device_type);
+    return consumer_named_ && bound_exchange->may_release_after(*consumer_named_, device_.device_type);
   }
 
   // Whether the consumer's stream still has work queued; false where that cannot be asked safely (a
@@ -238,7 +241,7 @@ class interposed_exchange {
   [[nodiscard]] std::optional<stream_binding> resolved(py::handle stream) const
   {
     if (stream.is_none() || context_serving(device_.device_type) == nullptr) { return std::nullopt; }
-    return module_exchange().bind_stream(device_, stream_named_by(stream));
+    return bound_exchange->bind_stream(device_, stream_named_by(stream));
   }
 
   interposed_protocol protocol_;
@@ -259,11 +262,11 @@ class interposed_exchange {
 py::object stream_device(std::uint64_t handle)
 {
   try {
-    const context* ctx = module_exchange().device_context();
+    const context* ctx = bound_exchange->device_context();
     if (ctx == nullptr) { return py::none(); }
     // Pinned memory is worked on by a stream of any device: bound on the stream's own.
     const DLDeviceType pinned = ctx->backend().device_type() == kDLROCM ? kDLROCMHost : kDLCUDAHost;
-    const auto bound = module_exchange().bind_stream({pinned, 0}, named_stream::native(handle, {}));
+    const auto bound = bound_exchange->bind_stream({pinned, 0}, named_stream::native(handle, {}));
     return bound ? py::object(py::int_(bound->device)) : py::object(py::none());
   } catch (const error&) {
     return py::none();
@@ -475,7 +478,7 @@ DLDevice data_device_of(PyObject* value, interposed_protocol protocol, PyObject*
   if (PyErr_Occurred() != nullptr) { return host; }
   const auto* address = reinterpret_cast<const void*>(pointer);  // NOLINT(performance-no-int-to-ptr)
   try {
-    return module_exchange().device_of(address).value_or(host);
+    return bound_exchange->device_of(address).value_or(host);
   } catch (const error&) {
     return host;
   }
@@ -670,8 +673,9 @@ std::shared_ptr<const void> framework_stream_owner(std::uint64_t handle, DLDevic
   return stream_keep_alive(found);
 }
 
-void bind_interpose(py::module_& m)
+void bind_interpose(py::module_& m, exchange& on)
 {
+  bound_exchange = &on;
   py::enum_<interposed_protocol>(m, "_InterposedProtocol")
     .value("dlpack", interposed_protocol::dlpack)
     .value("cuda_array_interface", interposed_protocol::cuda_array_interface);

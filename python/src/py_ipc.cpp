@@ -30,30 +30,30 @@ std::span<const std::byte> bytes_of(const py::bytes& data)
   return {reinterpret_cast<const std::byte*>(buffer), static_cast<std::size_t>(size)};
 }
 
-py::tuple share(py::handle x, py::handle stream, py::handle copy, bool in_flight)
+py::tuple share(exchange& on, py::handle x, py::handle stream, py::handle copy, bool in_flight)
 {
   // The data as handoff sees it: an Array as it is (its own ready stream), anything else imported,
   // ready on `stream` (the stream its data is ready on, where handoff cannot know it).
   py::object imported;
   const array* view = as_array(x);
   if (view == nullptr) {
-    imported = asarray(x, py::none(), py::none(), stream);
+    imported = asarray(on, x, py::none(), py::none(), stream);
     view = as_array(imported);
   }
   ipc::share_options options;
   options.in_flight = in_flight;
   if (!copy.is_none()) { options.copy = copy.cast<bool>(); }
   const named_stream ready = stream.is_none() ? named_stream{} : consumer_stream(stream);
-  ipc::shared made = ipc::share(module_exchange(), *view, ready, options);
+  ipc::shared made = ipc::share(on, *view, ready, options);
   py::bytes data(reinterpret_cast<const char*>(made.handle.data()), made.handle.size());
   py::object hold = made.hold ? py::cast(share_hold{std::move(made.hold)}) : py::none();
   return py::make_tuple(std::move(data), std::move(hold));
 }
 
-py::object open(const py::bytes& handle, py::handle stream)
+py::object open(exchange& on, const py::bytes& handle, py::handle stream)
 {
   const named_stream consumer = consumer_stream(stream);
-  return wrap(ipc::open(module_exchange(), bytes_of(handle), consumer));
+  return wrap(ipc::open(on, bytes_of(handle), consumer));
 }
 
 py::dict describe(const py::bytes& handle)
@@ -75,16 +75,23 @@ py::dict describe(const py::bytes& handle)
 
 }  // namespace
 
-void bind_ipc(py::module_& parent)
+void bind_ipc(py::module_& parent, exchange& on)
 {
   py::module_ m = parent.def_submodule("_ipc", "The hand-off across processes of one node (see handoff.ipc).");
   // Made by share() only; registered so that pybind11 can return it.
   py::class_<share_hold> hold_type(m, "_Hold",
                                    "The producer's hold on a shared array: the array is kept while it lives.");
-  m.def("share", &share, py::arg("x"), py::arg("stream"), py::arg("copy"), py::arg("in_flight"),
-        "Shares `x`; returns (handle bytes, the producer's hold or None for an in-flight share).");
-  m.def("open", &open, py::arg("handle"), py::arg("stream"),
-        "Opens the handle bytes another process made; returns a handoff.Array ordered on the consumer stream.");
+  m.def(
+    "share",
+    [&on](py::handle x, py::handle stream, py::handle copy, bool in_flight) {
+      return share(on, x, stream, copy, in_flight);
+    },
+    py::arg("x"), py::arg("stream"), py::arg("copy"), py::arg("in_flight"),
+    "Shares `x`; returns (handle bytes, the producer's hold or None for an in-flight share).");
+  m.def(
+    "open", [&on](const py::bytes& handle, py::handle stream) { return open(on, handle, stream); }, py::arg("handle"),
+    py::arg("stream"),
+    "Opens the handle bytes another process made; returns a handoff.Array ordered on the consumer stream.");
   m.def("describe", &describe, py::arg("handle"), "What handle bytes describe, as a dict (checks them).");
   m.def("_set_back_signal", &ipc::set_back_signal, py::arg("on"),
         "Tests only: off, a consumer tells its producer it is done as soon as it drops an array, without waiting "

@@ -5,7 +5,6 @@
 #include "py_array.hpp"
 #include "py_cpython.hpp"
 #include "py_errors.hpp"
-#include "py_exchange.hpp"
 #include "py_gil.hpp"
 #include "py_owners.hpp"
 #include "py_streams.hpp"
@@ -40,10 +39,13 @@ struct active_sim {
   sim_backend& sim;
 };
 
+// The exchange bind_sim was given, whose context every function of the module drives.
+exchange* bound_exchange = nullptr;
+
 active_sim require_sim()
 {
   // Said first: a newcomer running an example without the setting learns what to set.
-  context& ctx = module_exchange().require_device(
+  context& ctx = bound_exchange->require_device(
     "handoff.sim runs on the simulated device: set HANDOFF_BACKEND=sim (or sim-rocm) before the process first uses "
     "handoff. It");
   sim_backend* sim = device::as_sim(ctx.backend());
@@ -480,8 +482,9 @@ void synchronize(py::handle device)
 
 }  // namespace
 
-void bind_sim(py::module_& parent)
+void bind_sim(py::module_& parent, exchange& on)
 {
+  bound_exchange = &on;
   py::module_ m = parent.def_submodule("_sim", "The simulated accelerator (HANDOFF_BACKEND=sim or sim-rocm).");
   py::class_<sim_stream>(m, "Stream", "An owning stream of the simulated device.")
     .def(py::init<int, bool>(), py::arg("device") = 0, py::kw_only(), py::arg("non_blocking") = false,
@@ -632,7 +635,7 @@ void bind_sim(py::module_& parent)
   m.def(
     "drain",
     [] {
-      if (context* ctx = module_exchange().device_context()) {
+      if (context* ctx = bound_exchange->device_context()) {
         if (sim_backend* sim = device::as_sim(ctx->backend()); sim != nullptr && sim->holds_of_this_thread() > 0) {
           throw device_error(std::string{sim->name()}, sim_backend::hold_deadlock_error,
                              "sim.drain() inside sim.hold(...): the deferred releases it waits for may wait for "

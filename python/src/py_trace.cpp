@@ -2,11 +2,11 @@
 
 #include "py_array.hpp"
 #include "py_cpython.hpp"
-#include "py_exchange.hpp"
 #include "py_gil.hpp"
 
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
+#include <handoff/exchange.hpp>
 #include <handoff/ownership.hpp>
 
 #include <fmt/format.h>
@@ -377,7 +377,7 @@ const char* producer_naming::library_of(PyObject* producer) noexcept
   return last_library;
 }
 
-void bind_trace(py::module_& m)
+void bind_trace(py::module_& m, exchange& on)
 {
   trace::set_annotator(&annotate);
   m.def("_trace_begin", &trace::begin_session, py::arg("limit") = 0, py::arg("activity") = false,
@@ -385,18 +385,18 @@ void bind_trace(py::module_& m)
         "device's launches, copies, stream operations and host waits; returns the session's token.");
   m.def(
     "_watch_activity",
-    [](bool on) -> py::object {
+    [&on](bool watch) -> py::object {
       context* ctx = nullptr;
       try {
-        ctx = &module_exchange().require_device("a launch trace");
+        ctx = &on.require_device("a launch trace");
       } catch (const device_error& e) {
         return py::str(e.backend() == "none" ? std::string{e.what()}
                                              : fmt::format("the {} backend cannot be used: {}", e.backend(), e.what()));
       }
-      const std::string reason = without_gil([&] { return ctx->backend().watch_activity(on); });
+      const std::string reason = without_gil([&] { return ctx->backend().watch_activity(watch); });
       return reason.empty() ? py::object(py::none()) : py::object(py::str(reason));
     },
-    py::arg("on"),
+    py::arg("watch"),
     "Starts (or stops) the backend's reports of device activity; None, or why it cannot report (no backend, "
     "no CUPTI, no driver).");
   m.def("_trace_dropped", &trace::session_dropped, py::arg("token"),

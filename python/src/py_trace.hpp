@@ -3,6 +3,7 @@
 #pragma once
 
 #include <handoff/array.hpp>
+#include <handoff/exchange.hpp>
 #include <handoff/internal/trace_scope.hpp>
 #include <handoff/trace.hpp>
 
@@ -16,10 +17,12 @@ namespace handoff::python {
 
 namespace py = pybind11;
 
-/// Adds the private tracing functions to `m` and installs the annotator that fills `where`.
-void bind_trace(py::module_& m);
-/// Adds the private functions behind the hooks on other libraries' exchanges (handoff/_interpose.py).
-void bind_interpose(py::module_& m);
+/// Adds the private tracing functions to `m` (a launch trace watches `on`'s device) and installs the
+/// annotator that fills `where`.
+void bind_trace(py::module_& m, exchange& on);
+/// Adds the private functions behind the hooks on other libraries' exchanges (handoff/_interpose.py),
+/// which `on` orders.
+void bind_interpose(py::module_& m, exchange& on);
 
 /// What keeps native stream `handle` alive, when it is the current stream (on the device that works on
 /// data of `data`) of an imported library that holds its streams in objects (CuPy's; PyTorch's own):

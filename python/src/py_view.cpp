@@ -7,7 +7,6 @@
 #include "py_array.hpp"
 #include "py_cpython.hpp"
 #include "py_errors.hpp"
-#include "py_exchange.hpp"
 #include "py_owners.hpp"
 #include "py_streams.hpp"
 
@@ -82,8 +81,8 @@ DLDataType dtype_argument(py::handle value)
   return *dtype;
 }
 
-py::object view(py::handle data_ptr, py::handle shape, py::handle dtype, py::handle device, py::handle strides,
-                py::handle owner, py::handle stream, bool readonly)
+py::object view(exchange& on, py::handle data_ptr, py::handle shape, py::handle dtype, py::handle device,
+                py::handle strides, py::handle owner, py::handle stream, bool readonly)
 {
   array_layout layout;
   layout.data = data_pointer(data_ptr);
@@ -98,26 +97,26 @@ py::object view(py::handle data_ptr, py::handle shape, py::handle dtype, py::han
     const extents bytes = int_sequence(strides, "strides");
     layout.strides = element_strides(layout.shape, bytes, itemsize(layout.dtype), "strides");
   }
-  return make_array(std::move(layout), owner, stream);
+  return make_array(on, std::move(layout), owner, stream);
 }
 
 }  // namespace
 
-array described_view(array_layout&& layout, py::handle owner, py::handle stream)
+array described_view(exchange& on, array_layout&& layout, py::handle owner, py::handle stream)
 {
   // None: the stream is unknown, which is not DLPack's None (the default stream).
   const named_stream ready = stream.is_none() ? named_stream{} : stream_named_by(stream);
   producer_ref keep = owner.is_none() ? producer_ref{[] {}} : python_owner(owner);
-  return module_exchange().view(std::move(layout), std::move(keep), ready);
+  return on.view(std::move(layout), std::move(keep), ready);
 }
 
-py::object make_array(array_layout layout, py::handle owner, py::handle stream)
+py::object make_array(exchange& on, array_layout layout, py::handle owner, py::handle stream)
 {
-  return wrap(described_view(std::move(layout), owner, stream));
+  return wrap(described_view(on, std::move(layout), owner, stream));
 }
 
-py::capsule exporter_dlpack(py::handle instance, py::handle exported, py::handle stream, py::handle max_version,
-                            py::handle dl_device, py::handle copy)
+py::capsule exporter_dlpack(exchange& on, py::handle instance, py::handle exported, py::handle stream,
+                            py::handle max_version, py::handle dl_device, py::handle copy)
 {
   const array* view = as_array(exported);
   HANDOFF_EXPECTS(view != nullptr, type_error,
@@ -125,22 +124,30 @@ py::capsule exporter_dlpack(py::handle instance, py::handle exported, py::handle
                               type_name(exported)));
   array holding{view->layout(), producer_ref{[inner = view->owner(), outer = python_owner(instance)]() noexcept {}}};
   if (const auto ready = view->owner().ready_on()) { holding.owner().set_ready_on(*ready); }
-  return export_dlpack(holding, stream, max_version, dl_device, copy);
+  return export_dlpack(on, holding, stream, max_version, dl_device, copy);
 }
 
-void bind_view(py::module_& m)
+void bind_view(py::module_& m, exchange& on)
 {
-  m.def("view", &view, py::arg("data_ptr"), py::arg("shape"), py::arg("dtype"), py::kw_only(), py::arg("device"),
-        py::arg("strides") = py::none(), py::arg("owner") = py::none(), py::arg("stream") = py::none(),
-        py::arg("readonly") = false,
-        "Wraps memory that `owner` keeps alive as a handoff.Array, without copying.\n\n"
-        "`device` is (device_type, device_id) with DLPack's codes, or 'cpu'; `strides` are in bytes (None: C\n"
-        "order); `stream` is the stream the data is ready on (an int in DLPack's convention or any stream\n"
-        "object; None: unknown, so exports order after the device's default stream). `owner` is held until the\n"
-        "last view, capsule and consumer stream using the memory are done.");
-  m.def("_exporter_dlpack", &exporter_dlpack, py::arg("instance"), py::arg("exported"), py::arg("stream"),
-        py::arg("max_version"), py::arg("dl_device"), py::arg("copy"),
-        "handoff.Exporter.__dlpack__: exports `exported` holding `instance` too.");
+  m.def(
+    "view",
+    [&on](py::handle data_ptr, py::handle shape, py::handle dtype, py::handle device, py::handle strides,
+          py::handle owner, py::handle stream,
+          bool readonly) { return view(on, data_ptr, shape, dtype, device, strides, owner, stream, readonly); },
+    py::arg("data_ptr"), py::arg("shape"), py::arg("dtype"), py::kw_only(), py::arg("device"),
+    py::arg("strides") = py::none(), py::arg("owner") = py::none(), py::arg("stream") = py::none(),
+    py::arg("readonly") = false,
+    "Wraps memory that `owner` keeps alive as a handoff.Array, without copying.\n\n"
+    "`device` is (device_type, device_id) with DLPack's codes, or 'cpu'; `strides` are in bytes (None: C\n"
+    "order); `stream` is the stream the data is ready on (an int in DLPack's convention or any stream\n"
+    "object; None: unknown, so exports order after the device's default stream). `owner` is held until the\n"
+    "last view, capsule and consumer stream using the memory are done.");
+  m.def(
+    "_exporter_dlpack",
+    [&on](py::handle instance, py::handle exported, py::handle stream, py::handle max_version, py::handle dl_device,
+          py::handle copy) { return exporter_dlpack(on, instance, exported, stream, max_version, dl_device, copy); },
+    py::arg("instance"), py::arg("exported"), py::arg("stream"), py::arg("max_version"), py::arg("dl_device"),
+    py::arg("copy"), "handoff.Exporter.__dlpack__: exports `exported` holding `instance` too.");
 }
 
 }  // namespace handoff::python

@@ -164,7 +164,7 @@ std::optional<array> exchange::import_from_table(DLManagedTensorVersioned* tenso
                                                  table_producer& producer)
 {
   operation_trace trace{trace::event_kind::import_data, "dlpack-c-api"};
-  array view = import_dlpack(tensor, hooks_.run_deleter);  // its deleter runs exactly once from here on
+  array view = take_tensor(tensor);  // its deleter runs exactly once from here on
   // Only complex data can be lazily conjugated; __dlpack__ refuses such data with a reason.
   if (view.dtype().code == kDLComplex) {
     if (producer.lazily_conjugated()) { return std::nullopt; }

@@ -102,17 +102,34 @@ class table_producer : detail::immovable {
 ///       context synchronizes the rest.
 class exchange {
  public:
-  /// An exchange over `device_context`, which must outlive it, with that context's embedding hooks.
-  explicit exchange(context& device_context) noexcept : ctx_(&device_context), hooks_(device_context.hooks()) {}
+  /// An exchange over `device_context`, which must outlive it, whose imports run their producers'
+  /// deleters with that context's embedding's `run_deleter`.
+  explicit exchange(context& device_context) noexcept
+      : ctx_(&device_context), run_deleter_(device_context.hooks().run_deleter)
+  {}
   /// An exchange with no device backend: host data is exchanged, device data as it comes, or, where
   /// `why` refuses unordered exchanges, refused where it needs ordering.
-  explicit exchange(absent_backend why, embedding hooks = {}) : absent_(std::move(why)), hooks_(hooks) {}
+  /// @param run_deleter how its imports run their producers' deleters (null: where the last view goes)
+  explicit exchange(absent_backend why, deleter_runner run_deleter = nullptr)
+      : absent_(std::move(why)), run_deleter_(run_deleter)
+  {}
   /// An exchange over the context `source` gives when an operation first needs one; `source` must
-  /// outlive the exchange. `hooks` should be those the context is made with.
-  explicit exchange(context_source& source, embedding hooks = {}) noexcept : source_(&source), hooks_(hooks) {}
+  /// outlive the exchange.
+  /// @param run_deleter how its imports run their producers' deleters: that of the embedding the
+  ///        source's context is made with
+  explicit exchange(context_source& source, deleter_runner run_deleter = nullptr) noexcept
+      : source_(&source), run_deleter_(run_deleter)
+  {}
 
-  /// The embedding's hooks: imports run their producers' deleters with `run_deleter`.
-  [[nodiscard]] const embedding& hooks() const noexcept { return hooks_; }
+  /// Takes `tensor` as an array whose producer's deleter runs, exactly once, with this exchange's
+  /// deleter runner (import_dlpack's rules; no stream is bound). Consumers that import with their
+  /// own checks first, such as a DLPack capsule's, take the tensor so.
+  [[nodiscard]] array take_tensor(DLManagedTensorVersioned* tensor) const
+  {
+    return import_dlpack(tensor, run_deleter_);
+  }
+  /// Legacy form of `take_tensor`.
+  [[nodiscard]] array take_tensor(DLManagedTensor* tensor) const { return import_dlpack(tensor, run_deleter_); }
 
   /// Which consumer streams the releases of this exchange's later exports wait for (the process's
   /// exchange starts with HANDOFF_EXPORT_RELEASE's, every other with known_streams).
@@ -262,9 +279,9 @@ class exchange {
   [[nodiscard]] context* context_for(DLDeviceType type) const { return type == kDLCPU ? nullptr : device_context(); }
 
   context* ctx_{nullptr};
-  absent_backend absent_;            // why ctx_ is null
-  context_source* source_{nullptr};  // when set, gives both
-  embedding hooks_;
+  absent_backend absent_;                // why ctx_ is null
+  context_source* source_{nullptr};      // when set, gives both
+  deleter_runner run_deleter_{nullptr};  // the embedding's, for what this exchange imports
   std::atomic<export_release> export_release_{export_release::known_streams};
 };
 

@@ -58,12 +58,8 @@ void unwatch_thread_exits(thread_state_owner& owner) noexcept;
 
 /// One backend call as its errors and violations name it: the operation key and its arguments,
 /// formatted only when a message names them (formatting them costs more than most calls do).
-class call {
+class call : handoff::detail::immovable {
  public:
-  call(const call&) = delete;
-  call& operator=(const call&) = delete;
-  call(call&&) = delete;
-  call& operator=(call&&) = delete;
   virtual ~call() = default;
 
   [[nodiscard]] virtual std::string args() const = 0;
