@@ -60,11 +60,7 @@ class ExchangeTest : public BackendContextTest {
   // What `on` reads first of `view` once the producer's hold `held` ends; the read must wait for it.
   float first_after(handoff::testing::test_hold& held, const array& view, device::stream_handle on)
   {
-    const auto seen = read_later(static_cast<const float*>(view.data()), on);
-    EXPECT_TRUE(held_back(on)) << "the consumer does not wait for the held producer";
-    held.release();
-    b().synchronize_stream(on);
-    return seen.front();
+    return read_after(held, static_cast<const float*>(view.data()), on).front();
   }
 
   static producer_answer honest(DLDevice claimed)

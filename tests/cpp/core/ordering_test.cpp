@@ -63,16 +63,10 @@ TEST_P(OrderingTest, ExportOrdersTheStreamTheDataIsReadyOn)
   float* data = allocate_on(0);
   const auto producer = stream_on(0);
   const auto consumer = stream_on(0);
-  std::span<const float> seen;
-  {
-    const auto held = hold(producer);
-    const array view = pending_view(data, producer, 1.0F);
-    order_export(&ctx(), view, on(consumer), export_release::known_streams);
-    seen = read_later(data, consumer);
-    EXPECT_TRUE(held_back(consumer));
-  }
-  b().synchronize_stream(consumer);
-  EXPECT_EQ(seen.front(), 1.0F);
+  auto held = hold(producer);
+  const array view = pending_view(data, producer, 1.0F);
+  order_export(&ctx(), view, on(consumer), export_release::known_streams);
+  EXPECT_EQ(read_after(held, data, consumer).front(), 1.0F);
 }
 
 TEST_P(OrderingTest, NegativeControlNoOrderingRequestedSeesStaleData)
@@ -177,16 +171,10 @@ TEST_P(OrderingTest, WithoutAKnownProducerStreamTheDefaultStreamIsOrdered)
   float* data = allocate_on(0);
   const auto consumer = stream_on(0);
   const array view = device_view(data, 0);
-  std::span<const float> seen;
-  {
-    const auto held = hold(b().legacy_default_stream());
-    fill(b().legacy_default_stream(), data, 4.0F);
-    order_export(&ctx(), view, on(consumer), export_release::known_streams);
-    seen = read_later(data, consumer);
-    EXPECT_TRUE(held_back(consumer));
-  }
-  b().synchronize_stream(consumer);
-  EXPECT_EQ(seen.front(), 4.0F);
+  auto held = hold(b().legacy_default_stream());
+  fill(b().legacy_default_stream(), data, 4.0F);
+  order_export(&ctx(), view, on(consumer), export_release::known_streams);
+  EXPECT_EQ(read_after(held, data, consumer).front(), 4.0F);
 }
 
 TEST_P(OrderingTest, AViewClaimingAnotherDeviceIsRefused)
@@ -374,19 +362,13 @@ TEST_P(OrderingTest, OrderingDataOnAnotherDeviceCreatesNoContextOnTheCurrentOne)
   });
   owner.join();
   std::thread importer([&] {  // a thread that never chose a device
-    std::span<const float> seen;
-    {
-      const auto held = hold(producer);
-      fill(producer, data, 2.0F);
-      const array view = device_view(data, 1);
-      mark_ready(view, producer, 1);
-      order_export(&ctx(), view, on(consumer), export_release::known_streams);
-      bind_import(ctx(), view, owning_device(ctx(), view), consumer);
-      seen = read_later(data, consumer);
-      EXPECT_TRUE(held_back(consumer));
-    }
-    b().synchronize_stream(consumer);
-    EXPECT_EQ(seen.front(), 2.0F);
+    auto held = hold(producer);
+    fill(producer, data, 2.0F);
+    const array view = device_view(data, 1);
+    mark_ready(view, producer, 1);
+    order_export(&ctx(), view, on(consumer), export_release::known_streams);
+    bind_import(ctx(), view, owning_device(ctx(), view), consumer);
+    EXPECT_EQ(read_after(held, data, consumer).front(), 2.0F);
   });
   importer.join();
   ctx().drain();

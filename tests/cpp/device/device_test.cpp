@@ -98,6 +98,15 @@ class DeviceTest : public ::testing::TestWithParam<backend_choice> {
   {
     return device_->read_later(s, src, n);
   }
+  /// The gate of an ordering test: `consumer`'s read of `n` floats at `src`, checked to wait for the
+  /// producer's hold `held`, once the hold has ended (test_device::gated_read).
+  std::span<const float> read_after(handoff::testing::test_hold& held, stream_handle consumer, const float* src,
+                                    std::size_t n)
+  {
+    const auto [waited, seen] = device_->gated_read(held, consumer, src, n);
+    EXPECT_TRUE(waited) << "the consumer does not wait for the held producer";
+    return seen;
+  }
 
   std::optional<handoff::testing::test_device> device_;
   std::vector<event_handle> events_;
@@ -168,18 +177,12 @@ TEST_P(DeviceTest, EventWaitOrdersWorkAcrossStreams)
   const auto producer = stream(true);
   const auto consumer = stream(true);
   float* data = floats(count, 0.0f);
-  std::span<const float> seen;
-  {
-    const auto held = hold(producer);
-    fill(producer, data, count, 1.0f);
-    const auto e = event();
-    b().record_event(e, producer);
-    b().stream_wait_event(consumer, e);
-    seen = read_later(consumer, data, count);
-    EXPECT_TRUE(held_back(consumer));
-  }
-  b().synchronize_stream(consumer);
-  EXPECT_TRUE(all_equal(seen, 1.0f));
+  auto held = hold(producer);
+  fill(producer, data, count, 1.0f);
+  const auto e = event();
+  b().record_event(e, producer);
+  b().stream_wait_event(consumer, e);
+  EXPECT_TRUE(all_equal(read_after(held, consumer, data, count), 1.0f));
 }
 
 // Negative control: the same exchange without the wait reads the data before the fill, which
@@ -208,25 +211,19 @@ TEST_P(DeviceTest, ReRecordingReplacesTheCapturedWork)
   EXPECT_TRUE(b().query_event(e));  // never recorded
 
   float* data = floats(count, 0.0f);
-  std::span<const float> seen;
-  {
-    const auto held = hold(producer);
-    fill(producer, data, count, 1.0f);
-    b().record_event(e, producer);
-    EXPECT_FALSE(b().query_event(e));
-    b().stream_wait_event(consumer, e);  // captures the record on `producer`
+  auto held = hold(producer);
+  fill(producer, data, count, 1.0f);
+  b().record_event(e, producer);
+  EXPECT_FALSE(b().query_event(e));
+  b().stream_wait_event(consumer, e);  // captures the record on `producer`
 
-    b().record_event(e, idle);  // now tracks `idle`, which has no work
-    b().synchronize_event(e);
-    EXPECT_TRUE(b().query_event(e));
-    EXPECT_TRUE(all_equal(read(idle, data, count), 0.0f));  // the fill has not run yet
+  b().record_event(e, idle);  // now tracks `idle`, which has no work
+  b().synchronize_event(e);
+  EXPECT_TRUE(b().query_event(e));
+  EXPECT_TRUE(all_equal(read(idle, data, count), 0.0f));  // the fill has not run yet
 
-    // The earlier wait still orders `consumer` after the fill.
-    seen = read_later(consumer, data, count);
-    EXPECT_TRUE(held_back(consumer));
-  }
-  b().synchronize_stream(consumer);
-  EXPECT_TRUE(all_equal(seen, 1.0f));
+  // The earlier wait still orders `consumer` after the fill.
+  EXPECT_TRUE(all_equal(read_after(held, consumer, data, count), 1.0f));
 }
 
 TEST_P(DeviceTest, SynchronizeEventBlocksUntilTheRecordedWorkIsDone)
@@ -282,15 +279,9 @@ TEST_P(DeviceTest, LegacyStreamWaitsForBlockingStreams)
 {
   const auto blocking = stream(false);
   float* data = floats(count, 0.0f);
-  std::span<const float> seen;
-  {
-    const auto held = hold(blocking);
-    fill(blocking, data, count, 1.0f);
-    seen = read_later(b().legacy_default_stream(), data, count);
-    EXPECT_TRUE(held_back(b().legacy_default_stream()));
-  }
-  b().synchronize_device();
-  EXPECT_TRUE(all_equal(seen, 1.0f));
+  auto held = hold(blocking);
+  fill(blocking, data, count, 1.0f);
+  EXPECT_TRUE(all_equal(read_after(held, b().legacy_default_stream(), data, count), 1.0f));
 }
 
 // CUDA leaves open whether synchronizing the legacy stream waits for the blocking streams' work
@@ -319,15 +310,9 @@ TEST_P(DeviceTest, BlockingStreamsWaitForTheLegacyStream)
 {
   const auto blocking = stream(false);
   float* data = floats(count, 0.0f);
-  std::span<const float> seen;
-  {
-    const auto held = hold(b().legacy_default_stream());
-    fill(b().legacy_default_stream(), data, count, 2.0f);
-    seen = read_later(blocking, data, count);
-    EXPECT_TRUE(held_back(blocking));
-  }
-  b().synchronize_stream(blocking);
-  EXPECT_TRUE(all_equal(seen, 2.0f));
+  auto held = hold(b().legacy_default_stream());
+  fill(b().legacy_default_stream(), data, count, 2.0f);
+  EXPECT_TRUE(all_equal(read_after(held, blocking, data, count), 2.0f));
 }
 
 TEST_P(DeviceTest, NonBlockingStreamsSkipImplicitSynchronization)
@@ -401,17 +386,11 @@ TEST_P(DeviceTest, RecordingAnEventOfAnotherDeviceFails)
   EXPECT_DEVICE_ERROR(b().record_event(e1, s0), err("cudaErrorInvalidResourceHandle", "hipErrorInvalidHandle"));
 
   // Waiting on another device's event is allowed and orders the work.
-  std::span<const float> seen;
-  {
-    const auto held = hold(s1);
-    fill(s1, data, count, 1.0f);
-    b().record_event(e1, s1);
-    b().stream_wait_event(s0, e1);
-    seen = read_later(s0, data, count);
-    EXPECT_TRUE(held_back(s0));
-  }
-  b().synchronize_stream(s0);
-  EXPECT_TRUE(all_equal(seen, 1.0f));
+  auto held = hold(s1);
+  fill(s1, data, count, 1.0f);
+  b().record_event(e1, s1);
+  b().stream_wait_event(s0, e1);
+  EXPECT_TRUE(all_equal(read_after(held, s0, data, count), 1.0f));
 }
 
 TEST_P(DeviceTest, CurrentDeviceIsPerThread)

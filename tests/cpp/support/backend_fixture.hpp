@@ -84,6 +84,14 @@ class BackendTest : public ::testing::TestWithParam<backend_choice> {
   {
     return device_->read_later(stream, data, n);
   }
+  /// The gate of an ordering test: enqueues `consumer`'s read of the n floats at `data`, checks that
+  /// it waits for the producer's hold `held`, ends the hold, and returns what it read.
+  std::span<const float> read_after(test_hold& held, const float* data, device::stream_handle consumer)
+  {
+    const auto [waited, seen] = device_->gated_read(held, consumer, data, n);
+    EXPECT_TRUE(waited) << "the consumer does not wait for the held producer";
+    return seen;
+  }
 
   std::optional<test_device> device_;
 };

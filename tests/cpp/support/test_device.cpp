@@ -179,6 +179,16 @@ std::span<const float> test_device::read_later(device::stream_handle stream, con
   return {host, count};
 }
 
+test_device::gated_values test_device::gated_read(test_hold& held, device::stream_handle consumer, const float* src,
+                                                  std::size_t count)
+{
+  const std::span<const float> seen = read_later(consumer, src, count);
+  const bool waited = held_back(consumer);
+  held.release();
+  backend_->synchronize_stream(consumer);
+  return {.waited = waited, .seen = seen};
+}
+
 std::vector<float> test_device::read(device::stream_handle stream, const float* src, std::size_t count)
 {
   std::vector<float> host(count, std::numeric_limits<float>::quiet_NaN());

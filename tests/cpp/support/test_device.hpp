@@ -127,6 +127,17 @@ class test_device {
   /// long as this.
   [[nodiscard]] std::span<const float> read_later(device::stream_handle stream, const float* src, std::size_t count);
 
+  /// What `gated_read` saw: whether the read waited for the hold, and what it read once the hold ended.
+  struct gated_values {
+    bool waited;
+    std::span<const float> seen;
+  };
+  /// The gate of an ordering test: enqueues `consumer`'s read of `count` floats at `src` (read_later)
+  /// while `held` holds the producer, asks whether it waits (held_back), ends the hold and waits for
+  /// the read.
+  [[nodiscard]] gated_values gated_read(test_hold& held, device::stream_handle consumer, const float* src,
+                                        std::size_t count);
+
  private:
   std::unique_ptr<device::backend> backend_;
   std::mutex mutex_;
