@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 # The pipeline: never imports handoff. Prints its step times (ns) as JSON.
 PIPELINE = r"""
@@ -76,7 +77,8 @@ def percentile(values: list[int], q: float) -> float:
     return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
 
 
-def run(command: list[str], env: dict[str, str]) -> list[int]:
+def run(command: list[str], env: dict[str, str]) -> Any:
+    """Runs one configuration; what its program printed last, as JSON."""
     result = subprocess.run(command, capture_output=True, text=True, env=env, check=False, timeout=1800)
     if result.returncode != 0:
         raise SystemExit(f"{' '.join(command[:6])} ... failed:\n{result.stderr}")
