@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string_view>
@@ -39,13 +40,11 @@ struct active_sim {
   sim_backend& sim;
 };
 
-// The exchange bind_sim was given, whose context every function of the module drives.
-exchange* bound_exchange = nullptr;
-
-active_sim require_sim()
+// The simulator `on`'s context drives.
+active_sim require_sim(exchange& on)
 {
   // Said first: a newcomer running an example without the setting learns what to set.
-  context& ctx = bound_exchange->require_device(
+  context& ctx = on.require_device(
     "handoff.sim runs on the simulated device: set HANDOFF_BACKEND=sim (or sim-rocm) before the process first uses "
     "handoff. It");
   sim_backend* sim = device::as_sim(ctx.backend());
@@ -77,10 +76,10 @@ class current_device {
 // An owning simulated stream.
 class sim_stream {
  public:
-  sim_stream(int device, bool non_blocking) : device_(device)
+  sim_stream(exchange& on, int device, bool non_blocking) : device_(device)
   {
-    auto [ctx, sim] = require_sim();
-    const current_device on{sim, device};
+    auto [ctx, sim] = require_sim(on);
+    const current_device current{sim, device};
     handle_ = sim.create_stream(non_blocking);
     sim_ = &sim;
     non_blocking_ = non_blocking;
@@ -126,17 +125,17 @@ int device_of_stream(py::handle stream, sim_backend& sim)
 
 // The simulator's answer to `question` about a stream argument.
 template <class Answer>
-Answer ask_about(py::handle stream, Answer (sim_backend::*question)(device::stream_handle))
+Answer ask_about(exchange& on, py::handle stream, Answer (sim_backend::*question)(device::stream_handle))
 {
-  auto [ctx, sim] = require_sim();
-  const current_device on{sim, device_of_stream(stream, sim)};
+  auto [ctx, sim] = require_sim(on);
+  const current_device current{sim, device_of_stream(stream, sim)};
   return (sim.*question)(stream_of(stream));
 }
 
 // sim.hold(stream): a context manager that holds the stream's work from __enter__ to __exit__.
 class stream_hold {
  public:
-  explicit stream_hold(py::object stream) : stream_(std::move(stream))
+  stream_hold(exchange& on, py::object stream) : on_(&on), stream_(std::move(stream))
   {
     (void)stream_of(stream_);  // a bad argument fails here, not at __enter__
   }
@@ -145,8 +144,8 @@ class stream_hold {
   {
     HANDOFF_EXPECTS(!hold_.active(), value_error,
                     "this hold is active already; nest another sim.hold(stream) to hold the stream twice");
-    auto [ctx, sim] = require_sim();
-    const current_device on{sim, device_of_stream(stream_, sim)};
+    auto [ctx, sim] = require_sim(*on_);
+    const current_device current{sim, device_of_stream(stream_, sim)};
     hold_ = sim.hold(stream_of(stream_));
     return *this;
   }
@@ -156,6 +155,7 @@ class stream_hold {
   [[nodiscard]] bool active() const noexcept { return hold_.active(); }
 
  private:
+  exchange* on_;
   py::object stream_;  // kept while held: the hold is a use of it
   device::sim_hold hold_;
 };
@@ -174,14 +174,14 @@ class pending_copy {
 
   [[nodiscard]] bool done()
   {
-    const current_device on{*sim_, device_};
+    const current_device current{*sim_, device_};
     return sim_->query_event(done_);
   }
 
   [[nodiscard]] py::object result()
   {
     without_gil([this] {
-      const current_device on{*sim_, device_};
+      const current_device current{*sim_, device_};
       sim_->synchronize_event(done_);
     });
     return out_;
@@ -306,10 +306,10 @@ std::chrono::nanoseconds seconds(double delay, const char* argument)
   return std::chrono::nanoseconds{static_cast<std::int64_t>(delay * 1e9)};
 }
 
-py::object zeros(py::handle shape_arg, const std::string& dtype_text, int device, const std::string& memory,
-                 py::handle stream_arg)
+py::object zeros(exchange& on, py::handle shape_arg, const std::string& dtype_text, int device,
+                 const std::string& memory, py::handle stream_arg)
 {
-  auto s = require_sim();
+  auto s = require_sim(on);
   const auto dtype = dtype_from_name(dtype_text);
   HANDOFF_EXPECTS(dtype.has_value(), value_error, fmt::format("unknown dtype '{}'", dtype_text));
   std::vector<std::int64_t> shape;
@@ -320,7 +320,7 @@ py::object zeros(py::handle shape_arg, const std::string& dtype_text, int device
   }
   // The layout first: a bad shape allocates nothing.
   auto [layout, bytes] = row_major_layout({s.sim.device_type(), device}, *dtype, shape);
-  const current_device on{s.sim, device};
+  const current_device current{s.sim, device};
   const bool stream_ordered = !stream_arg.is_none();
   HANDOFF_EXPECTS(!stream_ordered || memory == "device", value_error,
                   fmt::format("stream= allocates device memory stream-ordered; memory='{}' is not", memory));
@@ -365,9 +365,9 @@ py::object zeros(py::handle shape_arg, const std::string& dtype_text, int device
 
 // A kernel launch of the simulator: it takes `delay` on `stream` and reads `reads` and writes
 // `writes` as far as a launch trace knows (its body changes no memory).
-void launch(const std::string& name, py::handle reads, py::handle writes, py::handle stream, double delay)
+void launch(exchange& on, const std::string& name, py::handle reads, py::handle writes, py::handle stream, double delay)
 {
-  auto s = require_sim();
+  auto s = require_sim(on);
   std::vector<activity::buffer_use> uses;
   std::optional<int> device;
   const auto add = [&](py::handle arrays, activity::access mode, const char* argument) {
@@ -396,19 +396,19 @@ void launch(const std::string& name, py::handle reads, py::handle writes, py::ha
   HANDOFF_EXPECTS(!name.empty(), value_error, "a kernel needs a name");
   const auto handle = stream_of(stream);
   const auto wait = seconds(delay, "delay");
-  const current_device on{s.sim, device.value_or(s.sim.current_device())};
+  const current_device current{s.sim, device.value_or(s.sim.current_device())};
   s.sim.launch_kernel(handle, activity::intern(name), uses, wait);
 }
 
-void fill(py::handle target, py::handle value, py::handle stream, double delay)
+void fill(exchange& on, py::handle target, py::handle value, py::handle stream, double delay)
 {
-  auto s = require_sim();
+  auto s = require_sim(on);
   array& view = sim_array(target, s);
   HANDOFF_EXPECTS(!view.readonly(), buffer_error, "cannot fill a read-only array");
   const auto pattern = element_bytes(value, view.dtype());
   const auto handle = stream_of(stream);
   const int device = owning_device(s.ctx, view);
-  const current_device on{s.sim, device};
+  const current_device current{s.sim, device};
   if (view.nbytes() > 0) {
     s.sim.enqueue_fill_bytes(handle, view.data(), static_cast<std::size_t>(view.nbytes()), pattern,
                              seconds(delay, "delay"));
@@ -417,9 +417,9 @@ void fill(py::handle target, py::handle value, py::handle stream, double delay)
     {.ctx = &s.ctx, .device = device, .stream = handle, .stream_owner = stream_keep_alive(stream)});
 }
 
-py::object to_numpy(py::handle source, py::handle stream, bool wait)
+py::object to_numpy(exchange& on, py::handle source, py::handle stream, bool wait)
 {
-  auto s = require_sim();
+  auto s = require_sim(on);
   const array& view = sim_array(source, s);
   const auto handle = stream_of(stream);
   const int device = owning_device(s.ctx, view);
@@ -431,16 +431,16 @@ py::object to_numpy(py::handle source, py::handle stream, bool wait)
   const auto host = reinterpret_cast<void*>(out.attr("ctypes").attr("data").cast<std::uintptr_t>());
   const auto bytes = static_cast<std::size_t>(view.nbytes());
   if (bytes > 0) {
-    const current_device on{s.sim, device};
+    const current_device current{s.sim, device};
     s.sim.copy_async(host, view.data(), bytes, handle);
   }
   if (!wait) {
     // The stream's device's event: a stream of a peer device may read this device's array.
     const int reader = [&] {
-      const current_device on{s.sim, device};
+      const current_device current{s.sim, device};
       return s.sim.stream_device(handle);
     }();
-    const current_device on{s.sim, reader};
+    const current_device current{s.sim, reader};
     keep_alive_until_done(s.ctx, reader, handle, out);  // whether or not the result is asked for
     const auto done = s.sim.create_event();
     try {
@@ -453,7 +453,7 @@ py::object to_numpy(py::handle source, py::handle stream, bool wait)
   }
   try {
     without_gil([&] {
-      const current_device on{s.sim, device};
+      const current_device current{s.sim, device};
       s.sim.synchronize_stream(handle);
     });
   } catch (...) {
@@ -464,9 +464,9 @@ py::object to_numpy(py::handle source, py::handle stream, bool wait)
   return out;
 }
 
-void synchronize(py::handle device)
+void synchronize(exchange& on, py::handle device)
 {
-  auto s = require_sim();
+  auto s = require_sim(on);
   const bool an_int = is_int(device.ptr());
   HANDOFF_EXPECTS(device.is_none() || an_int, type_error,
                   fmt::format("device must be None or an int, not {}", type_name(device)));
@@ -474,7 +474,7 @@ void synchronize(py::handle device)
   const int last = device.is_none() ? s.sim.device_count() - 1 : first;
   without_gil([&] {
     for (int d = first; d <= last; ++d) {
-      const current_device on{s.sim, d};
+      const current_device current{s.sim, d};
       s.sim.synchronize_device();
     }
   });
@@ -484,12 +484,13 @@ void synchronize(py::handle device)
 
 void bind_sim(py::module_& parent, exchange& on)
 {
-  bound_exchange = &on;
   py::module_ m = parent.def_submodule("_sim", "The simulated accelerator (HANDOFF_BACKEND=sim or sim-rocm).");
   py::class_<sim_stream>(m, "Stream", "An owning stream of the simulated device.")
-    .def(py::init<int, bool>(), py::arg("device") = 0, py::kw_only(), py::arg("non_blocking") = false,
-         "Creates a stream on simulated device `device`; destroyed when the object goes, its pending work still "
-         "running. A non-blocking stream does not synchronize with the legacy default stream.")
+    .def(
+      py::init([&on](int device, bool non_blocking) { return std::make_unique<sim_stream>(on, device, non_blocking); }),
+      py::arg("device") = 0, py::kw_only(), py::arg("non_blocking") = false,
+      "Creates a stream on simulated device `device`; destroyed when the object goes, its pending work still "
+      "running. A non-blocking stream does not synchronize with the legacy default stream.")
     .def_property_readonly("handle", &sim_stream::handle, "The native stream handle, an int.")
     .def_property_readonly("device", &sim_stream::device, "The simulated device the stream is on.")
     .def_property_readonly("non_blocking", &sim_stream::non_blocking,
@@ -502,21 +503,38 @@ void bind_sim(py::module_& parent, exchange& on)
       return fmt::format("handoff.sim.Stream({:#x}, device={}{})", s.handle(), s.device(),
                          s.non_blocking() ? ", non_blocking=True" : "");
     });
-  m.def("zeros", &zeros, py::arg("shape"), py::arg("dtype") = "float32", py::arg("device") = 0, py::kw_only(),
-        py::arg("memory") = "device", py::arg("stream") = py::none(),
-        "A zero-filled array on a simulated device ('device'), or in pinned host or managed memory. With `stream`, "
-        "device memory allocated on that stream and freed on it when released (cudaMallocAsync, cudaFreeAsync); "
-        "otherwise freed once the device is idle (cudaFree).");
-  m.def("launch", &launch, py::arg("name"), py::kw_only(), py::arg("reads") = py::tuple(),
-        py::arg("writes") = py::tuple(), py::arg("stream"), py::arg("delay") = 0.0,
-        "Enqueues on `stream` a kernel `name` that takes `delay` seconds and reads `reads` and writes `writes` "
-        "(sequences of simulated arrays). It changes no memory: a launch trace records what it uses, and its race "
-        "detector checks that. Returns at once.");
-  m.def("fill", &fill, py::arg("array"), py::arg("value"), py::kw_only(), py::arg("stream"), py::arg("delay") = 0.0,
-        "Enqueues on `stream`: wait `delay` seconds, then write `value` everywhere. Returns at once.");
-  m.def("to_numpy", &to_numpy, py::arg("array"), py::kw_only(), py::arg("stream"), py::arg("wait") = true,
-        "Enqueues a copy to a new NumPy array on `stream`, waits for the stream and returns the NumPy array; "
-        "with wait=False, returns a PendingCopy at once (for a read behind a held stream).");
+  m.def(
+    "zeros",
+    [&on](py::handle shape, const std::string& dtype, int device, const std::string& memory, py::handle stream) {
+      return zeros(on, shape, dtype, device, memory, stream);
+    },
+    py::arg("shape"), py::arg("dtype") = "float32", py::arg("device") = 0, py::kw_only(), py::arg("memory") = "device",
+    py::arg("stream") = py::none(),
+    "A zero-filled array on a simulated device ('device'), or in pinned host or managed memory. With `stream`, "
+    "device memory allocated on that stream and freed on it when released (cudaMallocAsync, cudaFreeAsync); "
+    "otherwise freed once the device is idle (cudaFree).");
+  m.def(
+    "launch",
+    [&on](const std::string& name, py::handle reads, py::handle writes, py::handle stream, double delay) {
+      launch(on, name, reads, writes, stream, delay);
+    },
+    py::arg("name"), py::kw_only(), py::arg("reads") = py::tuple(), py::arg("writes") = py::tuple(), py::arg("stream"),
+    py::arg("delay") = 0.0,
+    "Enqueues on `stream` a kernel `name` that takes `delay` seconds and reads `reads` and writes `writes` "
+    "(sequences of simulated arrays). It changes no memory: a launch trace records what it uses, and its race "
+    "detector checks that. Returns at once.");
+  m.def(
+    "fill",
+    [&on](py::handle target, py::handle value, py::handle stream, double delay) {
+      fill(on, target, value, stream, delay);
+    },
+    py::arg("array"), py::arg("value"), py::kw_only(), py::arg("stream"), py::arg("delay") = 0.0,
+    "Enqueues on `stream`: wait `delay` seconds, then write `value` everywhere. Returns at once.");
+  m.def(
+    "to_numpy", [&on](py::handle source, py::handle stream, bool wait) { return to_numpy(on, source, stream, wait); },
+    py::arg("array"), py::kw_only(), py::arg("stream"), py::arg("wait") = true,
+    "Enqueues a copy to a new NumPy array on `stream`, waits for the stream and returns the NumPy array; "
+    "with wait=False, returns a PendingCopy at once (for a read behind a held stream).");
   py::class_<pending_copy>(m, "PendingCopy", "A host copy sim.to_numpy(..., wait=False) enqueued.")
     .def("done", &pending_copy::done, "True once the copy has landed (it never blocks).")
     .def("result", &pending_copy::result,
@@ -530,41 +548,47 @@ void bind_sim(py::module_& parent, exchange& on)
     .def_property_readonly("stream", &stream_hold::stream, "The stream it holds.")
     .def_property_readonly("active", &stream_hold::active, "True inside the block.");
   m.def(
-    "hold", [](py::object stream) { return stream_hold{std::move(stream)}; }, py::arg("stream"),
+    "hold",
+    [&on](py::object stream) {
+      return stream_hold{on, std::move(stream)};
+    },
+    py::arg("stream"),
     "A context manager: nothing enqueued on `stream` inside the block runs until the block ends, so that a test "
     "holds a producer exactly as long as it needs. Work enqueued before the block is not held.");
   m.def(
-    "pending", [](py::handle stream) { return ask_about(stream, &sim_backend::pending); }, py::arg("stream"),
+    "pending", [&on](py::handle stream) { return ask_about(on, stream, &sim_backend::pending); }, py::arg("stream"),
     "How many operations enqueued on `stream` are not done yet (a hold itself is not counted).");
   m.def(
-    "held", [](py::handle stream) { return ask_about(stream, &sim_backend::held); }, py::arg("stream"),
+    "held", [&on](py::handle stream) { return ask_about(on, stream, &sim_backend::held); }, py::arg("stream"),
     "True while a sim.hold(stream) block is open.");
   m.def(
-    "waits_for_hold", [](py::handle stream) { return ask_about(stream, &sim_backend::waits_for_hold); },
+    "waits_for_hold", [&on](py::handle stream) { return ask_about(on, stream, &sim_backend::waits_for_hold); },
     py::arg("stream"),
     "True while the last work enqueued on `stream` cannot run before an open sim.hold block ends (a hold of "
     "`stream`, or of a stream it waits for): a consumer waits for a held producer.");
-  m.def("synchronize", &synchronize, py::arg("device") = py::none(), "Waits for all work on a device (or all).");
+  m.def(
+    "synchronize", [&on](py::handle device) { synchronize(on, device); }, py::arg("device") = py::none(),
+    "Waits for all work on a device (or all).");
   m.def(
     "synchronize_unheld",
-    [] {
-      auto s = require_sim();
+    [&on] {
+      auto s = require_sim(on);
       without_gil([&] { s.sim.synchronize_unheld(); });
     },
     "Waits for all the work that does not wait for an open sim.hold block: inside one, what can run has run.");
   m.def(
     "inject_fault",
-    [](const std::string& op, int count, const std::string& error) {
-      require_sim().sim.inject_fault(op, count, error);
+    [&on](const std::string& op, int count, const std::string& error) {
+      require_sim(on).sim.inject_fault(op, count, error);
     },
     py::arg("operation"), py::arg("count") = 1, py::arg("error") = "cudaErrorLaunchFailure",
     "Makes the next `count` calls of a device operation fail with `error` (a DeviceError).");
   m.def(
-    "clear_faults", [] { require_sim().sim.clear_faults(); }, "Removes every fault inject_fault set.");
+    "clear_faults", [&on] { require_sim(on).sim.clear_faults(); }, "Removes every fault inject_fault set.");
   m.def(
     "inject_sticky_fault",
-    [](long long device, const std::string& error) {
-      auto s = require_sim();
+    [&on](long long device, const std::string& error) {
+      auto s = require_sim(on);
       s.sim.inject_sticky_fault(checked_device(s.sim, device), error);
     },
     py::arg("device") = 0, py::arg("error") = "cudaErrorIllegalAddress",
@@ -572,25 +596,25 @@ void bind_sim(py::module_& parent, exchange& on)
     "work already queued there, host functions included, never runs.");
   m.def(
     "clear_sticky_fault",
-    [](long long device) {
-      auto s = require_sim();
+    [&on](long long device) {
+      auto s = require_sim(on);
       s.sim.clear_sticky_fault(checked_device(s.sim, device));
     },
     py::arg("device") = 0, "Makes a device usable again (tests only: CUDA needs a new process).");
   m.def(
-    "current_device", [] { return require_sim().sim.current_device(); },
+    "current_device", [&on] { return require_sim(on).sim.current_device(); },
     "The device current on the calling thread (the one the runtime would use where none is).");
   m.def(
     "set_device",
-    [](long long device) {
-      auto s = require_sim();
+    [&on](long long device) {
+      auto s = require_sim(on);
       s.sim.set_current_device(checked_device(s.sim, device));
     },
     py::arg("device"), "Makes `device` current on the calling thread, as cudaSetDevice does.");
   m.def(
     "reset_device",
-    [](long long device) {
-      auto s = require_sim();
+    [&on](long long device) {
+      auto s = require_sim(on);
       const int checked = checked_device(s.sim, device);
       without_gil([&] { s.sim.reset_device(checked); });
     },
@@ -599,43 +623,44 @@ void bind_sim(py::module_& parent, exchange& on)
     "then destroys its streams, events and memory; its next use gets a new context.");
   m.def(
     "violations",
-    [] {
+    [&on] {
       py::list out;
-      for (const auto& violation : require_sim().sim.violations()) { out.append(violation); }
+      for (const auto& violation : require_sim(on).sim.violations()) { out.append(violation); }
       return out;
     },
     "What the process did that CUDA leaves undefined or forbids: uses of destroyed streams or events, "
     "runtime calls from host functions.");
   m.def(
-    "clear_violations", [] { require_sim().sim.clear_violations(); }, "Forgets the violations recorded so far.");
+    "clear_violations", [&on] { require_sim(on).sim.clear_violations(); }, "Forgets the violations recorded so far.");
   py::class_<device::sim_graph>(m, "Graph", "A graph captured from a stream (sim.end_capture).")
     .def("__len__", &device::sim_graph::size,
          "How many operations the capture recorded (work, host functions, event records and waits).")
     .def(
       "launch",
-      [](const device::sim_graph& graph, py::handle stream) {
-        require_sim().sim.launch_graph(graph, stream_of(stream));
+      [&on](const device::sim_graph& graph, py::handle stream) {
+        require_sim(on).sim.launch_graph(graph, stream_of(stream));
       },
       py::arg("stream"), "Enqueues a run of the graph on `stream`; each launch runs its work once.");
   m.def(
-    "begin_capture", [](py::handle stream) { require_sim().sim.begin_capture(stream_of(stream)); }, py::arg("stream"),
+    "begin_capture", [&on](py::handle stream) { require_sim(on).sim.begin_capture(stream_of(stream)); },
+    py::arg("stream"),
     "Starts capturing the work enqueued on `stream` (and on streams that join it) into a Graph; end_capture "
     "returns it.");
   m.def(
-    "end_capture", [](py::handle stream) { return require_sim().sim.end_capture(stream_of(stream)); },
+    "end_capture", [&on](py::handle stream) { return require_sim(on).sim.end_capture(stream_of(stream)); },
     py::arg("stream"),
     "Ends the capture begun on `stream`; returns the captured Graph, which runs only when launched.");
   m.def(
-    "set_copy_delay", [](double delay) { require_sim().sim.set_copy_duration(seconds(delay, "delay")); },
+    "set_copy_delay", [&on](double delay) { require_sim(on).sim.set_copy_duration(seconds(delay, "delay")); },
     py::arg("delay"),
     "Makes every later device copy take `delay` seconds on its stream (default 0), as a real copy takes time.");
   m.def(
-    "live_allocations", [] { return require_sim().sim.live_allocations(); },
+    "live_allocations", [&on] { return require_sim(on).sim.live_allocations(); },
     "How many simulated allocations are not freed yet (deferred frees count until they have run).");
   m.def(
     "drain",
-    [] {
-      if (context* ctx = bound_exchange->device_context()) {
+    [&on] {
+      if (context* ctx = on.device_context()) {
         if (sim_backend* sim = device::as_sim(ctx->backend()); sim != nullptr && sim->holds_of_this_thread() > 0) {
           throw device_error(std::string{sim->name()}, sim_backend::hold_deadlock_error,
                              "sim.drain() inside sim.hold(...): the deferred releases it waits for may wait for "
