@@ -348,11 +348,13 @@ std::optional<py::object> import_without_streams(exchange& on, py::handle x, con
   }
   // Data on another device than claimed is refused; device data from a producer that hid its
   // device is bound to the consumer stream.
-  return wrap(on.import(consume_capsule(on, capsule), {.consumer = consumer, .device = {}, .copy = {}},
-                        {.name = claim.device ? type_name(x) : std::string_view{},
-                         .claimed = claim.device,
-                         .honoured_arguments = true,
-                         .ordered_for_consumer = false}));
+  array view = consume_capsule(on, capsule);
+  on.import(view, {.consumer = consumer, .device = {}, .copy = {}},
+            {.name = claim.device ? type_name(x) : std::string_view{},
+             .claimed = claim.device,
+             .honoured_arguments = true,
+             .ordered_for_consumer = false});
+  return wrap(std::move(view));
 }
 
 // Any call: a capsule, or a producer asked through __dlpack__ with the consumer's stream, `device`
@@ -362,9 +364,10 @@ py::object import_through_dlpack(exchange& on, py::handle x, const import_reques
 {
   const std::optional<DLDevice>& target = request.device;
   if (PyCapsule_CheckExact(x.ptr())) {
-    return wrap(
-      on.import(consume_capsule(on, x), request,
-                {.name = "PyCapsule", .claimed = {}, .honoured_arguments = false, .ordered_for_consumer = false}));
+    array view = consume_capsule(on, x);
+    on.import(view, request,
+              {.name = "PyCapsule", .claimed = {}, .honoured_arguments = false, .ordered_for_consumer = false});
+    return wrap(std::move(view));
   }
   HANDOFF_EXPECTS(
     has_dlpack(x.ptr()), type_error,
@@ -398,12 +401,14 @@ py::object import_through_dlpack(exchange& on, py::handle x, const import_reques
   // the per-thread default stream with 1: the consumer stream then waits for the legacy default
   // stream, as DLPack reads both.
   const bool none_for_pinned = claimed && is_pinned_host(claimed->device_type) && producer_arg.get().is_none();
-  return wrap(on.import(consume_capsule(on, capsule), request,
-                        {.name = type_name(x),
-                         .claimed = claimed,
-                         .honoured_arguments = !legacy,
-                         .ordered_for_consumer = !producer_arg.get().is_none() && !through_legacy_stream,
-                         .ordered_for_default_stream = none_for_pinned || through_legacy_stream}));
+  array view = consume_capsule(on, capsule);
+  on.import(view, request,
+            {.name = type_name(x),
+             .claimed = claimed,
+             .honoured_arguments = !legacy,
+             .ordered_for_consumer = !producer_arg.get().is_none() && !through_legacy_stream,
+             .ordered_for_default_stream = none_for_pinned || through_legacy_stream});
+  return wrap(std::move(view));
 }
 
 }  // namespace

@@ -12,17 +12,26 @@ void release_reference(PyObject* object) noexcept
   with_gil([object] { Py_DECREF(object); });
 }
 
+// The two ways a view keeps a Python object, named so that the garbage collector can find them (see
+// visit_kept_python_objects). Types of this file alone: GCC then compares their type_info by address,
+// where a type with external linkage pays a string compare on every miss (keeps_python_objects runs
+// for each new handoff.Array).
+
+// A producer's release that lets go of one reference to a Python object (python_owner's).
+struct python_reference_release {
+  PyObject* object;
+  void operator()() const noexcept { release_reference(object); }
+};
+
+// What lets go of the one reference to a Python stream object that stream_keep_alive takes.
+struct python_reference_deleter {
+  void operator()(const void* object) const noexcept
+  {
+    release_reference(static_cast<PyObject*>(const_cast<void*>(object)));
+  }
+};
+
 }  // namespace
-
-void python_reference_release::operator()() const noexcept
-{
-  release_reference(object);
-}
-
-void python_reference_deleter::operator()(const void* object) const noexcept
-{
-  release_reference(static_cast<PyObject*>(const_cast<void*>(object)));
-}
 
 std::shared_ptr<const void> stream_keep_alive(py::handle stream_object)
 {

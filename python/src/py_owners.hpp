@@ -13,18 +13,6 @@ namespace handoff::python {
 
 namespace py = pybind11;
 
-/// A producer's release that lets go of one reference to a Python object (python_owner's): named, so
-/// that the garbage collector can find what a view keeps (see kept_python_objects).
-struct python_reference_release {
-  PyObject* object;
-  void operator()() const noexcept;
-};
-
-/// What lets go of the one reference to a Python stream object that stream_keep_alive takes.
-struct python_reference_deleter {
-  void operator()(const void* object) const noexcept;
-};
-
 /// Keeps `object` alive until the producer is released; the release takes the GIL and may run on
 /// any thread. During interpreter finalization the reference is left alone.
 [[nodiscard]] producer_ref python_owner(py::handle object);

@@ -126,7 +126,7 @@ array exchange::transfer(array view, std::optional<DLDevice> target, std::option
 
 // --- imports ---------------------------------------------------------------------------------------
 
-array exchange::import(array view, const import_request& request, const producer_answer& answer)
+void exchange::import(array& view, const import_request& request, const producer_answer& answer)
 {
   operation_trace trace{trace::event_kind::import_data, "dlpack"};
   if (answer.claimed) {
@@ -157,7 +157,6 @@ array exchange::import(array view, const import_request& request, const producer
   }
   count(counter::imports);
   trace.set_view(view);
-  return view;
 }
 
 std::optional<array> exchange::import_from_table(DLManagedTensorVersioned* tensor, const named_stream& consumer,

@@ -6,6 +6,7 @@
 #include "core/live_views.hpp"
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <mutex>
@@ -25,6 +26,11 @@ struct producer_ref::state {
   state(state&&) = delete;
   state& operator=(state&&) = delete;
   ~state();
+
+  // A state comes and goes with every import: its block is taken from, and given back to, a few the
+  // calling thread keeps (producer.cpp).
+  [[nodiscard]] static void* operator new(std::size_t bytes);
+  static void operator delete(void* block) noexcept;
 
   // Runs `release` once the work enqueued on `consumer` by now is done; a held-back producer stream
   // of the same device waits for that work too.

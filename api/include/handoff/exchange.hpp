@@ -151,8 +151,8 @@ class exchange {
 
   // --- imports: each counted in stats().imports --------------------------------------------------
 
-  /// Completes the import of `view`, which a producer handed over as `answer` says (the array of a
-  /// consumed capsule), for `request`: checks that the data is on the device the producer claimed
+  /// Completes, in place, the import of `view`, which a producer handed over as `answer` says (the
+  /// array of a consumed capsule), for `request`: checks that the data is on the device the producer claimed
   /// (the consumer stream was given in that device's numbering), admits device data as every import
   /// is (its memory checked, every byte, against the backend's allocations, ordered or not), binds
   /// it to the consumer stream (its producer then outlives the work enqueued there), and applies
@@ -160,7 +160,7 @@ class exchange {
   /// @throws value_error for data on another device than claimed, or past its allocation;
   ///         device_error for data of the device family the backend does not order; what binding
   ///         and transfer throw.
-  [[nodiscard]] array import(array view, const import_request& request, const producer_answer& answer);
+  void import(array& view, const import_request& request, const producer_answer& answer);
 
   /// The import of a tensor a producer's DLPack C exchange API table made, without synchronizing:
   /// admitted as import() admits, the consumer stream waits for the producer's current work

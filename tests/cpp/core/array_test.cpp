@@ -11,6 +11,7 @@
 #include <atomic>
 #include <numeric>
 #include <optional>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -370,6 +371,39 @@ TEST_F(ArrayTest, DerivedProducersShareTheirRootAndKeepItAlive)
   EXPECT_EQ(released.load(), 0);
   derived = producer_ref{};
   EXPECT_EQ(released.load(), 1);
+}
+
+// A thread keeps the blocks of the producer states it frees for its next ones: states made on one
+// thread and freed on another, and states freed while a thread exits (after its blocks went back),
+// are each released once and leave nothing live.
+TEST_F(ArrayTest, ProducersFreedOnOtherAndExitingThreadsAreEachReleasedOnce)
+{
+  constexpr int per_thread = 100;
+  const auto live_before = stats().live_views;
+  std::atomic<int> released{0};
+  const auto make = [&released] { return producer_ref{[&released]() noexcept { ++released; }}; };
+  std::vector<producer_ref> made_here;
+  made_here.reserve(per_thread);
+  for (int i = 0; i < per_thread; ++i) { made_here.push_back(make()); }
+  std::thread other{[&] {
+    struct released_at_exit {
+      std::optional<producer_ref> kept;
+      released_at_exit() = default;
+      released_at_exit(const released_at_exit&) = delete;
+      released_at_exit& operator=(const released_at_exit&) = delete;
+      released_at_exit(released_at_exit&&) = delete;
+      released_at_exit& operator=(released_at_exit&&) = delete;
+      ~released_at_exit() { kept.reset(); }
+    };
+    // Made before the thread's first free, so destroyed after its blocks are given back.
+    thread_local released_at_exit at_exit;
+    made_here.clear();  // freed on this thread, into its blocks
+    for (int i = 0; i < per_thread; ++i) { (void)make(); }
+    at_exit.kept = make();
+  }};
+  other.join();
+  EXPECT_EQ(released.load(), 2 * per_thread + 1);
+  EXPECT_EQ(stats().live_views, live_before);
 }
 
 }  // namespace

@@ -21,6 +21,13 @@ namespace {
 using namespace handoff;
 using handoff::testing::BackendContextTest;
 
+// exchange::import completes a view in place; these tests want the imported view back.
+array imported(exchange& on, array view, const import_request& request, const producer_answer& answer)
+{
+  on.import(view, request, answer);
+  return view;
+}
+
 class ExchangeTest : public BackendContextTest {
  protected:
   void SetUp() override
@@ -104,8 +111,8 @@ TEST_P(ExchangeTest, AnImportKeepsItsProducerUntilTheConsumersWorkIsDoneAndIsCou
   {
     const auto consumer_works = hold(consumer);  // the consumer's work on the data, until the hold ends
     {
-      const array view = ex().import(device_view(allocate_on(0), 0, [&] { ++released; }), onto(named(consumer)),
-                                     honest({b().device_type(), 0}));
+      const array view = imported(ex(), device_view(allocate_on(0), 0, [&] { ++released; }), onto(named(consumer)),
+                                  honest({b().device_type(), 0}));
       ASSERT_TRUE(view.owner().ready_on().has_value());
       EXPECT_EQ(view.owner().ready_on()->stream, consumer);
     }
@@ -123,8 +130,8 @@ TEST_P(ExchangeTest, NegativeControlAnUnorderedImportReleasesItsProducerAtOnce)
   {
     const auto consumer_works = hold(consumer);
     {
-      const array view = ex().import(device_view(allocate_on(0), 0, [&] { ++released; }),
-                                     onto(named_stream::dlpack(-1)), honest({b().device_type(), 0}));
+      const array view = imported(ex(), device_view(allocate_on(0), 0, [&] { ++released; }),
+                                  onto(named_stream::dlpack(-1)), honest({b().device_type(), 0}));
       EXPECT_FALSE(view.owner().ready_on().has_value());
     }
     EXPECT_EQ(released.load(), 1);
@@ -135,11 +142,12 @@ TEST_P(ExchangeTest, NegativeControlAnUnorderedImportReleasesItsProducerAtOnce)
 TEST_P(ExchangeTest, AnImportOfDataOnAnotherDeviceThanClaimedIsRefused)
 {
   const array view = device_view(allocate_on(0), 0);
-  EXPECT_THROW((void)ex().import(view, onto({}), honest({b().device_type(), 1})), value_error);
-  EXPECT_THROW((void)ex().import(view, onto({}), honest({kDLCPU, 0})), value_error);
+  EXPECT_THROW((void)imported(ex(), view, onto({}), honest({b().device_type(), 1})), value_error);
+  EXPECT_THROW((void)imported(ex(), view, onto({}), honest({kDLCPU, 0})), value_error);
   // A producer that hid its device is not checked: its data is bound where it is.
-  const array hidden = ex().import(
-    view, onto({}), {.name = "producer", .claimed = {}, .honoured_arguments = false, .ordered_for_consumer = false});
+  const array hidden =
+    imported(ex(), view, onto({}),
+             {.name = "producer", .claimed = {}, .honoured_arguments = false, .ordered_for_consumer = false});
   EXPECT_EQ(hidden.owner().ready_on()->stream, b().legacy_default_stream());
 }
 
@@ -150,12 +158,12 @@ TEST_P(ExchangeTest, AnImportCopiesOnlyWhatTheProducerDidNot)
   const array view = written_on(producer);
   import_request copy = onto(named(producer));
   copy.copy = true;
-  const array copied = ex().import(
-    view, copy,
+  const array copied = imported(
+    ex(), view, copy,
     {.name = "producer", .claimed = view.device(), .honoured_arguments = false, .ordered_for_consumer = false});
   EXPECT_NE(copied.data(), view.data());
   EXPECT_EQ(first_after(producer_works, copied, producer), 1.0F);
-  const array honoured = ex().import(view, copy, honest(view.device()));
+  const array honoured = imported(ex(), view, copy, honest(view.device()));
   EXPECT_EQ(honoured.data(), view.data()) << "the producer copied already";
 }
 
@@ -342,8 +350,8 @@ TEST_P(ExchangeTest, EveryImportIsCheckedAgainstItsAllocationAndItsDeviceFamily)
   const auto other_family = [&] { return described(1, b().device_type() == kDLCUDA ? kDLROCM : kDLCUDA); };
   const named_stream unordered = named_stream::dlpack(-1);
   for (const named_stream& consumer : {named_stream{}, unordered}) {
-    EXPECT_THROW((void)ex().import(past_the_end(), onto(consumer), honest(past_the_end().device())), value_error);
-    EXPECT_THROW((void)ex().import(other_family(), onto(consumer), honest(other_family().device())), device_error);
+    EXPECT_THROW((void)imported(ex(), past_the_end(), onto(consumer), honest(past_the_end().device())), value_error);
+    EXPECT_THROW((void)imported(ex(), other_family(), onto(consumer), honest(other_family().device())), device_error);
     scripted_table table;
     EXPECT_THROW((void)ex().import_from_table(export_versioned(past_the_end()), consumer, table), value_error);
     EXPECT_THROW((void)ex().import_from_table(export_versioned(other_family()), consumer, table), device_error);
@@ -354,8 +362,8 @@ TEST_P(ExchangeTest, EveryImportIsCheckedAgainstItsAllocationAndItsDeviceFamily)
   }
   EXPECT_THROW((void)ex().adopt(past_the_end(), {}), value_error);
   EXPECT_THROW((void)ex().adopt(other_family(), {}), device_error);
-  EXPECT_NO_THROW((void)ex().import(described(static_cast<std::int64_t>(n), b().device_type()), onto(unordered),
-                                    honest({b().device_type(), 0})))
+  EXPECT_NO_THROW((void)imported(ex(), described(static_cast<std::int64_t>(n), b().device_type()), onto(unordered),
+                                 honest({b().device_type(), 0})))
     << "the allocation's own extent";
   ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
   EXPECT_EQ(released.load(), 17) << "each refused import's producer was released once";
@@ -551,19 +559,19 @@ TEST(AbsentBackendTest, CudaDataThatNeedsOrderingIsRefusedWhereNothingCanOrderIt
   const producer_answer answer{
     .name = "producer", .claimed = {}, .honoured_arguments = true, .ordered_for_consumer = false};
   try {
-    (void)refusing.import(cuda_described(), {.consumer = {}, .device = {}, .copy = {}}, answer);
+    (void)imported(refusing, cuda_described(), {.consumer = {}, .device = {}, .copy = {}}, answer);
     FAIL() << "imported unordered";
   } catch (const device_error& e) {
     EXPECT_EQ(e.error_name(), "cudaErrorInsufficientDriver");
     EXPECT_NE(std::string{e.what()}.find("HANDOFF_BACKEND=auto"), std::string::npos) << e.what();
   }
   // stream=-1: the consumer orders its work itself.
-  EXPECT_NO_THROW(
-    (void)refusing.import(cuda_described(), {.consumer = named_stream::dlpack(-1), .device = {}, .copy = {}}, answer));
+  EXPECT_NO_THROW((void)imported(refusing, cuda_described(),
+                                 {.consumer = named_stream::dlpack(-1), .device = {}, .copy = {}}, answer));
   // Negative control: an application that asked for no backend exchanges device data as it comes.
   exchange unordered{
     absent_backend{.setting = "HANDOFF_BACKEND=none", .error_name = {}, .reason = {}, .refuses_unordered = false}};
-  EXPECT_NO_THROW((void)unordered.import(cuda_described(), {.consumer = {}, .device = {}, .copy = {}}, answer));
+  EXPECT_NO_THROW((void)imported(unordered, cuda_described(), {.consumer = {}, .device = {}, .copy = {}}, answer));
   try {
     (void)unordered.require_device("copying device memory");
     FAIL() << "a device context appeared";
@@ -597,8 +605,8 @@ TEST(ContextSourceTest, HostExchangesNeverAskForTheDeviceContext)
   DLManagedTensorVersioned* tensor = lazy.export_dlpack(host, request).versioned;
   tensor->deleter(tensor);
   EXPECT_EQ(source.asked, 0);
-  (void)lazy.import(cuda_described(), {.consumer = {}, .device = {}, .copy = {}},
-                    {.name = "producer", .claimed = {}, .honoured_arguments = true, .ordered_for_consumer = false});
+  (void)imported(lazy, cuda_described(), {.consumer = {}, .device = {}, .copy = {}},
+                 {.name = "producer", .claimed = {}, .honoured_arguments = true, .ordered_for_consumer = false});
   EXPECT_GT(source.asked, 0) << "device data asks for it";
 }
 
