@@ -31,47 +31,53 @@ void trace_release(producer_ref::state& s) noexcept
   if (!s.release_after_.empty()) { scope.set_consumer_stream(s.release_after_.front()); }
 }
 
-// Blocks of freed states, kept by the thread that freed them for its next ones: the allocator's round
-// trip cost about a tenth of a host import. Off under AddressSanitizer, which must see each state's
-// use after free.
-class state_blocks {
- public:
-  [[nodiscard]] void* take() noexcept { return count_ == 0 ? nullptr : blocks_[--count_]; }
-  [[nodiscard]] bool keep(void* block) noexcept
-  {
-    if (closed_ || count_ == blocks_.size()) { return false; }
-    blocks_[count_++] = block;
-    return true;
-  }
-  // At the thread's exit; states freed later on it (by other thread-exit destructors) are not kept.
-  void close() noexcept
-  {
-    closed_ = true;
-    while (count_ > 0) { ::operator delete(blocks_[--count_]); }
-  }
-
- private:
-  std::array<void*, 16> blocks_{};
-  std::size_t count_{0};
-  bool closed_{false};
-};
-
 #if defined(__has_feature)
 #if __has_feature(address_sanitizer)
 #define HANDOFF_ADDRESS_SANITIZER 1
 #endif
 #endif
 #if defined(__SANITIZE_ADDRESS__) || defined(HANDOFF_ADDRESS_SANITIZER)
-constexpr bool keep_state_blocks = false;
+constexpr bool keep_state_blocks = false;  // AddressSanitizer must see each state's use after free
 #else
 constexpr bool keep_state_blocks = true;
 #endif
 
-// Trivially destructible, so a freed state may still reach it while the thread exits; its closer,
-// made on first use, gives the blocks back.
-thread_local state_blocks free_state_blocks;
+// What a thread keeps for the producer states it makes and destroys: the deletions asked for while
+// one runs (a chain of producers, each keeping the next, is let go iteratively), and the blocks of
+// states it freed, for its next ones (the allocator's round trip cost about a tenth of a host
+// import). One variable, so that a make or a destroy reaches thread-local storage (a call, in a
+// shared library) as few times as it can. Trivially destructible, so that a state destroyed while
+// the thread exits still finds it; its blocks are given back by a closer the thread makes when it
+// first keeps one.
+struct thread_states {
+  producer_ref::state* queued{nullptr};  // last first
+  bool destroying{false};
+  bool closer_made{false};
+  bool closed{false};
+  std::size_t kept{0};
+  std::array<void*, 16> blocks{};
 
-state_blocks& thread_state_blocks() noexcept
+  [[nodiscard]] void* take() noexcept { return kept == 0 ? nullptr : blocks[--kept]; }
+  void give_back(void* block) noexcept
+  {
+    if (keep_state_blocks && !closed && kept < blocks.size()) {
+      if (!closer_made) { make_closer(); }
+      blocks[kept++] = block;
+      return;
+    }
+    ::operator delete(block);
+  }
+  void close() noexcept
+  {
+    closed = true;
+    while (kept > 0) { ::operator delete(blocks[--kept]); }
+  }
+  void make_closer() noexcept;
+};
+
+thread_local thread_states this_thread_states;
+
+void thread_states::make_closer() noexcept
 {
   struct closer {
     closer() noexcept = default;
@@ -79,29 +85,20 @@ state_blocks& thread_state_blocks() noexcept
     closer& operator=(const closer&) = delete;
     closer(closer&&) = delete;
     closer& operator=(closer&&) = delete;
-    ~closer() { free_state_blocks.close(); }
+    ~closer() { this_thread_states.close(); }
   };
   thread_local const closer close_at_exit;
   (void)close_at_exit;
-  return free_state_blocks;
+  closer_made = true;
 }
 
 }  // namespace
 
-void* producer_ref::state::operator new(std::size_t bytes)
+producer_ref::state* producer_ref::state::make(std::function<void()> release)
 {
-  if constexpr (keep_state_blocks) {
-    if (void* block = thread_state_blocks().take()) { return block; }
-  }
-  return ::operator new(bytes);
-}
-
-void producer_ref::state::operator delete(void* block) noexcept
-{
-  if constexpr (keep_state_blocks) {
-    if (thread_state_blocks().keep(block)) { return; }
-  }
-  ::operator delete(block);
+  void* block = this_thread_states.take();
+  if (block == nullptr) { block = ::operator new(sizeof(state)); }
+  return new (block) state(std::move(release));  // noexcept
 }
 
 std::uint64_t producer_ref::state::id() noexcept
@@ -115,16 +112,19 @@ std::uint64_t producer_ref::state::id() noexcept
 
 void producer_ref::state::destroy(state* s) noexcept
 {
-  thread_local state* queued = nullptr;  // deletions asked for while one runs, last first
-  thread_local bool destroying = false;
-  if (destroying) {
-    s->next_to_destroy_ = std::exchange(queued, s);
+  thread_states& thread = this_thread_states;
+  if (thread.destroying) {
+    s->next_to_destroy_ = std::exchange(thread.queued, s);
     return;
   }
-  destroying = true;
-  delete s;
-  while (queued != nullptr) { delete std::exchange(queued, queued->next_to_destroy_); }
-  destroying = false;
+  thread.destroying = true;
+  const auto dispose = [&thread](state* gone) noexcept {
+    gone->~state();
+    thread.give_back(gone);
+  };
+  dispose(s);
+  while (thread.queued != nullptr) { dispose(std::exchange(thread.queued, thread.queued->next_to_destroy_)); }
+  thread.destroying = false;
 }
 
 producer_ref::state::~state()
@@ -194,7 +194,7 @@ void producer_ref::state::defer(stream_binding& consumer, std::function<void()> 
 producer_ref::producer_ref(std::function<void()> release)
 {
   try {
-    state_ = new state(std::move(release));
+    state_ = state::make(std::move(release));
   } catch (...) {
     // Out of memory before ownership was established: release now, so nothing leaks.
     if (release) { release(); }

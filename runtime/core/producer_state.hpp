@@ -6,7 +6,6 @@
 #include "core/live_views.hpp"
 
 #include <atomic>
-#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <mutex>
@@ -27,10 +26,9 @@ struct producer_ref::state {
   state& operator=(state&&) = delete;
   ~state();
 
-  // A state comes and goes with every import: its block is taken from, and given back to, a few the
-  // calling thread keeps (producer.cpp).
-  [[nodiscard]] static void* operator new(std::size_t bytes);
-  static void operator delete(void* block) noexcept;
+  // A new state, in a block of one the calling thread destroyed if it kept one (producer.cpp): a
+  // state comes and goes with every import. destroy() is its one way out.
+  [[nodiscard]] static state* make(std::function<void()> release);
 
   // Runs `release` once the work enqueued on `consumer` by now is done; a held-back producer stream
   // of the same device waits for that work too.
