@@ -94,7 +94,7 @@ void thread_states::make_closer() noexcept
 
 }  // namespace
 
-producer_ref::state* producer_ref::state::make(std::function<void()> release)
+producer_ref::state* producer_ref::state::make(std::function<void()>&& release)
 {
   void* block = this_thread_states.take();
   if (block == nullptr) { block = ::operator new(sizeof(state)); }

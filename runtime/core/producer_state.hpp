@@ -28,7 +28,7 @@ struct producer_ref::state {
 
   // A new state, in a block of one the calling thread destroyed if it kept one (producer.cpp): a
   // state comes and goes with every import. destroy() is its one way out.
-  [[nodiscard]] static state* make(std::function<void()> release);
+  [[nodiscard]] static state* make(std::function<void()>&& release);
 
   // Runs `release` once the work enqueued on `consumer` by now is done; a held-back producer stream
   // of the same device waits for that work too.
