@@ -8,6 +8,7 @@
 #include <handoff/stream_value.hpp>
 #include <handoff/trace.hpp>
 
+#include "core/block_cache.hpp"
 #include "core/layout.hpp"
 
 #include <fmt/format.h>
@@ -142,6 +143,7 @@ struct exported {
   Managed managed;
   producer_ref owner;
   tracked_view tracked;  // registered once `managed` describes the data
+  bool usual{false};     // its block is one of usual_blocks (a consumer may change `managed`, not this)
 
   static std::int64_t* trailing(void* self) noexcept
   {
@@ -174,10 +176,18 @@ struct exported {
     return out;
   }
 
+  // Exports of up to this many dimensions take their block from the thread's kept ones.
+  static constexpr std::size_t usual_ndim = 4;
+  template <typename Self = exported>  // a complete type where it is named
+  using usual_blocks = detail::thread_block_cache<Self::header_size() + sizeof(std::int64_t) * 2 * usual_ndim>;
+
   static exported* make(const array& view)
   {
-    void* memory = ::operator new(bytes(static_cast<std::size_t>(view.ndim())));
+    const auto ndim = static_cast<std::size_t>(view.ndim());
+    const bool usual = ndim <= usual_ndim;
+    void* memory = usual ? usual_blocks<>::allocate() : ::operator new(bytes(ndim));
     auto* out = new (memory) exported{view, trailing(memory)};  // noexcept from here on
+    out->usual = usual;
     if (trace::enabled()) {
       if (trace::exchange_scope* scope = trace::exchange_scope::current();
           scope != nullptr && scope->event().kind == trace::event_kind::export_data) {
@@ -190,8 +200,13 @@ struct exported {
   static void deleter(Managed* self) noexcept
   {
     auto* out = static_cast<exported*>(self->manager_ctx);
+    const bool usual = out->usual;
     out->~exported();
-    ::operator delete(out);
+    if (usual) {
+      usual_blocks<>::deallocate(out);
+    } else {
+      ::operator delete(out);
+    }
   }
 };
 

@@ -4,12 +4,12 @@
 #include <handoff/internal/trace_scope.hpp>
 #include <handoff/trace.hpp>
 
+#include "core/block_cache.hpp"
 #include "core/live_views.hpp"
 #include "core/producer_state.hpp"
 #include "log/logger.hpp"
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <memory>
 #include <mutex>
@@ -31,74 +31,14 @@ void trace_release(producer_ref::state& s) noexcept
   if (!s.release_after_.empty()) { scope.set_consumer_stream(s.release_after_.front()); }
 }
 
-#if defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define HANDOFF_ADDRESS_SANITIZER 1
-#endif
-#endif
-#if defined(__SANITIZE_ADDRESS__) || defined(HANDOFF_ADDRESS_SANITIZER)
-constexpr bool keep_state_blocks = false;  // AddressSanitizer must see each state's use after free
-#else
-constexpr bool keep_state_blocks = true;
-#endif
-
-// What a thread keeps for the producer states it makes and destroys: the deletions asked for while
-// one runs (a chain of producers, each keeping the next, is let go iteratively), and the blocks of
-// states it freed, for its next ones (the allocator's round trip cost about a tenth of a host
-// import). One variable, so that a make or a destroy reaches thread-local storage (a call, in a
-// shared library) as few times as it can. Trivially destructible, so that a state destroyed while
-// the thread exits still finds it; its blocks are given back by a closer the thread makes when it
-// first keeps one.
-struct thread_states {
-  producer_ref::state* queued{nullptr};  // last first
-  bool destroying{false};
-  bool closer_made{false};
-  bool closed{false};
-  std::size_t kept{0};
-  std::array<void*, 16> blocks{};
-
-  [[nodiscard]] void* take() noexcept { return kept == 0 ? nullptr : blocks[--kept]; }
-  void give_back(void* block) noexcept
-  {
-    if (keep_state_blocks && !closed && kept < blocks.size()) {
-      if (!closer_made) { make_closer(); }
-      blocks[kept++] = block;
-      return;
-    }
-    ::operator delete(block);
-  }
-  void close() noexcept
-  {
-    closed = true;
-    while (kept > 0) { ::operator delete(blocks[--kept]); }
-  }
-  void make_closer() noexcept;
-};
-
-thread_local thread_states this_thread_states;
-
-void thread_states::make_closer() noexcept
-{
-  struct closer {
-    closer() noexcept = default;
-    closer(const closer&) = delete;
-    closer& operator=(const closer&) = delete;
-    closer(closer&&) = delete;
-    closer& operator=(closer&&) = delete;
-    ~closer() { this_thread_states.close(); }
-  };
-  thread_local const closer close_at_exit;
-  (void)close_at_exit;
-  closer_made = true;
-}
+using state_blocks = detail::thread_block_cache<sizeof(producer_ref::state)>;
+static_assert(alignof(producer_ref::state) <= __STDCPP_DEFAULT_NEW_ALIGNMENT__);
 
 }  // namespace
 
 producer_ref::state* producer_ref::state::make(std::function<void()>&& release)
 {
-  void* block = this_thread_states.take();
-  if (block == nullptr) { block = ::operator new(sizeof(state)); }
-  return new (block) state(std::move(release));  // noexcept
+  return new (state_blocks::allocate()) state(std::move(release));  // noexcept
 }
 
 std::uint64_t producer_ref::state::id() noexcept
@@ -112,19 +52,20 @@ std::uint64_t producer_ref::state::id() noexcept
 
 void producer_ref::state::destroy(state* s) noexcept
 {
-  thread_states& thread = this_thread_states;
-  if (thread.destroying) {
-    s->next_to_destroy_ = std::exchange(thread.queued, s);
+  thread_local state* queued = nullptr;  // deletions asked for while one runs, last first
+  thread_local bool destroying = false;
+  if (destroying) {
+    s->next_to_destroy_ = std::exchange(queued, s);
     return;
   }
-  thread.destroying = true;
-  const auto dispose = [&thread](state* gone) noexcept {
+  destroying = true;
+  const auto dispose = [](state* gone) noexcept {
     gone->~state();
-    thread.give_back(gone);
+    state_blocks::deallocate(gone);
   };
   dispose(s);
-  while (thread.queued != nullptr) { dispose(std::exchange(thread.queued, thread.queued->next_to_destroy_)); }
-  thread.destroying = false;
+  while (queued != nullptr) { dispose(std::exchange(queued, queued->next_to_destroy_)); }
+  destroying = false;
 }
 
 producer_ref::state::~state()

@@ -9,6 +9,7 @@
 
 #include <array>
 #include <atomic>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <thread>
@@ -404,6 +405,33 @@ TEST_F(ArrayTest, ProducersFreedOnOtherAndExitingThreadsAreEachReleasedOnce)
   other.join();
   EXPECT_EQ(released.load(), 2 * per_thread + 1);
   EXPECT_EQ(stats().live_views, live_before);
+}
+
+// Exports of the usual ranks take kept blocks too, those of more dimensions the allocator's: tensors
+// of every rank, each deleted on another thread than the one that made it, describe their data
+// until deleted and release their producer once.
+TEST_F(ArrayTest, ExportsOfEveryRankDeletedOnAnotherThreadReleaseTheirProducerOnce)
+{
+  std::vector<std::unique_ptr<fake_producer>> producers;
+  std::vector<DLManagedTensorVersioned*> versioned;
+  std::vector<DLManagedTensor*> legacy;
+  for (std::int64_t rank = 0; rank <= 6; ++rank) {
+    producers.push_back(std::make_unique<fake_producer>(std::vector<std::int64_t>(static_cast<std::size_t>(rank), 2)));
+    const array view = import_dlpack(&producers.back()->versioned);
+    versioned.push_back(export_versioned(view));
+    legacy.push_back(export_legacy(view));
+  }
+  std::thread other{[&] {
+    for (std::size_t i = 0; i < versioned.size(); ++i) {
+      EXPECT_EQ(versioned[i]->dl_tensor.ndim, static_cast<std::int32_t>(i));
+      EXPECT_EQ(producers[i]->deleted, 0) << "rank " << i << ": released while exported";
+      versioned[i]->deleter(versioned[i]);
+      EXPECT_EQ(producers[i]->deleted, 0) << "rank " << i << ": the legacy export still holds it";
+      legacy[i]->deleter(legacy[i]);
+      EXPECT_EQ(producers[i]->deleted, 1) << "rank " << i;
+    }
+  }};
+  other.join();
 }
 
 }  // namespace
