@@ -12,12 +12,13 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <boost/container/deque.hpp>
+#include <boost/container/options.hpp>
 
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <chrono>
-#include <deque>
 #include <exception>
 #include <map>
 #include <mutex>
@@ -89,13 +90,18 @@ std::string_view name(activity::access mode) noexcept
 
 namespace {
 
+// A session's events, in blocks of 64: an event is about 500 bytes, and std::deque's blocks of 512
+// bytes were one allocation per event, each made while the traced program runs.
+using event_queue =
+  boost::container::deque<event, void, boost::container::deque_options_t<boost::container::block_size<64U>>>;
+
 // Where events go: each open session keeps its own events (a bounded one, the newest of them and
 // its hazards); listeners see each event as it is recorded. Leaked on purpose, as producers may be
 // released at exit.
 struct recorder {
   struct session {
     std::size_t limit{0};        // 0: unbounded
-    std::deque<event> events;    // the newest `limit` events
+    event_queue events;          // the newest `limit` events
     std::vector<event> hazards;  // hazards older than `events` (a bounded session's), at most `limit`
     std::uint64_t dropped{0};    // events no longer kept
     bool activity{false};        // device activity is recorded too
