@@ -318,6 +318,16 @@ std::optional<py::object> import_through_table(exchange& on, py::handle x, const
   return std::nullopt;
 }
 
+// The import of a DLPack capsule a producer handed over as `answer` says: its view completed in
+// place by the exchange, then moved once, into the handoff.Array.
+py::object import_capsule(exchange& on, py::handle capsule, const import_request& request,
+                          const producer_answer& answer)
+{
+  array view = consume_capsule(on, capsule);
+  on.import(view, request, answer);
+  return wrap(std::move(view));
+}
+
 // What x.__dlpack_device__() said, once asked.
 struct producer_claim {
   std::optional<DLDevice> device;
@@ -348,13 +358,11 @@ std::optional<py::object> import_without_streams(exchange& on, py::handle x, con
   }
   // Data on another device than claimed is refused; device data from a producer that hid its
   // device is bound to the consumer stream.
-  array view = consume_capsule(on, capsule);
-  on.import(view, {.consumer = consumer, .device = {}, .copy = {}},
-            {.name = claim.device ? type_name(x) : std::string_view{},
-             .claimed = claim.device,
-             .honoured_arguments = true,
-             .ordered_for_consumer = false});
-  return wrap(std::move(view));
+  return import_capsule(on, capsule, {.consumer = consumer, .device = {}, .copy = {}},
+                        {.name = claim.device ? type_name(x) : std::string_view{},
+                         .claimed = claim.device,
+                         .honoured_arguments = true,
+                         .ordered_for_consumer = false});
 }
 
 // Any call: a capsule, or a producer asked through __dlpack__ with the consumer's stream, `device`
@@ -364,10 +372,8 @@ py::object import_through_dlpack(exchange& on, py::handle x, const import_reques
 {
   const std::optional<DLDevice>& target = request.device;
   if (PyCapsule_CheckExact(x.ptr())) {
-    array view = consume_capsule(on, x);
-    on.import(view, request,
-              {.name = "PyCapsule", .claimed = {}, .honoured_arguments = false, .ordered_for_consumer = false});
-    return wrap(std::move(view));
+    return import_capsule(
+      on, x, request, {.name = "PyCapsule", .claimed = {}, .honoured_arguments = false, .ordered_for_consumer = false});
   }
   HANDOFF_EXPECTS(
     has_dlpack(x.ptr()), type_error,
@@ -401,14 +407,12 @@ py::object import_through_dlpack(exchange& on, py::handle x, const import_reques
   // the per-thread default stream with 1: the consumer stream then waits for the legacy default
   // stream, as DLPack reads both.
   const bool none_for_pinned = claimed && is_pinned_host(claimed->device_type) && producer_arg.get().is_none();
-  array view = consume_capsule(on, capsule);
-  on.import(view, request,
-            {.name = type_name(x),
-             .claimed = claimed,
-             .honoured_arguments = !legacy,
-             .ordered_for_consumer = !producer_arg.get().is_none() && !through_legacy_stream,
-             .ordered_for_default_stream = none_for_pinned || through_legacy_stream});
-  return wrap(std::move(view));
+  return import_capsule(on, capsule, request,
+                        {.name = type_name(x),
+                         .claimed = claimed,
+                         .honoured_arguments = !legacy,
+                         .ordered_for_consumer = !producer_arg.get().is_none() && !through_legacy_stream,
+                         .ordered_for_default_stream = none_for_pinned || through_legacy_stream});
 }
 
 }  // namespace

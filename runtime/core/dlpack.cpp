@@ -143,7 +143,7 @@ struct exported {
   Managed managed;
   producer_ref owner;
   tracked_view tracked;  // registered once `managed` describes the data
-  bool usual{false};     // its block is one of usual_blocks (a consumer may change `managed`, not this)
+  bool usual{false};     // its block is a kept one (a consumer may change `managed`, not this)
 
   static std::int64_t* trailing(void* self) noexcept
   {
@@ -153,7 +153,7 @@ struct exported {
   {
     return (sizeof(exported) + alignof(std::int64_t) - 1) / alignof(std::int64_t) * alignof(std::int64_t);
   }
-  static std::size_t bytes(std::size_t ndim) noexcept
+  static constexpr std::size_t bytes(std::size_t ndim) noexcept
   {
     return header_size() + sizeof(std::int64_t) * std::max<std::size_t>(2 * ndim, 1);
   }
@@ -176,16 +176,14 @@ struct exported {
     return out;
   }
 
-  // Exports of up to this many dimensions take their block from the thread's kept ones.
+  // Exports of up to this many dimensions take a block of bytes(usual_ndim) from the thread's kept ones.
   static constexpr std::size_t usual_ndim = 4;
-  template <typename Self = exported>  // a complete type where it is named
-  using usual_blocks = detail::thread_block_cache<Self::header_size() + sizeof(std::int64_t) * 2 * usual_ndim>;
 
   static exported* make(const array& view)
   {
     const auto ndim = static_cast<std::size_t>(view.ndim());
     const bool usual = ndim <= usual_ndim;
-    void* memory = usual ? usual_blocks<>::allocate() : ::operator new(bytes(ndim));
+    void* memory = usual ? detail::thread_block_cache<bytes(usual_ndim)>::allocate() : ::operator new(bytes(ndim));
     auto* out = new (memory) exported{view, trailing(memory)};  // noexcept from here on
     out->usual = usual;
     if (trace::enabled()) {
@@ -203,7 +201,7 @@ struct exported {
     const bool usual = out->usual;
     out->~exported();
     if (usual) {
-      usual_blocks<>::deallocate(out);
+      detail::thread_block_cache<bytes(usual_ndim)>::deallocate(out);
     } else {
       ::operator delete(out);
     }

@@ -152,11 +152,11 @@ class exchange {
   // --- imports: each counted in stats().imports --------------------------------------------------
 
   /// Completes, in place, the import of `view`, which a producer handed over as `answer` says (the
-  /// array of a consumed capsule), for `request`: checks that the data is on the device the producer claimed
-  /// (the consumer stream was given in that device's numbering), admits device data as every import
-  /// is (its memory checked, every byte, against the backend's allocations, ordered or not), binds
-  /// it to the consumer stream (its producer then outlives the work enqueued there), and applies
-  /// `device` and `copy` where the producer did not.
+  /// array of a consumed capsule), for `request`: checks that the data is on the device the
+  /// producer claimed (the consumer stream was given in that device's numbering), admits device
+  /// data as every import is (its memory checked, every byte, against the backend's allocations,
+  /// ordered or not), binds it to the consumer stream (its producer then outlives the work enqueued
+  /// there), and applies `device` and `copy` where the producer did not.
   /// @throws value_error for data on another device than claimed, or past its allocation;
   ///         device_error for data of the device family the backend does not order; what binding
   ///         and transfer throw.
