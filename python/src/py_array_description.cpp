@@ -159,8 +159,6 @@ std::optional<array_description> describe_by_attributes(PyObject* value)
   return out;
 }
 
-}  // namespace
-
 // `value` as the trace describes it; nullopt for what is not array-like. A NumPy array is read from
 // the fields NumPy's C API documents (its __array_interface__ builds a dictionary per call).
 std::optional<array_description> describe(py::handle value)
@@ -193,6 +191,31 @@ std::string copy_note(std::string_view consumer, const array_description& handed
                        fmt::join(handed.shape, ", "));
   }
   return {};
+}
+
+}  // namespace
+
+exchange_description describe_exchange(py::handle argument, py::handle result, std::string_view consumer)
+{
+  // A view's two sides are the same data: where one side is cheap to read in full and the other is
+  // not (a PyTorch tensor's shape, dtype and size are three Python attributes), equal data pointers
+  // are enough. An empty array's pointer tells nothing (see copy_note).
+  const bool argument_cheap = is_numpy_array(argument.ptr());
+  if (argument_cheap != is_numpy_array(result.ptr())) {
+    std::optional<array_description> cheap = describe(argument_cheap ? argument : result);
+    if (cheap && cheap->nbytes > 0 && cheap->data &&
+        data_pointer((argument_cheap ? result : argument).ptr()) == cheap->data) {
+      return {std::move(cheap), {}};
+    }
+  }
+  exchange_description out{describe(argument), {}};
+  const std::optional<array_description> made = describe(result);
+  if (!out.data) {
+    out.data = made;
+  } else if (made) {
+    out.copy = copy_note(consumer, *out.data, *made);
+  }
+  return out;
 }
 
 }  // namespace handoff::python

@@ -23,12 +23,17 @@ struct array_description {
   std::optional<std::uintptr_t> data;
 };
 
-/// `value` as the trace describes it; nullopt for what is not array-like. Sets no Python error.
-[[nodiscard]] std::optional<array_description> describe(py::handle value);
+/// What the trace says of an exchange: the data the consumer was handed, and, when the consumer made
+/// a copy of it rather than a view, a note saying so.
+struct exchange_description {
+  std::optional<array_description> data;  ///< nullopt when neither side is array-like
+  std::string copy;                       ///< empty for a view
+};
 
-/// What the trace says when a consumer made a copy of the data it was handed (`handed`) rather than
-/// a view of it (`made`); empty when it made a view.
-[[nodiscard]] std::string copy_note(std::string_view consumer, const array_description& handed,
-                                    const array_description& made);
+/// The consumer's import of `argument` as `result`, as the trace describes it (the argument as it
+/// says it is, else the result). Reads as little as tells a view: a NumPy array (read from its C
+/// fields) in full and the other side's data pointer only, unless the two pointers differ or cannot
+/// be compared. Sets no Python error.
+[[nodiscard]] exchange_description describe_exchange(py::handle argument, py::handle result, std::string_view consumer);
 
 }  // namespace handoff::python

@@ -213,17 +213,13 @@ class interposed_exchange {
                      std::string detail)
   {
     if (!trace::enabled()) { return; }
-    std::optional<array_description> handed = describe(argument);
-    const std::optional<array_description> made = describe(result);
-    if (!handed) { handed = made; }
-    if (handed) {
-      shape_ = handed->shape;
-      dtype_ = dtype_from_name(handed->dtype).value_or(DLDataType{kDLOpaqueHandle, 0, 0});
-      nbytes_ = handed->nbytes;
-      if (made) {
-        if (std::string copy = copy_note(consumer_, *handed, *made); !copy.empty()) {
-          detail = detail.empty() ? std::move(copy) : fmt::format("{}; {}", detail, copy);
-        }
+    exchange_description described = describe_exchange(argument, result, consumer_);
+    if (std::optional<array_description>& data = described.data) {
+      shape_ = std::move(data->shape);
+      dtype_ = dtype_from_name(data->dtype).value_or(DLDataType{kDLOpaqueHandle, 0, 0});
+      nbytes_ = data->nbytes;
+      if (!described.copy.empty()) {
+        detail = detail.empty() ? std::move(described.copy) : fmt::format("{}; {}", detail, described.copy);
       }
     }
     record(trace::event_kind::import_data, what, hazard, detail);

@@ -868,6 +868,22 @@ def test_a_numpy_array_handed_over_is_described_as_numpy_describes_it(array):
     assert event["detail"] is None, "a view of the same data: no copy to note"
 
 
+@pytest.mark.parametrize(
+    "tensor",
+    [torch.arange(6.0).reshape(2, 3).T, torch.tensor([True, False, True]), torch.zeros((0, 4), dtype=torch.int16)],
+    ids=["transposed-view", "bool", "empty"],
+)
+def test_a_tensor_handed_to_numpy_is_described_as_the_tensor_says_it_is(tensor):
+    # The view's NumPy side is read in full and the tensor's data pointer only: the event still says
+    # what the tensor is, and an empty tensor (whose pointer tells nothing) is read in full.
+    with handoff.trace(libraries=True) as t:
+        np.from_dlpack(tensor)
+    (event,) = [e for e in t.events if e["interposed"]]
+    expected = (list(tensor.shape), str(tensor.dtype).removeprefix("torch."), tensor.nbytes)
+    assert (event["shape"], event["dtype"], event["nbytes"]) == expected
+    assert event["detail"] is None, "a view of the same data: no copy to note"
+
+
 # --- the ordering mode's streams and keep-alive, on the simulator ----------------------------------
 
 
