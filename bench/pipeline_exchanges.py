@@ -10,13 +10,13 @@ interleaved (one process each per round). Each row is the least disturbed (lowes
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import sys
 import tempfile
 from pathlib import Path
 
-from pipeline_overhead import percentile, run  # the same measure, the same way of running a configuration
+# The same measure, the same way of running a configuration, in the same environment.
+from pipeline_overhead import child_environment, percentile, run
 
 # The pipeline of bench/pipeline_overhead.py, each part timed. Prints {part: [ns, ...]} as JSON.
 PIPELINE = r"""
@@ -52,11 +52,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=96, help="the work's matrix size (as bench/pipeline_overhead.py)")
     args = parser.parse_args()
     python = sys.executable
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("HANDOFF_TRACE", "HANDOFF_ORDER", "HANDOFF_TRACE_LAUNCHES", "PYTHONPATH")
-    }
+    env = child_environment()
     with tempfile.TemporaryDirectory(prefix="handoff-bench-") as scratch:
         pipeline = Path(scratch, "pipeline.py")
         pipeline.write_text(PIPELINE)
@@ -71,7 +67,10 @@ def main() -> None:
                 for part, spent in run(command, env).items():
                     p20 = percentile(spent, 0.2)
                     best[name][part] = min(best[name].get(part, p20), p20)
-    print(f"{platform.node()}, Python {platform.python_version()}, {args.rounds} rounds of {args.steps} steps")
+    threads = f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}"
+    print(
+        f"{platform.node()}, Python {platform.python_version()}, {args.rounds} rounds of {args.steps} steps, {threads}"
+    )
     print(f"{'part of a step':<28} {'untraced':>10} {'traced':>10} {'added':>9}")
     for part, plain in best["untraced"].items():
         traced = best["traced"][part]

@@ -7,7 +7,9 @@ kernels, orders two streams through an exchange and waits for one), untraced and
 
 Configurations run interleaved (one process each per round), so that a disturbance of the machine
 hits them alike; each process reports its 20th-percentile step time, and each configuration's figure
-is the least disturbed (lowest) of the rounds.
+is the least disturbed (lowest) of the rounds. The programs run with one OpenMP thread unless
+OMP_NUM_THREADS says otherwise: PyTorch's idle OpenMP worker spins beside the main thread between
+operations, which on a machine of few cores moves every part of a step by tens of microseconds.
 
     .venv/bin/python bench/pipeline_overhead.py [--rounds N] [--steps N] [--launches-per-step N] [--quick]
 """
@@ -85,6 +87,15 @@ def run(command: list[str], env: dict[str, str]) -> Any:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def child_environment() -> dict[str, str]:
+    """The environment the measured programs run in: no handoff setting of the caller's, and one
+    OpenMP thread unless OMP_NUM_THREADS says otherwise (see above)."""
+    ignored = ("HANDOFF_TRACE", "HANDOFF_ORDER", "HANDOFF_TRACE_LAUNCHES", "PYTHONPATH")
+    env = {k: v for k, v in os.environ.items() if k not in ignored}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
@@ -97,11 +108,7 @@ def main() -> None:
         args.rounds, args.steps = 2, 200
     python = sys.executable
     trace = [python, "-m", "handoff._trace_cli", "run"]
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("HANDOFF_TRACE", "HANDOFF_ORDER", "HANDOFF_TRACE_LAUNCHES", "PYTHONPATH")
-    }
+    env = child_environment()
     with tempfile.TemporaryDirectory(prefix="handoff-bench-") as scratch:
         pipeline, launches = Path(scratch, "pipeline.py"), Path(scratch, "launches.py")
         pipeline.write_text(PIPELINE)
@@ -122,7 +129,10 @@ def main() -> None:
             for name, (command, environment) in configs.items():
                 figures[name].append(percentile(run(command, environment), 0.2))
     best = {name: min(values) for name, values in figures.items()}
-    print(f"{platform.node()}, Python {platform.python_version()}, {args.rounds} rounds of {args.steps} steps")
+    threads = f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}"
+    print(
+        f"{platform.node()}, Python {platform.python_version()}, {args.rounds} rounds of {args.steps} steps, {threads}"
+    )
     print(f"{'configuration':<52} {'p20 step':>10} {'ratio':>6}")
     for name, value in best.items():
         baseline = best["launch-heavy (sim), untraced" if name.startswith("launch-heavy") else "pipeline, untraced"]

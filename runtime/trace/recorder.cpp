@@ -8,7 +8,9 @@
 #include <handoff/stream_value.hpp>
 #include <handoff/trace.hpp>
 
+#include "core/block_cache.hpp"
 #include "log/logger.hpp"
+#include "trace/kept_events.hpp"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -90,32 +92,37 @@ std::string_view name(activity::access mode) noexcept
 
 namespace {
 
-// A session's events, in blocks of 64: an event is about 500 bytes, and std::deque's blocks of 512
-// bytes were one allocation per event, each made while the traced program runs.
-using event_queue =
-  boost::container::deque<event, void, boost::container::deque_options_t<boost::container::block_size<64U>>>;
+// A session's events, in blocks of 64 (an event is about 500 bytes, and std::deque's blocks of 512
+// bytes were one allocation per event), mapped outside the program's heap as their payloads are.
+using event_queue = boost::container::deque<detail::kept_event, detail::mapped_allocator<detail::kept_event>,
+                                            boost::container::deque_options_t<boost::container::block_size<64U>>>;
+// A bounded session's older hazards, mapped as its events are.
+using hazard_list = std::vector<detail::kept_event, detail::mapped_allocator<detail::kept_event>>;
 
 // Where events go: each open session keeps its own events (a bounded one, the newest of them and
 // its hazards); listeners see each event as it is recorded. Leaked on purpose, as producers may be
 // released at exit.
 struct recorder {
   struct session {
-    std::size_t limit{0};        // 0: unbounded
-    event_queue events;          // the newest `limit` events
-    std::vector<event> hazards;  // hazards older than `events` (a bounded session's), at most `limit`
-    std::uint64_t dropped{0};    // events no longer kept
-    bool activity{false};        // device activity is recorded too
+    std::size_t limit{0};            // 0: unbounded
+    detail::payload_arena payloads;  // the kept events' variable-size parts
+    event_queue events;              // the newest `limit` events
+    hazard_list hazards;             // hazards older than `events` (a bounded session's), at most `limit`
+    std::uint64_t dropped{0};        // events no longer kept
+    bool activity{false};            // device activity is recorded too
 
-    // Copies for every session but the last, which takes the event itself: no move in between.
+    // A copy for every session but the last, which takes the event itself.
     template <class Event>
     void keep(Event&& e)
     {
       if (is_activity(e.kind) && !activity) { return; }
-      events.push_back(std::forward<Event>(e));
+      events.emplace_back(std::forward<Event>(e), payloads);
       if (limit == 0 || events.size() <= limit) { return; }
-      if (events.front().hazard != nullptr && hazards.size() < limit) {
-        hazards.push_back(std::move(events.front()));
+      detail::kept_event& oldest = events.front();
+      if (oldest.fixed().hazard != nullptr && hazards.size() < limit) {
+        hazards.push_back(std::move(oldest));
       } else {
+        oldest.release(payloads);
         ++dropped;
       }
       events.pop_front();
@@ -331,8 +338,8 @@ std::vector<event> session_events(std::uint64_t token)
   const recorder::session& s = open_session(r, token);
   std::vector<event> events;
   events.reserve(s.hazards.size() + s.events.size());
-  events.insert(events.end(), s.hazards.begin(), s.hazards.end());
-  events.insert(events.end(), s.events.begin(), s.events.end());
+  for (const detail::kept_event& kept : s.hazards) { events.push_back(kept.expanded()); }
+  for (const detail::kept_event& kept : s.events) { events.push_back(kept.expanded()); }
   return events;
 }
 
@@ -517,7 +524,8 @@ void exchange_scope::begin(event_kind kind, std::string_view protocol) noexcept
 {
   if (muted_depth != 0) { return; }  // recorded as a whole by the embedding
   try {
-    state_ = new collected;  // NOLINT(cppcoreguidelines-owning-memory): owned until end()
+    // Made and freed per traced exchange: from the thread's kept blocks. Owned until end().
+    state_ = new (handoff::detail::thread_block_cache<sizeof(collected)>::allocate()) collected;
   } catch (const std::bad_alloc&) {
     return;  // this exchange goes untraced
   }
@@ -551,7 +559,8 @@ void exchange_scope::end() noexcept
     s.outer->event().producer_stream = s.event.producer_stream;
   }
   record(std::move(s.event));
-  delete state_;  // NOLINT(cppcoreguidelines-owning-memory): made by begin()
+  state_->~collected();
+  handoff::detail::thread_block_cache<sizeof(collected)>::deallocate(state_);
   state_ = nullptr;
 }
 

@@ -1,0 +1,212 @@
+#include "trace/kept_events.hpp"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace handoff::trace::detail {
+namespace {
+
+constexpr std::size_t chunk_bytes = std::size_t{256} << 10U;
+constexpr std::size_t page_bytes = 4096;
+
+constexpr std::size_t round_up(std::size_t bytes, std::size_t to) noexcept
+{
+  return (bytes + to - 1) / to * to;
+}
+
+// Copies `from` to `at` (advanced past it) and returns the copy.
+template <class T>
+std::span<const T> copy_into(std::byte*& at, std::span<const T> from) noexcept
+{
+  if (from.empty()) { return {}; }
+  std::memcpy(at, from.data(), from.size_bytes());
+  const std::span<const T> copy{reinterpret_cast<const T*>(at), from.size()};
+  at += from.size_bytes();
+  return copy;
+}
+
+std::string_view copy_into(std::byte*& at, std::string_view from) noexcept
+{
+  const std::span<const char> copy = copy_into(at, std::span<const char>{from.data(), from.size()});
+  return {copy.data(), copy.size()};
+}
+
+// Frees what `value` holds (assigning an empty one may keep its capacity).
+template <class T>
+void free_storage(T& value) noexcept
+{
+  T{}.swap(value);
+}
+
+}  // namespace
+
+namespace {
+
+// Mappings given back lately, kept (up to 1 MiB) for the next request of their size: a bounded
+// session drops a block of events, and a chunk of payloads, about as often as it maps one, and a
+// mapping made and unmapped each time costs two system calls and a page fault per page.
+class recent_mappings {
+ public:
+  void* take(std::size_t bytes) noexcept
+  {
+    const std::lock_guard lock{mutex_};
+    for (mapping& m : kept_) {
+      if (m.pages != nullptr && m.bytes == bytes) {
+        kept_bytes_ -= bytes;
+        return std::exchange(m.pages, nullptr);
+      }
+    }
+    return nullptr;
+  }
+
+  [[nodiscard]] bool keep(void* pages, std::size_t bytes) noexcept
+  {
+    const std::lock_guard lock{mutex_};
+    if (kept_bytes_ + bytes > max_kept_bytes) { return false; }
+    for (mapping& m : kept_) {
+      if (m.pages == nullptr) {
+        m = {pages, bytes};
+        kept_bytes_ += bytes;
+        return true;
+      }
+    }
+    return false;
+  }
+
+ private:
+  struct mapping {
+    void* pages{nullptr};
+    std::size_t bytes{0};
+  };
+  static constexpr std::size_t max_kept_bytes = std::size_t{1} << 20U;
+
+  std::mutex mutex_;
+  std::array<mapping, 8> kept_{};
+  std::size_t kept_bytes_{0};
+};
+
+recent_mappings& recent() noexcept
+{
+  static auto* kept = new recent_mappings;  // NOLINT(cppcoreguidelines-owning-memory): leaked, used until exit
+  return *kept;
+}
+
+}  // namespace
+
+void* map_pages(std::size_t bytes)
+{
+  if (void* kept = recent().take(bytes)) { return kept; }
+  void* mapped = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (mapped == MAP_FAILED) { throw std::bad_alloc{}; }
+  return mapped;
+}
+
+void unmap_pages(void* pages, std::size_t bytes) noexcept
+{
+  if (!recent().keep(pages, bytes)) { munmap(pages, bytes); }
+}
+
+struct payload_arena::chunk {
+  chunk* older;
+  chunk* newer;
+  std::size_t size;   // mapped bytes, this header included
+  std::size_t used;   // bytes handed out, this header included
+  std::size_t users;  // kept events with room here
+};
+
+namespace {
+constexpr std::size_t header_bytes = round_up(sizeof(payload_arena::chunk), 16);
+}  // namespace
+
+payload_arena::~payload_arena()
+{
+  while (newest_ != nullptr) { unmap(newest_); }
+}
+
+std::pair<std::byte*, payload_arena::chunk*> payload_arena::allocate(std::size_t bytes)
+{
+  if (newest_ == nullptr || newest_->used + bytes > newest_->size) {
+    const std::size_t size = std::max(chunk_bytes, round_up(header_bytes + bytes, page_bytes));
+    auto* made = new (map_pages(size)) chunk{newest_, nullptr, size, header_bytes, 0};
+    ++mapped_;
+    chunk* previous = std::exchange(newest_, made);
+    if (previous != nullptr) {
+      previous->newer = made;
+      if (previous->users == 0) { unmap(previous); }
+    }
+  }
+  std::byte* at = reinterpret_cast<std::byte*>(newest_) + newest_->used;
+  newest_->used += bytes;
+  ++newest_->users;
+  return {at, newest_};
+}
+
+void payload_arena::release(chunk* in) noexcept
+{
+  if (in == nullptr || --in->users != 0) { return; }
+  if (in == newest_) {
+    in->used = header_bytes;  // filled again from the start
+  } else {
+    unmap(in);
+  }
+}
+
+void payload_arena::unmap(chunk* c) noexcept
+{
+  if (c->newer != nullptr) { c->newer->older = c->older; }
+  if (c->older != nullptr) { c->older->newer = c->newer; }
+  if (c == newest_) { newest_ = c->older; }
+  --mapped_;
+  unmap_pages(c, c->size);
+}
+
+kept_event::kept_event(event&& e, payload_arena& arena) : fixed_{std::move(e)}
+{
+  event& f = fixed_;
+  std::string* other_where = f.other ? &f.other->where : nullptr;
+  const std::size_t numbers = f.shape.size() * sizeof(std::int64_t) + f.buffers.size() * sizeof(buffer_ref);
+  const std::size_t texts =
+    f.where.size() + f.detail.size() + f.fix.size() + (other_where != nullptr ? other_where->size() : 0);
+  if (const std::size_t bytes = round_up(numbers + texts, 8); bytes != 0) {
+    std::byte* at = nullptr;
+    std::tie(at, chunk_) = arena.allocate(bytes);
+    // The 8-aligned arrays first, then the texts.
+    shape_ = copy_into(at, std::span<const std::int64_t>{f.shape});
+    buffers_ = copy_into(at, std::span<const buffer_ref>{f.buffers});
+    where_ = copy_into(at, f.where);
+    detail_ = copy_into(at, f.detail);
+    fix_ = copy_into(at, f.fix);
+    if (other_where != nullptr) { other_where_ = copy_into(at, *other_where); }
+  }
+  free_storage(f.shape);
+  free_storage(f.buffers);
+  free_storage(f.where);
+  free_storage(f.detail);
+  free_storage(f.fix);
+  if (other_where != nullptr) { free_storage(*other_where); }
+}
+
+event kept_event::expanded() const
+{
+  event out = fixed_;
+  out.shape.assign(shape_.begin(), shape_.end());
+  out.buffers.assign(buffers_.begin(), buffers_.end());
+  out.where = where_;
+  out.detail = detail_;
+  out.fix = fix_;
+  if (out.other) { out.other->where = other_where_; }
+  return out;
+}
+
+void kept_event::release(payload_arena& arena) noexcept
+{
+  arena.release(std::exchange(chunk_, nullptr));
+}
+
+}  // namespace handoff::trace::detail

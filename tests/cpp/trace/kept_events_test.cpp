@@ -1,0 +1,146 @@
+// What a trace session keeps: each event whole, its variable-size parts in mapped memory that is
+// given back as the session drops them, and nothing of it in the program's heap.
+#include "trace/kept_events.hpp"
+
+#include <handoff/trace.hpp>
+
+#include <gtest/gtest.h>
+
+#include <malloc.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace handoff;
+using trace::detail::kept_event;
+using trace::detail::payload_arena;
+
+// An event with every variable-size field filled, each longer than a short string holds in place.
+trace::event full_event(int n)
+{
+  trace::event e;
+  e.kind = trace::event_kind::launch;
+  e.time_ns = 1000 + n;
+  e.shape = {2, 3, n};
+  e.where = "/a/user/file/somewhere/deep.py:" + std::to_string(n);
+  e.detail = "a detail long enough to be held on the heap";
+  e.fix = "a fix long enough to be held on the heap, too";
+  e.buffers = {trace::buffer_ref{.address = 64, .nbytes = 8, .mode = activity::access::read, .buffer = 7},
+               trace::buffer_ref{.address = 128, .nbytes = 16, .mode = activity::access::write, .buffer = 0}};
+  e.other.emplace();
+  e.other->seq = 3;
+  e.other->where = "/the/other/side/of/the/race.py:12";
+  e.hazard = "race";
+  return e;
+}
+
+void expect_same(const trace::event& a, const trace::event& b)
+{
+  EXPECT_EQ(a.kind, b.kind);
+  EXPECT_EQ(a.time_ns, b.time_ns);
+  EXPECT_EQ(a.shape, b.shape);
+  EXPECT_EQ(a.where, b.where);
+  EXPECT_EQ(a.detail, b.detail);
+  EXPECT_EQ(a.fix, b.fix);
+  ASSERT_EQ(a.buffers.size(), b.buffers.size());
+  for (std::size_t i = 0; i < a.buffers.size(); ++i) {
+    EXPECT_EQ(a.buffers[i].address, b.buffers[i].address);
+    EXPECT_EQ(a.buffers[i].nbytes, b.buffers[i].nbytes);
+    EXPECT_EQ(a.buffers[i].mode, b.buffers[i].mode);
+    EXPECT_EQ(a.buffers[i].buffer, b.buffers[i].buffer);
+  }
+  ASSERT_EQ(a.other.has_value(), b.other.has_value());
+  if (a.other) {
+    EXPECT_EQ(a.other->seq, b.other->seq);
+    EXPECT_EQ(a.other->where, b.other->where);
+  }
+  EXPECT_STREQ(a.hazard, b.hazard);
+}
+
+TEST(KeptEventTest, ExpandsToTheEventAsRecorded)
+{
+  payload_arena arena;
+  const trace::event recorded = full_event(5);
+  const kept_event kept{recorded, arena};
+  expect_same(kept.expanded(), recorded);
+  EXPECT_TRUE(kept.fixed().shape.empty() && kept.fixed().where.empty() && kept.fixed().buffers.empty())
+    << "the variable-size parts live in the arena only";
+  EXPECT_STREQ(kept.fixed().hazard, "race") << "the fixed-size fields stay in place";
+}
+
+TEST(KeptEventTest, AnEventWithNothingVariableTakesNoRoom)
+{
+  payload_arena arena;
+  trace::event bare;
+  bare.time_ns = 42;
+  kept_event kept{bare, arena};
+  EXPECT_EQ(arena.mapped_chunks(), 0U);
+  EXPECT_EQ(kept.expanded().time_ns, 42);
+  kept.release(arena);  // gives nothing back, harmlessly
+}
+
+TEST(PayloadArenaTest, AChunkNoKeptEventUsesIsUnmappedAndTheNewestIsReused)
+{
+  payload_arena arena;
+  std::vector<kept_event> kept;
+  kept.reserve(10'000);
+  for (int n = 0; n < 10'000; ++n) { kept.emplace_back(full_event(n), arena); }
+  const std::size_t mapped = arena.mapped_chunks();
+  EXPECT_GT(mapped, 1U) << "10,000 events of about 200 bytes fill more than one 256 KiB chunk";
+  for (kept_event& k : kept) { k.release(arena); }
+  EXPECT_EQ(arena.mapped_chunks(), 1U) << "only the newest chunk stays, emptied";
+  kept.clear();
+  for (int n = 0; n < 100; ++n) { kept.emplace_back(full_event(n), arena); }
+  EXPECT_EQ(arena.mapped_chunks(), 1U) << "filled again from its start";
+  expect_same(kept.back().expanded(), full_event(99));
+}
+
+TEST(PayloadArenaTest, AnEventLargerThanAChunkHasOneOfItsOwn)
+{
+  payload_arena arena;
+  trace::event large = full_event(1);
+  large.detail.assign(std::size_t{1} << 20U, 'x');
+  const kept_event small{full_event(2), arena};
+  const kept_event kept{large, arena};
+  EXPECT_EQ(arena.mapped_chunks(), 2U);
+  EXPECT_EQ(kept.expanded().detail, large.detail);
+  expect_same(small.expanded(), full_event(2));
+}
+
+// The property the arena is for: a session that keeps thousands of events leaves the program's heap
+// as it found it (what glibc's allocator has handed out and not had back), and its events read back
+// whole; the negative control keeps the same events in the heap.
+TEST(KeptEventsTest, ASessionsEventsLeaveTheProgramsHeapAsItFoundIt)
+{
+#ifdef HANDOFF_TEST_SANITIZED
+  GTEST_SKIP() << "a sanitizer's allocator is not glibc's: mallinfo2 does not count it";
+#endif
+  constexpr int count = 5000;
+  const auto exchange_event = [](int n) {
+    trace::event e = full_event(n);
+    e.kind = trace::event_kind::import_data;  // a session without device activity keeps exchanges
+    return e;
+  };
+  const std::uint64_t session = trace::begin_session();
+  for (int n = 0; n < 16; ++n) { trace::record(exchange_event(n)); }  // the recorder's own first allocations
+  const std::size_t before = mallinfo2().uordblks;
+  for (int n = 16; n < count; ++n) { trace::record(exchange_event(n)); }
+  const std::size_t after = mallinfo2().uordblks;
+  const std::vector<trace::event> events = trace::end_session(session);
+
+  std::vector<trace::event> in_the_heap;  // the negative control
+  in_the_heap.reserve(count);
+  const std::size_t control_before = mallinfo2().uordblks;
+  for (int n = 16; n < count; ++n) { in_the_heap.push_back(exchange_event(n)); }
+  const std::size_t control_after = mallinfo2().uordblks;
+
+  EXPECT_LT(after - before, std::size_t{4096}) << "the session kept " << count << " events outside the heap";
+  EXPECT_GT(control_after - control_before, std::size_t{count} * 100) << "the same events in the heap grow it";
+  ASSERT_EQ(events.size(), static_cast<std::size_t>(count));
+  expect_same(events[1234], exchange_event(1234));
+}
+
+}  // namespace
