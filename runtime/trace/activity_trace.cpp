@@ -10,9 +10,6 @@
 
 #include <fmt/format.h>
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <chrono>
 #include <exception>
 #include <map>
@@ -150,11 +147,6 @@ struct activity_state {
   }
 };
 
-std::uint64_t native_thread_id() noexcept
-{
-  return static_cast<std::uint64_t>(::syscall(SYS_gettid));
-}
-
 }  // namespace
 
 const char* intern(std::string_view name)
@@ -182,7 +174,7 @@ void report(const record& r) noexcept
     e.op = op_of(r);
     e.time_ns =
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
-    e.thread = native_thread_id();
+    e.thread = trace::detail::native_thread_id();
     e.device = r.device;
     if (names_stream(r)) { e.stream = trace::stream_id{.device = r.device, .handle = r.stream}; }
     e.kernel = r.name;

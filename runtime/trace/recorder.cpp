@@ -17,6 +17,7 @@
 #include <boost/container/deque.hpp>
 #include <boost/container/options.hpp>
 
+#include <pthread.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -273,11 +274,6 @@ void append_json_name(std::string& out, const char* text)
   }
 }
 
-std::uint64_t native_thread_id() noexcept
-{
-  return static_cast<std::uint64_t>(::syscall(SYS_gettid));
-}
-
 thread_local exchange_scope* innermost = nullptr;
 thread_local int muted_depth = 0;
 
@@ -469,6 +465,26 @@ void record(event&& e) noexcept
   detail::record_annotated(std::move(e));
 }
 
+namespace {
+std::atomic<unsigned> forks{0};  // a forked child's one thread asks its id again
+}  // namespace
+
+std::uint64_t detail::native_thread_id() noexcept
+{
+  // Asked of the kernel once per thread: a system call (every event asks it), and a thread's id
+  // changes only in a forked child.
+  static const bool watching_forks =
+    pthread_atfork(nullptr, nullptr, [] { forks.fetch_add(1, std::memory_order_relaxed); }) == 0;
+  thread_local unsigned asked_after = ~0U;
+  thread_local std::uint64_t id = 0;
+  const unsigned now = forks.load(std::memory_order_relaxed);
+  if (!watching_forks || asked_after != now) {
+    id = static_cast<std::uint64_t>(::syscall(SYS_gettid));
+    asked_after = now;
+  }
+  return id;
+}
+
 void detail::annotate(event& e) noexcept
 {
   if (const annotator fill = recorder::get().annotate.load(std::memory_order_acquire)) { fill(e); }
@@ -541,7 +557,7 @@ void exchange_scope::begin(event_kind kind, std::string_view protocol) noexcept
   }
   s.event.time_ns =
     std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
-  s.event.thread = native_thread_id();
+  s.event.thread = detail::native_thread_id();
 }
 
 void exchange_scope::end() noexcept

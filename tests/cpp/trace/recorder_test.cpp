@@ -8,6 +8,10 @@
 
 #include "support/backend_fixture.hpp"
 
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -298,6 +302,31 @@ TEST_F(TraceSessionTest, JsonEscapesWhatTheEmbeddingWrote)
   EXPECT_NE(json.find(R"("where":"dir \"a\"\\b\n.py:3")"), std::string::npos) << json;
   EXPECT_NE(json.find(R"("detail":"\u0001")"), std::string::npos) << json;
   EXPECT_NE(json.find(R"("hazard":null)"), std::string::npos) << json;
+}
+
+// Each event names its thread, asked of the kernel once per thread; a forked child's thread is
+// asked again (its id is the child's process id), not taken for the parent's.
+TEST(TraceThreadTest, EventsNameTheirThreadAndAForkedChildsItsOwn)
+{
+  const auto scoped_thread = [] {
+    const std::uint64_t session = trace::begin_session();
+    {
+      const trace::exchange_scope scope{trace::event_kind::import_data, "dlpack"};
+    }
+    const std::vector<trace::event> events = trace::end_session(session);
+    return events.size() == 1 ? events.front().thread : 0;
+  };
+  const auto own = static_cast<std::uint64_t>(::syscall(SYS_gettid));
+  ASSERT_EQ(scoped_thread(), own);
+  ASSERT_EQ(scoped_thread(), own) << "asked once, the same after";
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    _exit(scoped_thread() == static_cast<std::uint64_t>(getpid()) ? 0 : 1);  // the child's one thread
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the forked child's events name its own thread";
 }
 
 }  // namespace

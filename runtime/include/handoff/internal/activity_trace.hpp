@@ -18,6 +18,8 @@ void record_annotated(event&& e) noexcept;
 void activity_sessions_changed(bool any) noexcept;
 /// An exchanged array's memory, named by its ownership graph buffer while activity is recorded.
 void note_exchanged(const void* data, std::int64_t nbytes, std::uint64_t buffer) noexcept;
+/// The calling thread's native id, as every event records it.
+[[nodiscard]] std::uint64_t native_thread_id() noexcept;
 
 }  // namespace handoff::trace::detail
 
