@@ -7,7 +7,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
-#include <vector>
+#include <tuple>
 
 namespace handoff::trace::detail {
 namespace {
@@ -43,10 +43,6 @@ void free_storage(T& value) noexcept
 {
   T{}.swap(value);
 }
-
-}  // namespace
-
-namespace {
 
 // Mappings given back lately, kept (up to 1 MiB) for the next request of their size: a bounded
 // session drops a block of events, and a chunk of payloads, about as often as it maps one, and a

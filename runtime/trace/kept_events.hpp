@@ -4,7 +4,7 @@
 // small blocks (its shape, its user line) are carved out of the holes the program's own freed
 // temporaries leave there, so the program's next temporaries land on fresh pages, a page fault
 // each, step after step: a traced NumPy and PyTorch loop grew its heap by about 150 KiB a step so,
-// and ran 1.3-1.6 times slower than with the trace's events kept here.
+// and ran 1.2-1.7 times slower than with the trace's events kept here (docs/benchmarks.md).
 #pragma once
 
 #include <handoff/trace.hpp>
