@@ -87,17 +87,25 @@ class recent_mappings {
   std::size_t kept_bytes_{0};
 };
 
-recent_mappings& recent() noexcept
+// Leaked: mappings are given back until the process exits. Null where it could not be made.
+recent_mappings* recent() noexcept
 {
-  static auto* kept = new recent_mappings;  // NOLINT(cppcoreguidelines-owning-memory): leaked, used until exit
-  return *kept;
+  static recent_mappings* const kept = []() noexcept -> recent_mappings* {
+    try {
+      return new recent_mappings;  // NOLINT(cppcoreguidelines-owning-memory): leaked, see above
+    } catch (const std::bad_alloc&) {
+      return nullptr;
+    }
+  }();
+  return kept;
 }
 
 }  // namespace
 
 void* map_pages(std::size_t bytes)
 {
-  if (void* kept = recent().take(bytes)) { return kept; }
+  recent_mappings* const recent_ones = recent();
+  if (void* kept = recent_ones != nullptr ? recent_ones->take(bytes) : nullptr) { return kept; }
   void* mapped = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (mapped == MAP_FAILED) { throw std::bad_alloc{}; }
   return mapped;
@@ -105,7 +113,8 @@ void* map_pages(std::size_t bytes)
 
 void unmap_pages(void* pages, std::size_t bytes) noexcept
 {
-  if (!recent().keep(pages, bytes)) { munmap(pages, bytes); }
+  recent_mappings* const recent_ones = recent();
+  if (recent_ones == nullptr || !recent_ones->keep(pages, bytes)) { munmap(pages, bytes); }
 }
 
 struct payload_arena::chunk {
