@@ -201,17 +201,23 @@ exchange_description describe_exchange(py::handle argument, py::handle result, s
   // not (a PyTorch tensor's shape, dtype and size are three Python attributes), equal data pointers
   // are enough. An empty array's pointer tells nothing (see copy_note).
   const bool argument_cheap = is_numpy_array(argument.ptr());
-  if (argument_cheap != is_numpy_array(result.ptr())) {
-    std::optional<array_description> cheap = describe(argument_cheap ? argument : result);
+  const bool one_side_cheap = argument_cheap != is_numpy_array(result.ptr());
+  std::optional<array_description> handed;
+  std::optional<array_description> made;
+  if (one_side_cheap) {
+    std::optional<array_description>& cheap = argument_cheap ? handed : made;
+    cheap = describe(argument_cheap ? argument : result);
     if (cheap && cheap->nbytes > 0 && cheap->data &&
         data_pointer((argument_cheap ? result : argument).ptr()) == cheap->data) {
       return {std::move(cheap), {}};
     }
   }
-  exchange_description out{describe(argument), {}};
-  const std::optional<array_description> made = describe(result);
+  // A copy, or a pair the pointers cannot tell: both sides in full (the cheap one is read already).
+  if (!one_side_cheap || !argument_cheap) { handed = describe(argument); }
+  if (!one_side_cheap || argument_cheap) { made = describe(result); }
+  exchange_description out{std::move(handed), {}};
   if (!out.data) {
-    out.data = made;
+    out.data = std::move(made);
   } else if (made) {
     out.copy = copy_note(consumer, *out.data, *made);
   }
