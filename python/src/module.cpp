@@ -17,6 +17,7 @@
 #include <handoff/context.hpp>
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
+#include <handoff/internal/enum_table.hpp>
 #include <handoff/ipc.hpp>
 #include <handoff/log.hpp>
 #include <handoff/runtime.hpp>
@@ -71,28 +72,16 @@ py::dict runtime_info()
   return out;
 }
 
-const char* stream_order_name(stream_order order)
-{
-  switch (order) {
-    case stream_order::none:
-      return "none";
-    case stream_order::legacy_default:
-      return "legacy_default";
-    case stream_order::per_thread_default:
-      return "per_thread_default";
-    case stream_order::default_stream:
-      return "default_stream";
-    case stream_order::handle:
-      return "handle";
-  }
-  return "unknown";
-}
+constexpr auto stream_order_names =
+  handoff::detail::make_enum_table<stream_order, const char*>({{stream_order::none, "none"},
+                                                               {stream_order::legacy_default, "legacy_default"},
+                                                               {stream_order::per_thread_default, "per_thread_default"},
+                                                               {stream_order::default_stream, "default_stream"},
+                                                               {stream_order::handle, "handle"}});
 
-}  // namespace
-
-PYBIND11_MODULE(_handoff, m)
+// handoff.DeviceError, and the one Python exception type each C++ exception type becomes.
+void register_errors(py::module_& m)
 {
-  m.doc() = "handoff's native core: stream-correct zero-copy array exchange.";
   PyObject* device_error_type = PyErr_NewExceptionWithDoc(
     "handoff.DeviceError", "A device runtime call failed; `error_name` is the backend's name for the error.",
     PyExc_RuntimeError, nullptr);
@@ -101,26 +90,12 @@ PYBIND11_MODULE(_handoff, m)
   m.attr("DeviceError") = py::reinterpret_borrow<py::object>(device_error_type);
   // Each C++ exception type maps to exactly one Python exception type.
   py::register_exception_translator(translate_exception);
+}
 
-  set_finalizing_thread(py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>());
-  if (!embed_process(python_embedding)) {
-    log_warning(
-      "the process's exchange was in use before handoff's Python module loaded: producers' deleters and "
-      "host waits run without regard to the GIL");
-  }
-  // The composition root of the extension: every binder gets the exchange its calls run, the
-  // process's, made with the embedding above.
-  exchange& on = process_exchange();
-  bind_array(m, on);
-  bind_streams(m);
-  init_exchange(m, on);
-  bind_view(m, on);
-  bind_c_api(m, on);
-  bind_sim(m, on);
-  bind_ipc(m, on);
-  bind_trace(m, on);
-  bind_interpose(m, on);
-
+// The process's side of the module: counters, the export-release policy, exit and fork, the live trace
+// socket, what the runtime is.
+void bind_process(py::module_& m, exchange& on)
+{
   m.def("stats", &stats_dict,
         "Exchange counters since the last reset_stats(), a dict of ints: exports, imports, waits_inserted, "
         "waits_elided, events_created, events_reused, deferred_releases, live_views and pending_releases (deferred "
@@ -171,6 +146,11 @@ PYBIND11_MODULE(_handoff, m)
         "The runtime, a dict: backend (its name), device_count, version, dlpack_version ('1.1'), cuda_compiled, "
         "cuda_runtime and cuda_driver_minimum (None without CUDA), and backend_error (why the backend could not "
         "start, else None).");
+}
+
+// The contract's rules, asked of the core by the Python front end and its tests.
+void bind_contract_rules(py::module_& m)
+{
   m.def(
     "_device_type_labels",
     [] {
@@ -185,7 +165,7 @@ PYBIND11_MODULE(_handoff, m)
     "_classify_stream",
     [](int device_type, py::handle stream) {
       const stream_request r = classify_stream(static_cast<DLDeviceType>(device_type), stream_argument(stream));
-      return py::make_tuple(stream_order_name(r.order), r.handle);
+      return py::make_tuple(handoff::detail::look_up(stream_order_names, r.order, "unknown"), r.handle);
     },
     py::arg("device_type"), py::arg("stream"),
     "The producer's action for a DLPack stream value on a device type (the contract's table).");
@@ -198,5 +178,33 @@ PYBIND11_MODULE(_handoff, m)
       return py::make_tuple(shape, parsed.stream ? py::object(py::int_(*parsed.stream)) : py::object(py::none()));
     },
     py::arg("interface"), "Validates a __cuda_array_interface__ dict without touching a device.");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_handoff, m)
+{
+  m.doc() = "handoff's native core: stream-correct zero-copy array exchange.";
+  register_errors(m);
+  set_finalizing_thread(py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>());
+  if (!embed_process(python_embedding)) {
+    log_warning(
+      "the process's exchange was in use before handoff's Python module loaded: producers' deleters and "
+      "host waits run without regard to the GIL");
+  }
+  // The composition root of the extension: every binder gets the exchange its calls run, the
+  // process's, made with the embedding above.
+  exchange& on = process_exchange();
+  bind_array(m, on);
+  bind_streams(m);
+  init_exchange(m, on);
+  bind_view(m, on);
+  bind_c_api(m, on);
+  bind_sim(m, on);
+  bind_ipc(m, on);
+  bind_trace(m, on);
+  bind_interpose(m, on);
+  bind_process(m, on);
+  bind_contract_rules(m);
   m.attr("__version__") = handoff::version();
 }

@@ -15,6 +15,7 @@
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
+#include <handoff/internal/enum_table.hpp>
 #include <handoff/stream.hpp>
 
 #include <fmt/format.h>
@@ -42,20 +43,12 @@ enum class interposed_hazard : std::uint8_t {
   released_early,  // the consumer's array went, with the producer, while its stream still worked
 };
 
-const char* hazard_name(interposed_hazard hazard) noexcept
-{
-  switch (hazard) {
-    case interposed_hazard::unordered:
-      return "unordered";
-    case interposed_hazard::cross_device:
-      return "cross-device";
-    case interposed_hazard::released_early:
-      return "released early";
-    case interposed_hazard::none:
-      break;
-  }
-  return nullptr;
-}
+// What the trace's `hazard` field says of each; none leaves it unset.
+constexpr auto hazard_names = handoff::detail::make_enum_table<interposed_hazard, const char*>(
+  {{interposed_hazard::none, nullptr},
+   {interposed_hazard::unordered, "unordered"},
+   {interposed_hazard::cross_device, "cross-device"},
+   {interposed_hazard::released_early, "released early"}});
 
 std::string_view protocol_name(interposed_protocol protocol) noexcept
 {
@@ -181,7 +174,7 @@ class interposed_exchange {
     e.interposed = ordered ? "ordered" : "observed";
     e.detail = detail;
     if (hazard != interposed_hazard::none) {  // classified by the hooks: the scope keeps what they said
-      e.hazard = hazard_name(hazard);
+      e.hazard = handoff::detail::look_up(hazard_names, hazard, nullptr);
       e.action = what;
     }
     if (producer_stream_) { scope.set_producer_stream(*producer_stream_); }
@@ -651,27 +644,9 @@ py::object make_consumer_call(py::handle original, py::handle consumer, py::hand
   return made;
 }
 
-}  // namespace
-
-std::shared_ptr<const void> framework_stream_owner(std::uint64_t handle, DLDevice data)
+// The enumerations the Python side names an exchange's parts with.
+void bind_interposed_enums(py::module_& m)
 {
-  // Once Python's exit has begun, no library's Python code is run: a daemon thread exporting then
-  // would be ended inside it (and the export's caller may be noexcept). The release then does not wait.
-  if (stream_owner_lookup == nullptr || python_is_closing()) { return {}; }
-  const std::optional<int> device = work_device_of(data);
-  if (!device) { return {}; }
-  const py::object found =
-    py::reinterpret_steal<py::object>(PyObject_CallFunction(stream_owner_lookup, "Ki", handle, *device));
-  if (!found) {  // a lookup never fails an export: without an owner, the release does not wait
-    PyErr_Clear();
-    return {};
-  }
-  return stream_keep_alive(found);
-}
-
-void bind_interpose(py::module_& m, exchange& on)
-{
-  bound_exchange = &on;
   py::enum_<interposed_protocol>(m, "_InterposedProtocol")
     .value("dlpack", interposed_protocol::dlpack)
     .value("cuda_array_interface", interposed_protocol::cuda_array_interface);
@@ -689,6 +664,11 @@ void bind_interpose(py::module_& m, exchange& on)
     .value("elided", trace::action::elided)
     .value("unordered", trace::action::unordered)
     .value("refused", trace::action::refused);
+}
+
+// One exchange the hooks saw, as they build it up and hand it to the core.
+void bind_interposed_exchange(py::module_& m)
+{
   py::class_<interposed_exchange>(m, "_InterposedExchange",
                                   "One exchange between two other libraries that handoff's hooks saw.")
     .def(py::init([](interposed_protocol protocol, std::string_view producer, std::string_view consumer,
@@ -724,6 +704,31 @@ void bind_interpose(py::module_& m, exchange& on)
       py::arg("error"), "Records the consumer's refusal, saying its error (no-op unless tracing).")
     .def_readwrite("stream_argument", &interposed_exchange::stream_argument)
     .def_readwrite("ordered", &interposed_exchange::ordered);
+}
+
+}  // namespace
+
+std::shared_ptr<const void> framework_stream_owner(std::uint64_t handle, DLDevice data)
+{
+  // Once Python's exit has begun, no library's Python code is run: a daemon thread exporting then
+  // would be ended inside it (and the export's caller may be noexcept). The release then does not wait.
+  if (stream_owner_lookup == nullptr || python_is_closing()) { return {}; }
+  const std::optional<int> device = work_device_of(data);
+  if (!device) { return {}; }
+  const py::object found =
+    py::reinterpret_steal<py::object>(PyObject_CallFunction(stream_owner_lookup, "Ki", handle, *device));
+  if (!found) {  // a lookup never fails an export: without an owner, the release does not wait
+    PyErr_Clear();
+    return {};
+  }
+  return stream_keep_alive(found);
+}
+
+void bind_interpose(py::module_& m, exchange& on)
+{
+  bound_exchange = &on;
+  bind_interposed_enums(m);
+  bind_interposed_exchange(m);
   m.def("_interposed_stream_device", &stream_device, py::arg("handle"),
         "The device of a native stream handle, or None when handoff cannot tell.");
   m.def(

@@ -480,11 +480,9 @@ void synchronize(exchange& on, py::handle device)
   });
 }
 
-}  // namespace
-
-void bind_sim(py::module_& parent, exchange& on)
+// sim.Stream: a stream of a simulated device, owned by its Python object.
+void bind_stream_class(py::module_& m, exchange& on)
 {
-  py::module_ m = parent.def_submodule("_sim", "The simulated accelerator (HANDOFF_BACKEND=sim or sim-rocm).");
   py::class_<sim_stream>(m, "Stream", "An owning stream of the simulated device.")
     .def(
       py::init([&on](int device, bool non_blocking) { return std::make_unique<sim_stream>(on, device, non_blocking); }),
@@ -503,6 +501,11 @@ void bind_sim(py::module_& parent, exchange& on)
       return fmt::format("handoff.sim.Stream({:#x}, device={}{})", s.handle(), s.device(),
                          s.non_blocking() ? ", non_blocking=True" : "");
     });
+}
+
+// Simulated arrays and the work enqueued on them: fills, launches, copies.
+void bind_memory_and_work(py::module_& m, exchange& on)
+{
   m.def(
     "zeros",
     [&on](py::handle shape, const std::string& dtype, int device, const std::string& memory, py::handle stream) {
@@ -540,6 +543,18 @@ void bind_sim(py::module_& parent, exchange& on)
     .def("result", &pending_copy::result,
          "Waits for the copy (GIL released) and returns its NumPy array. On the thread that holds work the "
          "copy waits for, raises DeviceError (handoffErrorHoldDeadlock) instead of waiting for ever.");
+  m.def(
+    "set_copy_delay", [&on](double delay) { require_sim(on).sim.set_copy_duration(seconds(delay, "delay")); },
+    py::arg("delay"),
+    "Makes every later device copy take `delay` seconds on its stream (default 0), as a real copy takes time.");
+  m.def(
+    "live_allocations", [&on] { return require_sim(on).sim.live_allocations(); },
+    "How many simulated allocations are not freed yet (deferred frees count until they have run).");
+}
+
+// The gate ordering tests hold a producer with (sim.hold), and the waits around it.
+void bind_holds_and_waits(py::module_& m, exchange& on)
+{
   py::class_<stream_hold>(m, "Hold", "A hold on a stream (sim.hold): a context manager.")
     .def("__enter__", &stream_hold::enter, py::return_value_policy::reference_internal)
     .def(
@@ -577,6 +592,24 @@ void bind_sim(py::module_& parent, exchange& on)
     },
     "Waits for all the work that does not wait for an open sim.hold block: inside one, what can run has run.");
   m.def(
+    "drain",
+    [&on] {
+      if (context* ctx = on.device_context()) {
+        if (sim_backend* sim = device::as_sim(ctx->backend()); sim != nullptr && sim->holds_of_this_thread() > 0) {
+          throw device_error(std::string{sim->name()}, sim_backend::hold_deadlock_error,
+                             "sim.drain() inside sim.hold(...): the deferred releases it waits for may wait for "
+                             "the held work, which this thread cannot release while it waits; drain after the block");
+        }
+        without_gil([ctx] { ctx->drain(); });
+      }
+    },
+    "Waits for the releases deferred so far. Refused inside a sim.hold block (it could wait for ever).");
+}
+
+// Faults a test injects, and what the simulation saw the process do that CUDA forbids.
+void bind_faults(py::module_& m, exchange& on)
+{
+  m.def(
     "inject_fault",
     [&on](const std::string& op, int count, const std::string& error) {
       require_sim(on).sim.inject_fault(op, count, error);
@@ -602,6 +635,22 @@ void bind_sim(py::module_& parent, exchange& on)
     },
     py::arg("device") = 0, "Makes a device usable again (tests only: CUDA needs a new process).");
   m.def(
+    "violations",
+    [&on] {
+      py::list out;
+      for (const auto& violation : require_sim(on).sim.violations()) { out.append(violation); }
+      return out;
+    },
+    "What the process did that CUDA leaves undefined or forbids: uses of destroyed streams or events, "
+    "runtime calls from host functions.");
+  m.def(
+    "clear_violations", [&on] { require_sim(on).sim.clear_violations(); }, "Forgets the violations recorded so far.");
+}
+
+// The current device, and a device reset as a library may do one.
+void bind_devices(py::module_& m, exchange& on)
+{
+  m.def(
     "current_device", [&on] { return require_sim(on).sim.current_device(); },
     "The device current on the calling thread (the one the runtime would use where none is).");
   m.def(
@@ -621,17 +670,11 @@ void bind_sim(py::module_& parent, exchange& on)
     py::arg("device") = 0,
     "Resets a device's context as numba-cuda's cuda.close() does (cuDevicePrimaryCtxReset): waits for its work, "
     "then destroys its streams, events and memory; its next use gets a new context.");
-  m.def(
-    "violations",
-    [&on] {
-      py::list out;
-      for (const auto& violation : require_sim(on).sim.violations()) { out.append(violation); }
-      return out;
-    },
-    "What the process did that CUDA leaves undefined or forbids: uses of destroyed streams or events, "
-    "runtime calls from host functions.");
-  m.def(
-    "clear_violations", [&on] { require_sim(on).sim.clear_violations(); }, "Forgets the violations recorded so far.");
+}
+
+// Graphs captured from a stream, and their launches.
+void bind_graphs(py::module_& m, exchange& on)
+{
   py::class_<device::sim_graph>(m, "Graph", "A graph captured from a stream (sim.end_capture).")
     .def("__len__", &device::sim_graph::size,
          "How many operations the capture recorded (work, host functions, event records and waits).")
@@ -650,26 +693,19 @@ void bind_sim(py::module_& parent, exchange& on)
     "end_capture", [&on](py::handle stream) { return require_sim(on).sim.end_capture(stream_of(stream)); },
     py::arg("stream"),
     "Ends the capture begun on `stream`; returns the captured Graph, which runs only when launched.");
-  m.def(
-    "set_copy_delay", [&on](double delay) { require_sim(on).sim.set_copy_duration(seconds(delay, "delay")); },
-    py::arg("delay"),
-    "Makes every later device copy take `delay` seconds on its stream (default 0), as a real copy takes time.");
-  m.def(
-    "live_allocations", [&on] { return require_sim(on).sim.live_allocations(); },
-    "How many simulated allocations are not freed yet (deferred frees count until they have run).");
-  m.def(
-    "drain",
-    [&on] {
-      if (context* ctx = on.device_context()) {
-        if (sim_backend* sim = device::as_sim(ctx->backend()); sim != nullptr && sim->holds_of_this_thread() > 0) {
-          throw device_error(std::string{sim->name()}, sim_backend::hold_deadlock_error,
-                             "sim.drain() inside sim.hold(...): the deferred releases it waits for may wait for "
-                             "the held work, which this thread cannot release while it waits; drain after the block");
-        }
-        without_gil([ctx] { ctx->drain(); });
-      }
-    },
-    "Waits for the releases deferred so far. Refused inside a sim.hold block (it could wait for ever).");
+}
+
+}  // namespace
+
+void bind_sim(py::module_& parent, exchange& on)
+{
+  py::module_ m = parent.def_submodule("_sim", "The simulated accelerator (HANDOFF_BACKEND=sim or sim-rocm).");
+  bind_stream_class(m, on);
+  bind_memory_and_work(m, on);
+  bind_holds_and_waits(m, on);
+  bind_faults(m, on);
+  bind_devices(m, on);
+  bind_graphs(m, on);
 }
 
 }  // namespace handoff::python

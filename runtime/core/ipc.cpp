@@ -94,6 +94,52 @@ struct remote_block {
   std::map<context*, void*> device_address;
 };
 
+// A consumer's entry in a share's slot, claimed by an open: ending it tells the producer this process
+// is done with the share.
+struct entry_release {
+  consumer_entry* entry{nullptr};
+  std::shared_ptr<shared_mapping> block;  // the control block the entry lives in
+
+  void operator()() const noexcept
+  {
+    entry->state.store(static_cast<std::uint32_t>(entry_state::released), std::memory_order_release);
+  }
+};
+
+// Refuses a handle this process cannot open: another boot's, its own, or a producer that has ended.
+void check_openable(const wire_handle& h)
+{
+  HANDOFF_EXPECTS(h.boot == handoff::detail::boot_id(), value_error,
+                  "this handoff IPC handle comes from another node, or from an earlier boot of this one");
+  HANDOFF_EXPECTS(h.pid != handoff::detail::this_process(), buffer_error,
+                  "this handoff IPC handle was made by this very process: use the array itself (a process cannot "
+                  "open its own handles, as CUDA refuses cudaIpcOpenMemHandle there)");
+  HANDOFF_EXPECTS(handoff::detail::process_alive(h.pid, h.start_time), buffer_error,
+                  fmt::format("the process that shared this array (pid {}) has ended: its memory is gone", h.pid));
+}
+
+// The context that opens the device memory `h` shares: this process's, running the producer's backend.
+context& opening_context(exchange& on, const wire_handle& h)
+{
+  context& ctx = on.require_device("opening device memory another process shared");
+  HANDOFF_EXPECTS(
+    ctx.backend().name() == h.backend && ctx.backend().device_type() == h.device.device_type, value_error,
+    fmt::format("this handle shares memory of the {} backend; this process runs {}", h.backend, ctx.backend().name()));
+  return ctx;
+}
+
+// The shared array's layout, its data still to be mapped.
+array_layout layout_of(const wire_handle& h, bool host)
+{
+  array_layout layout;
+  layout.device = host ? DLDevice{kDLCPU, 0} : h.device;
+  layout.dtype = h.dtype;
+  layout.shape = h.shape;
+  layout.strides = h.strides;
+  layout.readonly = (h.flags & read_only) != 0U;
+  return layout;
+}
+
 class endpoint {
  public:
   static endpoint& get()
@@ -156,6 +202,13 @@ class endpoint {
   /// Makes `consumer` wait for the producer's signal that the data `h` shares is ready (mutex held).
   void wait_for_producer(context& ctx, remote_block& block, share_slot& slot, const wire_handle& h,
                          device::stream_handle consumer);
+  /// Claims this process's entry in the share's slot (mutex held).
+  entry_release claim_entry(const wire_handle& h, remote_block& block);
+  /// The array over the mapped host segment or device memory; each unlocks `lock` once mapped.
+  array open_host(const wire_handle& h, array_layout layout, std::unique_lock<std::mutex>& lock,
+                  const entry_release& done);
+  array open_device(context& ctx, remote_block& block, const wire_handle& h, array_layout layout,
+                    const named_stream& consumer, std::unique_lock<std::mutex>& lock, const entry_release& done);
   void close_mapping(const std::string& key) noexcept;
   device::event_handle opened_event(context& ctx, const wire_handle& h);  // mutex held
 
@@ -557,99 +610,89 @@ void endpoint::close_mapping(const std::string& key) noexcept
 array endpoint::open(exchange& on, std::span<const std::byte> bytes, const named_stream& consumer)
 {
   const wire_handle h = decode(bytes);
-  HANDOFF_EXPECTS(h.boot == handoff::detail::boot_id(), value_error,
-                  "this handoff IPC handle comes from another node, or from an earlier boot of this one");
-  const int self = handoff::detail::this_process();
-  HANDOFF_EXPECTS(h.pid != self, buffer_error,
-                  "this handoff IPC handle was made by this very process: use the array itself (a process cannot "
-                  "open its own handles, as CUDA refuses cudaIpcOpenMemHandle there)");
-  HANDOFF_EXPECTS(handoff::detail::process_alive(h.pid, h.start_time), buffer_error,
-                  fmt::format("the process that shared this array (pid {}) has ended: its memory is gone", h.pid));
+  check_openable(h);
   const bool host = (h.flags & host_memory) != 0U;
-  context* ctx = nullptr;
-  if (!host) {
-    ctx = &on.require_device("opening device memory another process shared");
-    HANDOFF_EXPECTS(ctx->backend().name() == h.backend && ctx->backend().device_type() == h.device.device_type,
-                    value_error,
-                    fmt::format("this handle shares memory of the {} backend; this process runs {}", h.backend,
-                                ctx->backend().name()));
-  }
-  array_layout layout;
-  layout.device = host ? DLDevice{kDLCPU, 0} : h.device;
-  layout.dtype = h.dtype;
-  layout.shape = h.shape;
-  layout.strides = h.strides;
-  layout.readonly = (h.flags & read_only) != 0U;
+  context* ctx = host ? nullptr : &opening_context(on, h);
+  array_layout layout = layout_of(h, host);
 
   std::unique_lock lock{mutex_};
   remote_block& block = remote(h);
-  auto* shared = static_cast<control_block*>(block.mapping->data());
-  share_slot& slot = shared->slots[h.slot];
-  const claim claimed = claim_share(slot, h.generation, self, handoff::detail::this_process_start_time());
+  const entry_release done = claim_entry(h, block);
+  try {
+    return host ? open_host(h, std::move(layout), lock, done)
+                : open_device(*ctx, block, h, std::move(layout), consumer, lock, done);
+  } catch (...) {
+    if (lock.owns_lock()) { lock.unlock(); }
+    done();  // the producer counts the hold out
+    throw;
+  }
+}
+
+entry_release endpoint::claim_entry(const wire_handle& h, remote_block& block)
+{
+  share_slot& slot = static_cast<control_block*>(block.mapping->data())->slots[h.slot];
+  const claim claimed =
+    claim_share(slot, h.generation, handoff::detail::this_process(), handoff::detail::this_process_start_time());
   HANDOFF_EXPECTS(!claimed.full, buffer_error,
                   fmt::format("this share is open in {} processes already, the most it can be", consumers_per_share));
   HANDOFF_EXPECTS(claimed.entry != nullptr, buffer_error,
                   fmt::format("the process that shared this array (pid {}) has released the share: its memory may be "
                               "freed or reused (keep the handle, or the array, alive there until it is opened)",
                               h.pid));
-  consumer_entry* entry = claimed.entry;
   if ((h.flags & in_flight) != 0U) { take_ticket(slot); }
-  const auto keep_block = block.mapping;  // the entry lives in it
-  const auto done_with_entry = [entry, keep_block]() noexcept {
-    entry->state.store(static_cast<std::uint32_t>(entry_state::released), std::memory_order_release);
-  };
-  std::string key;
-  try {
-    if (host) {
-      const mapped segment = map_host_segment(h);
-      key = segment.key;
-      layout.data = segment.base;
-      lock.unlock();
-      count(counter::ipc_opens);
-      count(counter::imports);
-      return array{std::move(layout), producer_ref{[this, key, done_with_entry]() noexcept {
-                     close_mapping(key);
-                     done_with_entry();
-                   }}};
-    }
-    const int device = h.device.device_id;
-    const device_guard on_device{ctx->backend(), device};
-    const mapped memory = map_device_memory(*ctx, h);
-    key = memory.key;
-    layout.data = static_cast<std::byte*>(memory.base) + h.offset;
-    const stream_binding waits = binding_on(*ctx, h.device, consumer);
-    try {
-      wait_for_producer(*ctx, block, slot, h, waits.stream);
-    } catch (...) {
-      lock.unlock();
-      close_mapping(key);
-      throw;
-    }
-    lock.unlock();
-    count(counter::ipc_opens);
-    count(counter::imports);
-    if (back_signal_.load(std::memory_order_relaxed)) {
-      // Released once the work enqueued on the consumer's stream by then is done: the mapping is
-      // closed first (CUDA: the producer must not free memory another process still maps).
-      array view{std::move(layout), producer_ref{[this, key, done_with_entry]() noexcept {
-                   close_mapping(key);
-                   done_with_entry();
-                 }}};
-      bind_import(*ctx, view, device, waits.stream, waits.stream_owner);
-      return view;
-    }
-    // The negative control: the producer is told at once; only the mapping waits for the stream.
-    array view{std::move(layout), producer_ref{[this, key, done_with_entry, ctx, device, waits]() noexcept {
-                 done_with_entry();
-                 ctx->release_after(device, waits.stream, [this, key]() noexcept { close_mapping(key); });
+  return entry_release{claimed.entry, block.mapping};
+}
+
+array endpoint::open_host(const wire_handle& h, array_layout layout, std::unique_lock<std::mutex>& lock,
+                          const entry_release& done)
+{
+  const mapped segment = map_host_segment(h);
+  layout.data = segment.base;
+  lock.unlock();
+  count(counter::ipc_opens);
+  count(counter::imports);
+  return array{std::move(layout), producer_ref{[this, key = segment.key, done]() noexcept {
+                 close_mapping(key);
+                 done();
                }}};
-    view.owner().set_ready_on(waits);
-    return view;
+}
+
+array endpoint::open_device(context& ctx, remote_block& block, const wire_handle& h, array_layout layout,
+                            const named_stream& consumer, std::unique_lock<std::mutex>& lock, const entry_release& done)
+{
+  const int device = h.device.device_id;
+  const device_guard on_device{ctx.backend(), device};
+  const mapped memory = map_device_memory(ctx, h);
+  layout.data = static_cast<std::byte*>(memory.base) + h.offset;
+  const stream_binding waits = binding_on(ctx, h.device, consumer);
+  try {
+    share_slot& slot = static_cast<control_block*>(block.mapping->data())->slots[h.slot];
+    wait_for_producer(ctx, block, slot, h, waits.stream);
   } catch (...) {
-    if (lock.owns_lock()) { lock.unlock(); }
-    done_with_entry();  // the producer counts the hold out
+    lock.unlock();
+    close_mapping(memory.key);
     throw;
   }
+  lock.unlock();
+  count(counter::ipc_opens);
+  count(counter::imports);
+  if (back_signal_.load(std::memory_order_relaxed)) {
+    // Released once the work enqueued on the consumer's stream by then is done: the mapping is
+    // closed first (CUDA: the producer must not free memory another process still maps).
+    array view{std::move(layout), producer_ref{[this, key = memory.key, done]() noexcept {
+                 close_mapping(key);
+                 done();
+               }}};
+    bind_import(ctx, view, device, waits.stream, waits.stream_owner);
+    return view;
+  }
+  // The negative control: the producer is told at once; only the mapping waits for the stream.
+  array view{std::move(layout), producer_ref{[this, key = memory.key, done, releases = &ctx, device, waits]() noexcept {
+               done();
+               releases->release_after(device, waits.stream, [this, key]() noexcept { close_mapping(key); });
+             }}};
+  view.owner().set_ready_on(waits);
+  return view;
 }
 
 endpoint::mapped endpoint::map_host_segment(const wire_handle& h)

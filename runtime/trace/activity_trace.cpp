@@ -7,6 +7,7 @@
 #include <handoff/trace.hpp>
 
 #include "log/logger.hpp"
+#include "trace/activity_kinds.hpp"
 
 #include <fmt/format.h>
 
@@ -25,65 +26,17 @@ std::atomic<bool> recording{false};
 
 namespace {
 
-trace::event_kind event_kind_of(kind k) noexcept
-{
-  switch (k) {
-    case kind::launch:
-      return trace::event_kind::launch;
-    case kind::copy:
-    case kind::set:
-      return trace::event_kind::copy;
-    case kind::host_sync:
-    case kind::host_query:
-      return trace::event_kind::sync;
-    case kind::allocate:
-    case kind::free:
-      return trace::event_kind::memory;
-    case kind::stream_create:
-    case kind::stream_destroy:
-    case kind::event_record:
-    case kind::stream_wait:
-      break;
-  }
-  return trace::event_kind::stream;
-}
+// What a host wait's `op` says it waited for.
+constexpr auto scope_ops = handoff::detail::make_enum_table<sync_scope, const char*>({{sync_scope::stream, "stream"},
+                                                                                      {sync_scope::event, "event"},
+                                                                                      {sync_scope::device, "device"},
+                                                                                      {sync_scope::copy, "copy"}});
 
 const char* op_of(const record& r) noexcept
 {
-  switch (r.kind) {
-    case kind::launch:
-      return "kernel";
-    case kind::copy:
-      return "copy";
-    case kind::set:
-      return "set";
-    case kind::stream_create:
-      return "create";
-    case kind::stream_destroy:
-      return "destroy";
-    case kind::event_record:
-      return "record";
-    case kind::stream_wait:
-      return "wait";
-    case kind::allocate:
-      return "allocate";
-    case kind::free:
-      return r.stream_ordered ? "free" : "free-sync";
-    case kind::host_sync:
-    case kind::host_query:
-      break;
-  }
-  switch (r.scope) {
-    case sync_scope::stream:
-      return "stream";
-    case sync_scope::event:
-      return "event";
-    case sync_scope::device:
-      return "device";
-    case sync_scope::copy:
-      return "copy";
-  }
-  return "?";
+  if (r.kind == kind::free && !r.stream_ordered) { return "free-sync"; }
+  const char* op = trace::detail::facts(r.kind).op;
+  return op != nullptr ? op : handoff::detail::look_up(scope_ops, r.scope, "?");
 }
 
 // Whether the record's stream field names a stream.
@@ -170,7 +123,7 @@ void report(const record& r) noexcept
   if (!recording()) { return; }
   try {
     trace::event e;
-    e.kind = event_kind_of(r.kind);
+    e.kind = trace::detail::facts(r.kind).event;
     e.op = op_of(r);
     e.time_ns =
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
@@ -214,7 +167,7 @@ void report(const record& r) noexcept
         e.fix = std::move(found->fix);
         const trace::access_site& other = *found->other;
         e.other = trace::activity_side{.seq = other.seq,
-                                       .kind = event_kind_of(other.kind),
+                                       .kind = trace::detail::facts(other.kind).event,
                                        .kernel = other.kernel,
                                        .stream = trace::stream_id{.device = {r.device.device_type, other.stream.device},
                                                                   .handle = other.stream.handle},

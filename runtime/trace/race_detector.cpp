@@ -1,5 +1,7 @@
 #include <handoff/internal/race_detector.hpp>
 
+#include "trace/activity_kinds.hpp"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -24,35 +26,17 @@ bool blocking(stream_class c) noexcept
   return c == stream_class::blocking || c == stream_class::per_thread;
 }
 
+constexpr auto access_verbs = handoff::detail::make_enum_table<access>(
+  {{access::read, "reads"}, {access::write, "writes"}, {access::read_write, "reads and writes"}});
+
 std::string_view verb(access mode) noexcept
 {
-  switch (mode) {
-    case access::read:
-      return "reads";
-    case access::write:
-      return "writes";
-    case access::read_write:
-      return "reads and writes";
-  }
-  return "uses";
+  return handoff::detail::look_up(access_verbs, mode, "uses");
 }
 
 std::string_view noun(kind k) noexcept
 {
-  switch (k) {
-    case kind::launch:
-      return "kernel";
-    case kind::copy:
-      return "copy";
-    case kind::set:
-      return "memset";
-    case kind::free:
-      return "free";
-    case kind::allocate:
-      return "allocation";
-    default:
-      return "operation";
-  }
+  return detail::facts(k).noun;
 }
 
 }  // namespace

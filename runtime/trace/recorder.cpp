@@ -4,6 +4,7 @@
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
 #include <handoff/internal/activity_trace.hpp>
+#include <handoff/internal/enum_table.hpp>
 #include <handoff/internal/trace_scope.hpp>
 #include <handoff/stream_value.hpp>
 #include <handoff/trace.hpp>
@@ -36,59 +37,42 @@ namespace detail {
 std::atomic<bool> active{false};
 }  // namespace detail
 
+namespace {
+
+constexpr auto event_kind_names = handoff::detail::make_enum_table<event_kind>({{event_kind::import_data, "import"},
+                                                                                {event_kind::export_data, "export"},
+                                                                                {event_kind::release, "release"},
+                                                                                {event_kind::held, "held"},
+                                                                                {event_kind::launch, "launch"},
+                                                                                {event_kind::copy, "copy"},
+                                                                                {event_kind::sync, "sync"},
+                                                                                {event_kind::stream, "stream"},
+                                                                                {event_kind::memory, "memory"}});
+
+constexpr auto action_names = handoff::detail::make_enum_table<action>({{action::none, "none"},
+                                                                        {action::wait, "wait"},
+                                                                        {action::elided, "elided"},
+                                                                        {action::unordered, "unordered"},
+                                                                        {action::refused, "refused"}});
+
+constexpr auto access_names = handoff::detail::make_enum_table<activity::access>(
+  {{activity::access::read, "read"}, {activity::access::write, "write"}, {activity::access::read_write, "read-write"}});
+
+}  // namespace
+
 std::string_view name(event_kind kind) noexcept
 {
-  switch (kind) {
-    case event_kind::import_data:
-      return "import";
-    case event_kind::export_data:
-      return "export";
-    case event_kind::release:
-      return "release";
-    case event_kind::held:
-      return "held";
-    case event_kind::launch:
-      return "launch";
-    case event_kind::copy:
-      return "copy";
-    case event_kind::sync:
-      return "sync";
-    case event_kind::stream:
-      return "stream";
-    case event_kind::memory:
-      return "memory";
-  }
-  return "?";
+  return handoff::detail::look_up(event_kind_names, kind, "?");
 }
 
 std::string_view name(action what) noexcept
 {
-  switch (what) {
-    case action::none:
-      return "none";
-    case action::wait:
-      return "wait";
-    case action::elided:
-      return "elided";
-    case action::unordered:
-      return "unordered";
-    case action::refused:
-      return "refused";
-  }
-  return "?";
+  return handoff::detail::look_up(action_names, what, "?");
 }
 
 std::string_view name(activity::access mode) noexcept
 {
-  switch (mode) {
-    case activity::access::read:
-      return "read";
-    case activity::access::write:
-      return "write";
-    case activity::access::read_write:
-      return "read-write";
-  }
-  return "?";
+  return handoff::detail::look_up(access_names, mode, "?");
 }
 
 namespace {
