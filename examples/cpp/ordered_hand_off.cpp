@@ -76,7 +76,8 @@ int consumer_reads(handoff::context& context, handoff::exchange& exchange, backe
                     handoff::named_stream::native(handoff::device::raw(producer), {}));
 
     // The consumer asks for it on its stream, and reads it there.
-    const handoff::exported_tensor tensor = exchange.export_dlpack(array, {.stream = consumer_value});
+    const handoff::exported_tensor tensor =
+      exchange.export_dlpack(array, {.stream = handoff::named_stream::dlpack(consumer_value)});
     device.copy_async(&read, tensor.legacy->dl_tensor.data, sizeof read, consumer);
     if (ordered) {
       // Ordered: the consumer's copy waits for the producer, and the host thread did not.

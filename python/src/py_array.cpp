@@ -424,8 +424,9 @@ py::capsule export_dlpack(exchange& on, const array& view, py::handle stream, py
                           py::handle dl_device, py::handle copy)
 {
   if (is_pinned_host(view.device().device_type) && dl_device.is_none()) { refuse_pinned_export_to_torch(view); }
+  const std::optional<std::int64_t> stream_value = stream_argument(stream);
   export_request request;
-  request.stream = stream_argument(stream);
+  if (stream_value) { request.stream = named_stream::dlpack(*stream_value); }
   request.max_version = requested_version(max_version);
   if (!dl_device.is_none()) {
     request.dl_device = device_argument(dl_device, "dl_device", unknown_device_type::unreachable);
@@ -434,12 +435,12 @@ py::capsule export_dlpack(exchange& on, const array& view, py::handle stream, py
   // A stream handle is certain to be alive when the export is released only if something holds it:
   // the stream object of the enclosing handoff.stream block, when the handle is that block's; else
   // that of the library whose current stream it is (the consumer passes its own: CuPy, PyTorch).
-  if (request.stream) {
-    const stream_request consumer = classify_stream(view.device().device_type, request.stream);
+  if (stream_value) {
+    const stream_request consumer = classify_stream(view.device().device_type, stream_value);
     if (consumer.order == stream_order::handle) {
-      request.stream_owner = enclosing_stream_owner(consumer.handle);
-      if (!request.stream_owner && on.export_release_policy() == export_release::known_streams) {
-        request.stream_owner = framework_stream_owner(consumer.handle, view.device());
+      request.stream.owner = enclosing_stream_owner(consumer.handle);
+      if (!request.stream.owner && on.export_release_policy() == export_release::known_streams) {
+        request.stream.owner = framework_stream_owner(consumer.handle, view.device());
       }
     }
   }

@@ -129,12 +129,7 @@ class interposed_exchange {
   bool order()
   {
     if (!knows_streams()) { return false; }
-    const stream_binding& to = *consumer_stream_;
-    const stream_binding& from = *producer_stream_;
-    device::backend& backend = to.ctx->backend();
-    without_gil([&] {
-      stream_view{backend, to.stream}.wait(stream_view{backend, from.stream}, to.device, to.ctx->events());
-    });
+    without_gil([&] { consumer_stream_->wait_for(*producer_stream_); });
     return true;
   }
 
@@ -149,7 +144,7 @@ class interposed_exchange {
   [[nodiscard]] bool consumer_stream_busy() const
   {
     if (!consumer_stream_ || !consumer_stream_outlives_releases()) { return false; }
-    const stream_binding& on = *consumer_stream_;
+    const bound_stream& on = *consumer_stream_;
     device::backend& backend = on.ctx->backend();
     const device_guard on_device{backend, on.device};
     const relaxed_capture_mode relaxed{backend};  // a capture under way elsewhere neither fails nor breaks
@@ -222,12 +217,12 @@ class interposed_exchange {
   bool ordered{false};                          // by handoff's hooks
 
  private:
-  static std::optional<std::uintptr_t> handle_of(const std::optional<stream_binding>& stream)
+  static std::optional<std::uintptr_t> handle_of(const std::optional<bound_stream>& stream)
   {
     return stream ? std::optional<std::uintptr_t>{raw(stream->stream)} : std::nullopt;
   }
 
-  [[nodiscard]] std::optional<stream_binding> resolved(py::handle stream) const
+  [[nodiscard]] std::optional<bound_stream> resolved(py::handle stream) const
   {
     if (stream.is_none() || context_serving(device_.device_type) == nullptr) { return std::nullopt; }
     return bound_exchange->bind_stream(device_, stream_named_by(stream));
@@ -237,8 +232,8 @@ class interposed_exchange {
   const char* producer_;
   const char* consumer_;
   DLDevice device_;
-  std::optional<stream_binding> producer_stream_;
-  std::optional<stream_binding> consumer_stream_;
+  std::optional<bound_stream> producer_stream_;
+  std::optional<bound_stream> consumer_stream_;
   std::optional<named_stream> consumer_named_;  // as the consumer's adapter named it
   // What the trace says of the data, once the consumer returned.
   std::vector<std::int64_t> shape_;

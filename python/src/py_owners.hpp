@@ -26,7 +26,7 @@ int visit_kept_python_objects(const producer_ref& owner, visitproc visit, void* 
 /// be part of a reference cycle, so the garbage collector must track it.
 [[nodiscard]] bool keeps_python_objects(const producer_ref& owner);
 
-/// A reference to a stream object (anything but None or an int) for a stream_binding to keep it
+/// A reference to a stream object (anything but None or an int) for a bound_stream to keep it
 /// alive; the last copy lets go of it under the GIL, from any thread. Empty for None and ints.
 [[nodiscard]] std::shared_ptr<const void> stream_keep_alive(py::handle stream_object);
 

@@ -14,8 +14,8 @@
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
+#include <handoff/internal/admission.hpp>
 #include <handoff/internal/device_memory.hpp>
-#include <handoff/internal/ordering.hpp>
 #include <handoff/internal/sim.hpp>
 
 #include <fmt/format.h>

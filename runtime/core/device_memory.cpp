@@ -41,7 +41,7 @@ namespace {
 // recorded there: the legacy default stream (where data bound to a per-thread default stream is
 // bound) stands for the blocking streams' work only through an operation enqueued on it, and a
 // stream synchronization is none.
-void wait_on_host(const stream_binding& where)
+void wait_on_host(const bound_stream& where)
 {
   device::backend& b = where.ctx->backend();
   const device_guard on_owner{b, where.device};
@@ -119,7 +119,7 @@ array copy_device_array(context& ctx, const array& view, bool to_host)
                   "a copy of non-contiguous device memory on the device is not supported; copy it to the host");
   // The copy lives on its source's stream: it frees there, so it keeps that stream alive too. A copy
   // of managed or pinned memory is of the same kind, on the same DLPack device, as its source.
-  const stream_binding on{
+  const bound_stream on{
     .ctx = &ctx, .device = device, .stream = stream, .stream_owner = ready ? ready->stream_owner : nullptr};
   array copy = is_host_accessible(view.device().device_type)
                  ? allocate_host_accessible_array(on, view.device(), view.dtype(), view.shape())
@@ -128,7 +128,7 @@ array copy_device_array(context& ctx, const array& view, bool to_host)
   return copy;
 }
 
-array allocate_host_accessible_array(const stream_binding& on, DLDevice kind, DLDataType dtype,
+array allocate_host_accessible_array(const bound_stream& on, DLDevice kind, DLDataType dtype,
                                      std::span<const std::int64_t> shape)
 {
   HANDOFF_EXPECTS(is_host_accessible(kind.device_type), value_error,
@@ -164,7 +164,7 @@ array allocate_host_accessible_array(const stream_binding& on, DLDevice kind, DL
   return out;
 }
 
-array allocate_device_array(const stream_binding& on, DLDataType dtype, std::span<const std::int64_t> shape)
+array allocate_device_array(const bound_stream& on, DLDataType dtype, std::span<const std::int64_t> shape)
 {
   device::backend& backend = on.ctx->backend();
   auto [layout, bytes] = row_major_layout({backend.device_type(), on.device}, dtype, shape);

@@ -76,7 +76,7 @@ void exchange::require_ordering(DLDeviceType type) const
                 device_type_name(type), why.setting, why.reason));
 }
 
-std::optional<stream_binding> exchange::consumer_binding(const array& view, const named_stream& consumer) const
+std::optional<bound_stream> exchange::consumer_binding(const array& view, const named_stream& consumer) const
 {
   const DLDeviceType type = view.device().device_type;
   if (!has_streams(type)) { return std::nullopt; }
@@ -92,7 +92,7 @@ std::optional<stream_binding> exchange::consumer_binding(const array& view, cons
   if (ctx == nullptr) { return std::nullopt; }
   const int device = admit(*ctx, view);  // every import passes it, ordered or not
   if (!ordered) { return std::nullopt; }
-  return stream_binding{
+  return bound_stream{
     .ctx = ctx, .device = device, .stream = *resolve_stream(ctx->backend(), request), .stream_owner = consumer.owner};
 }
 
@@ -300,7 +300,7 @@ exported_tensor exchange::export_dlpack(const array& view, const export_request&
 {
   operation_trace trace{trace::event_kind::export_data, "dlpack"};
   trace.set_view(view);  // a refused export is traced too
-  const stream_request consumer = classify_stream(view.device().device_type, request.stream);
+  const stream_request consumer = request_for(request.stream, view.device().device_type);
   const auto version = export_version(request.max_version);
   const handoff::transfer how =
     request.dl_device || request.copy ? plan_export(view, request.dl_device, request.copy) : handoff::transfer::none;
@@ -309,7 +309,7 @@ exported_tensor exchange::export_dlpack(const array& view, const export_request&
     consumer.order != stream_order::none || how != handoff::transfer::none ? context_for(view.device().device_type)
                                                                            : nullptr,
     view, consumer, how, export_release_policy(),
-    consumer.order == stream_order::handle ? request.stream_owner : nullptr);
+    consumer.order == stream_order::handle ? request.stream.owner : nullptr);
   const array& handed = made ? *made : view;
   const bool copied = how == handoff::transfer::to_host || how == handoff::transfer::same_device;
   exported_tensor out;
@@ -350,7 +350,7 @@ void exchange::order_hand_over(const array& view, const named_stream& consumer) 
 
 // --- streams and memory, for a front end that orders other libraries' exchanges -----------------------
 
-std::optional<stream_binding> exchange::bind_stream(DLDevice data, const named_stream& stream) const
+std::optional<bound_stream> exchange::bind_stream(DLDevice data, const named_stream& stream) const
 {
   if (!has_streams(data.device_type)) { return std::nullopt; }
   const stream_request request = request_for(stream, data.device_type);
@@ -362,7 +362,7 @@ std::optional<stream_binding> exchange::bind_stream(DLDevice data, const named_s
   const auto handle = resolve_stream(backend, request);
   if (!handle) { return std::nullopt; }
   const int device = is_host_accessible(data.device_type) ? backend.stream_device(*handle) : data.device_id;
-  return stream_binding{.ctx = ctx, .device = device, .stream = *handle, .stream_owner = stream.owner};
+  return bound_stream{.ctx = ctx, .device = device, .stream = *handle, .stream_owner = stream.owner};
 }
 
 bool exchange::may_release_after(const named_stream& stream, DLDeviceType type) const

@@ -170,7 +170,7 @@ class endpoint {
   struct device_source {
     context* ctx{nullptr};
     int device{0};
-    stream_binding ready_on;
+    bound_stream ready_on;
   };
 
   /// Copies host data into a new shared memory segment, which the handle names.
@@ -409,7 +409,7 @@ endpoint::device_source endpoint::describe_device_memory(exchange& on, const arr
   h.allocation_size = attributes.size;
   h.backend = std::string{b.name()};
   h.device = {x.device().device_type, device};
-  std::optional<stream_binding> ready_on;
+  std::optional<bound_stream> ready_on;
   if (ready.is_default()) { ready_on = x.owner().ready_on(); }
   if (!ready_on || ready_on->ctx != &ctx) { ready_on = binding_on(ctx, x.device(), ready); }
   return {.ctx = &ctx, .device = device, .ready_on = *ready_on};
@@ -664,7 +664,7 @@ array endpoint::open_device(context& ctx, remote_block& block, const wire_handle
   const device_guard on_device{ctx.backend(), device};
   const mapped memory = map_device_memory(ctx, h);
   layout.data = static_cast<std::byte*>(memory.base) + h.offset;
-  const stream_binding waits = binding_on(ctx, h.device, consumer);
+  const bound_stream waits = binding_on(ctx, h.device, consumer);
   try {
     share_slot& slot = static_cast<control_block*>(block.mapping->data())->slots[h.slot];
     wait_for_producer(ctx, block, slot, h, waits.stream);
@@ -687,9 +687,9 @@ array endpoint::open_device(context& ctx, remote_block& block, const wire_handle
     return view;
   }
   // The negative control: the producer is told at once; only the mapping waits for the stream.
-  array view{std::move(layout), producer_ref{[this, key = memory.key, done, releases = &ctx, device, waits]() noexcept {
+  array view{std::move(layout), producer_ref{[this, key = memory.key, done, waits]() noexcept {
                done();
-               releases->release_after(device, waits.stream, [this, key]() noexcept { close_mapping(key); });
+               waits.release_after([this, key]() noexcept { close_mapping(key); });
              }}};
   view.owner().set_ready_on(waits);
   return view;

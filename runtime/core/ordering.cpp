@@ -1,5 +1,5 @@
-// The stream rules of an exchange on one context: which device owns memory, what a consumer's stream
-// waits for, and what a producer is kept for (see <handoff/internal/ordering.hpp>).
+// The stream rules of an exchange on one context: what a consumer's stream waits for, and what a
+// producer is kept for (see <handoff/internal/ordering.hpp>).
 #include <handoff/device_guard.hpp>
 #include <handoff/error.hpp>
 #include <handoff/internal/counters.hpp>
@@ -47,93 +47,6 @@ std::optional<device::stream_handle> resolve_stream(device::backend& backend, st
   return std::nullopt;
 }
 
-bool is_stream_ordered(const context& ctx, const array& view) noexcept
-{
-  const DLDeviceType type = view.device().device_type;
-  return ctx.backend().device_type() == kDLROCM ? is_rocm_device(type) : is_cuda_device(type);
-}
-
-void require_stream_ordered(const context& ctx, const array& view)
-{
-  if (!is_stream_ordered(ctx, view)) {
-    throw device_error(std::string{ctx.backend().name()}, error_names::wrong_backend,
-                       fmt::format("a {} array cannot be ordered by the {} backend",
-                                   device_type_name(view.device().device_type), ctx.backend().name()));
-  }
-}
-
-namespace {
-
-// The device the array claims, where no allocation says otherwise. Work and releases are put on its
-// streams later, so a device the backend does not have is refused now, not when a release fails.
-int claimed_device(context& ctx, DLDevice claimed)
-{
-  const int count = ctx.backend().device_count();
-  HANDOFF_EXPECTS(claimed.device_id >= 0 && claimed.device_id < count, value_error,
-                  fmt::format("the array claims {} device {}, but the {} backend has {} device(s)",
-                              device_type_name(claimed.device_type), claimed.device_id, ctx.backend().name(), count));
-  return claimed.device_id;
-}
-
-// Refuses a view whose bytes run past the memory the backend knows: every reader would run off it.
-// One allocation covers the usual view; a range its first byte's allocation does not cover (a
-// mapping a virtual-memory allocator grew, as PyTorch's expandable segments) must end in memory of
-// the same kind on the same device. `at_data` is what the backend said of the view's data pointer.
-void require_known_range(context& ctx, const array& view, const device::pointer_attributes& at_data)
-{
-  const auto range = byte_range_of(view.layout());  // validate_layout checked that it exists
-  if (!range || range->high == range->low) { return; }
-  const auto address = reinterpret_cast<std::uintptr_t>(view.data());
-  std::uintptr_t first = 0;
-  std::uintptr_t last = 0;
-  const bool wraps =
-    __builtin_add_overflow(address, range->low, &first) || __builtin_add_overflow(address, range->high - 1, &last);
-  const auto extent = [&] {
-    // In unsigned arithmetic: a range from far below the data to far above it spans more than
-    // int64_t counts.
-    const auto bytes = static_cast<std::uint64_t>(range->high) - static_cast<std::uint64_t>(range->low);
-    return fmt::format("the array's {} bytes from {:#x}", bytes, wraps ? address : first);
-  };
-  HANDOFF_EXPECTS(!wraps, value_error, fmt::format("{} wrap around the address space", extent()));
-  device::backend& b = ctx.backend();
-  const device::pointer_attributes start =
-    first == address ? at_data : b.attributes(reinterpret_cast<const void*>(first));
-  HANDOFF_EXPECTS(start.kind != device::memory_kind::unregistered, value_error,
-                  fmt::format("{} start outside any allocation of the {} backend", extent(), b.name()));
-  const auto base = reinterpret_cast<std::uintptr_t>(start.base);
-  if (last - base < start.size) { return; }
-  const device::pointer_attributes end = b.attributes(reinterpret_cast<const void*>(last));
-  HANDOFF_EXPECTS(end.kind == start.kind && end.device == start.device, value_error,
-                  fmt::format("{} run past the end of their allocation ({} bytes from {:#x}) into memory the {} "
-                              "backend does not know as the same device's",
-                              extent(), start.size, base, b.name()));
-}
-
-// The device that owns the memory at `view`'s data pointer, of which the backend said `where`.
-int owning_device(context& ctx, const array& view, const device::pointer_attributes& where)
-{
-  const DLDevice claimed = view.device();
-  const bool device_memory = claimed.device_type == kDLCUDA || claimed.device_type == kDLROCM;
-  if (device_memory) {
-    // Managed memory is device memory to its users: PyTorch with a managed allocator and RMM's
-    // managed resource export it as kDLCUDA, on the device that uses it.
-    if (where.kind == device::memory_kind::managed) { return claimed_device(ctx, claimed); }
-    HANDOFF_EXPECTS(where.kind == device::memory_kind::device, value_error,
-                    fmt::format("the array claims {} device {} memory, but {:#x} is not device memory of the {} "
-                                "backend",
-                                device_type_name(claimed.device_type), claimed.device_id,
-                                reinterpret_cast<std::uintptr_t>(view.data()), ctx.backend().name()));
-    HANDOFF_EXPECTS(
-      where.device == claimed.device_id, value_error,
-      fmt::format("the array claims device {}, but its memory belongs to device {}", claimed.device_id, where.device));
-    return where.device;
-  }
-  // Pinned and managed memory report device 0 in DLPack; record where the allocation was made.
-  return where.device >= 0 ? where.device : ctx.backend().current_device();
-}
-
-}  // namespace
-
 array make_view(context* ctx, array_layout&& layout, producer_ref owner, stream_request ready,
                 std::shared_ptr<const void> ready_owner)
 {
@@ -148,26 +61,10 @@ array make_view(context* ctx, array_layout&& layout, producer_ref owner, stream_
   return view;
 }
 
-int owning_device(context& ctx, const array& view)
-{
-  if (view.data() == nullptr) { return claimed_device(ctx, view.device()); }  // empty: nothing to look up
-  return owning_device(ctx, view, ctx.backend().attributes(view.data()));
-}
-
-int admit(context& ctx, const array& view)
-{
-  require_stream_ordered(ctx, view);
-  if (view.data() == nullptr) { return claimed_device(ctx, view.device()); }  // empty: no bytes to check
-  const device::pointer_attributes where = ctx.backend().attributes(view.data());
-  const int device = owning_device(ctx, view, where);
-  require_known_range(ctx, view, where);
-  return device;
-}
-
 // The export half's ordering: the consumer stream `consumer` asks for waits for the stream `view`
 // is ready on. Returns that consumer stream, bound on the data's device; nullopt when nothing is
 // asked (stream=-1).
-std::optional<stream_binding> order_for_consumer(context* ctx, const array& view, stream_request consumer)
+std::optional<bound_stream> order_for_consumer(context* ctx, const array& view, stream_request consumer)
 {
   if (consumer.order == stream_order::none) {
     note_unordered_export(view);
@@ -184,9 +81,10 @@ std::optional<stream_binding> order_for_consumer(context* ctx, const array& view
   const int device = owning_device(*ctx, view);
   const auto ready = view.owner().ready_on();
   const auto producer = ready && ready->ctx == ctx ? ready->stream : backend.legacy_default_stream();
-  const auto consumer_stream = *resolve_stream(backend, consumer);
-  stream_view{backend, consumer_stream}.wait(stream_view{backend, producer}, device, ctx->events());
-  return stream_binding{.ctx = ctx, .device = device, .stream = consumer_stream, .stream_owner = nullptr};
+  bound_stream on_consumer{
+    .ctx = ctx, .device = device, .stream = *resolve_stream(backend, consumer), .stream_owner = nullptr};
+  on_consumer.wait_for(producer);
+  return on_consumer;
 }
 
 void order_export(context* ctx, const array& view, stream_request consumer, export_release policy,
@@ -215,9 +113,9 @@ bool captures_a_graph(device::backend& b, int device, device::stream_handle stre
 }
 
 void bind_to(context& ctx, const array& view, int device, device::stream_handle consumer,
-             std::shared_ptr<const void> consumer_owner, const std::optional<stream_binding>& producer)
+             std::shared_ptr<const void> consumer_owner, const std::optional<bound_stream>& producer)
 {
-  const stream_binding on_consumer{
+  const bound_stream on_consumer{
     .ctx = &ctx, .device = device, .stream = consumer, .stream_owner = std::move(consumer_owner)};
   if (trace::exchange_scope* scope = trace::traced()) { scope->set_consumer_stream(on_consumer); }
   view.owner().set_ready_on(on_consumer);
@@ -233,8 +131,8 @@ void bind_to(context& ctx, const array& view, int device, device::stream_handle 
 // The producer stream of an interface import that the release makes wait for the consumer's work:
 // only one that cannot be destroyed by then, and only where the device's rules do not already
 // order it (see bind_interface_import). The same stream as the consumer's needs nothing, as at import.
-std::optional<stream_binding> stream_to_hold_back(context& ctx, int device, device::stream_handle consumer,
-                                                  stream_request producer, std::shared_ptr<const void> owner)
+std::optional<bound_stream> stream_to_hold_back(context& ctx, int device, device::stream_handle consumer,
+                                                stream_request producer, std::shared_ptr<const void> owner)
 {
   device::backend& b = ctx.backend();
   const device_guard on_owner{b, device};  // default streams resolve on the data's device
@@ -267,7 +165,7 @@ std::optional<stream_binding> stream_to_hold_back(context& ctx, int device, devi
     return std::nullopt;
   }
   if (!stream || *stream == consumer) { return std::nullopt; }
-  return stream_binding{.ctx = &ctx, .device = device, .stream = *stream, .stream_owner = std::move(owner)};
+  return bound_stream{.ctx = &ctx, .device = device, .stream = *stream, .stream_owner = std::move(owner)};
 }
 
 }  // namespace
@@ -278,7 +176,7 @@ void bind_import(context& ctx, const array& view, int device, device::stream_han
   bind_to(ctx, view, device, consumer, std::move(consumer_owner), std::nullopt);
 }
 
-stream_binding binding_on(context& ctx, DLDevice device, named_stream stream)
+bound_stream binding_on(context& ctx, DLDevice device, named_stream stream)
 {
   const auto handle = resolve_stream(ctx.backend(), request_for(stream, device.device_type));
   HANDOFF_EXPECTS(handle.has_value(), value_error, "stream=-1 names no stream to work on");
@@ -289,20 +187,17 @@ void bind_interface_import(context& ctx, const array& view, int device, device::
                            std::shared_ptr<const void> consumer_owner, stream_request producer,
                            std::shared_ptr<const void> producer_owner)
 {
-  device::backend& backend = ctx.backend();
-  if (const auto producer_stream = resolve_stream(backend, producer)) {
-    stream_view{backend, consumer}.wait(stream_view{backend, *producer_stream}, device, ctx.events());
+  if (const auto producer_stream = resolve_stream(ctx.backend(), producer)) {
+    bound_stream{.ctx = &ctx, .device = device, .stream = consumer, .stream_owner = nullptr}.wait_for(*producer_stream);
   }
   bind_to(ctx, view, device, consumer, std::move(consumer_owner),
           stream_to_hold_back(ctx, device, consumer, producer, std::move(producer_owner)));
 }
 
-void bind_after_producer(const array& view, const stream_binding& consumer, stream_request producer)
+void bind_after_producer(const array& view, const bound_stream& consumer, stream_request producer)
 {
-  device::backend& backend = consumer.ctx->backend();
-  if (const auto producer_stream = resolve_stream(backend, producer)) {
-    stream_view{backend, consumer.stream}.wait(stream_view{backend, *producer_stream}, consumer.device,
-                                               consumer.ctx->events());
+  if (const auto producer_stream = resolve_stream(consumer.ctx->backend(), producer)) {
+    consumer.wait_for(*producer_stream);
   }
   bind_import(*consumer.ctx, view, consumer.device, consumer.stream, consumer.stream_owner);
 }

@@ -42,7 +42,7 @@ void view_list::wait() noexcept
 
 namespace {
 
-stream_node node_of(const stream_binding& binding)
+stream_node node_of(const bound_stream& binding)
 {
   const auto type = binding.ctx != nullptr ? binding.ctx->backend().device_type() : kDLCUDA;
   return {.device = {type, binding.device}, .handle = static_cast<std::uint64_t>(binding.stream)};
@@ -108,7 +108,7 @@ struct ownership_registry {
         buffer_node& buffer = graph.buffers[at->second];
         std::lock_guard bindings{state->mutex_};
         if (state->ready_on_) { add_once(buffer.ready_on, node_of(*state->ready_on_)); }
-        for (const stream_binding& after : state->release_after_) { add_once(buffer.released_after, node_of(after)); }
+        for (const bound_stream& after : state->release_after_) { add_once(buffer.released_after, node_of(after)); }
       }
       buffer_node& held = graph.buffers[at->second];
       if (held.library == nullptr) { held.library = v->library_; }

@@ -103,7 +103,7 @@ producer_ref::state::~state()
     HANDOFF_LOG_ERROR("out of memory ordering a release after {} streams; the producer is kept", release_after_.size());
     return;
   }
-  for (stream_binding& consumer : release_after_) {
+  for (bound_stream& consumer : release_after_) {
     defer(consumer, [all]() noexcept {
       if (all->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) { all->release(); }
     });
@@ -112,7 +112,7 @@ producer_ref::state::~state()
 
 // Runs `release` once the work enqueued on `consumer` by now is done; a held-back producer stream
 // of the same device waits for that work too.
-void producer_ref::state::defer(stream_binding& consumer, std::function<void()> release) noexcept
+void producer_ref::state::defer(bound_stream& consumer, std::function<void()> release) noexcept
 {
   std::optional<device::stream_handle> producer;
   std::shared_ptr<const void> producer_owner;
@@ -189,11 +189,11 @@ void producer_ref::visit_stream_owners(void (*visit)(const std::shared_ptr<const
     return;
   }
   std::lock_guard lock{state_->mutex_};
-  const auto visit_binding = [&](const stream_binding& binding) {
+  const auto visit_binding = [&](const bound_stream& binding) {
     if (binding.stream_owner) { visit(binding.stream_owner, context); }
   };
   if (state_->ready_on_) { visit_binding(*state_->ready_on_); }
-  for (const stream_binding& after : state_->release_after_) { visit_binding(after); }
+  for (const bound_stream& after : state_->release_after_) { visit_binding(after); }
   if (state_->hold_back_) { visit_binding(*state_->hold_back_); }
 }
 
@@ -213,7 +213,7 @@ long producer_ref::use_count() const noexcept
 namespace {
 
 // A binding is used later, from any thread.
-stream_binding thread_independent(stream_binding where) noexcept
+bound_stream thread_independent(bound_stream where) noexcept
 {
   if (where.ctx != nullptr) { where.stream = where.ctx->thread_independent(where.device, where.stream); }
   return where;
@@ -221,27 +221,27 @@ stream_binding thread_independent(stream_binding where) noexcept
 
 }  // namespace
 
-std::optional<stream_binding> producer_ref::ready_on() const
+std::optional<bound_stream> producer_ref::ready_on() const
 {
   if (!state_) { return std::nullopt; }
   std::lock_guard lock{state_->mutex_};
   return state_->ready_on_;
 }
 
-void producer_ref::set_ready_on(const stream_binding& where) const
+void producer_ref::set_ready_on(const bound_stream& where) const
 {
   if (!state_) { return; }
-  stream_binding bound = thread_independent(where);
+  bound_stream bound = thread_independent(where);
   std::lock_guard lock{state_->mutex_};
   if (bound.stream_owner) { state_->keeps_stream_owner_.store(true, std::memory_order_release); }
   state_->ready_on_ = std::move(bound);
 }
 
-void producer_ref::release_after(const stream_binding& consumer, const std::optional<stream_binding>& producer) const
+void producer_ref::release_after(const bound_stream& consumer, const std::optional<bound_stream>& producer) const
 {
   if (!state_ || consumer.ctx == nullptr) { return; }
-  stream_binding bound = thread_independent(consumer);
-  std::optional<stream_binding> held;
+  bound_stream bound = thread_independent(consumer);
+  std::optional<bound_stream> held;
   if (producer) { held = thread_independent(*producer); }
   std::lock_guard lock{state_->mutex_};
   if (bound.stream_owner || (held && held->stream_owner)) {

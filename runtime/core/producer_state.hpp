@@ -32,7 +32,7 @@ struct producer_ref::state {
 
   // Runs `release` once the work enqueued on `consumer` by now is done; a held-back producer stream
   // of the same device waits for that work too.
-  void defer(stream_binding& consumer, std::function<void()> release) noexcept;
+  void defer(bound_stream& consumer, std::function<void()> release) noexcept;
 
   static void acquire(state* s) noexcept
   {
@@ -68,11 +68,11 @@ struct producer_ref::state {
   // Set once a binding keeps a stream's owner: visit_stream_owners need not lock before then, as
   // most producers (host data, streams given as values) never do.
   std::atomic<bool> keeps_stream_owner_{false};
-  std::optional<stream_binding> ready_on_;
-  std::vector<stream_binding> release_after_;  // one per consumer stream, usually one
-  std::optional<stream_binding> hold_back_;    // the producer stream that waits for the consumers' work
-  producer_ref parent_;                        // set for a derived producer: the root it keeps
-  state* next_to_destroy_{nullptr};            // queued by destroy()
+  std::optional<bound_stream> ready_on_;
+  std::vector<bound_stream> release_after_;  // one per consumer stream, usually one
+  std::optional<bound_stream> hold_back_;    // the producer stream that waits for the consumers' work
+  producer_ref parent_;                      // set for a derived producer: the root it keeps
+  state* next_to_destroy_{nullptr};          // queued by destroy()
 };
 
 }  // namespace handoff

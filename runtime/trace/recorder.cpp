@@ -612,7 +612,7 @@ void exchange_scope::set_view(const array& view, std::uint64_t view_id, const ch
 
 namespace {
 
-stream_id id_of(const stream_binding& binding) noexcept
+stream_id id_of(const bound_stream& binding) noexcept
 {
   const DLDeviceType type = binding.ctx != nullptr ? binding.ctx->backend().device_type() : kDLCUDA;
   return {.device = {type, binding.device}, .handle = static_cast<std::uint64_t>(binding.stream)};
@@ -620,14 +620,14 @@ stream_id id_of(const stream_binding& binding) noexcept
 
 }  // namespace
 
-void exchange_scope::set_producer_stream(const stream_binding& producer) noexcept
+void exchange_scope::set_producer_stream(const bound_stream& producer) noexcept
 {
   if (state_ == nullptr) { return; }
   state_->event.producer_stream = id_of(producer);
   if (producer.ctx != nullptr) { state_->backend = &producer.ctx->backend(); }
 }
 
-void exchange_scope::set_consumer_stream(const stream_binding& consumer) noexcept
+void exchange_scope::set_consumer_stream(const bound_stream& consumer) noexcept
 {
   if (state_ == nullptr) { return; }
   state_->event.consumer_stream = id_of(consumer);

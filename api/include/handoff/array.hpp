@@ -4,6 +4,7 @@
 #include <handoff/dlpack.h>
 #include <handoff/device.hpp>
 #include <handoff/embedding.hpp>
+#include <handoff/stream.hpp>
 
 #include <algorithm>
 #include <cstddef>
@@ -22,18 +23,6 @@
 namespace handoff {
 
 class context;
-
-/// A stream of a context's backend, on a device: where device data is ready, or which consumer
-/// stream must be done with it before its producer is released.
-struct stream_binding {
-  context* ctx{nullptr};
-  int device{0};
-  device::stream_handle stream{};
-  /// What keeps `stream` alive (a Python stream object, say: CuPy, cuda.core and Numba destroy
-  /// their stream with it) for as long as the binding is in use, its deferred release included.
-  /// Empty when the caller owns the stream.
-  std::shared_ptr<const void> stream_owner;
-};
 
 /// Shared ownership of a producer. The release function runs exactly once, when the last view
 /// or exported tensor referring to it is gone, on whichever thread that happens; it must not throw.
@@ -56,10 +45,10 @@ class producer_ref {
 
   /// The stream the data is ready on: the stream of the producer's last write, or the consumer
   /// stream it was imported onto. nullopt for host data. Thread-safe.
-  [[nodiscard]] std::optional<stream_binding> ready_on() const;
+  [[nodiscard]] std::optional<bound_stream> ready_on() const;
   /// Records the stream of a new write to the data. Thread-safe. The calling thread's per-thread
   /// default stream is recorded as the legacy default stream, which any thread can name.
-  void set_ready_on(const stream_binding& where) const;
+  void set_ready_on(const bound_stream& where) const;
   /// Makes the release wait for the work enqueued on `consumer` by the time the last reference goes
   /// (see context::release_after), as well as for every stream added before: each stream the data
   /// was handed to (an import's consumer stream; a C consumer's work stream) is added once. A
@@ -67,7 +56,7 @@ class producer_ref {
   /// to wait for that same work when the last reference goes, and its `stream_owner` is kept until
   /// the release has run: the CUDA Array Interface asks that the producer's stream run no later work
   /// until the consumer's is done. Thread-safe.
-  void release_after(const stream_binding& consumer, const std::optional<stream_binding>& producer = {}) const;
+  void release_after(const bound_stream& consumer, const std::optional<bound_stream>& producer = {}) const;
 
   /// A new producer that keeps this one's root (the producer this one derives from, else this one)
   /// alive, with stream bindings of its own (none yet), as an import of an export of it would have:

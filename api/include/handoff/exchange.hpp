@@ -65,8 +65,9 @@ struct producer_answer {
 
 /// What a consumer asks of an export: DLPack's `__dlpack__` arguments.
 struct export_request {
-  std::optional<std::int64_t> stream;        ///< the consumer's stream value (nullopt: None)
-  std::shared_ptr<const void> stream_owner;  ///< what keeps that stream alive, when known
+  /// The consumer's stream, as an import names it: a DLPack stream value (`named_stream::dlpack`),
+  /// nothing (None), or a native handle; its `owner`, when known, keeps it alive.
+  named_stream stream;
   std::optional<DLPackVersion> max_version;  ///< nullopt: a consumer older than DLPack 1.0
   std::optional<DLDevice> dl_device;
   std::optional<bool> copy;
@@ -243,7 +244,7 @@ class exchange {
   /// serves that device type, or for stream=-1.
   /// @throws value_error for a stream the device type does not take; device_error when the backend
   ///         cannot tell a stream's device (a destroyed stream).
-  [[nodiscard]] std::optional<stream_binding> bind_stream(DLDevice data, const named_stream& stream) const;
+  [[nodiscard]] std::optional<bound_stream> bind_stream(DLDevice data, const named_stream& stream) const;
 
   /// Whether a release deferred behind `stream` (for data of `type`) is certain to find it alive, as
   /// exports decide for their consumer's stream (export_release): a default stream, a stream its
@@ -265,7 +266,7 @@ class exchange {
  private:
   // Admits `view` (internal/ordering.hpp's admit) and binds it to `consumer`'s stream: nullopt for
   // host data, data the consumer orders itself (stream=-1), or with no backend.
-  [[nodiscard]] std::optional<stream_binding> consumer_binding(const array& view, const named_stream& consumer) const;
+  [[nodiscard]] std::optional<bound_stream> consumer_binding(const array& view, const named_stream& consumer) const;
   // device_context(), or null where the backend cannot be used.
   [[nodiscard]] context* usable_context() const noexcept;
   void bind_to_consumer(const array& view, const named_stream& consumer) const;

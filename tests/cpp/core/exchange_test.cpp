@@ -415,7 +415,7 @@ TEST_P(ExchangeTest, AnExportOrdersTheConsumerAfterTheProducerStampsTheVersionAn
   const array view = written_on(producer);
   const std::uint64_t exports = stats().exports;
   export_request request;
-  request.stream = value_of(consumer);
+  request.stream = named_stream::dlpack(value_of(consumer));
   request.max_version = DLPackVersion{1, 0};
   const exported_tensor made = ex().export_dlpack(view, request);
   ASSERT_NE(made.versioned, nullptr);
@@ -437,7 +437,7 @@ TEST_P(ExchangeTest, NegativeControlAnExportForStreamMinusOneLeavesTheConsumerUn
     const auto producer_works = hold(producer);
     const array view = written_on(producer);
     export_request request;
-    request.stream = -1;
+    request.stream = named_stream::dlpack(-1);
     request.max_version = DLPackVersion{1, 0};
     const exported_tensor made = ex().export_dlpack(view, request);
     EXPECT_EQ(first(view, consumer), 0.0F);
@@ -457,7 +457,7 @@ TEST_P(ExchangeTest, AnExportsReleaseWaitsForABareConsumerHandleOnlyWhereThisExc
       const auto consumer_works = hold(consumer);
       std::optional<array> view{written_on(stream_on(0), &released)};
       export_request request;
-      request.stream = value_of(consumer);  // a bare handle: nothing keeps the stream alive
+      request.stream = named_stream::dlpack(value_of(consumer));  // a bare handle: nothing keeps the stream alive
       request.max_version = DLPackVersion{1, 0};
       const exported_tensor made = on.export_dlpack(*view, request);
       view.reset();
@@ -489,7 +489,7 @@ TEST_P(ExchangeTest, AnExportCopyIsFlaggedAndAStreamTheDeviceDoesNotTakeIsRefuse
   EXPECT_NE(made.versioned->flags & DLPACK_FLAG_BITMASK_IS_COPIED, 0U);
   made.versioned->deleter(made.versioned);
   request.copy = std::nullopt;
-  request.stream = b().device_type() == kDLCUDA ? 0 : 1;  // invalid for either family
+  request.stream = named_stream::dlpack(b().device_type() == kDLCUDA ? 0 : 1);  // invalid for either family
   EXPECT_THROW((void)ex().export_dlpack(view, request), value_error);
 }
 

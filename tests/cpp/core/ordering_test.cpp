@@ -417,7 +417,7 @@ TEST_P(OrderingTest, BindingOnANamedStreamResolvesItByTheDevicesStreamTable)
 {
   const auto stream = stream_on(0);
   const auto owner = std::make_shared<int>(0);
-  const stream_binding on =
+  const bound_stream on =
     binding_on(ctx(), {kDLCUDA, 0}, named_stream::native(static_cast<std::uint64_t>(stream), owner));
   EXPECT_EQ(on.ctx, &ctx());
   EXPECT_EQ(on.device, 0);

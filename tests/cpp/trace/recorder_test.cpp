@@ -46,7 +46,7 @@ class TraceTest : public BackendContextTest {
   void traced_export(const array& view, std::optional<std::int64_t> consumer)
   {
     export_request request;
-    request.stream = consumer;
+    if (consumer) { request.stream = named_stream::dlpack(*consumer); }
     request.max_version = DLPackVersion{DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION};
     DLManagedTensorVersioned* tensor = exchange{ctx()}.export_dlpack(view, request).versioned;
     tensor->deleter(tensor);

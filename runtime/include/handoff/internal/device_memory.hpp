@@ -29,7 +29,7 @@ namespace handoff {
 /// there once its last view (and the work bound to it) is gone; `on.stream_owner` is kept until then.
 /// @throws value_error for a negative or overflowing shape or a device the backend does not have;
 ///         buffer_error for a dtype DLPack does not define; device_error when the allocation fails.
-[[nodiscard]] array allocate_device_array(const stream_binding& on, DLDataType dtype,
+[[nodiscard]] array allocate_device_array(const bound_stream& on, DLDataType dtype,
                                           std::span<const std::int64_t> shape);
 
 /// A new row-major array in host-accessible memory handoff owns, of `kind`'s device type
@@ -38,7 +38,7 @@ namespace handoff {
 /// view is gone, when the device is idle.
 /// @throws value_error as allocate_device_array, or for a `kind` the host cannot reach;
 ///         device_error when the allocation fails.
-[[nodiscard]] array allocate_host_accessible_array(const stream_binding& on, DLDevice kind, DLDataType dtype,
+[[nodiscard]] array allocate_host_accessible_array(const bound_stream& on, DLDevice kind, DLDataType dtype,
                                                    std::span<const std::int64_t> shape);
 
 /// The same host-accessible memory (pinned or managed) as a CPU array, once the work pending on

@@ -1,9 +1,10 @@
 // Internal: the stream rules of an exchange on one context, as the exchange's operations compose
-// them: which device owns memory, what a consumer's stream waits for, what is kept until when.
+// them: what a consumer's stream waits for, what is kept until when.
 #pragma once
 
 #include <handoff/array.hpp>
 #include <handoff/context.hpp>
+#include <handoff/internal/admission.hpp>
 #include <handoff/stream_value.hpp>
 
 #include <memory>
@@ -23,26 +24,6 @@ void note_unordered_export(const array& view) noexcept;
 
 /// The stream a validated DLPack request names on `backend`; nullopt when it asks for no ordering.
 [[nodiscard]] std::optional<device::stream_handle> resolve_stream(device::backend& backend, stream_request request);
-
-/// True when `view` lives in memory ordered by the streams of `ctx`'s backend.
-[[nodiscard]] bool is_stream_ordered(const context& ctx, const array& view) noexcept;
-
-/// @throws device_error when `view` is not in memory ordered by `ctx`'s backend (a CUDA array with a
-///         ROCm backend, or host memory).
-void require_stream_ordered(const context& ctx, const array& view);
-
-/// The device that owns `view`'s memory, from the pointer's attributes (not the current device).
-/// @throws value_error when the view claims another device than the one its memory belongs to, or
-///         device memory that the backend does not know.
-[[nodiscard]] int owning_device(context& ctx, const array& view);
-
-/// The door every view of device data passes, made by a library (make_view) or imported by any
-/// protocol: data of the other device family is refused, and so is memory that is not device memory
-/// of the device it claims, or that any byte of the view runs past. Returns the owning device. One
-/// pointer query in the usual case (a view within its allocation), as owning_device.
-/// @throws device_error for data `ctx`'s backend does not order (require_stream_ordered);
-///         value_error for memory that is not the claimed device's, or that runs past its allocation.
-[[nodiscard]] int admit(context& ctx, const array& view);
 
 /// A view of memory a library describes itself: `layout` checked as an array's; for CUDA or ROCm
 /// memory with a backend (`ctx`), the memory checked against the device it claims (every byte it
@@ -66,8 +47,7 @@ void order_export(context* ctx, const array& view, stream_request consumer, expo
 /// The ordering half of an export, alone: the consumer's stream waits for the stream `view` is
 /// ready on. That consumer stream, bound on the data's device; nullopt when nothing is asked.
 /// @throws as order_export.
-[[nodiscard]] std::optional<stream_binding> order_for_consumer(context* ctx, const array& view,
-                                                               stream_request consumer);
+[[nodiscard]] std::optional<bound_stream> order_for_consumer(context* ctx, const array& view, stream_request consumer);
 
 /// Import half: records that `view`'s data is ready on `consumer` (of `device`), and defers the
 /// release of its producer until the work enqueued on `consumer` by then is done. `consumer_owner`
@@ -78,7 +58,7 @@ void bind_import(context& ctx, const array& view, int device, device::stream_han
 /// Work on `device` of `ctx`'s backend bound to `stream` (resolved by the stream table of the
 /// device's type), which `stream.owner` keeps alive with the binding.
 /// @throws value_error for a stream the device type does not take, or stream=-1, which names none.
-[[nodiscard]] stream_binding binding_on(context& ctx, DLDevice device, named_stream stream);
+[[nodiscard]] bound_stream binding_on(context& ctx, DLDevice device, named_stream stream);
 
 /// Import half of a CUDA Array Interface v3 exchange, whose producer may have work in progress on
 /// `producer` (its `stream` as classify_stream reads it for CUDA; none when absent): orders that
@@ -91,7 +71,7 @@ void bind_import(context& ctx, const array& view, int device, device::stream_han
 /// - the importing thread's per-thread default stream (2), through the legacy default stream;
 /// - a stream handle that `producer_owner` keeps alive (the stream object the producer holds).
 /// Any other handle may be destroyed before the release: it is not touched.
-/// @throws what stream_view::wait throws.
+/// @throws what bound_stream::wait_for throws.
 void bind_interface_import(context& ctx, const array& view, int device, device::stream_handle consumer,
                            std::shared_ptr<const void> consumer_owner, stream_request producer,
                            std::shared_ptr<const void> producer_owner = {});
@@ -99,8 +79,8 @@ void bind_interface_import(context& ctx, const array& view, int device, device::
 /// Import half of an exchange whose producer's work is on `producer` (a request as classify_stream
 /// reads the producer's stream for the view's device; none: nothing pending): orders that work
 /// before the work enqueued on `consumer` from now on, then binds the view there (bind_import).
-/// @throws what stream_view::wait throws.
-void bind_after_producer(const array& view, const stream_binding& consumer, stream_request producer);
+/// @throws what bound_stream::wait_for throws.
+void bind_after_producer(const array& view, const bound_stream& consumer, stream_request producer);
 
 /// The stream to tell a consumer that may synchronize it that `view`'s data is ready on; nullopt when
 /// none is known. When that is the legacy default stream, a pooled event's record is first enqueued

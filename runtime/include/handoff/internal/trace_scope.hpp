@@ -11,7 +11,7 @@
 namespace handoff {
 
 class array;
-struct stream_binding;
+struct bound_stream;
 
 namespace trace {
 
@@ -44,8 +44,8 @@ class exchange_scope {
   /// when the caller knows it (else the tracked views are asked).
   void set_view(const array& view, std::uint64_t view_id = 0, const char* library = nullptr) noexcept;
   /// The producer's stream (its data is ready there): unordered hand-overs ask it whether it is idle.
-  void set_producer_stream(const stream_binding& producer) noexcept;
-  void set_consumer_stream(const stream_binding& consumer) noexcept;
+  void set_producer_stream(const bound_stream& producer) noexcept;
+  void set_consumer_stream(const bound_stream& consumer) noexcept;
   /// A wait of `consumer` after `producer` (inserted or elided) on `backend`'s device `device`.
   void note_wait(device::backend& backend, int device, std::uint64_t producer, std::uint64_t consumer,
                  bool inserted) noexcept;
