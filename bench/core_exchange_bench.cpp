@@ -103,8 +103,9 @@ void hand_over_ordered(benchmark::State& state)
     layout.shape = std::vector<std::int64_t>{64, 64};
     layout.strides = std::vector<std::int64_t>{64, 1};
     {
-      const handoff::array view = exchange.view(
-        layout, handoff::producer_ref{[] {}}, handoff::named_stream::native(handoff::device::raw(producer_stream), {}));
+      const handoff::array view =
+        exchange.view(layout, handoff::shared_producer{[] {}},
+                      handoff::named_stream::native(handoff::device::raw(producer_stream), {}));
       const auto consumer = handoff::named_stream::native(handoff::device::raw(consumer_stream), {});
       for (auto _ : state) {
         DLManagedTensorVersioned* tensor = exchange.hand_over(view, consumer);

@@ -72,7 +72,7 @@ int consumer_reads(handoff::context& context, handoff::exchange& exchange, backe
     layout.shape = std::vector<std::int64_t>{1};
     layout.strides = std::vector<std::int64_t>{1};
     const handoff::array array =
-      exchange.view(layout, handoff::producer_ref{[&device, data, producer] { device.deallocate(data, producer); }},
+      exchange.view(layout, handoff::shared_producer{[&device, data, producer] { device.deallocate(data, producer); }},
                     handoff::named_stream::native(handoff::device::raw(producer), {}));
 
     // The consumer asks for it on its stream, and reads it there.

@@ -122,7 +122,7 @@ void let_go(PyObject* self) noexcept
   array_layout empty;
   empty.shape = extents{0};
   empty.strides = extents{1};
-  view_of(self) = array{std::move(empty), producer_ref{}};  // the old producer goes last, here
+  view_of(self) = array{std::move(empty), shared_producer{}};  // the old producer goes last, here
 }
 
 // An array in a cycle the collector found: it lets go of its producer before the collector clears

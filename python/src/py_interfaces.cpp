@@ -97,7 +97,7 @@ class interface_reader {
   const char* protocol_;
 };
 
-array bind_layout(array_layout layout, producer_ref owner, const char* protocol)
+array bind_layout(array_layout layout, shared_producer owner, const char* protocol)
 {
   try {
     return array{std::move(layout), std::move(owner)};
@@ -107,10 +107,10 @@ array bind_layout(array_layout layout, producer_ref owner, const char* protocol)
 }
 
 // Holds a Py_buffer until the producer is released (under the GIL, from any thread).
-producer_ref buffer_owner(std::unique_ptr<Py_buffer> buffer)
+shared_producer buffer_owner(std::unique_ptr<Py_buffer> buffer)
 {
   Py_buffer* raw = buffer.release();
-  return producer_ref{[raw]() noexcept {
+  return shared_producer{[raw]() noexcept {
     with_gil([raw] {
       PyBuffer_Release(raw);
       delete raw;
@@ -134,7 +134,7 @@ array import_buffer(py::handle object)
   auto buffer = std::make_unique<Py_buffer>();
   if (PyObject_GetBuffer(object.ptr(), buffer.get(), PyBUF_RECORDS_RO) != 0) { throw py::error_already_set(); }
   const Py_buffer& b = *buffer;
-  producer_ref owner = buffer_owner(std::move(buffer));  // from here on, every exit releases the buffer
+  shared_producer owner = buffer_owner(std::move(buffer));  // from here on, every exit releases the buffer
   array_layout layout;
   layout.dtype = dtype_from_buffer_format(b.format != nullptr ? b.format : "B", static_cast<std::size_t>(b.itemsize));
   layout.data = b.buf;

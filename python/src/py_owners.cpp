@@ -46,12 +46,12 @@ void keep_alive_until_done(context& ctx, int device, device::stream_handle strea
   ctx.release_after(device, stream, [raw]() noexcept { release_reference(raw); });
 }
 
-producer_ref python_owner(py::handle object)
+shared_producer python_owner(py::handle object)
 {
-  return producer_ref{python_reference_release{object.inc_ref().ptr()}};
+  return shared_producer{python_reference_release{object.inc_ref().ptr()}};
 }
 
-int visit_kept_python_objects(const producer_ref& owner, visitproc visit, void* arg)
+int visit_kept_python_objects(const shared_producer& owner, visitproc visit, void* arg)
 {
   if (const auto* release = owner.sole_release()) {
     if (const auto* reference = release->target<python_reference_release>()) { Py_VISIT(reference->object); }
@@ -87,7 +87,7 @@ int visit_kept_python_objects(const producer_ref& owner, visitproc visit, void* 
   return 0;
 }
 
-bool keeps_python_objects(const producer_ref& owner)
+bool keeps_python_objects(const shared_producer& owner)
 {
   if (const auto* release = owner.sole_release(); release != nullptr && release->target<python_reference_release>()) {
     return true;

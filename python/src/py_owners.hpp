@@ -15,16 +15,16 @@ namespace py = pybind11;
 
 /// Keeps `object` alive until the producer is released; the release takes the GIL and may run on
 /// any thread. During interpreter finalization the reference is left alone.
-[[nodiscard]] producer_ref python_owner(py::handle object);
+[[nodiscard]] shared_producer python_owner(py::handle object);
 
 /// Calls `visit(object)` for each Python object that `owner` alone keeps alive: its Python owner and
 /// the stream objects of its bindings, when nothing else holds them. For tp_traverse (GIL held).
 /// Returns the first non-zero result of `visit`, as tp_traverse does.
-int visit_kept_python_objects(const producer_ref& owner, visitproc visit, void* arg);
+int visit_kept_python_objects(const shared_producer& owner, visitproc visit, void* arg);
 
 /// True when `owner` keeps Python objects alive (its owner, stream objects): an array holding it may
 /// be part of a reference cycle, so the garbage collector must track it.
-[[nodiscard]] bool keeps_python_objects(const producer_ref& owner);
+[[nodiscard]] bool keeps_python_objects(const shared_producer& owner);
 
 /// A reference to a stream object (anything but None or an int) for a bound_stream to keep it
 /// alive; the last copy lets go of it under the GIL, from any thread. Empty for None and ints.

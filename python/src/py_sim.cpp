@@ -339,16 +339,16 @@ py::object zeros(exchange& on, py::handle shape_arg, const std::string& dtype_te
   sim_backend* sim = &s.sim;
   // Freed as cudaFree does, once the device is idle: a write may still be pending on any stream. Or,
   // allocated on a stream, freed on it as cudaFreeAsync does (the stream kept until then).
-  producer_ref owner = stream_ordered
-                         ? producer_ref{[sim, data, stream, keep = stream_keep_alive(stream_arg)]() noexcept {
-                             sim->deallocate(data, stream);
-                           }}
-                         : producer_ref{[sim, data]() noexcept {
-                             try {
-                               sim->free_sync(data);
-                             } catch (...) {  // the backend is shutting down and frees what is left itself
-                             }
-                           }};
+  shared_producer owner = stream_ordered
+                            ? shared_producer{[sim, data, stream, keep = stream_keep_alive(stream_arg)]() noexcept {
+                                sim->deallocate(data, stream);
+                              }}
+                            : shared_producer{[sim, data]() noexcept {
+                                try {
+                                  sim->free_sync(data);
+                                } catch (...) {  // the backend is shutting down and frees what is left itself
+                                }
+                              }};
   // The device type of each kind of memory is the exchange's to say (managed memory has none on ROCm).
   layout.device = *dlpack_device_of(s.sim.attributes(data), s.sim.device_type());
   // No stream has seen this fresh allocation yet, so it is zeroed directly: returned ready, like a

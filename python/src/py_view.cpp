@@ -106,7 +106,7 @@ array described_view(exchange& on, array_layout&& layout, py::handle owner, py::
 {
   // None: the stream is unknown, which is not DLPack's None (the default stream).
   const named_stream ready = stream.is_none() ? named_stream{} : stream_named_by(stream);
-  producer_ref keep = owner.is_none() ? producer_ref{[] {}} : python_owner(owner);
+  shared_producer keep = owner.is_none() ? shared_producer{[] {}} : python_owner(owner);
   return on.view(std::move(layout), std::move(keep), ready);
 }
 
@@ -122,7 +122,7 @@ py::capsule exporter_dlpack(exchange& on, py::handle instance, py::handle export
   HANDOFF_EXPECTS(view != nullptr, type_error,
                   fmt::format("{}.__handoff_array__() must return a handoff.Array, not {}", type_name(instance),
                               type_name(exported)));
-  array holding{view->layout(), producer_ref{[inner = view->owner(), outer = python_owner(instance)]() noexcept {}}};
+  array holding{view->layout(), shared_producer{[inner = view->owner(), outer = python_owner(instance)]() noexcept {}}};
   if (const auto ready = view->owner().ready_on()) { holding.owner().set_ready_on(*ready); }
   return export_dlpack(on, holding, stream, max_version, dl_device, copy);
 }

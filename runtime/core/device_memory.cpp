@@ -92,7 +92,7 @@ array copy_device_array(context& ctx, const array& view, bool to_host)
     empty.readonly = false;
     empty.strides = contiguous_strides(empty.shape);
     if (to_host) { empty.device = {kDLCPU, 0}; }
-    return array{std::move(empty), producer_ref{[] {}}};
+    return array{std::move(empty), shared_producer{[] {}}};
   }
   const auto [first, last] = byte_extent(view);
   const auto span = static_cast<std::size_t>(last - first);
@@ -113,7 +113,7 @@ array copy_device_array(context& ctx, const array& view, bool to_host)
     host.data = staging.get() - first;
     host.device = {kDLCPU, 0};
     std::byte* raw = staging.release();
-    return copy_to_host(array{std::move(host), producer_ref{[raw]() noexcept { delete[] raw; }}});
+    return copy_to_host(array{std::move(host), shared_producer{[raw]() noexcept { delete[] raw; }}});
   }
   HANDOFF_EXPECTS(view.is_c_contiguous(), buffer_error,
                   "a copy of non-contiguous device memory on the device is not supported; copy it to the host");
@@ -159,7 +159,7 @@ array allocate_host_accessible_array(const bound_stream& on, DLDevice kind, DLDa
       HANDOFF_LOG_ERROR("host-accessible memory could not be freed on device {} ({}); it is kept", device, e.what());
     }
   };
-  array out{std::move(layout), producer_ref{release}};
+  array out{std::move(layout), shared_producer{release}};
   out.owner().set_ready_on(on);
   return out;
 }
@@ -186,7 +186,7 @@ array allocate_device_array(const bound_stream& on, DLDataType dtype, std::span<
       HANDOFF_LOG_ERROR("device memory could not be freed on device {} ({}); it is kept", device, e.what());
     }
   };
-  array out{std::move(layout), producer_ref{release}};
+  array out{std::move(layout), shared_producer{release}};
   out.owner().set_ready_on(on);
   return out;
 }

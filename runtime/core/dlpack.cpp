@@ -39,9 +39,9 @@ template <typename Managed>
 bool exported_by_handoff(const Managed* tensor) noexcept;
 
 template <typename Managed>
-producer_ref adopt(Managed* tensor, deleter_runner run_deleter)
+shared_producer adopt(Managed* tensor, deleter_runner run_deleter)
 {
-  return producer_ref{[tensor, run_deleter]() noexcept {
+  return shared_producer{[tensor, run_deleter]() noexcept {
     if (tensor->deleter == nullptr) { return; }
     if (run_deleter != nullptr && !exported_by_handoff(tensor)) {
       run_deleter(&invoke_deleter<Managed>, tensor);
@@ -103,7 +103,7 @@ array_layout layout_of(const DLTensor& t, bool readonly)
 array import_dlpack(DLManagedTensorVersioned* tensor, deleter_runner run_deleter)
 {
   HANDOFF_EXPECTS(tensor != nullptr, value_error, "DLPack capsule holds a null DLManagedTensorVersioned");
-  producer_ref owner = adopt(tensor, run_deleter);  // from here on, the deleter runs exactly once
+  shared_producer owner = adopt(tensor, run_deleter);  // from here on, the deleter runs exactly once
   HANDOFF_EXPECTS(tensor->version.major == DLPACK_MAJOR_VERSION, buffer_error,
                   fmt::format("DLPack major version {}.{} is not supported (handoff understands {}.x)",
                               tensor->version.major, tensor->version.minor, DLPACK_MAJOR_VERSION));
@@ -117,7 +117,7 @@ array import_dlpack(DLManagedTensorVersioned* tensor, deleter_runner run_deleter
 array import_dlpack(DLManagedTensor* tensor, deleter_runner run_deleter)
 {
   HANDOFF_EXPECTS(tensor != nullptr, value_error, "DLPack capsule holds a null DLManagedTensor");
-  producer_ref owner = adopt(tensor, run_deleter);
+  shared_producer owner = adopt(tensor, run_deleter);
   HANDOFF_EXPECTS(tensor->dl_tensor.dtype.bits >= 8, buffer_error,
                   fmt::format("sub-byte dtype ({} bits) cannot be exchanged through a legacy DLPack capsule",
                               tensor->dl_tensor.dtype.bits));
@@ -141,7 +141,7 @@ struct exported {
   }
 
   Managed managed;
-  producer_ref owner;
+  shared_producer owner;
   tracked_view tracked;  // registered once `managed` describes the data
   bool usual{false};     // its block is a kept one (a consumer may change `managed`, not this)
 

@@ -107,9 +107,7 @@ context* exchange::usable_context() const noexcept
 
 void exchange::bind_to_consumer(const array& view, const named_stream& consumer) const
 {
-  if (auto binding = consumer_binding(view, consumer)) {
-    bind_import(*binding->ctx, view, binding->device, binding->stream, std::move(binding->stream_owner));
-  }
+  if (auto binding = consumer_binding(view, consumer)) { bind_import(view, *binding); }
 }
 
 array exchange::transfer(array view, std::optional<DLDevice> target, std::optional<bool> copy,
@@ -178,7 +176,7 @@ std::optional<array> exchange::import_from_table(DLManagedTensorVersioned* tenso
   return view;
 }
 
-array exchange::import_interface(cuda_interface interface, producer_ref owner, const import_request& request,
+array exchange::import_interface(cuda_interface interface, shared_producer owner, const import_request& request,
                                  std::shared_ptr<const void> producer_stream_owner)
 {
   operation_trace trace{trace::event_kind::import_data, "cuda-array-interface"};
@@ -217,8 +215,9 @@ array exchange::import_interface(cuda_interface interface, producer_ref owner, c
     }
   }
   if (consumer_stream) {
-    bind_interface_import(ctx, view, device, *consumer_stream, request.consumer.owner, producer,
-                          std::move(producer_stream_owner));
+    bind_interface_import(
+      view, {.ctx = &ctx, .device = device, .stream = *consumer_stream, .stream_owner = request.consumer.owner},
+      producer, std::move(producer_stream_owner));
   }
   array made = transfer(std::move(view), request.device, request.copy, false);
   count(counter::imports);
@@ -265,7 +264,7 @@ array exchange::adopt(array view, const named_stream& work_stream)
 
 // --- a library's own memory --------------------------------------------------------------------------
 
-array exchange::view(array_layout layout, producer_ref owner, const named_stream& ready)
+array exchange::view(array_layout layout, shared_producer owner, const named_stream& ready)
 {
   // Default: unknown, which is not DLPack's default stream (the stream is left to the exports).
   stream_request request{};

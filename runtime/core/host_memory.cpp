@@ -15,12 +15,12 @@ array allocate_host_array(DLDataType dtype, std::span<const std::int64_t> shape)
 {
   auto [layout, bytes] = row_major_layout({kDLCPU, 0}, dtype, shape);
   if (bytes == 0) {
-    return array{std::move(layout), producer_ref{[] {}}};
+    return array{std::move(layout), shared_producer{[] {}}};
   }
   auto storage = std::make_unique_for_overwrite<std::byte[]>(bytes);
   layout.data = storage.get();
   std::byte* raw = storage.release();
-  return array{std::move(layout), producer_ref{[raw]() noexcept { delete[] raw; }}};
+  return array{std::move(layout), shared_producer{[raw]() noexcept { delete[] raw; }}};
 }
 
 namespace {

@@ -651,7 +651,7 @@ array endpoint::open_host(const wire_handle& h, array_layout layout, std::unique
   lock.unlock();
   count(counter::ipc_opens);
   count(counter::imports);
-  return array{std::move(layout), producer_ref{[this, key = segment.key, done]() noexcept {
+  return array{std::move(layout), shared_producer{[this, key = segment.key, done]() noexcept {
                  close_mapping(key);
                  done();
                }}};
@@ -679,15 +679,15 @@ array endpoint::open_device(context& ctx, remote_block& block, const wire_handle
   if (back_signal_.load(std::memory_order_relaxed)) {
     // Released once the work enqueued on the consumer's stream by then is done: the mapping is
     // closed first (CUDA: the producer must not free memory another process still maps).
-    array view{std::move(layout), producer_ref{[this, key = memory.key, done]() noexcept {
+    array view{std::move(layout), shared_producer{[this, key = memory.key, done]() noexcept {
                  close_mapping(key);
                  done();
                }}};
-    bind_import(ctx, view, device, waits.stream, waits.stream_owner);
+    bind_import(view, waits);
     return view;
   }
   // The negative control: the producer is told at once; only the mapping waits for the stream.
-  array view{std::move(layout), producer_ref{[this, key = memory.key, done, waits]() noexcept {
+  array view{std::move(layout), shared_producer{[this, key = memory.key, done, waits]() noexcept {
                done();
                waits.release_after([this, key]() noexcept { close_mapping(key); });
              }}};

@@ -125,7 +125,7 @@ std::optional<byte_range> byte_range_of(const array_layout& layout) noexcept
   return range_of(layout, static_cast<std::int64_t>(itemsize(layout.dtype)));
 }
 
-array::array(array_layout layout, producer_ref owner) : layout_(std::move(layout)), owner_(std::move(owner))
+array::array(array_layout layout, shared_producer owner) : layout_(std::move(layout)), owner_(std::move(owner))
 {
   validate_layout(layout_);
 }

@@ -47,7 +47,7 @@ std::optional<device::stream_handle> resolve_stream(device::backend& backend, st
   return std::nullopt;
 }
 
-array make_view(context* ctx, array_layout&& layout, producer_ref owner, stream_request ready,
+array make_view(context* ctx, array_layout&& layout, shared_producer owner, stream_request ready,
                 std::shared_ptr<const void> ready_owner)
 {
   array view{std::move(layout), std::move(owner)};
@@ -112,30 +112,28 @@ bool captures_a_graph(device::backend& b, int device, device::stream_handle stre
   }
 }
 
-void bind_to(context& ctx, const array& view, int device, device::stream_handle consumer,
-             std::shared_ptr<const void> consumer_owner, const std::optional<bound_stream>& producer)
+void bind_to(const array& view, const bound_stream& consumer, const std::optional<bound_stream>& producer)
 {
-  const bound_stream on_consumer{
-    .ctx = &ctx, .device = device, .stream = consumer, .stream_owner = std::move(consumer_owner)};
-  if (trace::exchange_scope* scope = trace::traced()) { scope->set_consumer_stream(on_consumer); }
-  view.owner().set_ready_on(on_consumer);
-  view.owner().release_after(on_consumer, producer);
-  if (captures_a_graph(ctx.backend(), device, consumer)) {
+  if (trace::exchange_scope* scope = trace::traced()) { scope->set_consumer_stream(consumer); }
+  view.owner().set_ready_on(consumer);
+  view.owner().release_after(consumer, producer);
+  if (captures_a_graph(consumer.ctx->backend(), consumer.device, consumer.stream)) {
     // Every launch of the graph reads the data, however soon the consumer drops it: the producer is
     // kept until the graph is gone (and the stream's work then done), as a view dropped during the
     // capture is.
-    ctx.release_after(device, consumer, [kept = view.owner()]() noexcept {});
+    consumer.ctx->release_after(consumer.device, consumer.stream, [kept = view.owner()]() noexcept {});
   }
 }
 
 // The producer stream of an interface import that the release makes wait for the consumer's work:
 // only one that cannot be destroyed by then, and only where the device's rules do not already
 // order it (see bind_interface_import). The same stream as the consumer's needs nothing, as at import.
-std::optional<bound_stream> stream_to_hold_back(context& ctx, int device, device::stream_handle consumer,
-                                                stream_request producer, std::shared_ptr<const void> owner)
+std::optional<bound_stream> stream_to_hold_back(const bound_stream& on_consumer, stream_request producer,
+                                                std::shared_ptr<const void> owner)
 {
-  device::backend& b = ctx.backend();
-  const device_guard on_owner{b, device};  // default streams resolve on the data's device
+  device::backend& b = on_consumer.ctx->backend();
+  const device::stream_handle consumer = on_consumer.stream;
+  const device_guard on_owner{b, on_consumer.device};  // default streams resolve on the data's device
   const auto legacy = b.legacy_default_stream();
   std::optional<device::stream_handle> stream;
   bool ordered_by_the_device = false;
@@ -165,15 +163,15 @@ std::optional<bound_stream> stream_to_hold_back(context& ctx, int device, device
     return std::nullopt;
   }
   if (!stream || *stream == consumer) { return std::nullopt; }
-  return bound_stream{.ctx = &ctx, .device = device, .stream = *stream, .stream_owner = std::move(owner)};
+  return bound_stream{
+    .ctx = on_consumer.ctx, .device = on_consumer.device, .stream = *stream, .stream_owner = std::move(owner)};
 }
 
 }  // namespace
 
-void bind_import(context& ctx, const array& view, int device, device::stream_handle consumer,
-                 std::shared_ptr<const void> consumer_owner)
+void bind_import(const array& view, const bound_stream& consumer)
 {
-  bind_to(ctx, view, device, consumer, std::move(consumer_owner), std::nullopt);
+  bind_to(view, consumer, std::nullopt);
 }
 
 bound_stream binding_on(context& ctx, DLDevice device, named_stream stream)
@@ -183,15 +181,13 @@ bound_stream binding_on(context& ctx, DLDevice device, named_stream stream)
   return {.ctx = &ctx, .device = device.device_id, .stream = *handle, .stream_owner = std::move(stream.owner)};
 }
 
-void bind_interface_import(context& ctx, const array& view, int device, device::stream_handle consumer,
-                           std::shared_ptr<const void> consumer_owner, stream_request producer,
+void bind_interface_import(const array& view, const bound_stream& consumer, stream_request producer,
                            std::shared_ptr<const void> producer_owner)
 {
-  if (const auto producer_stream = resolve_stream(ctx.backend(), producer)) {
-    bound_stream{.ctx = &ctx, .device = device, .stream = consumer, .stream_owner = nullptr}.wait_for(*producer_stream);
+  if (const auto producer_stream = resolve_stream(consumer.ctx->backend(), producer)) {
+    consumer.wait_for(*producer_stream);
   }
-  bind_to(ctx, view, device, consumer, std::move(consumer_owner),
-          stream_to_hold_back(ctx, device, consumer, producer, std::move(producer_owner)));
+  bind_to(view, consumer, stream_to_hold_back(consumer, producer, std::move(producer_owner)));
 }
 
 void bind_after_producer(const array& view, const bound_stream& consumer, stream_request producer)
@@ -199,7 +195,7 @@ void bind_after_producer(const array& view, const bound_stream& consumer, stream
   if (const auto producer_stream = resolve_stream(consumer.ctx->backend(), producer)) {
     consumer.wait_for(*producer_stream);
   }
-  bind_import(*consumer.ctx, view, consumer.device, consumer.stream, consumer.stream_owner);
+  bind_import(view, consumer);
 }
 
 std::optional<device::stream_handle> published_ready_stream(const array& view)

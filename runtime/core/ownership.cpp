@@ -82,17 +82,17 @@ struct ownership_registry {
   static ownership_graph snapshot()
   {
     ownership_graph graph;
-    std::unordered_map<const producer_ref::state*, std::size_t> buffer_index;  // by root
-    std::unordered_set<const producer_ref::state*> bound;                      // bindings added
+    std::unordered_map<const shared_producer::state*, std::size_t> buffer_index;  // by root
+    std::unordered_set<const shared_producer::state*> bound;                      // bindings added
     std::lock_guard guard{detail::tracked_views};
     // Oldest first: the list is newest first.
     std::vector<const tracked_view*> views;
     for (const tracked_view* v = detail::tracked_views.head; v != nullptr; v = v->next_) { views.push_back(v); }
     std::reverse(views.begin(), views.end());
     for (const tracked_view* v : views) {
-      producer_ref::state* state = v->owner_->state_;  // a derived producer's: a view of its root's buffer
+      shared_producer::state* state = v->owner_->state_;  // a derived producer's: a view of its root's buffer
       if (state == nullptr) { continue; }
-      producer_ref::state* root = state->root();
+      shared_producer::state* root = state->root();
       auto [at, added] = buffer_index.try_emplace(root, graph.buffers.size());
       if (added) {
         buffer_node& buffer = graph.buffers.emplace_back();
@@ -117,9 +117,9 @@ struct ownership_registry {
     return graph;
   }
 
-  static const char* library_of(const producer_ref::state* state) noexcept
+  static const char* library_of(const shared_producer::state* state) noexcept
   {
-    const producer_ref::state* root = state->root();
+    const shared_producer::state* root = state->root();
     std::lock_guard guard{detail::tracked_views};
     for (const tracked_view* v = detail::tracked_views.head; v != nullptr; v = v->next_) {
       if (v->library_ != nullptr && v->owner_->state_ != nullptr && v->owner_->state_->root() == root) {
@@ -146,7 +146,7 @@ std::uint64_t tracked_view::id() const noexcept
   return id_.compare_exchange_strong(current, fresh, std::memory_order_relaxed) ? fresh : current;
 }
 
-const char* producer_ref::library() const noexcept
+const char* shared_producer::library() const noexcept
 {
   return state_ == nullptr ? nullptr : ownership_registry::library_of(state_);
 }

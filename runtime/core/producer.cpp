@@ -1,4 +1,4 @@
-// producer_ref: shared ownership of a producer, its stream bindings, and its deferred release.
+// shared_producer: shared ownership of a producer, its stream bindings, and its deferred release.
 #include <handoff/array.hpp>
 #include <handoff/context.hpp>
 #include <handoff/internal/trace_scope.hpp>
@@ -20,7 +20,7 @@ namespace handoff {
 namespace {
 
 // The release event of a producer: deferred ("wait") when consumer streams must finish first.
-void trace_release(producer_ref::state& s) noexcept
+void trace_release(shared_producer::state& s) noexcept
 {
   trace::exchange_scope scope{trace::event_kind::release, "release"};
   if (!scope.active()) { return; }
@@ -31,17 +31,17 @@ void trace_release(producer_ref::state& s) noexcept
   if (!s.release_after_.empty()) { scope.set_consumer_stream(s.release_after_.front()); }
 }
 
-using state_blocks = detail::thread_block_cache<sizeof(producer_ref::state)>;
-static_assert(alignof(producer_ref::state) <= __STDCPP_DEFAULT_NEW_ALIGNMENT__);
+using state_blocks = detail::thread_block_cache<sizeof(shared_producer::state)>;
+static_assert(alignof(shared_producer::state) <= __STDCPP_DEFAULT_NEW_ALIGNMENT__);
 
 }  // namespace
 
-producer_ref::state* producer_ref::state::make(std::function<void()>&& release)
+shared_producer::state* shared_producer::state::make(std::function<void()>&& release)
 {
   return new (state_blocks::allocate()) state(std::move(release));  // noexcept
 }
 
-std::uint64_t producer_ref::state::id() noexcept
+std::uint64_t shared_producer::state::id() noexcept
 {
   if (parent_) { return parent_.state_->id(); }  // one buffer, however many derived producers
   std::uint64_t current = id_.load(std::memory_order_relaxed);
@@ -50,7 +50,7 @@ std::uint64_t producer_ref::state::id() noexcept
   return id_.compare_exchange_strong(current, fresh, std::memory_order_relaxed) ? fresh : current;
 }
 
-void producer_ref::state::destroy(state* s) noexcept
+void shared_producer::state::destroy(state* s) noexcept
 {
   thread_local state* queued = nullptr;  // deletions asked for while one runs, last first
   thread_local bool destroying = false;
@@ -68,7 +68,7 @@ void producer_ref::state::destroy(state* s) noexcept
   destroying = false;
 }
 
-producer_ref::state::~state()
+shared_producer::state::~state()
 {
   detail::live_view_released();
   if (trace::enabled()) { trace_release(*this); }
@@ -112,7 +112,7 @@ producer_ref::state::~state()
 
 // Runs `release` once the work enqueued on `consumer` by now is done; a held-back producer stream
 // of the same device waits for that work too.
-void producer_ref::state::defer(bound_stream& consumer, std::function<void()> release) noexcept
+void shared_producer::state::defer(bound_stream& consumer, std::function<void()> release) noexcept
 {
   std::optional<device::stream_handle> producer;
   std::shared_ptr<const void> producer_owner;
@@ -132,7 +132,7 @@ void producer_ref::state::defer(bound_stream& consumer, std::function<void()> re
     producer);
 }
 
-producer_ref::producer_ref(std::function<void()> release)
+shared_producer::shared_producer(std::function<void()> release)
 {
   try {
     state_ = state::make(std::move(release));
@@ -143,12 +143,12 @@ producer_ref::producer_ref(std::function<void()> release)
   }
 }
 
-producer_ref::producer_ref(const producer_ref& other) noexcept : state_(other.state_)
+shared_producer::shared_producer(const shared_producer& other) noexcept : state_(other.state_)
 {
   state::acquire(state_);
 }
 
-producer_ref& producer_ref::operator=(const producer_ref& other) noexcept
+shared_producer& shared_producer::operator=(const shared_producer& other) noexcept
 {
   if (this != &other) {
     state::acquire(other.state_);
@@ -157,23 +157,23 @@ producer_ref& producer_ref::operator=(const producer_ref& other) noexcept
   return *this;
 }
 
-producer_ref& producer_ref::operator=(producer_ref&& other) noexcept
+shared_producer& shared_producer::operator=(shared_producer&& other) noexcept
 {
   if (this != &other) { state::release(std::exchange(state_, std::exchange(other.state_, nullptr))); }
   return *this;
 }
 
-producer_ref::~producer_ref()
+shared_producer::~shared_producer()
 {
   state::release(state_);
 }
 
-std::uint64_t producer_ref::id() const noexcept
+std::uint64_t shared_producer::id() const noexcept
 {
   return state_ == nullptr ? 0 : state_->id();
 }
 
-const std::function<void()>* producer_ref::sole_release() const noexcept
+const std::function<void()>* shared_producer::sole_release() const noexcept
 {
   if (state_ == nullptr || state_->references_.load(std::memory_order_acquire) != 1 || !state_->release_) {
     return nullptr;
@@ -181,8 +181,8 @@ const std::function<void()>* producer_ref::sole_release() const noexcept
   return &state_->release_;
 }
 
-void producer_ref::visit_stream_owners(void (*visit)(const std::shared_ptr<const void>& owner, void* context),
-                                       void* context) const
+void shared_producer::visit_stream_owners(void (*visit)(const std::shared_ptr<const void>& owner, void* context),
+                                          void* context) const
 {
   if (state_ == nullptr || state_->references_.load(std::memory_order_acquire) != 1 ||
       !state_->keeps_stream_owner_.load(std::memory_order_acquire)) {
@@ -197,15 +197,15 @@ void producer_ref::visit_stream_owners(void (*visit)(const std::shared_ptr<const
   if (state_->hold_back_) { visit_binding(*state_->hold_back_); }
 }
 
-producer_ref producer_ref::derived() const
+shared_producer shared_producer::derived() const
 {
   if (state_ == nullptr) { return {}; }
-  producer_ref out{std::function<void()>{}};
+  shared_producer out{std::function<void()>{}};
   out.state_->parent_ = state_->parent_ ? state_->parent_ : *this;
   return out;
 }
 
-long producer_ref::use_count() const noexcept
+long shared_producer::use_count() const noexcept
 {
   return state_ == nullptr ? 0 : state_->references_.load(std::memory_order_relaxed);
 }
@@ -221,14 +221,14 @@ bound_stream thread_independent(bound_stream where) noexcept
 
 }  // namespace
 
-std::optional<bound_stream> producer_ref::ready_on() const
+std::optional<bound_stream> shared_producer::ready_on() const
 {
   if (!state_) { return std::nullopt; }
   std::lock_guard lock{state_->mutex_};
   return state_->ready_on_;
 }
 
-void producer_ref::set_ready_on(const bound_stream& where) const
+void shared_producer::set_ready_on(const bound_stream& where) const
 {
   if (!state_) { return; }
   bound_stream bound = thread_independent(where);
@@ -237,7 +237,7 @@ void producer_ref::set_ready_on(const bound_stream& where) const
   state_->ready_on_ = std::move(bound);
 }
 
-void producer_ref::release_after(const bound_stream& consumer, const std::optional<bound_stream>& producer) const
+void shared_producer::release_after(const bound_stream& consumer, const std::optional<bound_stream>& producer) const
 {
   if (!state_ || consumer.ctx == nullptr) { return; }
   bound_stream bound = thread_independent(consumer);

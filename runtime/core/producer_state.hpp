@@ -1,4 +1,4 @@
-// Private: the shared state behind producer_ref, read by the ownership graph.
+// Private: the shared state behind shared_producer, read by the ownership graph.
 #pragma once
 
 #include <handoff/array.hpp>
@@ -18,7 +18,7 @@ namespace detail {
 std::uint64_t next_node_id() noexcept;
 }  // namespace detail
 
-struct producer_ref::state {
+struct shared_producer::state {
   explicit state(std::function<void()> release) noexcept : release_(std::move(release)) { detail::live_view_added(); }
   state(const state&) = delete;
   state& operator=(const state&) = delete;
@@ -71,7 +71,7 @@ struct producer_ref::state {
   std::optional<bound_stream> ready_on_;
   std::vector<bound_stream> release_after_;  // one per consumer stream, usually one
   std::optional<bound_stream> hold_back_;    // the producer stream that waits for the consumers' work
-  producer_ref parent_;                      // set for a derived producer: the root it keeps
+  shared_producer parent_;                   // set for a derived producer: the root it keeps
   state* next_to_destroy_{nullptr};          // queued by destroy()
 };
 

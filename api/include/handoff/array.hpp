@@ -28,17 +28,17 @@ class context;
 /// or exported tensor referring to it is gone, on whichever thread that happens; it must not throw.
 /// Every live producer is counted in `stats().live_views`. Copies share one intrusively counted
 /// state (one allocation per producer); copying and destroying references is thread-safe.
-class producer_ref {
+class shared_producer {
  public:
-  producer_ref() noexcept = default;
+  shared_producer() noexcept = default;
   /// Takes ownership: `release` runs once the last copy of this reference is destroyed. A release
   /// function whose captures fit in two pointers is stored without a further allocation.
-  explicit producer_ref(std::function<void()> release);
-  producer_ref(const producer_ref& other) noexcept;
-  producer_ref(producer_ref&& other) noexcept : state_(std::exchange(other.state_, nullptr)) {}
-  producer_ref& operator=(const producer_ref& other) noexcept;
-  producer_ref& operator=(producer_ref&& other) noexcept;
-  ~producer_ref();
+  explicit shared_producer(std::function<void()> release);
+  shared_producer(const shared_producer& other) noexcept;
+  shared_producer(shared_producer&& other) noexcept : state_(std::exchange(other.state_, nullptr)) {}
+  shared_producer& operator=(const shared_producer& other) noexcept;
+  shared_producer& operator=(shared_producer&& other) noexcept;
+  ~shared_producer();
 
   [[nodiscard]] explicit operator bool() const noexcept { return state_ != nullptr; }
   [[nodiscard]] long use_count() const noexcept;
@@ -63,7 +63,7 @@ class producer_ref {
   /// a view of a view shares the root producer instead of wrapping it, so re-imports never chain.
   /// Thread-safe.
   /// @throws std::bad_alloc.
-  [[nodiscard]] producer_ref derived() const;
+  [[nodiscard]] shared_producer derived() const;
 
   /// The producer's node id in the ownership graph and the trace (its root's, for a derived one);
   /// unique in the process, assigned on first use. 0 for an empty reference. Thread-safe.
@@ -243,7 +243,7 @@ class array {
   /// Validates `layout` (non-negative shape, one stride per dimension, byte size and the byte
   /// offset of every element within int64, a non-null pointer when non-empty) and binds it to `owner`.
   /// @throws value_error naming the field that is wrong.
-  array(array_layout layout, producer_ref owner);
+  array(array_layout layout, shared_producer owner);
 
   [[nodiscard]] const array_layout& layout() const noexcept { return layout_; }
   [[nodiscard]] void* data() const noexcept { return layout_.data; }
@@ -258,11 +258,11 @@ class array {
   [[nodiscard]] std::int64_t nbytes() const noexcept;
   /// True when the elements are laid out row-major without gaps (strides of size-1 dims ignored).
   [[nodiscard]] bool is_c_contiguous() const noexcept;
-  [[nodiscard]] const producer_ref& owner() const noexcept { return owner_; }
+  [[nodiscard]] const shared_producer& owner() const noexcept { return owner_; }
 
  private:
   array_layout layout_;
-  producer_ref owner_;
+  shared_producer owner_;
 };
 
 /// Checks what `array`'s constructor checks, without binding an owner.

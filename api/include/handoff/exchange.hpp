@@ -178,7 +178,7 @@ class exchange {
   /// data when the view is released.
   /// @throws value_error for memory past its allocation; buffer_error for memory the device does
   ///         not know.
-  [[nodiscard]] array import_interface(cuda_interface interface, producer_ref owner, const import_request& request,
+  [[nodiscard]] array import_interface(cuda_interface interface, shared_producer owner, const import_request& request,
                                        std::shared_ptr<const void> producer_stream_owner = {});
 
   /// The import of host data from a protocol that has no streams (`__array_interface__`, the buffer
@@ -210,7 +210,7 @@ class exchange {
   /// default stream).
   /// @throws value_error for a bad layout, or memory that is not the claimed device's; device_error
   ///         for device data that needs ordering and cannot get it.
-  [[nodiscard]] array view(array_layout layout, producer_ref owner, const named_stream& ready = {});
+  [[nodiscard]] array view(array_layout layout, shared_producer owner, const named_stream& ready = {});
 
   /// A new row-major array like `prototype` (shape, dtype, device), on `on` for device memory (the C
   /// exchange API's allocator): ready there, and freed in its order.
@@ -264,7 +264,7 @@ class exchange {
   [[nodiscard]] std::optional<std::int64_t> interface_stream(const array& view) const;
 
  private:
-  // Admits `view` (internal/ordering.hpp's admit) and binds it to `consumer`'s stream: nullopt for
+  // Admits `view` (internal/admission.hpp's admit) and binds it to `consumer`'s stream: nullopt for
   // host data, data the consumer orders itself (stream=-1), or with no backend.
   [[nodiscard]] std::optional<bound_stream> consumer_binding(const array& view, const named_stream& consumer) const;
   // device_context(), or null where the backend cannot be used.

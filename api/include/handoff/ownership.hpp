@@ -27,7 +27,7 @@ class tracked_view {
     join();
   }
   /// Registers an exported `tensor` of `owner`'s data, held by `holder`.
-  tracked_view(const DLTensor& tensor, const producer_ref& owner, const char* holder) noexcept
+  tracked_view(const DLTensor& tensor, const shared_producer& owner, const char* holder) noexcept
       : tensor_(&tensor), owner_(&owner), holder_(holder)
   {
     join();
@@ -67,7 +67,7 @@ class tracked_view {
   tracked_view* next_{nullptr};
   const array* array_{nullptr};
   const DLTensor* tensor_{nullptr};
-  const producer_ref* owner_{nullptr};
+  const shared_producer* owner_{nullptr};
   const char* holder_{nullptr};
   const char* library_{nullptr};
   mutable std::atomic<std::uint64_t> id_{0};

@@ -89,29 +89,29 @@ inline pybind11::object checked(PyObject* made)
 
 /// One reference to a view the table made (handoff_view), which needs the GIL as a
 /// pybind11::object does.
-class view_ref {
+class counted_view {
  public:
-  view_ref() noexcept = default;
+  counted_view() noexcept = default;
   /// Takes over the reference `adopted` holds.
-  explicit view_ref(handoff_view* adopted) noexcept : view_(adopted) {}
-  view_ref(const view_ref& other) noexcept : view_(other.view_)
+  explicit counted_view(handoff_view* adopted) noexcept : view_(adopted) {}
+  counted_view(const counted_view& other) noexcept : view_(other.view_)
   {
     if (view_ != nullptr) { api().retain_view(view_); }
   }
-  view_ref(view_ref&& other) noexcept : view_(std::exchange(other.view_, nullptr)) {}
-  view_ref& operator=(const view_ref& other) noexcept
+  counted_view(counted_view&& other) noexcept : view_(std::exchange(other.view_, nullptr)) {}
+  counted_view& operator=(const counted_view& other) noexcept
   {
-    view_ref copy(other);
+    counted_view copy(other);
     std::swap(view_, copy.view_);
     return *this;
   }
-  view_ref& operator=(view_ref&& other) noexcept
+  counted_view& operator=(counted_view&& other) noexcept
   {
-    view_ref moved(std::move(other));
+    counted_view moved(std::move(other));
     std::swap(view_, moved.view_);
     return *this;
   }
-  ~view_ref()
+  ~counted_view()
   {
     if (view_ != nullptr) { api().release_view(view_); }
   }
@@ -124,11 +124,11 @@ class view_ref {
 };
 
 /// A view of `desc`'s memory holding `owner` (may be null), its description into `info`.
-inline view_ref make_view(const handoff_array_desc& desc, pybind11::handle owner, handoff_array_info& info)
+inline counted_view make_view(const handoff_array_desc& desc, pybind11::handle owner, handoff_array_info& info)
 {
   handoff_view* made = api().make_view(&desc, owner.ptr(), &info);
   if (made == nullptr) { throw pybind11::error_already_set(); }
-  return view_ref(made);
+  return counted_view(made);
 }
 
 /// def_dlpack's description of `T`'s instances: what `Describe` says, kept per thread until the
@@ -162,7 +162,7 @@ int describe_instance(PyObject* self, void* context, handoff_array_desc* out) no
 }
 
 /// The view as a handoff.Array (a new reference).
-inline pybind11::object python_array(const view_ref& view)
+inline pybind11::object python_array(const counted_view& view)
 {
   return checked(api().view_to_python(view.get(), HANDOFF_FRAMEWORK_HANDOFF));
 }
@@ -647,7 +647,7 @@ class array {
 
   array() = default;
   /// An array of the view `view` holds, described by `info`.
-  array(detail::view_ref view, const handoff_array_info& info) : view_(std::move(view)), info_(info) {}
+  array(detail::counted_view view, const handoff_array_info& info) : view_(std::move(view)), info_(info) {}
 
   /// An array of C++ memory, as nb::ndarray(data, shape, owner): `owner` (a capsule, `self`, any
   /// object) is kept alive as long as the array or anything exported from it. `strides` in elements
@@ -811,7 +811,7 @@ class array {
     if (!accepts(info_)) { throw pybind11::value_error("handoff::pybind::array: " + mismatch(info_)); }
   }
 
-  detail::view_ref view_;
+  detail::counted_view view_;
   handoff_array_info info_{};
 };
 
@@ -877,7 +877,7 @@ struct type_caster<handoff::pybind::array<Constraints...>> {
     const int status = hpd::api().import_view(source.ptr(), stream, &made, &info);
     if (status == 1) { return no_protocol(source); }
     if (status != 0) { throw error_already_set(); }
-    hpd::view_ref imported(made);
+    hpd::counted_view imported(made);
     if (!value_type::accepts(info)) {
       hpd::record_mismatch(value_type::signature.text, [&info] { return value_type::mismatch(info); });
       return false;

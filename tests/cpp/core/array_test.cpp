@@ -351,26 +351,26 @@ namespace {
 TEST_F(ArrayTest, ALongChainOfProducersIsReleasedIteratively)
 {
   std::atomic<int> released{0};
-  producer_ref chain{[&released]() noexcept { ++released; }};
+  shared_producer chain{[&released]() noexcept { ++released; }};
   for (int i = 0; i < 200'000; ++i) {
-    chain = producer_ref{[inner = std::move(chain), &released]() noexcept { ++released; }};
+    chain = shared_producer{[inner = std::move(chain), &released]() noexcept { ++released; }};
   }
-  chain = producer_ref{};
+  chain = shared_producer{};
   EXPECT_EQ(released.load(), 200'001);
 }
 
 TEST_F(ArrayTest, DerivedProducersShareTheirRootAndKeepItAlive)
 {
   std::atomic<int> released{0};
-  std::optional<producer_ref> root{producer_ref{[&released]() noexcept { ++released; }}};
-  producer_ref derived = root->derived();
+  std::optional<shared_producer> root{shared_producer{[&released]() noexcept { ++released; }}};
+  shared_producer derived = root->derived();
   for (int i = 0; i < 1000; ++i) { derived = derived.derived(); }  // each derives from the root, not the last
   EXPECT_EQ(derived.id(), root->id()) << "one buffer in the ownership graph";
   EXPECT_EQ(root->use_count(), 2) << "a chain of derived producers keeps one reference to the root";
   EXPECT_FALSE(derived.ready_on().has_value()) << "bindings of its own, none yet";
   root.reset();
   EXPECT_EQ(released.load(), 0);
-  derived = producer_ref{};
+  derived = shared_producer{};
   EXPECT_EQ(released.load(), 1);
 }
 
@@ -382,13 +382,13 @@ TEST_F(ArrayTest, ProducersFreedOnOtherAndExitingThreadsAreEachReleasedOnce)
   constexpr int per_thread = 100;
   const auto live_before = stats().live_views;
   std::atomic<int> released{0};
-  const auto make = [&released] { return producer_ref{[&released]() noexcept { ++released; }}; };
-  std::vector<producer_ref> made_here;
+  const auto make = [&released] { return shared_producer{[&released]() noexcept { ++released; }}; };
+  std::vector<shared_producer> made_here;
   made_here.reserve(per_thread);
   for (int i = 0; i < per_thread; ++i) { made_here.push_back(make()); }
   std::thread other{[&] {
     struct released_at_exit {
-      std::optional<producer_ref> kept;
+      std::optional<shared_producer> kept;
       released_at_exit() = default;
       released_at_exit(const released_at_exit&) = delete;
       released_at_exit& operator=(const released_at_exit&) = delete;

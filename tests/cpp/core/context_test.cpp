@@ -39,7 +39,7 @@ TEST_P(ContextTest, ReleaseWaitsForTheConsumerStream)
   {
     const auto consumer_works = hold(consumer);
     {
-      producer_ref owner{[&] {
+      shared_producer owner{[&] {
         // The consumer's write must be complete by now: any stream sees it.
         seen_at_release = read(data, reader).front();
         released = true;
@@ -85,7 +85,7 @@ TEST_P(ContextTest, AContextRunsItsReleasesAndHostWaitsInTheHooksItWasMadeWith)
   const auto release_copy_and_free = [&](context& on) {
     std::atomic<bool> released{false};
     {
-      producer_ref owner{[&] { released = true; }};
+      shared_producer owner{[&] { released = true; }};
       owner.release_after({.ctx = &on, .device = 0, .stream = consumer, .stream_owner = nullptr});
     }
     on.drain();
@@ -115,7 +115,7 @@ TEST_P(ContextTest, TheConsumerStreamsOwnerOutlivesTheRelease)
   {
     const auto consumer_works = hold(consumer);
     {
-      producer_ref owner{[&] {
+      shared_producer owner{[&] {
         owner_gone_before_release = owner_gone.load();
         released = true;
       }};
@@ -146,7 +146,7 @@ TEST_P(ContextTest, AReleaseWaitsForEveryStreamTheDataWasHandedTo)
     const auto second_works = hold(second);
     {
       const auto first_works = hold(first);
-      producer_ref owner{[&] {
+      shared_producer owner{[&] {
         seen_at_release = read(data, reader).front();
         ++releases;
       }};
@@ -170,7 +170,7 @@ TEST_P(ContextTest, AReleaseDuringCapturePutsNothingIntoTheGraphAndRunsAfterIt)
   std::atomic<int> released{0};
   sim().begin_capture(consumer);
   {
-    producer_ref owner{[&] { ++released; }};
+    shared_producer owner{[&] { ++released; }};
     owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
   }
   ASSERT_EQ(sim().end_capture(consumer).size(), 0U) << "the release's host function went into the graph";
@@ -186,7 +186,7 @@ TEST_P(ContextTest, AFailedPollIsAskedAgainAndTheProducerReleased)
   {
     const auto consumer_works = hold(consumer);  // the release waits: its polls fail, then succeed
     {
-      producer_ref owner{[&] { ++released; }};
+      shared_producer owner{[&] { ++released; }};
       owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
     }
     sim().inject_fault("query_event", 2, "cudaErrorLaunchFailure");
@@ -210,7 +210,7 @@ TEST_P(ContextTest, ATransientFailureOfTheFallbackIsAskedAgainAndTheProducerRele
   fill(consumer, data, 4.0F, slow / 4);
   sim().inject_fault("push_current_device", 3, "cudaErrorLaunchFailure");
   std::thread([&] {  // a thread with no device current, as a Python thread dropping a view may be
-    producer_ref owner{[&] {
+    shared_producer owner{[&] {
       seen_at_release = read(data, reader).front();
       ++released;
     }};
@@ -233,7 +233,7 @@ TEST_P(ContextTest, AFallbackThatKeepsFailingAbandonsTheReleaseAndKeepsTheProduc
   const auto pending_before = stats().pending_releases;
   sim().inject_fault("push_current_device", 1'000'000, "cudaErrorLaunchFailure");
   std::thread([&] {
-    producer_ref owner{[&] { ++released; }};
+    shared_producer owner{[&] { ++released; }};
     owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
   }).join();
   ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
@@ -250,7 +250,7 @@ TEST_P(ContextTest, AStreamThatKeepsFailingHasItsReleasesAbandonedAndTheProducer
   {
     const auto consumer_works = hold(consumer);  // the release waits, and every poll fails
     {
-      producer_ref owner{[&] { ++released; }};
+      shared_producer owner{[&] { ++released; }};
       owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
     }
     sim().inject_fault("query_event", 1'000'000, "cudaErrorLaunchFailure");
@@ -320,7 +320,7 @@ TEST_P(ContextTest, AReleaseDuringCaptureWaitsUntilTheGraphIsDestroyedAndItsLaun
   sim().begin_capture(consumer);
   sim().enqueue_fill(consumer, data, n, 1.0F);  // a node of the graph: each launch writes the data
   {
-    producer_ref owner{[&] { ++released; }};
+    shared_producer owner{[&] { ++released; }};
     owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
   }
   std::optional<device::sim_graph> graph{sim().end_capture(consumer)};
@@ -352,7 +352,7 @@ TEST_P(ContextTest, AReleaseOnAConsumerStreamOfAnotherDeviceWaitsForItByAnEventO
     const auto consumer_works = hold(consumer);
     fill(consumer, data, 3.0F);  // a peer reads or writes the data on device 1
     {
-      producer_ref owner{[&] { ++released; }};
+      shared_producer owner{[&] { ++released; }};
       owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
     }
     EXPECT_EQ(released.load(), 0);
@@ -372,7 +372,7 @@ TEST_P(ContextTest, AReleaseOnTheLegacyStreamWaitsForABlockingStreamsCaptureToEn
   std::atomic<int> released{0};
   sim().begin_capture(capturing);
   {
-    producer_ref owner{[&] { ++released; }};
+    shared_producer owner{[&] { ++released; }};
     owner.release_after({.ctx = &ctx(), .device = 0, .stream = b().legacy_default_stream(), .stream_owner = nullptr});
   }
   std::this_thread::sleep_for(std::chrono::milliseconds{50});
@@ -394,7 +394,7 @@ TEST_P(ContextTest, ReleasesPolledWhileAnotherThreadCapturesInGlobalModeLeaveThe
   {
     const auto consumer_works = hold(consumer);  // the release is still pending when the capture begins
     {
-      producer_ref owner{[&] { ++released; }};
+      shared_producer owner{[&] { ++released; }};
       owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
     }
     sim().begin_capture(capturing);
@@ -417,7 +417,7 @@ TEST_P(ContextTest, ExitWaitsOnlyForTheStreamsWithPendingReleases)
   {
     context exiting{b(), std::make_unique<detail::service_thread>()};
     const auto consumer_works = hold(consumer);  // ends first: the release is pending as the exit begins
-    producer_ref owner{[&] { released = true; }};
+    shared_producer owner{[&] { released = true; }};
     owner.release_after({.ctx = &exiting, .device = device, .stream = consumer, .stream_owner = nullptr});
     // Synchronizing a whole device would make a context on every device of a real GPU.
     sim().inject_fault("synchronize_device", 1, "cudaErrorLaunchFailure");
@@ -436,7 +436,7 @@ TEST_P(ContextTest, ExitAbandonsAtOnceTheReleasesOfADeviceWithAStickyError)
   {
     context exiting{b(), std::make_unique<detail::service_thread>()};
     const auto consumer_works = hold(consumer);
-    producer_ref owner{[&] { released = true; }};
+    shared_producer owner{[&] { released = true; }};
     owner.release_after({.ctx = &exiting, .device = 0, .stream = consumer, .stream_owner = nullptr});
     // The release's event is queued behind the hold, and the device halts before it ends.
     sim().inject_sticky_fault(0, "cudaErrorIllegalAddress");
@@ -459,7 +459,7 @@ TEST_P(ContextTest, ExitWaitsForWhatWasPendingWhenItBeganNotForReleasesThatKeepA
   context exiting{b(), std::make_unique<detail::service_thread>()};
   delay(slow_consumer, slow);
   {
-    producer_ref owner{[&] { ++released; }};
+    shared_producer owner{[&] { ++released; }};
     owner.release_after({.ctx = &exiting, .device = 0, .stream = slow_consumer, .stream_owner = nullptr});
   }
   std::thread exchanging([&] {  // two releases pending at any time, each behind 1 ms of work
@@ -471,7 +471,7 @@ TEST_P(ContextTest, ExitWaitsForWhatWasPendingWhenItBeganNotForReleasesThatKeepA
       }
       delay(busy, std::chrono::milliseconds{1});
       ++outstanding;
-      producer_ref owner{[&] { --outstanding; }};
+      shared_producer owner{[&] { --outstanding; }};
       owner.release_after({.ctx = &exiting, .device = 0, .stream = busy, .stream_owner = nullptr});
     }
     exiting.drain();  // `outstanding` goes with this thread
@@ -498,13 +498,13 @@ TEST_P(ContextTest, AReleaseAskedForAfterTheExitsWaitIsWaitedForWhenTheContextGo
     context exiting{b(), std::make_unique<detail::service_thread>()};
     delay(first, slow / 4);
     {
-      producer_ref owner{[&] { ++released; }};
+      shared_producer owner{[&] { ++released; }};
       owner.release_after({.ctx = &exiting, .device = 0, .stream = first, .stream_owner = nullptr});
     }
     EXPECT_FALSE(exiting.drain_at_exit(std::chrono::milliseconds{1})) << "the stream's work was done already";
     ASSERT_TRUE(exiting.drain_for(std::chrono::seconds{10}));
     delay(second, slow / 4);
-    producer_ref owner{[&] { ++released; }};
+    shared_producer owner{[&] { ++released; }};
     owner.release_after({.ctx = &exiting, .device = 0, .stream = second, .stream_owner = nullptr});
   }
   EXPECT_EQ(released.load(), 2) << "the release asked for after the exit's wait was left unrun";
@@ -519,7 +519,7 @@ TEST_P(ContextTest, AReleaseRunsWithItsStreamsDeviceCurrent)
   std::atomic<int> current_at_release{-1};
   delay(consumer, slow / 4);
   {
-    producer_ref owner{[&] { current_at_release = b().device_is_current(1) ? 1 : 0; }};
+    shared_producer owner{[&] { current_at_release = b().device_is_current(1) ? 1 : 0; }};
     owner.release_after({.ctx = &ctx(), .device = 1, .stream = consumer, .stream_owner = nullptr});
   }
   ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
@@ -561,7 +561,7 @@ TEST_P(ContextTest, ReleasesShareAndReuseTheirEvents)
   const auto consumer = stream_on(0);
   std::atomic<int> released{0};
   const auto release = [&] {
-    producer_ref owner{[&] { ++released; }};
+    shared_producer owner{[&] { ++released; }};
     owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
   };
   const auto before = stats();
@@ -599,7 +599,7 @@ TEST_P(ContextTest, AReleaseNeverStallsItsStream)
     },
     &unblock);
   {
-    producer_ref owner{[&] { released = true; }};
+    shared_producer owner{[&] { released = true; }};
     owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
   }
   fill(consumer, data, 3.0F);
@@ -622,7 +622,7 @@ TEST_P(ContextTest, AnEnqueueFailureFallsBackToWaitingForTheStream)
     fill(consumer, data, 7.0F);
     sim().inject_fault("record_event", 1, "cudaErrorLaunchFailure");
     {
-      producer_ref owner{[&] { seen_at_release = read(data, reader).front(); }};
+      shared_producer owner{[&] { seen_at_release = read(data, reader).front(); }};
       owner.release_after({.ctx = &ctx(), .device = 0, .stream = consumer, .stream_owner = nullptr});
     }
     EXPECT_EQ(seen_at_release.load(), -1.0F) << "released before the consumer stream was done";

@@ -204,7 +204,7 @@ TEST_P(ExchangeTest, ATableImportDefersToDunderDlpackForALazilyConjugatedTensorO
     array_layout layout = device_view(allocate_on(0), 0).layout();
     layout.dtype = {kDLComplex, 64, 1};
     layout.shape = std::vector<std::int64_t>{static_cast<std::int64_t>(n / 2)};
-    const array complex{std::move(layout), producer_ref{[&] { ++released; }}};
+    const array complex{std::move(layout), shared_producer{[&] { ++released; }}};
     scripted_table conjugated;
     conjugated.conjugated = true;
     EXPECT_FALSE(ex().import_from_table(export_versioned(complex), {}, conjugated).has_value());
@@ -344,7 +344,7 @@ TEST_P(ExchangeTest, EveryImportIsCheckedAgainstItsAllocationAndItsDeviceFamily)
     array_layout layout = device_view(allocate_on(0), 0).layout();
     layout.shape = std::vector<std::int64_t>{elements};
     layout.device.device_type = type;
-    return array{std::move(layout), producer_ref{[&] { ++released; }}};
+    return array{std::move(layout), shared_producer{[&] { ++released; }}};
   };
   const auto past_the_end = [&] { return described(static_cast<std::int64_t>(n) * 4096, b().device_type()); };
   const auto other_family = [&] { return described(1, b().device_type() == kDLCUDA ? kDLROCM : kDLCUDA); };
@@ -358,7 +358,8 @@ TEST_P(ExchangeTest, EveryImportIsCheckedAgainstItsAllocationAndItsDeviceFamily)
     cuda_interface interface {
       .layout = past_the_end().layout(), .stream = std::nullopt
     };
-    EXPECT_THROW((void)ex().import_interface(std::move(interface), producer_ref{[] {}}, onto(consumer)), value_error);
+    EXPECT_THROW((void)ex().import_interface(std::move(interface), shared_producer{[] {}}, onto(consumer)),
+                 value_error);
   }
   EXPECT_THROW((void)ex().adopt(past_the_end(), {}), value_error);
   EXPECT_THROW((void)ex().adopt(other_family(), {}), device_error);
@@ -375,11 +376,11 @@ TEST_P(ExchangeTest, AViewIsCheckedAgainstItsDeviceAndRecordsItsReadyStream)
 {
   const auto producer = stream_on(0);
   array_layout layout = device_view(allocate_on(0), 0).layout();
-  const array view = ex().view(layout, producer_ref{[] {}}, named(producer));
+  const array view = ex().view(layout, shared_producer{[] {}}, named(producer));
   EXPECT_EQ(view.owner().ready_on()->stream, producer);
-  EXPECT_FALSE(ex().view(layout, producer_ref{[] {}}).owner().ready_on().has_value()) << "unknown by default";
+  EXPECT_FALSE(ex().view(layout, shared_producer{[] {}}).owner().ready_on().has_value()) << "unknown by default";
   layout.device.device_id = 1;  // the memory belongs to device 0
-  EXPECT_THROW((void)ex().view(layout, producer_ref{[] {}}), value_error);
+  EXPECT_THROW((void)ex().view(layout, shared_producer{[] {}}), value_error);
 }
 
 TEST_P(ExchangeTest, AnAllocationIsReadyOnItsStreamOnTheDeviceAskedFor)
@@ -547,7 +548,7 @@ array cuda_described()
   layout.dtype = {kDLFloat, 32, 1};
   layout.shape = std::vector<std::int64_t>{4};
   layout.strides = std::vector<std::int64_t>{1};
-  return array{std::move(layout), producer_ref{[] {}}};
+  return array{std::move(layout), shared_producer{[] {}}};
 }
 
 TEST(AbsentBackendTest, CudaDataThatNeedsOrderingIsRefusedWhereNothingCanOrderIt)

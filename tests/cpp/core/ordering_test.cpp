@@ -38,7 +38,7 @@ class OrderingTest : public BackendContextTest {
     float* data = allocate_on(0);
     float* seen = allocate_on(0);
     std::optional<array> view{device_view(data, 0)};
-    bind_interface_import(ctx(), *view, 0, consumer, nullptr, producer, std::move(producer_owner));
+    bind_interface_import(*view, bound(consumer), producer, std::move(producer_owner));
     {
       const auto consumer_works = hold(consumer);  // the consumer's read waits until the hold ends
       b().copy_async(seen, data, n * sizeof(float), consumer);
@@ -93,7 +93,7 @@ TEST_P(OrderingTest, AnExportKeepsItsProducerUntilTheDefaultConsumerStreamIsDone
     const auto consumer_works = hold(legacy);  // the consumer's work on the legacy stream, until it ends
     {
       array_layout layout = device_view(allocate_on(0), 0).layout();
-      const array view{std::move(layout), producer_ref{[&] { ++released; }}};
+      const array view{std::move(layout), shared_producer{[&] { ++released; }}};
       order_export(&ctx(), view, {stream_order::legacy_default, 0}, export_release::known_streams);
     }
     EXPECT_EQ(released.load(), 0) << "released while the consumer's stream still reads the data";
@@ -112,7 +112,7 @@ TEST_P(OrderingTest, AnExportLeavesABareConsumerHandleUntouchedUnlessItsOwnerIsH
       const auto consumer_works = hold(consumer);
       {
         array_layout layout = device_view(allocate_on(0), 0).layout();
-        const array view{std::move(layout), producer_ref{[&] { ++released; }}};
+        const array view{std::move(layout), shared_producer{[&] { ++released; }}};
         order_export(&ctx(), view, on(consumer), policy, std::move(owner));
       }
       at_once = released.load();
@@ -195,7 +195,7 @@ TEST_P(OrderingTest, AnEmptyViewOnADeviceTheBackendDoesNotHaveIsRefused)
     layout.dtype = {kDLFloat, 32, 1};
     layout.shape = std::vector<std::int64_t>{0};
     layout.strides = std::vector<std::int64_t>{1};
-    const array empty{std::move(layout), producer_ref{[] {}}};
+    const array empty{std::move(layout), shared_producer{[] {}}};
     EXPECT_THROW((void)owning_device(ctx(), empty), value_error) << device;
   }
 }
@@ -225,8 +225,8 @@ TEST_P(OrderingTest, BindImportMakesTheConsumerTheReadyStreamAndDefersRelease)
     const auto consumer_works = hold(consumer);
     {
       array_layout layout = device_view(data, 0).layout();
-      const array view{std::move(layout), producer_ref{[&] { released = true; }}};
-      bind_import(ctx(), view, 0, consumer);
+      const array view{std::move(layout), shared_producer{[&] { released = true; }}};
+      bind_import(view, bound(consumer));
       ASSERT_TRUE(view.owner().ready_on().has_value());
       EXPECT_EQ(view.owner().ready_on()->stream, consumer);
     }
@@ -245,7 +245,7 @@ TEST_P(OrderingTest, AViewImportedDuringACaptureIsKeptUntilTheGraphIsGoneThoughD
   std::atomic<int> released{0};
   std::optional<array> view{device_view(allocate_on(0), 0, [&] { ++released; })};
   sim().begin_capture(consumer);
-  bind_import(ctx(), *view, 0, consumer);
+  bind_import(*view, bound(consumer));
   delay(consumer, slow / 4);  // a node of the graph: each launch reads the data this long
   std::optional<device::sim_graph> graph{sim().end_capture(consumer)};
   view.reset();  // after the capture: the release's event is recorded outside the graph
@@ -367,7 +367,7 @@ TEST_P(OrderingTest, OrderingDataOnAnotherDeviceCreatesNoContextOnTheCurrentOne)
     const array view = device_view(data, 1);
     mark_ready(view, producer, 1);
     order_export(&ctx(), view, on(consumer), export_release::known_streams);
-    bind_import(ctx(), view, owning_device(ctx(), view), consumer);
+    bind_import(view, bound(consumer, owning_device(ctx(), view)));
     EXPECT_EQ(read_after(held, data, consumer).front(), 2.0F);
   });
   importer.join();
@@ -398,7 +398,7 @@ TEST_P(OrderingTest, ManyThreadsExchangeAtOnce)
         mark_ready(view, producer, device);
         order_export(&ctx(), view, on(consumer),
                      export_release::known_streams);  // from the data's device, whatever is current
-        bind_import(ctx(), view, device, consumer);
+        bind_import(view, bound(consumer, device));
         if (read(data, consumer).back() != static_cast<float>(round)) { ++wrong; }
       }
       b().synchronize_stream(producer);

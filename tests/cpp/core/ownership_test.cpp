@@ -19,7 +19,7 @@ array host_view(std::vector<float>& data, bool* released = nullptr)
   layout.data = data.data();
   layout.shape = std::vector<std::int64_t>{2, static_cast<std::int64_t>(data.size() / 2)};
   layout.strides = std::vector<std::int64_t>{static_cast<std::int64_t>(data.size() / 2), 1};
-  return array{std::move(layout), producer_ref{[released] {
+  return array{std::move(layout), shared_producer{[released] {
                  if (released != nullptr) { *released = true; }
                }}};
 }

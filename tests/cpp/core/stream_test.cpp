@@ -6,6 +6,7 @@
 
 #include "support/backend_fixture.hpp"
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -21,11 +22,6 @@ using handoff::testing::BackendContextTest;
 class StreamWaitTest : public BackendContextTest {
  protected:
   event_pool& events() { return ctx().events(); }
-  // `s`, bound for data of `device` (on which default streams resolve).
-  bound_stream on(device::stream_handle s, int device = 0)
-  {
-    return bound_stream{.ctx = &ctx(), .device = device, .stream = s, .stream_owner = nullptr};
-  }
 
   // `consumer` waits, by an event of `device`, for `value` written to `data` on the held `producer`;
   // returns what it reads once the hold ends, having checked that the read waited for it.
@@ -34,7 +30,7 @@ class StreamWaitTest : public BackendContextTest {
   {
     auto held = hold(producer);
     fill(producer, data, value);
-    on(consumer, device).wait_for(producer);
+    bound(consumer, device).wait_for(producer);
     EXPECT_EQ(b().current_device(), 0) << "the wait did not restore the current device";
     return read_after(held, data, consumer);
   }
@@ -76,7 +72,7 @@ TEST_P(StreamWaitTest, TheWaitNeverBlocksTheHost)
     fill(producer, data, 1.0F);
     // Returns while the producer is held: a host wait for it would never return (the simulator
     // refuses it, handoffErrorHoldDeadlock).
-    on(consumer).wait_for(producer);
+    bound(consumer).wait_for(producer);
     EXPECT_TRUE(held_back(consumer));
   }
   b().synchronize_device();
@@ -87,9 +83,9 @@ TEST_P(StreamWaitTest, AStreamOfAnotherContextIsRefused)
   const auto s = stream_on(0);
   const bound_stream elsewhere{.ctx = nullptr, .device = 0, .stream = stream_on(0), .stream_owner = nullptr};
   const auto before = stats();
-  EXPECT_THROW(on(s).wait_for(elsewhere), value_error);
+  EXPECT_THROW(bound(s).wait_for(elsewhere), value_error);
   EXPECT_EQ(stats().waits_inserted, before.waits_inserted);
-  EXPECT_NO_THROW(on(s).wait_for(on(elsewhere.stream)));  // the same stream bound on this context
+  EXPECT_NO_THROW(bound(s).wait_for(bound(elsewhere.stream)));  // the same stream bound on this context
 }
 
 TEST_P(StreamWaitTest, AReleaseAfterTheStreamWaitsForItsWorkAndKeepsItsOwnerUntilThen)
@@ -97,14 +93,14 @@ TEST_P(StreamWaitTest, AReleaseAfterTheStreamWaitsForItsWorkAndKeepsItsOwnerUnti
   const auto s = stream_on(0);
   auto owner = std::make_shared<int>(0);
   const std::weak_ptr<const void> watched = owner;
-  bool released = false;
+  std::atomic<bool> released{false};  // set on the context's service thread
   {
     auto held = hold(s);
     fill(s, allocate_on(0), 1.0F);  // work the release must wait for
-    bound_stream bound = on(s);
-    bound.stream_owner = std::move(owner);
-    bound.release_after([&released]() noexcept { released = true; });
-    bound.stream_owner.reset();  // only the pending release keeps the owner now
+    bound_stream on_s = bound(s);
+    on_s.stream_owner = std::move(owner);
+    on_s.release_after([&released]() noexcept { released = true; });
+    on_s.stream_owner.reset();  // only the pending release keeps the owner now
     ctx().drain_for(std::chrono::milliseconds{0});
     EXPECT_FALSE(released) << "the release ran before the held work on its stream";
     EXPECT_FALSE(watched.expired()) << "the stream's owner went before the release that waits for it";
@@ -117,9 +113,9 @@ TEST_P(StreamWaitTest, AReleaseAfterTheStreamWaitsForItsWorkAndKeepsItsOwnerUnti
 TEST_P(StreamWaitTest, ABoundStreamNamesItselfAsDLPackDoes)
 {
   const auto s = stream_on(0);
-  EXPECT_EQ(on(s).dlpack_value(), static_cast<std::int64_t>(device::raw(s)));
+  EXPECT_EQ(bound(s).dlpack_value(), static_cast<std::int64_t>(device::raw(s)));
   const bool cuda = b().device_type() == kDLCUDA;
-  const auto legacy = on(b().legacy_default_stream()).dlpack_value();
+  const auto legacy = bound(b().legacy_default_stream()).dlpack_value();
   if (cuda) {
     EXPECT_EQ(legacy, 1);  // cudaStreamLegacy, never the ambiguous 0
   } else {
@@ -131,7 +127,7 @@ TEST_P(StreamWaitTest, SameStreamIsElided)
 {
   const auto s = stream_on(0);
   const auto before = stats();
-  on(s).wait_for(s);
+  bound(s).wait_for(s);
   EXPECT_EQ(stats().waits_elided, before.waits_elided + 1);
   EXPECT_EQ(stats().waits_inserted, before.waits_inserted);
 }
@@ -154,8 +150,8 @@ TEST_P(StreamWaitTest, AHopThroughTheLegacyStreamKeepsTheOrder)
   const auto last = stream_on(0, /*non_blocking=*/false);
   auto held = hold(producer);
   fill(producer, data, 1.0F);
-  on(b().legacy_default_stream()).wait_for(producer);
-  on(last).wait_for(b().legacy_default_stream());
+  bound(b().legacy_default_stream()).wait_for(producer);
+  bound(last).wait_for(b().legacy_default_stream());
   EXPECT_EQ(read_after(held, data, last).front(), 1.0F);
 }
 
@@ -225,7 +221,7 @@ TEST_P(StreamWaitTest, ThreeHundredExchangesReuseTheirEvents)
   const auto before = stats();
   for (int i = 0; i < 300; ++i) {
     fill(producer, data, static_cast<float>(i));
-    on(consumer).wait_for(producer);
+    bound(consumer).wait_for(producer);
   }
   EXPECT_LE(stats().events_created - before.events_created, 16U);
   EXPECT_GE(stats().events_reused - before.events_reused, 284U);
@@ -237,13 +233,13 @@ TEST_P(StreamWaitTest, CaptureNeverTouchesTheLegacyStream)
   HANDOFF_REQUIRE_SIM("the device interface cannot begin or end a capture");
   const auto producer = stream_on(0, /*non_blocking=*/false);
   sim().begin_capture(producer);
-  EXPECT_THROW(on(b().legacy_default_stream()).wait_for(producer), buffer_error);
+  EXPECT_THROW(bound(b().legacy_default_stream()).wait_for(producer), buffer_error);
   const auto outsider = stream_on(0);
-  EXPECT_THROW(on(outsider).wait_for(producer), buffer_error);
+  EXPECT_THROW(bound(outsider).wait_for(producer), buffer_error);
   // Neither stream of this exchange captures, but the legacy stream is part of the blocking
   // stream's capture: recording on it would invalidate that capture.
   const auto bystander = stream_on(0);
-  EXPECT_THROW(on(bystander).wait_for(b().legacy_default_stream()), buffer_error);
+  EXPECT_THROW(bound(bystander).wait_for(b().legacy_default_stream()), buffer_error);
   (void)sim().end_capture(producer);  // not invalidated: the legacy stream was never used
 }
 
@@ -255,7 +251,7 @@ TEST_P(StreamWaitTest, TwoCapturesIntoDifferentGraphsAreRefusedBeforeEitherIsInv
   sim().begin_capture(producer);
   sim().begin_capture(consumer);
   EXPECT_NE(b().stream_capture_id(producer), b().stream_capture_id(consumer));
-  EXPECT_THROW(on(consumer).wait_for(producer), buffer_error);
+  EXPECT_THROW(bound(consumer).wait_for(producer), buffer_error);
   EXPECT_EQ(b().stream_capture_status(producer), device::capture_status::active);
   EXPECT_EQ(b().stream_capture_status(consumer), device::capture_status::active);
   (void)sim().end_capture(consumer);  // neither was invalidated
@@ -267,7 +263,7 @@ TEST_P(StreamWaitTest, TwoCapturesIntoDifferentGraphsAreRefusedBeforeEitherIsInv
   b().record_event(fork, producer);
   b().stream_wait_event(consumer, fork);
   EXPECT_EQ(b().stream_capture_id(producer), b().stream_capture_id(consumer));
-  EXPECT_NO_THROW(on(consumer).wait_for(producer));
+  EXPECT_NO_THROW(bound(consumer).wait_for(producer));
   const auto join = b().create_event();
   b().record_event(join, consumer);
   b().stream_wait_event(producer, join);
@@ -291,7 +287,7 @@ TEST_P(StreamWaitTest, FaultsLeaveNoLeakAndRestoreTheDevice)
   for (const char* op : operations) {
     sim().inject_fault(op, 1, "cudaErrorLaunchFailure");
     try {
-      on(consumer, device).wait_for(producer);
+      bound(consumer, device).wait_for(producer);
       ADD_FAILURE() << op << ": expected device_error";
     } catch (const device_error& e) {
       EXPECT_EQ(e.error_name(), "cudaErrorLaunchFailure") << op;
@@ -300,7 +296,7 @@ TEST_P(StreamWaitTest, FaultsLeaveNoLeakAndRestoreTheDevice)
     sim().clear_faults();
   }
   const auto idle = events().idle();
-  on(consumer, device).wait_for(producer);  // works again, and the borrowed event came back
+  bound(consumer, device).wait_for(producer);  // works again, and the borrowed event came back
   EXPECT_EQ(events().idle(), idle);
 }
 

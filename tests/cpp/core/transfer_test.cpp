@@ -20,7 +20,7 @@ handoff::array host_described(DLDevice device)
   layout.dtype = {kDLFloat, 32, 1};
   layout.shape = std::vector<std::int64_t>{4};
   layout.strides = std::vector<std::int64_t>{1};
-  return handoff::array{std::move(layout), handoff::producer_ref{[] {}}};
+  return handoff::array{std::move(layout), handoff::shared_producer{[] {}}};
 }
 
 }  // namespace

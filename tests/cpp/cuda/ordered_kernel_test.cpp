@@ -82,7 +82,8 @@ class OrderedKernelTest : public ::testing::Test {
     layout.shape = std::vector<std::int64_t>{static_cast<std::int64_t>(n)};
     layout.strides = std::vector<std::int64_t>{1};
     const auto ready = reinterpret_cast<std::uintptr_t>(producer_);
-    return handoff::process_exchange().view(std::move(layout), handoff::producer_ref{[&released] { released = true; }},
+    return handoff::process_exchange().view(std::move(layout),
+                                            handoff::shared_producer{[&released] { released = true; }},
                                             handoff::named_stream::native(ready, nullptr));
   }
 

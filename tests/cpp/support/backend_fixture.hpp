@@ -107,6 +107,11 @@ class BackendContextTest : public BackendTest {
   }
 
   context& ctx() { return *ctx_; }
+  /// `stream` bound on the context for data of `device` (on which default streams resolve).
+  bound_stream bound(device::stream_handle stream, int device = 0)
+  {
+    return bound_stream{.ctx = &ctx(), .device = device, .stream = stream, .stream_owner = nullptr};
+  }
 
   /// A view of the n floats at `data` on `device` of the backend, whose producer frees nothing (the
   /// fixture owns the memory) and calls `on_release`, if given, when released.
@@ -118,7 +123,7 @@ class BackendContextTest : public BackendTest {
     layout.dtype = {kDLFloat, 32, 1};
     layout.shape = std::vector<std::int64_t>{static_cast<std::int64_t>(n)};
     layout.strides = std::vector<std::int64_t>{1};
-    return array{std::move(layout), producer_ref{[release = std::move(on_release)]() noexcept {
+    return array{std::move(layout), shared_producer{[release = std::move(on_release)]() noexcept {
                    if (release) { release(); }
                  }}};
   }

@@ -135,12 +135,12 @@ TEST_P(TraceTest, AConsumerStreamOfAnotherDeviceIsACrossDeviceHazard)
   {
     trace::exchange_scope scope{trace::event_kind::import_data, "cuda-array-interface"};
     scope.set_view(view);
-    bind_import(ctx(), view, 0, other_device, nullptr);
+    bind_import(view, bound(other_device));
   }
   {  // negative control: a stream of the data's device
     trace::exchange_scope scope{trace::event_kind::import_data, "cuda-array-interface"};
     scope.set_view(view);
-    bind_import(ctx(), view, 0, stream_on(0), nullptr);
+    bind_import(view, bound(stream_on(0)));
   }
   const auto events = finish();
   ASSERT_EQ(events.size(), 2U);
@@ -155,7 +155,7 @@ TEST_P(TraceTest, ADeferredReleaseIsTracedAsAWaitOnTheConsumerStream)
   const auto consumer = stream_on(0);
   std::optional<array> view{device_view(data, 0)};
   const std::uint64_t buffer = view->owner().id();
-  bind_import(ctx(), *view, 0, consumer, nullptr);
+  bind_import(*view, bound(consumer));
   view.reset();
   ctx().drain();
   const auto events = finish();
@@ -196,7 +196,7 @@ class TraceSessionTest : public ::testing::Test {
     layout.data = data.data();
     layout.shape = std::vector<std::int64_t>{items};
     layout.strides = std::vector<std::int64_t>{1};
-    const array view{std::move(layout), producer_ref{[] {}}};
+    const array view{std::move(layout), shared_producer{[] {}}};
     trace::exchange_scope scope{trace::event_kind::import_data, "buffer"};
     scope.set_view(view);
   }

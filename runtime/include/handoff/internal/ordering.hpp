@@ -31,7 +31,7 @@ void note_unordered_export(const array& view) noexcept;
 /// `ready_owner`; order none: unknown). Without a backend device memory is exchanged as it comes.
 /// @throws value_error for a bad layout, or memory that is not the claimed device's (or that runs past
 ///         its allocation); device_error when the backend is of the other device family.
-[[nodiscard]] array make_view(context* ctx, array_layout&& layout, producer_ref owner, stream_request ready,
+[[nodiscard]] array make_view(context* ctx, array_layout&& layout, shared_producer owner, stream_request ready,
                               std::shared_ptr<const void> ready_owner = {});
 
 /// Export half: orders the work pending on the stream `view` is ready on (its producer's last
@@ -49,11 +49,10 @@ void order_export(context* ctx, const array& view, stream_request consumer, expo
 /// @throws as order_export.
 [[nodiscard]] std::optional<bound_stream> order_for_consumer(context* ctx, const array& view, stream_request consumer);
 
-/// Import half: records that `view`'s data is ready on `consumer` (of `device`), and defers the
-/// release of its producer until the work enqueued on `consumer` by then is done. `consumer_owner`
-/// (may be empty) keeps the consumer stream alive until then.
-void bind_import(context& ctx, const array& view, int device, device::stream_handle consumer,
-                 std::shared_ptr<const void> consumer_owner = {});
+/// Import half: records that `view`'s data is ready on `consumer`, and defers the release of its
+/// producer until the work enqueued on `consumer` by then is done; the consumer's `stream_owner` (may
+/// be empty) keeps the stream alive until then.
+void bind_import(const array& view, const bound_stream& consumer);
 
 /// Work on `device` of `ctx`'s backend bound to `stream` (resolved by the stream table of the
 /// device's type), which `stream.owner` keeps alive with the binding.
@@ -72,8 +71,7 @@ void bind_import(context& ctx, const array& view, int device, device::stream_han
 /// - a stream handle that `producer_owner` keeps alive (the stream object the producer holds).
 /// Any other handle may be destroyed before the release: it is not touched.
 /// @throws what bound_stream::wait_for throws.
-void bind_interface_import(context& ctx, const array& view, int device, device::stream_handle consumer,
-                           std::shared_ptr<const void> consumer_owner, stream_request producer,
+void bind_interface_import(const array& view, const bound_stream& consumer, stream_request producer,
                            std::shared_ptr<const void> producer_owner = {});
 
 /// Import half of an exchange whose producer's work is on `producer` (a request as classify_stream
