@@ -93,8 +93,7 @@ class OrderedKernelTest : public ::testing::Test {
                                              std::shared_ptr<const void> stream_owner = nullptr)
   {
     return handoff::process_exchange()
-      .export_dlpack(view, {.stream = stream,
-                            .stream_owner = std::move(stream_owner),
+      .export_dlpack(view, {.stream = {handoff::named_stream::form::dlpack_value, stream, std::move(stream_owner)},
                             .max_version = DLPackVersion{1, 1},
                             .dl_device = std::nullopt,
                             .copy = std::nullopt})
