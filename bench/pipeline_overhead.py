@@ -4,6 +4,8 @@ run untraced, under `handoff-trace run`, under `handoff-trace run --order` and u
 `handoff-trace run --launches`; and a launch-heavy variant on the simulator (each step also launches
 kernels, orders two streams through an exchange and waits for one), untraced and under
 `handoff-trace run --launches`. The target: a launch trace costs at most 1.10x the untraced step.
+The launch-heavy variant also runs racy (its exchange orders nothing, so the race detector reports
+a race every step): what a program that races costs while the trace describes each race.
 
 Configurations run interleaved (one process each per round), so that a disturbance of the machine
 hits them alike; each process reports its 20th-percentile step time, and each configuration's figure
@@ -46,13 +48,15 @@ print(json.dumps(times[steps // 10:]))  # the first tenth warms up
 
 # The launch-heavy variant on the simulator: the same work, and each step launches kernels on one
 # stream, hands the result to a second stream through an exchange (an event and a wait) and waits
-# for that stream.
+# for that stream. The producer's last write is a fill on its stream, which makes that stream the
+# array's producer stream (as a library that knows its stream says it); "racy" leaves it out, so
+# the exchange orders the consumer after the stream the array was made on, not after the kernels.
 LAUNCHES = r"""
 import json, sys, time
 import numpy as np
 import handoff
 from handoff import sim
-steps, size, launches = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+steps, size, launches, ordered = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "ordered"
 # Scaled, and squashed by tanh each step: the values stay near 1 (no overflow to inf and NaN, no
 # decay into subnormals), so every step does the same work.
 weights = (np.random.default_rng(0).standard_normal((size, size)) / np.sqrt(size)).astype(np.float32)
@@ -65,6 +69,8 @@ for step in range(steps + steps // 10):
     batch = np.tanh(batch @ weights)
     for k in range(launches):
         sim.launch("layer", reads=[buffers[k % 4]], writes=[buffers[(k + 1) % 4]], stream=compute)
+    if ordered:
+        sim.fill(buffers[0], 1.0, stream=compute)
     ready = handoff.from_dlpack(buffers[0], stream=consumer)
     sim.launch("head", reads=[ready], writes=[buffers[1]], stream=consumer)
     consumer.synchronize()
@@ -115,6 +121,8 @@ def main() -> None:
         launches.write_text(LAUNCHES)
         base = [python, str(pipeline), str(args.steps), str(args.size)]
         heavy = [python, str(launches), str(args.steps), str(args.size), str(args.launches_per_step)]
+        racy = [*heavy, "racy"]
+        heavy.append("ordered")
         sim_env = {**env, "HANDOFF_BACKEND": "sim"}
         configs = {
             "pipeline, untraced": (base, env),
@@ -123,6 +131,8 @@ def main() -> None:
             "pipeline, handoff-trace run --launches": ([*trace, "--launches", "--", *base], env),
             "launch-heavy (sim), untraced": (heavy, sim_env),
             "launch-heavy (sim), handoff-trace run --launches": ([*trace, "--launches", "--", *heavy], sim_env),
+            "launch-heavy racy (sim), untraced": (racy, sim_env),
+            "launch-heavy racy (sim), handoff-trace run --launches": ([*trace, "--launches", "--", *racy], sim_env),
         }
         figures: dict[str, list[float]] = {name: [] for name in configs}
         for _ in range(args.rounds):
@@ -135,7 +145,7 @@ def main() -> None:
     )
     print(f"{'configuration':<52} {'p20 step':>10} {'ratio':>6}")
     for name, value in best.items():
-        baseline = best["launch-heavy (sim), untraced" if name.startswith("launch-heavy") else "pipeline, untraced"]
+        baseline = best[name.split(", ")[0] + ", untraced"]
         print(f"{name:<52} {value / 1000:>8.1f}us {value / baseline:>6.3f}")
 
 

@@ -332,29 +332,72 @@ std::string race_detector::site_name(const access_site& site, access mode) const
   return text;
 }
 
-std::string race_detector::range_name(std::uintptr_t address, std::size_t bytes) const
+std::string race_detector::range_name(std::uintptr_t address, std::size_t bytes, const std::string& label)
 {
-  std::string label = label_ ? label_(address, bytes) : std::string{};
   const std::string where = fmt::format("[{:#x}, {} B]", address, bytes);
   return label.empty() ? where : fmt::format("{} {}", label, where);
 }
 
-found_hazard race_detector::describe(const char* hazard, const epoch& other, std::uint32_t s,
-                                     const activity::buffer_use& use, bool freeing, bool used_after_free) const
+std::size_t race_detector::wording_hash::operator()(const wording_key& k) const noexcept
 {
-  found_hazard out;
-  out.name = hazard;
-  out.other = other.site;
-  const std::string here = stream_name(s);
-  const std::string there = stream_name(other.stream);
-  const std::string memory = range_name(use.address, use.bytes);
-  const access_site& mine = current_ != nullptr ? *current_ : access_site{};
-  const std::string this_side = site_name(mine, use.mode);
-  const std::string other_side = site_name(*other.site, other.mode);
-  const std::string other_what = other.site->kind == kind::launch && other.site->kernel != nullptr
-                                   ? fmt::format("'{}'", other.site->kernel)
-                                   : std::string{noun(other.site->kind)};
-  if (used_after_free) {
+  std::size_t h = std::hash<std::string_view>{}(k.where);
+  const auto mix = [&h](std::size_t v) { h ^= v + 0x9E3779B97F4A7C15U + (h << 6U) + (h >> 2U); };
+  mix(std::hash<std::string_view>{}(k.other_where));
+  mix(std::hash<std::string_view>{}(k.label));
+  mix(k.address);
+  mix(k.bytes);
+  mix((std::size_t{k.here} << 32U) | k.there);
+  mix(std::hash<const void*>{}(k.kernel));
+  mix(std::hash<const void*>{}(k.other_kernel));
+  return h;
+}
+
+found_hazard race_detector::describe(const char* hazard, const epoch& other, std::uint32_t s,
+                                     const activity::buffer_use& use, bool freeing, bool used_after_free)
+{
+  static const access_site unnamed{};
+  const access_site& mine = current_ != nullptr ? *current_ : unnamed;
+  wording_key key{.hazard = hazard,
+                  .freeing = freeing,
+                  .used_after_free = used_after_free,
+                  .here = s,
+                  .there = other.stream,
+                  .address = use.address,
+                  .bytes = use.bytes,
+                  .label = label_ ? label_(use.address, use.bytes) : std::string{},
+                  .mode = use.mode,
+                  .other_mode = other.mode,
+                  .kind = mine.kind,
+                  .other_kind = other.site->kind,
+                  .kernel = mine.kernel,
+                  .other_kernel = other.site->kernel,
+                  .library = mine.library,
+                  .other_library = other.site->library,
+                  .where = mine.where,
+                  .other_where = other.site->where};
+  auto found = worded_.find(key);
+  if (found == worded_.end()) {
+    constexpr std::size_t most_remembered = 256;
+    if (worded_.size() >= most_remembered) { worded_.clear(); }
+    wording words = word(key, mine, *other.site);
+    found = worded_.emplace(std::move(key), std::move(words)).first;
+  }
+  return {.name = hazard, .other = other.site, .detail = found->second.detail, .fix = found->second.fix};
+}
+
+race_detector::wording race_detector::word(const wording_key& k, const access_site& mine,
+                                           const access_site& other) const
+{
+  wording out;
+  const std::string here = stream_name(k.here);
+  const std::string there = stream_name(k.there);
+  const std::string memory = range_name(k.address, k.bytes, k.label);
+  const std::string this_side = site_name(mine, k.mode);
+  const std::string other_side = site_name(other, k.other_mode);
+  const std::string other_what = other.kind == kind::launch && other.kernel != nullptr
+                                   ? fmt::format("'{}'", other.kernel)
+                                   : std::string{noun(other.kind)};
+  if (k.used_after_free) {
     out.detail = fmt::format(
       "{} on {} uses {}, which was freed on {} by the {} with nothing ordering the use after "
       "the free: the memory may already belong to another allocation",
@@ -365,7 +408,7 @@ found_hazard race_detector::describe(const char* hazard, const epoch& other, std
       here, there, here);
     return out;
   }
-  if (freeing) {
+  if (k.freeing) {
     out.detail = fmt::format("{} frees {} on {} while the {} on {} may still use it: nothing orders the free after it",
                              this_side, memory, here, other_side, there);
     out.fix = fmt::format(
@@ -375,13 +418,13 @@ found_hazard race_detector::describe(const char* hazard, const epoch& other, std
       there, there, other_what, here);
     return out;
   }
-  out.detail = fmt::format("{} on {} and the {} on {} touch {} with nothing ordering them: {}", this_side, here,
-                           other_side, there, memory,
-                           activity::writes(other.mode) ? "it may read or write the memory before the earlier write"
-                                                        : "it may write the memory while the earlier read still runs");
+  out.detail = fmt::format(
+    "{} on {} and the {} on {} touch {} with nothing ordering them: {}", this_side, here, other_side, there, memory,
+    activity::writes(k.other_mode) ? "it may read or write the memory before the earlier write"
+                                   : "it may write the memory while the earlier read still runs");
   const bool legacy_meets_non_blocking =
-    (streams_[s].stream_class == stream_class::legacy && !blocking(streams_[other.stream].stream_class)) ||
-    (streams_[other.stream].stream_class == stream_class::legacy && !blocking(streams_[s].stream_class));
+    (streams_[k.here].stream_class == stream_class::legacy && !blocking(streams_[k.there].stream_class)) ||
+    (streams_[k.there].stream_class == stream_class::legacy && !blocking(streams_[k.here].stream_class));
   const std::string wait = fmt::format(
     "make {} wait for {}: an event recorded on {} after {}, waited for on {} before this (cudaEventRecord, "
     "cudaStreamWaitEvent; handoff.from_dlpack(x, stream=...) does it for an exchanged array)",
@@ -397,7 +440,7 @@ found_hazard race_detector::describe(const char* hazard, const epoch& other, std
           "{}, or run both on one stream (with handoff.stream(s, frameworks=True): every library's current "
           "stream)",
           wait);
-  if (!activity::writes(other.mode) && other.site->kind == kind::copy) {
+  if (!activity::writes(k.other_mode) && other.kind == kind::copy) {
     fix +=
       "; if a caching allocator handed the copy's source out again, keep it for the copy's stream "
       "(tensor.record_stream(stream) in PyTorch)";

@@ -42,9 +42,10 @@ constexpr std::size_t bytes = 4096;
 
 class RaceDetectorTest : public ::testing::Test {
  protected:
-  // Issues `r` from host thread `thread`, as kernel or operation `name`.
+  // Issues `r` from host thread `thread`, as kernel or operation `name`, at user line `where` (by
+  // default a line of its own).
   std::optional<found_hazard> issue(record r, std::vector<buffer_use> uses = {}, const char* name = "k",
-                                    std::uint64_t thread = 1)
+                                    std::uint64_t thread = 1, const std::string& where = {})
   {
     r.buffers = uses;
     auto site = std::make_shared<access_site>();
@@ -53,7 +54,7 @@ class RaceDetectorTest : public ::testing::Test {
     site->kernel = name;
     site->stream = {.device = r.device.device_id, .handle = r.stream, .thread = 0};
     site->stream_class = r.stream_class;
-    site->where = "app.py:" + std::to_string(seq_);
+    site->where = where.empty() ? "app.py:" + std::to_string(seq_) : where;
     return detector_.observe(r, thread, site);
   }
 
@@ -354,6 +355,59 @@ TEST_F(RaceDetectorTest, TheLabelerNamesTheMemory)
   const auto race = named.observe(r, 1, site);
   ASSERT_TRUE(race);
   EXPECT_NE(race->detail.find("buffer:7"), std::string::npos) << race->detail;
+}
+
+TEST_F(RaceDetectorTest, ARaceFoundAgainBetweenTheSameLinesIsWordedAlikeAndNamesTheNewSide)
+{
+  // A race in a loop: found again each iteration, between the same two lines.
+  const auto at = [this](stream_ref s, access mode, const char* where) {
+    return issue(on(kind::launch, s), {{.address = data, .bytes = bytes, .mode = mode}}, "k", 1, where);
+  };
+  EXPECT_FALSE(at(producer, access::write, "loop.py:10"));
+  const auto first = at(consumer, access::read, "loop.py:11");
+  ASSERT_TRUE(first);
+  host_waits_for(consumer);
+  host_waits_for(producer);
+  EXPECT_FALSE(at(producer, access::write, "loop.py:10"));
+  const std::uint64_t second_write = seq_;
+  const auto again = at(consumer, access::read, "loop.py:11");
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again->detail, first->detail);
+  EXPECT_EQ(again->fix, first->fix);
+  ASSERT_TRUE(again->other);
+  EXPECT_EQ(again->other->seq, second_write) << "the earlier side is this iteration's write";
+  // Another line is other words (negative control: nothing remembered is stale).
+  const auto elsewhere = at(consumer, access::read, "loop.py:12");
+  ASSERT_TRUE(elsewhere);
+  EXPECT_NE(elsewhere->detail, first->detail);
+  EXPECT_NE(elsewhere->detail.find("loop.py:12"), std::string::npos) << elsewhere->detail;
+}
+
+TEST_F(RaceDetectorTest, ARaceOnMemoryNamedAnewIsWordedWithItsNewName)
+{
+  std::string label = "buffer:7";
+  race_detector named{[&label](std::uintptr_t, std::size_t) { return label; }};
+  auto site = std::make_shared<access_site>();
+  const buffer_use use{.address = data, .bytes = bytes, .mode = access::write};
+  const auto race = [&] {
+    record w = on(kind::launch, producer);
+    w.buffers = {&use, 1};
+    EXPECT_FALSE(named.observe(w, 1, site));
+    record r = on(kind::launch, consumer);
+    r.buffers = {&use, 1};
+    auto found = named.observe(r, 1, site);
+    record sync = on(kind::host_sync, consumer);
+    sync.scope = sync_scope::device;
+    (void)named.observe(sync, 1, site);
+    return found;
+  };
+  const auto first = race();
+  ASSERT_TRUE(first);
+  EXPECT_NE(first->detail.find("buffer:7"), std::string::npos) << first->detail;
+  label = "buffer:8";  // the memory exchanged again
+  const auto second = race();
+  ASSERT_TRUE(second);
+  EXPECT_NE(second->detail.find("buffer:8"), std::string::npos) << second->detail;
 }
 
 TEST_F(RaceDetectorTest, RangesOfFreedMemoryAreForgotten)

@@ -95,6 +95,38 @@ class race_detector {
     std::size_t operator()(const stream_key& k) const noexcept;
   };
 
+  // Everything a hazard's words depend on: a race in a loop is found again each iteration between
+  // the same two sides, and naming both and the fix costs far more than finding it.
+  struct wording_key {
+    const char* hazard{nullptr};
+    bool freeing{false};
+    bool used_after_free{false};
+    std::uint32_t here{0};  // stream indices: a stream's name never changes
+    std::uint32_t there{0};
+    std::uintptr_t address{0};
+    std::size_t bytes{0};
+    std::string label;
+    activity::access mode{activity::access::read};
+    activity::access other_mode{activity::access::read};
+    activity::kind kind{activity::kind::launch};
+    activity::kind other_kind{activity::kind::launch};
+    const char* kernel{nullptr};  // interned, as the libraries are
+    const char* other_kernel{nullptr};
+    const char* library{nullptr};
+    const char* other_library{nullptr};
+    std::string where;
+    std::string other_where;
+
+    friend bool operator==(const wording_key&, const wording_key&) = default;
+  };
+  struct wording_hash {
+    std::size_t operator()(const wording_key& k) const noexcept;
+  };
+  struct wording {
+    std::string detail;
+    std::string fix;
+  };
+
   std::uint32_t stream_of(const activity::record& r, std::uint64_t thread);
   /// What orders a new operation on `s`: the host's synchronizations and the legacy stream's rule.
   void order_operation(std::uint32_t s);
@@ -119,9 +151,11 @@ class race_detector {
 
   [[nodiscard]] std::string stream_name(std::uint32_t s) const;
   [[nodiscard]] std::string site_name(const access_site& site, activity::access mode) const;
-  [[nodiscard]] std::string range_name(std::uintptr_t address, std::size_t bytes) const;
+  [[nodiscard]] static std::string range_name(std::uintptr_t address, std::size_t bytes, const std::string& label);
+  /// The hazard found, worded once per distinct pair of sides (remembered in `worded_`).
   found_hazard describe(const char* hazard, const epoch& other, std::uint32_t s, const activity::buffer_use& use,
-                        bool freeing, bool used_after_free) const;
+                        bool freeing, bool used_after_free);
+  [[nodiscard]] wording word(const wording_key& k, const access_site& mine, const access_site& other) const;
 
   labeler label_;
   const access_site* current_{nullptr};  // the site being observed, for messages
@@ -132,6 +166,7 @@ class race_detector {
   std::uint64_t host_version_{1};
   std::map<std::pair<std::uintptr_t, std::uintptr_t>, range_state> shadow_;  // by [begin, end)
   std::uintptr_t longest_{0};  // the longest range in shadow_: bounds the search for overlaps
+  std::unordered_map<wording_key, wording, wording_hash> worded_;  // bounded: emptied when full
 };
 
 }  // namespace handoff::trace
