@@ -100,14 +100,39 @@ struct activity_state {
   }
 };
 
+// A query that saw work done orders later work; it is no event of its own, so nothing names it.
+void observe_query(const record& r) noexcept
+{
+  try {
+    activity_state& state = activity_state::get();
+    const std::uint64_t thread = trace::detail::native_thread_id();
+    std::lock_guard lock{state.mutex};
+    if (state.detector) { (void)state.detector->observe(r, thread, nullptr); }
+  } catch (const std::exception& error) {
+    HANDOFF_LOG_WARN("a device query was not traced ({})", error.what());
+  }
+}
+
 }  // namespace
 
 const char* intern(std::string_view name)
 {
-  static auto* mutex = new std::mutex;                       // NOLINT(cppcoreguidelines-owning-memory): leaked
-  static auto* names = new std::unordered_set<std::string>;  // NOLINT(cppcoreguidelines-owning-memory): leaked
+  // Asked on every launch, mostly with the name asked last on the thread: that one is compared first
+  // (the names are never freed, so the view stays valid), and a known name is found without a copy.
+  thread_local std::string_view last;
+  if (name == last && last.data() != nullptr) { return last.data(); }
+  struct name_hash {
+    using is_transparent = void;
+    std::size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
+  };
+  using name_set = std::unordered_set<std::string, name_hash, std::equal_to<>>;
+  static auto* mutex = new std::mutex;  // NOLINT(cppcoreguidelines-owning-memory): leaked
+  static auto* names = new name_set;    // NOLINT(cppcoreguidelines-owning-memory): leaked
   std::lock_guard lock{*mutex};
-  return names->emplace(name).first->c_str();
+  auto found = names->find(name);
+  if (found == names->end()) { found = names->emplace(name).first; }
+  last = *found;
+  return found->c_str();
 }
 
 std::optional<exchanged_memory> exchanged_at(std::uintptr_t address) noexcept
@@ -121,6 +146,10 @@ std::optional<exchanged_memory> exchanged_at(std::uintptr_t address) noexcept
 void report(const record& r) noexcept
 {
   if (!recording()) { return; }
+  if (r.kind == kind::host_query) {
+    observe_query(r);
+    return;
+  }
   try {
     trace::event e;
     e.kind = trace::detail::facts(r.kind).event;
@@ -149,35 +178,30 @@ void report(const record& r) noexcept
     for (trace::buffer_ref& b : e.buffers) {
       if (const exchanged_memory* held = state.exchanged_holding(b.address)) { b.buffer = held->buffer; }
     }
-    if (r.kind != kind::host_query) {
-      auto site = std::make_shared<trace::access_site>();
-      site->seq = e.seq;
-      site->kind = r.kind;
-      site->kernel = r.name;
-      site->stream = {.device = r.device.device_id,
-                      .handle = r.stream,
-                      .thread = r.stream_class == stream_class::per_thread ? e.thread : 0};
-      site->stream_class = r.stream_class;
-      site->where = e.where;
-      site->library = e.library;
-      site->time_ns = e.time_ns;
-      if (auto found = state.detector->observe(r, e.thread, site)) {
-        e.hazard = found->name;
-        e.detail = std::move(found->detail);
-        e.fix = std::move(found->fix);
-        const trace::access_site& other = *found->other;
-        e.other = trace::activity_side{.seq = other.seq,
-                                       .kind = trace::detail::facts(other.kind).event,
-                                       .kernel = other.kernel,
-                                       .stream = trace::stream_id{.device = {r.device.device_type, other.stream.device},
-                                                                  .handle = other.stream.handle},
-                                       .where = other.where,
-                                       .library = other.library,
-                                       .time_ns = other.time_ns};
-      }
-    } else {
-      (void)state.detector->observe(r, e.thread, nullptr);
-      return;  // a query that saw work done orders later work; it is no event of its own
+    auto site = std::make_shared<trace::access_site>();
+    site->seq = e.seq;
+    site->kind = r.kind;
+    site->kernel = r.name;
+    site->stream = {.device = r.device.device_id,
+                    .handle = r.stream,
+                    .thread = r.stream_class == stream_class::per_thread ? e.thread : 0};
+    site->stream_class = r.stream_class;
+    site->where = e.where;
+    site->library = e.library;
+    site->time_ns = e.time_ns;
+    if (auto found = state.detector->observe(r, e.thread, site)) {
+      e.hazard = found->name;
+      e.detail = std::move(found->detail);
+      e.fix = std::move(found->fix);
+      const trace::access_site& other = *found->other;
+      e.other = trace::activity_side{.seq = other.seq,
+                                     .kind = trace::detail::facts(other.kind).event,
+                                     .kernel = other.kernel,
+                                     .stream = trace::stream_id{.device = {r.device.device_type, other.stream.device},
+                                                                .handle = other.stream.handle},
+                                     .where = other.where,
+                                     .library = other.library,
+                                     .time_ns = other.time_ns};
     }
     if (r.kind == kind::allocate || r.kind == kind::free) {
       for (const buffer_use& use : r.buffers) { state.forget_exchanged(use.address, use.bytes); }

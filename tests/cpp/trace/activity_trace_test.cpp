@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -129,6 +130,34 @@ TEST_F(ActivityTraceTest, TheSameLaunchOnABlockingStreamIsOrderedByTheLegacyStre
   launch(sim_.legacy_default_stream(), activity::access::read, "consume");
   EXPECT_TRUE(hazards(finish()).empty());
   sim_.destroy_stream(producer);
+}
+
+TEST_F(ActivityTraceTest, AQueryIsNoEventAndOrdersLaterWorkOnceItSawTheWorkDone)
+{
+  begin();
+  const auto producer = sim_.create_stream(/*non_blocking=*/true);
+  const auto consumer = sim_.create_stream(/*non_blocking=*/true);
+  const auto written = sim_.create_event();
+  {
+    const auto held = sim_.hold(producer);
+    sim_.enqueue_fill(producer, data_, n, 1.0F);
+    sim_.record_event(written, producer);
+    EXPECT_FALSE(sim_.query_event(written));  // held: the query saw nothing done, and orders nothing
+    launch(consumer, activity::access::read, "early");
+  }
+  while (!sim_.query_event(written)) { std::this_thread::yield(); }
+  launch(consumer, activity::access::read, "late");
+  const auto events = finish();
+  const auto found = hazards(events);
+  ASSERT_EQ(found.size(), 1U);
+  EXPECT_STREQ(found[0]->kernel, "early");
+  for (const auto& e : events) {
+    EXPECT_FALSE(e.kind == trace::event_kind::sync && e.op == std::string_view{"event"}) << "a query became an event";
+  }
+  sim_.synchronize_device();
+  sim_.destroy_event(written);
+  sim_.destroy_stream(producer);
+  sim_.destroy_stream(consumer);
 }
 
 TEST_F(ActivityTraceTest, AHostWaitCarriesTheTimeItBlocked)
