@@ -46,7 +46,9 @@ void free_storage(T& value) noexcept
 
 // Mappings given back lately, kept (up to 1 MiB) for the next request of their size: a bounded
 // session drops a block of events, and a chunk of payloads, about as often as it maps one, and a
-// mapping made and unmapped each time costs two system calls and a page fault per page.
+// mapping made and unmapped each time costs two system calls and a page fault per page. Where there
+// is no room, the mappings kept longest ago are unmapped: the newest are the likeliest to be asked
+// for again, and a size asked for once (a deque's block map, outgrown) must not hold a place forever.
 class recent_mappings {
  public:
   void* take(std::size_t bytes) noexcept
@@ -61,30 +63,51 @@ class recent_mappings {
     return nullptr;
   }
 
-  [[nodiscard]] bool keep(void* pages, std::size_t bytes) noexcept
+  void keep(void* pages, std::size_t bytes) noexcept
   {
-    const std::lock_guard lock{mutex_};
-    if (kept_bytes_ + bytes > max_kept_bytes) { return false; }
-    for (mapping& m : kept_) {
-      if (m.pages == nullptr) {
-        m = {pages, bytes};
-        kept_bytes_ += bytes;
-        return true;
+    std::array<mapping, slots> evicted{};
+    std::size_t gone = 0;
+    bool kept = false;
+    if (bytes <= max_kept_bytes) {
+      const std::lock_guard lock{mutex_};
+      for (;;) {
+        mapping* free_slot = nullptr;
+        mapping* oldest = nullptr;
+        for (mapping& m : kept_) {
+          if (m.pages == nullptr) {
+            free_slot = &m;
+          } else if (oldest == nullptr || m.kept_at < oldest->kept_at) {
+            oldest = &m;
+          }
+        }
+        if (free_slot != nullptr && kept_bytes_ + bytes <= max_kept_bytes) {
+          *free_slot = {pages, bytes, ++clock_};
+          kept_bytes_ += bytes;
+          kept = true;
+          break;
+        }
+        if (oldest == nullptr) { break; }  // nothing kept, and still no room: not kept
+        kept_bytes_ -= oldest->bytes;
+        evicted.at(gone++) = std::exchange(*oldest, {});
       }
     }
-    return false;
+    for (std::size_t i = 0; i < gone; ++i) { munmap(evicted.at(i).pages, evicted.at(i).bytes); }
+    if (!kept) { munmap(pages, bytes); }
   }
 
  private:
   struct mapping {
     void* pages{nullptr};
     std::size_t bytes{0};
+    std::uint64_t kept_at{0};
   };
+  static constexpr std::size_t slots = 8;
   static constexpr std::size_t max_kept_bytes = std::size_t{1} << 20U;
 
   std::mutex mutex_;
-  std::array<mapping, 8> kept_{};
+  std::array<mapping, slots> kept_{};
   std::size_t kept_bytes_{0};
+  std::uint64_t clock_{0};
 };
 
 // Leaked: mappings are given back until the process exits. Null where it could not be made.
@@ -113,8 +136,11 @@ void* map_pages(std::size_t bytes)
 
 void unmap_pages(void* pages, std::size_t bytes) noexcept
 {
-  recent_mappings* const recent_ones = recent();
-  if (recent_ones == nullptr || !recent_ones->keep(pages, bytes)) { munmap(pages, bytes); }
+  if (recent_mappings* const recent_ones = recent()) {
+    recent_ones->keep(pages, bytes);
+  } else {
+    munmap(pages, bytes);
+  }
 }
 
 struct payload_arena::chunk {

@@ -16,7 +16,9 @@ namespace {
 
 using namespace handoff;
 using trace::detail::kept_event;
+using trace::detail::map_pages;
 using trace::detail::payload_arena;
+using trace::detail::unmap_pages;
 
 // An event with every variable-size field filled, each longer than a short string holds in place.
 trace::event full_event(int n)
@@ -113,6 +115,24 @@ TEST(PayloadArenaTest, AnEventLargerThanAChunkHasOneOfItsOwn)
 // The property the arena is for: a session that keeps thousands of events leaves the program's heap
 // as it found it (what glibc's allocator has handed out and not had back), and its events read back
 // whole; the negative control keeps the same events in the heap.
+TEST(MappedPagesTest, SizesGivenBackOnceDoNotKeepAMappingGivenBackNowFromBeingReused)
+{
+  // A reused mapping keeps what was written to it; a new one is zeroed (the negative control: with
+  // no room made for it, the mapping below is unmapped and mapped anew).
+  constexpr std::size_t page = 4096;
+  for (std::size_t pages = 3; pages < 3 + 16; ++pages) {  // more odd sizes than are kept
+    unmap_pages(map_pages(pages * page), pages * page);
+  }
+  constexpr std::size_t bytes = 41 * page;  // a size nothing else here asks for
+  auto* block = static_cast<unsigned char*>(map_pages(bytes));
+  block[0] = 0xAB;
+  unmap_pages(block, bytes);
+  auto* again = static_cast<unsigned char*>(map_pages(bytes));
+  EXPECT_EQ(again, block);
+  EXPECT_EQ(again[0], 0xAB) << "mapped anew: the mapping given back was not kept";
+  unmap_pages(again, bytes);
+}
+
 TEST(KeptEventsTest, ASessionsEventsLeaveTheProgramsHeapAsItFoundIt)
 {
 #ifdef HANDOFF_TEST_SANITIZED
