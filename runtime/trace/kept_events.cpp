@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <tuple>
@@ -35,13 +36,6 @@ std::string_view copy_into(std::byte*& at, std::string_view from) noexcept
 {
   const std::span<const char> copy = copy_into(at, std::span<const char>{from.data(), from.size()});
   return {copy.data(), copy.size()};
-}
-
-// Frees what `value` holds (assigning an empty one may keep its capacity).
-template <class T>
-void free_storage(T& value) noexcept
-{
-  T{}.swap(value);
 }
 
 // Mappings given back lately, kept (up to 1 MiB) for the next request of their size: a bounded
@@ -197,41 +191,132 @@ void payload_arena::unmap(chunk* c) noexcept
   unmap_pages(c, c->size);
 }
 
-kept_event::kept_event(event&& e, payload_arena& arena) : fixed_{std::move(e)}
+namespace {
+
+std::uint32_t length_of(std::size_t count)
 {
-  event& f = fixed_;
-  std::string* other_where = f.other ? &f.other->where : nullptr;
-  const std::size_t numbers = f.shape.size() * sizeof(std::int64_t) + f.buffers.size() * sizeof(buffer_ref);
-  const std::size_t texts =
-    f.where.size() + f.detail.size() + f.fix.size() + (other_where != nullptr ? other_where->size() : 0);
+  if (count > std::numeric_limits<std::uint32_t>::max()) { throw std::bad_alloc{}; }
+  return static_cast<std::uint32_t>(count);
+}
+
+template <class T>
+std::span<const T> read_span(const std::byte*& at, std::uint32_t count) noexcept
+{
+  const std::span<const T> read{reinterpret_cast<const T*>(at), count};
+  at += read.size_bytes();
+  return read;
+}
+
+std::string_view read_text(const std::byte*& at, std::uint32_t length) noexcept
+{
+  const std::span<const char> read = read_span<char>(at, length);
+  return {read.data(), read.size()};
+}
+
+}  // namespace
+
+kept_event::kept_event(const event& e, payload_arena& arena)
+    : hazard_{e.hazard},
+      kind_{e.kind},
+      action_{e.action},
+      has_other_{e.other.has_value()},
+      device_{e.device},
+      dtype_{e.dtype},
+      protocol_{e.protocol},
+      time_ns_{e.time_ns},
+      thread_{e.thread},
+      nbytes_{e.nbytes},
+      producer_{e.producer},
+      consumer_{e.consumer},
+      producer_stream_{e.producer_stream},
+      consumer_stream_{e.consumer_stream},
+      buffer_{e.buffer},
+      view_{e.view},
+      interposed_{e.interposed},
+      stream_argument_{e.stream_argument},
+      op_{e.op},
+      stream_{e.stream},
+      kernel_{e.kernel},
+      blocked_ns_{e.blocked_ns},
+      library_{e.library},
+      seq_{e.seq}
+{
+  std::string_view other_where;
+  if (e.other) {
+    other_kind_ = e.other->kind;
+    other_seq_ = e.other->seq;
+    other_kernel_ = e.other->kernel;
+    other_stream_ = e.other->stream;
+    other_library_ = e.other->library;
+    other_time_ns_ = e.other->time_ns;
+    other_where = e.other->where;
+  }
+  lengths_ = {.shape = length_of(e.shape.size()),
+              .buffers = length_of(e.buffers.size()),
+              .where = length_of(e.where.size()),
+              .detail = length_of(e.detail.size()),
+              .fix = length_of(e.fix.size()),
+              .other_where = length_of(other_where.size())};
+  const std::size_t numbers = e.shape.size() * sizeof(std::int64_t) + e.buffers.size() * sizeof(buffer_ref);
+  const std::size_t texts = e.where.size() + e.detail.size() + e.fix.size() + other_where.size();
   if (const std::size_t bytes = round_up(numbers + texts, 8); bytes != 0) {
     std::byte* at = nullptr;
     std::tie(at, chunk_) = arena.allocate(bytes);
-    // The 8-aligned arrays first, then the texts.
-    shape_ = copy_into(at, std::span<const std::int64_t>{f.shape});
-    buffers_ = copy_into(at, std::span<const buffer_ref>{f.buffers});
-    where_ = copy_into(at, f.where);
-    detail_ = copy_into(at, f.detail);
-    fix_ = copy_into(at, f.fix);
-    if (other_where != nullptr) { other_where_ = copy_into(at, *other_where); }
+    payload_ = at;
+    // The 8-aligned arrays first, then the texts, in the order `lengths` lists them.
+    (void)copy_into(at, std::span<const std::int64_t>{e.shape});
+    (void)copy_into(at, std::span<const buffer_ref>{e.buffers});
+    (void)copy_into(at, e.where);
+    (void)copy_into(at, e.detail);
+    (void)copy_into(at, e.fix);
+    (void)copy_into(at, other_where);
   }
-  free_storage(f.shape);
-  free_storage(f.buffers);
-  free_storage(f.where);
-  free_storage(f.detail);
-  free_storage(f.fix);
-  if (other_where != nullptr) { free_storage(*other_where); }
 }
 
 event kept_event::expanded() const
 {
-  event out = fixed_;
-  out.shape.assign(shape_.begin(), shape_.end());
-  out.buffers.assign(buffers_.begin(), buffers_.end());
-  out.where = where_;
-  out.detail = detail_;
-  out.fix = fix_;
-  if (out.other) { out.other->where = other_where_; }
+  event out;
+  out.kind = kind_;
+  out.protocol = protocol_;
+  out.time_ns = time_ns_;
+  out.thread = thread_;
+  out.device = device_;
+  out.dtype = dtype_;
+  out.nbytes = nbytes_;
+  out.producer = producer_;
+  out.consumer = consumer_;
+  out.producer_stream = producer_stream_;
+  out.consumer_stream = consumer_stream_;
+  out.action = action_;
+  out.hazard = hazard_;
+  out.buffer = buffer_;
+  out.view = view_;
+  out.interposed = interposed_;
+  out.stream_argument = stream_argument_;
+  out.op = op_;
+  out.stream = stream_;
+  out.kernel = kernel_;
+  out.blocked_ns = blocked_ns_;
+  out.library = library_;
+  out.seq = seq_;
+  const std::byte* at = payload_;
+  const auto shape = read_span<std::int64_t>(at, lengths_.shape);
+  out.shape.assign(shape.begin(), shape.end());
+  const auto buffers = read_span<buffer_ref>(at, lengths_.buffers);
+  out.buffers.assign(buffers.begin(), buffers.end());
+  out.where = read_text(at, lengths_.where);
+  out.detail = read_text(at, lengths_.detail);
+  out.fix = read_text(at, lengths_.fix);
+  const std::string_view other_where = read_text(at, lengths_.other_where);
+  if (has_other_) {
+    out.other = activity_side{.seq = other_seq_,
+                              .kind = other_kind_,
+                              .kernel = other_kernel_,
+                              .stream = other_stream_,
+                              .where = std::string{other_where},
+                              .library = other_library_,
+                              .time_ns = other_time_ns_};
+  }
   return out;
 }
 

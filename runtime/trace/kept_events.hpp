@@ -12,8 +12,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <new>
+#include <optional>
 #include <span>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 
 namespace handoff::trace::detail {
@@ -74,31 +76,71 @@ class payload_arena {
 };
 
 /// An event as a session keeps it: its fixed-size fields in place, its variable-size ones (shape,
-/// texts, device buffers) copied into a payload_arena.
+/// device buffers, texts) copied into a payload_arena. Trivially destructible, and what a session
+/// reads when it drops its oldest event (long out of the cache by then) comes first: dropping one
+/// reads one cache line of it, where a whole `event` would be destroyed field by field.
 class kept_event {
  public:
-  /// Keeps `e`: its fixed-size fields are moved, its variable-size parts copied into `arena` (and
-  /// freed). @throws std::bad_alloc
-  kept_event(event&& e, payload_arena& arena);
-  /// Keeps a copy of `e`. @throws std::bad_alloc
-  kept_event(const event& e, payload_arena& arena) : kept_event(event{e}, arena) {}
+  /// Keeps `e`: its fixed-size fields copied, its variable-size parts copied into `arena`.
+  /// @throws std::bad_alloc
+  kept_event(const event& e, payload_arena& arena);
 
   /// The event as it was recorded. @throws std::bad_alloc
   [[nodiscard]] event expanded() const;
-  /// Its fixed-size fields (the variable-size ones read empty).
-  [[nodiscard]] const event& fixed() const noexcept { return fixed_; }
+  /// Its hazard's name, or null.
+  [[nodiscard]] const char* hazard() const noexcept { return hazard_; }
   /// Gives its room in `arena` back, when the session drops it.
   void release(payload_arena& arena) noexcept;
 
  private:
-  event fixed_;
-  std::span<const std::int64_t> shape_;
-  std::span<const buffer_ref> buffers_;
-  std::string_view where_;
-  std::string_view detail_;
-  std::string_view fix_;
-  std::string_view other_where_;
+  // The lengths of the variable-size parts, in the order they lie in the arena.
+  struct lengths {
+    std::uint32_t shape{0};
+    std::uint32_t buffers{0};
+    std::uint32_t where{0};
+    std::uint32_t detail{0};
+    std::uint32_t fix{0};
+    std::uint32_t other_where{0};
+  };
+
+  // Read when the session drops it.
   payload_arena::chunk* chunk_{nullptr};
+  const char* hazard_{nullptr};
+  const std::byte* payload_{nullptr};
+  lengths lengths_;
+  // The rest of the event's fixed-size fields, as `event` names them.
+  event_kind kind_{event_kind::import_data};
+  trace::action action_{action::none};
+  bool has_other_{false};
+  event_kind other_kind_{event_kind::launch};
+  DLDevice device_{kDLCPU, 0};
+  DLDataType dtype_{kDLFloat, 32, 1};
+  std::string_view protocol_;
+  std::int64_t time_ns_{0};
+  std::uint64_t thread_{0};
+  std::int64_t nbytes_{0};
+  const char* producer_{nullptr};
+  const char* consumer_{nullptr};
+  std::optional<stream_id> producer_stream_;
+  std::optional<stream_id> consumer_stream_;
+  std::uint64_t buffer_{0};
+  std::uint64_t view_{0};
+  const char* interposed_{nullptr};
+  std::optional<std::int64_t> stream_argument_;
+  const char* op_{nullptr};
+  std::optional<stream_id> stream_;
+  const char* kernel_{nullptr};
+  std::int64_t blocked_ns_{0};
+  const char* library_{nullptr};
+  std::uint64_t seq_{0};
+  // Its hazard's other side (has_other_).
+  std::uint64_t other_seq_{0};
+  const char* other_kernel_{nullptr};
+  std::optional<stream_id> other_stream_;
+  const char* other_library_{nullptr};
+  std::int64_t other_time_ns_{0};
 };
+
+static_assert(std::is_trivially_destructible_v<kept_event>, "a session drops kept events without destroying them");
 
 }  // namespace handoff::trace::detail

@@ -96,16 +96,14 @@ struct recorder {
     std::uint64_t dropped{0};        // events no longer kept
     bool activity{false};            // device activity is recorded too
 
-    // A copy for every session but the last, which takes the event itself.
-    template <class Event>
-    void keep(Event&& e)
+    void keep(const event& e)
     {
       if (is_activity(e.kind) && !activity) { return; }
-      events.emplace_back(std::forward<Event>(e), payloads);
+      events.emplace_back(e, payloads);
       if (limit == 0 || events.size() <= limit) { return; }
       detail::kept_event& oldest = events.front();
-      if (oldest.fixed().hazard != nullptr && hazards.size() < limit) {
-        hazards.push_back(std::move(oldest));
+      if (oldest.hazard() != nullptr && hazards.size() < limit) {
+        hazards.push_back(oldest);
       } else {
         oldest.release(payloads);
         ++dropped;
@@ -495,12 +493,7 @@ void detail::record_annotated(event&& e) noexcept
     }
     if (r.debug_log) { log_event(e); }
     for (const auto& [_, listener] : r.listeners) { listener(e); }
-    // The last session takes the event itself; the others a copy.
-    if (!r.sessions.empty()) {
-      const auto last = std::prev(r.sessions.end());
-      for (auto s = r.sessions.begin(); s != last; ++s) { s->second.keep(e); }
-      last->second.keep(std::move(e));
-    }
+    for (auto& [_, session] : r.sessions) { session.keep(e); }
   } catch (const std::exception& error) {
     HANDOFF_LOG_WARN("a trace event was lost ({})", error.what());
   }

@@ -68,9 +68,53 @@ TEST(KeptEventTest, ExpandsToTheEventAsRecorded)
   const trace::event recorded = full_event(5);
   const kept_event kept{recorded, arena};
   expect_same(kept.expanded(), recorded);
-  EXPECT_TRUE(kept.fixed().shape.empty() && kept.fixed().where.empty() && kept.fixed().buffers.empty())
-    << "the variable-size parts live in the arena only";
-  EXPECT_STREQ(kept.fixed().hazard, "race") << "the fixed-size fields stay in place";
+  EXPECT_STREQ(kept.hazard(), "race");
+}
+
+TEST(KeptEventTest, EveryFieldOfAnExchangeAndOfAnActivityComesBackAsRecorded)
+{
+  // Every field set to something other than its default, compared as the trace writes them all.
+  trace::event exchange;
+  exchange.kind = trace::event_kind::export_data;
+  exchange.protocol = "dlpack";
+  exchange.time_ns = 11;
+  exchange.thread = 12;
+  exchange.device = {kDLCUDA, 1};
+  exchange.shape = {4, 5};
+  exchange.dtype = {kDLInt, 8, 1};
+  exchange.nbytes = 20;
+  exchange.producer = "torch";
+  exchange.consumer = "numpy";
+  exchange.producer_stream = trace::stream_id{.device = {kDLCUDA, 1}, .handle = 0x51};
+  exchange.consumer_stream = trace::stream_id{.device = {kDLCUDA, 1}, .handle = 0x52};
+  exchange.action = trace::action::wait;
+  exchange.hazard = "unordered";
+  exchange.detail = "what was wrong";
+  exchange.where = "app.py:3";
+  exchange.buffer = 7;
+  exchange.view = 8;
+  exchange.interposed = "observed";
+  exchange.stream_argument = 2;
+  trace::event activity = full_event(9);
+  activity.op = "kernel";
+  activity.thread = 13;
+  activity.device = {kDLCUDA, 1};
+  activity.stream = trace::stream_id{.device = {kDLCUDA, 1}, .handle = 0x53};
+  activity.kernel = "scale";
+  activity.nbytes = 24;
+  activity.blocked_ns = 14;
+  activity.library = "cupy";
+  activity.seq = 15;
+  activity.other->kind = trace::event_kind::copy;
+  activity.other->kernel = "fill";
+  activity.other->stream = trace::stream_id{.device = {kDLCUDA, 1}, .handle = 0x54};
+  activity.other->library = "torch";
+  activity.other->time_ns = 16;
+  payload_arena arena;
+  for (const trace::event& e : {exchange, activity}) {
+    const kept_event kept{e, arena};
+    EXPECT_EQ(trace::to_json(kept.expanded()), trace::to_json(e));
+  }
 }
 
 TEST(KeptEventTest, AnEventWithNothingVariableTakesNoRoom)
