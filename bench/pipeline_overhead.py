@@ -4,8 +4,9 @@ run untraced, under `handoff-trace run`, under `handoff-trace run --order` and u
 `handoff-trace run --launches`; and a launch-heavy variant on the simulator (each step also launches
 kernels, orders two streams through an exchange and waits for one), untraced and under
 `handoff-trace run --launches`. The target: a launch trace costs at most 1.10x the untraced step.
-The launch-heavy variant also runs racy (its exchange orders nothing, so the race detector reports
-a race every step): what a program that races costs while the trace describes each race.
+The launch-heavy variant also runs racy (its exchange orders the consumer after the stream the
+array was made on, not after the kernels that wrote it, so the race detector reports a race every
+step): what a program that races costs while the trace describes each race.
 
 Configurations run interleaved (one process each per round), so that a disturbance of the machine
 hits them alike; each process reports its 20th-percentile step time, and each configuration's figure

@@ -11,7 +11,9 @@
 
 #include <fmt/format.h>
 
+#include <array>
 #include <chrono>
+#include <cstddef>
 #include <functional>
 #include <optional>
 #include <span>
@@ -75,23 +77,43 @@ const char* library_of_type(PyTypeObject* type) noexcept
 PyObject* file_classifier = nullptr;
 
 // The library `filename` belongs to (see file_classifier), remembered per file name; None for user
-// code, and while nothing is registered.
+// code, and while nothing is registered. Holds the GIL.
 PyObject* library_of_file(PyObject* filename) noexcept
 {
   static PyObject* cache = PyDict_New();
   if (cache == nullptr || file_classifier == nullptr) { return Py_None; }
-  if (PyObject* known = PyDict_GetItemWithError(cache, filename)) { return known; }
-  PyObject* library = PyObject_CallOneArg(file_classifier, filename);
+  // The few files the last walks passed, by identity (a code object's file name is one object), in
+  // front of the dictionary: every event walks the same frames again. Each entry holds its file name,
+  // so that no other object takes its address; the libraries are the dictionary's.
+  struct recent_file {
+    PyObject* filename{nullptr};
+    PyObject* library{nullptr};
+  };
+  static std::array<recent_file, 4> recent{};
+  static std::size_t next = 0;
+  for (const recent_file& r : recent) {
+    if (r.filename == filename) { return r.library; }
+  }
+  PyObject* library = PyDict_GetItemWithError(cache, filename);
   if (library == nullptr) {
-    PyErr_Clear();
-    return Py_None;
+    PyObject* made = PyObject_CallOneArg(file_classifier, filename);
+    if (made == nullptr) {
+      PyErr_Clear();
+      return Py_None;
+    }
+    const int stored = PyDict_SetItem(cache, filename, made);
+    Py_DECREF(made);  // the cache holds it
+    if (stored != 0) {
+      PyErr_Clear();
+      return Py_None;
+    }
+    library = made;
   }
-  const int stored = PyDict_SetItem(cache, filename, library);
-  Py_DECREF(library);  // the cache holds it
-  if (stored != 0) {
-    PyErr_Clear();
-    return Py_None;
-  }
+  recent_file& replaced = recent.at(next);
+  next = (next + 1) % recent.size();
+  Py_INCREF(filename);
+  Py_XDECREF(replaced.filename);
+  replaced = {filename, library};
   return library;
 }
 
@@ -172,7 +194,7 @@ python_location locate() noexcept
     out.where.clear();
   }
   Py_XDECREF(frame);
-  PyErr_Clear();
+  if (PyErr_Occurred() != nullptr) { PyErr_Clear(); }  // asked first: most walks set none
   return out;
 }
 

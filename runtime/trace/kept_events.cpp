@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 
@@ -62,7 +64,7 @@ class recent_mappings {
     std::array<mapping, slots> evicted{};
     std::size_t gone = 0;
     bool kept = false;
-    if (bytes <= max_kept_bytes) {
+    if (bytes <= max_kept_bytes / 4) {  // one large mapping must not push out the chunks in use
       const std::lock_guard lock{mutex_};
       for (;;) {
         mapping* free_slot = nullptr;
@@ -195,7 +197,7 @@ namespace {
 
 std::uint32_t length_of(std::size_t count)
 {
-  if (count > std::numeric_limits<std::uint32_t>::max()) { throw std::bad_alloc{}; }
+  if (count > std::numeric_limits<std::uint32_t>::max()) { throw std::length_error{"a trace event part over 4 GiB"}; }
   return static_cast<std::uint32_t>(count);
 }
 
@@ -214,6 +216,12 @@ std::string_view read_text(const std::byte*& at, std::uint32_t length) noexcept
 }
 
 }  // namespace
+
+#if defined(__GLIBCXX__) && UINTPTR_MAX == UINT64_MAX
+// A field added to `event` changes its size: kept_event keeps it too (and expanded() restores it),
+// and this number follows.
+static_assert(sizeof(event) == 496, "trace::event changed: kept_event must keep every field of it");
+#endif
 
 kept_event::kept_event(const event& e, payload_arena& arena)
     : hazard_{e.hazard},

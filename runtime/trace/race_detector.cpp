@@ -346,7 +346,8 @@ std::size_t race_detector::wording_hash::operator()(const wording_key& k) const 
   mix(std::hash<std::string_view>{}(k.label));
   mix(k.address);
   mix(k.bytes);
-  mix((std::size_t{k.here} << 32U) | k.there);
+  mix(k.here);
+  mix(k.there);
   mix(std::hash<const void*>{}(k.kernel));
   mix(std::hash<const void*>{}(k.other_kernel));
   return h;

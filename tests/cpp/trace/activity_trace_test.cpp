@@ -61,6 +61,26 @@ class ActivityTraceTest : public ::testing::Test {
   std::uint64_t session_{0};
 };
 
+TEST(ActivityInternTest, ANameIsOnePointerWhereverItsTextComesFromAndOnEveryThread)
+{
+  std::string text = "intern-test-kernel";
+  const char* first = activity::intern(text);
+  EXPECT_STREQ(first, "intern-test-kernel");
+  const std::string copy = text;
+  EXPECT_EQ(activity::intern(copy), first) << "the same text in another buffer";
+  const char* longer = activity::intern("intern-test-kernel-2");  // the last name is its prefix
+  EXPECT_STREQ(longer, "intern-test-kernel-2");
+  EXPECT_STREQ(activity::intern("intern-test"), "intern-test") << "a prefix of the last name";
+  text[0] = 'X';  // the buffer a name came from changes: the name does not
+  EXPECT_STREQ(activity::intern(text), "Xntern-test-kernel");
+  EXPECT_STREQ(first, "intern-test-kernel");
+  EXPECT_STREQ(activity::intern(""), "");
+  EXPECT_STREQ(activity::intern(""), "");
+  const char* on_another_thread = nullptr;
+  std::thread{[&] { on_another_thread = activity::intern("intern-test-kernel"); }}.join();
+  EXPECT_EQ(on_another_thread, first);
+}
+
 TEST_F(ActivityTraceTest, NothingIsRecordedOutsideALaunchTrace)
 {
   EXPECT_FALSE(activity::recording());

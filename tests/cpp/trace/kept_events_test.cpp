@@ -156,9 +156,6 @@ TEST(PayloadArenaTest, AnEventLargerThanAChunkHasOneOfItsOwn)
   expect_same(small.expanded(), full_event(2));
 }
 
-// The property the arena is for: a session that keeps thousands of events leaves the program's heap
-// as it found it (what glibc's allocator has handed out and not had back), and its events read back
-// whole; the negative control keeps the same events in the heap.
 TEST(MappedPagesTest, SizesGivenBackOnceDoNotKeepAMappingGivenBackNowFromBeingReused)
 {
   // A reused mapping keeps what was written to it; a new one is zeroed (the negative control: with
@@ -177,6 +174,9 @@ TEST(MappedPagesTest, SizesGivenBackOnceDoNotKeepAMappingGivenBackNowFromBeingRe
   unmap_pages(again, bytes);
 }
 
+// The property the arena is for: a session that keeps thousands of events leaves the program's heap
+// as it found it (what glibc's allocator has handed out and not had back), and its events read back
+// whole; the negative control keeps the same events in the heap.
 TEST(KeptEventsTest, ASessionsEventsLeaveTheProgramsHeapAsItFoundIt)
 {
 #ifdef HANDOFF_TEST_SANITIZED
