@@ -20,7 +20,7 @@ os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 import handoff
 
-from support import SIM, live_views
+from support import SIM, live_views, settle_sim
 
 
 @pytest.fixture(autouse=True)
@@ -55,9 +55,15 @@ def live():
 
 @pytest.fixture
 def settled():
-    """Like `live`, exact: collects garbage before and after, for tests that count producers."""
+    """Like `live`, exact: collects garbage before and after, for tests that count producers. On the
+    simulator, the deferred releases run first: an earlier test's, still waiting for their streams,
+    would otherwise end during this one and change the count."""
+    if SIM:
+        settle_sim()
     start = live_views()
     yield start
+    if SIM:
+        settle_sim()
     assert live_views() == start, "the test leaked handoff producers"
 
 

@@ -9,11 +9,12 @@
 namespace handoff::device {
 namespace sim_detail {
 
-activity_note::activity_note(activity::kind kind, std::vector<activity::buffer_use> uses) : armed(activity::recording())
+activity_note::activity_note(activity::kind kind, std::span<const activity::buffer_use> uses)
+    : armed(activity::recording())
 {
   if (!armed) { return; }
   record.kind = kind;
-  buffers = std::move(uses);
+  buffers.assign(uses.begin(), uses.end());
 }
 
 void activity_note::on_device(int device, sim_flavour flavour) noexcept

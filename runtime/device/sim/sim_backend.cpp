@@ -13,6 +13,7 @@
 #include <set>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <cstring>
 #include <memory>
@@ -559,10 +560,10 @@ void sim_backend::copy_async(void* dst, const void* src, std::size_t bytes, stre
   impl_->open(c);
   if (bytes != 0 && (dst == nullptr || src == nullptr)) { impl_->fail(c, sim_error::invalid_value); }
   const nanoseconds duration{impl_->copy_duration.load(std::memory_order_relaxed)};
-  activity_note note{
-    activity::kind::copy,
+  const std::array<activity::buffer_use, 2> touched{
     {{.address = reinterpret_cast<std::uintptr_t>(src), .bytes = bytes, .mode = activity::access::read},
      {.address = reinterpret_cast<std::uintptr_t>(dst), .bytes = bytes, .mode = activity::access::write}}};
+  activity_note note{activity::kind::copy, touched};
   if (duration == nanoseconds::zero() || bytes == 0) {
     impl_->enqueue(c, stream,
                    {.body =
@@ -759,9 +760,9 @@ void sim_backend::enqueue_fill_bytes(stream_handle stream, void* dst, std::size_
                 "bytes must be a multiple of a non-empty pattern, dst non-null, delay >= 0");
   }
   std::vector<std::byte> copy(pattern.begin(), pattern.end());
-  activity_note note{
-    activity::kind::set,
-    {{.address = reinterpret_cast<std::uintptr_t>(dst), .bytes = bytes, .mode = activity::access::write}}};
+  const activity::buffer_use written{
+    .address = reinterpret_cast<std::uintptr_t>(dst), .bytes = bytes, .mode = activity::access::write};
+  activity_note note{activity::kind::set, {&written, 1}};
   impl_->enqueue(c, stream,
                  {.body =
                     [dst, bytes, p = std::move(copy)] {
@@ -794,7 +795,7 @@ void sim_backend::launch_kernel(stream_handle stream, const char* kernel, std::s
   if (kernel == nullptr || delay < nanoseconds::zero()) {
     impl_->fail(c, sim_error::invalid_value, "a kernel needs a name and a delay >= 0");
   }
-  activity_note note{activity::kind::launch, {buffers.begin(), buffers.end()}};
+  activity_note note{activity::kind::launch, buffers};
   note.record.name = kernel;
   impl_->enqueue(c, stream, {.body = {}, .delay = delay, .host_function = false}, &note);
   note.send();

@@ -26,6 +26,7 @@
 #include <mutex>
 #include <new>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -172,7 +173,8 @@ struct fault {
 /// it is released: the trace's annotator may run code that calls the backend. Inert unless a launch
 /// trace records when it is made.
 struct activity_note {
-  activity_note(activity::kind kind, std::vector<activity::buffer_use> uses = {});
+  /// `uses` are copied only where a launch trace records.
+  explicit activity_note(activity::kind kind, std::span<const activity::buffer_use> uses = {});
 
   /// Names `s` (whose handle is `h`) as the record's stream, and its device. Mutex held.
   void on_stream(const stream_state& s, std::uintptr_t h, sim_flavour flavour) noexcept;
