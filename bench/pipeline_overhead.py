@@ -14,7 +14,7 @@ is the least disturbed (lowest) of the rounds. The programs run with one OpenMP 
 OMP_NUM_THREADS says otherwise: PyTorch's idle OpenMP worker spins beside the main thread between
 operations, which on a machine of few cores moves every part of a step by tens of microseconds.
 
-    .venv/bin/python bench/pipeline_overhead.py [--rounds N] [--steps N] [--launches-per-step N] [--quick]
+    .venv/bin/python bench/pipeline_overhead.py [--rounds N] [--steps N] [--launches-per-step N] [--quick] [--only NAME]
 """
 
 from __future__ import annotations
@@ -110,6 +110,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=96, help="the work's matrix size (about 200-300 us a step)")
     parser.add_argument("--launches-per-step", type=int, default=16, help="the launch-heavy variant's kernels")
     parser.add_argument("--quick", action="store_true", help="2 rounds of 200 steps (a smoke run)")
+    parser.add_argument("--only", default="", help="run only the configurations whose names contain this")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.steps = 2, 200
@@ -135,6 +136,9 @@ def main() -> None:
             "launch-heavy racy (sim), untraced": (racy, sim_env),
             "launch-heavy racy (sim), handoff-trace run --launches": ([*trace, "--launches", "--", *racy], sim_env),
         }
+        configs = {name: config for name, config in configs.items() if args.only in name}
+        if not configs:
+            raise SystemExit(f"no configuration's name contains {args.only!r}")
         figures: dict[str, list[float]] = {name: [] for name in configs}
         for _ in range(args.rounds):
             for name, (command, environment) in configs.items():

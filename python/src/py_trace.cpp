@@ -4,6 +4,7 @@
 #include "py_cpython.hpp"
 #include "py_gil.hpp"
 
+#include <handoff/activity.hpp>
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
@@ -117,10 +118,10 @@ PyObject* library_of_file(PyObject* filename) noexcept
   return library;
 }
 
-// Where a frame is, as "file:line", remembered per (code, offset): CPython finds a line by scanning
-// the code's line table from the start, and a key holding the code object would hash its contents
-// on every event.
-std::string where_of(PyFrameObject* frame, PyCodeObject* code)
+// Where a frame is, as "file:line" (interned: events and the race detector's sites point at it),
+// remembered per (code, offset): CPython finds a line by scanning the code's line table from the
+// start, and a key holding the code object would hash its contents on every event.
+std::string_view where_of(PyFrameObject* frame, PyCodeObject* code)
 {
   using key = std::pair<PyCodeObject*, int>;
   struct key_hash {
@@ -130,18 +131,19 @@ std::string where_of(PyFrameObject* frame, PyCodeObject* code)
     }
   };
   // NOLINTNEXTLINE(cppcoreguidelines-owning-memory): never destroyed (object_cache)
-  static auto* known = new object_cache<key, std::string, key_hash>{
+  static auto* known = new object_cache<key, const char*, key_hash>{
     4096, [](const key& k) noexcept { return reinterpret_cast<PyObject*>(k.first); }};
   const key here{code, PyFrame_GetLasti(frame)};
-  if (const std::string* found = known->find(here)) { return *found; }
+  if (const char* const* found = known->find(here)) { return *found; }
   Py_ssize_t size = 0;
   const char* text = PyUnicode_AsUTF8AndSize(code->co_filename, &size);
   if (text == nullptr) {
     PyErr_Clear();
     return {};
   }
-  return known->remember(
-    here, fmt::format("{}:{}", std::string_view{text, static_cast<std::size_t>(size)}, PyFrame_GetLineNumber(frame)));
+  return known->remember(here,
+                         activity::intern(fmt::format("{}:{}", std::string_view{text, static_cast<std::size_t>(size)},
+                                                      PyFrame_GetLineNumber(frame))));
 }
 
 // intern_library(name) for a name library_of_file returned, looked up by the object (the classifier's
@@ -158,7 +160,7 @@ const char* interned(PyObject* library, const char* name)
 // handoff that the walk out to it passes (the standard library included), and the last one that is
 // not the standard library (the one user code called).
 struct python_location {
-  std::string where;
+  std::string_view where;  // interned
   const char* innermost{nullptr};
   const char* outermost{nullptr};
 };
@@ -191,7 +193,7 @@ python_location locate() noexcept
       frame = back;
     }
   } catch (const std::exception&) {
-    out.where.clear();
+    out.where = {};
   }
   Py_XDECREF(frame);
   if (PyErr_Occurred() != nullptr) { PyErr_Clear(); }  // asked first: most walks set none
@@ -211,7 +213,7 @@ void annotate(trace::event& e) noexcept
   if (Py_IsInitialized() == 0 || PyGILState_Check() == 0) {
     if (activity && parked) {
       try {
-        e.where = parked->where;
+        e.where.assign(parked->where);
       } catch (const std::exception&) {}
       if (e.library == nullptr) { e.library = parked->outermost; }
     }
@@ -219,7 +221,9 @@ void annotate(trace::event& e) noexcept
   }
   const error_scope set_aside;  // a refused exchange is annotated while its error is set
   python_location here = locate();
-  e.where = std::move(here.where);
+  try {
+    e.where.assign(here.where);  // into the event's own capacity, where it is reused
+  } catch (const std::exception&) {}
   if (activity) {
     if (e.library == nullptr) { e.library = here.outermost; }
   } else if (e.kind == trace::event_kind::export_data && e.consumer == nullptr && here.innermost != nullptr) {

@@ -1,6 +1,8 @@
 // Private: blocks of one size that a thread freed, kept for its next allocations of that size.
 #pragma once
 
+#include "core/thread_exit.hpp"
+
 #include <array>
 #include <cstddef>
 #include <new>
@@ -61,18 +63,10 @@ class thread_block_cache {
     }
     void make_closer() noexcept
     {
-      struct closer {
-        closer() noexcept = default;
-        closer(const closer&) = delete;
-        closer& operator=(const closer&) = delete;
-        closer(closer&&) = delete;
-        closer& operator=(closer&&) = delete;
-        ~closer() { local().close(); }
-      };
-      thread_local const closer close_at_exit;
-      (void)close_at_exit;
+      call_at_thread_exit<&close_local>();
       closer_made = true;
     }
+    static void close_local() noexcept { local().close(); }
   };
 
   static blocks& local() noexcept

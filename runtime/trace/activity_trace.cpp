@@ -6,18 +6,24 @@
 #include <handoff/internal/race_detector.hpp>
 #include <handoff/trace.hpp>
 
+#include "core/block_cache.hpp"
+#include "core/thread_exit.hpp"
 #include "log/logger.hpp"
 #include "trace/activity_kinds.hpp"
 
 #include <fmt/format.h>
 
+#include <array>
 #include <chrono>
 #include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_set>
+#include <utility>
+#include <vector>
 
 namespace handoff::activity {
 namespace detail {
@@ -100,6 +106,97 @@ struct activity_state {
   }
 };
 
+// Each activity's site comes and goes with the ranges it last touched, one made for about one given
+// back: from the thread's kept blocks (core/block_cache.hpp), rather than the allocator's round trip.
+template <class T>
+struct recycled {
+  using value_type = T;
+  recycled() = default;
+  template <class U>
+  explicit recycled(const recycled<U>& /*other*/) noexcept
+  {}
+  [[nodiscard]] T* allocate(std::size_t n)
+  {
+    if (n != 1) { return std::allocator<T>{}.allocate(n); }
+    return static_cast<T*>(handoff::detail::thread_block_cache<sizeof(T)>::allocate());
+  }
+  void deallocate(T* p, std::size_t n) noexcept
+  {
+    if (n != 1) {
+      std::allocator<T>{}.deallocate(p, n);
+      return;
+    }
+    handoff::detail::thread_block_cache<sizeof(T)>::deallocate(p);
+  }
+  template <class U>
+  friend bool operator==(const recycled& /*a*/, const recycled<U>& /*b*/) noexcept
+  {
+    return true;
+  }
+};
+
+// The event report() fills: the thread's own, emptied but for its vectors' and strings' capacity, so
+// that an activity event allocates nothing once the thread has recorded a few. A report made while
+// another is being filled on the thread (the annotator may run a release), or once the thread gave
+// its own back (a backend reporting while the thread or the process exits), gets a fresh one.
+class reused_event {
+ public:
+  reused_event() : thread_(local())
+  {
+    if (thread_.taken || thread_.closed) {
+      fresh_.emplace();
+      return;
+    }
+    if (thread_.event == nullptr) {
+      thread_.event = new trace::event;  // NOLINT(cppcoreguidelines-owning-memory): give_back deletes it
+      handoff::detail::call_at_thread_exit<&give_back>();
+    } else {
+      trace::event& e = *thread_.event;
+      std::vector<trace::buffer_ref> buffers = std::move(e.buffers);
+      std::string where = std::move(e.where);
+      e = trace::event{};
+      buffers.clear();
+      where.clear();
+      e.buffers = std::move(buffers);
+      e.where = std::move(where);
+    }
+    thread_.taken = true;
+  }
+  ~reused_event()
+  {
+    if (!fresh_) { thread_.taken = false; }
+  }
+  reused_event(const reused_event&) = delete;
+  reused_event& operator=(const reused_event&) = delete;
+  reused_event(reused_event&&) = delete;
+  reused_event& operator=(reused_event&&) = delete;
+
+  trace::event& get() noexcept { return fresh_ ? *fresh_ : *thread_.event; }
+
+ private:
+  // Constant-initialized and trivially destructible: reached in one step, and still there for a
+  // report made after the closer ran.
+  struct per_thread {
+    trace::event* event{nullptr};
+    bool taken{false};
+    bool closed{false};
+  };
+  static per_thread& local() noexcept
+  {
+    thread_local per_thread mine;
+    return mine;
+  }
+  static void give_back() noexcept
+  {
+    per_thread& mine = local();
+    mine.closed = true;
+    delete std::exchange(mine.event, nullptr);  // NOLINT(cppcoreguidelines-owning-memory)
+  }
+
+  per_thread& thread_;
+  std::optional<trace::event> fresh_;
+};
+
 // A query that saw work done orders later work; it is no event of its own, so nothing names it.
 void observe_query(const record& r) noexcept
 {
@@ -117,10 +214,17 @@ void observe_query(const record& r) noexcept
 
 const char* intern(std::string_view name)
 {
-  // Asked on every launch, mostly with the name asked last on the thread: that one is compared first
-  // (the names are never freed, so the view stays valid), and a known name is found without a copy.
-  thread_local std::string_view last;
-  if (name == last && last.data() != nullptr) { return last.data(); }
+  // Asked on every launch (its kernel) and every activity event (its user line), mostly with names
+  // the thread asked lately: those are compared first (interned names are never freed, so the views
+  // stay valid), and a known name is found without a copy.
+  struct recent_names {  // one thread-local: each is reached through a call in a shared library
+    std::array<std::string_view, 8> names{};
+    std::size_t next{0};
+  };
+  thread_local recent_names recent;
+  for (const std::string_view known : recent.names) {
+    if (known.data() != nullptr && known == name) { return known.data(); }
+  }
   struct name_hash {
     using is_transparent = void;
     std::size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
@@ -131,7 +235,8 @@ const char* intern(std::string_view name)
   std::lock_guard lock{*mutex};
   auto found = names->find(name);
   if (found == names->end()) { found = names->emplace(name).first; }
-  last = *found;
+  recent.names.at(recent.next) = *found;
+  recent.next = (recent.next + 1) % recent.names.size();
   return found->c_str();
 }
 
@@ -151,7 +256,8 @@ void report(const record& r) noexcept
     return;
   }
   try {
-    trace::event e;
+    reused_event scratch;
+    trace::event& e = scratch.get();
     e.kind = trace::detail::facts(r.kind).event;
     e.op = op_of(r);
     e.time_ns =
@@ -178,7 +284,7 @@ void report(const record& r) noexcept
     for (trace::buffer_ref& b : e.buffers) {
       if (const exchanged_memory* held = state.exchanged_holding(b.address)) { b.buffer = held->buffer; }
     }
-    auto site = std::make_shared<trace::access_site>();
+    auto site = std::allocate_shared<trace::access_site>(recycled<trace::access_site>{});
     site->seq = e.seq;
     site->kind = r.kind;
     site->kernel = r.name;
@@ -186,7 +292,7 @@ void report(const record& r) noexcept
                     .handle = r.stream,
                     .thread = r.stream_class == stream_class::per_thread ? e.thread : 0};
     site->stream_class = r.stream_class;
-    site->where = e.where;
+    site->where = e.where.empty() ? nullptr : intern(e.where);
     site->library = e.library;
     site->time_ns = e.time_ns;
     if (auto found = state.detector->observe(r, e.thread, site)) {
@@ -199,14 +305,14 @@ void report(const record& r) noexcept
                                      .kernel = other.kernel,
                                      .stream = trace::stream_id{.device = {r.device.device_type, other.stream.device},
                                                                 .handle = other.stream.handle},
-                                     .where = other.where,
+                                     .where = other.where != nullptr ? other.where : "",
                                      .library = other.library,
                                      .time_ns = other.time_ns};
     }
     if (r.kind == kind::allocate || r.kind == kind::free) {
       for (const buffer_use& use : r.buffers) { state.forget_exchanged(use.address, use.bytes); }
     }
-    trace::detail::record_annotated(std::move(e));
+    trace::detail::record_annotated(std::move(e));  // which copies what it keeps: `e` is reused
   } catch (const std::exception& error) {
     HANDOFF_LOG_WARN("a device activity was not traced ({})", error.what());
   }

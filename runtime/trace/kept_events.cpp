@@ -23,21 +23,18 @@ constexpr std::size_t round_up(std::size_t bytes, std::size_t to) noexcept
   return (bytes + to - 1) / to * to;
 }
 
-// Copies `from` to `at` (advanced past it) and returns the copy.
+// Copies `from` to `at`, and advances `at` past the copy.
 template <class T>
-std::span<const T> copy_into(std::byte*& at, std::span<const T> from) noexcept
+void copy_into(std::byte*& at, std::span<const T> from) noexcept
 {
-  if (from.empty()) { return {}; }
+  if (from.empty()) { return; }
   std::memcpy(at, from.data(), from.size_bytes());
-  const std::span<const T> copy{reinterpret_cast<const T*>(at), from.size()};
   at += from.size_bytes();
-  return copy;
 }
 
-std::string_view copy_into(std::byte*& at, std::string_view from) noexcept
+void copy_into(std::byte*& at, std::string_view from) noexcept
 {
-  const std::span<const char> copy = copy_into(at, std::span<const char>{from.data(), from.size()});
-  return {copy.data(), copy.size()};
+  copy_into(at, std::span<const char>{from.data(), from.size()});
 }
 
 // Mappings given back lately, kept (up to 1 MiB) for the next request of their size: a bounded
@@ -272,12 +269,12 @@ kept_event::kept_event(const event& e, payload_arena& arena)
     std::tie(at, chunk_) = arena.allocate(bytes);
     payload_ = at;
     // The 8-aligned arrays first, then the texts, in the order `lengths` lists them.
-    (void)copy_into(at, std::span<const std::int64_t>{e.shape});
-    (void)copy_into(at, std::span<const buffer_ref>{e.buffers});
-    (void)copy_into(at, e.where);
-    (void)copy_into(at, e.detail);
-    (void)copy_into(at, e.fix);
-    (void)copy_into(at, other_where);
+    copy_into(at, std::span<const std::int64_t>{e.shape});
+    copy_into(at, std::span<const buffer_ref>{e.buffers});
+    copy_into(at, e.where);
+    copy_into(at, e.detail);
+    copy_into(at, e.fix);
+    copy_into(at, other_where);
   }
 }
 

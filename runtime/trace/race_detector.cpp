@@ -123,11 +123,14 @@ void race_detector::for_each_overlap(std::uintptr_t begin, std::uintptr_t end, F
   }
 }
 
-std::optional<found_hazard> race_detector::check(const activity::buffer_use& use, std::uint32_t s, bool freeing)
+std::optional<found_hazard> race_detector::check(const activity::buffer_use& use, std::uint32_t s, bool freeing,
+                                                 range_state** exact)
 {
   std::optional<found_hazard> found;
   const bool writing = freeing || activity::writes(use.mode);
-  for_each_overlap(use.address, use.address + use.bytes, [&](const auto&, const range_state& range) {
+  const std::uintptr_t end = use.address + use.bytes;
+  for_each_overlap(use.address, end, [&](const auto& key, range_state& range) {
+    if (exact != nullptr && key.first == use.address && key.second == end) { *exact = &range; }
     if (found) { return; }
     if (range.freed && !ordered(*range.freed, s)) {
       found = describe("reuse", *range.freed, s, use, freeing, /*used_after_free=*/true);
@@ -148,10 +151,10 @@ std::optional<found_hazard> race_detector::check(const activity::buffer_use& use
   return found;
 }
 
-void race_detector::record_access(const activity::buffer_use& use, const epoch& now)
+void race_detector::record_access(const activity::buffer_use& use, const epoch& now, range_state* exact)
 {
   const std::uintptr_t end = use.address + use.bytes;
-  range_state& range = shadow_[{use.address, end}];
+  range_state& range = exact != nullptr ? *exact : shadow_[{use.address, end}];
   longest_ = std::max(longest_, end - use.address);
   if (activity::writes(use.mode)) {
     range.write = now;
@@ -295,11 +298,12 @@ std::optional<found_hazard> race_detector::observe_access(const activity::record
   const std::uint32_t s = stream_of(r, thread);
   const std::uint32_t now = tick(s);
   std::optional<found_hazard> found;
+  // Each use checked, then recorded: a use recorded before the next is checked is this launch's
+  // own, ordered with it (one stream), and the first hazard found is the one reported.
   for (const auto& use : r.buffers) {
-    if (!found) { found = check(use, s, /*freeing=*/false); }
-  }
-  for (const auto& use : r.buffers) {
-    record_access(use, epoch{.stream = s, .clock = now, .mode = use.mode, .site = site});
+    range_state* exact = nullptr;
+    if (!found) { found = check(use, s, /*freeing=*/false, &exact); }
+    record_access(use, epoch{.stream = s, .clock = now, .mode = use.mode, .site = site}, exact);
   }
   return found;
 }
@@ -327,7 +331,7 @@ std::string race_detector::site_name(const access_site& site, access mode) const
   std::string text = site.kind == kind::launch && site.kernel != nullptr ? fmt::format("kernel '{}'", site.kernel)
                                                                          : std::string{noun(site.kind)};
   if (site.kind != kind::free) { text += fmt::format(" ({})", verb(mode)); }
-  if (!site.where.empty()) { text += fmt::format(" at {}", site.where); }
+  if (site.where != nullptr) { text += fmt::format(" at {}", site.where); }
   if (site.library != nullptr) { text += fmt::format(" in {}", site.library); }
   return text;
 }
@@ -340,10 +344,10 @@ std::string race_detector::range_name(std::uintptr_t address, std::size_t bytes,
 
 std::size_t race_detector::wording_hash::operator()(const wording_key& k) const noexcept
 {
-  std::size_t h = std::hash<std::string_view>{}(k.where);
+  std::size_t h = std::hash<std::string_view>{}(k.label);
   const auto mix = [&h](std::size_t v) { h ^= v + 0x9E3779B97F4A7C15U + (h << 6U) + (h >> 2U); };
-  mix(std::hash<std::string_view>{}(k.other_where));
-  mix(std::hash<std::string_view>{}(k.label));
+  mix(std::hash<const void*>{}(k.where));
+  mix(std::hash<const void*>{}(k.other_where));
   mix(k.address);
   mix(k.bytes);
   mix(k.here);

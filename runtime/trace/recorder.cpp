@@ -459,14 +459,17 @@ std::uint64_t detail::native_thread_id() noexcept
   // changes only in a forked child.
   static const bool watching_forks =
     pthread_atfork(nullptr, nullptr, [] { forks.fetch_add(1, std::memory_order_relaxed); }) == 0;
-  thread_local unsigned asked_after = ~0U;
-  thread_local std::uint64_t id = 0;
+  struct asked {  // one thread-local: each is reached through a call in a shared library
+    unsigned after_forks{~0U};
+    std::uint64_t id{0};
+  };
+  thread_local asked mine;
   const unsigned now = forks.load(std::memory_order_relaxed);
-  if (!watching_forks || asked_after != now) {
-    id = static_cast<std::uint64_t>(::syscall(SYS_gettid));
-    asked_after = now;
+  if (!watching_forks || mine.after_forks != now) {
+    mine.id = static_cast<std::uint64_t>(::syscall(SYS_gettid));
+    mine.after_forks = now;
   }
-  return id;
+  return mine.id;
 }
 
 void detail::annotate(event& e) noexcept

@@ -89,7 +89,8 @@ extern std::atomic<bool> recording;
 /// nothing records; never throws.
 void report(const record& r) noexcept;
 
-/// A kernel's name kept for the life of the process (records point at it). Thread-safe.
+/// A name (a kernel's, a user line's) kept for the life of the process: records point at it.
+/// Thread-safe.
 [[nodiscard]] const char* intern(std::string_view name);
 
 }  // namespace handoff::activity

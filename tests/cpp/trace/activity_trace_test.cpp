@@ -81,6 +81,18 @@ TEST(ActivityInternTest, ANameIsOnePointerWhereverItsTextComesFromAndOnEveryThre
   EXPECT_EQ(on_another_thread, first);
 }
 
+TEST(ActivityInternTest, NamesAskedInTurnStayOnePointerEachBeyondTheThreadsRecentOnes)
+{
+  std::vector<const char*> first;
+  first.reserve(20);
+  for (int i = 0; i < 20; ++i) { first.push_back(activity::intern(fmt::format("intern-turn-{}", i))); }
+  for (int round = 0; round < 3; ++round) {
+    for (int i = 0; i < 20; ++i) {
+      EXPECT_EQ(activity::intern(fmt::format("intern-turn-{}", i)), first[static_cast<std::size_t>(i)]) << i;
+    }
+  }
+}
+
 TEST_F(ActivityTraceTest, NothingIsRecordedOutsideALaunchTrace)
 {
   EXPECT_FALSE(activity::recording());
@@ -212,6 +224,110 @@ TEST_F(ActivityTraceTest, AStreamOrderedFreeIsRecordedAndAUseOnAnotherStreamIsAR
   sim_.synchronize_device();
   sim_.destroy_stream(a);
   sim_.destroy_stream(b);
+}
+
+// report() fills one event per thread again and again: an event keeps nothing of the one before it.
+TEST_F(ActivityTraceTest, AnEventHoldsNothingOfTheEventsRecordedBeforeItOnTheThread)
+{
+  trace::set_annotator([](trace::event& e) noexcept {
+    if (e.kernel != nullptr && std::string_view{e.kernel} == "racy") { e.where = "racy.py:7"; }  // its line only
+  });
+  begin();
+  const auto producer = sim_.create_stream(/*non_blocking=*/true);
+  sim_.enqueue_fill(producer, data_, n, 1.0F);
+  launch(sim_.legacy_default_stream(), activity::access::read, "racy");  // a race, with its line
+  sim_.synchronize_device();
+  sim_.record_event(sim_.create_event(), sim_.legacy_default_stream());  // no buffer, no line, no hazard
+  const auto events = finish();
+  trace::set_annotator(nullptr);
+  ASSERT_EQ(events.size(), 5U);  // create, set, launch, sync, record
+  const trace::event& racy = events[2];
+  ASSERT_STREQ(racy.hazard, "race");
+  EXPECT_EQ(racy.where, "racy.py:7");
+  const trace::event& after = events[4];
+  EXPECT_EQ(after.kind, trace::event_kind::stream);
+  EXPECT_EQ(after.hazard, nullptr);
+  EXPECT_TRUE(after.detail.empty());
+  EXPECT_TRUE(after.fix.empty());
+  EXPECT_FALSE(after.other);
+  EXPECT_TRUE(after.where.empty());
+  EXPECT_TRUE(after.buffers.empty());
+  EXPECT_EQ(after.kernel, nullptr);
+  EXPECT_EQ(after.nbytes, 0);
+  sim_.destroy_stream(producer);
+}
+
+// The annotator may run a release, whose device activity is reported while the first report is
+// being filled: each gets an event of its own.
+TEST_F(ActivityTraceTest, AReportMadeWhileTheThreadFillsAnotherKeepsBothWhole)
+{
+  static sim_backend* sim = nullptr;
+  static float* other = nullptr;
+  static int depth = 0;
+  sim = &sim_;
+  other = static_cast<float*>(sim_.allocate(n * sizeof(float), sim_.legacy_default_stream()));
+  depth = 0;
+  trace::set_annotator([](trace::event& e) noexcept {
+    e.where = fmt::format("depth{}.py:1", depth);
+    if (depth++ == 0) {  // inside the outer launch's report: the inner one is recorded first
+      const activity::buffer_use use{
+        .address = reinterpret_cast<std::uintptr_t>(other), .bytes = 4 * sizeof(float), .mode = activity::access::read};
+      sim->launch_kernel(sim->legacy_default_stream(), activity::intern("inner"), {&use, 1});
+    }
+  });
+  begin();
+  launch(sim_.legacy_default_stream(), activity::access::write, "outer");
+  const auto events = finish();
+  trace::set_annotator(nullptr);
+  ASSERT_EQ(events.size(), 2U);
+  const trace::event& inner = events[0];
+  const trace::event& outer = events[1];
+  EXPECT_STREQ(inner.kernel, "inner");
+  EXPECT_EQ(inner.where, "depth1.py:1");
+  ASSERT_EQ(inner.buffers.size(), 1U);
+  EXPECT_EQ(inner.buffers[0].address, reinterpret_cast<std::uintptr_t>(other));
+  EXPECT_STREQ(outer.kernel, "outer");
+  EXPECT_EQ(outer.where, "depth0.py:1");
+  ASSERT_EQ(outer.buffers.size(), 1U);
+  EXPECT_EQ(outer.buffers[0].address, reinterpret_cast<std::uintptr_t>(data_));
+  EXPECT_EQ(outer.buffers[0].mode, activity::access::write);
+  sim_.synchronize_device();
+  sim_.free_sync(other);
+}
+
+// A thread gives its reused event back when it exits; a thread-exit destructor that runs after that
+// (made before the thread's first report, so destroyed after) still reports, into an event of its own.
+TEST_F(ActivityTraceTest, AReportWhileTheThreadExitsAfterItsEventWasGivenBack)
+{
+  struct launches_at_exit {
+    sim_backend* sim{nullptr};
+    float* data{nullptr};
+    launches_at_exit() = default;
+    launches_at_exit(const launches_at_exit&) = delete;
+    launches_at_exit& operator=(const launches_at_exit&) = delete;
+    launches_at_exit(launches_at_exit&&) = delete;
+    launches_at_exit& operator=(launches_at_exit&&) = delete;
+    ~launches_at_exit()
+    {
+      const activity::buffer_use use{
+        .address = reinterpret_cast<std::uintptr_t>(data), .bytes = sizeof(float), .mode = activity::access::read};
+      sim->launch_kernel(sim->legacy_default_stream(), activity::intern("at-exit"), {&use, 1});
+    }
+  };
+  begin();
+  std::thread{[this] {
+    thread_local launches_at_exit last;  // made first: destroyed after the thread's reused event
+    last.sim = &sim_;
+    last.data = data_;
+    launch(sim_.legacy_default_stream(), activity::access::write, "before-exit");
+  }}.join();
+  const auto events = finish();
+  ASSERT_EQ(events.size(), 2U);
+  EXPECT_STREQ(events[0].kernel, "before-exit");
+  EXPECT_STREQ(events[1].kernel, "at-exit");
+  ASSERT_EQ(events[1].buffers.size(), 1U);
+  EXPECT_EQ(events[1].buffers[0].mode, activity::access::read);
+  EXPECT_EQ(events[1].thread, events[0].thread);
 }
 
 TEST_F(ActivityTraceTest, ActivityEventsWriteTheirOwnFields)

@@ -54,7 +54,7 @@ class RaceDetectorTest : public ::testing::Test {
     site->kernel = name;
     site->stream = {.device = r.device.device_id, .handle = r.stream, .thread = 0};
     site->stream_class = r.stream_class;
-    site->where = where.empty() ? "app.py:" + std::to_string(seq_) : where;
+    site->where = handoff::activity::intern(where.empty() ? "app.py:" + std::to_string(seq_) : where);
     return detector_.observe(r, thread, site);
   }
 

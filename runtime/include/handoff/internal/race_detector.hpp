@@ -35,7 +35,7 @@ struct access_site {
   const char* kernel{nullptr};
   stream_key stream;
   activity::stream_class stream_class{activity::stream_class::blocking};
-  std::string where;             ///< the user's line, when known
+  const char* where{nullptr};    ///< the user's line (interned), when known
   const char* library{nullptr};  ///< the library whose code did it (interned), when known
   std::int64_t time_ns{0};
 };
@@ -114,8 +114,8 @@ class race_detector {
     const char* other_kernel{nullptr};
     const char* library{nullptr};
     const char* other_library{nullptr};
-    std::string where;
-    std::string other_where;
+    const char* where{nullptr};  // interned, as the kernels are
+    const char* other_where{nullptr};
 
     friend bool operator==(const wording_key&, const wording_key&) = default;
   };
@@ -143,8 +143,12 @@ class race_detector {
   std::optional<found_hazard> observe_access(const activity::record& r, std::uint64_t thread,
                                              const std::shared_ptr<const access_site>& site);
   [[nodiscard]] bool ordered(const epoch& earlier, std::uint32_t s) const;
-  std::optional<found_hazard> check(const activity::buffer_use& use, std::uint32_t s, bool freeing);
-  void record_access(const activity::buffer_use& use, const epoch& now);
+  /// The first hazard `use` on `s` meets; `exact`, when given, learns the range recorded for exactly
+  /// `use`'s memory, if there is one (so that recording the use needs no second search).
+  std::optional<found_hazard> check(const activity::buffer_use& use, std::uint32_t s, bool freeing,
+                                    range_state** exact = nullptr);
+  /// Records `use` at `now`, in `exact` when check() found its range.
+  void record_access(const activity::buffer_use& use, const epoch& now, range_state* exact = nullptr);
   void forget(std::uintptr_t begin, std::uintptr_t end);
   template <class F>
   void for_each_overlap(std::uintptr_t begin, std::uintptr_t end, F&& f);
