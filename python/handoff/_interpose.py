@@ -156,9 +156,9 @@ class _Hooks:
         if not isinstance(cls, type):
             return
         original = cls.__dict__.get("__dlpack__")
-        if original is None or self._is_wrapper(original):
+        if not callable(original) or self._is_wrapper(original):  # absent, or a descriptor this hook is not
             return
-        wrapper = _producer_wrapper(original)
+        wrapper = _handoff._interposed_producer_hook(original)
         try:
             setattr(cls, "__dlpack__", wrapper)  # noqa: B010 - a class's attribute, replaced
         except (TypeError, AttributeError):  # an extension type: its stream argument stays unseen
@@ -204,31 +204,23 @@ def _pickle_as_installed(wrapper: Any, module: types.ModuleType, attribute: str)
     """A function pickles as the module attribute its ``__module__`` and ``__qualname__`` name, which
     must be the function itself: the wrapper names a place where it is installed, so that it pickles
     as what it wraps (and unpickles as that, where no hooks are in place)."""
-    home: Any = sys.modules.get(wrapper.__module__)
-    for part in wrapper.__qualname__.split("."):
+    qualname = getattr(wrapper, "__qualname__", None)  # none where the original had none to give
+    home: Any = sys.modules.get(getattr(wrapper, "__module__", None) or "") if qualname else None
+    for part in qualname.split(".") if qualname else ():
         home = getattr(home, part, None)
     if home is not wrapper:
         wrapper.__module__, wrapper.__qualname__ = module.__name__, attribute
+        if not hasattr(wrapper, "__name__"):
+            wrapper.__name__ = attribute
 
 
 def _consumer_wrapper(original: Any, consumer: _interposed.Consumer) -> Any:
+    """The hooked consumer: a C object called as the original is (no Python frame of its own), with
+    the original's name, signature, documentation and attributes, as functools.wraps gives them."""
     call = _handoff._interposed_call(original, consumer, registry.find, _interposed.exchange, _interposed.not_recorded)
-
-    @functools.wraps(original)
-    def hooked(*args: Any, **kwargs: Any) -> Any:
-        return call(*args, **kwargs)
-
-    hooked.__handoff_original__ = original  # type: ignore[attr-defined]
-    return hooked
-
-
-def _producer_wrapper(original: Any) -> Any:
-    @functools.wraps(original)
-    def __dlpack__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _handoff._interposed_producer_called(self, kwargs.get("stream", args[0] if args else None))
-        return original(self, *args, **kwargs)
-
-    return __dlpack__
+    functools.update_wrapper(call, original)
+    call.__handoff_original__ = original  # type: ignore[attr-defined]
+    return call
 
 
 _hooks = _Hooks()

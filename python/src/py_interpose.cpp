@@ -4,6 +4,7 @@
 // (an unordered hand-off is a hazard only while the producer's stream has work pending).
 #include "py_array_description.hpp"
 #include "py_cpython.hpp"
+#include "py_errors.hpp"
 #include "py_exchange.hpp"
 #include "py_gil.hpp"
 #include "py_owners.hpp"
@@ -20,6 +21,7 @@
 
 #include <fmt/format.h>
 #include <pybind11/stl.h>
+#include <structmember.h>
 
 #include <array>
 #include <memory>
@@ -274,36 +276,158 @@ struct in_flight_exchange {
 thread_local std::unique_ptr<in_flight_exchange> in_flight;
 
 // A hooked producer's __dlpack__ was called on `self` with `stream`: noted when `self` is the
-// exchange's argument. A plain CPython function (METH_FASTCALL, `(self, stream)`), as each traced
-// exchange whose producer's class is hooked calls it and pybind11's dispatch costs more than this does.
-PyObject* producer_called(PyObject* /*module*/, PyObject* const* args, Py_ssize_t count) noexcept
+// exchange's argument.
+void note_producer_called(PyObject* self, PyObject* stream) noexcept
 {
-  if (count != 2) {
-    PyErr_SetString(PyExc_TypeError, "_interposed_producer_called takes (self, stream)");
-    return nullptr;
+  if (!in_flight || in_flight->argument != self) { return; }
+  in_flight->stream_argument.reset();  // None, or what no int64 holds, names no stream
+  if (is_int(stream)) {
+    if (const int64_reading read = read_int64(stream); read.fits()) { in_flight->stream_argument = read.value; }
   }
-  if (in_flight && in_flight->argument == args[0]) {
-    in_flight->stream_argument.reset();  // None, or what no int64 holds, names no stream
-    if (is_int(args[1])) {
-      if (const int64_reading read = read_int64(args[1]); read.fits()) { in_flight->stream_argument = read.value; }
-    }
-    if (in_flight->device.device_type != kDLCPU) {
-      try {
-        if (const context* ctx = context_serving(in_flight->device.device_type)) {
-          in_flight->producer_device = ctx->backend().current_device();
-        }
-      } catch (const std::exception&) {  // the producer's call goes on; the device stays unseen
+  if (in_flight->device.device_type != kDLCPU) {
+    try {
+      if (const context* ctx = context_serving(in_flight->device.device_type)) {
+        in_flight->producer_device = ctx->backend().current_device();
       }
+    } catch (const std::exception&) {  // the producer's call goes on; the device stays unseen
     }
   }
-  Py_RETURN_NONE;
 }
 
-PyMethodDef interpose_functions[] = {
-  {"_interposed_producer_called", as_cfunction(producer_called), METH_FASTCALL,
-   "A hooked producer's __dlpack__ was called on `self` with `stream`."},
-  {nullptr, nullptr, 0, nullptr},
+// A hooked producer's __dlpack__ (handoff/_interpose.py installs it on the producer's class): notes
+// the `stream` its caller passed, then calls the original with the same arguments. Called through
+// vectorcall and bound as a method descriptor, so that neither the call nor its keywords make a tuple
+// or a dict, where a Python wrapper's `*args, **kwargs` made both twice per exported array. Any
+// other attribute (__name__, __doc__, ...) is the original's.
+struct producer_hook {
+  PyObject_HEAD vectorcallfunc vectorcall;
+  PyObject* original;
 };
+
+PyObject* producer_hook_vectorcall(PyObject* callable, PyObject* const* args, std::size_t nargsf,
+                                   PyObject* kwnames) noexcept
+{
+  auto* hook = reinterpret_cast<producer_hook*>(callable);
+  const Py_ssize_t count = PyVectorcall_NARGS(nargsf);
+  if (count >= 1 && in_flight) {
+    PyObject* stream = count >= 2 ? args[1] : Py_None;  // `stream` is __dlpack__'s first parameter
+    const Py_ssize_t named = kwnames != nullptr ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t i = 0; i < named; ++i) {
+      if (PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, i), "stream") == 0) {
+        stream = args[count + i];
+        break;
+      }
+    }
+    note_producer_called(args[0], stream);
+  }
+  return PyObject_Vectorcall(hook->original, args, nargsf, kwnames);
+}
+
+// As a function is: looked up on an instance, bound to it; on the class, itself.
+PyObject* producer_hook_get(PyObject* self, PyObject* instance, PyObject* /*type*/) noexcept
+{
+  if (instance == nullptr || instance == Py_None) {
+    Py_INCREF(self);
+    return self;
+  }
+  return PyMethod_New(self, instance);
+}
+
+PyObject* producer_hook_getattro(PyObject* self, PyObject* name) noexcept
+{
+  PyObject* found = PyObject_GenericGetAttr(self, name);
+  if (found != nullptr || PyErr_ExceptionMatches(PyExc_AttributeError) == 0) { return found; }
+  PyErr_Clear();
+  return PyObject_GetAttr(reinterpret_cast<producer_hook*>(self)->original, name);
+}
+
+PyObject* producer_hook_wrapped(PyObject* self, void* /*closure*/) noexcept
+{
+  PyObject* original = reinterpret_cast<producer_hook*>(self)->original;
+  Py_INCREF(original);
+  return original;
+}
+
+PyObject* producer_hook_original_attribute(PyObject* self, void* name) noexcept
+{
+  return PyObject_GetAttrString(reinterpret_cast<producer_hook*>(self)->original, static_cast<const char*>(name));
+}
+
+PyObject* producer_hook_repr(PyObject* self) noexcept
+{
+  return PyUnicode_FromFormat("<handoff hook of %R>", reinterpret_cast<producer_hook*>(self)->original);
+}
+
+int producer_hook_traverse(PyObject* self, visitproc visit, void* arg)
+{
+  Py_VISIT(Py_TYPE(self));
+  Py_VISIT(reinterpret_cast<producer_hook*>(self)->original);
+  return 0;
+}
+
+int producer_hook_clear(PyObject* self)
+{
+  Py_CLEAR(reinterpret_cast<producer_hook*>(self)->original);
+  return 0;
+}
+
+void producer_hook_dealloc(PyObject* self)
+{
+  PyTypeObject* type = Py_TYPE(self);
+  PyObject_GC_UnTrack(self);
+  producer_hook_clear(self);
+  type->tp_free(self);
+  Py_DECREF(type);
+}
+
+PyTypeObject* producer_hook_type()
+{
+  static PyTypeObject* type = [] {
+    static PyMemberDef members[] = {
+      {"__vectorcalloffset__", T_PYSSIZET, static_cast<Py_ssize_t>(offsetof(producer_hook, vectorcall)), READONLY,
+       nullptr},
+      {nullptr, 0, 0, 0, nullptr},
+    };
+    static PyGetSetDef properties[] = {
+      {"__wrapped__", producer_hook_wrapped, nullptr, "The producer's own __dlpack__.", nullptr},
+      // The type's own would be found first: these are the original's, as the rest are.
+      {"__doc__", producer_hook_original_attribute, nullptr, nullptr, const_cast<char*>("__doc__")},
+      {"__module__", producer_hook_original_attribute, nullptr, nullptr, const_cast<char*>("__module__")},
+      {nullptr, nullptr, nullptr, nullptr, nullptr},
+    };
+    PyType_Slot slots[] = {
+      {Py_tp_call, reinterpret_cast<void*>(PyVectorcall_Call)},
+      {Py_tp_descr_get, reinterpret_cast<void*>(producer_hook_get)},
+      {Py_tp_getattro, reinterpret_cast<void*>(producer_hook_getattro)},
+      {Py_tp_repr, reinterpret_cast<void*>(producer_hook_repr)},
+      {Py_tp_members, members},
+      {Py_tp_getset, properties},
+      {Py_tp_traverse, reinterpret_cast<void*>(producer_hook_traverse)},
+      {Py_tp_clear, reinterpret_cast<void*>(producer_hook_clear)},
+      {Py_tp_dealloc, reinterpret_cast<void*>(producer_hook_dealloc)},
+      {0, nullptr},
+    };
+    PyType_Spec spec{
+      "handoff._handoff._ProducerHook", static_cast<int>(sizeof(producer_hook)), 0,
+      Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR, slots};
+    auto* made = reinterpret_cast<PyTypeObject*>(PyType_FromSpec(&spec));
+    if (made == nullptr) { throw py::error_already_set(); }
+    return made;  // kept for the process
+  }();
+  return type;
+}
+
+py::object make_producer_hook(py::handle original)
+{
+  HANDOFF_EXPECTS(PyCallable_Check(original.ptr()) != 0, type_error,
+                  fmt::format("a producer hook wraps a callable, not {}", type_name(original)));
+  auto made = py::reinterpret_steal<py::object>(PyType_GenericAlloc(producer_hook_type(), 0));
+  if (!made) { throw py::error_already_set(); }
+  auto* hook = reinterpret_cast<producer_hook*>(made.ptr());
+  hook->vectorcall = producer_hook_vectorcall;
+  hook->original = py::reinterpret_borrow<py::object>(original).release().ptr();
+  return made;
+}
 
 void begin_exchange(py::handle argument, const py::tuple& device)
 {
@@ -397,6 +521,8 @@ struct consumer_call {
   PyObject* parameter;     // the array's keyword, or None
   const char* library;     // the consumer's, interned
   bool interface_first;    // the consumer reads the CUDA Array Interface before DLPack
+  PyObject* dict;          // a function's attributes: functools.update_wrapper fills it from the original's
+  PyObject* weakrefs;      // as a function's
 };
 
 PyObject* call_original(const consumer_call* self, PyObject* args, PyObject* kwargs)
@@ -569,10 +695,42 @@ PyObject* consumer_call_call(PyObject* object, PyObject* args, PyObject* kwargs)
 }
 
 // The Python objects a consumer_call holds, for the collector.
-std::array<PyObject**, 6> references_of(consumer_call* self) noexcept
+std::array<PyObject**, 7> references_of(consumer_call* self) noexcept
 {
-  return {&self->original, &self->consumer,     &self->find_library,
-          &self->exchange, &self->not_recorded, &self->parameter};
+  return {&self->original,     &self->consumer,  &self->find_library, &self->exchange,
+          &self->not_recorded, &self->parameter, &self->dict};
+}
+
+// Bound as the original is: a Python function looked up on an instance binds to it, a builtin does not.
+PyObject* consumer_call_get(PyObject* object, PyObject* instance, PyObject* type) noexcept
+{
+  PyObject* original = reinterpret_cast<consumer_call*>(object)->original;
+  const descrgetfunc bind = Py_TYPE(original)->tp_descr_get;
+  if (bind == nullptr || instance == nullptr || instance == Py_None) {
+    Py_INCREF(object);
+    return object;
+  }
+  PyObject* bound = bind(original, instance, type);
+  if (bound == nullptr) { return nullptr; }
+  const bool binds = bound != original;
+  Py_DECREF(bound);
+  if (!binds) {
+    Py_INCREF(object);
+    return object;
+  }
+  return PyMethod_New(object, instance);
+}
+
+// Pickled as the global its __module__ and __qualname__ name (handoff/_interpose.py names the place
+// it is installed), as a function is.
+PyObject* consumer_call_reduce(PyObject* object, PyObject* /*unused*/) noexcept
+{
+  return PyObject_GetAttrString(object, "__qualname__");
+}
+
+PyObject* consumer_call_repr(PyObject* object) noexcept
+{
+  return PyUnicode_FromFormat("<handoff hook of %R>", reinterpret_cast<consumer_call*>(object)->original);
 }
 
 int consumer_call_traverse(PyObject* object, visitproc visit, void* arg)
@@ -592,6 +750,7 @@ void consumer_call_dealloc(PyObject* object)
 {
   PyTypeObject* type = Py_TYPE(object);
   PyObject_GC_UnTrack(object);
+  if (reinterpret_cast<consumer_call*>(object)->weakrefs != nullptr) { PyObject_ClearWeakRefs(object); }
   consumer_call_clear(object);
   type->tp_free(object);
   Py_DECREF(type);
@@ -600,8 +759,26 @@ void consumer_call_dealloc(PyObject* object)
 PyTypeObject* consumer_call_type()
 {
   static PyTypeObject* type = [] {
+    static PyMemberDef members[] = {
+      {"__dictoffset__", T_PYSSIZET, static_cast<Py_ssize_t>(offsetof(consumer_call, dict)), READONLY, nullptr},
+      {"__weaklistoffset__", T_PYSSIZET, static_cast<Py_ssize_t>(offsetof(consumer_call, weakrefs)), READONLY, nullptr},
+      {nullptr, 0, 0, 0, nullptr},
+    };
+    static PyMethodDef methods[] = {
+      {"__reduce__", as_cfunction(consumer_call_reduce), METH_NOARGS, nullptr},
+      {nullptr, nullptr, 0, nullptr},
+    };
+    static PyGetSetDef properties[] = {
+      {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, nullptr, nullptr},
+      {nullptr, nullptr, nullptr, nullptr, nullptr},
+    };
     PyType_Slot slots[] = {
       {Py_tp_call, reinterpret_cast<void*>(consumer_call_call)},
+      {Py_tp_descr_get, reinterpret_cast<void*>(consumer_call_get)},
+      {Py_tp_repr, reinterpret_cast<void*>(consumer_call_repr)},
+      {Py_tp_members, members},
+      {Py_tp_methods, methods},
+      {Py_tp_getset, properties},
       {Py_tp_traverse, reinterpret_cast<void*>(consumer_call_traverse)},
       {Py_tp_clear, reinterpret_cast<void*>(consumer_call_clear)},
       {Py_tp_dealloc, reinterpret_cast<void*>(consumer_call_dealloc)},
@@ -754,7 +931,9 @@ void bind_interpose(py::module_& m, exchange& on)
   m.def("_interposed_end", &end_exchange,
         "Ends the exchange begun on this thread: (the stream its producer's __dlpack__ was given, the device "
         "current then), each None where unseen.");
-  if (PyModule_AddFunctions(m.ptr(), interpose_functions) != 0) { throw py::error_already_set(); }
+  m.def("_interposed_producer_hook", &make_producer_hook, py::arg("original"),
+        "A hooked producer's __dlpack__ for `original`: notes the `stream` argument of the exchange in flight, "
+        "then calls `original` with the same arguments.");
 }
 
 }  // namespace handoff::python

@@ -30,7 +30,7 @@ import pytest
 
 import handoff
 from handoff import _interposed
-from handoff._adapters import registry
+from handoff._adapters import Target, registry
 
 from support import BACKEND, needs_sim, needs_two_devices, run_python, settle_sim
 
@@ -129,6 +129,53 @@ def test_the_ordering_mode_alone_wraps_the_consumers_but_not_the_producers():
     finally:
         handoff.order_libraries(False)
     assert not hasattr(np.from_dlpack, "__handoff_original__")
+
+
+def test_a_hooked_producers_dlpack_binds_reads_and_fails_as_the_original_does():
+    original = torch.Tensor.__dlpack__
+    tensor = torch.arange(4.0)
+    with handoff.trace(libraries=True) as t:
+        hook = torch.Tensor.__dlpack__
+        assert hook is not original and hook.__wrapped__ is original
+        assert (hook.__name__, hook.__qualname__, hook.__doc__) == ("__dlpack__", "Tensor.__dlpack__", original.__doc__)
+        bound = tensor.__dlpack__
+        assert bound.__self__ is tensor and bound.__func__ is hook
+        with pytest.raises(TypeError, match="stream must be"):  # PyTorch's own error, unchanged
+            tensor.__dlpack__(stream="not a stream")
+        with pytest.raises(TypeError):  # no tensor to export: the original says so
+            hook()
+        assert type(hook(tensor, stream=None)).__name__ == "PyCapsule"  # called through the class
+        assert np.from_dlpack(tensor).tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert torch.Tensor.__dlpack__ is original
+    assert [(e["producer"], e["consumer"]) for e in t.events if e["interposed"]] == [("torch", "numpy")]
+
+
+def test_a_hooked_consumer_is_bound_where_its_original_is_and_weakly_referenced_as_a_function():
+    with handoff.trace(libraries=True) as t:
+
+        class Holder:
+            python_function = torch.from_dlpack  # a Python function: bound on an instance
+            builtin = np.from_dlpack  # a builtin: not bound
+
+        holder = Holder()
+        assert holder.python_function.__self__ is holder and holder.python_function.__func__ is torch.from_dlpack
+        assert holder.builtin is np.from_dlpack
+        assert holder.builtin(torch.arange(2.0)).tolist() == [0.0, 1.0]
+        assert weakref.ref(torch.from_dlpack)() is torch.from_dlpack
+        assert "from_dlpack" in repr(np.from_dlpack)
+    assert [(e["producer"], e["consumer"]) for e in t.events if e["interposed"]] == [("torch", "numpy")]
+
+
+def test_a_class_whose_dlpack_is_not_callable_is_not_hooked():
+    class NotCallable:
+        __dlpack__ = None
+
+    module = types.ModuleType("not_callable_module")
+    module.NotCallable = NotCallable
+    handoff._interpose._hooks._install_producer(module, Target("not_callable_module", "NotCallable"))
+    assert NotCallable.__dict__["__dlpack__"] is None
+    with pytest.raises(TypeError, match="a producer hook wraps a callable, not NoneType"):
+        handoff._handoff._interposed_producer_hook(None)
 
 
 def test_a_library_imported_while_tracing_is_hooked_as_it_loads():
