@@ -272,22 +272,28 @@ struct in_flight_exchange {
   trace::muted_scope muted;
 };
 
-// NOLINTNEXTLINE(cppcoreguidelines-avoid-non-const-global-variables): this thread's, read and set with the GIL
-thread_local std::unique_ptr<in_flight_exchange> in_flight;
+// This thread's exchange in progress, or null; read and set with the GIL. A plain pointer, so that
+// every consumer and producer call reaches it in one step (no initialization guard): a host exchange
+// keeps its own on its stack, one begun from Python (handoff._interposed) is owned below.
+// NOLINTNEXTLINE(cppcoreguidelines-avoid-non-const-global-variables)
+thread_local in_flight_exchange* in_flight = nullptr;
+// NOLINTNEXTLINE(cppcoreguidelines-avoid-non-const-global-variables): as above
+thread_local std::unique_ptr<in_flight_exchange> begun_in_python;
 
 // A hooked producer's __dlpack__ was called on `self` with `stream`: noted when `self` is the
 // exchange's argument.
 void note_producer_called(PyObject* self, PyObject* stream) noexcept
 {
-  if (!in_flight || in_flight->argument != self) { return; }
-  in_flight->stream_argument.reset();  // None, or what no int64 holds, names no stream
+  in_flight_exchange* const now = in_flight;
+  if (now == nullptr || now->argument != self) { return; }
+  now->stream_argument.reset();  // None, or what no int64 holds, names no stream
   if (is_int(stream)) {
-    if (const int64_reading read = read_int64(stream); read.fits()) { in_flight->stream_argument = read.value; }
+    if (const int64_reading read = read_int64(stream); read.fits()) { now->stream_argument = read.value; }
   }
-  if (in_flight->device.device_type != kDLCPU) {
+  if (now->device.device_type != kDLCPU) {
     try {
-      if (const context* ctx = context_serving(in_flight->device.device_type)) {
-        in_flight->producer_device = ctx->backend().current_device();
+      if (const context* ctx = context_serving(now->device.device_type)) {
+        now->producer_device = ctx->backend().current_device();
       }
     } catch (const std::exception&) {  // the producer's call goes on; the device stays unseen
     }
@@ -309,7 +315,7 @@ PyObject* producer_hook_vectorcall(PyObject* callable, PyObject* const* args, st
 {
   auto* hook = reinterpret_cast<producer_hook*>(callable);
   const Py_ssize_t count = PyVectorcall_NARGS(nargsf);
-  if (count >= 1 && in_flight) {
+  if (count >= 1 && in_flight != nullptr) {
     PyObject* stream = count >= 2 ? args[1] : Py_None;  // `stream` is __dlpack__'s first parameter
     const Py_ssize_t named = kwnames != nullptr ? PyTuple_GET_SIZE(kwnames) : 0;
     for (Py_ssize_t i = 0; i < named; ++i) {
@@ -431,16 +437,18 @@ py::object make_producer_hook(py::handle original)
 
 void begin_exchange(py::handle argument, const py::tuple& device)
 {
-  in_flight.reset(
+  begun_in_python.reset(
     new in_flight_exchange{argument.ptr(), device_of(device), {}, {}, {}});  // NOLINT: muted_scope cannot move
+  in_flight = begun_in_python.get();
 }
 
 // The stream the producer's __dlpack__ was given and the device current then, for the exchange begun last.
 std::pair<std::optional<std::int64_t>, std::optional<int>> end_exchange()
 {
-  if (!in_flight) { return {}; }
+  if (in_flight == nullptr) { return {}; }
   const auto seen = std::make_pair(in_flight->stream_argument, in_flight->producer_device);
-  in_flight.reset();
+  in_flight = nullptr;
+  begun_in_python.reset();
   return seen;
 }
 
@@ -639,10 +647,14 @@ PyObject* host_exchange(const consumer_call* self, PyObject* args, PyObject* kwa
                         interposed_protocol protocol, std::string_view producer)
 {
   interposed_exchange seen{protocol, producer, self->library, DLDevice{kDLCPU, 0}};
-  in_flight.reset(new in_flight_exchange{argument, {kDLCPU, 0}, {}, {}, {}});  // NOLINT: as begin_exchange
-  PyObject* result = call_original(self, args, kwargs);
-  seen.stream_argument = in_flight->stream_argument;
-  in_flight.reset();
+  PyObject* result = nullptr;
+  {
+    in_flight_exchange here{argument, {kDLCPU, 0}, {}, {}, {}};
+    in_flight = &here;
+    result = call_original(self, args, kwargs);
+    seen.stream_argument = here.stream_argument;
+    in_flight = nullptr;
+  }
   if (result == nullptr) {
     PyObject* type = nullptr;
     PyObject* value = nullptr;
@@ -661,7 +673,9 @@ PyObject* host_exchange(const consumer_call* self, PyObject* args, PyObject* kwa
 PyObject* consumer_call_call(PyObject* object, PyObject* args, PyObject* kwargs)
 {
   auto* self = reinterpret_cast<consumer_call*>(object);
-  if (in_flight) { return call_original(self, args, kwargs); }  // the outermost call of a nest is the exchange
+  if (in_flight != nullptr) {  // the outermost call of a nest is the exchange
+    return call_original(self, args, kwargs);
+  }
   PyObject* argument = argument_of(self, args, kwargs);
   if (argument == nullptr) { return call_original(self, args, kwargs); }  // the consumer says what is wrong
   const registered_library* library = registered_library_of(argument, self->find_library);

@@ -6,7 +6,6 @@
 #include <handoff/internal/race_detector.hpp>
 #include <handoff/trace.hpp>
 
-#include "core/block_cache.hpp"
 #include "core/thread_exit.hpp"
 #include "log/logger.hpp"
 #include "trace/activity_kinds.hpp"
@@ -106,35 +105,6 @@ struct activity_state {
   }
 };
 
-// Each activity's site comes and goes with the ranges it last touched, one made for about one given
-// back: from the thread's kept blocks (core/block_cache.hpp), rather than the allocator's round trip.
-template <class T>
-struct recycled {
-  using value_type = T;
-  recycled() = default;
-  template <class U>
-  explicit recycled(const recycled<U>& /*other*/) noexcept
-  {}
-  [[nodiscard]] T* allocate(std::size_t n)
-  {
-    if (n != 1) { return std::allocator<T>{}.allocate(n); }
-    return static_cast<T*>(handoff::detail::thread_block_cache<sizeof(T)>::allocate());
-  }
-  void deallocate(T* p, std::size_t n) noexcept
-  {
-    if (n != 1) {
-      std::allocator<T>{}.deallocate(p, n);
-      return;
-    }
-    handoff::detail::thread_block_cache<sizeof(T)>::deallocate(p);
-  }
-  template <class U>
-  friend bool operator==(const recycled& /*a*/, const recycled<U>& /*b*/) noexcept
-  {
-    return true;
-  }
-};
-
 // The event report() fills: the thread's own, emptied but for its vectors' and strings' capacity, so
 // that an activity event allocates nothing once the thread has recorded a few. A report made while
 // another is being filled on the thread (the annotator may run a release), or once the thread gave
@@ -151,14 +121,7 @@ class reused_event {
       thread_.event = new trace::event;  // NOLINT(cppcoreguidelines-owning-memory): give_back deletes it
       handoff::detail::call_at_thread_exit<&give_back>();
     } else {
-      trace::event& e = *thread_.event;
-      std::vector<trace::buffer_ref> buffers = std::move(e.buffers);
-      std::string where = std::move(e.where);
-      e = trace::event{};
-      buffers.clear();
-      where.clear();
-      e.buffers = std::move(buffers);
-      e.where = std::move(where);
+      empty(*thread_.event);
     }
     thread_.taken = true;
   }
@@ -193,6 +156,21 @@ class reused_event {
     delete std::exchange(mine.event, nullptr);  // NOLINT(cppcoreguidelines-owning-memory)
   }
 
+  // What report() may leave set in an activity event and does not set on every report (the
+  // exchange fields stay as constructed: nothing sets them here), emptied in place.
+  static void empty(trace::event& e) noexcept
+  {
+    e.stream.reset();
+    e.nbytes = 0;
+    e.library = nullptr;
+    e.where.clear();
+    e.buffers.clear();
+    e.hazard = nullptr;
+    e.detail.clear();
+    e.fix.clear();
+    e.other.reset();
+  }
+
   per_thread& thread_;
   std::optional<trace::event> fresh_;
 };
@@ -204,7 +182,7 @@ void observe_query(const record& r) noexcept
     activity_state& state = activity_state::get();
     const std::uint64_t thread = trace::detail::native_thread_id();
     std::lock_guard lock{state.mutex};
-    if (state.detector) { (void)state.detector->observe(r, thread, nullptr); }
+    if (state.detector) { (void)state.detector->observe(r, thread, trace::access_site{}); }
   } catch (const std::exception& error) {
     HANDOFF_LOG_WARN("a device query was not traced ({})", error.what());
   }
@@ -284,22 +262,21 @@ void report(const record& r) noexcept
     for (trace::buffer_ref& b : e.buffers) {
       if (const exchanged_memory* held = state.exchanged_holding(b.address)) { b.buffer = held->buffer; }
     }
-    auto site = std::allocate_shared<trace::access_site>(recycled<trace::access_site>{});
-    site->seq = e.seq;
-    site->kind = r.kind;
-    site->kernel = r.name;
-    site->stream = {.device = r.device.device_id,
-                    .handle = r.stream,
-                    .thread = r.stream_class == stream_class::per_thread ? e.thread : 0};
-    site->stream_class = r.stream_class;
-    site->where = e.where.empty() ? nullptr : intern(e.where);
-    site->library = e.library;
-    site->time_ns = e.time_ns;
+    const trace::access_site site{.seq = e.seq,
+                                  .kind = r.kind,
+                                  .kernel = r.name,
+                                  .stream = {.device = r.device.device_id,
+                                             .handle = r.stream,
+                                             .thread = r.stream_class == stream_class::per_thread ? e.thread : 0},
+                                  .stream_class = r.stream_class,
+                                  .where = e.where.empty() ? nullptr : intern(e.where),
+                                  .library = e.library,
+                                  .time_ns = e.time_ns};
     if (auto found = state.detector->observe(r, e.thread, site)) {
       e.hazard = found->name;
       e.detail = std::move(found->detail);
       e.fix = std::move(found->fix);
-      const trace::access_site& other = *found->other;
+      const trace::access_site& other = found->other;
       e.other = trace::activity_side{.seq = other.seq,
                                      .kind = trace::detail::facts(other.kind).event,
                                      .kernel = other.kernel,

@@ -55,7 +55,11 @@ std::uint32_t race_detector::stream_of(const activity::record& r, std::uint64_t 
                        .handle = r.stream,
                        .thread = r.stream_class == stream_class::per_thread ? thread : 0};
   if (r.kind != kind::stream_create) {
-    if (const auto found = index_.find(key); found != index_.end()) { return found->second; }
+    if (last_stream_ && last_stream_->first == key) { return last_stream_->second; }
+    if (const auto found = index_.find(key); found != index_.end()) {
+      last_stream_.emplace(key, found->second);
+      return found->second;
+    }
   }
   // New, or a handle that a created stream takes again after another was destroyed: a stream of its
   // own, since nothing orders it with the old one's work.
@@ -63,6 +67,7 @@ std::uint32_t race_detector::stream_of(const activity::record& r, std::uint64_t 
   streams_.push_back({.key = key, .stream_class = r.stream_class, .clock = {}, .host_seen = 0, .live = true});
   streams_.back().clock.resize(streams_.size(), 0);
   index_.insert_or_assign(key, s);
+  last_stream_.emplace(key, s);
   return s;
 }
 
@@ -123,27 +128,28 @@ void race_detector::for_each_overlap(std::uintptr_t begin, std::uintptr_t end, F
   }
 }
 
-std::optional<found_hazard> race_detector::check(const activity::buffer_use& use, std::uint32_t s, bool freeing,
-                                                 range_state** exact)
+std::optional<race_detector::conflict> race_detector::check(const activity::buffer_use& use, std::uint32_t s,
+                                                            bool freeing, range_state** exact)
 {
-  std::optional<found_hazard> found;
+  std::optional<conflict> found;
   const bool writing = freeing || activity::writes(use.mode);
+  const char* const hazard = freeing ? "reuse" : "race";
   const std::uintptr_t end = use.address + use.bytes;
   for_each_overlap(use.address, end, [&](const auto& key, range_state& range) {
     if (exact != nullptr && key.first == use.address && key.second == end) { *exact = &range; }
     if (found) { return; }
     if (range.freed && !ordered(*range.freed, s)) {
-      found = describe("reuse", *range.freed, s, use, freeing, /*used_after_free=*/true);
+      found = conflict{.hazard = "reuse", .other = &*range.freed, .used_after_free = true};
       return;
     }
     if (range.write && !ordered(*range.write, s)) {
-      found = describe(freeing ? "reuse" : "race", *range.write, s, use, freeing, false);
+      found = conflict{.hazard = hazard, .other = &*range.write, .used_after_free = false};
       return;
     }
     if (!writing) { return; }
     for (const epoch& read : range.reads) {
       if (!ordered(read, s)) {
-        found = describe(freeing ? "reuse" : "race", read, s, use, freeing, false);
+        found = conflict{.hazard = hazard, .other = &read, .used_after_free = false};
         return;
       }
     }
@@ -182,10 +188,8 @@ void race_detector::forget(std::uintptr_t begin, std::uintptr_t end)
 }
 
 std::optional<found_hazard> race_detector::observe(const activity::record& r, std::uint64_t thread,
-                                                   const std::shared_ptr<const access_site>& site)
+                                                   const access_site& site)
 {
-  current_ = site.get();
-  std::optional<found_hazard> found;
   switch (r.kind) {
     case kind::stream_create:
       (void)stream_of(r, thread);
@@ -194,6 +198,7 @@ std::optional<found_hazard> race_detector::observe(const activity::record& r, st
       const std::uint32_t s = stream_of(r, thread);
       streams_[s].live = false;
       index_.erase(streams_[s].key);
+      last_stream_.reset();
       break;
     }
     case kind::event_record: {
@@ -218,16 +223,13 @@ std::optional<found_hazard> race_detector::observe(const activity::record& r, st
       observe_allocation(r, thread);
       break;
     case kind::free:
-      found = observe_free(r, thread, site);
-      break;
+      return observe_free(r, thread, site);
     case kind::launch:
     case kind::copy:
     case kind::set:
-      found = observe_access(r, thread, site);
-      break;
+      return observe_access(r, thread, site);
   }
-  current_ = nullptr;
-  return found;
+  return std::nullopt;
 }
 
 void race_detector::observe_host_wait(const activity::record& r, std::uint64_t thread)
@@ -268,7 +270,7 @@ void race_detector::observe_allocation(const activity::record& r, std::uint64_t 
 }
 
 std::optional<found_hazard> race_detector::observe_free(const activity::record& r, std::uint64_t thread,
-                                                        const std::shared_ptr<const access_site>& site)
+                                                        const access_site& site)
 {
   if (!r.stream_ordered) {  // a free that synchronized the device first: every earlier use is done
     join_host_with(r.device.device_id);
@@ -279,31 +281,40 @@ std::optional<found_hazard> race_detector::observe_free(const activity::record& 
   const std::uint32_t now = tick(s);
   std::optional<found_hazard> found;
   for (const auto& use : r.buffers) {
-    if (!found) { found = check(use, s, /*freeing=*/true); }
+    if (const auto met = check(use, s, /*freeing=*/true)) {
+      found = describe(*met, site, s, use, /*freeing=*/true);
+      break;
+    }
   }
   auto clock = std::make_shared<const clock_vector>(streams_[s].clock);
+  const site_pool::ref freeing = sites_.make(site);
   for (const auto& use : r.buffers) {
     forget(use.address, use.address + use.bytes);
     range_state& range = shadow_[{use.address, use.address + use.bytes}];
     longest_ = std::max<std::uintptr_t>(longest_, use.bytes);
-    range.freed = epoch{.stream = s, .clock = now, .mode = access::write, .site = site};
+    range.freed = epoch{.stream = s, .clock = now, .mode = access::write, .site = freeing};
     range.freed_clock = clock;
   }
   return found;
 }
 
 std::optional<found_hazard> race_detector::observe_access(const activity::record& r, std::uint64_t thread,
-                                                          const std::shared_ptr<const access_site>& site)
+                                                          const access_site& site)
 {
   const std::uint32_t s = stream_of(r, thread);
   const std::uint32_t now = tick(s);
+  const site_pool::ref accessing = sites_.make(site);
   std::optional<found_hazard> found;
   // Each use checked, then recorded: a use recorded before the next is checked is this launch's
   // own, ordered with it (one stream), and the first hazard found is the one reported.
   for (const auto& use : r.buffers) {
     range_state* exact = nullptr;
-    if (!found) { found = check(use, s, /*freeing=*/false, &exact); }
-    record_access(use, epoch{.stream = s, .clock = now, .mode = use.mode, .site = site}, exact);
+    if (!found) {
+      if (const auto met = check(use, s, /*freeing=*/false, &exact)) {
+        found = describe(*met, site, s, use, /*freeing=*/false);  // before the record replaces its other side
+      }
+    }
+    record_access(use, epoch{.stream = s, .clock = now, .mode = use.mode, .site = accessing}, exact);
   }
   return found;
 }
@@ -357,14 +368,13 @@ std::size_t race_detector::wording_hash::operator()(const wording_key& k) const 
   return h;
 }
 
-found_hazard race_detector::describe(const char* hazard, const epoch& other, std::uint32_t s,
-                                     const activity::buffer_use& use, bool freeing, bool used_after_free)
+found_hazard race_detector::describe(const conflict& met, const access_site& mine, std::uint32_t s,
+                                     const activity::buffer_use& use, bool freeing)
 {
-  static const access_site unnamed{};
-  const access_site& mine = current_ != nullptr ? *current_ : unnamed;
-  wording_key key{.hazard = hazard,
+  const epoch& other = *met.other;
+  wording_key key{.hazard = met.hazard,
                   .freeing = freeing,
-                  .used_after_free = used_after_free,
+                  .used_after_free = met.used_after_free,
                   .here = s,
                   .there = other.stream,
                   .address = use.address,
@@ -387,7 +397,7 @@ found_hazard race_detector::describe(const char* hazard, const epoch& other, std
     wording words = word(key, mine, *other.site);
     found = worded_.emplace(std::move(key), std::move(words)).first;
   }
-  return {.name = hazard, .other = other.site, .detail = found->second.detail, .fix = found->second.fix};
+  return {.name = met.hazard, .other = *other.site, .detail = found->second.detail, .fix = found->second.fix};
 }
 
 race_detector::wording race_detector::word(const wording_key& k, const access_site& mine,

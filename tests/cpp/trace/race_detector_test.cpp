@@ -6,7 +6,6 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
-#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -48,13 +47,13 @@ class RaceDetectorTest : public ::testing::Test {
                                     std::uint64_t thread = 1, const std::string& where = {})
   {
     r.buffers = uses;
-    auto site = std::make_shared<access_site>();
-    site->seq = ++seq_;
-    site->kind = r.kind;
-    site->kernel = name;
-    site->stream = {.device = r.device.device_id, .handle = r.stream, .thread = 0};
-    site->stream_class = r.stream_class;
-    site->where = handoff::activity::intern(where.empty() ? "app.py:" + std::to_string(seq_) : where);
+    access_site site;
+    site.seq = ++seq_;
+    site.kind = r.kind;
+    site.kernel = name;
+    site.stream = {.device = r.device.device_id, .handle = r.stream, .thread = 0};
+    site.stream_class = r.stream_class;
+    site.where = handoff::activity::intern(where.empty() ? "app.py:" + std::to_string(seq_) : where);
     return detector_.observe(r, thread, site);
   }
 
@@ -104,6 +103,28 @@ class RaceDetectorTest : public ::testing::Test {
   std::uint64_t seq_{0};
 };
 
+TEST_F(RaceDetectorTest, EachKeptAccessNamesItsOwnSiteWhileSitesNoLongerNamedAreReused)
+{
+  // Sites 1 and 2 write two ranges; 3 and 4 write the first again, so that 1, then 3, is named by
+  // nothing and its place is taken by the next. Range two still names 2; range one names 4.
+  EXPECT_FALSE(write(producer, data));
+  EXPECT_FALSE(write(producer, other_data));
+  EXPECT_FALSE(write(producer, data));
+  EXPECT_FALSE(write(producer, data));
+  const auto on_two = read(consumer, other_data);
+  ASSERT_TRUE(on_two);
+  EXPECT_EQ(on_two->other.seq, 2U);
+  EXPECT_NE(on_two->detail.find("app.py:2"), std::string::npos) << on_two->detail;
+  const auto on_one = read(consumer, data);
+  ASSERT_TRUE(on_one);
+  EXPECT_EQ(on_one->other.seq, 4U);
+  EXPECT_NE(on_one->detail.find("app.py:4"), std::string::npos) << on_one->detail;
+  // A read keeps its side besides the write's: the write after both reads names each stream's.
+  const auto over = write(producer, other_data);
+  ASSERT_TRUE(over);
+  EXPECT_EQ(over->other.seq, 5U) << "the consumer's read of range two";
+}
+
 TEST_F(RaceDetectorTest, AccessesOnOneStreamAreOrdered)
 {
   EXPECT_FALSE(write(producer));
@@ -117,8 +138,7 @@ TEST_F(RaceDetectorTest, AReadOnAnotherStreamWithNothingBetweenIsARaceNamingBoth
   const auto race = read(consumer);
   ASSERT_TRUE(race);
   EXPECT_STREQ(race->name, "race");
-  ASSERT_TRUE(race->other);
-  EXPECT_EQ(race->other->seq, 1U);
+  EXPECT_EQ(race->other.seq, 1U);
   EXPECT_NE(race->detail.find("non-blocking stream 0x5200"), std::string::npos) << race->detail;
   EXPECT_NE(race->detail.find("non-blocking stream 0x5100"), std::string::npos) << race->detail;
   EXPECT_NE(race->detail.find("app.py:1"), std::string::npos) << race->detail;
@@ -262,7 +282,7 @@ TEST_F(RaceDetectorTest, MemoryFreedOnOneStreamAndUsedOnAnotherIsAReuse)
   const auto reuse = write(consumer);
   ASSERT_TRUE(reuse);
   EXPECT_STREQ(reuse->name, "reuse");
-  EXPECT_EQ(reuse->other->kind, kind::free);
+  EXPECT_EQ(reuse->other.kind, kind::free);
   EXPECT_NE(reuse->fix.find("after the free"), std::string::npos) << reuse->fix;
 }
 
@@ -345,7 +365,7 @@ TEST_F(RaceDetectorTest, TheLabelerNamesTheMemory)
 {
   race_detector named{
     [](std::uintptr_t address, std::size_t) { return address == data ? std::string{"buffer:7"} : std::string{}; }};
-  auto site = std::make_shared<access_site>();
+  const access_site site;
   record w = on(kind::launch, producer);
   const buffer_use use{.address = data, .bytes = bytes, .mode = access::write};
   w.buffers = {&use, 1};
@@ -374,8 +394,7 @@ TEST_F(RaceDetectorTest, ARaceFoundAgainBetweenTheSameLinesIsWordedAlikeAndNames
   ASSERT_TRUE(again);
   EXPECT_EQ(again->detail, first->detail);
   EXPECT_EQ(again->fix, first->fix);
-  ASSERT_TRUE(again->other);
-  EXPECT_EQ(again->other->seq, second_write) << "the earlier side is this iteration's write";
+  EXPECT_EQ(again->other.seq, second_write) << "the earlier side is this iteration's write";
   // Another line is other words (negative control: nothing remembered is stale).
   const auto elsewhere = at(consumer, access::read, "loop.py:12");
   ASSERT_TRUE(elsewhere);
@@ -387,7 +406,7 @@ TEST_F(RaceDetectorTest, ARaceOnMemoryNamedAnewIsWordedWithItsNewName)
 {
   std::string label = "buffer:7";
   race_detector named{[&label](std::uintptr_t, std::size_t) { return label; }};
-  auto site = std::make_shared<access_site>();
+  const access_site site;
   const buffer_use use{.address = data, .bytes = bytes, .mode = access::write};
   const auto race = [&] {
     record w = on(kind::launch, producer);

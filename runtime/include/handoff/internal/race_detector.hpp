@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -43,7 +44,7 @@ struct access_site {
 /// A hazard found in one record: the earlier side it conflicts with, both named, and the fix.
 struct found_hazard {
   const char* name{nullptr};  ///< "race" or "reuse"
-  std::shared_ptr<const access_site> other;
+  access_site other;
   std::string detail;
   std::string fix;
 };
@@ -60,8 +61,7 @@ class race_detector {
 
   /// Applies `r`, which `site` names (its seq, user line and library), issued by host thread
   /// `thread`; the first hazard it makes, if any.
-  std::optional<found_hazard> observe(const activity::record& r, std::uint64_t thread,
-                                      const std::shared_ptr<const access_site>& site);
+  std::optional<found_hazard> observe(const activity::record& r, std::uint64_t thread, const access_site& site);
 
   /// How many ranges of memory it keeps accesses of (bounded by the live allocations touched).
   [[nodiscard]] std::size_t tracked_ranges() const noexcept { return shadow_.size(); }
@@ -69,11 +69,84 @@ class race_detector {
  private:
   using clock_vector = std::vector<std::uint32_t>;  // by stream index
 
+  // The sites that the kept accesses name, each shared by the accesses it made and given back with
+  // the last: counted without atomics, as the detector's owner serializes its every use.
+  class site_pool {
+    struct node {
+      access_site site;
+      std::uint32_t users{0};
+      node* next_free{nullptr};
+      site_pool* pool{nullptr};
+    };
+
+   public:
+    class ref {
+     public:
+      ref() = default;
+      ref(const ref& other) noexcept : node_(other.node_)
+      {
+        if (node_ != nullptr) { ++node_->users; }
+      }
+      ref(ref&& other) noexcept : node_(std::exchange(other.node_, nullptr)) {}
+      ref& operator=(const ref& other) noexcept
+      {
+        ref copy{other};
+        std::swap(node_, copy.node_);
+        return *this;
+      }
+      ref& operator=(ref&& other) noexcept
+      {
+        std::swap(node_, other.node_);  // `other` gives back what this named
+        return *this;
+      }
+      ~ref()
+      {
+        if (node_ != nullptr && --node_->users == 0) { node_->pool->give_back(node_); }
+      }
+      const access_site& operator*() const noexcept { return node_->site; }
+      const access_site* operator->() const noexcept { return &node_->site; }
+
+     private:
+      friend class site_pool;
+      explicit ref(node* n) noexcept : node_(n) { ++node_->users; }
+      node* node_{nullptr};
+    };
+
+    site_pool() = default;
+    site_pool(const site_pool&) = delete;
+    site_pool& operator=(const site_pool&) = delete;
+    site_pool(site_pool&&) = delete;
+    site_pool& operator=(site_pool&&) = delete;
+    ~site_pool() = default;
+
+    ref make(const access_site& site)
+    {
+      node* n = free_;
+      if (n != nullptr) {
+        free_ = n->next_free;
+      } else {
+        n = &nodes_.emplace_back();
+        n->pool = this;
+      }
+      n->site = site;
+      return ref{n};
+    }
+
+   private:
+    void give_back(node* n) noexcept
+    {
+      n->next_free = free_;
+      free_ = n;
+    }
+    std::deque<node> nodes_;  // never shrinks: bounded by the most sites kept at once
+    node* free_{nullptr};
+  };
+
   struct epoch {
     std::uint32_t stream{0};
     std::uint32_t clock{0};
     activity::access mode{activity::access::read};
-    std::shared_ptr<const access_site> site;
+    site_pool::ref site;
   };
 
   struct stream_state {
@@ -138,15 +211,19 @@ class race_detector {
   // remembered for reuse; a launch, copy or set is checked and recorded.
   void observe_host_wait(const activity::record& r, std::uint64_t thread);
   void observe_allocation(const activity::record& r, std::uint64_t thread);
-  std::optional<found_hazard> observe_free(const activity::record& r, std::uint64_t thread,
-                                           const std::shared_ptr<const access_site>& site);
-  std::optional<found_hazard> observe_access(const activity::record& r, std::uint64_t thread,
-                                             const std::shared_ptr<const access_site>& site);
+  std::optional<found_hazard> observe_free(const activity::record& r, std::uint64_t thread, const access_site& site);
+  std::optional<found_hazard> observe_access(const activity::record& r, std::uint64_t thread, const access_site& site);
   [[nodiscard]] bool ordered(const epoch& earlier, std::uint32_t s) const;
-  /// The first hazard `use` on `s` meets; `exact`, when given, learns the range recorded for exactly
-  /// `use`'s memory, if there is one (so that recording the use needs no second search).
-  std::optional<found_hazard> check(const activity::buffer_use& use, std::uint32_t s, bool freeing,
-                                    range_state** exact = nullptr);
+  // An earlier access a new one is not ordered after; `other` lives until the range is next recorded.
+  struct conflict {
+    const char* hazard{nullptr};  // "race" or "reuse"
+    const epoch* other{nullptr};
+    bool used_after_free{false};
+  };
+  /// The first conflict `use` on `s` meets; `exact`, when given, learns the range recorded for
+  /// exactly `use`'s memory, if there is one (so that recording the use needs no second search).
+  std::optional<conflict> check(const activity::buffer_use& use, std::uint32_t s, bool freeing,
+                                range_state** exact = nullptr);
   /// Records `use` at `now`, in `exact` when check() found its range.
   void record_access(const activity::buffer_use& use, const epoch& now, range_state* exact = nullptr);
   void forget(std::uintptr_t begin, std::uintptr_t end);
@@ -156,18 +233,20 @@ class race_detector {
   [[nodiscard]] std::string stream_name(std::uint32_t s) const;
   [[nodiscard]] std::string site_name(const access_site& site, activity::access mode) const;
   [[nodiscard]] static std::string range_name(std::uintptr_t address, std::size_t bytes, const std::string& label);
-  /// The hazard found, worded once per distinct pair of sides (remembered in `worded_`).
-  found_hazard describe(const char* hazard, const epoch& other, std::uint32_t s, const activity::buffer_use& use,
-                        bool freeing, bool used_after_free);
+  /// The hazard `met` by `mine`'s `use` on `s`, worded once per distinct pair of sides (remembered in
+  /// `worded_`).
+  found_hazard describe(const conflict& met, const access_site& mine, std::uint32_t s, const activity::buffer_use& use,
+                        bool freeing);
   [[nodiscard]] wording word(const wording_key& k, const access_site& mine, const access_site& other) const;
 
   labeler label_;
-  const access_site* current_{nullptr};  // the site being observed, for messages
   std::vector<stream_state> streams_;
   std::unordered_map<stream_key, std::uint32_t, key_hash> index_;
+  std::optional<std::pair<stream_key, std::uint32_t>> last_stream_;  // index_'s last answer: launches repeat a stream
   std::unordered_map<std::uint64_t, clock_vector> events_;
   clock_vector host_;
   std::uint64_t host_version_{1};
+  site_pool sites_;  // before the ranges: it outlives their accesses
   std::map<std::pair<std::uintptr_t, std::uintptr_t>, range_state> shadow_;  // by [begin, end)
   std::uintptr_t longest_{0};  // the longest range in shadow_: bounds the search for overlaps
   std::unordered_map<wording_key, wording, wording_hash> worded_;  // bounded: emptied when full
