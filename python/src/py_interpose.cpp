@@ -259,6 +259,42 @@ py::object stream_device(std::uint64_t handle)
   }
 }
 
+// --- what the hooks' types share ---------------------------------------------------------------
+
+// A hook's slots for its repr, the collector and its end, from its `original` and the Python objects
+// `references_of(Hook*)` names (each a pointer to a member it owns a reference in).
+template <class Hook>
+struct hook_slots {
+  static Hook* as(PyObject* self) noexcept { return reinterpret_cast<Hook*>(self); }
+
+  static PyObject* repr(PyObject* self) noexcept
+  {
+    return PyUnicode_FromFormat("<handoff hook of %R>", as(self)->original);
+  }
+  static int traverse(PyObject* self, visitproc visit, void* arg)
+  {
+    Py_VISIT(Py_TYPE(self));
+    for (PyObject** held : references_of(as(self))) { Py_VISIT(*held); }
+    return 0;
+  }
+  static int clear(PyObject* self)
+  {
+    for (PyObject** held : references_of(as(self))) { Py_CLEAR(*held); }
+    return 0;
+  }
+  static void dealloc(PyObject* self)
+  {
+    PyTypeObject* type = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    if constexpr (requires(Hook * hook) { hook->weakrefs; }) {
+      if (as(self)->weakrefs != nullptr) { PyObject_ClearWeakRefs(self); }
+    }
+    clear(self);
+    type->tp_free(self);
+    Py_DECREF(type);
+  }
+};
+
 // --- the exchange in progress -----------------------------------------------------------------
 
 // The exchange in progress on this thread, from the consumer's call to its return: a consumer called
@@ -359,31 +395,9 @@ PyObject* producer_hook_original_attribute(PyObject* self, void* name) noexcept
   return PyObject_GetAttrString(reinterpret_cast<producer_hook*>(self)->original, static_cast<const char*>(name));
 }
 
-PyObject* producer_hook_repr(PyObject* self) noexcept
+std::array<PyObject**, 1> references_of(producer_hook* self) noexcept
 {
-  return PyUnicode_FromFormat("<handoff hook of %R>", reinterpret_cast<producer_hook*>(self)->original);
-}
-
-int producer_hook_traverse(PyObject* self, visitproc visit, void* arg)
-{
-  Py_VISIT(Py_TYPE(self));
-  Py_VISIT(reinterpret_cast<producer_hook*>(self)->original);
-  return 0;
-}
-
-int producer_hook_clear(PyObject* self)
-{
-  Py_CLEAR(reinterpret_cast<producer_hook*>(self)->original);
-  return 0;
-}
-
-void producer_hook_dealloc(PyObject* self)
-{
-  PyTypeObject* type = Py_TYPE(self);
-  PyObject_GC_UnTrack(self);
-  producer_hook_clear(self);
-  type->tp_free(self);
-  Py_DECREF(type);
+  return {&self->original};
 }
 
 PyTypeObject* producer_hook_type()
@@ -405,12 +419,12 @@ PyTypeObject* producer_hook_type()
       {Py_tp_call, reinterpret_cast<void*>(PyVectorcall_Call)},
       {Py_tp_descr_get, reinterpret_cast<void*>(producer_hook_get)},
       {Py_tp_getattro, reinterpret_cast<void*>(producer_hook_getattro)},
-      {Py_tp_repr, reinterpret_cast<void*>(producer_hook_repr)},
+      {Py_tp_repr, reinterpret_cast<void*>(hook_slots<producer_hook>::repr)},
       {Py_tp_members, members},
       {Py_tp_getset, properties},
-      {Py_tp_traverse, reinterpret_cast<void*>(producer_hook_traverse)},
-      {Py_tp_clear, reinterpret_cast<void*>(producer_hook_clear)},
-      {Py_tp_dealloc, reinterpret_cast<void*>(producer_hook_dealloc)},
+      {Py_tp_traverse, reinterpret_cast<void*>(hook_slots<producer_hook>::traverse)},
+      {Py_tp_clear, reinterpret_cast<void*>(hook_slots<producer_hook>::clear)},
+      {Py_tp_dealloc, reinterpret_cast<void*>(hook_slots<producer_hook>::dealloc)},
       {0, nullptr},
     };
     PyType_Spec spec{
@@ -742,34 +756,6 @@ PyObject* consumer_call_reduce(PyObject* object, PyObject* /*unused*/) noexcept
   return PyObject_GetAttrString(object, "__qualname__");
 }
 
-PyObject* consumer_call_repr(PyObject* object) noexcept
-{
-  return PyUnicode_FromFormat("<handoff hook of %R>", reinterpret_cast<consumer_call*>(object)->original);
-}
-
-int consumer_call_traverse(PyObject* object, visitproc visit, void* arg)
-{
-  Py_VISIT(Py_TYPE(object));
-  for (PyObject** held : references_of(reinterpret_cast<consumer_call*>(object))) { Py_VISIT(*held); }
-  return 0;
-}
-
-int consumer_call_clear(PyObject* object)
-{
-  for (PyObject** held : references_of(reinterpret_cast<consumer_call*>(object))) { Py_CLEAR(*held); }
-  return 0;
-}
-
-void consumer_call_dealloc(PyObject* object)
-{
-  PyTypeObject* type = Py_TYPE(object);
-  PyObject_GC_UnTrack(object);
-  if (reinterpret_cast<consumer_call*>(object)->weakrefs != nullptr) { PyObject_ClearWeakRefs(object); }
-  consumer_call_clear(object);
-  type->tp_free(object);
-  Py_DECREF(type);
-}
-
 PyTypeObject* consumer_call_type()
 {
   static PyTypeObject* type = [] {
@@ -789,13 +775,13 @@ PyTypeObject* consumer_call_type()
     PyType_Slot slots[] = {
       {Py_tp_call, reinterpret_cast<void*>(consumer_call_call)},
       {Py_tp_descr_get, reinterpret_cast<void*>(consumer_call_get)},
-      {Py_tp_repr, reinterpret_cast<void*>(consumer_call_repr)},
+      {Py_tp_repr, reinterpret_cast<void*>(hook_slots<consumer_call>::repr)},
       {Py_tp_members, members},
       {Py_tp_methods, methods},
       {Py_tp_getset, properties},
-      {Py_tp_traverse, reinterpret_cast<void*>(consumer_call_traverse)},
-      {Py_tp_clear, reinterpret_cast<void*>(consumer_call_clear)},
-      {Py_tp_dealloc, reinterpret_cast<void*>(consumer_call_dealloc)},
+      {Py_tp_traverse, reinterpret_cast<void*>(hook_slots<consumer_call>::traverse)},
+      {Py_tp_clear, reinterpret_cast<void*>(hook_slots<consumer_call>::clear)},
+      {Py_tp_dealloc, reinterpret_cast<void*>(hook_slots<consumer_call>::dealloc)},
       {0, nullptr},
     };
     PyType_Spec spec{"handoff._handoff._InterposedCall", static_cast<int>(sizeof(consumer_call)), 0,
