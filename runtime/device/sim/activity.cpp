@@ -44,7 +44,7 @@ void activity_note::on_stream(const stream_state& s, std::uintptr_t h, sim_flavo
 void activity_note::send() noexcept
 {
   if (!armed) { return; }
-  record.buffers = buffers;
+  record.buffers = {buffers.data(), buffers.size()};
   activity::report(record);
 }
 
@@ -57,12 +57,13 @@ std::string sim_backend::watch_activity(bool /*on*/)
 
 void sim_backend::impl::keep_device_memory(sim_detail::activity_note& note) const
 {
-  std::erase_if(note.buffers, [this](const activity::buffer_use& use) {
+  const auto outside = [this](const activity::buffer_use& use) {
     auto it = allocations.upper_bound(use.address);
     if (it == allocations.begin()) { return true; }
     --it;
     return use.address - it->first >= it->second.size || it->second.kind == memory_kind::unregistered;
-  });
+  };
+  note.buffers.erase(std::remove_if(note.buffers.begin(), note.buffers.end(), outside), note.buffers.end());
 }
 
 }  // namespace handoff::device

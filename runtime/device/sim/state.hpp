@@ -13,6 +13,7 @@
 #include <handoff/internal/sim.hpp>
 
 #include <fmt/format.h>
+#include <boost/container/small_vector.hpp>
 
 #include <atomic>
 #include <chrono>
@@ -184,7 +185,7 @@ struct activity_note {
 
   bool armed{false};
   activity::record record;
-  std::vector<activity::buffer_use> buffers;
+  boost::container::small_vector<activity::buffer_use, 4> buffers;  // a launch's few: no allocation per note
 };
 
 /// Sends `note` when it goes, as a host wait of the time it lived, unless an exception ends it.
