@@ -316,26 +316,6 @@ thread_local in_flight_exchange* in_flight = nullptr;
 // NOLINTNEXTLINE(cppcoreguidelines-avoid-non-const-global-variables): as above
 thread_local std::unique_ptr<in_flight_exchange> begun_in_python;
 
-// A hooked producer's __dlpack__ was called on `self` with `stream`: noted when `self` is the
-// exchange's argument.
-void note_producer_called(PyObject* self, PyObject* stream) noexcept
-{
-  in_flight_exchange* const now = in_flight;
-  if (now == nullptr || now->argument != self) { return; }
-  now->stream_argument.reset();  // None, or what no int64 holds, names no stream
-  if (is_int(stream)) {
-    if (const int64_reading read = read_int64(stream); read.fits()) { now->stream_argument = read.value; }
-  }
-  if (now->device.device_type != kDLCPU) {
-    try {
-      if (const context* ctx = context_serving(now->device.device_type)) {
-        now->producer_device = ctx->backend().current_device();
-      }
-    } catch (const std::exception&) {  // the producer's call goes on; the device stays unseen
-    }
-  }
-}
-
 // A hooked producer's __dlpack__ (handoff/_interpose.py installs it on the producer's class): notes
 // the `stream` its caller passed, then calls the original with the same arguments. Called through
 // vectorcall and bound as a method descriptor, so that neither the call nor its keywords make a tuple
@@ -346,21 +326,36 @@ struct producer_hook {
   PyObject* original;
 };
 
+// The `stream` a call of __dlpack__ passed (its first parameter, by position or by name), or None.
+PyObject* stream_passed(PyObject* const* args, Py_ssize_t count, PyObject* kwnames) noexcept
+{
+  const Py_ssize_t named = kwnames != nullptr ? PyTuple_GET_SIZE(kwnames) : 0;
+  for (Py_ssize_t i = 0; i < named; ++i) {
+    if (PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, i), "stream") == 0) { return args[count + i]; }
+  }
+  return count >= 2 ? args[1] : Py_None;
+}
+
 PyObject* producer_hook_vectorcall(PyObject* callable, PyObject* const* args, std::size_t nargsf,
                                    PyObject* kwnames) noexcept
 {
   auto* hook = reinterpret_cast<producer_hook*>(callable);
   const Py_ssize_t count = PyVectorcall_NARGS(nargsf);
-  if (count >= 1 && in_flight != nullptr) {
-    PyObject* stream = count >= 2 ? args[1] : Py_None;  // `stream` is __dlpack__'s first parameter
-    const Py_ssize_t named = kwnames != nullptr ? PyTuple_GET_SIZE(kwnames) : 0;
-    for (Py_ssize_t i = 0; i < named; ++i) {
-      if (PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, i), "stream") == 0) {
-        stream = args[count + i];
-        break;
+  // Noted when called on the exchange's argument: the stream, and the device current then.
+  if (in_flight_exchange* const now = in_flight; now != nullptr && count >= 1 && now->argument == args[0]) {
+    PyObject* stream = stream_passed(args, count, kwnames);
+    now->stream_argument.reset();  // None, or what no int64 holds, names no stream
+    if (is_int(stream)) {
+      if (const int64_reading read = read_int64(stream); read.fits()) { now->stream_argument = read.value; }
+    }
+    if (now->device.device_type != kDLCPU) {
+      try {
+        if (const context* ctx = context_serving(now->device.device_type)) {
+          now->producer_device = ctx->backend().current_device();
+        }
+      } catch (const std::exception&) {  // the producer's call goes on; the device stays unseen
       }
     }
-    note_producer_called(args[0], stream);
   }
   return PyObject_Vectorcall(hook->original, args, nargsf, kwnames);
 }
