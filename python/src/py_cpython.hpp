@@ -4,6 +4,7 @@
 #pragma once
 
 #include <pybind11/pybind11.h>
+#include <handoff/detail/immovable.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -124,16 +125,11 @@ PyCFunction as_cfunction(Function* function) noexcept
 /// such objects as it goes). `object_of(key)` is the object a key names. Used with the GIL held,
 /// which guards it; made once and never destroyed, as Python may be gone when the process exits.
 template <class Key, class Value, class Hash = std::hash<Key>>
-class object_cache {
+class object_cache : handoff::detail::immovable {
  public:
   using object_of_key = PyObject* (*)(const Key&) noexcept;
 
   object_cache(std::size_t most, object_of_key object_of) : most_{most}, object_of_{object_of} {}
-  object_cache(const object_cache&) = delete;
-  object_cache& operator=(const object_cache&) = delete;
-  object_cache(object_cache&&) = delete;
-  object_cache& operator=(object_cache&&) = delete;
-  ~object_cache() = default;
 
   /// What `key` is remembered as, or nullptr.
   [[nodiscard]] Value* find(const Key& key)

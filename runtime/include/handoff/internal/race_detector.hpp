@@ -5,6 +5,7 @@
 #pragma once
 
 #include <handoff/activity.hpp>
+#include <handoff/detail/immovable.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -71,7 +72,7 @@ class race_detector {
 
   // The sites that the kept accesses name, each shared by the accesses it made and given back with
   // the last: counted without atomics, as the detector's owner serializes its every use.
-  class site_pool {
+  class site_pool : handoff::detail::immovable {
     struct node {
       access_site site;
       std::uint32_t users{0};
@@ -111,13 +112,6 @@ class race_detector {
       explicit ref(node* n) noexcept : node_(n) { ++node_->users; }
       node* node_{nullptr};
     };
-
-    site_pool() = default;
-    site_pool(const site_pool&) = delete;
-    site_pool& operator=(const site_pool&) = delete;
-    site_pool(site_pool&&) = delete;
-    site_pool& operator=(site_pool&&) = delete;
-    ~site_pool() = default;
 
     ref make(const access_site& site)
     {
