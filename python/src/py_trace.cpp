@@ -121,7 +121,7 @@ PyObject* library_of_file(PyObject* filename) noexcept
 // Where a frame is, as "file:line" (interned: events and the race detector's sites point at it),
 // remembered per (code, offset): CPython finds a line by scanning the code's line table from the
 // start, and a key holding the code object would hash its contents on every event.
-std::string_view where_of(PyFrameObject* frame, PyCodeObject* code)
+const char* where_of(PyFrameObject* frame, PyCodeObject* code)
 {
   using key = std::pair<PyCodeObject*, int>;
   struct key_hash {
@@ -139,7 +139,7 @@ std::string_view where_of(PyFrameObject* frame, PyCodeObject* code)
   const char* text = PyUnicode_AsUTF8AndSize(code->co_filename, &size);
   if (text == nullptr) {
     PyErr_Clear();
-    return {};
+    return nullptr;
   }
   return known->remember(here,
                          activity::intern(fmt::format("{}:{}", std::string_view{text, static_cast<std::size_t>(size)},
@@ -160,7 +160,7 @@ const char* interned(PyObject* library, const char* name)
 // handoff that the walk out to it passes (the standard library included), and the last one that is
 // not the standard library (the one user code called).
 struct python_location {
-  std::string_view where;  // interned
+  const char* where{nullptr};  // interned
   const char* innermost{nullptr};
   const char* outermost{nullptr};
 };
@@ -193,7 +193,7 @@ python_location locate() noexcept
       frame = back;
     }
   } catch (const std::exception&) {
-    out.where = {};
+    out.where = nullptr;
   }
   Py_XDECREF(frame);
   if (PyErr_Occurred() != nullptr) { PyErr_Clear(); }  // asked first: most walks set none
@@ -212,18 +212,14 @@ void annotate(trace::event& e) noexcept
   const bool activity = trace::is_activity(e.kind);
   if (Py_IsInitialized() == 0 || PyGILState_Check() == 0) {
     if (activity && parked) {
-      try {
-        e.where.assign(parked->where);
-      } catch (const std::exception&) {}
+      e.where = parked->where;
       if (e.library == nullptr) { e.library = parked->outermost; }
     }
     return;
   }
   const error_scope set_aside;  // a refused exchange is annotated while its error is set
-  python_location here = locate();
-  try {
-    e.where.assign(here.where);  // into the event's own capacity, where it is reused
-  } catch (const std::exception&) {}
+  const python_location here = locate();
+  e.where = here.where;
   if (activity) {
     if (e.library == nullptr) { e.library = here.outermost; }
   } else if (e.kind == trace::event_kind::export_data && e.consumer == nullptr && here.innermost != nullptr) {

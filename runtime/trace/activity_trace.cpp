@@ -163,7 +163,7 @@ class reused_event {
     e.stream.reset();
     e.nbytes = 0;
     e.library = nullptr;
-    e.where.clear();
+    e.where = nullptr;
     e.buffers.clear();
     e.hazard = nullptr;
     e.detail.clear();
@@ -269,7 +269,7 @@ void report(const record& r) noexcept
                                              .handle = r.stream,
                                              .thread = r.stream_class == stream_class::per_thread ? e.thread : 0},
                                   .stream_class = r.stream_class,
-                                  .where = e.where.empty() ? nullptr : intern(e.where),
+                                  .where = e.where,
                                   .library = e.library,
                                   .time_ns = e.time_ns};
     if (auto found = state.detector->observe(r, e.thread, site)) {
@@ -282,7 +282,7 @@ void report(const record& r) noexcept
                                      .kernel = other.kernel,
                                      .stream = trace::stream_id{.device = {r.device.device_type, other.stream.device},
                                                                 .handle = other.stream.handle},
-                                     .where = other.where != nullptr ? other.where : "",
+                                     .where = other.where,
                                      .library = other.library,
                                      .time_ns = other.time_ns};
     }

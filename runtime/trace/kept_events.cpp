@@ -217,7 +217,7 @@ std::string_view read_text(const std::byte*& at, std::uint32_t length) noexcept
 #if defined(__GLIBCXX__) && UINTPTR_MAX == UINT64_MAX
 // A field added to `event` changes its size: kept_event keeps it too (and expanded() restores it),
 // and this number follows.
-static_assert(sizeof(event) == 496, "trace::event changed: kept_event must keep every field of it");
+static_assert(sizeof(event) == 448, "trace::event changed: kept_event must keep every field of it");
 #endif
 
 kept_event::kept_event(const event& e, payload_arena& arena)
@@ -244,9 +244,9 @@ kept_event::kept_event(const event& e, payload_arena& arena)
       kernel_{e.kernel},
       blocked_ns_{e.blocked_ns},
       library_{e.library},
+      where_{e.where},
       seq_{e.seq}
 {
-  std::string_view other_where;
   if (e.other) {
     other_kind_ = e.other->kind;
     other_seq_ = e.other->seq;
@@ -254,16 +254,14 @@ kept_event::kept_event(const event& e, payload_arena& arena)
     other_stream_ = e.other->stream;
     other_library_ = e.other->library;
     other_time_ns_ = e.other->time_ns;
-    other_where = e.other->where;
+    other_where_ = e.other->where;
   }
   lengths_ = {.shape = length_of(e.shape.size()),
               .buffers = length_of(e.buffers.size()),
-              .where = length_of(e.where.size()),
               .detail = length_of(e.detail.size()),
-              .fix = length_of(e.fix.size()),
-              .other_where = length_of(other_where.size())};
+              .fix = length_of(e.fix.size())};
   const std::size_t numbers = e.shape.size() * sizeof(std::int64_t) + e.buffers.size() * sizeof(buffer_ref);
-  const std::size_t texts = e.where.size() + e.detail.size() + e.fix.size() + other_where.size();
+  const std::size_t texts = e.detail.size() + e.fix.size();
   if (const std::size_t bytes = round_up(numbers + texts, 8); bytes != 0) {
     std::byte* at = nullptr;
     std::tie(at, chunk_) = arena.allocate(bytes);
@@ -271,10 +269,8 @@ kept_event::kept_event(const event& e, payload_arena& arena)
     // The 8-aligned arrays first, then the texts, in the order `lengths` lists them.
     copy_into(at, std::span<const std::int64_t>{e.shape});
     copy_into(at, std::span<const buffer_ref>{e.buffers});
-    copy_into(at, e.where);
     copy_into(at, e.detail);
     copy_into(at, e.fix);
-    copy_into(at, other_where);
   }
 }
 
@@ -303,22 +299,21 @@ event kept_event::expanded() const
   out.kernel = kernel_;
   out.blocked_ns = blocked_ns_;
   out.library = library_;
+  out.where = where_;
   out.seq = seq_;
   const std::byte* at = payload_;
   const auto shape = read_span<std::int64_t>(at, lengths_.shape);
   out.shape.assign(shape.begin(), shape.end());
   const auto buffers = read_span<buffer_ref>(at, lengths_.buffers);
   out.buffers.assign(buffers.begin(), buffers.end());
-  out.where = read_text(at, lengths_.where);
   out.detail = read_text(at, lengths_.detail);
   out.fix = read_text(at, lengths_.fix);
-  const std::string_view other_where = read_text(at, lengths_.other_where);
   if (has_other_) {
     out.other = activity_side{.seq = other_seq_,
                               .kind = other_kind_,
                               .kernel = other_kernel_,
                               .stream = other_stream_,
-                              .where = std::string{other_where},
+                              .where = other_where_,
                               .library = other_library_,
                               .time_ns = other_time_ns_};
   }

@@ -76,7 +76,7 @@ class payload_arena {
 };
 
 /// An event as a session keeps it: its fixed-size fields in place, its variable-size ones (shape,
-/// device buffers, texts) copied into a payload_arena. Trivially destructible, and what a session
+/// device buffers, a hazard's texts) copied into a payload_arena. Trivially destructible, and what a session
 /// reads when it drops its oldest event (long out of the cache by then) comes first: dropping one
 /// reads its first 16 bytes and its chunk's header, where a whole `event` would be destroyed field
 /// by field, a cache miss each. A field added to `event` is added here and in expanded().
@@ -98,10 +98,8 @@ class kept_event {
   struct lengths {
     std::uint32_t shape{0};
     std::uint32_t buffers{0};
-    std::uint32_t where{0};
     std::uint32_t detail{0};
     std::uint32_t fix{0};
-    std::uint32_t other_where{0};
   };
 
   // Read when the session drops it.
@@ -133,12 +131,14 @@ class kept_event {
   const char* kernel_{nullptr};
   std::int64_t blocked_ns_{0};
   const char* library_{nullptr};
+  const char* where_{nullptr};
   std::uint64_t seq_{0};
   // Its hazard's other side (has_other_).
   std::uint64_t other_seq_{0};
   const char* other_kernel_{nullptr};
   std::optional<stream_id> other_stream_;
   const char* other_library_{nullptr};
+  const char* other_where_{nullptr};
   std::int64_t other_time_ns_{0};
 };
 

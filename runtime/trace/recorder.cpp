@@ -173,7 +173,7 @@ std::string stream_text(const std::optional<stream_id>& s)
 void log_activity(const event& e)
 {
   const std::string hazard = e.hazard != nullptr ? fmt::format("; HAZARD {}: {}", e.hazard, e.detail) : std::string{};
-  const std::string where = e.where.empty() ? std::string{} : " at " + e.where;
+  const std::string where = e.where == nullptr ? std::string{} : fmt::format(" at {}", e.where);
   HANDOFF_LOG_DEBUG("{} {}{}{} on {}{}{}", name(e.kind), e.op != nullptr ? e.op : "",
                     e.kernel != nullptr ? fmt::format(" '{}'", e.kernel) : std::string{},
                     e.blocked_ns != 0 ? fmt::format(" blocked {} ns", e.blocked_ns) : std::string{},
@@ -209,7 +209,7 @@ void log_event(const event& e)
       break;
   }
   const std::string hazard = e.hazard != nullptr ? fmt::format("; HAZARD {}: {}", e.hazard, e.detail) : std::string{};
-  const std::string where = e.where.empty() ? std::string{} : " at " + e.where;
+  const std::string where = e.where == nullptr ? std::string{} : fmt::format(" at {}", e.where);
   if (e.kind == event_kind::release) {
     HANDOFF_LOG_DEBUG("release of {}{}: {}{}", producer, data, change, where);
     return;

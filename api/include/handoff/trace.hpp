@@ -68,7 +68,7 @@ struct activity_side {
   event_kind kind{event_kind::launch};
   const char* kernel{nullptr};
   std::optional<stream_id> stream;
-  std::string where;
+  const char* where{nullptr};  ///< interned, or null
   const char* library{nullptr};
   std::int64_t time_ns{0};
 };
@@ -90,7 +90,7 @@ struct event {
   trace::action action{action::none};
   const char* hazard{nullptr};  ///< a short name, or null
   std::string detail;           ///< what the hazard or refusal was
-  std::string where;            ///< "file:line" of the user code that caused it, when known
+  const char* where{nullptr};   ///< "file:line" of the user code that caused it (interned), or null
   std::uint64_t buffer{0};      ///< ownership graph node ids
   std::uint64_t view{0};
   /// An exchange between two other libraries that handoff's hooks saw: "observed", or "ordered"
@@ -154,13 +154,18 @@ struct optional_text {
   std::string_view text;
 };
 
+/// A name or null as optional_text.
+inline optional_text optional_text_of(const char* text) noexcept
+{
+  return optional_text{text != nullptr ? text : ""};
+}
+
 /// Calls `field(name, value)` for each field of an activity event, in the order the trace writes them.
 template <class Field>
 void for_each_activity_field(const event& e, Field&& field)
 {
-  const auto text = [](const char* name) { return optional_text{name != nullptr ? name : ""}; };
   field("kind", name(e.kind));
-  field("op", text(e.op));
+  field("op", optional_text_of(e.op));
   field("time_ns", e.time_ns);
   field("thread", e.thread);
   field("device", e.device);
@@ -170,7 +175,7 @@ void for_each_activity_field(const event& e, Field&& field)
   field("nbytes", e.nbytes);
   field("blocked_ns", e.blocked_ns);
   field("library", e.library);
-  field("where", optional_text{e.where});
+  field("where", optional_text_of(e.where));
   field("hazard", e.hazard);
   field("detail", optional_text{e.detail});
   field("fix", optional_text{e.fix});
@@ -181,7 +186,7 @@ void for_each_activity_field(const event& e, Field&& field)
   field("other_kind", optional_text{other != nullptr ? name(other->kind) : std::string_view{}});
   field("other_kernel", other != nullptr ? other->kernel : nullptr);
   field("other_stream", other != nullptr ? other->stream : std::optional<stream_id>{});
-  field("other_where", optional_text{other != nullptr ? std::string_view{other->where} : std::string_view{}});
+  field("other_where", optional_text_of(other != nullptr ? other->where : nullptr));
   field("other_library", other != nullptr ? other->library : nullptr);
   field("other_time_ns",
         other != nullptr ? std::optional<std::int64_t>{other->time_ns} : std::optional<std::int64_t>{});
@@ -215,7 +220,7 @@ void for_each_field(const event& e, Field&& field)
   field("action", name(e.action));
   field("hazard", e.hazard);
   field("detail", optional_text{e.detail});
-  field("where", optional_text{e.where});
+  field("where", optional_text_of(e.where));
   field("buffer", e.buffer != 0 ? std::optional<node_ref>{node_ref{"buffer", e.buffer}} : std::nullopt);
   field("view", e.view != 0 ? std::optional<node_ref>{node_ref{"view", e.view}} : std::nullopt);
   field("interposed", e.interposed);

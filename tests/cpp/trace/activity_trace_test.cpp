@@ -243,14 +243,14 @@ TEST_F(ActivityTraceTest, AnEventHoldsNothingOfTheEventsRecordedBeforeItOnTheThr
   ASSERT_EQ(events.size(), 5U);  // create, set, launch, sync, record
   const trace::event& racy = events[2];
   ASSERT_STREQ(racy.hazard, "race");
-  EXPECT_EQ(racy.where, "racy.py:7");
+  EXPECT_STREQ(racy.where, "racy.py:7");
   const trace::event& after = events[4];
   EXPECT_EQ(after.kind, trace::event_kind::stream);
   EXPECT_EQ(after.hazard, nullptr);
   EXPECT_TRUE(after.detail.empty());
   EXPECT_TRUE(after.fix.empty());
   EXPECT_FALSE(after.other);
-  EXPECT_TRUE(after.where.empty());
+  EXPECT_EQ(after.where, nullptr);
   EXPECT_TRUE(after.buffers.empty());
   EXPECT_EQ(after.kernel, nullptr);
   EXPECT_EQ(after.nbytes, 0);
@@ -268,7 +268,7 @@ TEST_F(ActivityTraceTest, AReportMadeWhileTheThreadFillsAnotherKeepsBothWhole)
   other = static_cast<float*>(sim_.allocate(n * sizeof(float), sim_.legacy_default_stream()));
   depth = 0;
   trace::set_annotator([](trace::event& e) noexcept {
-    e.where = fmt::format("depth{}.py:1", depth);
+    e.where = activity::intern(fmt::format("depth{}.py:1", depth));
     if (depth++ == 0) {  // inside the outer launch's report: the inner one is recorded first
       const activity::buffer_use use{
         .address = reinterpret_cast<std::uintptr_t>(other), .bytes = 4 * sizeof(float), .mode = activity::access::read};
@@ -283,11 +283,11 @@ TEST_F(ActivityTraceTest, AReportMadeWhileTheThreadFillsAnotherKeepsBothWhole)
   const trace::event& inner = events[0];
   const trace::event& outer = events[1];
   EXPECT_STREQ(inner.kernel, "inner");
-  EXPECT_EQ(inner.where, "depth1.py:1");
+  EXPECT_STREQ(inner.where, "depth1.py:1");
   ASSERT_EQ(inner.buffers.size(), 1U);
   EXPECT_EQ(inner.buffers[0].address, reinterpret_cast<std::uintptr_t>(other));
   EXPECT_STREQ(outer.kernel, "outer");
-  EXPECT_EQ(outer.where, "depth0.py:1");
+  EXPECT_STREQ(outer.where, "depth0.py:1");
   ASSERT_EQ(outer.buffers.size(), 1U);
   EXPECT_EQ(outer.buffers[0].address, reinterpret_cast<std::uintptr_t>(data_));
   EXPECT_EQ(outer.buffers[0].mode, activity::access::write);

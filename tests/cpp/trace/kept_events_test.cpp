@@ -2,6 +2,7 @@
 // given back as the session drops them, and nothing of it in the program's heap.
 #include "trace/kept_events.hpp"
 
+#include <handoff/activity.hpp>
 #include <handoff/trace.hpp>
 
 #include <gtest/gtest.h>
@@ -27,7 +28,7 @@ trace::event full_event(int n)
   e.kind = trace::event_kind::launch;
   e.time_ns = 1000 + n;
   e.shape = {2, 3, n};
-  e.where = "/a/user/file/somewhere/deep.py:" + std::to_string(n);
+  e.where = activity::intern("/a/user/file/somewhere/deep.py:" + std::to_string(n));
   e.detail = "a detail long enough to be held on the heap";
   e.fix = "a fix long enough to be held on the heap, too";
   e.buffers = {trace::buffer_ref{.address = 64, .nbytes = 8, .mode = activity::access::read, .buffer = 7},
@@ -44,7 +45,7 @@ void expect_same(const trace::event& a, const trace::event& b)
   EXPECT_EQ(a.kind, b.kind);
   EXPECT_EQ(a.time_ns, b.time_ns);
   EXPECT_EQ(a.shape, b.shape);
-  EXPECT_EQ(a.where, b.where);
+  EXPECT_EQ(a.where, b.where);  // the same interned name
   EXPECT_EQ(a.detail, b.detail);
   EXPECT_EQ(a.fix, b.fix);
   ASSERT_EQ(a.buffers.size(), b.buffers.size());

@@ -264,7 +264,7 @@ TEST_F(TraceSessionTest, ViewsStillAliveAtTheEndAreHeldNotHazards)
   EXPECT_EQ(held[0].kind, trace::event_kind::held);
   EXPECT_EQ(held[0].hazard, nullptr);
   EXPECT_EQ(held[0].time_ns, 42);
-  EXPECT_EQ(held[0].where, "train.py:4");
+  EXPECT_STREQ(held[0].where, "train.py:4");
   EXPECT_NE(held[0].detail.find("view:7 of buffer:3"), std::string::npos) << held[0].detail;
 }
 
