@@ -59,11 +59,10 @@ bool names_stream(const record& r) noexcept
   }
 }
 
-// The detector, the exchanged memory it names, and the activity events' numbering, behind one lock
-// so that the events reach the sessions in the order the detector saw them. Leaked, as backends may
-// report while the process exits.
+// The detector, the exchanged memory it names, and the activity events' numbering, under the
+// recorder's lock (trace::detail::lock_recorder). Leaked, as backends may report while the process
+// exits.
 struct activity_state {
-  std::mutex mutex;
   std::map<std::uintptr_t, exchanged_memory> exchanged;  // by address
   std::unique_ptr<trace::race_detector> detector;        // while an activity session is open
   std::uint64_t next_seq{1};
@@ -74,7 +73,6 @@ struct activity_state {
     return *state;
   }
 
-  // Under `mutex`.
   const exchanged_memory* exchanged_holding(std::uintptr_t address) const
   {
     auto it = exchanged.upper_bound(address);
@@ -83,7 +81,7 @@ struct activity_state {
     return address - it->second.address < it->second.bytes ? &it->second : nullptr;
   }
 
-  // Under `mutex`: memory allocated or freed is no longer the array it was.
+  // Memory allocated or freed is no longer the array it was.
   void forget_exchanged(std::uintptr_t address, std::size_t bytes)
   {
     for (auto it = exchanged.lower_bound(address); it != exchanged.end() && it->first < address + bytes;) {
@@ -181,7 +179,7 @@ void observe_query(const record& r) noexcept
   try {
     activity_state& state = activity_state::get();
     const std::uint64_t thread = trace::detail::native_thread_id();
-    std::lock_guard lock{state.mutex};
+    const auto lock = trace::detail::lock_recorder();
     if (state.detector) { (void)state.detector->observe(r, thread, trace::access_site{}); }
   } catch (const std::exception& error) {
     HANDOFF_LOG_WARN("a device query was not traced ({})", error.what());
@@ -220,9 +218,8 @@ const char* intern(std::string_view name)
 
 std::optional<exchanged_memory> exchanged_at(std::uintptr_t address) noexcept
 {
-  activity_state& state = activity_state::get();
-  std::lock_guard lock{state.mutex};
-  const exchanged_memory* held = state.exchanged_holding(address);
+  const auto lock = trace::detail::lock_recorder();
+  const exchanged_memory* held = activity_state::get().exchanged_holding(address);
   return held != nullptr ? std::optional{*held} : std::nullopt;
 }
 
@@ -256,7 +253,7 @@ void report(const record& r) noexcept
     trace::detail::annotate(e);  // outside the lock: the embedding's annotator may run a release
 
     activity_state& state = activity_state::get();
-    std::lock_guard lock{state.mutex};
+    const auto lock = trace::detail::lock_recorder();
     if (!state.detector) { return; }  // the last launch trace ended meanwhile
     e.seq = state.next_seq++;
     for (trace::buffer_ref& b : e.buffers) {
@@ -289,7 +286,7 @@ void report(const record& r) noexcept
     if (r.kind == kind::allocate || r.kind == kind::free) {
       for (const buffer_use& use : r.buffers) { state.forget_exchanged(use.address, use.bytes); }
     }
-    trace::detail::record_annotated(std::move(e));  // which copies what it keeps: `e` is reused
+    trace::detail::record_annotated_locked(std::move(e));  // which copies what it keeps: `e` is reused
   } catch (const std::exception& error) {
     HANDOFF_LOG_WARN("a device activity was not traced ({})", error.what());
   }
@@ -303,7 +300,6 @@ void activity_sessions_changed(bool any) noexcept
 {
   try {
     activity::activity_state& state = activity::activity_state::get();
-    std::lock_guard lock{state.mutex};
     if (any) {
       state.reset();
     } else {
@@ -321,7 +317,7 @@ void note_exchanged(const void* data, std::int64_t nbytes, std::uint64_t buffer)
   if (data == nullptr || nbytes <= 0) { return; }
   try {
     activity::activity_state& state = activity::activity_state::get();
-    std::lock_guard lock{state.mutex};
+    const auto lock = trace::detail::lock_recorder();
     const auto address = reinterpret_cast<std::uintptr_t>(data);
     state.exchanged.insert_or_assign(
       address,

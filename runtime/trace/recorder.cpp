@@ -286,17 +286,14 @@ void set_annotator(annotator fill) noexcept
 std::uint64_t begin_session(std::size_t limit, bool activity)
 {
   recorder& r = recorder::get();
-  std::unique_lock lock{r.mutex};
+  const std::lock_guard lock{r.mutex};
   if (r.sessions.empty() && !r.keeps_layouts()) { r.buffers.clear(); }
   const std::uint64_t token = r.next_token++;
   recorder::session& s = r.sessions[token];
   s.limit = limit;
   s.activity = activity;
   r.update_active();
-  const bool first_activity = activity && r.activity_sessions++ == 0;
-  lock.unlock();
-  // Outside the lock: the activity layer records under its own lock, and takes this one inside it.
-  if (first_activity) { detail::activity_sessions_changed(true); }
+  if (activity && r.activity_sessions++ == 0) { detail::activity_sessions_changed(true); }
   return token;
 }
 
@@ -334,14 +331,14 @@ std::vector<event> end_session(std::uint64_t token)
 {
   std::vector<event> events = session_events(token);
   recorder& r = recorder::get();
-  std::unique_lock lock{r.mutex};
+  const std::lock_guard lock{r.mutex};
   const auto ending = r.sessions.find(token);
-  const bool last_activity = ending != r.sessions.end() && ending->second.activity && --r.activity_sessions == 0;
+  if (ending != r.sessions.end() && ending->second.activity && --r.activity_sessions == 0) {
+    detail::activity_sessions_changed(false);
+  }
   r.sessions.erase(token);
   if (!r.keeps_layouts()) { r.buffers.clear(); }
   r.update_active();
-  lock.unlock();
-  if (last_activity) { detail::activity_sessions_changed(false); }
   return events;
 }
 
@@ -477,11 +474,25 @@ void detail::annotate(event& e) noexcept
   if (const annotator fill = recorder::get().annotate.load(std::memory_order_acquire)) { fill(e); }
 }
 
+std::unique_lock<std::mutex> detail::lock_recorder()
+{
+  return std::unique_lock{recorder::get().mutex};
+}
+
 void detail::record_annotated(event&& e) noexcept
+{
+  try {
+    const std::lock_guard lock{recorder::get().mutex};
+    record_annotated_locked(std::move(e));
+  } catch (const std::exception& error) {
+    HANDOFF_LOG_WARN("a trace event was lost ({})", error.what());
+  }
+}
+
+void detail::record_annotated_locked(event&& e) noexcept
 {
   recorder& r = recorder::get();
   try {
-    std::lock_guard lock{r.mutex};
     if (r.keeps_layouts()) {
       if (e.kind == event_kind::release) {
         if (const auto known = r.buffers.find(e.buffer); known != r.buffers.end()) {

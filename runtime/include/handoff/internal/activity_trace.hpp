@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <optional>
 
 namespace handoff::trace::detail {
@@ -14,9 +15,16 @@ namespace handoff::trace::detail {
 void annotate(event& e) noexcept;
 /// As trace::record, for an event annotate() has seen already.
 void record_annotated(event&& e) noexcept;
-/// Called under the recorder's lock when the first activity session begins or the last one ends.
+/// The recorder's lock, which also guards the device activity layer's state (its race detector and
+/// the exchanged memory it names): an activity event is checked and recorded under one lock, so
+/// that the sessions keep events in the order the detector saw them. @throws std::system_error
+[[nodiscard]] std::unique_lock<std::mutex> lock_recorder();
+/// record_annotated(), under lock_recorder().
+void record_annotated_locked(event&& e) noexcept;
+/// Called under lock_recorder() when the first activity session begins or the last one ends.
 void activity_sessions_changed(bool any) noexcept;
 /// An exchanged array's memory, named by its ownership graph buffer while activity is recorded.
+/// Not under lock_recorder().
 void note_exchanged(const void* data, std::int64_t nbytes, std::uint64_t buffer) noexcept;
 /// The calling thread's native id, as every event records it.
 [[nodiscard]] std::uint64_t native_thread_id() noexcept;
