@@ -90,8 +90,10 @@ struct event {
   trace::action action{action::none};
   const char* hazard{nullptr};  ///< a short name, or null
   std::string detail;           ///< what the hazard or refusal was
-  const char* where{nullptr};   ///< "file:line" of the user code that caused it (interned), or null
-  std::uint64_t buffer{0};      ///< ownership graph node ids
+  /// "file:line" of the user code that caused it, or null. The event does not own it: it must live as
+  /// long as the process (activity::intern's result, or a string literal), never a temporary's c_str().
+  const char* where{nullptr};
+  std::uint64_t buffer{0};  ///< ownership graph node ids
   std::uint64_t view{0};
   /// An exchange between two other libraries that handoff's hooks saw: "observed", or "ordered"
   /// when handoff ordered it; null for handoff's own exchanges.
@@ -122,7 +124,8 @@ extern std::atomic<bool> active;
 }
 
 /// Fills what only the embedding knows (`where`, the consumer's library) into an event about to be
-/// recorded, on the thread of the exchange. Must not throw.
+/// recorded, on the thread of the exchange. Must not throw. The names it stores are not copied: each
+/// must outlive every event (activity::intern's result, or a string literal).
 using annotator = void (*)(event&) noexcept;
 void set_annotator(annotator fill) noexcept;
 
