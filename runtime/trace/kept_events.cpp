@@ -171,6 +171,11 @@ std::pair<std::byte*, payload_arena::chunk*> payload_arena::allocate(std::size_t
   return {at, newest_};
 }
 
+void payload_arena::prefetch_next(std::size_t bytes) const noexcept
+{
+  if (newest_ != nullptr) { prefetch_for_write(reinterpret_cast<std::byte*>(newest_) + newest_->used, bytes); }
+}
+
 void payload_arena::release(chunk* in) noexcept
 {
   if (in == nullptr || --in->users != 0) { return; }

@@ -101,15 +101,20 @@ struct recorder {
     {
       if (is_activity(e.kind) && !activity) { return; }
       events.emplace_back(e, payloads);
-      if (limit == 0 || events.size() <= limit) { return; }
-      detail::kept_event& oldest = events.front();
-      if (oldest.hazard() != nullptr && hazards.size() < limit) {
-        hazards.push_back(oldest);
-      } else {
-        oldest.release(payloads);
-        ++dropped;
+      if (limit != 0 && events.size() > limit) {
+        detail::kept_event& oldest = events.front();
+        if (oldest.hazard() != nullptr && hazards.size() < limit) {
+          hazards.push_back(oldest);
+        } else {
+          oldest.release(payloads);
+          ++dropped;
+        }
+        events.pop_front();
+        __builtin_prefetch(&events.front());  // read when the next event drops it
       }
-      events.pop_front();
+      // The next event's place, and its payload's if it is the size of this one's (a launch's buffers).
+      detail::prefetch_for_write(std::addressof(events.back()) + 1, sizeof(detail::kept_event));
+      payloads.prefetch_next(e.buffers.size() * sizeof(buffer_ref));
     }
   };
 
