@@ -13,8 +13,13 @@ hits them alike; each process reports its 20th-percentile step time, and each co
 is the least disturbed (lowest) of the rounds. The programs run with one OpenMP thread unless
 OMP_NUM_THREADS says otherwise: PyTorch's idle OpenMP worker spins beside the main thread between
 operations, which on a machine of few cores moves every part of a step by tens of microseconds.
+With --cpu, every program runs on that one CPU, its threads included: the simulator's device threads
+then take turns with the program's instead of waking on another CPU, which on a small shared machine
+moves the launch-heavy variant's step by more than the trace costs (a ratio of single-CPU times is
+one of all the work done, as an instruction count is).
 
-    .venv/bin/python bench/pipeline_overhead.py [--rounds N] [--steps N] [--launches-per-step N] [--quick] [--only NAME]
+    .venv/bin/python bench/pipeline_overhead.py [--rounds N] [--steps N] [--launches-per-step N] [--cpu N]
+                                                [--quick] [--only NAME]
 """
 
 from __future__ import annotations
@@ -86,9 +91,10 @@ def percentile(values: list[int], q: float) -> float:
     return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
 
 
-def run(command: list[str], env: dict[str, str]) -> Any:
-    """Runs one configuration; what its program printed last, as JSON."""
-    result = subprocess.run(command, capture_output=True, text=True, env=env, check=False, timeout=1800)
+def run(command: list[str], env: dict[str, str], cpu: int | None) -> Any:
+    """Runs one configuration (on `cpu` alone, when given); what its program printed last, as JSON."""
+    pin = None if cpu is None else lambda: os.sched_setaffinity(0, {cpu})
+    result = subprocess.run(command, capture_output=True, text=True, env=env, check=False, timeout=1800, preexec_fn=pin)
     if result.returncode != 0:
         raise SystemExit(f"{' '.join(command[:6])} ... failed:\n{result.stderr}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -109,6 +115,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000, help="steps per process (default 2000)")
     parser.add_argument("--size", type=int, default=96, help="the work's matrix size (about 200-300 us a step)")
     parser.add_argument("--launches-per-step", type=int, default=16, help="the launch-heavy variant's kernels")
+    parser.add_argument("--cpu", type=int, default=None, help="run every program on this one CPU (see above)")
     parser.add_argument("--quick", action="store_true", help="2 rounds of 200 steps (a smoke run)")
     parser.add_argument("--only", default="", help="run only the configurations whose names contain this")
     args = parser.parse_args()
@@ -142,16 +149,17 @@ def main() -> None:
         figures: dict[str, list[float]] = {name: [] for name in configs}
         for _ in range(args.rounds):
             for name, (command, environment) in configs.items():
-                figures[name].append(percentile(run(command, environment), 0.2))
+                figures[name].append(percentile(run(command, environment, args.cpu), 0.2))
     best = {name: min(values) for name, values in figures.items()}
-    threads = f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}"
+    threads = f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}" + ("" if args.cpu is None else f", on CPU {args.cpu} alone")
     print(
         f"{platform.node()}, Python {platform.python_version()}, {args.rounds} rounds of {args.steps} steps, {threads}"
     )
-    print(f"{'configuration':<52} {'p20 step':>10} {'ratio':>6}")
+    print(f"{'configuration':<52} {'p20 step':>10} {'ratio':>6}   every round's p20, lowest first (us)")
     for name, value in best.items():
         baseline = best[name.split(", ")[0] + ", untraced"]
-        print(f"{name:<52} {value / 1000:>8.1f}us {value / baseline:>6.3f}")
+        rounds = " ".join(f"{v / 1000:.0f}" for v in sorted(figures[name]))
+        print(f"{name:<52} {value / 1000:>8.1f}us {value / baseline:>6.3f}   {rounds}")
 
 
 if __name__ == "__main__":
