@@ -210,7 +210,7 @@ thread_local std::optional<python_location> parked;
 void annotate(trace::event& e) noexcept
 {
   const bool activity = trace::is_activity(e.kind);
-  if (Py_IsInitialized() == 0 || PyGILState_Check() == 0) {
+  if (Py_IsInitialized() == 0 || !holds_gil()) {
     if (activity && parked) {
       e.where = parked->where;
       if (e.library == nullptr) { e.library = parked->outermost; }
@@ -372,7 +372,7 @@ py::dict graph_dict()
 
 bool parked_location::park() noexcept
 {
-  if (Py_IsInitialized() == 0 || PyGILState_Check() == 0) { return false; }
+  if (Py_IsInitialized() == 0 || !holds_gil()) { return false; }
   try {
     const error_scope set_aside;
     parked = locate();
