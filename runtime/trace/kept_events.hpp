@@ -32,6 +32,7 @@ void unmap_pages(void* pages, std::size_t bytes) noexcept;
 /// A prefetch never faults, so `at` may lie past the end of a mapping.
 inline void prefetch_for_write(const void* at, std::size_t bytes) noexcept
 {
+  if (bytes == 0) { return; }
   constexpr std::size_t line_bytes = 64;
   const auto from = reinterpret_cast<std::uintptr_t>(at);
   for (std::uintptr_t line = from & ~std::uintptr_t{line_bytes - 1}; line < from + bytes; line += line_bytes) {

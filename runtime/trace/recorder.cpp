@@ -101,7 +101,8 @@ struct recorder {
     {
       if (is_activity(e.kind) && !activity) { return; }
       events.emplace_back(e, payloads);
-      if (limit != 0 && events.size() > limit) {
+      if (limit == 0) { return; }  // an unbounded session writes on into memory it has not used yet
+      if (events.size() > limit) {
         detail::kept_event& oldest = events.front();
         if (oldest.hazard() != nullptr && hazards.size() < limit) {
           hazards.push_back(oldest);
@@ -112,7 +113,7 @@ struct recorder {
         events.pop_front();
         __builtin_prefetch(&events.front());  // read when the next event drops it
       }
-      // The next event's place, and its payload's if it is the size of this one's (a launch's buffers).
+      // Where the next event goes, and its payload if it is the size of this one's (a launch's buffers).
       detail::prefetch_for_write(std::addressof(events.back()) + 1, sizeof(detail::kept_event));
       payloads.prefetch_next(e.buffers.size() * sizeof(buffer_ref));
     }
