@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
 #include <iterator>
 
 namespace handoff::trace {
@@ -49,13 +50,18 @@ std::size_t race_detector::key_hash::operator()(const stream_key& k) const noexc
   return h;
 }
 
-std::uint32_t race_detector::stream_of(const activity::record& r, std::uint64_t thread)
+inline std::uint32_t race_detector::stream_of(const activity::record& r, std::uint64_t thread)
 {
   const stream_key key{.device = r.device.device_id,
                        .handle = r.stream,
                        .thread = r.stream_class == stream_class::per_thread ? thread : 0};
+  if (r.kind != kind::stream_create && last_stream_ && last_stream_->first == key) { return last_stream_->second; }
+  return look_up_stream(key, r);
+}
+
+std::uint32_t race_detector::look_up_stream(const stream_key& key, const activity::record& r)
+{
   if (r.kind != kind::stream_create) {
-    if (last_stream_ && last_stream_->first == key) { return last_stream_->second; }
     if (const auto found = index_.find(key); found != index_.end()) {
       last_stream_.emplace(key, found->second);
       return found->second;
@@ -71,14 +77,20 @@ std::uint32_t race_detector::stream_of(const activity::record& r, std::uint64_t 
   return s;
 }
 
-void race_detector::order_operation(std::uint32_t s)
+inline void race_detector::order_operation(std::uint32_t s)
 {
   stream_state& self = streams_[s];
   if (self.host_seen != host_version_) {
     join(self.clock, host_);
     self.host_seen = host_version_;
   }
+  if (self.stream_class != stream_class::non_blocking) { join_legacy_rule(s); }
+}
+
+void race_detector::join_legacy_rule(std::uint32_t s)
+{
   // The legacy default stream waits for every blocking stream of its device, and they for it.
+  const stream_state& self = streams_[s];
   if (self.stream_class == stream_class::legacy) {
     for (std::uint32_t other = 0; other < streams_.size(); ++other) {
       const stream_state& b = streams_[other];
@@ -96,7 +108,7 @@ void race_detector::order_operation(std::uint32_t s)
   }
 }
 
-std::uint32_t race_detector::tick(std::uint32_t s)
+inline std::uint32_t race_detector::tick(std::uint32_t s)
 {
   order_operation(s);
   auto& clock = streams_[s].clock;
@@ -128,40 +140,69 @@ void race_detector::for_each_overlap(std::uintptr_t begin, std::uintptr_t end, F
   }
 }
 
-std::optional<race_detector::conflict> race_detector::check(const activity::buffer_use& use, std::uint32_t s,
-                                                            bool freeing, range_state** exact)
+std::size_t race_detector::slot_of(std::uintptr_t begin) noexcept
 {
-  std::optional<conflict> found;
+  // Fibonacci hashing: allocations aligned alike still spread over the slots.
+  constexpr std::uint64_t golden = 0x9E3779B97F4A7C15ULL;
+  static_assert(std::has_single_bit(sole_range_slots));
+  constexpr int slot_bits = std::countr_zero(sole_range_slots);
+  return static_cast<std::size_t>((static_cast<std::uint64_t>(begin) * golden) >> (64 - slot_bits));
+}
+
+inline race_detector::range_state* race_detector::remembered(std::uintptr_t begin, std::uintptr_t end) const noexcept
+{
+  const sole_range& slot = sole_ranges_[slot_of(begin)];
+  return slot.begin == begin && slot.end == end && slot.generation == shadow_generation_ ? slot.range : nullptr;
+}
+
+void race_detector::remember(std::uintptr_t begin, std::uintptr_t end, range_state* range) noexcept
+{
+  sole_ranges_[slot_of(begin)] = {.begin = begin, .end = end, .range = range, .generation = shadow_generation_};
+}
+
+inline std::optional<race_detector::conflict> race_detector::conflict_in(range_state& range, std::uint32_t s,
+                                                                         bool writing, const char* hazard) const
+{
+  if (range.freed && !ordered(*range.freed, s)) {
+    return conflict{.hazard = "reuse", .other = &*range.freed, .used_after_free = true};
+  }
+  if (range.write && !ordered(*range.write, s)) {
+    return conflict{.hazard = hazard, .other = &*range.write, .used_after_free = false};
+  }
+  if (writing) {
+    for (const epoch& read : range.reads) {
+      if (!ordered(read, s)) { return conflict{.hazard = hazard, .other = &read, .used_after_free = false}; }
+    }
+  }
+  return std::nullopt;
+}
+
+inline std::optional<race_detector::conflict> race_detector::check(const activity::buffer_use& use, std::uint32_t s,
+                                                                   bool freeing, range_state** exact)
+{
   const bool writing = freeing || activity::writes(use.mode);
   const char* const hazard = freeing ? "reuse" : "race";
   const std::uintptr_t end = use.address + use.bytes;
+  if (range_state* const sole = remembered(use.address, end)) {
+    if (exact != nullptr) { *exact = sole; }
+    return conflict_in(*sole, s, writing, hazard);
+  }
+  std::optional<conflict> found;
+  std::size_t overlaps = 0;
+  range_state* same = nullptr;
   for_each_overlap(use.address, end, [&](const auto& key, range_state& range) {
-    if (exact != nullptr && key.first == use.address && key.second == end) { *exact = &range; }
-    if (found) { return; }
-    if (range.freed && !ordered(*range.freed, s)) {
-      found = conflict{.hazard = "reuse", .other = &*range.freed, .used_after_free = true};
-      return;
-    }
-    if (range.write && !ordered(*range.write, s)) {
-      found = conflict{.hazard = hazard, .other = &*range.write, .used_after_free = false};
-      return;
-    }
-    if (!writing) { return; }
-    for (const epoch& read : range.reads) {
-      if (!ordered(read, s)) {
-        found = conflict{.hazard = hazard, .other = &read, .used_after_free = false};
-        return;
-      }
-    }
+    ++overlaps;
+    if (key.first == use.address && key.second == end) { same = &range; }
+    if (!found) { found = conflict_in(range, s, writing, hazard); }
   });
+  if (exact != nullptr) { *exact = same; }
+  if (overlaps == 1 && same != nullptr) { remember(use.address, end, same); }
   return found;
 }
 
-void race_detector::record_access(const activity::buffer_use& use, const epoch& now, range_state* exact)
+inline void race_detector::record_access(const activity::buffer_use& use, const epoch& now, range_state* exact)
 {
-  const std::uintptr_t end = use.address + use.bytes;
-  range_state& range = exact != nullptr ? *exact : shadow_[{use.address, end}];
-  longest_ = std::max(longest_, end - use.address);
+  range_state& range = exact != nullptr ? *exact : range_for(use.address, use.address + use.bytes);
   if (activity::writes(use.mode)) {
     range.write = now;
     range.reads.clear();
@@ -169,21 +210,33 @@ void race_detector::record_access(const activity::buffer_use& use, const epoch& 
     range.freed_clock.reset();
   }
   if (use.mode != access::write) {
-    const auto same = std::find_if(range.reads.begin(), range.reads.end(),
-                                   [&](const epoch& read) { return read.stream == now.stream; });
-    if (same != range.reads.end()) {
-      *same = now;
-    } else {
-      range.reads.push_back(now);
+    for (epoch& read : range.reads) {  // a few at most: one per stream that read since the write
+      if (read.stream == now.stream) {
+        read = now;
+        return;
+      }
     }
+    range.reads.push_back(now);
   }
+}
+
+race_detector::range_state& race_detector::range_for(std::uintptr_t begin, std::uintptr_t end)
+{
+  const auto [at, added] = shadow_.try_emplace({begin, end});
+  if (added) {
+    longest_ = std::max(longest_, end - begin);
+    ranges_changed();  // the new range may overlap a remembered one
+  }
+  return at->second;
 }
 
 void race_detector::forget(std::uintptr_t begin, std::uintptr_t end)
 {
   std::vector<std::pair<std::uintptr_t, std::uintptr_t>> gone;
   for_each_overlap(begin, end, [&](const auto& key, const range_state&) { gone.push_back(key); });
+  if (gone.empty()) { return; }
   for (const auto& key : gone) { shadow_.erase(key); }
+  ranges_changed();  // a remembered range may be gone
   if (shadow_.empty()) { longest_ = 0; }
 }
 
@@ -290,8 +343,7 @@ std::optional<found_hazard> race_detector::observe_free(const activity::record& 
   const site_pool::ref freeing = sites_.make(site);
   for (const auto& use : r.buffers) {
     forget(use.address, use.address + use.bytes);
-    range_state& range = shadow_[{use.address, use.address + use.bytes}];
-    longest_ = std::max<std::uintptr_t>(longest_, use.bytes);
+    range_state& range = range_for(use.address, use.address + use.bytes);
     range.freed = epoch{.stream = s, .clock = now, .mode = access::write, .site = freeing};
     range.freed_clock = clock;
   }

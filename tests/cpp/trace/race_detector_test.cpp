@@ -195,6 +195,63 @@ TEST_F(RaceDetectorTest, OverlappingRangesMeetAndDisjointOnesDoNot)
   EXPECT_TRUE(issue(on(kind::launch, consumer), {{.address = data + 100, .bytes = 8, .mode = access::read}}));
 }
 
+// A range found alone on its memory is found again without a search; these hold that shortcut to
+// what a search would find when ranges are added and forgotten between two lookups.
+TEST_F(RaceDetectorTest, ARangeAddedInsideOneFoundAloneIsMetByTheNextUseOfTheWhole)
+{
+  EXPECT_FALSE(write(producer));
+  EXPECT_FALSE(read(producer));  // the range found alone on its memory
+  host_waits_for(producer);
+  // Ordered after the producer's write, the consumer writes a part of the memory: a range of its own.
+  EXPECT_FALSE(issue(on(kind::launch, consumer), {{.address = data + 256, .bytes = 64, .mode = access::write}}));
+  const auto race = read(producer);
+  ASSERT_TRUE(race) << "the consumer's write of a part is unordered with the producer's read of the whole";
+  EXPECT_EQ(race->other.seq, 4U);
+  // Negative control: ordered after the consumer, the read of the whole meets nothing.
+  host_waits_for(consumer);
+  EXPECT_FALSE(read(producer));
+  EXPECT_FALSE(read(producer));
+}
+
+TEST_F(RaceDetectorTest, ARangeAddedBesideOneFoundAloneDoesNotMeetIt)
+{
+  EXPECT_FALSE(write(producer));
+  EXPECT_FALSE(read(producer));
+  EXPECT_FALSE(write(consumer, data + bytes));  // adjacent: [data + bytes, ...) does not overlap
+  EXPECT_FALSE(read(producer));
+  EXPECT_FALSE(read(consumer, data + bytes));
+}
+
+TEST_F(RaceDetectorTest, ARangeFoundAloneAndThenFreedIsNotFoundAgain)
+{
+  EXPECT_FALSE(write(producer));
+  EXPECT_FALSE(read(producer));
+  EXPECT_FALSE(free_on(producer));  // forgotten, and recorded again as freed on the producer
+  const auto reuse = read(consumer);
+  ASSERT_TRUE(reuse);
+  EXPECT_STREQ(reuse->name, "reuse");
+  // A synchronizing free forgets it altogether: the next use meets nothing.
+  (void)issue(on(kind::free, legacy), {{.address = data, .bytes = bytes, .mode = access::write}});
+  EXPECT_EQ(detector_.tracked_ranges(), 0U);
+  EXPECT_FALSE(write(consumer));
+  EXPECT_EQ(detector_.tracked_ranges(), 1U) << "recorded anew";
+  EXPECT_FALSE(read(consumer));
+  EXPECT_TRUE(read(producer)) << "the consumer's write since the free is unordered with the producer";
+}
+
+TEST_F(RaceDetectorTest, ManyBuffersUsedInTurnEachMeetTheirOwnLastWriter)
+{
+  // More buffers than the lookups remember: each use still meets its own range's writer.
+  constexpr std::size_t buffers = 40;
+  for (std::size_t i = 0; i < buffers; ++i) { EXPECT_FALSE(write(producer, data + i * bytes)); }
+  for (std::size_t i = 0; i < buffers; ++i) { EXPECT_FALSE(read(producer, data + i * bytes)); }
+  for (std::size_t i = 0; i < buffers; ++i) {
+    const auto race = read(consumer, data + i * bytes);
+    ASSERT_TRUE(race) << "buffer " << i;
+    EXPECT_EQ(race->other.seq, i + 1) << "buffer " << i;
+  }
+}
+
 TEST_F(RaceDetectorTest, TheLegacyStreamWaitsForBlockingStreamsAndTheyForIt)
 {
   EXPECT_FALSE(write(blocking_a));

@@ -7,6 +7,7 @@
 #include <handoff/activity.hpp>
 #include <handoff/detail/immovable.hpp>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -195,8 +196,12 @@ class race_detector {
   };
 
   std::uint32_t stream_of(const activity::record& r, std::uint64_t thread);
+  /// stream_of() past its last answer: the index, or a new stream.
+  std::uint32_t look_up_stream(const stream_key& key, const activity::record& r);
   /// What orders a new operation on `s`: the host's synchronizations and the legacy stream's rule.
   void order_operation(std::uint32_t s);
+  /// The legacy default stream's implicit synchronization with the blocking streams of its device.
+  void join_legacy_rule(std::uint32_t s);
   /// A new operation on `s`: its epoch.
   std::uint32_t tick(std::uint32_t s);
   void join_host_with(int device);
@@ -218,11 +223,31 @@ class race_detector {
   /// exactly `use`'s memory, if there is one (so that recording the use needs no second search).
   std::optional<conflict> check(const activity::buffer_use& use, std::uint32_t s, bool freeing,
                                 range_state** exact = nullptr);
+  /// The conflict an access on `s` (`writing` or not) meets in `range`, named `hazard` unless it is a
+  /// use after the range's free.
+  std::optional<conflict> conflict_in(range_state& range, std::uint32_t s, bool writing, const char* hazard) const;
   /// Records `use` at `now`, in `exact` when check() found its range.
   void record_access(const activity::buffer_use& use, const epoch& now, range_state* exact = nullptr);
+  /// The range recorded for [begin, end), added if there is none.
+  range_state& range_for(std::uintptr_t begin, std::uintptr_t end);
   void forget(std::uintptr_t begin, std::uintptr_t end);
   template <class F>
   void for_each_overlap(std::uintptr_t begin, std::uintptr_t end, F&& f);
+
+  // The ranges found alone on their memory by recent lookups: the same buffers come back launch
+  // after launch, and are found again without a search until a range is added or forgotten.
+  struct sole_range {
+    std::uintptr_t begin{0};
+    std::uintptr_t end{0};
+    range_state* range{nullptr};  // recorded for exactly [begin, end), and nothing else overlaps it
+    std::uint64_t generation{0};  // shadow_'s when it was found: stale once shadow_ changed
+  };
+  static constexpr std::size_t sole_range_slots = 32;
+  [[nodiscard]] static std::size_t slot_of(std::uintptr_t begin) noexcept;
+  [[nodiscard]] range_state* remembered(std::uintptr_t begin, std::uintptr_t end) const noexcept;
+  void remember(std::uintptr_t begin, std::uintptr_t end, range_state* range) noexcept;
+  /// Forgets every remembered range: shadow_ gained or lost one.
+  void ranges_changed() noexcept { ++shadow_generation_; }
 
   [[nodiscard]] std::string stream_name(std::uint32_t s) const;
   [[nodiscard]] std::string site_name(const access_site& site, activity::access mode) const;
@@ -243,6 +268,8 @@ class race_detector {
   site_pool sites_;  // before the ranges: it outlives their accesses
   std::map<std::pair<std::uintptr_t, std::uintptr_t>, range_state> shadow_;  // by [begin, end)
   std::uintptr_t longest_{0};  // the longest range in shadow_: bounds the search for overlaps
+  std::array<sole_range, sole_range_slots> sole_ranges_{};
+  std::uint64_t shadow_generation_{1};                             // counts shadow_'s changes
   std::unordered_map<wording_key, wording, wording_hash> worded_;  // bounded: emptied when full
 };
 
