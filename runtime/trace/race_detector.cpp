@@ -160,7 +160,7 @@ void race_detector::remember(std::uintptr_t begin, std::uintptr_t end, range_sta
   sole_ranges_[slot_of(begin)] = {.begin = begin, .end = end, .range = range, .generation = shadow_generation_};
 }
 
-inline std::optional<race_detector::conflict> race_detector::conflict_in(range_state& range, std::uint32_t s,
+inline std::optional<race_detector::conflict> race_detector::conflict_in(const range_state& range, std::uint32_t s,
                                                                          bool writing, const char* hazard) const
 {
   if (range.freed && !ordered(*range.freed, s)) {

@@ -225,7 +225,8 @@ class race_detector {
                                 range_state** exact = nullptr);
   /// The conflict an access on `s` (`writing` or not) meets in `range`, named `hazard` unless it is a
   /// use after the range's free.
-  std::optional<conflict> conflict_in(range_state& range, std::uint32_t s, bool writing, const char* hazard) const;
+  std::optional<conflict> conflict_in(const range_state& range, std::uint32_t s, bool writing,
+                                      const char* hazard) const;
   /// Records `use` at `now`, in `exact` when check() found its range.
   void record_access(const activity::buffer_use& use, const epoch& now, range_state* exact = nullptr);
   /// The range recorded for [begin, end), added if there is none.
