@@ -134,8 +134,13 @@ class object_cache : handoff::detail::immovable {
   /// What `key` is remembered as, or nullptr.
   [[nodiscard]] Value* find(const Key& key)
   {
+    // The key found last is compared first: callers ask for the same one many times in a row (each
+    // launch of a loop from one line), and a hash table lookup costs several times more.
+    if (last_ != nullptr && last_->first == key) { return &last_->second; }
     const auto found = known_.find(key);
-    return found != known_.end() ? &found->second : nullptr;
+    if (found == known_.end()) { return nullptr; }
+    last_ = &*found;  // a node's address outlives rehashes; forget() drops it
+    return &found->second;
   }
 
   /// Remembers `value` for `key` (not yet remembered), taking a reference to its object.
@@ -149,12 +154,14 @@ class object_cache : handoff::detail::immovable {
 
   void forget() noexcept
   {
+    last_ = nullptr;
     for (const auto& [key, _] : known_) { Py_DECREF(object_of_(key)); }
     known_.clear();
   }
 
  private:
   std::unordered_map<Key, Value, Hash> known_;
+  typename std::unordered_map<Key, Value, Hash>::value_type* last_{nullptr};  // what find() found last
   std::size_t most_;
   object_of_key object_of_;
 };

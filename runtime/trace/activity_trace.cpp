@@ -12,6 +12,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <exception>
@@ -186,20 +187,31 @@ void observe_query(const record& r) noexcept
   }
 }
 
+// The names the thread interned lately, most recent first. Behind a call of its own: where the
+// thread-local is named, the compiler asks for its address again (a call into the dynamic linker)
+// after every comparison.
+[[gnu::noinline]] std::array<std::string_view, 8>& recent_names() noexcept
+{
+  thread_local std::array<std::string_view, 8> recent{};
+  return recent;
+}
+
 }  // namespace
 
 const char* intern(std::string_view name)
 {
   // Asked on every launch (its kernel) and every activity event (its user line), mostly with names
-  // the thread asked lately: those are compared first (interned names are never freed, so the views
-  // stay valid), and a known name is found without a copy.
-  struct recent_names {  // one thread-local: each is reached through a call in a shared library
-    std::array<std::string_view, 8> names{};
-    std::size_t next{0};
-  };
-  thread_local recent_names recent;
-  for (const std::string_view known : recent.names) {
-    if (known.data() != nullptr && known == name) { return known.data(); }
+  // the thread asked lately: those are compared first, most recently asked first (a loop asks the
+  // same few in turn), and a known name is found without a copy. Interned names are never freed, so
+  // the views stay valid.
+  std::array<std::string_view, 8>& recent = recent_names();
+  const auto first = recent.begin();
+  const auto last = recent.end();
+  for (auto at = first; at != last; ++at) {
+    if (at->data() != nullptr && *at == name) {
+      std::rotate(first, at, at + 1);  // to the front
+      return first->data();
+    }
   }
   struct name_hash {
     using is_transparent = void;
@@ -211,8 +223,8 @@ const char* intern(std::string_view name)
   std::lock_guard lock{*mutex};
   auto found = names->find(name);
   if (found == names->end()) { found = names->emplace(name).first; }
-  recent.names.at(recent.next) = *found;
-  recent.next = (recent.next + 1) % recent.names.size();
+  std::rotate(first, last - 1, last);  // the least recent goes
+  recent.front() = *found;
   return found->c_str();
 }
 

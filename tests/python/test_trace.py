@@ -129,6 +129,24 @@ def test_each_event_names_the_line_it_came_from_however_often_that_line_runs():
     assert imports == [line_of("# marker: first line"), line_of("# marker: second line")] * 3
 
 
+def test_lines_stay_right_when_more_locations_ran_than_are_remembered():
+    # Past 4,096 (code, offset) locations the remembered ones are forgotten and learnt again: every
+    # call is still named by its own line, the first run's and the second's (negative control: the
+    # expected lines are all different, so a location answered from a forgotten one shows).
+    calls = 4_200
+    source = "def run(f, x):\n" + "    f(x)\n" * calls
+    namespace: dict[str, object] = {}
+    exec(compile(source, "many_locations.py", "exec"), namespace)
+    run = namespace["run"]
+    data = np.ones(4, dtype=np.float32)
+    with handoff.trace() as t:
+        run(handoff.from_dlpack, data)  # type: ignore[operator]
+        run(handoff.from_dlpack, data)  # type: ignore[operator]
+    imports = [e["where"] for e in t.events if e["kind"] == "import"]
+    expected = [f"many_locations.py:{line}" for line in range(2, calls + 2)]
+    assert imports == expected * 2
+
+
 def test_each_exchange_is_an_event_with_the_contracts_fields(torch):
     with handoff.trace() as t:
         view = handoff.from_dlpack(np.ones(4, dtype=np.float64))  # marker: numpy import

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <string>
@@ -79,6 +80,21 @@ TEST(ActivityInternTest, ANameIsOnePointerWhereverItsTextComesFromAndOnEveryThre
   const char* on_another_thread = nullptr;
   std::thread{[&] { on_another_thread = activity::intern("intern-test-kernel"); }}.join();
   EXPECT_EQ(on_another_thread, first);
+}
+
+TEST(ActivityInternTest, ANameFoundAmongTheThreadsRecentOnesIsItselfWhereverItIsAmongThem)
+{
+  // The thread's recent names, most recent first: each name asked again is found second or third,
+  // and moved to the front (negative control: three different pointers).
+  const std::array<const char*, 3> first{activity::intern("intern-recent-a"), activity::intern("intern-recent-b"),
+                                         activity::intern("intern-recent-c")};
+  EXPECT_NE(first[0], first[1]);
+  EXPECT_NE(first[1], first[2]);
+  for (int round = 0; round < 3; ++round) {
+    EXPECT_EQ(activity::intern(std::string{"intern-recent-a"}), first[0]) << "round " << round;
+    EXPECT_EQ(activity::intern(std::string{"intern-recent-c"}), first[2]) << "round " << round;
+    EXPECT_EQ(activity::intern(std::string{"intern-recent-b"}), first[1]) << "round " << round;
+  }
 }
 
 TEST(ActivityInternTest, NamesAskedInTurnStayOnePointerEachBeyondTheThreadsRecentOnes)
