@@ -91,7 +91,7 @@ def percentile(values: list[int], q: float) -> float:
     return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
 
 
-def run(command: list[str], env: dict[str, str], cpu: int | None) -> Any:
+def run(command: list[str], env: dict[str, str], cpu: int | None = None) -> Any:
     """Runs one configuration (on `cpu` alone, when given); what its program printed last, as JSON."""
     pin = None if cpu is None else lambda: os.sched_setaffinity(0, {cpu})
     result = subprocess.run(command, capture_output=True, text=True, env=env, check=False, timeout=1800, preexec_fn=pin)
