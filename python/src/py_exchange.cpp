@@ -11,6 +11,7 @@
 #include "py_errors.hpp"
 #include "py_exchange_api.hpp"
 #include "py_interfaces.hpp"
+#include "py_numpy.hpp"
 #include "py_owners.hpp"
 #include "py_streams.hpp"
 #include "py_trace.hpp"
@@ -27,6 +28,7 @@
 #include <array>
 #include <cstring>
 #include <exception>
+#include <optional>
 #include <utility>
 
 namespace handoff::python {
@@ -365,6 +367,20 @@ std::optional<py::object> import_without_streams(exchange& on, py::handle x, con
                          .ordered_for_consumer = false});
 }
 
+// A NumPy array's host data, read from the fields its __dlpack__ describes (numpy_array_layout) and
+// holding a reference to the array as that capsule would: the same view, with no capsule made and
+// consumed. nullopt where NumPy's __dlpack__ must answer: what it refuses or describes otherwise,
+// data a DLPack capsule holds (maybe on a device), and a read-only array (refused before NumPy 2.1,
+// whose capsules cannot say read-only). A trace records the same import either way.
+std::optional<py::object> import_numpy_fields(exchange& on, py::handle ndarray)
+{
+  std::optional<array_layout> layout = numpy_array_layout(ndarray.ptr());
+  if (!layout || layout->readonly) { return std::nullopt; }
+  array view{std::move(*layout), python_owner(ndarray)};
+  on.count_host_import();
+  return wrap(std::move(view));
+}
+
 // Any call: a capsule, or a producer asked through __dlpack__ with the consumer's stream, `device`
 // and `copy` (DLPack's fallbacks for producers that predate them included).
 py::object import_through_dlpack(exchange& on, py::handle x, const import_request& request, py::handle copy,
@@ -432,6 +448,9 @@ py::object from_dlpack(exchange& on, py::handle x, py::handle device, py::handle
   }
   producer_claim claim;
   if (plain && consumer.is_default()) {
+    if (numpy_array) {
+      if (auto view = import_numpy_fields(on, x)) { return std::move(*view); }
+    }
     if (auto view = import_without_streams(on, x, consumer, numpy_array, claim)) { return std::move(*view); }
   }
   const import_request request{

@@ -136,7 +136,7 @@ std::optional<array_layout> numpy_array_layout(PyObject* ndarray) noexcept
   // NumPy's __dlpack_device__ reports the device of a DLPack capsule at the root of the array's
   // bases (pinned or managed memory imported by numpy.from_dlpack): not host memory to assume.
   PyObject* root = fields.base;
-  while (root != nullptr && Py_TYPE(root) == Py_TYPE(ndarray)) {
+  while (root != nullptr && PyObject_TypeCheck(root, Py_TYPE(ndarray)) != 0) {  // subclasses' bases too
     root = reinterpret_cast<const numpy_array_fields*>(root)->base;
   }
   if (root != nullptr && PyCapsule_CheckExact(root)) { return std::nullopt; }

@@ -89,8 +89,12 @@ int visit_kept_python_objects(const shared_producer& owner, visitproc visit, voi
 
 bool keeps_python_objects(const shared_producer& owner)
 {
-  if (const auto* release = owner.sole_release(); release != nullptr && release->target<python_reference_release>()) {
-    return true;
+  // An object the collector cannot see into (a NumPy array, bytes) closes no cycle it could find.
+  if (const auto* release = owner.sole_release(); release != nullptr) {
+    if (const auto* reference = release->target<python_reference_release>();
+        reference != nullptr && PyObject_IS_GC(reference->object) != 0) {
+      return true;
+    }
   }
   bool found = false;
   owner.visit_stream_owners(

@@ -22,8 +22,8 @@ namespace py = pybind11;
 /// Returns the first non-zero result of `visit`, as tp_traverse does.
 int visit_kept_python_objects(const shared_producer& owner, visitproc visit, void* arg);
 
-/// True when `owner` keeps Python objects alive (its owner, stream objects): an array holding it may
-/// be part of a reference cycle, so the garbage collector must track it.
+/// True when `owner` keeps Python objects alive (its owner, stream objects) that the garbage collector
+/// sees into: an array holding it may be part of a reference cycle, so the collector must track it.
 [[nodiscard]] bool keeps_python_objects(const shared_producer& owner);
 
 /// A reference to a stream object (anything but None or an int) for a bound_stream to keep it

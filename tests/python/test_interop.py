@@ -5,6 +5,8 @@ from __future__ import annotations
 import array as pyarray
 import ctypes
 import gc
+import re
+import weakref
 
 import numpy as np
 import pytest
@@ -99,6 +101,62 @@ def test_numpy_layouts_round_trip(make, live):
         assert b.__array_interface__["data"][0] == a.__array_interface__["data"][0]
         assert b.strides == a.strides or a.size <= 1
         np.testing.assert_array_equal(b, a)
+
+
+def _with_record_field(length: int) -> np.ndarray:
+    """The int32 field of `length` packed records: a stride of 5 bytes, no multiple of its item."""
+    records = np.zeros(length, dtype=[("tag", "u1"), ("value", "<i4")])
+    records["value"] = np.arange(length)
+    return records["value"]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: np.arange(24, dtype=np.float32).reshape(2, 3, 4), id="contiguous"),
+        pytest.param(lambda: np.arange(24.0).reshape(4, 6)[::2, ::-3], id="strided"),
+        pytest.param(lambda: np.array(2.5), id="0-d"),
+        pytest.param(lambda: np.zeros((3, 0, 2), np.int16), id="empty"),
+        pytest.param(lambda: np.arange(6) % 2 == 0, id="bool"),
+        pytest.param(lambda: np.zeros(4, np.dtype("f4", metadata={"unit": "m"})), id="dtype with metadata"),
+        pytest.param(lambda: np.lib.stride_tricks.as_strided(np.arange(3.0), (4, 3), (0, 8)), id="zero strides"),
+        pytest.param(lambda: np.broadcast_to(np.arange(3.0), (4, 3)), id="read-only"),
+        pytest.param(lambda: _with_record_field(1), id="one item, odd stride"),
+        pytest.param(lambda: _with_record_field(4), id="odd strides"),
+        pytest.param(lambda: np.arange(4, dtype=">i4"), id="swapped bytes"),
+        pytest.param(lambda: np.zeros(3, np.longdouble), id="longdouble"),
+        pytest.param(lambda: np.zeros(3, "U2"), id="strings"),
+    ],
+)
+def test_a_numpy_array_is_imported_as_its_own_dlpack_export_describes_it(make, live):
+    # A NumPy array's view is read from its fields (no capsule is made): the same view, or the same
+    # refusal, as the capsule NumPy's __dlpack__ makes of it.
+    a = make()
+    try:
+        exported = a.__dlpack__(max_version=(1, 1))
+    except BufferError as refusal:
+        with pytest.raises(BufferError, match=re.escape(str(refusal))):
+            handoff.from_dlpack(a)
+        return
+    through_capsule = handoff.from_dlpack(exported)
+    view = handoff.from_dlpack(a)
+    for field in ("data_ptr", "shape", "strides", "dtype", "device", "readonly"):
+        assert getattr(view, field) == getattr(through_capsule, field), field
+    np.testing.assert_array_equal(np.from_dlpack(view), a)
+
+
+def test_an_imported_numpy_array_lives_as_long_as_its_view(live):
+    a = np.arange(5.0)
+    ref = weakref.ref(a)
+    view = handoff.from_dlpack(a)
+    del a
+    assert ref() is not None, "the view must keep the array it reads alive"
+    assert gc.collect() >= 0 and ref() is not None
+    # An array the collector cannot see into closes no cycle: the view is left out of collections.
+    assert not gc.is_tracked(view)
+    np.testing.assert_array_equal(np.from_dlpack(view), np.arange(5.0))
+    del view
+    assert ref() is None
 
 
 def test_32_dimensions_of_extent_two(live):
@@ -431,6 +489,16 @@ def test_array_interface_only_keeps_its_object_alive(live):
     assert ref() is not None
     np.testing.assert_array_equal(np.asarray(h), np.arange(4.0))
     del h
+    assert ref() is None
+
+
+def test_a_view_in_a_cycle_through_the_object_it_keeps_is_collected(live):
+    obj = ArrayInterfaceOnly(np.arange(4.0))
+    obj.view = handoff.asarray(obj)  # the view keeps obj alive, and obj the view
+    ref = weakref.ref(obj)
+    assert gc.is_tracked(obj.view), "only the collector can free the cycle"
+    del obj
+    gc.collect()
     assert ref() is None
 
 

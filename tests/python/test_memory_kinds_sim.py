@@ -89,6 +89,22 @@ def test_host_accessible_memory_goes_to_the_cpu_without_a_copy(host_accessible, 
     assert np.from_dlpack(copied)[-1] == 8.0
 
 
+def test_numpy_over_host_accessible_memory_is_imported_on_its_device_through_subclass_views(host_accessible):
+    # NumPy's __dlpack_device__ walks an array's bases, subclasses' included, to the capsule
+    # numpy.from_dlpack kept: the import's device comes from there, not from the array's fields.
+    class Tagged(np.ndarray):
+        pass
+
+    on_numpy = np.from_dlpack(host_accessible)
+    through_subclass = on_numpy.view(Tagged)[1:].view(np.ndarray)
+    assert isinstance(through_subclass.base, Tagged)
+    for a in (on_numpy, through_subclass):
+        assert a.__dlpack_device__() == host_accessible.__dlpack_device__()
+        view = handoff.from_dlpack(a)
+        assert view.device == host_accessible.__dlpack_device__()
+        assert view.data_ptr == a.__array_interface__["data"][0]
+
+
 def test_a_copy_of_host_accessible_memory_comes_back_on_the_same_device(host_accessible):
     source = host_accessible
     producer = sim.Stream(non_blocking=True)

@@ -185,9 +185,10 @@ class exchange {
   /// protocol): `device` and `copy` applied.
   [[nodiscard]] array import_host(array view, const import_request& request);
 
-  /// Counts an import of host data that a front end holds without a view (a C++ extension's
-  /// argument read through the buffer protocol): host data needs no binding or transfer, so this
-  /// is all of the policy that applies. Traced imports go through import_host.
+  /// Counts an import of host data that a front end read itself (a C++ extension's argument read
+  /// through the buffer protocol, a NumPy array read from its fields), with no device or copy
+  /// asked for: host data needs no binding or transfer, so this is all of the policy that applies.
+  /// The front end's own trace scope records the import; import_host opens one of its own.
   void count_host_import() const noexcept;
 
   /// A new view of `source`'s data (a view handoff made) for `consumer`, ordered as exporting it to
