@@ -222,7 +222,7 @@ std::string_view read_text(const std::byte*& at, std::uint32_t length) noexcept
 #if defined(__GLIBCXX__) && UINTPTR_MAX == UINT64_MAX
 // A field added to `event` changes its size: kept_event keeps it too (and expanded() restores it),
 // and this number follows.
-static_assert(sizeof(event) == 448, "trace::event changed: kept_event must keep every field of it");
+static_assert(sizeof(event) == 496, "trace::event changed: kept_event must keep every field of it");
 #endif
 
 kept_event::kept_event(const event& e, payload_arena& arena)

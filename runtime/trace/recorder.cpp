@@ -17,7 +17,6 @@
 #include <fmt/ranges.h>
 #include <boost/container/deque.hpp>
 #include <boost/container/options.hpp>
-#include <boost/container/small_vector.hpp>
 
 #include <pthread.h>
 #include <sys/syscall.h>
@@ -129,12 +128,16 @@ struct recorder {
   // place up to 6 dimensions: kept from each import to its release, it would be a heap block each.
   struct layout {
     DLDevice device;
-    boost::container::small_vector<std::int64_t, 6> shape;
+    extents shape;
     DLDataType dtype;
     std::int64_t nbytes;
     const char* library;
   };
-  std::unordered_map<std::uint64_t, layout> buffers;
+  using layouts = std::unordered_map<std::uint64_t, layout>;
+  layouts buffers;
+  // The node of the layout a release last dropped, taken by the next import's: a buffer's layout is
+  // kept from its import to its release, and each would allocate and free a node otherwise.
+  layouts::node_type spare_layout;
   std::atomic<annotator> annotate{nullptr};
   bool debug_log{false};
 
@@ -503,18 +506,24 @@ void detail::record_annotated_locked(event&& e) noexcept
       if (e.kind == event_kind::release) {
         if (const auto known = r.buffers.find(e.buffer); known != r.buffers.end()) {
           e.device = known->second.device;
-          e.shape.assign(known->second.shape.begin(), known->second.shape.end());
+          e.shape = known->second.shape;
           e.dtype = known->second.dtype;
           e.nbytes = known->second.nbytes;
           if (e.producer == nullptr) { e.producer = known->second.library; }
-          r.buffers.erase(known);
+          r.spare_layout = r.buffers.extract(known);
         }
       } else if (e.buffer != 0) {
-        r.buffers.insert_or_assign(e.buffer, recorder::layout{.device = e.device,
-                                                              .shape = {e.shape.begin(), e.shape.end()},
-                                                              .dtype = e.dtype,
-                                                              .nbytes = e.nbytes,
-                                                              .library = e.producer});
+        recorder::layout seen{
+          .device = e.device, .shape = e.shape, .dtype = e.dtype, .nbytes = e.nbytes, .library = e.producer};
+        if (const auto known = r.buffers.find(e.buffer); known != r.buffers.end()) {
+          known->second = std::move(seen);
+        } else if (r.spare_layout) {
+          r.spare_layout.key() = e.buffer;
+          r.spare_layout.mapped() = std::move(seen);
+          r.buffers.insert(std::move(r.spare_layout));
+        } else {
+          r.buffers.emplace(e.buffer, std::move(seen));
+        }
       }
     }
     if (r.debug_log) { log_event(e); }
@@ -623,7 +632,7 @@ void exchange_scope::set_view(const array& view, std::uint64_t view_id, const ch
     state_->event.producer = view.owner().library();
   }
   try {
-    state_->event.shape.assign(view.shape().begin(), view.shape().end());
+    state_->event.shape = view.shape();
   } catch (const std::bad_alloc&) {
     state_->event.shape.clear();
   }

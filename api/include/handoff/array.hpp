@@ -133,6 +133,11 @@ class extents {
     return *this;
   }
   extents& operator=(const std::vector<std::int64_t>& values) { return *this = std::span<const std::int64_t>{values}; }
+  extents& operator=(std::initializer_list<std::int64_t> values)
+  {
+    assign(values.begin(), values.end());
+    return *this;
+  }
   ~extents() = default;
 
   /// Replaces the contents with [first, last).

@@ -3,6 +3,7 @@
 
 #include <handoff/dlpack.h>
 #include <handoff/activity.hpp>
+#include <handoff/array.hpp>
 
 #include <atomic>
 #include <cstdint>
@@ -80,7 +81,7 @@ struct event {
   std::int64_t time_ns{0};    ///< system clock, nanoseconds since the epoch
   std::uint64_t thread{0};    ///< the native thread id
   DLDevice device{kDLCPU, 0};
-  std::vector<std::int64_t> shape;
+  extents shape;  ///< in place up to extents::inline_capacity dimensions: an event allocates nothing
   DLDataType dtype{kDLFloat, 32, 1};
   std::int64_t nbytes{0};
   const char* producer{nullptr};  ///< library names (static or interned strings), or null

@@ -12,9 +12,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -278,6 +280,44 @@ TEST_F(TraceSessionTest, AReleaseCarriesTheLayoutItsBufferWasExchangedWith)
   EXPECT_EQ(events[1].buffer, events[0].buffer);
   EXPECT_EQ(events[1].shape, (std::vector<std::int64_t>{5}));
   EXPECT_EQ(events[1].action, trace::action::none);
+}
+
+TEST_F(TraceSessionTest, EachReleaseCarriesItsOwnImportsShapeWhileOtherViewsComeAndGo)
+{
+  // The layout remembered for one buffer is reused for the next buffer's import once released;
+  // here views overlap, and one has more dimensions than an event or a layout holds in place.
+  std::vector<float> data(64);
+  const auto import_of = [&](const std::vector<std::int64_t>& shape) {
+    array_layout layout;
+    layout.data = data.data();
+    layout.shape = shape;
+    layout.strides = contiguous_strides(layout.shape);
+    auto view = std::make_unique<array>(std::move(layout), shared_producer{[] {}});
+    trace::exchange_scope scope{trace::event_kind::import_data, "buffer"};
+    scope.set_view(*view);
+    return view;
+  };
+  const std::vector<std::int64_t> two{2, 3};
+  const std::vector<std::int64_t> eight{1, 2, 1, 2, 1, 2, 1, 2};
+  const std::vector<std::int64_t> one{7};
+  const auto session = trace::begin_session();
+  auto first = import_of(two);
+  auto second = import_of(eight);
+  first.reset();
+  auto third = import_of(one);  // remembered where the first one's layout was
+  third.reset();
+  second.reset();
+  const auto events = trace::end_session(session);
+  ASSERT_EQ(events.size(), 6U);
+  const std::vector<std::pair<std::size_t, std::size_t>> import_and_release{{0, 2}, {1, 5}, {3, 4}};
+  for (const auto& [imported, released] : import_and_release) {
+    EXPECT_EQ(events[released].kind, trace::event_kind::release);
+    EXPECT_EQ(events[released].buffer, events[imported].buffer);
+    EXPECT_EQ(events[released].shape, events[imported].shape) << "release " << released;
+  }
+  EXPECT_EQ(events[0].shape, two);
+  EXPECT_EQ(events[1].shape, eight);
+  EXPECT_EQ(events[3].shape, one);
 }
 
 TEST_F(TraceSessionTest, AListenerSeesEveryEventAsJson)
