@@ -69,7 +69,9 @@ class thread_block_cache {
     static void close_local() noexcept { local().close(); }
   };
 
-  static blocks& local() noexcept
+  // Out of line: in a shared library each use of a thread-local is a call (__tls_get_addr), which
+  // GCC makes again after every call in between; a reference returned by a call is kept instead.
+  [[gnu::noinline]] static blocks& local() noexcept
   {
     thread_local blocks mine;
     return mine;

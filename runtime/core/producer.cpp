@@ -34,6 +34,20 @@ void trace_release(shared_producer::state& s) noexcept
 using state_blocks = detail::thread_block_cache<sizeof(shared_producer::state)>;
 static_assert(alignof(shared_producer::state) <= __STDCPP_DEFAULT_NEW_ALIGNMENT__);
 
+// The thread's destruction of producers: whether one runs, and the deletions asked for meanwhile,
+// last first. One thread-local reached through one call: in a shared library each use of a
+// thread-local is a call (__tls_get_addr), which GCC makes again after every call in between.
+struct destructions {
+  bool running{false};
+  shared_producer::state* queued{nullptr};
+};
+
+[[gnu::noinline]] destructions& this_threads_destructions() noexcept
+{
+  thread_local destructions mine;
+  return mine;
+}
+
 }  // namespace
 
 shared_producer::state* shared_producer::state::make(std::function<void()>&& release)
@@ -52,20 +66,19 @@ std::uint64_t shared_producer::state::id() noexcept
 
 void shared_producer::state::destroy(state* s) noexcept
 {
-  thread_local state* queued = nullptr;  // deletions asked for while one runs, last first
-  thread_local bool destroying = false;
-  if (destroying) {
-    s->next_to_destroy_ = std::exchange(queued, s);
+  destructions& thread = this_threads_destructions();
+  if (thread.running) {
+    s->next_to_destroy_ = std::exchange(thread.queued, s);
     return;
   }
-  destroying = true;
+  thread.running = true;
   const auto dispose = [](state* gone) noexcept {
     gone->~state();
     state_blocks::deallocate(gone);
   };
   dispose(s);
-  while (queued != nullptr) { dispose(std::exchange(queued, queued->next_to_destroy_)); }
-  destroying = false;
+  while (thread.queued != nullptr) { dispose(std::exchange(thread.queued, thread.queued->next_to_destroy_)); }
+  thread.running = false;
 }
 
 shared_producer::state::~state()
