@@ -267,24 +267,53 @@ void append_json_name(std::string& out, const char* text)
   }
 }
 
-thread_local exchange_scope* innermost = nullptr;
-thread_local int muted_depth = 0;
+std::atomic<unsigned> forks{0};  // a forked child's one thread asks its id again
+
+// What the trace keeps per thread, in one thread-local reached through one call: in a shared
+// library each use of a thread-local is a call (__tls_get_addr), which GCC makes again after every
+// call in between, and each event used several.
+struct thread_state {
+  exchange_scope* innermost{nullptr};
+  int muted_depth{0};
+  unsigned id_after_forks{~0U};  // the fork count when `id` was asked
+  std::uint64_t id{0};
+};
+
+[[gnu::noinline]] thread_state& this_thread() noexcept
+{
+  thread_local thread_state mine;
+  return mine;
+}
+
+// The thread's id, asked of the kernel once per thread: a system call (every event asks it), and a
+// thread's id changes only in a forked child.
+std::uint64_t thread_id(thread_state& thread) noexcept
+{
+  static const bool watching_forks =
+    pthread_atfork(nullptr, nullptr, [] { forks.fetch_add(1, std::memory_order_relaxed); }) == 0;
+  const unsigned now = forks.load(std::memory_order_relaxed);
+  if (!watching_forks || thread.id_after_forks != now) {
+    thread.id = static_cast<std::uint64_t>(::syscall(SYS_gettid));
+    thread.id_after_forks = now;
+  }
+  return thread.id;
+}
 
 }  // namespace
 
 muted_scope::muted_scope() noexcept
 {
-  ++muted_depth;
+  ++this_thread().muted_depth;
 }
 
 muted_scope::~muted_scope()
 {
-  --muted_depth;
+  --this_thread().muted_depth;
 }
 
 bool muted_scope::active() noexcept
 {
-  return muted_depth != 0;
+  return this_thread().muted_depth != 0;
 }
 
 void set_annotator(annotator fill) noexcept
@@ -455,27 +484,9 @@ void record(event&& e) noexcept
   detail::record_annotated(std::move(e));
 }
 
-namespace {
-std::atomic<unsigned> forks{0};  // a forked child's one thread asks its id again
-}  // namespace
-
 std::uint64_t detail::native_thread_id() noexcept
 {
-  // Asked of the kernel once per thread: a system call (every event asks it), and a thread's id
-  // changes only in a forked child.
-  static const bool watching_forks =
-    pthread_atfork(nullptr, nullptr, [] { forks.fetch_add(1, std::memory_order_relaxed); }) == 0;
-  struct asked {  // one thread-local: each is reached through a call in a shared library
-    unsigned after_forks{~0U};
-    std::uint64_t id{0};
-  };
-  thread_local asked mine;
-  const unsigned now = forks.load(std::memory_order_relaxed);
-  if (!watching_forks || mine.after_forks != now) {
-    mine.id = static_cast<std::uint64_t>(::syscall(SYS_gettid));
-    mine.after_forks = now;
-  }
-  return mine.id;
+  return thread_id(this_thread());
 }
 
 void detail::annotate(event& e) noexcept
@@ -550,7 +561,8 @@ struct exchange_scope::collected {
 
 void exchange_scope::begin(event_kind kind, std::string_view protocol) noexcept
 {
-  if (muted_depth != 0) { return; }  // recorded as a whole by the embedding
+  thread_state& thread = this_thread();
+  if (thread.muted_depth != 0) { return; }  // recorded as a whole by the embedding
   try {
     // Made and freed per traced exchange: from the thread's kept blocks. Owned until end().
     state_ = new (handoff::detail::thread_block_cache<sizeof(collected)>::allocate()) collected;
@@ -558,8 +570,8 @@ void exchange_scope::begin(event_kind kind, std::string_view protocol) noexcept
     return;  // this exchange goes untraced
   }
   collected& s = *state_;
-  s.outer = innermost;
-  innermost = this;
+  s.outer = thread.innermost;
+  thread.innermost = this;
   s.uncaught = std::uncaught_exceptions();
   s.event.kind = kind;
   s.event.protocol = protocol;
@@ -569,13 +581,13 @@ void exchange_scope::begin(event_kind kind, std::string_view protocol) noexcept
   }
   s.event.time_ns =
     std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
-  s.event.thread = detail::native_thread_id();
+  s.event.thread = thread_id(thread);
 }
 
 void exchange_scope::end() noexcept
 {
   collected& s = *state_;
-  innermost = s.outer;
+  this_thread().innermost = s.outer;
   try {
     classify();
   } catch (const std::exception& error) {
@@ -614,7 +626,7 @@ void exchange_scope::note_ordered_by_producer() noexcept
 
 exchange_scope* exchange_scope::current() noexcept
 {
-  return innermost;
+  return this_thread().innermost;
 }
 
 void exchange_scope::set_view(const array& view, std::uint64_t view_id, const char* library) noexcept
