@@ -138,10 +138,11 @@ def test_lines_stay_right_when_more_locations_ran_than_are_remembered():
     namespace: dict[str, object] = {}
     exec(compile(source, "many_locations.py", "exec"), namespace)
     run = namespace["run"]
+    assert callable(run)
     data = np.ones(4, dtype=np.float32)
     with handoff.trace() as t:
-        run(handoff.from_dlpack, data)  # type: ignore[operator]
-        run(handoff.from_dlpack, data)  # type: ignore[operator]
+        run(handoff.from_dlpack, data)
+        run(handoff.from_dlpack, data)
     imports = [e["where"] for e in t.events if e["kind"] == "import"]
     expected = [f"many_locations.py:{line}" for line in range(2, calls + 2)]
     assert imports == expected * 2
