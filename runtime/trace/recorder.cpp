@@ -572,7 +572,9 @@ void exchange_scope::begin(event_kind kind, std::string_view protocol) noexcept
   collected& s = *state_;
   s.outer = thread.innermost;
   thread.innermost = this;
-  s.uncaught = std::uncaught_exceptions();
+  // An exchange failed when an exception leaves its scope (classify). A release is recorded by a
+  // producer's noexcept destruction, which none leaves: it is not asked (a call into the C++ runtime).
+  if (kind != event_kind::release) { s.uncaught = std::uncaught_exceptions(); }
   s.event.kind = kind;
   s.event.protocol = protocol;
   // A producer's export inside an import: the importer is its consumer.
@@ -695,7 +697,7 @@ void exchange_scope::classify()
   const auto with_reason = [&](std::string text) {
     return e.detail.empty() ? text : fmt::format("{} ({})", text, e.detail);
   };
-  if (std::uncaught_exceptions() > s.uncaught) {
+  if (e.kind != event_kind::release && std::uncaught_exceptions() > s.uncaught) {
     e.action = action::refused;
     e.detail = "the exchange raised an error";
   } else if (e.kind == event_kind::release) {

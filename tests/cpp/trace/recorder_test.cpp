@@ -320,6 +320,29 @@ TEST_F(TraceSessionTest, EachReleaseCarriesItsOwnImportsShapeWhileOtherViewsCome
   EXPECT_EQ(events[3].shape, one);
 }
 
+TEST_F(TraceSessionTest, AReleaseWhileAnExceptionUnwindsIsNoRefusalButTheFailedImportIs)
+{
+  std::vector<float> data(4);
+  const auto session = trace::begin_session();
+  const auto failing_import = [&] {
+    array_layout layout;
+    layout.data = data.data();
+    layout.shape = {4};
+    layout.strides = {1};
+    const array view{std::move(layout), shared_producer{[] {}}};
+    trace::exchange_scope scope{trace::event_kind::import_data, "buffer"};
+    scope.set_view(view);
+    throw std::runtime_error("the import fails");  // the scope ends, then the view is released, unwinding
+  };
+  EXPECT_THROW(failing_import(), std::runtime_error);
+  const auto events = trace::end_session(session);
+  ASSERT_EQ(events.size(), 2U);
+  EXPECT_EQ(events[0].kind, trace::event_kind::import_data);
+  EXPECT_EQ(events[0].action, trace::action::refused);
+  EXPECT_EQ(events[1].kind, trace::event_kind::release);
+  EXPECT_EQ(events[1].action, trace::action::none);
+}
+
 TEST_F(TraceSessionTest, AListenerSeesEveryEventAsJson)
 {
   std::vector<std::string> lines;
