@@ -97,7 +97,7 @@ Py_ssize_t signature::keyword_index(PyObject* name) const noexcept
   return -1;
 }
 
-bool signature::parse(PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames, PyObject** out) const noexcept
+bool signature::parse_named(PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames, PyObject** out) const noexcept
 {
   const Py_ssize_t given = PyVectorcall_NARGS(static_cast<std::size_t>(nargsf));
   const auto wanted = static_cast<Py_ssize_t>(positional_);

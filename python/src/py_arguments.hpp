@@ -3,9 +3,11 @@
 #pragma once
 
 #include <handoff/dlpack.h>
+#include <handoff/array.hpp>
 
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <initializer_list>
@@ -63,9 +65,21 @@ class signature {
   /// Fills out[0, positional) with the positional arguments and the rest with the keyword
   /// arguments in declaration order, None where absent (borrowed references; `out` has size()
   /// entries). Returns false with CPython's TypeError set when the call does not match.
-  [[nodiscard]] bool parse(PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames, PyObject** out) const noexcept;
+  [[nodiscard]] bool parse(PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames, PyObject** out) const noexcept
+  {
+    // The common call, the positional arguments alone, costs no call (x.__dlpack__() per exchange).
+    if (kwnames != nullptr ||
+        PyVectorcall_NARGS(static_cast<std::size_t>(nargsf)) != static_cast<Py_ssize_t>(positional_)) {
+      return parse_named(args, nargsf, kwnames, out);
+    }
+    handoff::detail::copy_short(args, positional_, out);
+    std::fill_n(out + positional_, names_.size(), Py_None);
+    return true;
+  }
 
  private:
+  [[nodiscard]] bool parse_named(PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames,
+                                 PyObject** out) const noexcept;
   [[nodiscard]] Py_ssize_t keyword_index(PyObject* name) const noexcept;
 
   const char* function_;

@@ -162,8 +162,13 @@ struct exported {
   {
     const auto ndim = static_cast<std::size_t>(view.ndim());
     dims[0] = 0;
-    std::copy(view.shape().begin(), view.shape().end(), dims);
-    std::copy(view.strides().begin(), view.strides().end(), dims + ndim);
+    // One loop for both (not two calls of memmove, which two copies become): few dimensions.
+    const std::int64_t* shape = view.shape().data();
+    const std::int64_t* strides = view.strides().data();
+    for (std::size_t i = 0; i < ndim; ++i) {
+      dims[i] = shape[i];
+      dims[ndim + i] = strides[i];
+    }
     Managed out{};
     DLTensor& t = out.dl_tensor;
     t.data = view.data();

@@ -299,16 +299,23 @@ exported_tensor exchange::export_dlpack(const array& view, const export_request&
 {
   operation_trace trace{trace::event_kind::export_data, "dlpack"};
   trace.set_view(view);  // a refused export is traced too
-  const stream_request consumer = request_for(request.stream, view.device().device_type);
+  // CPU data asked for as it is, on no stream, has nothing to order, transfer or note: the common
+  // export of host data goes straight to its tensor.
+  const bool as_it_is =
+    view.device().device_type == kDLCPU && request.stream.is_default() && !request.dl_device && !request.copy;
+  const stream_request consumer = as_it_is ? stream_request{} : request_for(request.stream, view.device().device_type);
   const auto version = export_version(request.max_version);
-  const handoff::transfer how =
-    request.dl_device || request.copy ? plan_export(view, request.dl_device, request.copy) : handoff::transfer::none;
-  // A stream handle is certain to be alive when the export is released only if something holds it.
-  const std::unique_ptr<const array> made = prepare_export(
-    consumer.order != stream_order::none || how != handoff::transfer::none ? context_for(view.device().device_type)
-                                                                           : nullptr,
-    view, consumer, how, export_release_policy(),
-    consumer.order == stream_order::handle ? request.stream.owner : nullptr);
+  handoff::transfer how = handoff::transfer::none;
+  std::unique_ptr<const array> made;
+  if (!as_it_is) {
+    if (request.dl_device || request.copy) { how = plan_export(view, request.dl_device, request.copy); }
+    // A stream handle is certain to be alive when the export is released only if something holds it.
+    made = prepare_export(consumer.order != stream_order::none || how != handoff::transfer::none
+                            ? context_for(view.device().device_type)
+                            : nullptr,
+                          view, consumer, how, export_release_policy(),
+                          consumer.order == stream_order::handle ? request.stream.owner : nullptr);
+  }
   const array& handed = made ? *made : view;
   const bool copied = how == handoff::transfer::to_host || how == handoff::transfer::same_device;
   exported_tensor out;

@@ -23,19 +23,6 @@ bool same_device(DLDevice a, DLDevice b) noexcept
   return a.device_type == b.device_type && a.device_id == b.device_id;
 }
 
-}  // namespace
-
-std::optional<DLPackVersion> export_version(std::optional<DLPackVersion> consumer_max) noexcept
-{
-  if (!consumer_max || consumer_max->major < 1) { return std::nullopt; }
-  const std::uint32_t minor = consumer_max->major == DLPACK_MAJOR_VERSION
-                                ? std::min<std::uint32_t>(consumer_max->minor, DLPACK_MINOR_VERSION)
-                                : DLPACK_MINOR_VERSION;
-  return DLPackVersion{DLPACK_MAJOR_VERSION, minor};
-}
-
-namespace {
-
 // The array API's rules for handing `view` over to `target` with `copy`, one for both directions;
 // `verb` ("export", "import") names the direction in messages.
 transfer plan_transfer(const array& view, std::optional<DLDevice> target, std::optional<bool> copy, const char* verb)

@@ -272,7 +272,8 @@ kept_event::kept_event(const event& e, payload_arena& arena)
     std::tie(at, chunk_) = arena.allocate(bytes);
     payload_ = at;
     // The 8-aligned arrays first, then the texts, in the order `lengths` lists them.
-    copy_into(at, std::span<const std::int64_t>{e.shape});
+    handoff::detail::copy_short(e.shape.data(), e.shape.size(), reinterpret_cast<std::int64_t*>(at));
+    at += e.shape.size() * sizeof(std::int64_t);
     copy_into(at, std::span<const buffer_ref>{e.buffers});
     copy_into(at, e.detail);
     copy_into(at, e.fix);

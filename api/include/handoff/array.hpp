@@ -88,6 +88,35 @@ class shared_producer {
   state* state_{nullptr};
 };
 
+namespace detail {
+
+/// Copies `count` values, the few of a shape, its strides or a call's arguments by a move each:
+/// a copy loop becomes a call of memmove, which costs more than such a copy.
+template <typename Iterator, typename Value>
+void copy_short(Iterator from, std::size_t count, Value* to)
+{
+  switch (count) {
+    case 4:
+      to[3] = from[3];
+      [[fallthrough]];
+    case 3:
+      to[2] = from[2];
+      [[fallthrough]];
+    case 2:
+      to[1] = from[1];
+      [[fallthrough]];
+    case 1:
+      to[0] = from[0];
+      [[fallthrough]];
+    case 0:
+      return;
+    default:
+      std::copy_n(from, count, to);
+  }
+}
+
+}  // namespace detail
+
 /// The extents of one axis list (a shape or its strides): up to `inline_capacity` values live in
 /// the object itself, so that arrays of the usual ranks need no allocation; more go to the heap.
 /// A contiguous range of `std::int64_t`, convertible to `std::span<const std::int64_t>`.
@@ -147,7 +176,7 @@ class extents {
     const auto count = static_cast<std::size_t>(std::distance(first, last));
     size_ = 0;
     reserve(count);
-    std::copy(first, last, data());
+    detail::copy_short(first, count, data());
     size_ = count;
   }
   void assign(std::size_t count, std::int64_t value)

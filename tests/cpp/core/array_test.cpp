@@ -12,6 +12,7 @@
 #include <memory>
 #include <numeric>
 #include <optional>
+#include <span>
 #include <thread>
 #include <vector>
 
@@ -432,6 +433,46 @@ TEST_F(ArrayTest, ExportsOfEveryRankDeletedOnAnotherThreadReleaseTheirProducerOn
     }
   }};
   other.join();
+}
+
+// Shapes and strides are copied a value at a time for the usual ranks and in bulk beyond them: each
+// axis keeps its own extent and stride through an import and both exports, at every rank, and an
+// extents object refilled with fewer values after holding more keeps exactly the new ones.
+TEST_F(ArrayTest, EachAxisKeepsItsExtentAndStrideThroughImportAndExportAtEveryRank)
+{
+  for (std::size_t rank = 0; rank <= 9; ++rank) {
+    fake_producer producer{{}};
+    std::vector<std::int64_t> shape(rank);
+    std::vector<std::int64_t> strides(rank);
+    for (std::size_t axis = 0; axis < rank; ++axis) {
+      shape[axis] = static_cast<std::int64_t>(axis) + 1;
+      strides[axis] = -static_cast<std::int64_t>(axis) - 10;  // distinct from every extent and from each other
+    }
+    producer.shape = shape;
+    producer.strides = strides;
+    producer.versioned.dl_tensor.ndim = static_cast<std::int32_t>(rank);
+    producer.versioned.dl_tensor.shape = producer.shape.data();
+    producer.versioned.dl_tensor.strides = producer.strides.data();
+    producer.storage.resize(2000);
+    producer.versioned.dl_tensor.data = producer.storage.data() + 1000;  // negative strides walk back from here
+    const array view = import_dlpack(&producer.versioned);
+    EXPECT_EQ(std::vector<std::int64_t>(view.shape().begin(), view.shape().end()), shape) << "rank " << rank;
+    EXPECT_EQ(std::vector<std::int64_t>(view.strides().begin(), view.strides().end()), strides) << "rank " << rank;
+
+    DLManagedTensorVersioned* versioned = export_versioned(view);
+    DLManagedTensor* legacy = export_legacy(view);
+    for (const DLTensor* t : {&versioned->dl_tensor, &legacy->dl_tensor}) {
+      ASSERT_EQ(t->ndim, static_cast<std::int32_t>(rank));
+      EXPECT_EQ(std::vector<std::int64_t>(t->shape, t->shape + rank), shape) << "rank " << rank;
+      EXPECT_EQ(std::vector<std::int64_t>(t->strides, t->strides + rank), strides) << "rank " << rank;
+    }
+    versioned->deleter(versioned);
+    legacy->deleter(legacy);
+
+    extents refilled{std::vector<std::int64_t>(12, 7)};
+    refilled = std::span<const std::int64_t>{shape};
+    EXPECT_EQ(std::vector<std::int64_t>(refilled.begin(), refilled.end()), shape) << "rank " << rank;
+  }
 }
 
 }  // namespace

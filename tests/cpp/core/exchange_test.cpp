@@ -447,6 +447,55 @@ TEST_P(ExchangeTest, NegativeControlAnExportForStreamMinusOneLeavesTheConsumerUn
   b().synchronize_device();
 }
 
+// stream=None names the device's default stream (CUDA's legacy one, ROCm's null one), not "no
+// stream": an export asked for no stream, legacy or versioned, orders that stream after the
+// producer's work. The export for stream -1 above is its negative control.
+TEST_P(ExchangeTest, AnExportForNoStreamOrdersTheDefaultStreamAfterTheProducer)
+{
+  const auto producer = stream_on(0);
+  for (const std::optional<DLPackVersion> version :
+       {std::optional<DLPackVersion>{}, std::optional{DLPackVersion{1, 1}}}) {
+    auto producer_works = hold(producer);
+    const array view = written_on(producer);
+    export_request request;  // stream None
+    request.max_version = version;
+    const exported_tensor made = ex().export_dlpack(view, request);
+    EXPECT_EQ(first_after(producer_works, view, b().legacy_default_stream()), 1.0F)
+      << (version ? "versioned" : "legacy") << " export: the default stream read before the producer wrote";
+    if (made.versioned != nullptr) { made.versioned->deleter(made.versioned); }
+    if (made.legacy != nullptr) { made.legacy->deleter(made.legacy); }
+  }
+}
+
+// Host data has no streams: its exports take stream None alone, and every stream the consumer names
+// is refused, before a tensor is made, as a DLPack value or as a library's stream object.
+TEST_P(ExchangeTest, AHostExportTakesNoStreamButNone)
+{
+  std::array<std::int64_t, 1> shape{8};
+  const DLTensor prototype{.data = nullptr,
+                           .device = {kDLCPU, 0},
+                           .ndim = 1,
+                           .dtype = {kDLFloat, 32, 1},
+                           .shape = shape.data(),
+                           .strides = nullptr,
+                           .byte_offset = 0};
+  const array host = ex().allocate(prototype, {});
+  const std::uint64_t exports = stats().exports;
+  for (const std::int64_t value : {-1, 0, 1, 2, 3}) {
+    export_request request;
+    request.stream = named_stream::dlpack(value);
+    EXPECT_THROW((void)ex().export_dlpack(host, request), value_error) << "stream=" << value;
+  }
+  export_request request;
+  request.stream = named(stream_on(0));
+  EXPECT_THROW((void)ex().export_dlpack(host, request), value_error) << "a stream object";
+  EXPECT_EQ(stats().exports, exports) << "a refused export made no tensor";
+  const exported_tensor made = ex().export_dlpack(host, {});
+  ASSERT_NE(made.legacy, nullptr);
+  EXPECT_EQ(made.legacy->dl_tensor.data, host.data());
+  made.legacy->deleter(made.legacy);
+}
+
 TEST_P(ExchangeTest, AnExportsReleaseWaitsForABareConsumerHandleOnlyWhereThisExchangesPolicySaysSo)
 {
   const auto consumer = stream_on(0);

@@ -5,6 +5,8 @@
 #include <handoff/context.hpp>
 #include <handoff/stream_value.hpp>
 
+#include <algorithm>
+#include <cstdint>
 #include <memory>
 #include <optional>
 
@@ -13,7 +15,14 @@ namespace handoff {
 /// The DLPack version an export stamps for a consumer that reads at most `consumer_max`: nullopt
 /// (the legacy, unversioned capsule) when it gave none or a major version below 1; ours otherwise,
 /// with the consumer's minor when it is older, so that it can read every field set.
-[[nodiscard]] std::optional<DLPackVersion> export_version(std::optional<DLPackVersion> consumer_max) noexcept;
+[[nodiscard]] inline std::optional<DLPackVersion> export_version(std::optional<DLPackVersion> consumer_max) noexcept
+{
+  if (!consumer_max || consumer_max->major < 1) { return std::nullopt; }
+  const std::uint32_t minor = consumer_max->major == DLPACK_MAJOR_VERSION
+                                ? std::min<std::uint32_t>(consumer_max->minor, DLPACK_MINOR_VERSION)
+                                : DLPACK_MINOR_VERSION;
+  return DLPackVersion{DLPACK_MAJOR_VERSION, minor};
+}
 
 /// What handing `view` over to `target` with the array API's `copy` makes.
 enum class transfer {
