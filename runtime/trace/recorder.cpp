@@ -551,6 +551,7 @@ void detail::record_annotated_locked(event&& e) noexcept
 struct exchange_scope::collected {
   trace::event event;
   exchange_scope* outer{nullptr};
+  thread_state* thread{nullptr};      // the scope's own: it ends on the thread that began it
   device::backend* backend{nullptr};  // of the streams, when any was named
   int uncaught{0};
   bool unordered{false};
@@ -570,6 +571,7 @@ void exchange_scope::begin(event_kind kind, std::string_view protocol) noexcept
     return;  // this exchange goes untraced
   }
   collected& s = *state_;
+  s.thread = &thread;
   s.outer = thread.innermost;
   thread.innermost = this;
   // An exchange failed when an exception leaves its scope (classify). A release is recorded by a
@@ -589,7 +591,7 @@ void exchange_scope::begin(event_kind kind, std::string_view protocol) noexcept
 void exchange_scope::end() noexcept
 {
   collected& s = *state_;
-  this_thread().innermost = s.outer;
+  s.thread->innermost = s.outer;
   try {
     classify();
   } catch (const std::exception& error) {
