@@ -31,6 +31,12 @@ TEST(CuptiActivityTest, TheToolkitsCuptiIsAmongTheCandidates)
 
 TEST(CuptiActivityTest, WatchingStartsOrSaysWhyNot)
 {
+#ifdef __SANITIZE_ADDRESS__
+  // GCC 12's LeakSanitizer misreads the dynamic TLS of a library loaded by dlopen, libcupti's, and
+  // its leak check at exit crashes (a DTLS block at a garbage address, depending on the process's
+  // layout). The unsanitized and thread-sanitized runs load CUPTI here.
+  GTEST_SKIP() << "LeakSanitizer (GCC 12) crashes at exit on libcupti's dynamic TLS";
+#endif
   const std::string reason = watch_cupti(true);
   RecordProperty("reason", reason);  // what a launch trace on this machine says
   if (reason.empty()) {
