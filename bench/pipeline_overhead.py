@@ -8,6 +8,11 @@ The launch-heavy variant also runs racy (its exchange orders the consumer after 
 array was made on, not after the kernels that wrote it, so the race detector reports a race every
 step): what a program that races costs while the trace describes each race.
 
+The work's size is found for the step the target assumes (`--step-us`, 300 us by default): the
+untraced pipeline is timed at growing matrix sizes until its step reaches that, since how long a
+size takes differs from machine to machine (96 took 63 us on one VM and 135 us on another). The
+launch-heavy variant does the same work at that size. `--size N` fixes the size instead.
+
 Configurations run interleaved (one process each per round), so that a disturbance of the machine
 hits them alike; each process reports its 20th-percentile step time, and each configuration's figure
 is the least disturbed (lowest) of the rounds. The programs run with one OpenMP thread unless
@@ -18,8 +23,8 @@ then take turns with the program's instead of waking on another CPU, which on a 
 moves the launch-heavy variant's step by more than the trace costs (a ratio of single-CPU times is
 one of all the work done, as an instruction count is).
 
-    .venv/bin/python bench/pipeline_overhead.py [--rounds N] [--steps N] [--launches-per-step N] [--cpu N]
-                                                [--quick] [--only NAME]
+    .venv/bin/python bench/pipeline_overhead.py [--rounds N] [--steps N] [--step-us US | --size N]
+                                                [--launches-per-step N] [--cpu N] [--quick] [--only NAME]
 """
 
 from __future__ import annotations
@@ -100,6 +105,20 @@ def run(command: list[str], env: dict[str, str], cpu: int | None = None) -> Any:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def size_for_step(
+    python: str, pipeline: Path, step_us: float, env: dict[str, str], cpu: int | None
+) -> tuple[int, float]:
+    """The smallest matrix size (of 32's multiples from 64) whose untraced pipeline step takes at least
+    `step_us`, or the one closest to it below; with that step's time (us)."""
+    best = (64, 0.0)
+    for size in range(64, 1025, 32):
+        step = percentile(run([python, str(pipeline), "300", str(size)], env, cpu), 0.2) / 1000
+        if step >= step_us:
+            return (size, step) if step - step_us < step_us - best[1] else best
+        best = (size, step)
+    return best
+
+
 def child_environment() -> dict[str, str]:
     """The environment the measured programs run in: no handoff setting of the caller's, and one
     OpenMP thread unless OMP_NUM_THREADS says otherwise (see above)."""
@@ -113,7 +132,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--steps", type=int, default=2000, help="steps per process (default 2000)")
-    parser.add_argument("--size", type=int, default=96, help="the work's matrix size (about 200-300 us a step)")
+    parser.add_argument(
+        "--step-us", type=float, default=300.0, help="the untraced step to size the work for (default 300)"
+    )
+    parser.add_argument("--size", type=int, default=None, help="the work's matrix size (default: found for --step-us)")
     parser.add_argument("--launches-per-step", type=int, default=16, help="the launch-heavy variant's kernels")
     parser.add_argument("--cpu", type=int, default=None, help="run every program on this one CPU (see above)")
     parser.add_argument("--quick", action="store_true", help="2 rounds of 200 steps (a smoke run)")
@@ -128,6 +150,11 @@ def main() -> None:
         pipeline, launches = Path(scratch, "pipeline.py"), Path(scratch, "launches.py")
         pipeline.write_text(PIPELINE)
         launches.write_text(LAUNCHES)
+        if args.size is None:
+            args.size, step = size_for_step(python, pipeline, args.step_us, env, args.cpu)
+            sized = f"size {args.size} (an untraced step of {step:.0f} us, for {args.step_us:.0f} us)"
+        else:
+            sized = f"size {args.size}"
         base = [python, str(pipeline), str(args.steps), str(args.size)]
         heavy = [python, str(launches), str(args.steps), str(args.size), str(args.launches_per_step)]
         racy = [*heavy, "racy"]
@@ -153,7 +180,8 @@ def main() -> None:
     best = {name: min(values) for name, values in figures.items()}
     threads = f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}" + ("" if args.cpu is None else f", on CPU {args.cpu} alone")
     print(
-        f"{platform.node()}, Python {platform.python_version()}, {args.rounds} rounds of {args.steps} steps, {threads}"
+        f"{platform.node()}, Python {platform.python_version()}, {args.rounds} rounds of {args.steps} steps, {sized}, "
+        f"{threads}"
     )
     print(f"{'configuration':<52} {'p20 step':>10} {'ratio':>6}   every round's p20, lowest first (us)")
     for name, value in best.items():
