@@ -647,7 +647,7 @@ array endpoint::open_host(const wire_handle& h, array_layout layout, std::unique
                           const entry_release& done)
 {
   const mapped segment = map_host_segment(h);
-  layout.data = segment.base;
+  layout.data = static_cast<std::byte*>(segment.base) + h.offset;  // 0: a host share copies the array alone
   lock.unlock();
   count(counter::ipc_opens);
   count(counter::imports);

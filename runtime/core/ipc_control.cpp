@@ -1,11 +1,16 @@
 #include "core/ipc_control.hpp"
 
+#include <handoff/array.hpp>
+#include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace handoff::ipc::detail {
 
@@ -94,6 +99,43 @@ class reader {
   std::size_t at_{0};
 };
 
+// The array a handle describes: a dtype DLPack defines, and every element inside the allocation it
+// shares. Its checksum is no signature, so a forged handle gets this far: without this check it would
+// open a view past the mapping, a crash (or another allocation's data) at the first read.
+void check_array(const wire_handle& h)
+{
+  const auto forged = [](std::string_view what) {
+    return value_error(fmt::format("a corrupted or forged handoff IPC handle: {}", what));
+  };
+  try {
+    static_cast<void>(dtype_name(h.dtype));
+  } catch (const buffer_error& e) {
+    throw forged(e.what());
+  }
+  if (!std::ranges::all_of(h.shape, [](std::int64_t extent) { return extent >= 0; })) {
+    throw forged(fmt::format("its shape ({}) has a negative extent", fmt::join(h.shape, ", ")));
+  }
+  array_layout layout;
+  layout.dtype = h.dtype;
+  layout.shape = h.shape;
+  layout.strides = h.strides;
+  const std::optional<byte_range> range = byte_range_of(layout);
+  constexpr auto most = static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
+  std::int64_t first = 0;
+  std::int64_t end = 0;
+  const bool inside = range && (range->low == range->high ||  // no elements: nothing is read
+                                (h.offset <= most && h.allocation_size <= most &&
+                                 !__builtin_add_overflow(static_cast<std::int64_t>(h.offset), range->low, &first) &&
+                                 !__builtin_add_overflow(static_cast<std::int64_t>(h.offset), range->high, &end) &&
+                                 first >= 0 && end <= static_cast<std::int64_t>(h.allocation_size)));
+  if (!inside) {
+    throw forged(fmt::format(
+      "its array (shape ({}), strides ({}), {}-byte elements, at byte {}) does not lie inside "
+      "the {} bytes it shares",
+      fmt::join(h.shape, ", "), fmt::join(h.strides, ", "), itemsize(h.dtype), h.offset, h.allocation_size));
+  }
+}
+
 }  // namespace
 
 std::vector<std::byte> encode(const wire_handle& h)
@@ -181,6 +223,7 @@ wire_handle decode(std::span<const std::byte> bytes)
                   "a corrupted or forged handoff IPC handle: its checksum does not match its bytes");
   HANDOFF_EXPECTS(h.slot < shares_per_block && h.pid > 0, value_error,
                   "a corrupted or forged handoff IPC handle: it names no share");
+  check_array(h);
   return h;
 }
 

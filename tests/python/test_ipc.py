@@ -130,6 +130,20 @@ def test_a_corrupted_or_forged_handle_is_refused():
         ipc.Handle(data[:40] + bytes([data[40] ^ 1]) + data[41:])
 
 
+def test_a_forged_handle_whose_array_lies_outside_its_memory_is_refused():
+    # Opened, it would be a view past the shared memory's end: a crash at the first read.
+    data = bytes(ipc.share(np.ones(4)))
+    shape_at = 104  # after the fixed fields, the backend's name, the device, the dtype and the dimension count
+    assert struct.unpack_from("<Iqq", data, shape_at - 4) == (1, 4, 1)
+    for shape, stride in ((1 << 24, 1), (4, -1), (5, 1)):
+        forged = reforge(data, shape_at, struct.pack("<qq", shape, stride))
+        with pytest.raises(ValueError, match="does not lie inside the 32 bytes it shares"):
+            ipc.Handle(forged)
+    float24 = reforge(data, shape_at - 8, struct.pack("<BBH", 2, 24, 1))  # the dtype: code, bits, lanes
+    with pytest.raises(ValueError, match="corrupted or forged"):
+        ipc.Handle(float24)
+
+
 def test_a_handle_of_another_boot_or_node_is_refused(agent):
     data = bytes(ipc.share(np.ones(4)))
     foreign = reforge(data, 16, b"\x5a" * 16)  # the boot id follows the magic, version and flags

@@ -6,7 +6,10 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <limits>
 #include <memory>
+#include <string_view>
 
 namespace handoff::ipc::detail {
 namespace {
@@ -57,6 +60,70 @@ TEST(IpcHandleTest, RefusesWhatIsNoHandleOrWasAltered)
   EXPECT_THROW((void)decode(junk), value_error);
   bytes.push_back(std::byte{0});  // trailing bytes
   EXPECT_THROW((void)decode(bytes), value_error);
+}
+
+// The handle's checksum is no signature: a forged handle whose array reaches past the memory it shares
+// is refused as it is read, before anything is mapped.
+TEST(IpcHandleTest, RefusesAnArrayOutsideTheMemoryItShares)
+{
+  const auto decoded = [](auto&& change) {
+    wire_handle h = sample();  // float32 [2, 3] at byte 512 of 4096
+    change(h);
+    return decode(encode(h));
+  };
+  EXPECT_NO_THROW((void)decoded([](wire_handle& h) { h.offset = 4096 - 24; }));  // its last byte is the last
+  EXPECT_THROW((void)decoded([](wire_handle& h) { h.offset = 4096 - 23; }), value_error);
+  EXPECT_THROW((void)decoded([](wire_handle& h) { h.offset = std::numeric_limits<std::uint64_t>::max(); }),
+               value_error);
+  EXPECT_THROW((void)decoded([](wire_handle& h) {
+                 h.shape = {std::int64_t{1} << 24};
+                 h.strides = {1};
+               }),
+               value_error);
+  // Negative strides reach below the first element.
+  EXPECT_NO_THROW((void)decoded([](wire_handle& h) {
+    h.shape = {4};
+    h.strides = {-1};
+    h.offset = 12;
+  }));
+  EXPECT_THROW((void)decoded([](wire_handle& h) {
+                 h.shape = {4};
+                 h.strides = {-1};
+                 h.offset = 8;
+               }),
+               value_error);
+  EXPECT_THROW((void)decoded([](wire_handle& h) {
+                 h.shape = {2};
+                 h.strides = {std::int64_t{1} << 62};
+               }),
+               value_error);  // an element's byte offset overflows
+  EXPECT_THROW((void)decoded([](wire_handle& h) { h.shape = {-2, 3}; }), value_error);
+  // An empty array reads nothing, wherever it says it is.
+  EXPECT_NO_THROW((void)decoded([](wire_handle& h) {
+    h.shape = {0, 3};
+    h.offset = 1 << 20;
+    h.allocation_size = 0;
+  }));
+  try {
+    (void)decoded([](wire_handle& h) {
+      h.shape = {std::int64_t{1} << 24};
+      h.strides = {1};
+    });
+  } catch (const value_error& e) {
+    EXPECT_NE(std::string_view{e.what()}.find("does not lie inside the 4096 bytes it shares"), std::string_view::npos)
+      << e.what();
+  }
+}
+
+TEST(IpcHandleTest, RefusesADtypeDLPackDoesNotDefine)
+{
+  wire_handle h = sample();
+  h.dtype = {kDLFloat, 24, 1};
+  EXPECT_THROW((void)decode(encode(h)), value_error);
+  h.dtype = {kDLFloat, 32, 4};  // a vector type
+  EXPECT_THROW((void)decode(encode(h)), value_error);
+  h.dtype = {kDLBfloat, 16, 1};
+  EXPECT_NO_THROW((void)decode(encode(h)));
 }
 
 TEST(IpcSlotTest, ConsumersCountThemselvesInOnlyWhileTheShareIsHeld)
