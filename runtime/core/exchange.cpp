@@ -266,6 +266,7 @@ array exchange::adopt(array view, const named_stream& work_stream)
 
 array exchange::view(array_layout layout, shared_producer owner, const named_stream& ready)
 {
+  validate_description(layout);
   // Default: unknown, which is not DLPack's default stream (the stream is left to the exports).
   stream_request request{};
   if (!ready.is_default()) {

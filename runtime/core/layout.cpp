@@ -2,6 +2,7 @@
 #include <handoff/array.hpp>
 #include <handoff/dtype.hpp>
 #include <handoff/error.hpp>
+#include <handoff/stream_value.hpp>
 
 #include "core/layout.hpp"
 
@@ -118,6 +119,17 @@ void validate_layout(const array_layout& layout)
   HANDOFF_EXPECTS(range_of(layout, static_cast<std::int64_t>(itemsize(layout.dtype))).has_value(), value_error,
                   fmt::format("strides ({}, in elements) overflow: an element's byte offset does not fit in 64 bits",
                               fmt::join(layout.strides, ", ")));
+}
+
+void validate_description(const array_layout& layout)
+{
+  const DLDevice device = layout.device;
+  HANDOFF_EXPECTS(
+    is_dlpack_device_type(device.device_type) && device.device_id >= 0, value_error,
+    fmt::format("device ({}, {}) is not a DLPack device: {}", static_cast<int>(device.device_type), device.device_id,
+                device.device_id < 0 ? "its id is negative" : "DLPack defines no such device type"));
+  static_cast<void>(dtype_name(layout.dtype));  // buffer_error, naming the dtype, for one DLPack does not define
+  validate_layout(layout);
 }
 
 std::optional<byte_range> byte_range_of(const array_layout& layout) noexcept

@@ -103,6 +103,12 @@ std::optional<std::int64_t> dlpack_stream_value(const named_stream& stream, DLDe
   return std::nullopt;
 }
 
+void named_stream::throw_unnamed_handle(std::uint64_t handle)
+{
+  throw value_error(
+    fmt::format("native stream handle {:#x} is above INT64_MAX: no DLPack stream value names it", handle));
+}
+
 stream_request request_for(const named_stream& stream, DLDeviceType device)
 {
   switch (stream.how) {

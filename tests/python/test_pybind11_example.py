@@ -415,6 +415,17 @@ def test_an_array_of_cpp_memory_with_strides_that_do_not_fit_is_a_value_error():
 
 
 @pytest.mark.parametrize(
+    ("device", "why"),
+    [((99, 0), "DLPack defines no such device type"), ((1, -5), "its id is negative"), ((2, -5), "its id is negative")],
+)
+def test_cpp_memory_on_a_device_dlpack_does_not_define_is_a_value_error(device, why):
+    # The C++ constructor took it, and def_dlpack exported a capsule of device type 99.
+    raw = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match=why):
+        te.device_result(raw.ctypes.data, 4, device, None, raw)
+
+
+@pytest.mark.parametrize(
     ("make", "why"),
     [
         (

@@ -206,11 +206,12 @@ class exchange {
   // --- a library's own memory ----------------------------------------------------------------------
 
   /// A view of memory a library describes itself (to export its own arrays): `layout` checked as an
-  /// array's; device memory checked against the device it claims (every byte it reaches) and
-  /// recorded as ready on `ready` (default: unknown, so exports order after the device's legacy
-  /// default stream).
-  /// @throws value_error for a bad layout, or memory that is not the claimed device's; device_error
-  ///         for device data that needs ordering and cannot get it.
+  /// array's, its device and dtype ones DLPack defines (validate_description); device memory checked
+  /// against the device it claims (every byte it reaches) and recorded as ready on `ready` (default:
+  /// unknown, so exports order after the device's legacy default stream).
+  /// @throws value_error for a bad layout or device, or memory that is not the claimed device's;
+  ///         buffer_error for a dtype DLPack does not define; device_error for device data that needs
+  ///         ordering and cannot get it.
   [[nodiscard]] array view(array_layout layout, shared_producer owner, const named_stream& ready = {});
 
   /// A new row-major array like `prototype` (shape, dtype, device), on `on` for device memory (the C

@@ -4,6 +4,7 @@
 #include <handoff/dlpack.h>
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -95,11 +96,17 @@ struct named_stream {
   std::shared_ptr<const void> owner;
 
   [[nodiscard]] static named_stream dlpack(std::int64_t value) { return {form::dlpack_value, value, {}}; }
+  /// @throws value_error for a handle above INT64_MAX: no DLPack stream value names it (the stream
+  /// table would read it as a negative value, -1 among them: no ordering at all).
   [[nodiscard]] static named_stream native(std::uint64_t handle, std::shared_ptr<const void> owner)
   {
+    if (handle > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) { throw_unnamed_handle(handle); }
     return {form::native_handle, static_cast<std::int64_t>(handle), std::move(owner)};
   }
   [[nodiscard]] bool is_default() const noexcept { return how == form::default_stream; }
+
+ private:
+  [[noreturn]] static void throw_unnamed_handle(std::uint64_t handle);
 };
 
 /// True for pinned host memory (kDLCUDAHost, kDLROCMHost): host memory that device streams may

@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace {
@@ -381,6 +382,46 @@ TEST_P(ExchangeTest, AViewIsCheckedAgainstItsDeviceAndRecordsItsReadyStream)
   EXPECT_FALSE(ex().view(layout, shared_producer{[] {}}).owner().ready_on().has_value()) << "unknown by default";
   layout.device.device_id = 1;  // the memory belongs to device 0
   EXPECT_THROW((void)ex().view(layout, shared_producer{[] {}}), value_error);
+}
+
+// Memory a library describes itself has no producer's tensor vouching for its device and dtype: the
+// view checks them, and each refused view's owner is released once.
+TEST_P(ExchangeTest, AViewOfADeviceOrDtypeDLPackDoesNotDefineIsRefused)
+{
+  std::array<float, 4> data{};
+  array_layout host;
+  host.data = data.data();
+  host.device = {kDLCPU, 0};
+  host.dtype = {kDLFloat, 32, 1};
+  host.shape = std::vector<std::int64_t>{4};
+  host.strides = std::vector<std::int64_t>{1};
+  std::atomic<int> released{0};
+  const auto refused = [&](array_layout layout) {
+    try {
+      (void)ex().view(std::move(layout), shared_producer{[&released] { ++released; }});
+    } catch (const value_error& e) {
+      return std::string{"value_error: "} + e.what();
+    } catch (const buffer_error& e) {
+      return std::string{"buffer_error: "} + e.what();
+    }
+    return std::string{"taken"};
+  };
+  array_layout layout = host;
+  layout.device = {static_cast<DLDeviceType>(99), 0};
+  EXPECT_EQ(refused(layout), "value_error: device (99, 0) is not a DLPack device: DLPack defines no such device type");
+  for (const DLDeviceType type : {kDLCPU, b().device_type()}) {
+    layout = host;
+    layout.device = {type, -7};
+    EXPECT_EQ(refused(layout), "value_error: device (" + std::to_string(static_cast<int>(type)) +
+                                 ", -7) is not a DLPack device: its id is negative");
+  }
+  layout = host;
+  layout.dtype = {kDLFloat, 24, 1};
+  EXPECT_EQ(refused(layout), "buffer_error: unsupported DLPack dtype (code 2, bits 24, lanes 1)");
+  layout.dtype = {kDLInt, 12, 1};
+  EXPECT_EQ(refused(layout), "buffer_error: unsupported DLPack dtype (code 0, bits 12, lanes 1)");
+  EXPECT_EQ(released.load(), 5) << "each refused view's owner, once";
+  EXPECT_NO_THROW((void)ex().view(host, shared_producer{[] {}}));
 }
 
 TEST_P(ExchangeTest, AnAllocationIsReadyOnItsStreamOnTheDeviceAskedFor)

@@ -2,9 +2,13 @@
 #include <handoff/error.hpp>
 #include <handoff/stream_value.hpp>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <limits>
 #include <optional>
+#include <string_view>
 
 namespace {
 
@@ -110,6 +114,24 @@ TEST(NamedStreamTest, EachFormIsSpelledInTheNumberingOfTheDataDevice)
   EXPECT_EQ(dlpack_stream_value(default_stream, kDLCPU), none);
   EXPECT_EQ(dlpack_stream_value(named_stream::dlpack(5), kDLCPU), none);
   EXPECT_EQ(dlpack_stream_value(named_stream::native(0x1234, nullptr), kDLCPU), none);
+}
+
+// A handle DLPack's int64 stream values cannot name is refused where it is named: read as one, the
+// largest would be -1, which asks for no ordering.
+TEST(NamedStreamTest, AHandleNoStreamValueNamesIsRefused)
+{
+  constexpr auto most = static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
+  EXPECT_EQ(request_for(named_stream::native(most, nullptr), kDLCUDA), (stream_request{stream_order::handle, most}));
+  for (const std::uint64_t handle : {most + 1, std::numeric_limits<std::uint64_t>::max()}) {
+    try {
+      (void)named_stream::native(handle, nullptr);
+      ADD_FAILURE() << "handle " << handle << " was taken";
+    } catch (const handoff::value_error& e) {
+      EXPECT_NE(std::string_view{e.what()}.find(fmt::format("{:#x} is above INT64_MAX", handle)),
+                std::string_view::npos)
+        << e.what();
+    }
+  }
 }
 
 TEST(NamedStreamTest, RequestsFollowTheStreamTable)
