@@ -349,10 +349,10 @@ void exchange::lend(const array& view, const named_stream& consumer)
 void exchange::order_hand_over(const array& view, const named_stream& consumer) const
 {
   const DLDeviceType type = view.device().device_type;
-  if (has_streams(type)) {
-    order_export(device_context(), view, request_for(consumer, type), export_release_policy());
-    if (const auto binding = consumer_binding(view, consumer)) { view.owner().release_after(*binding); }
-  }
+  const stream_request request = request_for(consumer, type);  // host data takes no stream, as exports
+  if (!has_streams(type)) { return; }
+  order_export(device_context(), view, request, export_release_policy());
+  if (const auto binding = consumer_binding(view, consumer)) { view.owner().release_after(*binding); }
 }
 
 // --- streams and memory, for a front end that orders other libraries' exchanges -----------------------

@@ -508,9 +508,8 @@ TEST_P(ExchangeTest, AnExportForNoStreamOrdersTheDefaultStreamAfterTheProducer)
   }
 }
 
-// Host data has no streams: its exports take stream None alone, and every stream the consumer names
-// is refused, before a tensor is made, as a DLPack value or as a library's stream object.
-TEST_P(ExchangeTest, AHostExportTakesNoStreamButNone)
+// Eight float32 of host memory, as the exchange allocates them.
+array host_floats(exchange& on)
 {
   std::array<std::int64_t, 1> shape{8};
   const DLTensor prototype{.data = nullptr,
@@ -520,7 +519,14 @@ TEST_P(ExchangeTest, AHostExportTakesNoStreamButNone)
                            .shape = shape.data(),
                            .strides = nullptr,
                            .byte_offset = 0};
-  const array host = ex().allocate(prototype, {});
+  return on.allocate(prototype, {});
+}
+
+// Host data has no streams: its exports take stream None alone, and every stream the consumer names
+// is refused, before a tensor is made, as a DLPack value or as a library's stream object.
+TEST_P(ExchangeTest, AHostExportTakesNoStreamButNone)
+{
+  const array host = host_floats(ex());
   const std::uint64_t exports = stats().exports;
   for (const std::int64_t value : {-1, 0, 1, 2, 3}) {
     export_request request;
@@ -535,6 +541,25 @@ TEST_P(ExchangeTest, AHostExportTakesNoStreamButNone)
   ASSERT_NE(made.legacy, nullptr);
   EXPECT_EQ(made.legacy->dl_tensor.data, host.data());
   made.legacy->deleter(made.legacy);
+}
+
+// The C exchange API's hand-over and loan refuse what export_dlpack refuses of host data.
+TEST_P(ExchangeTest, AHostHandOverOrLoanTakesNoStreamButNone)
+{
+  const array host = host_floats(ex());
+  const std::uint64_t exports = stats().exports;
+  std::vector<named_stream> streams{named(stream_on(0))};
+  for (const std::int64_t value : {-1, 0, 1, 2, 3}) { streams.push_back(named_stream::dlpack(value)); }
+  for (const named_stream& stream : streams) {
+    EXPECT_THROW((void)ex().hand_over(host, stream), value_error) << "stream=" << stream.value;
+    EXPECT_THROW(ex().lend(host, stream), value_error) << "stream=" << stream.value;
+  }
+  EXPECT_EQ(stats().exports, exports) << "a refused hand-over made no tensor";
+  DLManagedTensorVersioned* tensor = ex().hand_over(host, {});
+  EXPECT_EQ(tensor->dl_tensor.data, host.data());
+  tensor->deleter(tensor);
+  EXPECT_NO_THROW(ex().lend(host, {}));
+  EXPECT_EQ(stats().exports, exports + 2);
 }
 
 TEST_P(ExchangeTest, AnExportsReleaseWaitsForABareConsumerHandleOnlyWhereThisExchangesPolicySaysSo)
