@@ -27,6 +27,8 @@ bool same_device(DLDevice a, DLDevice b) noexcept
 // `verb` ("export", "import") names the direction in messages.
 transfer plan_transfer(const array& view, std::optional<DLDevice> target, std::optional<bool> copy, const char* verb)
 {
+  HANDOFF_EXPECTS(!target || target->device_id >= 0, value_error,
+                  fmt::format("cannot {} to {}: a device id is never negative", verb, device_text(*target)));
   const bool moves = target.has_value() && !same_device(*target, view.device());
   HANDOFF_EXPECTS(!moves || target->device_type == kDLCPU, buffer_error,
                   fmt::format("cannot {} an array on {} to {}: the device is unreachable from there", verb,

@@ -43,6 +43,23 @@ TEST(ExportVersionTest, StampsTheConsumersMinorWhenOlderAndTheLegacyCapsuleBelow
   EXPECT_EQ(next_major->minor, static_cast<std::uint32_t>(DLPACK_MINOR_VERSION));
 }
 
+// A negative device id names no device: it is refused, not read as another CPU to copy to.
+TEST(PlanTransferTest, ADeviceWithANegativeIdIsRefusedInBothDirections)
+{
+  const auto host = host_described({kDLCPU, 0});
+  constexpr DLDevice negative{kDLCPU, -1};
+  for (const std::optional<bool> copy : {std::optional<bool>{}, std::optional<bool>{true}}) {
+    EXPECT_THROW((void)handoff::plan_export(host, negative, copy), handoff::value_error);
+    EXPECT_THROW((void)handoff::plan_import(host, negative, copy, false), handoff::value_error);
+  }
+  try {
+    (void)handoff::plan_export(host, negative, std::nullopt);
+  } catch (const handoff::value_error& e) {
+    EXPECT_STREQ(e.what(), "cannot export to CPU device -1 ((1, -1)): a device id is never negative");
+  }
+  EXPECT_EQ(handoff::plan_export(host, DLDevice{kDLCPU, 0}, std::nullopt), handoff::transfer::none);
+}
+
 TEST(PlanTransferTest, ExportsFollowTheArrayApisCopyRules)
 {
   using handoff::plan_export;
