@@ -139,6 +139,12 @@ void exchange::import(array& view, const import_request& request, const producer
                   answer.name, device_type_name(expected.device_type), expected.device_id,
                   static_cast<int>(expected.device_type), device_type_name(actual.device_type), actual.device_id,
                   static_cast<int>(actual.device_type)));
+    if (expected.device_type != actual.device_type) {
+      // Pinned memory the capsule calls host memory (PyTorch's pinned tensors): no binding will
+      // read the consumer stream, which is checked here in the pinned device's numbering, as a
+      // capsule that says so has it checked.
+      (void)request_for(request.consumer, expected.device_type);
+    }
   }
   if (answer.ordered_for_consumer) {
     if (trace::exchange_scope* scope = trace::traced()) { scope->note_ordered_by_producer(); }
@@ -266,7 +272,7 @@ array exchange::adopt(array view, const named_stream& work_stream)
 
 array exchange::view(array_layout layout, shared_producer owner, const named_stream& ready)
 {
-  validate_description(layout);
+  validate_description(layout);  // the rest of the layout is checked as the view is made
   // Default: unknown, which is not DLPack's default stream (the stream is left to the exports).
   stream_request request{};
   if (!ready.is_default()) {

@@ -562,6 +562,36 @@ TEST_P(ExchangeTest, AHostHandOverOrLoanTakesNoStreamButNone)
   EXPECT_EQ(stats().exports, exports + 2);
 }
 
+// Pinned memory whose producer says so but whose capsule describes host memory (PyTorch's pinned
+// tensors): the consumer stream is checked in the pinned device's numbering, as it is for a capsule
+// that says pinned memory, though host data binds to no stream.
+TEST_P(ExchangeTest, AConsumerStreamForPinnedMemoryACapsuleCallsHostMemoryIsCheckedAsThePinnedDevices)
+{
+  const DLDeviceType pinned = b().device_type() == kDLROCM ? kDLROCMHost : kDLCUDAHost;
+  const producer_answer answer{.name = "Pinned",
+                               .claimed = DLDevice{pinned, 0},
+                               .honoured_arguments = true,
+                               .ordered_for_consumer = false,
+                               .ordered_for_default_stream = true};
+  const auto on_stream = [](std::int64_t value) {
+    return import_request{.consumer = named_stream::dlpack(value), .device = {}, .copy = {}};
+  };
+  // Values the pinned device's numbering refuses (the stream table): 0 on CUDA, 1 and 2 on ROCm.
+  const std::vector<std::int64_t> refused =
+    pinned == kDLCUDAHost ? std::vector<std::int64_t>{0, -2} : std::vector<std::int64_t>{1, 2, -2};
+  for (const std::int64_t value : refused) {
+    array view = host_floats(ex());
+    EXPECT_THROW(ex().import(view, on_stream(value), answer), value_error) << "stream=" << value;
+  }
+  for (const std::int64_t value : {-1, 3}) {
+    array view = host_floats(ex());
+    EXPECT_NO_THROW(ex().import(view, on_stream(value), answer)) << "stream=" << value;
+    EXPECT_EQ(view.device().device_type, kDLCPU);
+  }
+  array view = host_floats(ex());
+  EXPECT_NO_THROW(ex().import(view, {}, answer)) << "no stream";
+}
+
 TEST_P(ExchangeTest, AnExportsReleaseWaitsForABareConsumerHandleOnlyWhereThisExchangesPolicySaysSo)
 {
   const auto consumer = stream_on(0);
