@@ -150,6 +150,7 @@ handoff_view* describe_extension_view(exchange& on, array_layout layout, py::han
   auto made = std::make_unique<handoff_view>();
   if (layout.device.device_type == kDLCPU && stream.is_none() && !trace::enabled()) {
     validate_description(layout);  // what handoff.view checks of host memory
+    validate_layout(layout);
     made->host.emplace(std::move(layout));
     made->owner = py::reinterpret_borrow<py::object>(owner);
     made->info = info_of(*made->host, 0);

@@ -129,7 +129,6 @@ void validate_description(const array_layout& layout)
     fmt::format("device ({}, {}) is not a DLPack device: {}", static_cast<int>(device.device_type), device.device_id,
                 device.device_id < 0 ? "its id is negative" : "DLPack defines no such device type"));
   static_cast<void>(dtype_name(layout.dtype));  // buffer_error, naming the dtype, for one DLPack does not define
-  validate_layout(layout);
 }
 
 std::optional<byte_range> byte_range_of(const array_layout& layout) noexcept

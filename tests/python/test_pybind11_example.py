@@ -8,6 +8,7 @@ folder); the tests skip, saying so, where it was not built.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
@@ -423,6 +424,18 @@ def test_cpp_memory_on_a_device_dlpack_does_not_define_is_a_value_error(device, 
     raw = np.zeros(4, np.float32)
     with pytest.raises(ValueError, match=why):
         te.device_result(raw.ctypes.data, 4, device, None, raw)
+
+
+@pytest.mark.parametrize(
+    ("data_ptr", "n", "why"),
+    [(0, 4, "data is a null pointer but the array has elements"), (4096, -3, "negative")],
+    ids=["null data", "negative extent"],
+)
+@pytest.mark.parametrize("trace", [False, True], ids=["untraced", "traced"])
+def test_cpp_host_memory_with_a_bad_layout_is_a_value_error(data_ptr, n, why, trace):
+    # Untraced, host memory with no stream takes the helper's fast path, which checks it itself.
+    with handoff.trace() if trace else contextlib.nullcontext(), pytest.raises(ValueError, match=why):
+        te.device_result(data_ptr, n, (1, 0))
 
 
 @pytest.mark.parametrize(

@@ -303,11 +303,11 @@ class array {
 /// @throws value_error naming the field that is wrong, buffer_error for a vector dtype.
 void validate_layout(const array_layout& layout);
 
-/// Checks what validate_layout does, and that the device and the dtype are ones DLPack defines: for
-/// memory a library describes itself (exchange::view, the pybind11 helper), which no producer's
-/// DLPack tensor vouches for (an import's are checked as it is read).
-/// @throws value_error as validate_layout does, or for a device DLPack does not define (a type it
-///         does not know, a negative id); buffer_error for a dtype it does not define.
+/// Checks that the device and the dtype are ones DLPack defines, which no producer's DLPack tensor
+/// vouches for in memory a library describes itself (exchange::view, the pybind11 helper; an
+/// import's are checked as it is read). The rest of the layout is validate_layout's.
+/// @throws value_error for a device DLPack does not define (a type it does not know, a negative id);
+///         buffer_error for a dtype it does not define.
 void validate_description(const array_layout& layout);
 
 /// The bytes the elements of a layout reach, relative to its `data`: [low, high).
