@@ -1,7 +1,7 @@
 """What tracing costs a realistic pipeline: a loop whose steps each do about 300 us of real work (a
 matrix product, a softmax, an FFT) and exchange arrays between PyTorch (CPU) and NumPy four times, in a program that never imports handoff,
-run untraced, under `handoff-trace run`, under `handoff-trace run --order` and under
-`handoff-trace run --launches`; and a launch-heavy variant on the simulator (each step also launches
+run untraced, under `handoff-trace run`, under `handoff-trace run --order`, in the ordering mode alone
+(`HANDOFF_ORDER=1`, no trace) and under `handoff-trace run --launches`; and a launch-heavy variant on the simulator (each step also launches
 kernels, orders two streams through an exchange and waits for one), untraced and under
 `handoff-trace run --launches`. The target: a launch trace costs at most 1.10x the untraced step.
 The launch-heavy variant also runs racy (its exchange orders the consumer after the stream the
@@ -164,6 +164,7 @@ def main() -> None:
             "pipeline, untraced": (base, env),
             "pipeline, handoff-trace run": ([*trace, "--", *base], env),
             "pipeline, handoff-trace run --order": ([*trace, "--order", "--", *base], env),
+            "pipeline, HANDOFF_ORDER=1 (no trace)": (base, {**env, "HANDOFF_ORDER": "1"}),
             "pipeline, handoff-trace run --launches": ([*trace, "--launches", "--", *base], env),
             "launch-heavy (sim), untraced": (heavy, sim_env),
             "launch-heavy (sim), handoff-trace run --launches": ([*trace, "--launches", "--", *heavy], sim_env),
