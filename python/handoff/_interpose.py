@@ -139,16 +139,23 @@ class _Hooks:
         self, module: types.ModuleType, target: Target, adapter: LibraryAdapter, interface_first: bool
     ) -> None:
         value = getattr(module, target.attribute, None)
-        if value is None or not callable(value) or isinstance(value, type) or self._is_wrapper(value):
-            # Absent; a class, which a function must not replace (isinstance would break); or ours
-            # (an alias of a function already wrapped: its wrapper is shared, so both stay one object).
+        if value is None or not callable(value) or isinstance(value, type):
+            return  # absent; or a class, which a function must not replace (isinstance would break)
+        key = (id(module), target.attribute)
+        if self._is_wrapper(value):
+            # Ours, copied here while the hooks were in place (torch/__init__ takes torch.utils.dlpack's
+            # from_dlpack): its wrapper is shared, so both stay one object, and its original is put
+            # back here too when the hooks go.
+            if key not in self.installed:
+                original = next(entry.original for entry in self.installed.values() if entry.wrapper is value)
+                self.installed[key] = _Installed(module, target.attribute, original, value)
             return
         wrapper = self._wrapper_of(value)
         if wrapper is None:
             consumer = _interposed.Consumer(adapter, interface_first, _array_parameter(value, target))
             wrapper = _consumer_wrapper(value, consumer)
         setattr(module, target.attribute, wrapper)
-        self.installed[(id(module), target.attribute)] = _Installed(module, target.attribute, value, wrapper)
+        self.installed[key] = _Installed(module, target.attribute, value, wrapper)
         _pickle_as_installed(wrapper, module, target.attribute)
 
     def _install_producer(self, module: types.ModuleType, target: Target) -> None:

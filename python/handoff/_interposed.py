@@ -128,7 +128,8 @@ def exchange(
     # A producer or consumer built on handoff exchanges through it inside: this event covers those.
     _handoff._interposed_begin(argument, device)
     try:
-        if seen.ordered and seen.consumer_stream_outlives_releases:
+        handed_on = seen.ordered and seen.consumer_stream_outlives_releases and _stands_in(consumer, protocol, kwargs)
+        if handed_on:
             args, kwargs = consumer.with_argument(args, kwargs, _import(argument, protocol, consumer_stream))
         result = original(*args, **kwargs)
     except BaseException as error:
@@ -142,7 +143,9 @@ def exchange(
     seen.stream_argument, producer_device = _handoff._interposed_end()
     if tracing:
         try:
-            how = _classify(seen, device, producer_device, argument, producer, interface_stream is not None, ordering)
+            how = _classify(
+                seen, device, producer_device, argument, producer, interface_stream is not None, ordering, handed_on
+            )
             _record(seen, how, result, argument)
         except Exception as failure:  # noqa: BLE001
             not_recorded(failure)
@@ -206,6 +209,16 @@ def _why_not_ordered(seen: Any) -> str:
     )
 
 
+def _stands_in(consumer: Consumer, protocol: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether handoff's import may stand in for the producer's array without changing what the consumer
+    makes of it: the consumer reads it through the protocol it reads the producer's through (a
+    handoff.Array offers both, where the producer may offer one), and passes no `copy` or `device`,
+    which the producer honours or refuses itself and handoff's import would answer in its place."""
+    if (protocol == Protocol.cuda_array_interface) != consumer.interface_first:
+        return False
+    return all(kwargs.get(name) is None for name in ("copy", "device", "dl_device"))
+
+
 def _import(argument: Any, protocol: Any, consumer_stream: Any) -> Any:
     """handoff's import of `argument` onto the consumer's stream, whose release waits for the work that
     stream has by then, for the consumer to import in its place; `argument` itself where handoff cannot
@@ -230,8 +243,10 @@ def _classify(
     producer: LibraryAdapter | None,
     interface_stream: bool,
     ordering: bool,
+    handed_on: bool,
 ) -> tuple[Any, Any, str]:
-    """How the consumer's stream came to be ordered after the producer's: (action, hazard, why)."""
+    """How the consumer's stream came to be ordered after the producer's: (action, hazard, why);
+    `handed_on`: the consumer was handed handoff's import in place of the producer's array."""
     if producer_device is not None and producer_device != device[1]:
         return (
             Action.unordered,
@@ -240,17 +255,25 @@ def _classify(
             f"device's streams, not those of device {device[1]}, where the data is",
         )
     ignores = (producer is not None and producer.ignores_stream) or _made_by_nanobind(argument)
-    action, detail = _action(seen, seen.stream_argument, ignores, interface_stream)
+    action, detail = _action(seen, seen.stream_argument, ignores, interface_stream, handed_on)
     if ordering and action == Action.unordered:
         # Flagged whatever the producer's stream has pending: the mode promised to order it.
         return action, Hazard.unordered, f"the ordering mode could not order {_why_not_ordered(seen)}"
     return action, Hazard.none, detail
 
 
-def _action(seen: Any, stream_argument: int | None, ignores: bool, interface_stream: bool) -> tuple[Any, str]:
+def _action(
+    seen: Any, stream_argument: int | None, ignores: bool, interface_stream: bool, handed_on: bool
+) -> tuple[Any, str]:
     if seen.ordered:
-        if seen.consumer_stream_outlives_releases:
+        if handed_on:
             return Action.wait, "ordered by handoff: the consumer's stream waits for the producer's"
+        if seen.consumer_stream_outlives_releases:
+            return Action.wait, (
+                "ordered by handoff: the consumer's stream waits for the producer's; the consumer is handed the "
+                "producer's array as it is (it asks the producer for copy or device, or reads it through a protocol "
+                "handoff's import would answer in its place), so the producer is not kept past the consumer's array"
+            )
         return Action.wait, (
             "ordered by handoff: the consumer's stream waits for the producer's; the producer is not kept past the "
             f"consumer's array, as its stream {seen.consumer_stream:#x} is a bare handle that may be destroyed first "

@@ -687,15 +687,18 @@ PyObject* consumer_call_call(PyObject* object, PyObject* args, PyObject* kwargs)
   }
   PyObject* argument = argument_of(self, args, kwargs);
   if (argument == nullptr) { return call_original(self, args, kwargs); }  // the consumer says what is wrong
-  const registered_library* library = registered_library_of(argument, self->find_library);
-  if (library == nullptr) { return nullptr; }
-  PyObject* producer = PyTuple_GET_ITEM(library->found.ptr(), 0);
-  const char* producer_name = producer != Py_None ? PyUnicode_AsUTF8(producer) : nullptr;
-  if (producer != Py_None && producer_name == nullptr) { return nullptr; }
+  const registered_library* found = registered_library_of(argument, self->find_library);
+  if (found == nullptr) { return nullptr; }
   const interposed_mode now = mode;
-  if (!now.tracing && library->host_only) {
+  if (!now.tracing && found->host_only) {
     return call_original(self, args, kwargs);  // the ordering mode alone: host data needs nothing
   }
+  // Held as references of this call's own: the array's protocol and device are asked below, Python
+  // code that may empty the cache (a type past its bound, a library registered) and free its entry.
+  const registered_library library = *found;
+  PyObject* producer = PyTuple_GET_ITEM(library.found.ptr(), 0);
+  const char* producer_name = producer != Py_None ? PyUnicode_AsUTF8(producer) : nullptr;
+  if (producer != Py_None && producer_name == nullptr) { return nullptr; }
   const std::optional<interposed_protocol> protocol = protocol_of(argument, self->interface_first);
   if (!protocol || producer_name == nullptr || std::string_view{producer_name} == self->library ||
       std::string_view{producer_name} == "handoff") {
@@ -703,7 +706,7 @@ PyObject* consumer_call_call(PyObject* object, PyObject* args, PyObject* kwargs)
     // handoff records itself.
     return call_original(self, args, kwargs);
   }
-  const DLDevice device = data_device_of(argument, *protocol, library->read_device.ptr());
+  const DLDevice device = data_device_of(argument, *protocol, library.read_device.ptr());
   if (device.device_type == kDLCPU) {
     if (!now.tracing) { return call_original(self, args, kwargs); }  // the ordering mode alone: host data needs nothing
     return host_exchange(self, args, kwargs, argument, *protocol, producer_name);
@@ -711,7 +714,7 @@ PyObject* consumer_call_call(PyObject* object, PyObject* args, PyObject* kwargs)
   const auto device_tuple = py::make_tuple(static_cast<int>(device.device_type), device.device_id);
   const auto named = py::make_tuple(
     py::reinterpret_borrow<py::object>(argument), py::cast(*protocol), py::reinterpret_borrow<py::object>(producer),
-    py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(library->found.ptr(), 1)), device_tuple);
+    py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(library.found.ptr(), 1)), device_tuple);
   const auto keywords = py::reinterpret_borrow<py::object>(kwargs != nullptr ? kwargs : Py_None);
   return PyObject_CallFunctionObjArgs(self->exchange, self->original, self->consumer, args, keywords.ptr(), named.ptr(),
                                       now.tracing ? Py_True : Py_False, now.ordering ? Py_True : Py_False, nullptr);

@@ -5,7 +5,7 @@ library's adapter gives handoff, as CuPy's does: a stream object destroys its st
 - ``from_dlpack`` as PyTorch 2.13's ``torch.from_dlpack``: the producer's ``__dlpack_device__`` first,
   then its ``__dlpack__`` with ``max_version=(1, 0)`` and, for CUDA or ROCm data only, the library's
   current stream (the default one as 1 on CUDA, 0 on ROCm), retried without ``max_version`` on a
-  ``TypeError``;
+  ``TypeError``, with its ``copy`` passed on as PyTorch passes it;
 - ``__dlpack__`` as PyTorch 2.13's ``Tensor.__dlpack__`` for a CUDA (ROCm) tensor: an omitted
   ``stream`` is -1 (no synchronization), a non-int one a ``TypeError``, CUDA's 2 a ``BufferError``
   and CUDA's 0 (ROCm's 1 and 2) an ``AssertionError``, and it orders the library's *current* stream,
@@ -148,12 +148,14 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
             sim.to_numpy(sim.zeros(1), stream=handoff.Stream(interface["stream"]))  # waits for that stream
         return Array(handoff.asarray(_Interface(interface, producer), stream=-1))
 
-    def from_dlpack(ext_tensor: Any) -> Array:
+    def from_dlpack(ext_tensor: Any, *, copy: bool | None = None) -> Array:
         """Imports `ext_tensor` as PyTorch's ``torch.from_dlpack`` does (see the module's docstring;
         the parameter's name is PyTorch's), and keeps the capsule (its producer) until the array goes,
         with no stream-ordered release of its own."""
-        device = ext_tensor.__dlpack_device__()
         arguments: dict[str, Any] = {"max_version": (1, 0)}
+        if copy is not None:
+            arguments["copy"] = copy
+        device = ext_tensor.__dlpack_device__()
         if device[0] in (CUDA, ROCM_DEVICE):
             arguments["stream"] = current_value()
         try:

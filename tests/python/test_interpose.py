@@ -488,6 +488,33 @@ def test_the_ordering_mode_removes_the_race_and_marks_the_exchange_ordered(peers
     assert "1 ordered by handoff's hooks" in t.summary()
 
 
+class DLPackOnly(Delegating):
+    """A producer that offers DLPack alone, as cuda.core's `Buffer` does (its library's module is set
+    by the test that uses it)."""
+
+
+@needs_sim
+@pytest.mark.parametrize("ordering", [False, True], ids=["negative-control-unhooked", "ordering"])
+def test_the_ordering_mode_leaves_the_consumer_what_the_producer_answers_and_offers(peers, ordering):
+    careless, torchlike, producer, consumer = peers
+    module = types.ModuleType("simbuffers")
+    DLPackOnly.__module__ = module.__name__
+    sys.modules[module.__name__] = module
+    handoff.register_library(handoff.LibraryAdapter(module.__name__, current_stream=lambda device: producer))
+    handoff.order_libraries(ordering)
+    try:
+        with torchlike.use(consumer):
+            # copy=True, which the producer refuses (cuda.core's own BufferError) and a handoff.Array would make
+            with pytest.raises(BufferError, match="Sorry, not supported: copy=True"):
+                torchlike.from_dlpack(careless.zeros(N), copy=True)
+            assert np.array_equal(torchlike.to_numpy(torchlike.from_dlpack(careless.zeros(N), copy=False)), np.zeros(N))
+            # An interface reader handed DLPack alone, where a handoff.Array has the interface too
+            with pytest.raises(AttributeError, match="__cuda_array_interface__"):
+                torchlike.as_array(DLPackOnly(sim.zeros(N, "float32")))
+    finally:
+        del sys.modules[module.__name__]
+
+
 @needs_sim
 def test_a_producer_that_honours_stream_is_ordered_by_itself_and_no_hazard(peers):
     _, torchlike, producer, consumer = peers
@@ -732,6 +759,66 @@ def test_a_hooked_consumer_pickles_as_what_it_wraps_and_its_aliases_stay_one_fun
         pickled = pickle.dumps((torch.from_dlpack, jax_dlpack.from_dlpack))
     # Where no hooks are in place (a worker process of a pool), it is what it wraps.
     assert pickle.loads(pickled) == originals
+
+
+@pytest.mark.parametrize("mode", ["HANDOFF_ORDER", "order_libraries"])
+def test_a_library_imported_while_hooked_gets_its_own_functions_back_when_the_hooks_go(mode):
+    # torch/__init__ copies torch.utils.dlpack's from_dlpack, already hooked: that copy is put back too.
+    result = run_python(
+        textwrap.dedent(
+            f"""
+            import pickle, handoff
+            if {mode == "order_libraries"}:
+                handoff.order_libraries(True)
+            import torch, torch.utils.dlpack
+            hooked = torch.from_dlpack
+            handoff.order_libraries(False)
+            original = torch.utils.dlpack.from_dlpack
+            print(hooked is not original, torch.from_dlpack is original, pickle.loads(pickle.dumps(torch.from_dlpack)) is original)
+            handoff.order_libraries(True)
+            print(torch.from_dlpack.__handoff_original__ is original)
+            """
+        ),
+        **({"HANDOFF_ORDER": "1"} if mode == "HANDOFF_ORDER" else {}),
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "True", "True", "True"], "put back, pickled as itself, wrapped once again"
+
+
+def test_a_hooked_call_whose_arrays_device_fills_the_hooks_cache_names_its_producer_all_the_same():
+    # The array's __dlpack_device__ makes a hooked call on a new type with the per-type cache full,
+    # which empties it: the call in progress holds its library's entry itself (PYTHONMALLOC=debug
+    # fills what is freed, so a freed entry would be read as garbage).
+    result = run_python(
+        textwrap.dedent(
+            """
+            import numpy as np, torch, handoff
+            with handoff.trace(libraries=True) as t:
+                for i in range(1100):  # past the cache's bound, each type a library of its own
+                    try:
+                        torch.from_dlpack(type(f"T{i}", (), {"__module__": f"lib{i}"})())
+                    except Exception:
+                        pass
+                base = np.arange(4.0)
+                class Outer:
+                    def __dlpack__(self, **kw):
+                        return base.__dlpack__(**kw)
+                    def __dlpack_device__(self):
+                        for j in range(1100):
+                            try:
+                                torch.from_dlpack(type(f"F{j}", (), {"__module__": f"fresh{j}"})())
+                            except Exception:
+                                pass
+                        return (1, 0)
+                Outer.__module__ = "outerlib.sub"
+                print(torch.from_dlpack(Outer()).tolist())
+            print([e["producer"] for e in t.events if e.get("consumer") == "torch" and e.get("producer") == "outerlib"])
+            """
+        ),
+        PYTHONMALLOC="debug",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["[0.0, 1.0, 2.0, 3.0]", "['outerlib']"]
 
 
 def test_a_module_reloaded_while_hooked_is_hooked_again_and_only_what_is_still_ours_is_put_back(tmp_path, monkeypatch):
