@@ -81,7 +81,8 @@ def share(x: Any, /, *, stream: Any = None, copy: bool | None = None) -> Handle:
     """Shares ``x`` (anything :func:`handoff.asarray` takes) with other processes of this node.
 
     Device memory is shared zero-copy; on the stream its data is ready on (``x``'s own for a
-    ``handoff.Array``; ``stream`` names it when handoff cannot know it; else the device's default),
+    ``handoff.Array``; ``stream`` names it when handoff cannot know it, and waits for the one handoff
+    knows where it names another; else the device's default),
     an interprocess event from a pool is recorded for this share. Host memory (a NumPy array, a CPU
     tensor) is copied once into shared memory; ``copy=False`` refuses that with ``BufferError``.
     The array is kept while the returned Handle lives in this process, then until every consumer has

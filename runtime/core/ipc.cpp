@@ -142,16 +142,28 @@ array_layout layout_of(const wire_handle& h, bool host)
 
 class endpoint {
  public:
+  /// This process's endpoint. A forked child makes its own: what it inherited (its parent's shares,
+  /// opened arrays and files) stays its parent's, and the child's releases of it do nothing.
   static endpoint& get()
   {
     // Leaked: releases run on other threads during static destruction; shutdown() removes the files.
-    static auto* instance = [] {
+    static std::atomic<endpoint*> instance{nullptr};
+    endpoint* current = instance.load(std::memory_order_acquire);
+    while (current == nullptr || current->inherited()) {
       auto* made = new endpoint;  // NOLINT(cppcoreguidelines-owning-memory)
-      std::atexit([] { shutdown(); });
-      return made;
-    }();
-    return *instance;
+      if (instance.compare_exchange_strong(current, made, std::memory_order_acq_rel)) {
+        // Once: a forked child inherits the handler, which stops the child's own endpoint there.
+        if (current == nullptr) {
+          std::atexit([] { shutdown(); });
+        }
+        return *made;
+      }
+      delete made;  // NOLINT(cppcoreguidelines-owning-memory): another thread's is in place
+    }
+    return *current;
   }
+  /// True in a forked child of the process that made this endpoint.
+  [[nodiscard]] bool inherited() const noexcept { return pid_ != handoff::detail::this_process(); }
 
   shared share(exchange& on, const array& x, const named_stream& ready, share_options options);
   array open(exchange& on, std::span<const std::byte> bytes, const named_stream& consumer);
@@ -212,6 +224,7 @@ class endpoint {
   void close_mapping(const std::string& key) noexcept;
   device::event_handle opened_event(context& ctx, const wire_handle& h);  // mutex held
 
+  const int pid_{handoff::detail::this_process()};
   std::mutex mutex_;
   bool stopped_{false};
   // producer
@@ -409,10 +422,14 @@ endpoint::device_source endpoint::describe_device_memory(exchange& on, const arr
   h.allocation_size = attributes.size;
   h.backend = std::string{b.name()};
   h.device = {x.device().device_type, device};
-  std::optional<bound_stream> ready_on;
-  if (ready.is_default()) { ready_on = x.owner().ready_on(); }
-  if (!ready_on || ready_on->ctx != &ctx) { ready_on = binding_on(ctx, x.device(), ready); }
-  return {.ctx = &ctx, .device = device, .ready_on = *ready_on};
+  // The stream the data is known to be ready on (an array's); `ready` names it where none is known,
+  // and where it names another, that stream waits for the known one: a share is ready after both.
+  std::optional<bound_stream> known = x.owner().ready_on();
+  if (known && known->ctx != &ctx) { known.reset(); }
+  if (known && ready.is_default()) { return {.ctx = &ctx, .device = device, .ready_on = *known}; }
+  bound_stream ready_on = binding_on(ctx, x.device(), ready);
+  if (known) { ready_on.wait_for(*known); }
+  return {.ctx = &ctx, .device = device, .ready_on = ready_on};
 }
 
 void endpoint::signal_ready(const device_source& source, producer_block& block, share_slot& slot, wire_handle& h,
@@ -446,6 +463,7 @@ void endpoint::signal_ready(const device_source& source, producer_block& block, 
 
 void endpoint::release_hold(slot_ref where) noexcept
 {
+  if (inherited()) { return; }  // the parent's hold, which a forked child's copy of the handle does not own
   std::vector<local_share> freed;
   {
     std::lock_guard lock{mutex_};
@@ -652,6 +670,7 @@ array endpoint::open_host(const wire_handle& h, array_layout layout, std::unique
   count(counter::ipc_opens);
   count(counter::imports);
   return array{std::move(layout), shared_producer{[this, key = segment.key, done]() noexcept {
+                 if (inherited()) { return; }  // the parent's entry and mapping
                  close_mapping(key);
                  done();
                }}};
@@ -680,6 +699,7 @@ array endpoint::open_device(context& ctx, remote_block& block, const wire_handle
     // Released once the work enqueued on the consumer's stream by then is done: the mapping is
     // closed first (CUDA: the producer must not free memory another process still maps).
     array view{std::move(layout), shared_producer{[this, key = memory.key, done]() noexcept {
+                 if (inherited()) { return; }  // the parent's entry and mapping
                  close_mapping(key);
                  done();
                }}};

@@ -80,7 +80,7 @@ shared_mapping shared_mapping::create(std::string_view name, std::size_t bytes)
   if (::ftruncate(file.fd, static_cast<off_t>(bytes)) != 0) { fail("cannot size"); }
   void* data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, file.fd, 0);
   if (data == MAP_FAILED) { fail("cannot map"); }
-  return {std::string{name}, data, bytes, true};
+  return {std::string{name}, data, bytes, this_process()};
 }
 
 std::optional<shared_mapping> shared_mapping::open(std::string_view name)
@@ -102,14 +102,14 @@ std::optional<shared_mapping> shared_mapping::open(std::string_view name)
   if (bytes == 0) { return std::nullopt; }  // made but not sized yet: as good as absent
   void* data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, file.fd, 0);
   if (data == MAP_FAILED) { throw_errno(errno, fmt::format("cannot map shared memory {}", path)); }
-  return shared_mapping{std::string{name}, data, bytes, false};
+  return shared_mapping{std::string{name}, data, bytes, 0};
 }
 
 shared_mapping::shared_mapping(shared_mapping&& other) noexcept
     : name_(std::move(other.name_)),
       data_(std::exchange(other.data_, nullptr)),
       size_(std::exchange(other.size_, 0)),
-      owner_(std::exchange(other.owner_, false))
+      creator_(std::exchange(other.creator_, 0))
 {}
 
 shared_mapping& shared_mapping::operator=(shared_mapping&& other) noexcept
@@ -119,7 +119,7 @@ shared_mapping& shared_mapping::operator=(shared_mapping&& other) noexcept
     name_ = std::move(other.name_);
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
-    owner_ = std::exchange(other.owner_, false);
+    creator_ = std::exchange(other.creator_, 0);
   }
   return *this;
 }
@@ -131,8 +131,8 @@ shared_mapping::~shared_mapping()
 
 void shared_mapping::unlink() noexcept
 {
-  if (!owner_) { return; }
-  owner_ = false;
+  if (creator_ == 0) { return; }
+  if (std::exchange(creator_, 0) != this_process()) { return; }  // a forked child's copy
   try {
     ::unlink(path_of(name_).c_str());
   } catch (...) {}

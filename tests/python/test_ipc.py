@@ -21,7 +21,7 @@ import pytest
 import handoff
 from handoff import ipc
 
-from support import BACKEND, SIM, SIM_ROCM, needs_sim
+from support import BACKEND, SIM, SIM_ROCM, needs_sim, run_python
 
 AGENT = Path(__file__).with_name("ipc_agent.py")
 # How long a test waits for another process's answer, or for a release that must come: a bound on a
@@ -218,6 +218,40 @@ def test_a_consumer_killed_holding_an_array_is_noticed(agent):
     wait_until(lambda: handoff.stats()["ipc_pending_remote_releases"] == 0, "the killed consumer's hold released")
 
 
+FORKED = """
+import gc, os, subprocess, sys
+import numpy as np
+from handoff import ipc
+
+OPEN = "import sys, numpy as np; from handoff import ipc; print(np.from_dlpack(ipc.open(ipc.Handle(bytes.fromhex(sys.argv[1])))).tolist())"
+def opened(handle):  # read by another process
+    return subprocess.run([sys.executable, "-c", OPEN, bytes(handle).hex()], capture_output=True, text=True).stdout.strip()
+
+parents = ipc.share(np.arange(4.0))
+handles, go = os.pipe(), os.pipe()
+child = os.fork()
+if child == 0:  # drops its copy of the parent's handle, shares its own array, and exits as a program does
+    del parents
+    gc.collect()
+    mine = ipc.share(np.full(3, 7.0))
+    os.write(handles[1], bytes(mine).hex().encode() + b"\\n")
+    os.read(go[0], 1)
+    sys.exit(0)
+childs = ipc.Handle(bytes.fromhex(os.fdopen(handles[0]).readline().strip()))
+print(opened(childs))
+os.write(go[1], b"x")
+os.waitpid(child, 0)
+print(opened(parents))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
+def test_a_forked_child_leaves_its_parents_shares_alone_and_shares_its_own():
+    result = run_python(FORKED)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["[7.0, 7.0, 7.0]", "[0.0, 1.0, 2.0, 3.0]"], result.stderr
+
+
 def test_an_array_through_a_multiprocessing_queue_arrives_as_an_array():
     import multiprocessing
 
@@ -253,6 +287,31 @@ def test_the_consumer_stream_waits_for_the_producer_and_reads_the_finished_data(
             "result = [float(sim.to_numpy(b, stream=other)[0]), waiting.done()]"
         ) == [0.0, False]
         assert agent.run("result = float(sim.to_numpy(b, stream=other).max())") == 0.0
+    assert agent.run("result = float(waiting.result().min())") == 7.0
+    agent.run("del b, waiting")
+
+
+@needs_sim
+@pytest.mark.parametrize("named", ["default-stream", "another-stream"])
+def test_a_share_on_a_stream_named_is_ready_after_the_stream_the_array_is_known_to_be_ready_on_too(agent, named):
+    from handoff import sim
+
+    producer = sim.Stream(non_blocking=True)
+    a = sim.zeros(256, "float32")
+    default = 0 if handoff.runtime_info()["backend"] == "sim-rocm" else 1
+    with sim.hold(producer):
+        sim.fill(a, 7.0, stream=producer)  # the array's own stream, held: not written yet
+        stream = default if named == "default-stream" else sim.Stream(non_blocking=True)
+        handle = ipc.share(a, stream=stream)
+        assert (
+            agent.run(
+                "from handoff import sim; consumer = sim.Stream(non_blocking=True)\n"
+                f"b = ipc.open(ipc.Handle({bytes(handle)!r}), stream=consumer)\n"
+                "waiting = sim.to_numpy(b, stream=consumer, wait=False)\n"
+                "result = waiting.done()"
+            )
+            is False
+        ), "the consumer waits for the held write, not only for the stream named"
     assert agent.run("result = float(waiting.result().min())") == 7.0
     agent.run("del b, waiting")
 

@@ -37,19 +37,20 @@ class shared_mapping {
   [[nodiscard]] void* data() const noexcept { return data_; }
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
   [[nodiscard]] const std::string& name() const noexcept { return name_; }
-  /// Removes the name now (created files only); the mapping stays.
+  /// Removes the name now (created files only, in the process that created them: a forked child
+  /// leaves its parent's); the mapping stays.
   void unlink() noexcept;
 
  private:
-  shared_mapping(std::string name, void* data, std::size_t size, bool owner) noexcept
-      : name_(std::move(name)), data_(data), size_(size), owner_(owner)
+  shared_mapping(std::string name, void* data, std::size_t size, int creator) noexcept
+      : name_(std::move(name)), data_(data), size_(size), creator_(creator)
   {}
   void reset() noexcept;
 
   std::string name_;
   void* data_{nullptr};
   std::size_t size_{0};
-  bool owner_{false};  // created here: its name is removed with it
+  int creator_{0};  // the pid that created the file, whose name is removed with it; 0: opened
 };
 
 /// A serial this process never gave before, for the names of its shared memory files.
