@@ -99,7 +99,9 @@ def open(handle: Handle, /, *, stream: Any = None) -> Array:
     zero-copy (once per allocation and process) and makes the consumer stream (``stream``, else the
     enclosing :func:`handoff.stream` block's, else the default) wait on the device for the share's
     event. The host never waits. Releasing the result (and everything exported from it) tells the
-    producer, once the work then enqueued on that stream is done.
+    producer, once the work then enqueued on that stream is done. ``stream=-1``, as for
+    :func:`handoff.from_dlpack`: the consumer orders its work itself; nothing is waited for, and the
+    share is released with the result.
 
     Raises ``TypeError`` for what is not a Handle; ``ValueError`` for a forged or corrupted handle,
     or one from another node, boot or backend; ``BufferError`` for a handle of this very process, one

@@ -6,6 +6,7 @@
 #include <handoff/internal/ordering.hpp>
 #include <handoff/internal/shared_memory.hpp>
 #include <handoff/ipc.hpp>
+#include <handoff/stream_value.hpp>
 
 #include "core/ipc_control.hpp"
 #include "core/live_views.hpp"
@@ -19,6 +20,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -681,12 +683,17 @@ array endpoint::open_device(context& ctx, remote_block& block, const wire_handle
 {
   const int device = h.device.device_id;
   const device_guard on_device{ctx.backend(), device};
+  // The consumer's stream, checked before anything is mapped; none where it orders its work itself
+  // (stream=-1, as for from_dlpack): nothing is waited for, and the share is released with the array.
+  std::optional<bound_stream> waits;
+  if (request_for(consumer, h.device.device_type).order != stream_order::none) {
+    waits = binding_on(ctx, h.device, consumer);
+  }
   const mapped memory = map_device_memory(ctx, h);
   layout.data = static_cast<std::byte*>(memory.base) + h.offset;
-  const bound_stream waits = binding_on(ctx, h.device, consumer);
   try {
     share_slot& slot = static_cast<control_block*>(block.mapping->data())->slots[h.slot];
-    wait_for_producer(ctx, block, slot, h, waits.stream);
+    if (waits) { wait_for_producer(ctx, block, slot, h, waits->stream); }
   } catch (...) {
     lock.unlock();
     close_mapping(memory.key);
@@ -695,7 +702,7 @@ array endpoint::open_device(context& ctx, remote_block& block, const wire_handle
   lock.unlock();
   count(counter::ipc_opens);
   count(counter::imports);
-  if (back_signal_.load(std::memory_order_relaxed)) {
+  if (!waits || back_signal_.load(std::memory_order_relaxed)) {
     // Released once the work enqueued on the consumer's stream by then is done: the mapping is
     // closed first (CUDA: the producer must not free memory another process still maps).
     array view{std::move(layout), shared_producer{[this, key = memory.key, done]() noexcept {
@@ -703,15 +710,15 @@ array endpoint::open_device(context& ctx, remote_block& block, const wire_handle
                  close_mapping(key);
                  done();
                }}};
-    bind_import(view, waits);
+    if (waits) { bind_import(view, *waits); }
     return view;
   }
   // The negative control: the producer is told at once; only the mapping waits for the stream.
-  array view{std::move(layout), shared_producer{[this, key = memory.key, done, waits]() noexcept {
+  array view{std::move(layout), shared_producer{[this, key = memory.key, done, waits = *waits]() noexcept {
                done();
                waits.release_after([this, key]() noexcept { close_mapping(key); });
              }}};
-  view.owner().set_ready_on(waits);
+  view.owner().set_ready_on(*waits);
   return view;
 }
 

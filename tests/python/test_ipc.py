@@ -317,6 +317,29 @@ def test_a_share_on_a_stream_named_is_ready_after_the_stream_the_array_is_known_
 
 
 @needs_sim
+def test_a_consumer_that_orders_its_work_itself_opens_without_a_wait_and_a_refused_stream_maps_nothing(agent):
+    from handoff import sim
+
+    a = sim.zeros(64, "float32")
+    sim.fill(a, 3.0, stream=sim.Stream(non_blocking=True))
+    sim.synchronize()
+    handle = ipc.share(a)
+    refused = 2 if handoff.runtime_info()["backend"] == "sim-rocm" else 0  # the stream table's ValueError
+    agent.run(f"h = ipc.Handle({bytes(handle)!r}); from handoff import sim")
+    with pytest.raises(AgentError, match=f"stream={refused}") as error:
+        agent.run(f"ipc.open(h, stream={refused})")
+    assert error.value.kind == "ValueError"
+    assert agent.run("result = handoff.stats()['ipc_mappings_cached']") == 0, "nothing left mapped"
+    waits = agent.run("result = handoff.stats()['waits_inserted']")
+    read = agent.run(
+        "b = ipc.open(h, stream=-1)\nresult = [float(sim.to_numpy(b, stream=sim.Stream()).min()), "
+        "handoff.stats()['waits_inserted'], handoff.stats()['ipc_mappings_cached']]"
+    )
+    assert read == [3.0, waits, 1], "no wait inserted: stream=-1 orders its work itself"
+    assert agent.run("del b\nresult = handoff.stats()['ipc_mappings_cached']") == 0, "released with the array"
+
+
+@needs_sim
 def test_every_share_is_waited_for_not_only_the_first(agent):
     from handoff import sim
 
