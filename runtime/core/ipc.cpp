@@ -70,6 +70,7 @@ struct local_share {
   std::optional<array> data;                  // the shared array (device memory), kept
   std::optional<pooled_ipc_event> event;      // recorded for this share
   std::unique_ptr<shared_mapping> host_copy;  // host memory: the copy in shared memory
+  std::uint64_t ready_value{0};               // ordered by a stream memory operation: the value written
 };
 
 // A control block of this process and the records of its slots.
@@ -232,6 +233,13 @@ class endpoint {
   // producer
   std::deque<producer_block> blocks_;
   std::vector<std::pair<std::uint32_t, std::uint32_t>> free_slots_;
+  // Released slots whose share's value (stream memory operations) is not yet written: freed once it is.
+  struct unsignalled_slot {
+    std::uint32_t block{0};
+    std::uint32_t index{0};
+    std::uint64_t value{0};
+  };
+  std::vector<unsignalled_slot> unsignalled_slots_;
   std::size_t live_shares_{0};
   std::map<std::pair<context*, int>, std::vector<pooled_ipc_event>> idle_events_;
   bool values_only_{values_asked_for()};
@@ -458,6 +466,7 @@ void endpoint::signal_ready(const device_source& source, producer_block& block, 
   }
   h.flags |= value_ordered;
   h.ready_value = ++next_ready_;
+  record.ready_value = h.ready_value;
   auto* flag = static_cast<std::byte*>(device_address(*source.ctx, block.device_address, block.mapping)) +
                (reinterpret_cast<std::byte*>(&slot.ready) - static_cast<std::byte*>(block.mapping.data()));
   b.stream_write_value(source.ready_on.stream, flag, h.ready_value);
@@ -490,11 +499,19 @@ void endpoint::count_out(slot_ref where, std::uint32_t holds, std::vector<local_
   if (record.event) { idle_events_[{record.event->ctx, record.event->device}].push_back(*record.event); }
   record.event.reset();
   if (record.host_copy) { record.host_copy->unlink(); }  // the consumers' mappings stay
+  const std::uint64_t ready_value = record.ready_value;
   freed.push_back(std::move(record));
   record = local_share{};
   block.live[where.index] = false;
-  free_slots_.emplace_back(where.block, where.index);
   --live_shares_;
+  if (ready_value > slot.ready.load(std::memory_order_acquire)) {
+    // Its value is still to be written on the producer's stream: a later share of the slot would
+    // have its own, higher value written over by it, and its consumers would wait forever.
+    unsignalled_slots_.push_back({.block = where.block, .index = where.index, .value = ready_value});
+    start_polling();
+    return;
+  }
+  free_slots_.emplace_back(where.block, where.index);
 }
 
 void endpoint::start_polling() noexcept
@@ -551,10 +568,15 @@ void endpoint::poll(bool scheduled) noexcept
         }
       }
     }
+    std::erase_if(unsignalled_slots_, [this](const unsignalled_slot& s) {
+      if (blocks_[s.block].shared->slots[s.index].ready.load(std::memory_order_acquire) < s.value) { return false; }
+      free_slots_.emplace_back(s.block, s.index);
+      return true;
+    });
     handoff::detail::set_ipc_pending_remote_releases(pending);
     if (!scheduled) {
       // Asked for (a test): the service thread's polls go on as they were.
-    } else if (live_shares_ == 0 || stopped_) {
+    } else if ((live_shares_ == 0 && unsignalled_slots_.empty()) || stopped_) {
       polling_ = false;
     } else {
       interval =

@@ -297,6 +297,7 @@ def test_a_share_on_a_stream_named_is_ready_after_the_stream_the_array_is_known_
     from handoff import sim
 
     producer = sim.Stream(non_blocking=True)
+    before = sim.live_allocations()
     a = sim.zeros(256, "float32")
     default = 0 if handoff.runtime_info()["backend"] == "sim-rocm" else 1
     with sim.hold(producer):
@@ -314,12 +315,15 @@ def test_a_share_on_a_stream_named_is_ready_after_the_stream_the_array_is_known_
         ), "the consumer waits for the held write, not only for the stream named"
     assert agent.run("result = float(waiting.result().min())") == 7.0
     agent.run("del b, waiting")
+    del a, handle  # released here before the next test counts this process's allocations
+    wait_until(lambda: sim.live_allocations() == before, "the share released")
 
 
 @needs_sim
 def test_a_consumer_that_orders_its_work_itself_opens_without_a_wait_and_a_refused_stream_maps_nothing(agent):
     from handoff import sim
 
+    before = sim.live_allocations()
     a = sim.zeros(64, "float32")
     sim.fill(a, 3.0, stream=sim.Stream(non_blocking=True))
     sim.synchronize()
@@ -337,6 +341,8 @@ def test_a_consumer_that_orders_its_work_itself_opens_without_a_wait_and_a_refus
     )
     assert read == [3.0, waits, 1], "no wait inserted: stream=-1 orders its work itself"
     assert agent.run("del b\nresult = handoff.stats()['ipc_mappings_cached']") == 0, "released with the array"
+    del a, handle
+    wait_until(lambda: sim.live_allocations() == before, "the share released")
 
 
 @needs_sim
@@ -456,6 +462,38 @@ def test_stream_memory_operations_order_where_events_cannot_be_made():
         producer.close()
         consumer.close()
     del sim
+
+
+@needs_sim
+def test_a_slot_ordered_by_a_value_is_not_reused_before_its_value_is_written():
+    # Released at once, the first share's slot would go to the second, whose value the first's held
+    # write would then lower: the second's consumer would wait forever.
+    producer = Agent(HANDOFF_IPC_SYNC="value")
+    consumer = Agent()
+    try:
+        data = producer.run(
+            "from handoff import sim; s1, s2 = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)\n"
+            "x, y = sim.zeros(64, 'float32'), sim.zeros(64, 'float32')\n"
+            "gate = sim.hold(s1); gate.__enter__(); sim.fill(x, 1.0, stream=s1); first = ipc.share(x); del first\n"
+            "sim.fill(y, 2.0, stream=s2); second = ipc.share(y)\n"
+            "result = list(bytes(second))"
+        )
+        producer.run("gate.__exit__(None, None, None); sim.synchronize()")  # the first's value is written now
+        assert (
+            consumer.run(
+                "from handoff import sim; c = sim.Stream(non_blocking=True)\n"
+                f"b = ipc.open(ipc.Handle({bytes(data)!r}), stream=c)\n"
+                # Every value is written by now: the read is done soon, or never (a bounded wait, not a delay).
+                "import time; pending = sim.to_numpy(b, stream=c, wait=False); end = time.monotonic() + 20\n"
+                "while not pending.done() and time.monotonic() < end: time.sleep(0.01)\n"
+                "result = float(pending.result().min()) if pending.done() else 'still waiting'"
+            )
+            == 2.0
+        )
+        consumer.run("del b")
+    finally:
+        producer.close()
+        consumer.close()
 
 
 @needs_sim
