@@ -435,65 +435,62 @@ def test_pinned_and_managed_memory_are_refused_clearly():
             ipc.share(sim.zeros(4, memory=memory))
 
 
-@needs_sim
-def test_stream_memory_operations_order_where_events_cannot_be_made():
-    from handoff import sim
-
-    producer = Agent(HANDOFF_IPC_SYNC="value")
-    consumer = Agent()
-    try:
-        data = producer.run(
-            "from handoff import sim; s = sim.Stream(non_blocking=True); a = sim.zeros(64, 'float32')\n"
-            "gate = sim.hold(s); gate.__enter__(); sim.fill(a, 4.0, stream=s); h = ipc.share(a)\n"
-            "result = list(bytes(h))"
-        )
-        assert (
-            consumer.run(
-                "from handoff import sim; c = sim.Stream(non_blocking=True)\n"
-                f"b = ipc.open(ipc.Handle({bytes(data)!r}), stream=c)\n"
-                "pending = sim.to_numpy(b, stream=c, wait=False); result = pending.done()"
-            )
-            is False
-        )
-        producer.run("gate.__exit__(None, None, None)")
-        assert consumer.run("result = float(pending.result().min())") == 4.0
-        consumer.run("del b, pending")
-    finally:
-        producer.close()
-        consumer.close()
-    del sim
+@pytest.fixture
+def value_ordered():
+    """A producer whose shares are ordered by stream memory operations (HANDOFF_IPC_SYNC=value, as
+    where interprocess events cannot be made), and a consumer."""
+    producer, consumer = Agent(HANDOFF_IPC_SYNC="value"), Agent()
+    yield producer, consumer
+    producer.close()
+    consumer.close()
 
 
 @needs_sim
-def test_a_slot_ordered_by_a_value_is_not_reused_before_its_value_is_written():
+def test_stream_memory_operations_order_where_events_cannot_be_made(value_ordered):
+    producer, consumer = value_ordered
+    data = producer.run(
+        "from handoff import sim; s = sim.Stream(non_blocking=True); a = sim.zeros(64, 'float32')\n"
+        "gate = sim.hold(s); gate.__enter__(); sim.fill(a, 4.0, stream=s); h = ipc.share(a)\n"
+        "result = list(bytes(h))"
+    )
+    assert (
+        consumer.run(
+            "from handoff import sim; c = sim.Stream(non_blocking=True)\n"
+            f"b = ipc.open(ipc.Handle({bytes(data)!r}), stream=c)\n"
+            "pending = sim.to_numpy(b, stream=c, wait=False); result = pending.done()"
+        )
+        is False
+    )
+    producer.run("gate.__exit__(None, None, None)")
+    assert consumer.run("result = float(pending.result().min())") == 4.0
+    consumer.run("del b, pending")
+
+
+@needs_sim
+def test_a_slot_ordered_by_a_value_is_not_reused_before_its_value_is_written(value_ordered):
     # Released at once, the first share's slot would go to the second, whose value the first's held
     # write would then lower: the second's consumer would wait forever.
-    producer = Agent(HANDOFF_IPC_SYNC="value")
-    consumer = Agent()
-    try:
-        data = producer.run(
-            "from handoff import sim; s1, s2 = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)\n"
-            "x, y = sim.zeros(64, 'float32'), sim.zeros(64, 'float32')\n"
-            "gate = sim.hold(s1); gate.__enter__(); sim.fill(x, 1.0, stream=s1); first = ipc.share(x); del first\n"
-            "sim.fill(y, 2.0, stream=s2); second = ipc.share(y)\n"
-            "result = list(bytes(second))"
+    producer, consumer = value_ordered
+    data = producer.run(
+        "from handoff import sim; s1, s2 = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)\n"
+        "x, y = sim.zeros(64, 'float32'), sim.zeros(64, 'float32')\n"
+        "gate = sim.hold(s1); gate.__enter__(); sim.fill(x, 1.0, stream=s1); first = ipc.share(x); del first\n"
+        "sim.fill(y, 2.0, stream=s2); second = ipc.share(y)\n"
+        "result = list(bytes(second))"
+    )
+    producer.run("gate.__exit__(None, None, None); sim.synchronize()")  # the first's value is written now
+    assert (
+        consumer.run(
+            "from handoff import sim; c = sim.Stream(non_blocking=True)\n"
+            f"b = ipc.open(ipc.Handle({bytes(data)!r}), stream=c)\n"
+            # Every value is written by now: the read is done soon, or never (a bounded wait, not a delay).
+            "import time; pending = sim.to_numpy(b, stream=c, wait=False); end = time.monotonic() + 20\n"
+            "while not pending.done() and time.monotonic() < end: time.sleep(0.01)\n"
+            "result = float(pending.result().min()) if pending.done() else 'still waiting'"
         )
-        producer.run("gate.__exit__(None, None, None); sim.synchronize()")  # the first's value is written now
-        assert (
-            consumer.run(
-                "from handoff import sim; c = sim.Stream(non_blocking=True)\n"
-                f"b = ipc.open(ipc.Handle({bytes(data)!r}), stream=c)\n"
-                # Every value is written by now: the read is done soon, or never (a bounded wait, not a delay).
-                "import time; pending = sim.to_numpy(b, stream=c, wait=False); end = time.monotonic() + 20\n"
-                "while not pending.done() and time.monotonic() < end: time.sleep(0.01)\n"
-                "result = float(pending.result().min()) if pending.done() else 'still waiting'"
-            )
-            == 2.0
-        )
-        consumer.run("del b")
-    finally:
-        producer.close()
-        consumer.close()
+        == 2.0
+    )
+    consumer.run("del b")
 
 
 @needs_sim
