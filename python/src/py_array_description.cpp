@@ -14,7 +14,6 @@
 
 #include <functional>
 #include <numeric>
-#include <unordered_map>
 #include <utility>
 
 namespace handoff::python {
@@ -87,25 +86,31 @@ std::optional<std::uintptr_t> read_pointer(PyObject* value, pointer_read how)
   return static_cast<std::uintptr_t>(pointer);
 }
 
+// Each array type's way to its data pointer, remembered (with a reference to the type: no other type
+// is made at its address meanwhile) until the hooks go or the bound is reached.
+object_cache<PyTypeObject*, pointer_read>& pointer_reads()
+{
+  // NOLINTNEXTLINE(cppcoreguidelines-owning-memory): never destroyed (object_cache)
+  static auto* known = new object_cache<PyTypeObject*, pointer_read>{
+    1024, [](PyTypeObject* const& type) noexcept { return reinterpret_cast<PyObject*>(type); }};
+  return *known;
+}
+
 // Where `value`'s data starts, read the way that works for its type, found once per type: trying
 // each way costs an exception per library that is not the array's.
 std::optional<std::uintptr_t> data_pointer(PyObject* value)
 {
-  static auto* read_of_type = new std::unordered_map<PyTypeObject*, pointer_read>;  // NOLINT: leaked, as above
+  auto& known = pointer_reads();
   PyTypeObject* type = Py_TYPE(value);
-  if (const auto found = read_of_type->find(type); found != read_of_type->end()) {
-    return read_pointer(value, found->second);
-  }
+  if (const pointer_read* how = known.find(type)) { return read_pointer(value, *how); }
   for (const pointer_read how : {pointer_read::data_ptr, pointer_read::unsafe_buffer_pointer,
                                  pointer_read::array_interface, pointer_read::data_ptr_attribute}) {
     if (const auto pointer = read_pointer(value, how)) {
-      read_of_type->emplace(type, how);
-      Py_INCREF(type);  // no other type is made at its address while remembered
+      known.remember(type, how);
       return pointer;
     }
   }
-  read_of_type->emplace(type, pointer_read::none);
-  Py_INCREF(type);
+  known.remember(type, pointer_read::none);
   return std::nullopt;
 }
 
@@ -194,6 +199,11 @@ std::string copy_note(std::string_view consumer, const array_description& handed
 }
 
 }  // namespace
+
+void forget_array_types() noexcept
+{
+  pointer_reads().forget();
+}
 
 exchange_description describe_exchange(py::handle argument, py::handle result, std::string_view consumer)
 {

@@ -36,4 +36,8 @@ struct exchange_description {
 /// be compared. Sets no Python error.
 [[nodiscard]] exchange_description describe_exchange(py::handle argument, py::handle result, std::string_view consumer);
 
+/// Lets go of the array types describe_exchange remembers (each type's way to its data pointer), and
+/// so of what they keep alive: the hooks that describe exchanges are gone.
+void forget_array_types() noexcept;
+
 }  // namespace handoff::python

@@ -921,8 +921,14 @@ void bind_interpose(py::module_& m, exchange& on)
     "_interposed_set_mode",
     [](bool tracing, bool ordering) {
       mode = {tracing, ordering};
+      if (!tracing && !ordering) {  // the hooks go: the array types they remember are let go of
+        forget_libraries();
+        forget_array_types();
+      }
     },
-    py::arg("tracing"), py::arg("ordering"), "What the hooked consumers' calls are for: a trace, the ordering mode.");
+    py::arg("tracing"), py::arg("ordering"),
+    "What the hooked consumers' calls are for: a trace, the ordering mode (neither: the array types the hooks "
+    "remember are forgotten).");
   m.def("_interposed_begin", &begin_exchange, py::arg("argument"), py::arg("device"),
         "Begins an exchange of `argument`, on this thread: consumers called inside it are part of it, and handoff's "
         "own exchanges inside it are not recorded.");

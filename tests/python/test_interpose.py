@@ -785,6 +785,30 @@ def test_a_library_imported_while_hooked_gets_its_own_functions_back_when_the_ho
     assert result.stdout.split() == ["True", "True", "True", "True"], "put back, pickled as itself, wrapped once again"
 
 
+@pytest.mark.parametrize("mode", ["trace", "ordering"])
+def test_the_array_types_the_hooks_remember_are_let_go_of_when_the_hooks_go(mode):
+    def exchanged() -> weakref.ref:
+        big = np.zeros(1000)  # what the type keeps alive
+        kind = type(
+            "Kept",
+            (),
+            {"__dlpack__": lambda self, **kw: big.__dlpack__(**kw), "__dlpack_device__": lambda self: (1, 0)},
+        )
+        torch.from_dlpack(kind())
+        np.from_dlpack(kind())
+        return weakref.ref(kind)
+
+    if mode == "trace":
+        with handoff.trace(libraries=True):
+            kept = exchanged()
+    else:
+        handoff.order_libraries(True)
+        kept = exchanged()
+        handoff.order_libraries(False)
+    gc.collect()
+    assert kept() is None
+
+
 def test_a_hooked_call_whose_arrays_device_fills_the_hooks_cache_names_its_producer_all_the_same():
     # The array's __dlpack_device__ makes a hooked call on a new type with the per-type cache full,
     # which empties it: the call in progress holds its library's entry itself (PYTHONMALLOC=debug
