@@ -676,7 +676,9 @@ entry_release endpoint::claim_entry(const wire_handle& h, remote_block& block)
   const claim claimed =
     claim_share(slot, h.generation, handoff::detail::this_process(), handoff::detail::this_process_start_time());
   HANDOFF_EXPECTS(!claimed.full, buffer_error,
-                  fmt::format("this share is open in {} processes already, the most it can be", consumers_per_share));
+                  fmt::format("this share is open {} times already, in this process or others, the most it can "
+                              "be at once (an open's place is free again once the producer has seen its release)",
+                              consumers_per_share));
   HANDOFF_EXPECTS(claimed.entry != nullptr, buffer_error,
                   fmt::format("the process that shared this array (pid {}) has released the share: its memory may be "
                               "freed or reused (keep the handle, or the array, alive there until it is opened)",

@@ -190,6 +190,15 @@ def test_the_producer_keeps_host_memory_until_the_consumer_released_it(agent):
     )
 
 
+def test_a_share_open_as_many_times_as_it_has_places_refuses_one_more_saying_so(agent):
+    handle = ipc.share(np.arange(4.0))
+    agent.run(f"h = ipc.Handle({bytes(handle)!r}); opened = [ipc.open(h) for _ in range(8)]")
+    with pytest.raises(AgentError, match="open 8 times already, in this process or others") as error:
+        agent.run("ipc.open(h)")
+    assert error.value.kind == "BufferError"
+    agent.run("del opened")
+
+
 def test_a_released_share_cannot_be_opened(agent):
     handle = ipc.share(np.ones(4))
     data = bytes(handle)
