@@ -205,6 +205,9 @@ class endpoint {
   pooled_ipc_event acquire_event(context& ctx, int device);  // mutex held
   void* device_address(context& ctx, std::map<context*, void*>& known, const shared_mapping& mapping);
   remote_block& remote(const wire_handle& h);  // mutex held
+  /// Lets go of the control blocks of producers that have ended, once nothing opened from them is
+  /// held here; asked at most every liveness_poll (mutex held).
+  void forget_ended_producers() noexcept;
   // An opened mapping of another process's memory: its key in mappings_, and its address here.
   struct mapped {
     std::string key;
@@ -249,6 +252,7 @@ class endpoint {
   std::chrono::steady_clock::time_point last_liveness_{};
   // consumer
   std::map<std::pair<int, std::uint64_t>, std::map<std::uint32_t, remote_block>> remotes_;
+  std::chrono::steady_clock::time_point last_remote_liveness_{};
   std::map<std::string, open_mapping> mappings_;
   std::map<std::string, std::pair<context*, device::event_handle>> opened_events_;
   std::deque<std::string> opened_order_;
@@ -614,6 +618,31 @@ remote_block& endpoint::remote(const wire_handle& h)
   return blocks.emplace(h.block, remote_block{std::make_shared<shared_mapping>(std::move(*mapping)), {}}).first->second;
 }
 
+void endpoint::forget_ended_producers() noexcept
+{
+  const auto now = std::chrono::steady_clock::now();
+  if (now - last_remote_liveness_ < liveness_poll) { return; }
+  last_remote_liveness_ = now;
+  for (auto producer = remotes_.begin(); producer != remotes_.end();) {
+    auto& [who, blocks] = *producer;
+    if (handoff::detail::process_alive(who.first, who.second)) {
+      ++producer;
+      continue;
+    }
+    // Its blocks are let go of once nothing opened from them is held here: each open holds its block,
+    // whose registration a consumer stream's wait for a share's value may still read.
+    std::erase_if(blocks, [](const auto& entry) {
+      const remote_block& block = entry.second;
+      if (block.mapping.use_count() > 1) { return false; }
+      for (const auto& [ctx, address] : block.device_address) {
+        ctx->backend().unregister_host_memory(block.mapping->data());
+      }
+      return true;
+    });
+    producer = blocks.empty() ? remotes_.erase(producer) : std::next(producer);
+  }
+}
+
 device::event_handle endpoint::opened_event(context& ctx, const wire_handle& h)
 {
   const std::string key = key_of(h.pid, h.start_time, h.event.bytes);
@@ -658,6 +687,7 @@ array endpoint::open(exchange& on, std::span<const std::byte> bytes, const named
   array_layout layout = layout_of(h, host);
 
   std::unique_lock lock{mutex_};
+  forget_ended_producers();
   remote_block& block = remote(h);
   const entry_release done = claim_entry(h, block);
   try {

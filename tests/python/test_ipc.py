@@ -199,6 +199,22 @@ def test_a_share_open_as_many_times_as_it_has_places_refuses_one_more_saying_so(
     agent.run("del opened")
 
 
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps")
+def test_a_consumer_lets_go_of_an_ended_producers_control_block_once_nothing_opened_from_it_is_held(agent):
+    producer = Agent()
+    pid = producer.run("import os; result = os.getpid()")
+    data = producer.run("a = numpy.arange(4.0); h = ipc.share(a); result = list(bytes(h))")
+    live = ipc.share(np.zeros(2))
+    agent.run(f"b = ipc.open(ipc.Handle({bytes(data)!r})); live = ipc.Handle({bytes(live)!r}); import time")
+    producer.close()  # ended, while the consumer holds what it opened
+    # An open asks about ended producers, at most every 50 ms: each waits that long first.
+    mapped_after_an_open = f"time.sleep(0.06); ipc.open(live); result = sum(f'handoff-ipc.{pid}.' in line for line in open('/proc/self/maps'))"
+    assert agent.run(mapped_after_an_open) == 1, "kept while an array opened from it is held"
+    assert agent.run("result = float(numpy.from_dlpack(b).sum())") == 6.0
+    agent.run("del b")
+    assert agent.run(mapped_after_an_open) == 0, "let go of once nothing opened from it is held"
+
+
 def test_a_released_share_cannot_be_opened(agent):
     handle = ipc.share(np.ones(4))
     data = bytes(handle)
