@@ -128,6 +128,10 @@ context& opening_context(exchange& on, const wire_handle& h)
   HANDOFF_EXPECTS(
     ctx.backend().name() == h.backend && ctx.backend().device_type() == h.device.device_type, value_error,
     fmt::format("this handle shares memory of the {} backend; this process runs {}", h.backend, ctx.backend().name()));
+  const int devices = ctx.backend().device_count();
+  HANDOFF_EXPECTS(h.device.device_id < devices, value_error,
+                  fmt::format("this handle shares memory of device {}, and this process has {} device{}",
+                              h.device.device_id, devices, devices == 1 ? "" : "s"));
   return ctx;
 }
 
@@ -423,6 +427,9 @@ endpoint::device_source endpoint::describe_device_memory(exchange& on, const arr
   const int device = owning_device(ctx, x);
   device::backend& b = ctx.backend();
   const device_guard on_device{b, device};
+  HANDOFF_EXPECTS(x.data() != nullptr, buffer_error,
+                  "an empty device array with no memory (a null data pointer) has no allocation to share between "
+                  "processes: make the empty array on the consumer's side");
   const device::pointer_attributes attributes = b.attributes(x.data());
   HANDOFF_EXPECTS(attributes.kind == device::memory_kind::device, buffer_error,
                   "only device memory can be shared between processes (CUDA IPC maps cudaMalloc's memory)");

@@ -21,7 +21,7 @@ import pytest
 import handoff
 from handoff import ipc
 
-from support import BACKEND, SIM, SIM_ROCM, needs_sim, run_python
+from support import BACKEND, SIM, SIM_ROCM, needs_sim, needs_two_devices, run_python
 
 AGENT = Path(__file__).with_name("ipc_agent.py")
 # How long a test waits for another process's answer, or for a release that must come: a bound on a
@@ -213,6 +213,21 @@ def test_a_consumer_lets_go_of_an_ended_producers_control_block_once_nothing_ope
     assert agent.run("result = float(numpy.from_dlpack(b).sum())") == 6.0
     agent.run("del b")
     assert agent.run(mapped_after_an_open) == 0, "let go of once nothing opened from it is held"
+
+
+@needs_sim
+@needs_two_devices
+def test_a_handle_of_a_device_the_consumer_does_not_have_is_a_value_error_naming_it():
+    from handoff import sim
+
+    handle = ipc.share(sim.zeros(4, device=1))
+    one_device = Agent(HANDOFF_SIM_DEVICES="1")
+    try:
+        with pytest.raises(AgentError, match="memory of device 1, and this process has 1 device") as error:
+            one_device.run(f"ipc.open(ipc.Handle({bytes(handle)!r}))")
+        assert error.value.kind == "ValueError"
+    finally:
+        one_device.close()
 
 
 def test_a_released_share_cannot_be_opened(agent):
@@ -449,6 +464,15 @@ def test_memory_that_was_freed_cannot_be_opened(agent):
     with pytest.raises(AgentError, match="released the share") as refused:
         agent.run(f"ipc.open(ipc.Handle({data!r}))")
     assert refused.value.kind == "BufferError"
+
+
+@needs_sim
+def test_an_empty_device_array_with_no_memory_is_refused_saying_so():
+    from handoff import sim
+
+    device = sim.zeros(4).device
+    with pytest.raises(BufferError, match="empty device array with no memory"):
+        ipc.share(handoff.view(0, (0,), "float32", device=device))
 
 
 @needs_sim
