@@ -24,6 +24,7 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -224,13 +225,23 @@ class endpoint {
   /// Makes `consumer` wait for the producer's signal that the data `h` shares is ready (mutex held).
   void wait_for_producer(context& ctx, remote_block& block, share_slot& slot, const wire_handle& h,
                          device::stream_handle consumer);
-  /// Claims this process's entry in the share's slot (mutex held).
-  entry_release claim_entry(const wire_handle& h, remote_block& block);
+  // A share this process has open, by its producer (pid, start time) and its slot and generation.
+  using share_key = std::tuple<int, std::uint64_t, std::uint32_t, std::uint32_t, std::uint32_t>;
+  // What ends one open of a share: the share's entry is released with the last of this process's.
+  struct open_release {
+    endpoint* self{nullptr};
+    share_key key;
+    void operator()() const noexcept { self->release_open(key); }
+  };
+  /// Counts an open of the share `h` names: the first of this process's claims an entry in its slot,
+  /// which the others share (mutex held).
+  open_release count_open(const wire_handle& h, remote_block& block);
+  void release_open(const share_key& key) noexcept;
   /// The array over the mapped host segment or device memory; each unlocks `lock` once mapped.
   array open_host(const wire_handle& h, array_layout layout, std::unique_lock<std::mutex>& lock,
-                  const entry_release& done);
+                  const open_release& done);
   array open_device(context& ctx, remote_block& block, const wire_handle& h, array_layout layout,
-                    const named_stream& consumer, std::unique_lock<std::mutex>& lock, const entry_release& done);
+                    const named_stream& consumer, std::unique_lock<std::mutex>& lock, const open_release& done);
   void close_mapping(const std::string& key) noexcept;
   device::event_handle opened_event(context& ctx, const wire_handle& h);  // mutex held
 
@@ -258,6 +269,12 @@ class endpoint {
   std::map<std::pair<int, std::uint64_t>, std::map<std::uint32_t, remote_block>> remotes_;
   std::chrono::steady_clock::time_point last_remote_liveness_{};
   std::map<std::string, open_mapping> mappings_;
+  // This process's entry in each share it has open, and how many of its opens share it.
+  struct held_entry {
+    entry_release release;
+    std::size_t opens{0};
+  };
+  std::map<share_key, held_entry> held_entries_;
   std::map<std::string, std::pair<context*, device::event_handle>> opened_events_;
   std::deque<std::string> opened_order_;
   std::atomic<bool> back_signal_{true};  // off: the negative control of tests (ipc::set_back_signal)
@@ -696,7 +713,7 @@ array endpoint::open(exchange& on, std::span<const std::byte> bytes, const named
   std::unique_lock lock{mutex_};
   forget_ended_producers();
   remote_block& block = remote(h);
-  const entry_release done = claim_entry(h, block);
+  const open_release done = count_open(h, block);
   try {
     return host ? open_host(h, std::move(layout), lock, done)
                 : open_device(*ctx, block, h, std::move(layout), consumer, lock, done);
@@ -707,25 +724,40 @@ array endpoint::open(exchange& on, std::span<const std::byte> bytes, const named
   }
 }
 
-entry_release endpoint::claim_entry(const wire_handle& h, remote_block& block)
+endpoint::open_release endpoint::count_open(const wire_handle& h, remote_block& block)
 {
   share_slot& slot = static_cast<control_block*>(block.mapping->data())->slots[h.slot];
-  const claim claimed =
-    claim_share(slot, h.generation, handoff::detail::this_process(), handoff::detail::this_process_start_time());
-  HANDOFF_EXPECTS(!claimed.full, buffer_error,
-                  fmt::format("this share is open {} times already, in this process or others, the most it can "
-                              "be at once (an open's place is free again once the producer has seen its release)",
-                              consumers_per_share));
-  HANDOFF_EXPECTS(claimed.entry != nullptr, buffer_error,
-                  fmt::format("the process that shared this array (pid {}) has released the share: its memory may be "
-                              "freed or reused (keep the handle, or the array, alive there until it is opened)",
-                              h.pid));
-  if ((h.flags & in_flight) != 0U) { take_ticket(slot); }
-  return entry_release{claimed.entry, block.mapping};
+  const share_key key{h.pid, h.start_time, h.block, h.slot, h.generation};
+  auto held = held_entries_.find(key);
+  if (held == held_entries_.end()) {
+    const claim claimed =
+      claim_share(slot, h.generation, handoff::detail::this_process(), handoff::detail::this_process_start_time());
+    HANDOFF_EXPECTS(!claimed.full, buffer_error,
+                    fmt::format("this share is open in {} processes already, the most it can be at once (a "
+                                "process's place is free again once the producer has seen its release)",
+                                consumers_per_share));
+    HANDOFF_EXPECTS(claimed.entry != nullptr, buffer_error,
+                    fmt::format("the process that shared this array (pid {}) has released the share: its memory may "
+                                "be freed or reused (keep the handle, or the array, alive there until it is opened)",
+                                h.pid));
+    held = held_entries_.emplace(key, held_entry{.release = {claimed.entry, block.mapping}, .opens = 0}).first;
+  }
+  if ((h.flags & in_flight) != 0U) { take_ticket(slot); }  // each open of an in-flight handle uses its ticket
+  ++held->second.opens;
+  return {this, key};
+}
+
+void endpoint::release_open(const share_key& key) noexcept
+{
+  std::lock_guard lock{mutex_};
+  const auto held = held_entries_.find(key);
+  if (held == held_entries_.end() || --held->second.opens > 0) { return; }
+  held->second.release();
+  held_entries_.erase(held);
 }
 
 array endpoint::open_host(const wire_handle& h, array_layout layout, std::unique_lock<std::mutex>& lock,
-                          const entry_release& done)
+                          const open_release& done)
 {
   const mapped segment = map_host_segment(h);
   layout.data = static_cast<std::byte*>(segment.base) + h.offset;  // 0: a host share copies the array alone
@@ -740,7 +772,7 @@ array endpoint::open_host(const wire_handle& h, array_layout layout, std::unique
 }
 
 array endpoint::open_device(context& ctx, remote_block& block, const wire_handle& h, array_layout layout,
-                            const named_stream& consumer, std::unique_lock<std::mutex>& lock, const entry_release& done)
+                            const named_stream& consumer, std::unique_lock<std::mutex>& lock, const open_release& done)
 {
   const int device = h.device.device_id;
   const device_guard on_device{ctx.backend(), device};

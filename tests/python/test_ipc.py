@@ -190,12 +190,23 @@ def test_the_producer_keeps_host_memory_until_the_consumer_released_it(agent):
     )
 
 
-def test_a_share_open_as_many_times_as_it_has_places_refuses_one_more_saying_so(agent):
+def test_a_process_takes_one_place_in_a_share_however_often_it_opens_it_and_a_ninth_process_is_refused(agent):
     handle = ipc.share(np.arange(4.0))
-    agent.run(f"h = ipc.Handle({bytes(handle)!r}); opened = [ipc.open(h) for _ in range(8)]")
-    with pytest.raises(AgentError, match="open 8 times already, in this process or others") as error:
-        agent.run("ipc.open(h)")
-    assert error.value.kind == "BufferError"
+    opening = f"h = ipc.Handle({bytes(handle)!r}); opened = [ipc.open(h) for _ in range(20)]"
+    agent.run(opening)  # one place, held until the last of the twenty goes
+    others = [Agent() for _ in range(7)]
+    try:
+        for other in others:
+            other.run(opening)
+        ninth = Agent()
+        with pytest.raises(AgentError, match="open in 8 processes already") as error:
+            ninth.run(opening)
+        assert error.value.kind == "BufferError"
+        ninth.close()
+        assert agent.run("result = float(sum(numpy.from_dlpack(a).sum() for a in opened))") == 120.0
+    finally:
+        for other in others:
+            other.close()
     agent.run("del opened")
 
 
