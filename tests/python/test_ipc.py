@@ -569,7 +569,9 @@ def test_nothing_leaks_over_many_share_open_release_cycles(agent):
             handle = ipc.share(a)
             agent.run(f"b = ipc.open(ipc.Handle({bytes(handle)!r}), stream=consumer); del b")
             del handle
-        wait_until(lambda: handoff.stats()["ipc_pending_remote_releases"] == 0, "every consumer release")
+            # Each cycle's release is seen before the next: the pools then hold what one share needs,
+            # however far a loaded machine lets the consumer's releases fall behind.
+            wait_until(lambda: handoff.stats()["ipc_pending_remote_releases"] == 0, "the consumer's release")
         there = agent.run(
             "sim.synchronize(); sim.drain(); import os\n"
             "result = [handoff.stats()['ipc_mappings_cached'], threading.active_count(), len(os.listdir('/proc/self/fd'))]"
@@ -579,7 +581,7 @@ def test_nothing_leaks_over_many_share_open_release_cycles(agent):
         return len(os.listdir("/proc/self/fd")), files, there
 
     # The pools (interprocess events, control blocks) grow with the shares still awaiting their
-    # consumer's release at once (a few tens), never with the number of cycles.
+    # consumer's release at once (one here), never with the number of cycles.
     fds, files, there = run(cycles // 2)
     fds_after, files_after, there_after = run(cycles - cycles // 2)
     assert there_after[0] == 0, "the consumer keeps no mapping of released arrays"
