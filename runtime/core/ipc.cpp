@@ -574,12 +574,14 @@ void endpoint::poll(bool scheduled) noexcept
         const std::uint32_t generation = generation_of(slot.word.load(std::memory_order_acquire));
         std::uint32_t done = slot.tickets_used.exchange(0, std::memory_order_acq_rel);
         for (auto& entry : slot.consumers) {
-          const auto state = static_cast<entry_state>(entry.state.load(std::memory_order_acquire));
+          auto state = static_cast<entry_state>(entry.state.load(std::memory_order_acquire));
           if (state == entry_state::free) { continue; }
           if (state == entry_state::released) {
-            entry.state.store(static_cast<std::uint32_t>(entry_state::free), std::memory_order_release);
-            ++done;
-            continue;
+            if (free_released(entry)) {
+              ++done;
+              continue;
+            }
+            state = entry_state::open;  // taken back by its consumer
           }
           if (ask_liveness && !handoff::detail::process_alive(entry.pid.load(), entry.start_time.load())) {
             HANDOFF_LOG_WARN("handoff.ipc: consumer process {} ended holding a share; its hold is released",

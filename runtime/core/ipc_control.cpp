@@ -14,8 +14,43 @@
 
 namespace handoff::ipc::detail {
 
+namespace {
+
+// This process's own entry of the share, released but not yet counted out by the producer, taken
+// back: its hold is still counted, so the share is still this generation and nothing is added. The
+// producer frees a released entry by compare-and-swap, so it either counts the hold out or sees the
+// entry open again, never both. Another process's released entry is left alone: until it is
+// rewritten, its pid names that process, which may end and have the entry freed without its count.
+consumer_entry* reclaim_own(share_slot& slot, std::uint32_t generation, int pid, std::uint64_t start_time) noexcept
+{
+  for (auto& entry : slot.consumers) {
+    if (entry.pid.load(std::memory_order_relaxed) != pid ||
+        entry.start_time.load(std::memory_order_relaxed) != start_time ||
+        entry.generation.load(std::memory_order_relaxed) != generation) {
+      continue;
+    }
+    auto expected = static_cast<std::uint32_t>(entry_state::released);
+    if (!entry.state.compare_exchange_strong(expected, static_cast<std::uint32_t>(entry_state::open),
+                                             std::memory_order_acq_rel)) {
+      continue;
+    }
+    // Read again once it is ours: between the first reads and the swap, the producer may have freed
+    // it and another process claimed and released it for another share.
+    if (entry.pid.load(std::memory_order_relaxed) == pid &&
+        entry.start_time.load(std::memory_order_relaxed) == start_time &&
+        entry.generation.load(std::memory_order_acquire) == generation) {
+      return &entry;
+    }
+    entry.state.store(static_cast<std::uint32_t>(entry_state::released), std::memory_order_release);
+  }
+  return nullptr;
+}
+
+}  // namespace
+
 claim claim_share(share_slot& slot, std::uint32_t generation, int pid, std::uint64_t start_time) noexcept
 {
+  if (consumer_entry* own = reclaim_own(slot, generation, pid, start_time)) { return {own, false}; }
   consumer_entry* taken = nullptr;
   for (auto& entry : slot.consumers) {
     auto expected = static_cast<std::uint32_t>(entry_state::free);
@@ -38,6 +73,13 @@ claim claim_share(share_slot& slot, std::uint32_t generation, int pid, std::uint
   }
   taken->state.store(static_cast<std::uint32_t>(entry_state::free), std::memory_order_release);
   return {nullptr, false};
+}
+
+bool free_released(consumer_entry& entry) noexcept
+{
+  auto expected = static_cast<std::uint32_t>(entry_state::released);
+  return entry.state.compare_exchange_strong(expected, static_cast<std::uint32_t>(entry_state::free),
+                                             std::memory_order_acq_rel);
 }
 
 void take_ticket(share_slot& slot) noexcept

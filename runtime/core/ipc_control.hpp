@@ -81,6 +81,10 @@ struct claim {
 };
 [[nodiscard]] claim claim_share(share_slot& slot, std::uint32_t generation, int pid, std::uint64_t start_time) noexcept;
 
+/// The producer's side of a released entry: frees it, and says whether its hold is to be counted out.
+/// False where its consumer took it back first (claim_share), its hold kept.
+[[nodiscard]] bool free_released(consumer_entry& entry) noexcept;
+
 /// Takes one in-flight ticket of the share, if any is left: its hold is counted out by the producer.
 void take_ticket(share_slot& slot) noexcept;
 

@@ -210,6 +210,31 @@ def test_a_process_takes_one_place_in_a_share_however_often_it_opens_it_and_a_ni
     agent.run("del opened")
 
 
+def test_a_process_that_opens_and_releases_one_share_again_and_again_keeps_one_place(agent):
+    producer = Agent()
+    try:
+        data = producer.run("h = ipc.share(numpy.arange(4.0)); result = list(bytes(h))")
+        # Stopped, the producer sees none of the releases below: each open must take back the place
+        # its process released, not a ninth one.
+        producer.process.send_signal(signal.SIGSTOP)
+        try:
+            reopened = agent.run(
+                f"h = ipc.Handle({bytes(data)!r})\n"
+                "result = 0.0\n"
+                "for _ in range(24):\n"
+                "    a = ipc.open(h); result += float(numpy.asarray(a).sum()); del a"
+            )
+        finally:
+            producer.process.send_signal(signal.SIGCONT)
+        assert reopened == 24 * 6.0
+        pending = "ipc._poll(); result = handoff.stats()['ipc_pending_remote_releases']"
+        assert producer.run(pending) == 0, "the one place is counted out once the producer looks"
+        assert agent.run("a = ipc.open(h); result = float(numpy.asarray(a).sum())") == 6.0
+        agent.run("del a")
+    finally:
+        producer.close()
+
+
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps")
 def test_a_consumer_lets_go_of_an_ended_producers_control_block_once_nothing_opened_from_it_is_held(agent):
     producer = Agent()

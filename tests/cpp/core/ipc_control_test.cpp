@@ -142,6 +142,32 @@ TEST(IpcSlotTest, ConsumersCountThemselvesInOnlyWhileTheShareIsHeld)
   EXPECT_TRUE(claim_share(*slot, 5, 100, 1).full);
 }
 
+TEST(IpcSlotTest, AProcessTakesBackItsOwnReleasedEntryWithTheHoldItStillCounts)
+{
+  auto slot = std::make_unique<share_slot>();
+  slot->word.store(pack_word(5, 1));
+  const claim first = claim_share(*slot, 5, 100, 1);
+  ASSERT_NE(first.entry, nullptr);
+  first.entry->state.store(static_cast<std::uint32_t>(entry_state::released));  // not yet counted out
+
+  const claim other = claim_share(*slot, 5, 101, 1);  // another process: a place of its own
+  ASSERT_NE(other.entry, nullptr);
+  EXPECT_NE(other.entry, first.entry);
+  EXPECT_EQ(holds_of(slot->word.load()), 3U);
+  EXPECT_EQ(claim_share(*slot, 4, 100, 1).entry, nullptr);  // another share: not this process's entry
+  EXPECT_EQ(first.entry->state.load(), static_cast<std::uint32_t>(entry_state::released));
+
+  const claim again = claim_share(*slot, 5, 100, 1);
+  EXPECT_EQ(again.entry, first.entry);
+  EXPECT_EQ(first.entry->state.load(), static_cast<std::uint32_t>(entry_state::open));
+  EXPECT_EQ(holds_of(slot->word.load()), 3U);  // its hold was still counted: none added
+  EXPECT_FALSE(free_released(*first.entry));   // the producer's poll leaves it, and its hold, alone
+
+  first.entry->state.store(static_cast<std::uint32_t>(entry_state::released));
+  EXPECT_TRUE(free_released(*first.entry));  // now counted out
+  EXPECT_EQ(first.entry->state.load(), static_cast<std::uint32_t>(entry_state::free));
+}
+
 TEST(IpcSlotTest, ATicketIsTakenOnce)
 {
   auto slot = std::make_unique<share_slot>();
