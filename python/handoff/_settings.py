@@ -1,5 +1,5 @@
 """handoff's settings from the environment that Python reads (the runtime reads HANDOFF_BACKEND,
-HANDOFF_SIM_DEVICES, HANDOFF_EXPORT_RELEASE and HANDOFF_LOG_*), each read one way.
+HANDOFF_SIM_DEVICES, HANDOFF_SIM_VISIBLE_DEVICES, HANDOFF_EXPORT_RELEASE and HANDOFF_LOG_*), each read one way.
 
 A value is read as users write it: blanks around it are ignored, and words in any case. A value that
 cannot be used is a warning on handoff's logger (stderr), and the default applies: a setting never

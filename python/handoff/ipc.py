@@ -56,7 +56,10 @@ class Handle:
 
     @property
     def device(self) -> tuple[int, int]:
-        """Where the opened array will be: ``(device_type, device_id)`` with DLPack's codes."""
+        """Where the shared array is, as the producer numbers its devices: ``(device_type,
+        device_id)`` with DLPack's codes. A handle names the device by its UUID too: a process that
+        numbers the node's devices otherwise (``CUDA_VISIBLE_DEVICES``) opens the array on its own
+        ordinal of that device."""
         return self._description["device"]
 
     @property

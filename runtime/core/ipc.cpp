@@ -13,8 +13,10 @@
 #include "log/logger.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <chrono>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -122,18 +124,41 @@ void check_openable(const wire_handle& h)
                   fmt::format("the process that shared this array (pid {}) has ended: its memory is gone", h.pid));
 }
 
-// The context that opens the device memory `h` shares: this process's, running the producer's backend.
-context& opening_context(exchange& on, const wire_handle& h)
+// A device's UUID as nvidia-smi prints it.
+std::string uuid_text(const device::device_uuid& id)
+{
+  std::string hex;
+  for (std::size_t i = 0; i < id.size(); ++i) {
+    if (i == 4 || i == 6 || i == 8 || i == 10) { hex += '-'; }
+    hex += fmt::format("{:02x}", std::to_integer<unsigned>(id[i]));
+  }
+  return "GPU-" + hex;
+}
+
+// The context that opens the device memory `h` shares: this process's, running the producer's
+// backend. `h`'s device becomes this process's ordinal of it: the two processes may number the node's
+// devices otherwise (CUDA_VISIBLE_DEVICES), so the handle names it by its UUID.
+context& opening_context(exchange& on, wire_handle& h)
 {
   context& ctx = on.require_device("opening device memory another process shared");
+  device::backend& b = ctx.backend();
   HANDOFF_EXPECTS(
-    ctx.backend().name() == h.backend && ctx.backend().device_type() == h.device.device_type, value_error,
-    fmt::format("this handle shares memory of the {} backend; this process runs {}", h.backend, ctx.backend().name()));
-  const int devices = ctx.backend().device_count();
-  HANDOFF_EXPECTS(h.device.device_id < devices, value_error,
-                  fmt::format("this handle shares memory of device {}, and this process has {} device{}",
-                              h.device.device_id, devices, devices == 1 ? "" : "s"));
-  return ctx;
+    b.name() == h.backend && b.device_type() == h.device.device_type, value_error,
+    fmt::format("this handle shares memory of the {} backend; this process runs {}", h.backend, b.name()));
+  const int devices = b.device_count();
+  std::vector<std::string> seen;
+  for (int d = 0; d < devices; ++d) {
+    const device::device_uuid id = b.uuid(d);
+    if (id == h.device_uuid) {
+      h.device.device_id = d;
+      return ctx;
+    }
+    seen.push_back(uuid_text(id));
+  }
+  throw value_error(fmt::format(
+    "this handle shares memory of {} (device {} of process {}), a device this process does not see: it sees {} "
+    "(do the two processes' CUDA_VISIBLE_DEVICES or HIP_VISIBLE_DEVICES differ?)",
+    uuid_text(h.device_uuid), h.device.device_id, h.pid, fmt::join(seen, ", ")));
 }
 
 // The shared array's layout, its data still to be mapped.
@@ -460,6 +485,7 @@ endpoint::device_source endpoint::describe_device_memory(exchange& on, const arr
   h.allocation_size = attributes.size;
   h.backend = std::string{b.name()};
   h.device = {x.device().device_type, device};
+  h.device_uuid = b.uuid(device);
   // The stream the data is known to be ready on (an array's); `ready` names it where none is known,
   // and where it names another, that stream waits for the known one: a share is ready after both.
   std::optional<bound_stream> known = x.owner().ready_on();
@@ -706,7 +732,7 @@ void endpoint::close_mapping(const std::string& key) noexcept
 
 array endpoint::open(exchange& on, std::span<const std::byte> bytes, const named_stream& consumer)
 {
-  const wire_handle h = decode(bytes);
+  wire_handle h = decode(bytes);
   check_openable(h);
   const bool host = (h.flags & host_memory) != 0U;
   context* ctx = host ? nullptr : &opening_context(on, h);

@@ -96,7 +96,7 @@ void take_ticket(share_slot& slot) noexcept
 namespace {
 
 constexpr std::array<char, 8> handle_magic{'h', 'o', 'f', 'f', 'i', 'p', 'c', 'h'};
-constexpr std::uint32_t handle_version = 1;
+constexpr std::uint32_t handle_version = 2;
 constexpr std::size_t max_ndim = 64;
 constexpr std::size_t backend_chars = 16;
 
@@ -198,6 +198,7 @@ std::vector<std::byte> encode(const wire_handle& h)
   w.put(backend);
   w.put(static_cast<std::int32_t>(h.device.device_type));
   w.put(h.device.device_id);
+  w.put(h.device_uuid);
   w.put(h.dtype);
   w.put(static_cast<std::uint32_t>(h.shape.size()));
   for (const auto extent : h.shape) { w.put(extent); }
@@ -241,6 +242,7 @@ wire_handle decode(std::span<const std::byte> bytes)
   h.backend.assign(backend.data(), strnlen(backend.data(), backend_chars));
   h.device.device_type = static_cast<DLDeviceType>(r.get<std::int32_t>());
   h.device.device_id = r.get<std::int32_t>();
+  h.device_uuid = r.get<device::device_uuid>();
   h.dtype = r.get<DLDataType>();
   const auto ndim = r.get<std::uint32_t>();
   HANDOFF_EXPECTS(ndim <= max_ndim, value_error,

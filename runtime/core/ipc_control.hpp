@@ -106,8 +106,9 @@ struct wire_handle {
   std::uint32_t slot{0};
   std::uint32_t generation{0};
   std::array<std::byte, 16> block_token{};
-  std::string backend;  // at most 15 characters
-  DLDevice device{kDLCPU, 0};
+  std::string backend;                // at most 15 characters
+  DLDevice device{kDLCPU, 0};         // the producer's ordinal
+  device::device_uuid device_uuid{};  // what names the device in every process (device memory)
   DLDataType dtype{};
   std::vector<std::int64_t> shape;
   std::vector<std::int64_t> strides;  // elements

@@ -27,6 +27,11 @@ ipc_handle backend::ipc_memory_handle(void* /*base*/)
   not_supported(*this, "cudaIpcGetMemHandle");
 }
 
+device_uuid backend::uuid(int /*device*/)
+{
+  not_supported(*this, "cudaGetDeviceProperties(uuid)");
+}
+
 void* backend::open_ipc_memory(const ipc_handle& /*handle*/)
 {
   not_supported(*this, "cudaIpcOpenMemHandle");

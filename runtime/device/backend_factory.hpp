@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace handoff::device {
 
@@ -29,8 +30,14 @@ struct cuda_runtime_requirement {
 ///         cudaErrorInsufficientDriver: ...".
 [[nodiscard]] std::unique_ptr<backend> make_cuda_backend();
 
-/// HANDOFF_SIM_DEVICES: an integer from 1 to sim_backend::max_devices; 2 when unset or empty.
-/// @throws handoff::value_error for anything else.
-[[nodiscard]] int sim_device_count_from_env();
+/// The simulated devices a process sees: HANDOFF_SIM_DEVICES, an integer from 1 to
+/// sim_backend::max_devices (2 when unset or empty), the first of the simulated node's; or
+/// HANDOFF_SIM_VISIBLE_DEVICES, the node's devices listed as CUDA_VISIBLE_DEVICES lists them ("1,0").
+struct sim_devices {
+  int count{2};
+  std::vector<int> visible;  // empty: the first `count`
+};
+/// @throws handoff::value_error for anything else, or for both set and disagreeing.
+[[nodiscard]] sim_devices sim_devices_from_env();
 
 }  // namespace handoff::device

@@ -133,7 +133,9 @@ def test_a_corrupted_or_forged_handle_is_refused():
 def test_a_forged_handle_whose_array_lies_outside_its_memory_is_refused():
     # Opened, it would be a view past the shared memory's end: a crash at the first read.
     data = bytes(ipc.share(np.ones(4)))
-    shape_at = 104  # after the fixed fields, the backend's name, the device, the dtype and the dimension count
+    shape_at = (
+        120  # after the fixed fields, the backend's name, the device and its UUID, the dtype and the dimension count
+    )
     assert struct.unpack_from("<Iqq", data, shape_at - 4) == (1, 4, 1)
     for shape, stride in ((1 << 24, 1), (4, -1), (5, 1)):
         forged = reforge(data, shape_at, struct.pack("<qq", shape, stride))
@@ -259,11 +261,39 @@ def test_a_handle_of_a_device_the_consumer_does_not_have_is_a_value_error_naming
     handle = ipc.share(sim.zeros(4, device=1))
     one_device = Agent(HANDOFF_SIM_DEVICES="1")
     try:
-        with pytest.raises(AgentError, match="memory of device 1, and this process has 1 device") as error:
+        with pytest.raises(
+            AgentError, match=r"memory of GPU-68616e64-6f66-662d-7369-6d0000000001 \(device 1 of process"
+        ) as error:
             one_device.run(f"ipc.open(ipc.Handle({bytes(handle)!r}))")
         assert error.value.kind == "ValueError"
+        assert "it sees GPU-68616e64-6f66-662d-7369-6d0000000000 (do the two" in error.value.args[0]
     finally:
         one_device.close()
+
+
+@needs_sim
+@needs_two_devices
+def test_a_process_that_numbers_the_devices_otherwise_opens_the_memory_on_the_device_it_is_on():
+    from handoff import sim
+
+    on_second = sim.zeros(4, device=1)
+    stream = sim.Stream(1)
+    sim.fill(on_second, 7.0, stream=stream)
+    handle = ipc.share(on_second, stream=stream)
+    # The node's devices listed the other way round, as CUDA_VISIBLE_DEVICES=1,0 lists them: the
+    # memory is on this process's device 0. Opened on its device 1 (the producer's ordinal), the
+    # simulator refuses it, as CUDA without peer access does.
+    swapped = Agent(HANDOFF_SIM_VISIBLE_DEVICES="1,0")
+    try:
+        opened = (
+            "from handoff import sim; on = sim.Stream(0)\n"
+            f"a = ipc.open(ipc.Handle({bytes(handle)!r}), stream=on)\n"
+            "result = [a.device, sim.to_numpy(a, stream=on).tolist()]"
+        )
+        assert swapped.run(opened) == [[on_second.device[0], 0], [7.0] * 4]
+        swapped.run("del a")
+    finally:
+        swapped.close()
 
 
 def test_a_released_share_cannot_be_opened(agent):

@@ -35,6 +35,10 @@ struct ipc_handle {
   std::array<std::byte, 128> bytes{};
 };
 
+/// A device's UUID (cudaDeviceProp::uuid): what names one device in every process of a node, whose
+/// ordinals differ where CUDA_VISIBLE_DEVICES (or HIP_VISIBLE_DEVICES) does.
+using device_uuid = std::array<std::byte, 16>;
+
 /// What kind of memory an address belongs to.
 enum class memory_kind {
   unregistered,  ///< host memory the backend does not know (plain malloc)
@@ -175,6 +179,9 @@ class backend : handoff::detail::immovable {
   /// @throws device_error for memory that cannot be shared (not the base of device memory; a pool
   ///         that was not made shareable).
   [[nodiscard]] virtual ipc_handle ipc_memory_handle(void* base);
+  /// The UUID of device `device` (an ordinal of this process): how a handle names its device to a
+  /// process that numbers the node's devices otherwise.
+  [[nodiscard]] virtual device_uuid uuid(int device);
   /// Maps memory another process shared on the current device (cudaIpcOpenMemHandle with lazy peer
   /// access); undone with close_ipc_memory. @throws device_error as the runtime refuses it.
   [[nodiscard]] virtual void* open_ipc_memory(const ipc_handle& handle);

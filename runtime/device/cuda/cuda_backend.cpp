@@ -24,6 +24,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -156,6 +157,7 @@ class cuda_backend final : public backend {
     load_entry_point("cuDeviceGet", driver_.device_get, 2000);
     load_entry_point("cuDevicePrimaryCtxRetain", driver_.primary_ctx_retain, 7000);
     primary_contexts_.resize(static_cast<std::size_t>(count));
+    uuids_.resize(static_cast<std::size_t>(count));
     load_entry_point("cuGetErrorName", driver_.get_error_name, 6000);
     load_entry_point("cuGetErrorString", driver_.get_error_string, 6000);
     load_entry_point("cuThreadExchangeStreamCaptureMode", driver_.thread_exchange_capture_mode, 10010);
@@ -514,6 +516,21 @@ class cuda_backend final : public backend {
     return out;
   }
 
+  [[nodiscard]] device_uuid uuid(int device) override
+  {
+    HANDOFF_EXPECTS(device >= 0 && device < device_count_, value_error,
+                    fmt::format("CUDA device {} does not exist ({} devices)", device, device_count_));
+    std::lock_guard lock{ipc_mutex_};
+    auto& known = uuids_[static_cast<std::size_t>(device)];
+    if (!known) {
+      cudaDeviceProp properties{};  // asked once per device: it fills every property
+      HANDOFF_CUDA_TRY(cudaGetDeviceProperties(&properties, device));
+      known.emplace();
+      std::memcpy(known->data(), properties.uuid.bytes, known->size());
+    }
+    return *known;
+  }
+
   [[nodiscard]] void* open_ipc_memory(const ipc_handle& handle) override
   {
     void* ptr = nullptr;
@@ -745,7 +762,8 @@ class cuda_backend final : public backend {
   std::mutex ipc_mutex_;
   std::map<cudaMemPool_t, int> exported_pools_;
   std::map<std::pair<std::int32_t, std::int32_t>, cudaMemPool_t> imported_pools_;
-  std::set<void*> pool_pointers_;  // opened from pools: freed, not closed
+  std::set<void*> pool_pointers_;                  // opened from pools: freed, not closed
+  std::vector<std::optional<device_uuid>> uuids_;  // by ordinal
 };
 
 }  // namespace

@@ -31,7 +31,7 @@ constexpr std::uint64_t event_magic = 0x68736D2D65767431;   // "hsm-evt1"
 struct handle_fields {
   std::uint64_t magic;
   std::uint8_t flavour;
-  std::int32_t device;
+  std::int32_t device;  // the node's device, as CUDA's handles name the GPU, not an ordinal
   std::int32_t pid;
   std::uint64_t serial;
   std::uint64_t size;
@@ -241,13 +241,26 @@ ipc_handle sim_backend::ipc_memory_handle(void* base)
   handle_fields fields{};
   fields.magic = memory_magic;
   fields.flavour = static_cast<std::uint8_t>(impl_->flavour);
-  fields.device = it->second.device;
+  fields.device = impl_->node_device(it->second.device);
   fields.pid = detail::this_process();
   const auto& name = it->second.segment->name();
   fields.serial = std::stoull(name.substr(name.rfind('.') + 1));
   fields.size = it->second.size;
   fields.token = header->token;
   return pack(fields);
+}
+
+device_uuid sim_backend::uuid(int device)
+{
+  const call_with c{"uuid", "{}", device};
+  impl_->open(c);
+  if (device < 0 || device >= impl_->device_count) { impl_->fail(c, sim_error::invalid_device, "no such device"); }
+  constexpr std::string_view prefix = "handoff-sim";
+  device_uuid id{};
+  std::ranges::transform(prefix, id.begin(), [](char ch) { return static_cast<std::byte>(ch); });
+  const auto n = static_cast<std::uint32_t>(impl_->node_device(device));
+  for (std::size_t i = 0; i < 4; ++i) { id[id.size() - 1 - i] = static_cast<std::byte>(n >> (8U * i)); }
+  return id;
 }
 
 void* sim_backend::open_ipc_memory(const ipc_handle& handle)
@@ -263,10 +276,11 @@ void* sim_backend::open_ipc_memory(const ipc_handle& handle)
   }
   std::lock_guard lock(impl_->mutex);
   const int device = impl_->using_current(c);
-  if (h.device < 0 || h.device >= impl_->device_count) { impl_->fail(c, sim_error::invalid_handle, "no such device"); }
-  if (device != h.device) {
+  if (h.device < 0 || h.device >= max_devices) { impl_->fail(c, sim_error::invalid_handle, "no such device"); }
+  if (impl_->node_device(device) != h.device) {
     impl_->fail(c, sim_error::peer_access_unsupported,
-                fmt::format("the memory is on device {}, the current device is {}", h.device, device));
+                fmt::format("the memory is on the node's device {}, the current device is its device {}", h.device,
+                            impl_->node_device(device)));
   }
   const auto key = std::make_pair(h.pid, h.serial);
   if (const auto known = impl_->imported.find(key); known != impl_->imported.end()) {
@@ -292,7 +306,7 @@ void* sim_backend::open_ipc_memory(const ipc_handle& handle)
   allocation info;
   info.size = h.size;
   info.kind = memory_kind::device;
-  info.device = h.device;
+  info.device = device;
   info.segment = std::make_shared<detail::shared_mapping>(std::move(*mapping));
   info.ipc_opens = 1;
   const auto base = reinterpret_cast<std::uintptr_t>(data);
@@ -378,7 +392,7 @@ ipc_handle sim_backend::ipc_event_handle(event_handle event)
   handle_fields fields{};
   fields.magic = event_magic;
   fields.flavour = static_cast<std::uint8_t>(impl_->flavour);
-  fields.device = e.device;
+  fields.device = impl_->node_device(e.device);
   fields.pid = detail::this_process();
   fields.serial = e.ipc->serial;
   fields.token = e.ipc->state->token;
@@ -409,8 +423,7 @@ event_handle sim_backend::open_ipc_event(const ipc_handle& handle)
   }
   std::lock_guard lock(impl_->mutex);
   auto e = std::make_unique<event_state>();
-  e->device = h.device;
-  (void)impl_->using_current(c);
+  e->device = impl_->using_current(c);  // CUDA: opened in the current context
   auto shared = std::make_shared<shared_event>();
   shared->mapping = std::move(*mapping);
   shared->state = state;

@@ -58,6 +58,7 @@ struct operation_info {
 constexpr std::array operation_table{
   operation_info{"device_count", "cudaGetDeviceCount", "hipGetDeviceCount"},
   operation_info{"current_device", "cudaGetDevice", "hipGetDevice"},
+  operation_info{"uuid", "cudaGetDeviceProperties", "hipGetDeviceProperties"},
   operation_info{"set_current_device", "cudaSetDevice", "hipSetDevice"},
   operation_info{"push_current_device", "cuCtxPushCurrent", "hipCtxPushCurrent"},
   operation_info{"create_stream", "cudaStreamCreateWithFlags", "hipStreamCreateWithFlags"},

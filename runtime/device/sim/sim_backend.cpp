@@ -17,6 +17,7 @@
 #include <cctype>
 #include <cstring>
 #include <memory>
+#include <numeric>
 #include <string>
 #include <utility>
 #include <vector>
@@ -28,11 +29,23 @@ using std::chrono::nanoseconds;
 
 namespace {}  // namespace
 
-sim_backend::sim_backend(int device_count, sim_flavour flavour)
+sim_backend::sim_backend(int device_count, sim_flavour flavour, std::vector<int> visible)
 {
   HANDOFF_EXPECTS(device_count >= 1 && device_count <= max_devices, value_error,
                   fmt::format("a simulated backend has 1 to {} devices, not {}", max_devices, device_count));
-  impl_ = std::make_unique<impl>(device_count, flavour);
+  if (visible.empty()) {
+    visible.resize(static_cast<std::size_t>(device_count));
+    std::iota(visible.begin(), visible.end(), 0);
+  }
+  std::vector<int> sorted = visible;
+  std::ranges::sort(sorted);
+  HANDOFF_EXPECTS(
+    std::cmp_equal(visible.size(), device_count) && sorted.front() >= 0 && sorted.back() < max_devices &&
+      std::ranges::adjacent_find(sorted) == sorted.end(),
+    value_error,
+    fmt::format("a simulated backend of {} device{} sees {} distinct devices of its node (0 to {}), not {}",
+                device_count, device_count == 1 ? "" : "s", device_count, max_devices - 1, fmt::join(visible, ",")));
+  impl_ = std::make_unique<impl>(std::move(visible), flavour);
   HANDOFF_LOG_DEBUG("{}: {} simulated devices", impl_->backend_name(), device_count);
 }
 

@@ -88,12 +88,14 @@ thread_key this_thread_key() noexcept
 
 namespace {}  // namespace
 
-sim_backend::impl::impl(int count, sim_flavour f)
+sim_backend::impl::impl(std::vector<int> visible, sim_flavour f)
     : flavour(f),
-      device_count(count),
-      devices(static_cast<std::size_t>(count)),
-      has_context(static_cast<std::size_t>(count), false)
+      device_count(static_cast<int>(visible.size())),
+      node_devices(std::move(visible)),
+      devices(node_devices.size()),
+      has_context(node_devices.size(), false)
 {
+  const int count = device_count;
   for (int d = 0; d < count; ++d) {
     auto& dev = devices[static_cast<std::size_t>(d)];
     dev.legacy = std::make_unique<stream_state>();

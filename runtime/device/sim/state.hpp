@@ -228,7 +228,7 @@ struct sim_backend::impl final : sim_detail::thread_state_owner {
     sim_detail::thread_key holder;  // the thread that began it, which must end it
   };
 
-  impl(int count, sim_flavour f);
+  impl(std::vector<int> visible, sim_flavour f);
   impl(const impl&) = delete;
   impl& operator=(const impl&) = delete;
   impl(impl&&) = delete;
@@ -340,6 +340,10 @@ struct sim_backend::impl final : sim_detail::thread_state_owner {
 
   sim_flavour flavour;
   int device_count;
+  std::vector<int> node_devices;  // by ordinal: the simulated node's device each is
+
+  /// The node's device that ordinal `device` of this process is (CUDA_VISIBLE_DEVICES's mapping).
+  [[nodiscard]] int node_device(int device) const noexcept { return node_devices[static_cast<std::size_t>(device)]; }
 
   mutable std::mutex mutex;  // guards everything below except the faults and the pool
   std::vector<sim_detail::device_state> devices;

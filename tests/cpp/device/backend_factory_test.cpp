@@ -1,5 +1,5 @@
-// Choosing a backend by name, HANDOFF_SIM_DEVICES, and the CUDA backend's refusal to start without
-// a driver.
+// Choosing a backend by name, HANDOFF_SIM_DEVICES and HANDOFF_SIM_VISIBLE_DEVICES, and the CUDA
+// backend's refusal to start without a driver.
 #include "device/backend_factory.hpp"
 #include "device/sim/sim_backend.hpp"
 
@@ -8,9 +8,11 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <utility>
 
 namespace handoff::device {
 namespace {
@@ -19,18 +21,24 @@ class DeviceFactoryTest : public ::testing::Test {
  protected:
   void SetUp() override
   {
-    if (const char* value = std::getenv("HANDOFF_SIM_DEVICES")) { saved_ = value; }
+    for (auto& [name, value] : saved_) {
+      if (const char* set = std::getenv(name)) { value = set; }
+    }
+    ::unsetenv("HANDOFF_SIM_VISIBLE_DEVICES");
   }
   void TearDown() override
   {
-    if (saved_) {
-      ::setenv("HANDOFF_SIM_DEVICES", saved_->c_str(), 1);
-    } else {
-      ::unsetenv("HANDOFF_SIM_DEVICES");
+    for (const auto& [name, value] : saved_) {
+      if (value) {
+        ::setenv(name, value->c_str(), 1);
+      } else {
+        ::unsetenv(name);
+      }
     }
   }
 
-  std::optional<std::string> saved_;
+  std::array<std::pair<const char*, std::optional<std::string>>, 2> saved_{
+    {{"HANDOFF_SIM_DEVICES", std::nullopt}, {"HANDOFF_SIM_VISIBLE_DEVICES", std::nullopt}}};
 };
 
 TEST_F(DeviceFactoryTest, MakesSimulatedBackendsByName)
@@ -64,6 +72,38 @@ TEST_F(DeviceFactoryTest, ReadsTheSimulatedDeviceCount)
     }
   }
   EXPECT_THROW(sim_backend(0, sim_flavour::cuda), value_error);
+}
+
+TEST_F(DeviceFactoryTest, ReadsTheSimulatedNodesDevicesAProcessSeesAsCudaVisibleDevicesLists)
+{
+  ::unsetenv("HANDOFF_SIM_DEVICES");
+  auto all = make_backend("sim");
+  ::setenv("HANDOFF_SIM_VISIBLE_DEVICES", "1,0,5", 1);
+  auto listed = make_backend("sim");
+  ASSERT_EQ(listed->device_count(), 3);
+  EXPECT_EQ(listed->uuid(0), all->uuid(1));  // the node's device 1 is this process's 0
+  EXPECT_EQ(listed->uuid(1), all->uuid(0));
+  EXPECT_NE(listed->uuid(2), all->uuid(0));
+  EXPECT_NE(listed->uuid(2), all->uuid(1));
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(all->uuid(0).data()), 11), "handoff-sim");
+  EXPECT_THROW((void)listed->uuid(3), device_error);
+
+  ::setenv("HANDOFF_SIM_DEVICES", "3", 1);  // both, alike
+  EXPECT_EQ(make_backend("sim-rocm")->device_count(), 3);
+  for (const char* bad : {"1,1", "0,,1", "-1", "64", "a", "0,"}) {
+    ::unsetenv("HANDOFF_SIM_DEVICES");
+    ::setenv("HANDOFF_SIM_VISIBLE_DEVICES", bad, 1);
+    try {
+      (void)make_backend("sim");
+      ADD_FAILURE() << "accepted HANDOFF_SIM_VISIBLE_DEVICES=" << bad;
+    } catch (const value_error& e) {
+      EXPECT_NE(std::string(e.what()).find("HANDOFF_SIM_VISIBLE_DEVICES"), std::string::npos) << e.what();
+    }
+  }
+  ::setenv("HANDOFF_SIM_VISIBLE_DEVICES", "0,1", 1);
+  ::setenv("HANDOFF_SIM_DEVICES", "1", 1);
+  EXPECT_THROW((void)make_backend("sim"), value_error);  // both, disagreeing
+  EXPECT_THROW(sim_backend(2, sim_flavour::cuda, {0}), value_error);
 }
 
 TEST_F(DeviceFactoryTest, RejectsUnknownNamesListingTheAcceptedOnes)

@@ -568,6 +568,7 @@ TEST_P(DeviceTest, InjectedFaultsFailEachOperationOnce)
        (void)s.end_capture(capturing);
      }},
     {"hold", [&] { s.hold(blocking).release(); }},
+    {"uuid", [&] { (void)b().uuid(0); }},
     {"ipc_memory_handle", [&] { (void)b().ipc_memory_handle(p); }},
     {"create_ipc_event", [&] { b().destroy_event(b().create_ipc_event()); }},
     {"ipc_event_handle",

@@ -88,8 +88,12 @@ class sim_backend final : public backend {
   /// The most devices a simulated backend may have.
   static constexpr int max_devices = 64;
 
-  /// @throws handoff::value_error when `device_count` is not in [1, max_devices].
-  sim_backend(int device_count, sim_flavour flavour);
+  /// A process's view of a simulated node of `max_devices` devices: its ordinals are the node's
+  /// devices `visible` lists, in that order, as CUDA_VISIBLE_DEVICES makes them; empty: the first
+  /// `device_count`. A device's uuid() and the handles of its memory name the node's device.
+  /// @throws handoff::value_error when `device_count` is not in [1, max_devices], or `visible` is
+  ///         not `device_count` distinct devices of the node.
+  sim_backend(int device_count, sim_flavour flavour, std::vector<int> visible = {});
   ~sim_backend() override;
   sim_backend(const sim_backend&) = delete;
   sim_backend& operator=(const sim_backend&) = delete;
@@ -144,6 +148,9 @@ class sim_backend final : public backend {
   /// Device memory from `allocate` can be shared (as cudaMalloc's): other kinds cannot
   /// (cudaErrorInvalidValue), nor memory mapped from another process.
   [[nodiscard]] ipc_handle ipc_memory_handle(void* base) override;
+  /// The node's device `n` has the UUID whose first bytes spell "handoff-sim" and whose last four are
+  /// `n`, big-endian.
+  [[nodiscard]] device_uuid uuid(int device) override;
   /// Refused as CUDA refuses it: in the process that made the handle (cudaErrorDeviceUninitialized),
   /// memory that was freed or whose process ended (cudaErrorMapBufferObjectFailed), a handle that
   /// names no memory of this node (cudaErrorInvalidResourceHandle), on another device than the
