@@ -112,6 +112,10 @@ def start_from_environment() -> None:
             import multiprocessing.util
 
             multiprocessing.util.register_after_fork(_forked_worker_exit, _forked_worker_exit)
+    elif path is None and _settings.flag("HANDOFF_TRACE_LAUNCHES"):
+        _settings.warn(
+            "HANDOFF_TRACE_LAUNCHES makes the process trace a launch trace, and HANDOFF_TRACE (its file) is not set: no trace"
+        )
     if _settings.flag("HANDOFF_ORDER"):
         from ._interpose import order_libraries
 

@@ -85,10 +85,13 @@ class trace:
         launches: bool = False,
     ) -> None:
         _settings.check_limit(limit)
+        for name, value in (("libraries", libraries), ("launches", launches)):
+            if not isinstance(value, bool):  # "false" would turn it on
+                raise TypeError(f"handoff.trace({name}=...) takes True or False, not {value!r}")
         self._path: str | None = os.fspath(path) if path is not None else None
         self._limit = limit
-        self._libraries = bool(libraries)
-        self._launches = bool(launches)
+        self._libraries = libraries
+        self._launches = launches
         self._watching = False
         #: Why device activity could not be recorded (``launches=True`` on a backend that cannot
         #: report it: no device, no CUPTI, no driver); None otherwise.

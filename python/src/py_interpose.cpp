@@ -11,6 +11,7 @@
 #include "py_streams.hpp"
 #include "py_trace.hpp"
 
+#include <handoff/activity.hpp>
 #include <handoff/context.hpp>
 #include <handoff/device_guard.hpp>
 #include <handoff/dtype.hpp>
@@ -150,6 +151,7 @@ class interposed_exchange {
     device::backend& backend = on.ctx->backend();
     const device_guard on_device{backend, on.device};
     const relaxed_capture_mode relaxed{backend};  // a capture under way elsewhere neither fails nor breaks
+    const activity::bookkeeping own;              // the trace's question, not the program's
     return backend.stream_capture_status(on.stream) == device::capture_status::none && !backend.query_stream(on.stream);
   }
 

@@ -17,6 +17,7 @@
 #include <handoff/internal/admission.hpp>
 #include <handoff/internal/device_memory.hpp>
 #include <handoff/internal/sim.hpp>
+#include <handoff/stream_value.hpp>
 
 #include <fmt/format.h>
 
@@ -375,12 +376,24 @@ void launch(exchange& on, const std::string& name, py::handle reads, py::handle 
                     fmt::format("{} must be a sequence of arrays, not {}", argument, type_name(arrays)));
     for (const auto item : arrays) {
       array* found = as_array(item);
-      HANDOFF_EXPECTS(
-        found != nullptr && found->device().device_type == s.sim.device_type(), type_error,
-        fmt::format("{} holds {}, not a handoff.Array on the simulated device", argument, type_name(item)));
+      HANDOFF_EXPECTS(found != nullptr, type_error,
+                      fmt::format("{} holds {}, not a handoff.Array", argument, type_name(item)));
+      const DLDevice where = found->device();
+      const bool reached =
+        where.device_type == s.sim.device_type() ||
+        where.device_type == (s.sim.flavour() == device::sim_flavour::cuda ? kDLCUDAHost : kDLROCMHost) ||
+        where.device_type == kDLCUDAManaged;
+      HANDOFF_EXPECTS(reached, type_error,
+                      fmt::format("{} holds an array of {} memory, which the simulated device does not reach", argument,
+                                  device_type_name(where.device_type)));
       const auto address = reinterpret_cast<std::uintptr_t>(found->data());
       const auto bytes = static_cast<std::size_t>(found->nbytes());
-      device = device.value_or(found->device().device_id);
+      if (where.device_type == s.sim.device_type()) {
+        device = device.value_or(where.device_id);
+        HANDOFF_EXPECTS(where.device_id == *device, value_error,
+                        fmt::format("the arrays are on devices {} and {}: simulated devices have no peer access",
+                                    *device, where.device_id));
+      }
       const auto same = std::find_if(uses.begin(), uses.end(), [&](const activity::buffer_use& u) {
         return u.address == address && u.bytes == bytes;
       });
@@ -393,11 +406,19 @@ void launch(exchange& on, const std::string& name, py::handle reads, py::handle 
   };
   add(reads, activity::access::read, "reads");
   add(writes, activity::access::write, "writes");
-  HANDOFF_EXPECTS(!name.empty(), value_error, "a kernel needs a name");
+  HANDOFF_EXPECTS(!name.empty() && name.find('\0') == std::string::npos, value_error,
+                  "a kernel needs a name, with no NUL character in it");
   const auto handle = stream_of(stream);
   const auto wait = seconds(delay, "delay");
   const current_device current{s.sim, device.value_or(s.sim.current_device())};
-  s.sim.launch_kernel(handle, activity::intern(name), uses, wait);
+  if (device) {
+    const int launched_on = s.sim.stream_device(handle);
+    HANDOFF_EXPECTS(launched_on == *device, value_error,
+                    fmt::format("the arrays are on device {} and the stream on device {}: simulated devices have no "
+                                "peer access",
+                                *device, launched_on));
+  }
+  s.sim.launch_kernel(handle, name.c_str(), uses, wait);
 }
 
 void fill(exchange& on, py::handle target, py::handle value, py::handle stream, double delay)

@@ -1,5 +1,6 @@
 #include "core/context_impl.hpp"
 
+#include <handoff/activity.hpp>
 #include <handoff/device_guard.hpp>
 #include <handoff/embedding.hpp>
 #include <handoff/internal/counters.hpp>
@@ -268,6 +269,7 @@ void context::impl::poll_releases(std::chrono::nanoseconds interval) noexcept
   std::vector<pending_release*> reached;
   std::list<release_group> waiting;
   const relaxed_capture_mode relaxed{backend_};  // a capture on another thread must not fail the queries
+  const activity::bookkeeping own;               // the program waited for none of this
   std::optional<device_guard> on_device;
   int current = -1;  // the device on_device made current
   while (!watched.empty()) {

@@ -1,5 +1,6 @@
 #include "core/context_impl.hpp"
 
+#include <handoff/activity.hpp>
 #include <handoff/device_guard.hpp>
 #include <handoff/error.hpp>
 
@@ -90,6 +91,7 @@ bool context::impl::drain_for(std::chrono::nanoseconds limit)
 void context::impl::look_at(exit_probe& probe) noexcept
 {
   if (probe.settled || !probe.failure.empty()) { return; }
+  const activity::bookkeeping own;  // the program waited for none of this
   try {
     device_guard on{backend_, probe.where.first};
     if (!probe.event) {

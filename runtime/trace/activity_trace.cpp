@@ -235,9 +235,30 @@ std::optional<exchanged_memory> exchanged_at(std::uintptr_t address) noexcept
   return held != nullptr ? std::optional{*held} : std::nullopt;
 }
 
+namespace {
+
+// How deep the calling thread is in bookkeeping scopes.
+[[gnu::noinline]] int& bookkeeping_depth() noexcept
+{
+  thread_local int depth = 0;
+  return depth;
+}
+
+}  // namespace
+
+bookkeeping::bookkeeping() noexcept
+{
+  ++bookkeeping_depth();
+}
+
+bookkeeping::~bookkeeping()
+{
+  --bookkeeping_depth();
+}
+
 void report(const record& r) noexcept
 {
-  if (!recording()) { return; }
+  if (!recording() || bookkeeping_depth() > 0) { return; }
   if (r.kind == kind::host_query) {
     observe_query(r);
     return;

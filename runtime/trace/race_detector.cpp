@@ -72,6 +72,7 @@ std::uint32_t race_detector::look_up_stream(const stream_key& key, const activit
   const auto s = static_cast<std::uint32_t>(streams_.size());
   streams_.push_back({.key = key, .stream_class = r.stream_class, .clock = {}, .host_seen = 0, .live = true});
   streams_.back().clock.resize(streams_.size(), 0);
+  streams_of(key.device).live.push_back(s);
   index_.insert_or_assign(key, s);
   last_stream_.emplace(key, s);
   return s;
@@ -90,20 +91,12 @@ inline void race_detector::order_operation(std::uint32_t s)
 void race_detector::join_legacy_rule(std::uint32_t s)
 {
   // The legacy default stream waits for every blocking stream of its device, and they for it.
-  const stream_state& self = streams_[s];
-  if (self.stream_class == stream_class::legacy) {
-    for (std::uint32_t other = 0; other < streams_.size(); ++other) {
-      const stream_state& b = streams_[other];
-      if (other != s && b.live && b.key.device == self.key.device && blocking(b.stream_class)) {
-        join(streams_[s].clock, b.clock);
-      }
-    }
-  } else if (blocking(self.stream_class)) {
-    for (std::uint32_t other = 0; other < streams_.size(); ++other) {
-      const stream_state& l = streams_[other];
-      if (l.live && l.key.device == self.key.device && l.stream_class == stream_class::legacy) {
-        join(streams_[s].clock, l.clock);
-      }
+  const stream_class own = streams_[s].stream_class;
+  if (own != stream_class::legacy && !blocking(own)) { return; }
+  for (const std::uint32_t other : streams_of(streams_[s].key.device).live) {
+    const stream_class theirs = streams_[other].stream_class;
+    if (other != s && (own == stream_class::legacy ? blocking(theirs) : theirs == stream_class::legacy)) {
+      join(streams_[s].clock, streams_[other].clock);
     }
   }
 }
@@ -118,9 +111,9 @@ inline std::uint32_t race_detector::tick(std::uint32_t s)
 
 void race_detector::join_host_with(int device)
 {
-  for (const stream_state& s : streams_) {
-    if (s.key.device == device) { join(host_, s.clock); }
-  }
+  const device_streams& on = streams_of(device);
+  join(host_, on.retired);
+  for (const std::uint32_t s : on.live) { join(host_, streams_[s].clock); }
   ++host_version_;
 }
 
@@ -165,6 +158,9 @@ inline std::optional<race_detector::conflict> race_detector::conflict_in(const r
 {
   if (range.freed && !ordered(*range.freed, s)) {
     return conflict{.hazard = "reuse", .other = &*range.freed, .used_after_free = true};
+  }
+  if (range.reallocated && !ordered(*range.reallocated, s)) [[unlikely]] {
+    return conflict{.hazard = "reuse", .other = &*range.reallocated, .before_reallocation = true};
   }
   if (range.write && !ordered(*range.write, s)) {
     return conflict{.hazard = hazard, .other = &*range.write, .used_after_free = false};
@@ -249,9 +245,14 @@ std::optional<found_hazard> race_detector::observe(const activity::record& r, st
       break;
     case kind::stream_destroy: {
       const std::uint32_t s = stream_of(r, thread);
-      streams_[s].live = false;
-      index_.erase(streams_[s].key);
+      stream_state& gone = streams_[s];
+      gone.live = false;
+      index_.erase(gone.key);
       last_stream_.reset();
+      device_streams& on = streams_of(gone.key.device);
+      std::erase(on.live, s);
+      join(on.retired, gone.clock);
+      clock_vector{}.swap(gone.clock);
       break;
     }
     case kind::event_record: {
@@ -273,7 +274,7 @@ std::optional<found_hazard> race_detector::observe(const activity::record& r, st
       observe_host_wait(r, thread);
       break;
     case kind::allocate:
-      observe_allocation(r, thread);
+      observe_allocation(r, thread, site);
       break;
     case kind::free:
       return observe_free(r, thread, site);
@@ -305,20 +306,33 @@ void race_detector::observe_host_wait(const activity::record& r, std::uint64_t t
   }
 }
 
-void race_detector::observe_allocation(const activity::record& r, std::uint64_t thread)
+void race_detector::observe_allocation(const activity::record& r, std::uint64_t thread, const access_site& site)
 {
-  std::optional<std::uint32_t> s;
-  if (r.stream_ordered) {
-    s = stream_of(r, thread);
-    order_operation(*s);
+  if (!r.stream_ordered) {
+    for (const auto& use : r.buffers) { forget(use.address, use.address + use.bytes); }
+    return;
   }
+  // An allocation is no work on its stream: the legacy stream's rule does not order other streams
+  // by it (the simulator enqueues nothing, and CUDA promises no more).
+  const std::uint32_t s = stream_of(r, thread);
   for (const auto& use : r.buffers) {
     // A stream-ordered allocator hands out memory freed on another stream only once that free is
-    // ordered before the allocating stream's work (CUDA's pools insert the wait): trusted.
+    // ordered before the allocating stream's work (CUDA's pools insert the wait): trusted. Other
+    // streams are ordered after the free only once they are after the allocation.
+    bool freed = false;
     for_each_overlap(use.address, use.address + use.bytes, [&](const auto&, const range_state& range) {
-      if (s && range.freed_clock) { join(streams_[*s].clock, *range.freed_clock); }
+      if (range.freed_clock) {
+        join(streams_[s].clock, *range.freed_clock);
+        freed = true;
+      }
     });
     forget(use.address, use.address + use.bytes);
+    if (freed) {
+      auto& clock = streams_[s].clock;
+      if (clock.size() <= s) { clock.resize(s + 1, 0); }
+      range_for(use.address, use.address + use.bytes).reallocated =
+        epoch{.stream = s, .clock = ++clock[s], .mode = access::write, .site = sites_.make(site)};
+    }
   }
 }
 
@@ -427,6 +441,7 @@ found_hazard race_detector::describe(const conflict& met, const access_site& min
   wording_key key{.hazard = met.hazard,
                   .freeing = freeing,
                   .used_after_free = met.used_after_free,
+                  .before_reallocation = met.before_reallocation,
                   .here = s,
                   .there = other.stream,
                   .address = use.address,
@@ -464,6 +479,17 @@ race_detector::wording race_detector::word(const wording_key& k, const access_si
   const std::string other_what = other.kind == kind::launch && other.kernel != nullptr
                                    ? fmt::format("'{}'", other.kernel)
                                    : std::string{noun(other.kind)};
+  if (k.before_reallocation) {
+    out.detail = fmt::format(
+      "{} on {} uses {}, which was freed and then handed out again by the {} on {}, with nothing ordering the "
+      "use after that allocation: the memory's earlier user may still be using it",
+      this_side, here, memory, other_side, there);
+    out.fix = fmt::format(
+      "make {} wait for an event recorded on {} after the allocation (stream-ordered memory is usable on its "
+      "own stream, and on another once ordered after the allocation), or allocate on {}",
+      here, there, here);
+    return out;
+  }
   if (k.used_after_free) {
     out.detail = fmt::format(
       "{} on {} uses {}, which was freed on {} by the {} with nothing ordering the use after "
@@ -489,19 +515,21 @@ race_detector::wording race_detector::word(const wording_key& k, const access_si
     "{} on {} and the {} on {} touch {} with nothing ordering them: {}", this_side, here, other_side, there, memory,
     activity::writes(k.other_mode) ? "it may read or write the memory before the earlier write"
                                    : "it may write the memory while the earlier read still runs");
-  const bool legacy_meets_non_blocking =
-    (streams_[k.here].stream_class == stream_class::legacy && !blocking(streams_[k.there].stream_class)) ||
-    (streams_[k.there].stream_class == stream_class::legacy && !blocking(streams_[k.here].stream_class));
+  const bool legacy_after_non_blocking =
+    streams_[k.here].stream_class == stream_class::legacy && !blocking(streams_[k.there].stream_class);
+  const bool non_blocking_after_legacy =
+    streams_[k.there].stream_class == stream_class::legacy && !blocking(streams_[k.here].stream_class);
   const std::string wait = fmt::format(
     "make {} wait for {}: an event recorded on {} after {}, waited for on {} before this (cudaEventRecord, "
     "cudaStreamWaitEvent; handoff.from_dlpack(x, stream=...) does it for an exchanged array)",
     here, there, there, other_what, here);
   std::string fix =
-    legacy_meets_non_blocking
+    legacy_after_non_blocking || non_blocking_after_legacy
       ? fmt::format(
-          "the legacy default stream does not wait for non-blocking streams: launch on the stream the data "
-          "was ordered onto (pass the library its stream, or make it every library's current stream with "
-          "handoff.stream(s, frameworks=True)), or {}",
+          "{}: launch on the stream the data was ordered onto (pass the library its stream, or make it every "
+          "library's current stream with handoff.stream(s, frameworks=True)), or {}",
+          legacy_after_non_blocking ? "the legacy default stream does not wait for non-blocking streams"
+                                    : "a non-blocking stream does not wait for the legacy default stream",
           wait)
       : fmt::format(
           "{}, or run both on one stream (with handoff.stream(s, frameworks=True): every library's current "

@@ -1,3 +1,4 @@
+#include <handoff/activity.hpp>
 #include <handoff/array.hpp>
 #include <handoff/context.hpp>
 #include <handoff/device_guard.hpp>
@@ -721,6 +722,7 @@ void exchange_scope::classify()
   if (e.action == action::unordered && e.producer_stream) {
     const device_guard on_device{backend, e.producer_stream->device.device_id};
     const relaxed_capture_mode relaxed{backend};
+    const activity::bookkeeping own;  // the trace's question, not the program's
     const auto producer = static_cast<device::stream_handle>(e.producer_stream->handle);
     if (backend.stream_capture_status(producer) == device::capture_status::none && !backend.query_stream(producer)) {
       e.hazard = "unordered";

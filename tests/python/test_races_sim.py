@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import pytest
 import handoff
 from handoff import _trace_cli
 
-from support import DEFAULT_STREAM, cuda_is_usable, go_on, needs_sim, run_python, serving_child
+from support import BACKEND, DEFAULT_STREAM, DEVICE_COUNT, cuda_is_usable, go_on, needs_sim, run_python, serving_child
 
 HERE = Path(__file__).resolve()
 EXAMPLES = HERE.parents[2] / "examples"
@@ -40,6 +41,15 @@ def line_of(marker: str) -> str:
         if text.rstrip().endswith(f"# {marker}"):
             return f"{HERE}:{number}"
     raise AssertionError(f"no line marked {marker}")
+
+
+def eventually(condition, what: str) -> None:
+    """Polls until `condition()` holds (work that handoff's threads or the device do on their own),
+    failing after a minute instead of hanging; it waits for nothing the program could order by."""
+    deadline = time.monotonic() + 60.0
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.001)
 
 
 def races(t: handoff.trace) -> list[dict[str, Any]]:
@@ -223,6 +233,146 @@ def test_ordering_that_relied_on_a_synchronizing_free(sim_streams, free: str):
 
 
 @needs_sim
+@pytest.mark.parametrize("between", ["allocation", "legacy-operation"])
+def test_an_allocation_orders_no_other_streams_work_as_an_operation_of_the_legacy_stream_does(between: str):
+    from handoff import sim
+
+    first, second = sim.Stream(), sim.Stream()  # blocking: ordered by the legacy stream's operations
+    data, scratch = sim.zeros(N), sim.zeros(16)
+    with handoff.trace(launches=True) as t:
+        with sim.hold(first):
+            sim.fill(data, 1.0, stream=first)
+            if between == "allocation":
+                more = sim.zeros(16)  # no work on the legacy stream: `second` does not wait for `first`
+            else:
+                sim.fill(scratch, 0.0, stream=DEFAULT_STREAM)  # waits for `first`, and `second` for it
+            read = sim.to_numpy(data, stream=second, wait=False)  # second-read
+            assert sim.waits_for_hold(second) == (between == "legacy-operation")
+        assert read.result()[0] == (0.0 if between == "allocation" else 1.0)
+    if between == "allocation":
+        [race] = races(t)
+        assert race["kind"] == "copy" and race["where"] == line_of("second-read")
+        del more
+    else:
+        assert races(t) == []
+    sim.synchronize()
+
+
+@needs_sim
+@pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "after-the-allocation"])
+def test_memory_handed_out_again_is_usable_on_another_stream_once_ordered_after_the_allocation(
+    sim_streams, ordered: bool
+):
+    from handoff import sim
+
+    first, allocating = sim_streams
+    third = sim.Stream(non_blocking=True)
+    marker = sim.zeros(1)
+    with handoff.trace(launches=True) as t:
+        freed = sim.zeros(N, stream=first)
+        address = freed.data_ptr
+        sim.launch("read_freed", reads=[freed], stream=first)
+        del freed  # cudaFreeAsync on `first`
+        sim.synchronize()  # the free has run: the pool hands the memory out again
+        again = sim.zeros(N, stream=allocating)  # cudaMallocAsync: `allocating` is after the free
+        assert again.data_ptr == address
+        if ordered:
+            sim.fill(marker, 1.0, stream=allocating)
+            kept = ordered_after(marker, third)  # `third` waits for `allocating`, the allocation included
+        sim.launch("write_again", writes=[again], stream=third)  # write-again
+    if ordered:
+        assert races(t) == []
+        del kept
+    else:
+        [reuse] = races(t)
+        assert reuse["hazard"] == "reuse" and reuse["kernel"] == "write_again"
+        assert reuse["where"] == line_of("write-again") and reuse["other_stream"] == allocating.handle
+        assert "after the allocation" in reuse["fix"]
+    del again
+
+
+@needs_sim
+@pytest.mark.parametrize("query", ["release-poll", "unordered-probe"])
+@pytest.mark.parametrize("synchronized", [False, True], ids=["not-synchronized", "synchronized"])
+def test_handoffs_own_device_queries_are_not_the_programs_host_waits(sim_streams, query: str, synchronized: bool):
+    from handoff import sim
+
+    producer, consumer = sim_streams
+    data = sim.zeros(N)
+    with handoff.trace(launches=True) as t:
+        if query == "release-poll":
+            imported = handoff.from_dlpack(data, stream=producer)
+            sim.launch("produce", writes=[data], stream=producer)
+            del imported  # released after `producer`'s work: handoff's service thread queries its event
+            eventually(lambda: handoff.stats()["pending_releases"] == 0, "the release was seen done")
+        else:
+            sim.fill(data, 1.0, stream=producer)  # the array's stream: the one the trace asks about
+            eventually(lambda: sim.pending(producer) == 0, "the producer's work ran")
+            unordered = handoff.from_dlpack(data, stream=-1)  # the trace asks whether `producer` still works
+        if synchronized:
+            producer.synchronize()
+        sim.launch("consume", reads=[data], stream=consumer)  # consume-after-query
+    if synchronized:
+        assert races(t) == []
+    else:
+        [race] = races(t)
+        assert race["kernel"] == "consume" and race["other_stream"] == producer.handle
+        assert race["where"] == line_of("consume-after-query")
+    if query == "unordered-probe":
+        del unordered
+
+
+@needs_sim
+@pytest.mark.parametrize("between", ["graph", "nothing"])
+def test_a_graph_launched_on_the_legacy_stream_orders_the_blocking_streams(between: str):
+    from handoff import sim
+
+    first, second, capturing = sim.Stream(), sim.Stream(), sim.Stream(non_blocking=True)
+    data, scratch = sim.zeros(N), sim.zeros(16)
+    sim.begin_capture(capturing)
+    sim.fill(scratch, 2.0, stream=capturing)
+    graph = sim.end_capture(capturing)
+    with handoff.trace(launches=True) as t:
+        with sim.hold(first):
+            sim.fill(data, 1.0, stream=first)
+            if between == "graph":
+                graph.launch(DEFAULT_STREAM)  # one operation of the legacy stream: it waits for `first`
+            read = sim.to_numpy(data, stream=second, wait=False)  # graph-read
+            assert sim.waits_for_hold(second) == (between == "graph")
+        read.result()
+    if between == "graph":
+        assert races(t) == []
+        [launch] = [e for e in t.events if e["kind"] == "launch"]
+        assert launch["kernel"] in ("cudaGraphLaunch", "hipGraphLaunch") and launch["stream"] == DEFAULT_STREAM
+    else:
+        [race] = races(t)
+        assert race["where"] == line_of("graph-read")
+    sim.synchronize()
+
+
+@needs_sim
+@pytest.mark.parametrize("synchronized", [False, True], ids=["not-synchronized", "device-synchronized"])
+def test_a_destroyed_streams_work_is_ordered_by_a_device_synchronization(sim_streams, synchronized: bool):
+    from handoff import sim
+
+    _, consumer = sim_streams
+    outputs = [sim.zeros(N) for _ in range(3)]
+    with handoff.trace(launches=True) as t:
+        for out in outputs:  # a stream per step, as some pipelines make them
+            step = sim.Stream(non_blocking=True)
+            sim.launch("produce", writes=[out], stream=step)
+            del step  # destroyed, its work still to run
+        if synchronized:
+            sim.synchronize()
+        sim.launch("consume", reads=outputs, stream=consumer)  # after-destroyed
+    if synchronized:
+        assert races(t) == []
+    else:
+        [race] = races(t)
+        assert race["kernel"] == "consume" and race["where"] == line_of("after-destroyed")
+
+
+@needs_sim
 @pytest.mark.parametrize("kept_for_the_copy", [False, True], ids=["freed-while-copying", "kept-for-the-copy"])
 def test_a_side_stream_copy_whose_source_is_freed_while_it_runs(sim_streams, kept_for_the_copy: bool):
     from handoff import sim
@@ -348,6 +498,18 @@ def test_launch_checks_its_arguments(sim_streams):
         sim.launch("k", writes=[np.zeros(3)], stream=producer)
     with pytest.raises(ValueError, match="a kernel needs a name"):
         sim.launch("", stream=producer)
+    with pytest.raises(ValueError, match="no NUL character"):
+        sim.launch("gemm\0tail", stream=producer)
+    for memory in ("pinned", "managed") if BACKEND == "sim" else ("pinned",):  # memory a kernel reaches
+        sim.launch("k", writes=[sim.zeros(4, memory=memory)], stream=producer)
+    if DEVICE_COUNT > 1:
+        with pytest.raises(ValueError, match="the arrays are on device 1 and the stream on device 0"):
+            sim.launch("k", writes=[sim.zeros(4, device=1)], stream=producer)
+    for value in ("false", 0, None):
+        with pytest.raises(TypeError, match=r"handoff.trace\(launches=...\) takes True or False"):
+            handoff.trace(launches=value)
+    with pytest.raises(TypeError, match=r"handoff.trace\(libraries=...\) takes True or False"):
+        handoff.trace(libraries="no")
     with pytest.raises(ValueError, match="delay must be a non-negative"):
         sim.launch("k", stream=producer, delay=-1.0)
     with pytest.raises(TypeError, match="a stream is required"):

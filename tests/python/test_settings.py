@@ -74,6 +74,15 @@ def test_a_boolean_setting_that_is_neither_is_a_warning_at_import():
 # --- HANDOFF_TRACE and HANDOFF_TRACE_LIMIT ---------------------------------------------------------
 
 
+def test_a_launch_trace_asked_for_without_the_process_traces_file_is_a_warning(tmp_path):
+    result = run_python("import handoff", HANDOFF_TRACE_LAUNCHES="1")
+    assert result.returncode == 0, result.stderr
+    assert "HANDOFF_TRACE (its file) is not set: no trace" in result.stderr
+    traced = run_python("import handoff", HANDOFF_TRACE_LAUNCHES="1", HANDOFF_TRACE=str(tmp_path / "t.json"))
+    assert traced.returncode == 0, traced.stderr
+    assert "[warning]" not in traced.stderr
+
+
 @pytest.mark.parametrize("value", ["", " ", "0", "off", "False"])
 def test_a_process_trace_switched_off_as_a_boolean_is_no_trace(value, monkeypatch):
     monkeypatch.setenv("HANDOFF_TRACE", value)

@@ -86,8 +86,23 @@ extern std::atomic<bool> recording;
 }
 
 /// Hands `r` to the trace (its detector and sessions) on the calling thread. Cheap to call when
-/// nothing records; never throws.
+/// nothing records; never throws. Nothing is reported inside a bookkeeping scope.
 void report(const record& r) noexcept;
+
+/// Marks the calling thread's backend calls, while it lives, as handoff's own bookkeeping (the
+/// service thread's polls of releases, the trace's question whether a producer still works): not
+/// the program's. What such a query sees orders nothing the program does, so it is not reported: as
+/// a host query, it would order every later operation after the work it saw done, and hide the
+/// race that only timing then separates.
+class bookkeeping {
+ public:
+  bookkeeping() noexcept;
+  ~bookkeeping();
+  bookkeeping(const bookkeeping&) = delete;
+  bookkeeping& operator=(const bookkeeping&) = delete;
+  bookkeeping(bookkeeping&&) = delete;
+  bookkeeping& operator=(bookkeeping&&) = delete;
+};
 
 /// A name (a kernel's, a user line's) kept for the life of the process: records point at it.
 /// Thread-safe.

@@ -77,28 +77,35 @@ void sim_backend::launch_graph(const sim_graph& graph, stream_handle stream)
   const call_with c{"launch_graph", "graph of {}, {:#x}", graph.size(), raw(stream)};
   impl_->open(c);
   if (!graph.graph_) { impl_->fail(c, sim_error::invalid_value, "an empty sim_graph (not from end_capture)"); }
-  std::lock_guard lock(impl_->mutex);
-  auto& s = impl_->stream(c, stream);
-  impl_->check_legacy_use(c, s);
-  if (s.capture) { impl_->fail(c, sim_error::capture_unsupported, "launching a graph into a capture"); }
-  for (const auto& op : graph.graph_->ops) { impl_->check_alive(c, op.device); }
-  // Every node of this launch comes after the stream's earlier work, and the stream's later work
-  // after every node.
-  const node_ptr start = impl_->pool.submit(impl_->submission(s.device, {}), impl_->next_deps_locked(s));
-  std::vector<node_ptr> nodes;
-  nodes.reserve(graph.graph_->ops.size());
-  for (const auto& op : graph.graph_->ops) {
-    std::vector<node_ptr> deps{start};
-    for (const auto dep : op.deps) { deps.push_back(nodes[dep]); }
-    nodes.push_back(impl_->pool.submit(impl_->submission(op.device, op.what), deps));
+  // Reported as one launch on its stream: the legacy stream's rule orders other streams by it.
+  activity_note note{activity::kind::launch, {}};
+  note.record.name = call_name("launch_graph", impl_->flavour).data();
+  {
+    std::lock_guard lock(impl_->mutex);
+    auto& s = impl_->stream(c, stream);
+    impl_->check_legacy_use(c, s);
+    if (s.capture) { impl_->fail(c, sim_error::capture_unsupported, "launching a graph into a capture"); }
+    for (const auto& op : graph.graph_->ops) { impl_->check_alive(c, op.device); }
+    // Every node of this launch comes after the stream's earlier work, and the stream's later work
+    // after every node.
+    const node_ptr start = impl_->pool.submit(impl_->submission(s.device, {}), impl_->next_deps_locked(s));
+    std::vector<node_ptr> nodes;
+    nodes.reserve(graph.graph_->ops.size());
+    for (const auto& op : graph.graph_->ops) {
+      std::vector<node_ptr> deps{start};
+      for (const auto dep : op.deps) { deps.push_back(nodes[dep]); }
+      nodes.push_back(impl_->pool.submit(impl_->submission(op.device, op.what), deps));
+    }
+    nodes.push_back(start);  // an empty graph still ends after the stream's earlier work
+    // The launch holds the graph, and what it retains, until it has run.
+    auto end = impl_->pool.submit(
+      impl_->submission(
+        s.device, {.body = [held = graph.graph_]() mutable { held.reset(); }, .delay = {}, .host_function = false}),
+      nodes);
+    impl_->append_locked(s, std::move(end));  // one operation of the stream, as cudaGraphLaunch is
+    note.on_stream(s, raw(stream), impl_->flavour);
   }
-  nodes.push_back(start);  // an empty graph still ends after the stream's earlier work
-  // The launch holds the graph, and what it retains, until it has run.
-  auto end = impl_->pool.submit(
-    impl_->submission(s.device,
-                      {.body = [held = graph.graph_]() mutable { held.reset(); }, .delay = {}, .host_function = false}),
-    nodes);
-  impl_->append_locked(s, std::move(end));  // one operation of the stream, as cudaGraphLaunch is
+  note.send();
 }
 
 }  // namespace handoff::device

@@ -809,7 +809,7 @@ void sim_backend::launch_kernel(stream_handle stream, const char* kernel, std::s
     impl_->fail(c, sim_error::invalid_value, "a kernel needs a name and a delay >= 0");
   }
   activity_note note{activity::kind::launch, buffers};
-  note.record.name = kernel;
+  if (note.armed) { note.record.name = activity::intern(kernel); }  // kept only where a trace records
   impl_->enqueue(c, stream, {.body = {}, .delay = delay, .host_function = false}, &note);
   note.send();
 }

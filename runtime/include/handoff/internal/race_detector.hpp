@@ -157,6 +157,10 @@ class race_detector {
     std::vector<epoch> reads;  // the latest read of each stream that read since the write
     std::optional<epoch> freed;
     std::shared_ptr<const clock_vector> freed_clock;  // the freeing stream's clock at the free
+    // Memory freed and handed out again by a stream-ordered allocation: usable on the allocating
+    // stream, and on another once ordered after the allocation (the pool orders only its own stream
+    // after the free).
+    std::optional<epoch> reallocated;
   };
 
   struct key_hash {
@@ -169,6 +173,7 @@ class race_detector {
     const char* hazard{nullptr};
     bool freeing{false};
     bool used_after_free{false};
+    bool before_reallocation{false};
     std::uint32_t here{0};  // stream indices: a stream's name never changes
     std::uint32_t there{0};
     std::uintptr_t address{0};
@@ -206,10 +211,10 @@ class race_detector {
   std::uint32_t tick(std::uint32_t s);
   void join_host_with(int device);
   // observe()'s steps by kind of activity: a host wait joins the host's clock with what it waited
-  // for; an allocation forgets what the memory held; a stream-ordered free is checked as a write and
-  // remembered for reuse; a launch, copy or set is checked and recorded.
+  // for; an allocation forgets what the memory held (and remembers a reallocation); a stream-ordered free is checked as
+  // a write and remembered for reuse; a launch, copy or set is checked and recorded.
   void observe_host_wait(const activity::record& r, std::uint64_t thread);
-  void observe_allocation(const activity::record& r, std::uint64_t thread);
+  void observe_allocation(const activity::record& r, std::uint64_t thread, const access_site& site);
   std::optional<found_hazard> observe_free(const activity::record& r, std::uint64_t thread, const access_site& site);
   std::optional<found_hazard> observe_access(const activity::record& r, std::uint64_t thread, const access_site& site);
   [[nodiscard]] bool ordered(const epoch& earlier, std::uint32_t s) const;
@@ -218,6 +223,7 @@ class race_detector {
     const char* hazard{nullptr};  // "race" or "reuse"
     const epoch* other{nullptr};
     bool used_after_free{false};
+    bool before_reallocation{false};  // `other` is the allocation that handed freed memory out again
   };
   /// The first conflict `use` on `s` meets; `exact`, when given, learns the range recorded for
   /// exactly `use`'s memory, if there is one (so that recording the use needs no second search).
@@ -259,8 +265,18 @@ class race_detector {
                         bool freeing);
   [[nodiscard]] wording word(const wording_key& k, const access_site& mine, const access_site& other) const;
 
+  // A device's streams: those alive, and what the destroyed ones had done (a device's
+  // synchronization orders their work too). A destroyed stream's own clock is let go of: nothing
+  // runs on it again, and a program that makes a stream per step would keep a clock for each.
+  struct device_streams {
+    std::vector<std::uint32_t> live;
+    clock_vector retired;
+  };
+  device_streams& streams_of(int device) { return devices_[device]; }
+
   labeler label_;
   std::vector<stream_state> streams_;
+  std::unordered_map<int, device_streams> devices_;
   std::unordered_map<stream_key, std::uint32_t, key_hash> index_;
   std::optional<std::pair<stream_key, std::uint32_t>> last_stream_;  // index_'s last answer: launches repeat a stream
   std::unordered_map<std::uint64_t, clock_vector> events_;

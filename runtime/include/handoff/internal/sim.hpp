@@ -211,7 +211,7 @@ class sim_backend final : public backend {
   /// Enqueues on `stream` a wait of `duration` (the stream's later work starts after it).
   void enqueue_sleep(stream_handle stream, std::chrono::nanoseconds duration);
 
-  /// Enqueues on `stream` a kernel named `kernel` (kept for the process: activity::intern) that takes
+  /// Enqueues on `stream` a kernel named `kernel` (interned where a launch trace records it) that takes
   /// `delay` and uses `buffers` as each says. It changes no memory: a launch trace records what it
   /// reads and writes, and the race detector checks that.
   void launch_kernel(stream_handle stream, const char* kernel, std::span<const activity::buffer_use> buffers,
