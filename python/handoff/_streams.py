@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from contextlib import AbstractContextManager
@@ -21,6 +22,11 @@ _blocks: ContextVar[tuple[_Entry, ...]] = _handoff._stream_var
 # Code whose frames can be suspended with a block open (inspect's CO_GENERATOR, CO_COROUTINE,
 # CO_ITERABLE_COROUTINE, CO_ASYNC_GENERATOR), as generators that yield inside a block are.
 _SUSPENDABLE = 0x20 | 0x80 | 0x100 | 0x200
+
+# Where contextlib's own code runs (ExitStack, the context managers @contextmanager makes), and the
+# methods through which any context manager enters or leaves what it wraps.
+_CONTEXTLIB = contextlib.ExitStack.__exit__.__code__.co_filename
+_PROTOCOL = frozenset({"__enter__", "__exit__", "__aenter__", "__aexit__"})
 
 
 class Stream:
@@ -112,7 +118,8 @@ class stream:
     """
 
     # `_entries`: this block's open entries, wherever they were entered (one block object may be
-    # entered by several threads or tasks at once, and left in another context than its entry's).
+    # entered by several threads, tasks and generators at once, and left in another context than its
+    # entry's).
     __slots__ = ("_entries", "_frameworks", "_stream")
 
     def __init__(self, obj: object, *, frameworks: bool = False) -> None:
@@ -133,25 +140,42 @@ class stream:
         return self._stream
 
     def __exit__(self, *exc_info: object) -> None:
+        entry = self._entry_left(sys._getframe(1))
+        if entry is None:
+            return
         blocks = _blocks.get()
-        entry = next((e for e in reversed(blocks) if e.block is self and e.open), None)
-        if entry is not None:
+        if any(listed is entry for listed in blocks):
             _blocks.set(_leaving(blocks, entry))
-        else:
-            entry = self._entered_elsewhere()  # a generator's block closed in another context
-            if entry is None:
-                return
+        # else a generator's block left in another context than its entry's: closed, it is current
+        # nowhere (each context skips the closed entries it lists).
         self._entries.remove(entry)
         entry.close()
 
-    def _entered_elsewhere(self) -> _Entry | None:
-        """The entry that leaving the block ends when this context lists none of its entries (a
-        generator's block finished in another context than its own): this thread's newest, else the
-        newest."""
-        entries = list(self._entries)
-        thread = threading.get_ident()
-        mine = [entry for entry in entries if entry.thread == thread]
-        return (mine or entries)[-1] if entries else None
+    def _entry_left(self, frame: FrameType) -> _Entry | None:
+        """The entry that leaving the block from `frame` (``__exit__``'s caller) ends.
+
+        The entry whose with-statement this is: the newest entry held by `frame`, or by the frame
+        that the context-manager machinery calling from `frame` leaves it for. Matched by frame, not by
+        thread or context: a generator's block may be left on another thread or in another task than
+        it was entered in, while that thread's or task's own entry of the same block object is still
+        open in its own with-statement. Entered and left from different frames (an ExitStack handed
+        on, ``__exit__`` called by hand), it is this context's newest entry whose holder is not on this
+        thread's stack (a frame there is still inside its own with-statement); else none.
+        """
+        entries = tuple(self._entries)  # a snapshot: other threads enter and leave this block too
+        caller: FrameType | None = frame
+        while caller is not None:
+            for entry in reversed(entries):
+                if entry.holder is caller:
+                    return entry
+            if not _is_machinery(caller):
+                break
+            caller = caller.f_back
+        running = _stack(frame)
+        for entry in reversed(_blocks.get()):
+            if entry.block is self and entry.open and id(entry.holder) not in running:
+                return entry
+        return None
 
 
 class _Entry:
@@ -162,17 +186,30 @@ class _Entry:
     by an asyncio task leaves no stream current here.
     """
 
-    __slots__ = ("block", "enclosing", "frame", "frameworks", "open", "stream", "thread", "thread_frameworks")
+    __slots__ = (
+        "block",
+        "enclosing",
+        "frame",
+        "frameworks",
+        "holder",
+        "open",
+        "stream",
+        "thread",
+        "thread_frameworks",
+    )
 
-    def __init__(self, stream: Stream | None, block: stream, frame: FrameType, blocks: tuple[_Entry, ...]) -> None:
+    def __init__(self, stream: Stream | None, block: stream, caller: FrameType, blocks: tuple[_Entry, ...]) -> None:
         self.stream = stream
         self.block = block
         self.open = True
         self.thread = threading.get_ident()
-        # The frame of a generator or coroutine that entered the block, which may be suspended while
-        # the block is open; a plain function's frame runs as long as its block is open.
-        self.frame: FrameType | None = frame if frame.f_code.co_flags & _SUSPENDABLE else None
-        self.enclosing = _running_block(blocks, frame)
+        # The frame whose code runs in the block (`caller` itself, or the code that context-manager
+        # machinery entered the block for), which the block's exit is matched to; and the generator
+        # or coroutine whose suspension pauses that code, None when nothing can (a plain function
+        # outside any: its block runs as long as it is open, on its thread).
+        self.holder: FrameType | None = _holder(caller)
+        self.frame: FrameType | None = _suspendable(self.holder)
+        self.enclosing = _running_block(blocks, caller)
         self.frameworks: AbstractContextManager[Any] | None = None
         self.thread_frameworks: list[_Entry] | None = None
 
@@ -187,9 +224,57 @@ class _Entry:
 
     def close(self) -> None:
         self.open = False
-        self.frame = self.enclosing = None
+        self.holder = self.frame = self.enclosing = None
         if self.thread_frameworks is not None:
             _framework_blocks.leave(self)
+
+
+def _is_machinery(frame: FrameType | None) -> bool:
+    """Whether `frame` runs context-manager machinery, which enters or leaves a block for other code:
+    contextlib's own functions (``ExitStack``, ``@contextmanager``'s ``__enter__`` and ``__exit__``),
+    any ``__enter__``/``__exit__`` method (a class that wraps a block), or a generator or coroutine
+    that such machinery drives (a ``@contextmanager`` function, suspended while its block runs).
+
+    This is the rule that makes a block the same however it was entered: what runs inside the block
+    is the code of the with-statement that the machinery serves, not the machinery, whose frames
+    have returned (``ExitStack.enter_context``) or are suspended (a ``@contextmanager`` generator)
+    while the block runs, and which leaves the block from other frames than it entered it from."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename == _CONTEXTLIB or code.co_name in _PROTOCOL:
+            return True
+        if not code.co_flags & _SUSPENDABLE:
+            return False
+        frame = frame.f_back  # a generator is machinery when machinery drives it
+    return False
+
+
+def _holder(frame: FrameType) -> FrameType:
+    """The frame whose code runs in a block entered from `frame`: `frame`, or, through context-manager
+    machinery (nested wrappers too), the first frame out from it that is not machinery."""
+    while frame.f_back is not None and _is_machinery(frame):
+        frame = frame.f_back
+    return frame
+
+
+def _suspendable(holder: FrameType) -> FrameType | None:
+    """The innermost generator or coroutine at or out from `holder` that is not machinery: while it
+    is suspended, the code of a block that `holder` entered is not running. None when there is none."""
+    frame: FrameType | None = holder
+    while frame is not None:
+        if frame.f_code.co_flags & _SUSPENDABLE and not _is_machinery(frame):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _stack(frame: FrameType | None) -> set[int]:
+    """The ids of `frame` and the frames out from it: the code running on this thread."""
+    running: set[int] = set()
+    while frame is not None:
+        running.add(id(frame))
+        frame = frame.f_back
+    return running
 
 
 def _running_block(blocks: tuple[_Entry, ...], frame: FrameType) -> _Entry | None:
@@ -204,11 +289,7 @@ def _running_block(blocks: tuple[_Entry, ...], frame: FrameType) -> _Entry | Non
         if entry.frame is None:
             return entry
         if running is None:
-            running = set()
-            caller: FrameType | None = frame
-            while caller is not None:
-                running.add(id(caller))
-                caller = caller.f_back
+            running = _stack(frame)
         if id(entry.frame) in running:
             return entry
     return None

@@ -454,6 +454,249 @@ def test_one_block_object_shared_by_tasks():
     assert asyncio.run(main()) == (handoff.Stream(30), handoff.Stream(30))
 
 
+# --- one block object, entries matched to the code that leaves them --------------------------
+
+
+def _held_import(producer, consumer) -> tuple[bool, float]:
+    """Imports data whose write `producer` holds, naming no stream (the enclosing block's, else the
+    default stream), and reads it on `consumer`: whether the read waited for the write, and what it
+    read (what the write left, or, where the read did not wait, what was there before it)."""
+    from handoff import sim
+
+    data = sim.zeros(4)
+    with sim.hold(producer):
+        sim.fill(data, 5.0, stream=producer)
+        read = sim.to_numpy(handoff.from_dlpack(data), stream=consumer, wait=False)
+        waited = sim.waits_for_hold(consumer)
+        if not waited:  # the race: the read is done while the write is still held
+            return waited, float(read.result()[0])
+    return waited, float(read.result()[0])
+
+
+@needs_sim
+@pytest.mark.parametrize("own_block", [True, pytest.param(False, marks=pytest.mark.negative_control)])
+def test_a_generator_finished_on_a_thread_inside_the_same_block_object_leaves_that_threads_block_open(own_block):
+    from handoff import sim
+
+    producer, consumer = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)
+    block = handoff.stream(consumer)  # one block object, entered by a generator and by a thread
+    seen: dict[str, object] = {}
+
+    def batches():
+        with block:
+            yield
+
+    def worker(primed) -> None:
+        with block if own_block else contextlib.nullcontext():
+            list(primed)  # the generator's block ends here, on this thread, in this thread's context
+            seen["worker, the generator finished"] = handoff.current_stream()
+            seen["import"] = _held_import(producer, consumer)
+        seen["worker, its block ended"] = handoff.current_stream()
+
+    def body() -> None:
+        primed = batches()
+        next(primed)
+        seen["primed"] = handoff.current_stream()
+        thread = threading.Thread(target=worker, args=(primed,))
+        thread.start()
+        thread.join()
+        seen["the generator finished"] = handoff.current_stream()
+
+    contextvars.copy_context().run(body)
+    assert seen.pop("primed") == handoff.as_stream(consumer)
+    assert seen.pop("the generator finished") is None, "the generator's block ended where it was entered too"
+    assert seen.pop("worker, its block ended") is None
+    if own_block:
+        assert seen == {
+            "worker, the generator finished": handoff.as_stream(consumer),  # its own block is still open
+            "import": (True, 5.0),  # onto the block's stream, which waits for the write
+        }
+    else:  # without its block, the thread's import is not ordered onto `consumer`: the read races
+        assert seen == {"worker, the generator finished": None, "import": (False, 0.0)}
+
+
+@needs_sim
+@pytest.mark.parametrize("own_block", [True, pytest.param(False, marks=pytest.mark.negative_control)])
+def test_a_generator_finished_in_a_task_leaves_the_block_another_task_entered_with_the_same_object_open(own_block):
+    from handoff import sim
+
+    producer, consumer = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)
+    block = handoff.stream(consumer)
+    seen: dict[str, object] = {}
+
+    def batches():
+        with block:
+            yield
+
+    async def main() -> None:
+        primed_event, inside, go, drain = (asyncio.Event() for _ in range(4))
+        primed: list = []
+
+        async def drainer() -> None:  # a task whose context does not list the generator's block
+            await drain.wait()
+            list(primed[0])
+
+        async def reader() -> None:
+            await primed_event.wait()
+            with block if own_block else contextlib.nullcontext():  # entered after the generator's
+                inside.set()
+                await go.wait()
+                seen["reader"] = handoff.current_stream()
+                seen["import"] = _held_import(producer, consumer)
+
+        drained, read = asyncio.create_task(drainer()), asyncio.create_task(reader())
+        primed.append(batches())
+        next(primed[0])  # its block entered in this task's context
+        primed_event.set()
+        await inside.wait()
+        drain.set()
+        await drained  # the generator's block ends in the drainer's context
+        seen["main, the generator finished"] = handoff.current_stream()
+        go.set()
+        await read
+        seen["main, at the end"] = handoff.current_stream()
+
+    asyncio.run(main())
+    assert seen.pop("main, the generator finished") is None, "the generator's block ended here too"
+    assert seen.pop("main, at the end") is None
+    if own_block:
+        assert seen == {"reader": handoff.as_stream(consumer), "import": (True, 5.0)}
+    else:
+        assert seen == {"reader": None, "import": (False, 0.0)}
+
+
+class _WrappedBlock:
+    """A class that wraps a block, delegating its with-statement to it."""
+
+    def __init__(self, obj: object) -> None:
+        self._block = handoff.stream(obj)
+
+    def __enter__(self):
+        return self._block.__enter__()
+
+    def __exit__(self, *exc_info):
+        return self._block.__exit__(*exc_info)
+
+
+@contextlib.contextmanager
+def _on_stream(obj: object):
+    with handoff.stream(obj):
+        yield
+
+
+@contextlib.contextmanager
+def _on_stream_nested(obj: object):
+    with _on_stream(obj):
+        yield
+
+
+@contextlib.contextmanager
+def _on_stream_by_exit_stack(obj: object):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(handoff.stream(obj))
+        yield
+
+
+def _by_exit_stack(obj: object) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    stack.enter_context(handoff.stream(obj))  # entered now, by this helper, which returns at once
+    return stack
+
+
+# However a block is entered, the code inside it is that of the with-statement that names it.
+_ENTRIES = {
+    "with": handoff.stream,
+    "ExitStack": _by_exit_stack,
+    "contextmanager": _on_stream,
+    "nested contextmanagers": _on_stream_nested,
+    "contextmanager with an ExitStack": _on_stream_by_exit_stack,
+    "class": _WrappedBlock,
+}
+
+
+@needs_sim
+@pytest.mark.parametrize(
+    "entered",
+    [*_ENTRIES, pytest.param("no first block", marks=pytest.mark.negative_control)],
+)
+def test_a_generators_block_entered_beside_another_stays_open_however_the_other_was_entered(entered):
+    from handoff import sim
+
+    producer, first_stream, second_stream = (sim.Stream(non_blocking=True) for _ in range(3))
+    seen: dict[str, object] = {}
+
+    def first():
+        if entered == "no first block":
+            yield
+            return
+        with _ENTRIES[entered](first_stream):
+            yield
+
+    def second():
+        with handoff.stream(second_stream):
+            yield
+            seen["second, resumed"] = handoff.current_stream()
+            seen["import"] = _held_import(producer, second_stream)
+            yield
+
+    def body() -> None:
+        one, two = first(), second()
+        next(one)
+        next(two)  # entered while the first generator is suspended: beside the first's block
+        for _ in one:  # the first's block ends first
+            pass
+        seen["the first finished"] = handoff.current_stream()
+        next(two)
+        for _ in two:
+            pass
+        seen["both finished"] = handoff.current_stream()
+
+    contextvars.copy_context().run(body)
+    assert seen == {
+        "the first finished": handoff.as_stream(second_stream),  # the second block is still open
+        "second, resumed": handoff.as_stream(second_stream),
+        "import": (True, 5.0),
+        "both finished": None,
+    }
+
+
+@needs_sim
+@pytest.mark.parametrize(
+    "entered",
+    [*_ENTRIES, pytest.param("no outer block", marks=pytest.mark.negative_control)],
+)
+def test_a_block_ends_the_generators_blocks_entered_inside_it_however_it_was_entered(entered):
+    from handoff import sim
+
+    producer, outer_stream, inner_stream = (sim.Stream(non_blocking=True) for _ in range(3))
+    default = handoff.Stream(DEFAULT_STREAM)
+    seen: dict[str, object] = {}
+
+    def inner():
+        with handoff.stream(inner_stream):
+            yield
+
+    def body() -> None:
+        outer = contextlib.nullcontext() if entered == "no outer block" else _ENTRIES[entered](outer_stream)
+        with outer:
+            suspended = inner()
+            next(suspended)  # entered inside the outer block, then suspended
+            seen["inside"] = handoff.current_stream()
+        seen["after the outer block"] = handoff.current_stream()
+        # no block of this code is open: onto the default stream, ordered after the write
+        seen["import"] = _held_import(producer, default)
+        suspended.close()
+        seen["at the end"] = handoff.current_stream()
+
+    contextvars.copy_context().run(body)
+    assert seen.pop("inside") == handoff.as_stream(inner_stream)
+    assert seen.pop("at the end") is None
+    if entered == "no outer block":  # the generator's block stays open: imports go to its stream
+        assert seen == {"after the outer block": handoff.as_stream(inner_stream), "import": (False, 0.0)}
+    else:
+        assert seen == {"after the outer block": None, "import": (True, 5.0)}
+
+
 def test_block_applies_to_imports_of_cpu_data(live):
     a = np.arange(4.0)
     with handoff.stream(handoff.Stream(0x77)):
@@ -562,4 +805,50 @@ def test_a_frameworks_block_left_on_another_thread_is_restored_on_its_own(per_th
     assert handoff.current_stream() is None
     with handoff.stream(0x72, frameworks=True):
         assert library.current() == 0x72
+    assert library.current() is None
+
+
+@needs_sim
+def test_a_generator_finished_on_a_thread_inside_the_same_frameworks_block_object_keeps_that_threads_streams(
+    per_thread_library: PerThreadLibrary,
+):
+    from handoff import sim
+
+    library = per_thread_library
+    producer, consumer = sim.Stream(non_blocking=True), sim.Stream(non_blocking=True)
+    block = handoff.stream(consumer, frameworks=True)  # one block object, entered by a generator and a thread
+    seen: dict[str, object] = {}
+
+    def batches():
+        with block:
+            yield
+
+    def worker(primed) -> None:
+        with block:
+            seen["worker, before"] = (handoff.current_stream(), library.current())
+            list(primed)  # the generator's block ends on this thread
+            seen["worker, the generator finished"] = (handoff.current_stream(), library.current())
+            seen["import"] = _held_import(producer, consumer)
+        seen["worker, its block ended"] = (handoff.current_stream(), library.current())
+
+    def body() -> None:
+        primed = batches()
+        next(primed)
+        thread = threading.Thread(target=worker, args=(primed,))
+        thread.start()
+        thread.join()
+        seen["the generator finished"] = handoff.current_stream()
+
+    contextvars.copy_context().run(body)
+    on_block = (handoff.as_stream(consumer), consumer.handle)
+    assert seen == {
+        "worker, before": on_block,
+        "worker, the generator finished": on_block,  # the thread's own block is still open
+        "import": (True, 5.0),
+        "worker, its block ended": (None, None),
+        "the generator finished": None,
+    }
+    # This thread's frameworks block ended on the worker: restored when this thread next uses one.
+    with handoff.stream(0x73, frameworks=True):
+        assert library.current() == 0x73
     assert library.current() is None
