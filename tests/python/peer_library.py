@@ -1,19 +1,28 @@
 """Small array libraries on the simulated device that exchange as real peers do, without going
-through handoff's hooks themselves: a current stream per library (a stream object, which the
-library's adapter gives handoff, as CuPy's does: a stream object destroys its stream when it goes), and
+through handoff's hooks themselves: a current stream per library, thread and device, as PyTorch's
+``torch.cuda.current_stream(device)`` is (a stream object, which the library's adapter gives handoff,
+as CuPy's does: a stream object destroys its stream when it goes), and
 
-- ``from_dlpack`` as PyTorch 2.13's ``torch.from_dlpack``: the producer's ``__dlpack_device__`` first,
-  then its ``__dlpack__`` with ``max_version=(1, 0)`` and, for CUDA or ROCm data only, the library's
-  current stream (the default one as 1 on CUDA, 0 on ROCm), retried without ``max_version`` on a
-  ``TypeError``, with its ``copy`` passed on as PyTorch passes it;
+- ``from_dlpack`` as PyTorch 2.13's ``torch.from_dlpack`` (``torch/utils/dlpack.py``): the producer's
+  ``__dlpack_device__`` first, then its ``__dlpack__`` with ``max_version=(1, 0)``, its ``copy`` if
+  given, ``dl_device`` if its ``device`` is the producer's device, and, for CUDA or ROCm data only,
+  the current stream of the data's device (the default one as 1 on CUDA, 0 on ROCm); on a
+  ``TypeError`` asked again without ``max_version``, then without ``copy`` (then ``copy=True`` is a
+  clone of the import, on the current stream), then without ``dl_device`` (whose ``TypeError`` is
+  raised); a ``device`` that is another device is a copy after the import (``copy=False``: its
+  ``ValueError``), and a capsule given with ``device`` or ``copy`` its ``AssertionError``;
 - ``__dlpack__`` as PyTorch 2.13's ``Tensor.__dlpack__`` for a CUDA (ROCm) tensor: an omitted
   ``stream`` is -1 (no synchronization), a non-int one a ``TypeError``, CUDA's 2 a ``BufferError``
-  and CUDA's 0 (ROCm's 1 and 2) an ``AssertionError``, and it orders the library's *current* stream,
-  not the array's last writer, before the consumer's; or, with ``honours_stream=False``, as
-  cuda.core's ``Buffer.__dlpack__`` (0.3 to 2026): ``stream`` is not read, nothing is ordered,
-  ``dl_device`` and ``copy=True`` are refused with its ``BufferError``s;
+  and CUDA's 0 (ROCm's 1 and 2) an ``AssertionError``, and it orders the library's *current* stream
+  (of this thread, on the array's device, which PyTorch requires to be the current device), not the
+  array's last writer, before the consumer's; or, with ``honours_stream=False``, as cuda.core's
+  ``Buffer.__dlpack__`` (0.3 to 2026): ``stream`` is not read, nothing is ordered, ``dl_device`` and
+  ``copy=True`` are refused with its ``BufferError``s;
 - ``as_array`` as numba-cuda 0.30's ``cuda.as_cuda_array``: the CUDA Array Interface alone, its
   ``stream`` synchronized on the host first (numba's default ``sync=True``).
+
+A move between two devices of the simulator (``from_dlpack(x, device="cuda:1")`` of data on device
+0), which PyTorch makes with ``Tensor.to``, is not modelled: ``NotImplementedError``.
 
 For the tests and the demo of ``handoff-trace run --order`` (examples/cross_library.py).
 
@@ -25,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -36,6 +46,7 @@ ROCM = handoff.runtime_info()["backend"] == "sim-rocm"
 # The DLPack stream value of the device's default stream: ROCm numbers it 0, CUDA 1.
 DEFAULT_STREAM = 0 if ROCM else 1
 CUDA, ROCM_DEVICE = 2, 10  # DLPack's device types of the data PyTorch passes its stream for
+CPU = 1
 
 
 class _Capsule:
@@ -86,15 +97,27 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
     """A library named `name` (a module in sys.modules, so its arrays' type names it), registered with
     handoff's hooks through a LibraryAdapter unless `register` is False."""
     library = types.ModuleType(name, f"a simulated array library ({'honours' if honours_stream else 'ignores'} stream)")
-    current: list[Any] = [None]  # the library's current stream (a sim.Stream); None: the default stream
+    # The library's current streams (sim.Stream or handoff.Stream objects) by device, per thread, as
+    # torch.cuda.current_stream(device)'s are; a device that has none is on its default stream.
+    state = threading.local()
 
-    def stream_value() -> int | None:
-        return None if current[0] is None else int(current[0].handle)
+    def streams() -> dict[int, Any]:
+        if not hasattr(state, "streams"):
+            state.streams = {}
+        return state.streams
 
-    def current_value() -> int:
-        """The library's current stream as a DLPack value (the default stream's for none)."""
-        value = stream_value()
-        return DEFAULT_STREAM if value is None else value
+    def current_stream(device: int = 0) -> Any:
+        """This thread's current stream of `device` (a stream object), None for the default stream."""
+        return streams().get(device)
+
+    def current_value(device: int = 0) -> int:
+        """This thread's current stream of `device` as a DLPack value (the default stream's for none)."""
+        stream = current_stream(device)
+        return DEFAULT_STREAM if stream is None else int(stream.handle)
+
+    def on_current(device: int = 0) -> Any:
+        """The stream a kernel of the library launches on now, on `device`."""
+        return current_stream(device) or handoff.Stream(DEFAULT_STREAM, device=device)
 
     class Array(handoff.Exporter):
         """An array of the library: device data on the simulator. Its exports keep it alive, as a real
@@ -117,28 +140,33 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
                 if kwargs.get("copy") is True:
                     raise BufferError("Sorry, not supported: copy=True")
                 return super().__dlpack__(stream=-1, max_version=kwargs.get("max_version"))
-            return export_as_torch(self._data, self, current_value(), stream=stream, **kwargs)
+            return export_as_torch(self._data, self, current_value(self._data.device[1]), stream=stream, **kwargs)
 
     Array.__module__ = name
     Array.__qualname__ = "Array"
 
     @contextlib.contextmanager
-    def use(stream: Any) -> Iterator[Any]:
-        """Makes `stream` (a sim.Stream, or a native handle) the library's current stream."""
+    def use(stream: Any, device: int | None = None) -> Iterator[Any]:
+        """Makes `stream` (a sim.Stream, or a native handle) the library's current stream of its device
+        (`device`, else the stream's own, else 0) on this thread, as ``torch.cuda.stream`` does."""
         if isinstance(stream, int):
-            stream = handoff.Stream(stream)
-        previous, current[0] = current[0], stream
+            stream = handoff.Stream(stream, device=device)
+        if device is None:
+            device = handoff.as_stream(stream).device or 0
+        current = streams()
+        previous = current.get(device)
+        current[device] = stream
         try:
             yield stream
         finally:
-            current[0] = previous
+            current[device] = previous
 
-    def zeros(n: int) -> Array:
-        return Array(sim.zeros(n, "float32"))  # zeroed and ready: nothing is enqueued
+    def zeros(n: int, device: int = 0) -> Array:
+        return Array(sim.zeros(n, "float32", device=device))  # zeroed and ready: nothing is enqueued
 
     def fill(array: Array, value: float) -> None:
         """Enqueues a write of `value` on the current stream (held there by a `sim.hold` of it)."""
-        sim.fill(array._data, value, stream=current[0] or handoff.Stream(DEFAULT_STREAM))
+        sim.fill(array._data, value, stream=on_current(array._data.device[1]))
 
     def as_array(producer: Any) -> Array:
         """Imports `producer` as numba-cuda's ``cuda.as_cuda_array`` does: its CUDA Array Interface
@@ -148,22 +176,80 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
             sim.to_numpy(sim.zeros(1), stream=handoff.Stream(interface["stream"]))  # waits for that stream
         return Array(handoff.asarray(_Interface(interface, producer), stream=-1))
 
-    def from_dlpack(ext_tensor: Any, *, copy: bool | None = None) -> Array:
-        """Imports `ext_tensor` as PyTorch's ``torch.from_dlpack`` does (see the module's docstring;
-        the parameter's name is PyTorch's), and keeps the capsule (its producer) until the array goes,
-        with no stream-ordered release of its own."""
-        arguments: dict[str, Any] = {"max_version": (1, 0)}
+    def dl_device_of(device: Any) -> tuple[int, int]:
+        """torch._C._torchDeviceToDLDevice of a device spelled as a string ("cpu", "cuda:N"; PyTorch
+        for ROCm spells its devices "cuda" too), or an object with `type` and `index`."""
+        if isinstance(device, str):
+            kind, _, index = device.partition(":")
+            device = types.SimpleNamespace(type=kind, index=int(index) if index else None)
+        if device.type == "cpu":
+            return (CPU, 0)
+        if device.type != "cuda" or device.index is None:
+            raise NotImplementedError(f"the simulated library does not model the device {device!r}")
+        return (ROCM_DEVICE if ROCM else CUDA, device.index)
+
+    def from_dlpack(ext_tensor: Any, *, device: Any = None, copy: bool | None = None) -> Array:
+        """Imports `ext_tensor` as PyTorch 2.13's ``torch.from_dlpack`` does (see the module's
+        docstring; the parameters' names are PyTorch's), and keeps the capsule (its producer) until
+        the array goes, with no stream-ordered release of its own."""
+        if not hasattr(ext_tensor, "__dlpack__"):
+            if device is not None or copy is not None:
+                raise AssertionError(
+                    "device and copy kwargs not supported when ext_tensor is already a DLPack capsule."
+                )
+            return Array(handoff.from_dlpack(ext_tensor, stream=-1))  # torch._C._from_dlpack: no ordering
+        kwargs: dict[str, Any] = {"max_version": (1, 0)}
+        requested_copy, producer_handled_copy, cross_device_transfer = copy, True, False
         if copy is not None:
-            arguments["copy"] = copy
-        device = ext_tensor.__dlpack_device__()
-        if device[0] in (CUDA, ROCM_DEVICE):
-            arguments["stream"] = current_value()
-        try:
-            capsule = ext_tensor.__dlpack__(**arguments)
-        except TypeError:
-            del arguments["max_version"]
-            capsule = ext_tensor.__dlpack__(**arguments)
-        return Array(handoff.from_dlpack(_Capsule(capsule, device), stream=-1))
+            kwargs["copy"] = copy
+        ext_device = ext_tensor.__dlpack_device__()
+        if device is not None:
+            if not isinstance(device, str) and not hasattr(device, "type"):
+                raise AssertionError(f"from_dlpack: unsupported device type: {type(device)}")
+            target_dl_device = dl_device_of(device)
+            cross_device_transfer = ext_device != target_dl_device
+            if not cross_device_transfer:
+                kwargs["dl_device"] = target_dl_device
+            if cross_device_transfer and copy is False:
+                raise ValueError(
+                    f"cannot move DLPack tensor from device {ext_device} to {target_dl_device} "
+                    "without copying. Set copy=None or copy=True."
+                )
+        if ext_device[0] in (CUDA, ROCM_DEVICE):
+            kwargs["stream"] = current_value(ext_device[1])
+        capsule = None
+        with contextlib.suppress(TypeError):  # the retries of torch/utils/dlpack.py, in its order
+            capsule = ext_tensor.__dlpack__(**kwargs)
+        if capsule is None:
+            kwargs.pop("max_version", None)
+            with contextlib.suppress(TypeError):
+                capsule = ext_tensor.__dlpack__(**kwargs)
+        if capsule is None:
+            kwargs.pop("copy", None)
+            producer_handled_copy = False
+            with contextlib.suppress(TypeError):
+                capsule = ext_tensor.__dlpack__(**kwargs)
+        if capsule is None:
+            kwargs.pop("dl_device", None)
+            capsule = ext_tensor.__dlpack__(**kwargs)
+        data = handoff.from_dlpack(_Capsule(capsule, ext_device), stream=-1)
+        if requested_copy is True and not producer_handled_copy and not cross_device_transfer:
+            data = clone(data)  # Tensor.clone, on the current stream
+        if cross_device_transfer:
+            assert device is not None
+            data = moved(data, dl_device_of(device))
+        return Array(data)
+
+    def clone(data: handoff.Array) -> handoff.Array:
+        if data.device[0] in (CUDA, ROCM_DEVICE):
+            return handoff.from_dlpack(data, copy=True, stream=on_current(data.device[1]))
+        return handoff.from_dlpack(data, copy=True)
+
+    def moved(data: handoff.Array, device: tuple[int, int]) -> handoff.Array:
+        """Tensor.to(device): the host's copy of device data; a move between devices is not modelled."""
+        if device[0] != CPU:
+            raise NotImplementedError("the simulated library does not model a move between devices")
+        return handoff.from_dlpack(data, device=device, copy=True)
 
     def view(array: Array) -> Array:
         """A new array of the same data, as a PyTorch view shares its tensor's storage: the data stays
@@ -173,12 +259,13 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
     def to_numpy(array: Array, *, wait: bool = True) -> Any:
         """Reads the array on the library's current stream (what a kernel there would see); with
         `wait` False, returns the read enqueued (a sim.PendingCopy), for a test that holds a stream."""
-        return sim.to_numpy(array._data, stream=current[0] or handoff.Stream(DEFAULT_STREAM), wait=wait)
+        return sim.to_numpy(array._data, stream=on_current(array._data.device[1]), wait=wait)
 
     library.Stream = lambda: sim.Stream(non_blocking=True)  # type: ignore[attr-defined]
     library.synchronize = sim.synchronize  # type: ignore[attr-defined]
     library.Array = Array  # type: ignore[attr-defined]
     library.use = use  # type: ignore[attr-defined]
+    library.current_stream = current_stream  # type: ignore[attr-defined]
     library.zeros = zeros  # type: ignore[attr-defined]
     library.fill = fill  # type: ignore[attr-defined]
     library.from_dlpack = from_dlpack  # type: ignore[attr-defined]
@@ -194,8 +281,8 @@ def make_library(name: str, *, honours_stream: bool = True, register: bool = Tru
                 interface_first=(f"{name}:as_array",),
                 producers=(f"{name}:Array",),
                 # The stream object (CuPy's adapter gives CuPy's), or the default stream's value.
-                current_stream=lambda device: DEFAULT_STREAM if current[0] is None else current[0],
-                use_stream=lambda handle, device: use(handle),
+                current_stream=lambda device: current_stream(device or 0) or DEFAULT_STREAM,
+                use_stream=use,
                 ignores_stream=not honours_stream,
             )
         )

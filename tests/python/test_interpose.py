@@ -37,7 +37,7 @@ from support import BACKEND, needs_sim, needs_two_devices, run_python, settle_si
 torch = pytest.importorskip("torch")
 
 if BACKEND.startswith("sim"):
-    from peer_library import make_library
+    from peer_library import _Capsule, make_library
 
     from handoff import sim
 
@@ -679,15 +679,38 @@ def sim_device_type() -> int:
 @needs_sim
 @needs_two_devices
 def test_a_consumer_stream_on_another_device_is_a_cross_device_hazard(peers):
-    _, torchlike, _, _ = peers
+    # PyTorch passes the current stream of the data's device (torch.cuda.current_stream(f"cuda:{i}")),
+    # never another device's: the consumer here is a library with one current stream for every
+    # device, which it passes whatever device the data is on.
+    from handoff._adapters import registry
+
     other = make_library("simcupy")
     data_stream, far = sim.Stream(0, non_blocking=True), sim.Stream(1, non_blocking=True)
-    for consumer, hazard in ((far, "cross-device"), (sim.Stream(0, non_blocking=True), None)):  # negative control
-        x = written(other, data_stream)
-        with torchlike.use(consumer), handoff.trace(libraries=True) as t:
-            torchlike.from_dlpack(x)
-        (event,) = [e for e in t.events if e["interposed"]]
-        assert event["hazard"] == hazard
+    current: list = [None]
+    module = types.ModuleType("simonestream")
+
+    def from_dlpack(x):
+        capsule = x.__dlpack__(stream=current[0].handle, max_version=(1, 0))
+        return handoff.from_dlpack(_Capsule(capsule, x.__dlpack_device__()), stream=-1)
+
+    module.from_dlpack = from_dlpack
+    sys.modules[module.__name__] = module
+    handoff.register_library(
+        handoff.LibraryAdapter(
+            module.__name__, consumers=(f"{module.__name__}:from_dlpack",), current_stream=lambda device: current[0]
+        )
+    )
+    try:
+        for consumer, hazard in ((far, "cross-device"), (sim.Stream(0, non_blocking=True), None)):  # negative control
+            x = written(other, data_stream)
+            current[0] = consumer
+            with handoff.trace(libraries=True) as t:
+                module.from_dlpack(x)
+            (event,) = [e for e in t.events if e["interposed"]]
+            assert event["hazard"] == hazard
+    finally:
+        registry.remove(module.__name__)
+        del sys.modules[module.__name__]
 
 
 class InterfaceOnly:
