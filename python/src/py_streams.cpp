@@ -221,8 +221,9 @@ named_stream stream_named_by(py::handle stream)
 
 py::object stream_argument_for(const named_stream& stream, DLDeviceType device)
 {
-  // The producer of pinned memory is not given the consumer's stream: checked here instead.
-  if (is_pinned_host(device)) { (void)request_for(stream, device); }
+  // Checked before the producer is asked: it may not check it (a producer of pinned memory is not
+  // given the consumer's stream at all), or refuse it in its own words (PyTorch asserts).
+  if (!stream.is_default() || is_pinned_host(device)) { (void)request_for(stream, device); }
   const auto value = dlpack_stream_value(stream, device);
   return value ? py::object(py::int_(*value)) : py::object(py::none());
 }

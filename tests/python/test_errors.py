@@ -593,3 +593,31 @@ def test_the_simulator_without_its_backend_says_what_to_set(setting):
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("DeviceError handoff.sim runs on the simulated device: set HANDOFF_BACKEND=sim")
     assert f"HANDOFF_BACKEND={setting}" in out.stdout  # and what the process runs instead
+
+
+class AskedProducer:
+    """Device data whose producer records every __dlpack__ call (a producer that refuses a stream in
+    its own words, as PyTorch asserts, or not at all)."""
+
+    def __init__(self, device: tuple[int, int]) -> None:
+        self.device = device
+        self.asked: list[dict[str, object]] = []
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.device
+
+    def __dlpack__(self, **kwargs: object) -> object:
+        self.asked.append(kwargs)
+        raise AssertionError(f"unsupported stream: {kwargs.get('stream')}")
+
+
+@pytest.mark.parametrize(
+    ("device", "stream"),
+    [((2, 0), 0), ((2, 0), -2), ((13, 0), 0), ((10, 0), 1), ((10, 0), 2), ((10, 0), -7)],
+    ids=["cuda-0", "cuda-negative", "managed-0", "rocm-1", "rocm-2", "rocm-negative"],
+)
+def test_an_invalid_consumer_stream_is_a_value_error_before_the_producer_is_asked(device, stream):
+    producer = AskedProducer(device)
+    with pytest.raises(ValueError, match=f"stream={stream} is invalid for a"):
+        handoff.from_dlpack(producer, stream=stream)
+    assert producer.asked == []
