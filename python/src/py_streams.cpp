@@ -221,9 +221,10 @@ named_stream stream_named_by(py::handle stream)
 
 py::object stream_argument_for(const named_stream& stream, DLDeviceType device)
 {
-  // Checked before the producer is asked: it may not check it (a producer of pinned memory is not
-  // given the consumer's stream at all), or refuse it in its own words (PyTorch asserts).
-  if (!stream.is_default() || is_pinned_host(device)) { (void)request_for(stream, device); }
+  // A stream of device data is checked before the producer is asked: it may not check it (a producer
+  // of pinned memory is not given the consumer's stream at all), or refuse it in its own words
+  // (PyTorch asserts). Host data takes any consumer stream, and gives its producer none.
+  if (is_pinned_host(device) || (!stream.is_default() && has_streams(device))) { (void)request_for(stream, device); }
   const auto value = dlpack_stream_value(stream, device);
   return value ? py::object(py::int_(*value)) : py::object(py::none());
 }
