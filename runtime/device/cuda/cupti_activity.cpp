@@ -75,6 +75,8 @@ constexpr std::array watched_callbacks{
   CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx_ptsz,
   CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel,
   CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel_ptsz,
+  CUPTI_DRIVER_TRACE_CBID_cuGraphLaunch,
+  CUPTI_DRIVER_TRACE_CBID_cuGraphLaunch_ptsz,
   CUPTI_DRIVER_TRACE_CBID_cuMemcpyAsync,
   CUPTI_DRIVER_TRACE_CBID_cuMemcpyAsync_ptsz,
   CUPTI_DRIVER_TRACE_CBID_cuMemcpyHtoDAsync_v2,
@@ -579,6 +581,16 @@ decoded_call::outcome decoded_call::launches()
     case CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel_ptsz: {
       const auto& p = params<cuLaunchCooperativeKernel_params>();
       launch(p.f, p.hStream, p.kernelParams, nullptr, is(CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel_ptsz));
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuGraphLaunch:
+    case CUPTI_DRIVER_TRACE_CBID_cuGraphLaunch_ptsz: {
+      // One operation of its stream (what its nodes touch is not seen): the legacy stream's rule
+      // orders other streams by it.
+      static_assert(sizeof(cuGraphLaunch_params) == sizeof(cuGraphLaunch_ptsz_params));
+      r_.kind = activity::kind::launch;
+      r_.name = "cuGraphLaunch";
+      on(params<cuGraphLaunch_params>().hStream, is(CUPTI_DRIVER_TRACE_CBID_cuGraphLaunch_ptsz));
       break;
     }
     default:
