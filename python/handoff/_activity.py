@@ -6,7 +6,7 @@ the graph. Like the rest of handoff._trace it only reads events, so it works on 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 Event = dict[str, Any]
@@ -183,6 +183,18 @@ def complete_slice(
         slice_["name"] = f"\u26a0 {hazard}: {name}"
         slice_["cname"] = "terrible"
     return slice_
+
+
+def earliest_ns(events: Iterable[Mapping[str, Any]]) -> int:
+    """When the first thing `events` show began: an event's time, less the time it blocked (a host
+    wait is recorded when it ends), or the earlier side of a hazard whose own event a bounded trace
+    dropped. Perfetto's times count from it, so that none is negative."""
+    times = []
+    for event in events:
+        times.append(int_or_zero(event.get("time_ns")) - int_or_zero(event.get("blocked_ns")))
+        if event.get("other_time_ns") is not None:
+            times.append(int_or_zero(event.get("other_time_ns")))
+    return min(times, default=0)
 
 
 def arrow(

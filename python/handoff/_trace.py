@@ -497,7 +497,7 @@ def chrome_trace(
     """
     pid = 1 if pid is None else int(pid)
     raw = [_json_event(e) for e in events]
-    start = min((_activity.int_or_zero(e.get("time_ns")) for e in raw), default=0) if start_ns is None else start_ns
+    start = _activity.earliest_ns(raw) if start_ns is None else start_ns
     tracks: dict[tuple[Any, ...], int] = {}
 
     def track(device: Any, handle: Any) -> int:

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from . import _activity
 from ._trace import _plural, chrome_trace, dumps, exchanges_between_libraries, format_event, graph_to_dot, summary
 
 Trace = dict[str, Any]
@@ -259,7 +260,7 @@ def merge_traces(traces: Sequence[tuple[int, Trace]]) -> dict[str, Any]:
     """One Chrome trace of several processes' traces ((pid, "handoff" section) pairs): a process
     per track group on one clock, every event marked with its `pid`, the graphs' ids prefixed with
     their process's when there are several."""
-    start = min((int(e.get("time_ns") or 0) for _, t in traces for e in t["events"]), default=0)
+    start = _activity.earliest_ns(e for _, t in traces for e in t["events"])
     chrome_events: list[dict[str, Any]] = []
     events: list[dict[str, Any]] = []
     graph: dict[str, list[Any]] = {"nodes": [], "edges": []}

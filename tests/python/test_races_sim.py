@@ -586,6 +586,29 @@ def test_a_saved_launch_trace_shows_its_races_as_arrows_and_in_show_and_graph(si
     assert 'label="race' in capsys.readouterr().out
 
 
+@needs_sim
+def test_a_race_whose_earlier_side_a_bounded_trace_dropped_is_drawn_from_a_slice_of_its_own(sim_streams, tmp_path):
+    from handoff import sim
+
+    producer, consumer = sim_streams
+    data, other = sim.zeros(N), sim.zeros(N)
+    path = tmp_path / "bounded.json"
+    with handoff.trace(path, launches=True, limit=3) as t:
+        sim.launch("write", writes=[data], stream=producer)
+        for _ in range(5):
+            sim.launch("filler", writes=[other], stream=producer)  # the write's event is dropped
+        sim.launch("read", reads=[data], stream=consumer)
+    assert t.dropped > 0
+    [race] = races(t)
+    assert race["other_kernel"] == "write" and all(e["seq"] != race["other_seq"] for e in t.events)
+    trace_events = json.loads(path.read_text())["traceEvents"]
+    assert all(e["ts"] >= 0 for e in trace_events if "ts" in e)
+    start = next(e for e in trace_events if e.get("ph") == "s" and e.get("cat") == "handoff.race")
+    # The arrow starts in a slice: the dropped side's own, on its stream's track, where it ran.
+    [dropped_side] = [e for e in trace_events if e.get("ph") == "X" and e["name"] == "write"]
+    assert (dropped_side["tid"], dropped_side["ts"]) == (start["tid"], start["ts"])
+
+
 ATTACHED = """
 import sys, handoff
 from handoff import sim
