@@ -165,6 +165,13 @@ hp::array<hp::numpy, hp::device::cpu, hp::ro> as_numpy(hp::array<hp::numpy, hp::
   return values;
 }
 
+// Any array of the host, returned as a torch.Tensor of the same memory. PyTorch has no read-only
+// tensors: read-only data is refused (BufferError) rather than returned writable.
+hp::array<hp::pytorch, hp::device::cpu, hp::ro> as_torch(hp::array<hp::pytorch, hp::device::cpu, hp::ro> values)
+{
+  return values;
+}
+
 // What the accessors say about any array, writable or read-only.
 py::dict describe(const hp::array<hp::ro>& values)
 {
@@ -215,6 +222,7 @@ PYBIND11_MODULE(tensor_example, m)
         py::arg("stream") = py::none(), py::arg("owner") = py::none());
   m.def("column_major", &column_major);
   m.def("as_numpy", &as_numpy, py::arg("values"));
+  m.def("as_torch", &as_torch, py::arg("values"));
   m.def("with_strides", &with_strides, py::arg("count"));
   m.def("buffers_freed", [] { return buffers_freed; });
   // A failed call's TypeError then also says why each array argument did not fit.

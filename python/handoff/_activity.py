@@ -185,6 +185,15 @@ def complete_slice(
     return slice_
 
 
+FLOWS_PER_KIND = 1 << 25
+
+
+def flow_base(pid: int) -> int:
+    """Where process `pid`'s flow ids begin: the trace event format's flow ids are global to a file,
+    and a trace merged from several processes draws each one's arrows from its own slices."""
+    return pid * 2 * FLOWS_PER_KIND
+
+
 def earliest_ns(events: Iterable[Mapping[str, Any]]) -> int:
     """When the first thing `events` show began: an event's time, less the time it blocked (a host
     wait is recorded when it ends), or the earlier side of a hazard whose own event a bounded trace
@@ -221,7 +230,7 @@ def chrome_slices(
     slice to the later one's."""
     slices: list[Event] = []
     placed: dict[int, tuple[int, float]] = {}  # seq -> (tid, ts) of its slice
-    flow = 1 << 40  # apart from the exchanges' wait arrows
+    flow = flow_base(pid) + FLOWS_PER_KIND  # apart from the exchanges' wait arrows
     for event in raw:
         if not is_activity(event):
             continue

@@ -103,7 +103,7 @@ def start_from_environment() -> None:
     global _trace_path  # noqa: PLW0603
     path = _settings.trace_path()
     if path is not None and _process_trace is None:
-        _trace_path = path
+        _trace_path = os.path.abspath(path)  # where it was asked for, whatever folder the program moves to
         _start_process_trace()
         # Registered after handoff's own exit handler, so it runs first: views are still alive.
         atexit.register(_finish)

@@ -272,7 +272,9 @@ def _own_actions(events: Sequence[Mapping[str, Any]]) -> list[bool]:
     import, with one action between them: the import's counts, and the matching export's does not."""
 
     def key(event: Mapping[str, Any]) -> tuple[str, ...]:
-        return tuple(str(event.get(k)) for k in ("thread", "where", "producer_stream", "consumer_stream", "action"))
+        return tuple(
+            str(event.get(k)) for k in ("pid", "thread", "where", "producer_stream", "consumer_stream", "action")
+        )
 
     imports = Counter(key(e) for e in events if e.get("kind") == "import")
     own = []
@@ -390,16 +392,17 @@ def _exchange_counts(events: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str
     # or else its buffer's latest import or export.
     pair_of: dict[Any, tuple[str, str]] = {}
     # An exchange makes one view: a later event of the same kind and view (a hazard reported at
-    # exit, such as a leak, repeats the exchange's fields) is not another exchange.
-    exchanges: set[tuple[str, str]] = set()
+    # exit, such as a leak, repeats the exchange's fields) is not another exchange. Ids count in
+    # each process: those of a trace merged from several are told apart by their `pid`.
+    exchanges: set[tuple[str, Any, str]] = set()
     for event, own_action in zip(events, _own_actions(events)):
-        kind, view = str(event.get("kind")), event.get("view")
+        kind, view, pid = str(event.get("kind")), event.get("view"), event.get("pid")
         if kind in ("import", "export") and view is not None:
-            if (kind, str(view)) in exchanges:
+            if (kind, pid, str(view)) in exchanges:
                 continue
-            exchanges.add((kind, str(view)))
+            exchanges.add((kind, pid, str(view)))
         key = (_library(event.get("producer")), _library(event.get("consumer")))
-        ids = [i for i in (event.get("view"), event.get("buffer")) if i is not None]
+        ids = [(pid, i) for i in (event.get("view"), event.get("buffer")) if i is not None]
         if kind == "release" and event.get("consumer") is None:
             key = next((pair_of[i] for i in ids if i in pair_of), key)
         elif kind in ("import", "export"):
@@ -509,7 +512,8 @@ def chrome_trace(
 
     slices: list[Event] = _activity.chrome_slices(raw, track=track, host_track=host_track, pid=pid, start=start)
     exchanges = [e for e in raw if not _activity.is_activity(e)]
-    flow_id = 0
+    # Flow ids are global to a file: each process's count from its own base, the races' apart.
+    flow_id = _activity.flow_base(pid)
     for event, own_action in zip(exchanges, _own_actions(exchanges)):
         ts = (_activity.int_or_zero(event.get("time_ns")) - start) / 1000.0
         device = event.get("device")

@@ -23,10 +23,12 @@ import math
 import os
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -245,14 +247,26 @@ def _wait(command: list[str], env: dict[str, str]) -> int:
         raise CommandError(f"{command[0]}: command not found", 127) from None
     except PermissionError:
         raise CommandError(f"{command[0]}: permission denied", 126) from None
-    while True:
-        try:
-            status = child.wait()
-            break
-        except KeyboardInterrupt:
-            # The terminal sent Ctrl-C to the program too: it decides whether to end, and its
-            # status says what happened.
-            continue
+    # A termination asked of handoff-trace (timeout, a job scheduler) is passed on to the program,
+    # which decides whether to end; the traces it wrote are then merged and the scratch removed.
+    forwarded = (signal.SIGTERM, signal.SIGHUP)
+    previous = (
+        {s: signal.signal(s, lambda signum, _: child.send_signal(signum)) for s in forwarded}
+        if threading.current_thread() is threading.main_thread()
+        else {}
+    )
+    try:
+        while True:
+            try:
+                status = child.wait()
+                break
+            except KeyboardInterrupt:
+                # The terminal sent Ctrl-C to the program too: it decides whether to end, and its
+                # status says what happened.
+                continue
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     return 128 - status if status < 0 else status
 
 
@@ -347,8 +361,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not traces:
         print(
             f"handoff-trace: no trace was written: {command[0]} is not a Python program with handoff importable "
-            "(a Python run with -S or -I skips the sitecustomize module that imports it), or its trace could not "
-            "be written (handoff then warns above)",
+            "(a Python run with -S or -I skips the sitecustomize module that imports it), it ended before it could "
+            "write one (killed by a signal, or through os._exit), or its trace could not be written (handoff then "
+            "warns above)",
             file=sys.stderr,
         )
         return status
@@ -610,7 +625,8 @@ def cmd_attach(args: argparse.Namespace) -> int:
             if "error" in item:
                 raise CommandError(f"process {args.pid}: {item['error']}", 1)
             if "dropped" in item:
-                print(f"... {item['dropped']} events dropped (client too slow)", file=sys.stderr, flush=True)
+                dropped = _plural(int(item["dropped"]), "event")
+                print(f"... {dropped} dropped (client too slow)", file=sys.stderr, flush=True)
                 continue
             seen += 1
             if args.json:

@@ -203,6 +203,14 @@ py::object extension_view_to_python(exchange& on, handoff_view& view, int framew
     if (py::object made = numpy_array_of(layout, std::move(base)); !made.is_none()) { return made; }
   }
   const py::object& exported = python_object(on, view);
+  // PyTorch's and CuPy's arrays cannot be read-only, and their from_dlpack ignores DLPack's flag:
+  // the C++ side's read-only data (a const buffer) would come back writable.
+  HANDOFF_EXPECTS(
+    !as_array(exported)->readonly() || (framework != HANDOFF_FRAMEWORK_TORCH && framework != HANDOFF_FRAMEWORK_CUPY),
+    buffer_error,
+    fmt::format("read-only data cannot be returned as a {} array, which would be writable: return it as a "
+                "handoff.Array or a NumPy array, or copy it",
+                framework == HANDOFF_FRAMEWORK_TORCH ? "PyTorch" : "CuPy"));
   const DLDevice device = as_array(exported)->device();
   if (framework == HANDOFF_FRAMEWORK_NUMPY || !has_streams(device.device_type)) {
     return from_dlpack_of(framework)(exported);

@@ -229,6 +229,12 @@ bool exported_by_handoff(const Managed* tensor) noexcept
 
 DLManagedTensorVersioned* export_versioned(const array& view, export_options options)
 {
+  // DLPack 1.1 added the flag that says a sub-byte dtype's elements are padded: a 1.0 consumer
+  // would read them as packed.
+  HANDOFF_EXPECTS(view.dtype().bits >= 8 || options.version.major > 1 || options.version.minor >= 1, buffer_error,
+                  fmt::format("a sub-byte dtype needs DLPack 1.1 (its padding flag); the consumer reads {}.{}: pass "
+                              "max_version=(1, 1)",
+                              options.version.major, options.version.minor));
   auto* managed = make_export<DLManagedTensorVersioned>(view);
   managed->version = options.version;
   managed->flags = (view.readonly() ? DLPACK_FLAG_BITMASK_READ_ONLY : 0) |

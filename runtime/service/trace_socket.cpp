@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <deque>
 #include <fstream>
+#include <functional>
 #include <future>
 #include <iterator>
 #include <optional>
@@ -29,6 +30,7 @@
 #include <string_view>
 #include <system_error>
 #include <thread>
+#include <vector>
 
 namespace handoff::detail {
 
@@ -188,6 +190,7 @@ struct trace_socket::server : std::enable_shared_from_this<server> {
       : io(context),
         acceptor(context),
         retry(context),
+        flush_deadline(context),
         queue_bytes(limit),
         max_clients(most_clients),
         path(trace_socket_path(::getpid()))
@@ -197,6 +200,9 @@ struct trace_socket::server : std::enable_shared_from_this<server> {
   // client then waits in the backlog, where accepting again at once would spin a core.
   static constexpr std::chrono::milliseconds first_rest{50};
   static constexpr std::chrono::milliseconds longest_rest{2000};
+  // How long a closing server goes on writing what its clients have not read yet (the end of the
+  // process's trace): a client that reads, reads it all; one that does not, delays the exit this long.
+  static constexpr std::chrono::milliseconds longest_flush{2000};
 
   void open()
   {
@@ -345,17 +351,22 @@ struct trace_socket::server : std::enable_shared_from_this<server> {
                                }
                                c->queued_bytes -= c->queue.front().size();
                                c->queue.pop_front();
-                               if (!c->queue.empty()) { self->write_front(c); }
+                               if (!c->queue.empty()) {
+                                 self->write_front(c);
+                               } else if (self->closed) {
+                                 self->drop(c);  // all written
+                               }
                              });
   }
 
   void drop(const std::shared_ptr<client>& c)
   {
     if (clients.erase(c) == 0) { return; }
-    client_count.store(clients.size(), std::memory_order_relaxed);
+    if (!closed) { client_count.store(clients.size(), std::memory_order_relaxed); }
     boost::system::error_code ignored;
     c->socket.close(ignored);
     c->queue.clear();
+    if (closed && clients.empty()) { finish(); }
   }
 
   void broadcast(const std::string& line)
@@ -368,20 +379,49 @@ struct trace_socket::server : std::enable_shared_from_this<server> {
     }
   }
 
-  void close()
+  // Stops serving: no client is taken and no line published any more, and `done` runs once every
+  // client has been written what it was sent (and told what it lost), or at longest_flush.
+  void close(std::function<void()> done)
   {
     boost::system::error_code ignored;
     acceptor.close(ignored);
     retry.cancel();
-    for (const auto& c : clients) { c->socket.close(ignored); }
-    clients.clear();
-    client_count.store(0, std::memory_order_relaxed);
     ::unlink(path.c_str());
+    client_count.store(0, std::memory_order_relaxed);
+    closed = std::move(done);
+    for (const auto& c : std::vector(clients.begin(), clients.end())) {
+      if (c->dropped != 0) {
+        const bool idle = c->queue.empty();
+        c->queue.push_back(fmt::format(R"({{"dropped":{}}})"
+                                       "\n",
+                                       std::exchange(c->dropped, 0)));
+        if (idle) { write_front(c); }
+      } else if (c->queue.empty()) {
+        drop(c);
+      }
+    }
+    if (clients.empty()) {
+      finish();
+      return;
+    }
+    flush_deadline.expires_after(longest_flush);
+    flush_deadline.async_wait([self = shared_from_this()](const boost::system::error_code& waited) {
+      if (waited) { return; }
+      for (const auto& c : std::vector(self->clients.begin(), self->clients.end())) { self->drop(c); }
+    });
+  }
+
+  void finish()
+  {
+    flush_deadline.cancel();
+    if (auto done = std::exchange(closed, nullptr)) { done(); }
   }
 
   boost::asio::io_context& io;
   stream_protocol::acceptor acceptor;
-  boost::asio::steady_timer retry;  // accepting again after a rest (the io thread's)
+  boost::asio::steady_timer retry;           // accepting again after a rest (the io thread's)
+  boost::asio::steady_timer flush_deadline;  // a closing server's last writes (the io thread's)
+  std::function<void()> closed;              // set while closing: what runs once every client is done
   std::chrono::milliseconds rest{0};
   std::size_t queue_bytes;
   std::size_t max_clients;
@@ -407,15 +447,13 @@ trace_socket::trace_socket(boost::asio::io_context& io, std::size_t queue_bytes,
 trace_socket::~trace_socket()
 {
   if (server_->io.stopped()) {
-    server_->close();
+    server_->close([] {});
+    for (const auto& c : std::vector(server_->clients.begin(), server_->clients.end())) { server_->drop(c); }
     return;
   }
   auto closed = std::make_shared<std::promise<void>>();
   auto done = closed->get_future();
-  boost::asio::post(server_->io, [s = server_, closed] {
-    s->close();
-    closed->set_value();
-  });
+  boost::asio::post(server_->io, [s = server_, closed] { s->close([closed] { closed->set_value(); }); });
   // Bounded: a service thread that no longer runs (the process is exiting) must not hang the exit.
   if (done.wait_for(std::chrono::seconds(5)) != std::future_status::ready) { ::unlink(server_->path.c_str()); }
 }

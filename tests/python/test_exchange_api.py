@@ -306,6 +306,19 @@ def test_what_torch_refuses_to_export_stays_refused(torch, make, how, live):
     assert str(through_handoff.value) == str(by_torch.value)
 
 
+def test_a_subclass_that_sets_no_table_is_asked_through_its_own_dlpack(torch, live):
+    class Refusing(torch.Tensor):
+        __dlpack_c_exchange_api__ = None  # its base's table would export what this refuses
+
+        def __dlpack__(self, *args: object, **kwargs: object) -> object:
+            raise BufferError("this subclass exports nothing")
+
+    t = torch.arange(4.0).as_subclass(Refusing)
+    for how in (handoff.from_dlpack, handoff.asarray, np.from_dlpack):
+        with pytest.raises(BufferError, match="this subclass exports nothing"):
+            how(t)
+
+
 # ------------------------------------------------------------------------------------------------
 # Device data
 

@@ -16,7 +16,15 @@ from hypothesis.extra import numpy as hnp
 
 import handoff
 
-from dlpack_ctypes import CPU, FLAG_IS_COPIED, FLAG_READ_ONLY, capsule_name, versioned_tensor
+from dlpack_ctypes import (
+    CPU,
+    FLAG_IS_COPIED,
+    FLAG_IS_SUBBYTE_TYPE_PADDED,
+    FLAG_READ_ONLY,
+    HandMadeTensor,
+    capsule_name,
+    versioned_tensor,
+)
 from support import DlpackOnly, assert_dl_device_refused
 
 NUMPY_DTYPES = [
@@ -236,6 +244,22 @@ def test_max_version_selects_the_capsule(max_version, name, version, live):
     b = handoff.from_dlpack(capsule)
     assert b.data_ptr == a.ctypes.data
     assert capsule_name(capsule) == "used_" + name
+
+
+@pytest.mark.parametrize(
+    ("max_version", "exported"), [(None, None), ((1, 0), None), ((1, 1), (1, 1))], ids=["legacy", "1.0", "1.1"]
+)
+def test_a_padded_sub_byte_dtype_is_exported_only_to_a_consumer_that_reads_its_flag(max_version, exported, live):
+    buffer = np.zeros(8, np.uint8)
+    padded = HandMadeTensor(buffer.ctypes.data, (4,), code=17, bits=4, flags=FLAG_IS_SUBBYTE_TYPE_PADDED)
+    values = handoff.from_dlpack(padded.capsule())  # float4_e2m1fn, a byte each
+    if exported is None:  # DLPack 1.1 added the padding flag: an older consumer would read packed data
+        with pytest.raises(BufferError, match=r"max_version=\(1, 1\)"):
+            values.__dlpack__(max_version=max_version)
+        return
+    managed = versioned_tensor(values.__dlpack__(max_version=max_version))
+    assert (managed.version.major, managed.version.minor) == exported
+    assert managed.flags & FLAG_IS_SUBBYTE_TYPE_PADDED and managed.dl_tensor.dtype.bits == 4
 
 
 def test_max_version_must_be_a_pair(live):

@@ -742,6 +742,18 @@ def test_a_read_only_result_cannot_be_made_writable_through_its_base():
         again.flags.writeable = True
 
 
+def test_read_only_data_is_refused_as_a_torch_tensor_which_would_be_writable(torch, settled):
+    values = np.arange(3, dtype=np.float32)
+    tensor = te.as_torch(values)
+    assert isinstance(tensor, torch.Tensor) and tensor.data_ptr() == values.ctypes.data
+    tensor[0] = 7.0
+    assert values[0] == 7.0, "the same memory, writable as the argument is"
+    values.flags.writeable = False
+    with pytest.raises(BufferError, match="read-only data cannot be returned as a PyTorch array"):
+        te.as_torch(values)
+    assert values.tolist() == [7.0, 1.0, 2.0]
+
+
 def test_an_empty_numpy_result_is_still_a_view_of_its_owner(settled):
     freed = te.buffers_freed()
     empty = te.arange_numpy(0)

@@ -433,6 +433,34 @@ def test_a_served_trace_streams_each_exchange_to_an_attached_client(tmp_path):
     assert not Path(path).exists(), "the socket is removed at exit"
 
 
+BURST_THEN_EXIT = """
+import sys, numpy as np, handoff
+print(handoff.serve_trace(), flush=True)
+sys.stdin.readline()  # the client is attached
+a = np.zeros(5)
+for _ in range(300):
+    handoff.from_dlpack(a)
+"""
+
+
+def test_a_client_that_reads_gets_every_event_a_process_made_before_it_ended(tmp_path):
+    # The process ends right after its last exchanges: what its client has not read yet is written
+    # before the socket closes (it was closed with the lines still queued).
+    with serving_child(BURST_THEN_EXIT, tmp_path) as (child, path):
+        with socket.socket(socket.AF_UNIX) as client:
+            client.settimeout(30)
+            client.connect(path)
+            with client.makefile("r") as reader:
+                assert json.loads(reader.readline())["hello"] == "handoff"
+                go_on(child)
+                lines = [json.loads(line) for line in reader]  # until the process closes the socket
+        assert child.wait(timeout=60) == 0
+    dropped = sum(line.get("dropped", 0) for line in lines)
+    events = [line for line in lines if "kind" in line]
+    assert len(events) + dropped == 600, "every event, or its count among those dropped"
+    assert dropped == 0, "a client that reads loses nothing"
+
+
 def test_garbage_and_a_vanishing_client_do_not_disturb_the_traced_process(tmp_path):
     with serving_child(SERVING_SCRIPT, tmp_path) as (child, path):
         with socket.socket(socket.AF_UNIX) as rude:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -1075,3 +1076,67 @@ def test_the_shim_never_breaks_the_program(
     assert _trace_cli.main(["run", "--", sys.executable, "-c", "print('ran')"]) == 0
     out, err = capfd.readouterr()
     assert out == "ran\n" and "handoff failed to import: RuntimeError('broken')" in err
+
+
+def test_a_trace_merged_from_processes_tells_their_exchanges_and_arrows_apart():
+    # Each process counts its views and buffers from 1: the same ids name two exchanges here.
+    def exchange(producer: str, start: int) -> list[dict[str, Any]]:
+        ordered = {"producer_stream": 0x10, "consumer_stream": 0x20, "action": "wait", "producer": producer}
+        return [
+            event(time_ns=start, **ordered),
+            event(time_ns=start + 10, kind="release", consumer=None, view=None, **ordered),
+        ]
+
+    merged = _trace_cli.merge_traces(
+        [(100, {"events": exchange("torch", 1_000), "dropped": 0}), (200, {"events": exchange("numpy", 2_000)})]
+    )
+    text = summary(merged["handoff"]["events"])
+    rows = {
+        line.split()[0]: line.split()[1:5] for line in text.splitlines() if line.split()[:1] in (["torch"], ["numpy"])
+    }
+    assert rows == {"torch": ["handoff", "1", "0", "1"], "numpy": ["handoff", "1", "0", "1"]}, text
+    flows: dict[tuple[Any, ...], list[int]] = {}
+    for e in merged["traceEvents"]:
+        if e.get("ph") in ("s", "f"):
+            flows.setdefault((e["cat"], e["name"], e["id"], e["ph"]), []).append(e["pid"])
+    assert flows and all(len(pids) == 1 for pids in flows.values()), "a flow id is global to the file"
+    assert {pids[0] for pids in flows.values()} == {100, 200}
+
+
+TERMINATED = """
+import signal, sys, numpy as np, handoff
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))  # ends as it chooses: its exit writes its trace
+handoff.from_dlpack(np.ones(3))
+print("ready", flush=True)
+signal.pause()
+"""
+
+
+def test_run_passes_a_termination_on_to_the_program_and_still_sums_up_what_it_traced(tmp_path: Path):
+    # A job scheduler or `timeout` ends handoff-trace with SIGTERM: the program was orphaned, its
+    # trace lost and the scratch folder left behind.
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    command = [sys.executable, "-m", "handoff._trace_cli", "run", "--", sys.executable, "-c", TERMINATED]
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert run.stdout.readline() == "ready\n"
+        run.send_signal(signal.SIGTERM)
+        _, err = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert run.returncode == 7, err
+    assert re.search(r"numpy +handoff +1 ", err) and "2 events" in err
+    assert not list(tmp_path.glob("handoff-trace-*")), "the scratch folder is removed"
+
+
+def test_a_relative_trace_path_is_where_the_program_started(tmp_path: Path):
+    (tmp_path / "elsewhere").mkdir()
+    code = "import os, numpy as np, handoff; handoff.from_dlpack(np.ones(2)); os.chdir('elsewhere')"
+    env = {**os.environ, "HANDOFF_TRACE": "trace.json"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "trace.json").exists() and not (tmp_path / "elsewhere" / "trace.json").exists()
