@@ -14,10 +14,12 @@ for races after the exchange.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
+from pathlib import Path
 
 from . import _settings
-from ._trace import trace
+from ._trace import dumps, trace, unfinished_trace
 
 #: How many events a process trace keeps when HANDOFF_TRACE_LIMIT does not say.
 DEFAULT_LIMIT = 30_000
@@ -72,6 +74,11 @@ def _start_process_trace() -> None:
     launches = _settings.flag("HANDOFF_TRACE_LAUNCHES")
     _process_trace = trace(limit=_settings.trace_limit(DEFAULT_LIMIT), libraries=True, launches=launches)
     _process_trace.__enter__()
+    if _trace_path is not None and "%p" in _trace_path:
+        # Each process of a job has its own file from the start, saying it is unfinished until the
+        # process saves its trace: one killed (a Pool's terminate()) is reported, not silently absent.
+        with contextlib.suppress(OSError):  # said at the exit, where the trace cannot be saved either
+            Path(_trace_file(_trace_path)).write_text(dumps(unfinished_trace(os.getpid())), encoding="utf-8")
 
 
 def _restart_in_forked_child() -> None:

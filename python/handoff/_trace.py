@@ -230,10 +230,13 @@ def _human_bytes(count: int) -> str:
     raise AssertionError("unreachable")
 
 
-def _shape(event: Mapping[str, Any]) -> str:
-    shape = event.get("shape")
+def _data(event: Mapping[str, Any]) -> str:
+    """``float32[2, 3] 24 B``; ``?`` for what the event does not know (a release of a buffer exchanged
+    before the trace began)."""
+    shape, dtype, nbytes = event.get("shape"), event.get("dtype"), event.get("nbytes")
     dims = ", ".join(str(d) for d in shape) if isinstance(shape, (list, tuple)) else "?"
-    return f"{event.get('dtype', '?')}[{dims}]"
+    size = "? B" if nbytes is None else _human_bytes(_activity.int_or_zero(nbytes))
+    return f"{'?' if dtype is None else dtype}[{dims}] {size}"
 
 
 def format_event(event: Mapping[str, Any]) -> str:
@@ -250,7 +253,7 @@ def format_event(event: Mapping[str, Any]) -> str:
         stamp,
         f"{event.get('kind', '?')!s:<7}",
         _pair(event),
-        f"{_shape(event)} {_human_bytes(_activity.int_or_zero(event.get('nbytes')))}",
+        _data(event),
         device_name(event.get("device")),
         f"stream {_stream(event.get('producer_stream'))} -> {_stream(event.get('consumer_stream'))}",
         str(event.get("action", "?")),
@@ -552,6 +555,29 @@ def chrome_trace(
             "graph": None if graph is None else json.loads(dumps(_activity.with_races(graph, raw))),
         },
     }
+
+
+def unfinished_trace(pid: int) -> dict[str, Any]:
+    """What a process of a job writes to its trace file as it begins: a trace with no events that says
+    process `pid` has not saved its own (``"unfinished": [pid]``). Its trace replaces it at exit."""
+    section = {"version": _version(), "events": [], "graph": None, "unfinished": [pid]}
+    return {"traceEvents": [], "displayTimeUnit": "ns", "handoff": section}
+
+
+def processes_named(pids: Sequence[int]) -> str:
+    """``process 12``, ``processes 12, 13``."""
+    return f"process {pids[0]}" if len(pids) == 1 else f"processes {', '.join(map(str, pids))}"
+
+
+def unfinished_note(pids: Sequence[int]) -> str:
+    """Why the processes `pids` have no events in a trace, and how to keep them."""
+    its = "its" if len(pids) == 1 else "their"
+    return (
+        f"{processes_named(pids)} ended without saving {its} trace (killed by a signal, or left through os._exit): {its} "
+        "exchanges are missing. A multiprocessing Pool's terminate(), which leaving a "
+        "`with Pool(...)` block calls, kills its workers: call pool.close() and pool.join() before the block ends "
+        "to keep their traces"
+    )
 
 
 # --- the ownership graph as DOT -------------------------------------------------------------------

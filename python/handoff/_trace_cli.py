@@ -35,7 +35,17 @@ from pathlib import Path
 from typing import IO, Any
 
 from . import _activity
-from ._trace import _plural, chrome_trace, dumps, exchanges_between_libraries, format_event, graph_to_dot, summary
+from ._trace import (
+    _plural,
+    chrome_trace,
+    dumps,
+    exchanges_between_libraries,
+    format_event,
+    graph_to_dot,
+    processes_named,
+    summary,
+    unfinished_note,
+)
 
 Trace = dict[str, Any]
 
@@ -164,20 +174,25 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+#: The fields handoff writes as lists of ints: each other field is a string, a number, a bool or null.
+_INT_LIST_FIELDS = frozenset({"device", "shape"})
+
+
 def _check_fields(item: dict[str, Any], where: str) -> None:
     """A trace item's fields are what handoff writes: a string, a number, a bool, null, or a list of
-    ints (a device, a shape); ids are strings; a device activity's `buffers` a list of such items. A
-    file that says otherwise is refused, naming the field."""
+    ints (a device, a shape: no other field); ids are strings; a device activity's `buffers` a list of
+    such items. A file that says otherwise is refused, naming the field."""
     for key, value in item.items():
         if key == "buffers" and isinstance(value, list) and all(isinstance(b, dict) for b in value):
             for index, buffer in enumerate(value):
                 _check_fields(buffer, f"{where}: buffers {index}")
             continue
-        scalar = value is None or isinstance(value, (str, int, float))
-        if not (scalar or (isinstance(value, list) and all(_is_int(v) for v in value))):
-            raise CommandError(f"{where}: field {key!r} holds {type(value).__name__}, not what handoff writes")
         if key in ("id", "src", "dst", "buffer", "view") and not (value is None or isinstance(value, str)):
             raise CommandError(f"{where}: field {key!r} is not an id (a string)")
+        scalar = value is None or isinstance(value, (str, int, float))
+        ints = key in _INT_LIST_FIELDS and isinstance(value, list) and all(_is_int(v) for v in value)
+        if not (scalar or ints):
+            raise CommandError(f"{where}: field {key!r} holds {type(value).__name__}, not what handoff writes")
 
 
 def _check_graph(graph: Any, name: str) -> None:
@@ -307,6 +322,7 @@ def merge_traces(traces: Sequence[tuple[int, Trace]]) -> dict[str, Any]:
             "graph": graph,
             "dropped": dropped,
             "processes": [pid for pid, _ in traces],
+            "unfinished": [pid for pid, trace in traces if trace.get("unfinished")],
             **({"launch_problem": "; ".join(problems)} if problems else {}),
         },
     }
@@ -322,6 +338,29 @@ def _process_traces(folder: Path) -> list[tuple[int, Trace]]:
         except (ValueError, OSError, CommandError) as error:
             print(f"handoff-trace: skipped {path.name}: {error}", file=sys.stderr)
     return [(pid, trace) for _, pid, trace in sorted(found, key=lambda item: (item[0], item[1]))]
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's now: the pid was reused
+        return False
+    return True
+
+
+def _settled_traces(folder: Path, patience_s: float = 10.0) -> tuple[list[tuple[int, Trace]], list[int]]:
+    """The traces of a run's processes once those that outlive the program (a helper it started, as
+    multiprocessing's resource tracker, which leaves after it) have saved theirs, waited for up to
+    `patience_s` seconds; and the processes still running then."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        traces = _process_traces(folder)
+        running = [pid for pid, trace in traces if trace.get("unfinished") and _running(pid)]
+        if not running or time.monotonic() >= deadline:
+            return traces, running
+        time.sleep(0.05)
 
 
 def _launch_problem(traces: Sequence[tuple[int, Trace]]) -> str | None:
@@ -356,7 +395,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             env["HANDOFF_TRACE_LAUNCHES"] = "1"
         env["PYTHONPATH"] = os.pathsep.join([str(shim), *filter(None, [env.get("PYTHONPATH")])])
         status = _wait(command, env)
-        traces = _process_traces(folder)
+        traces, running = _settled_traces(folder)
 
     if not traces:
         print(
@@ -369,6 +408,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         return status
     merged = merge_traces(traces)
     section = merged["handoff"]
+    if running:
+        print(f"handoff-trace: {processes_named(running)} still ran when the program ended: not traced here",
+              file=sys.stderr)  # fmt: skip
+    if ended := [pid for pid in section["unfinished"] if pid not in running]:
+        print(f"handoff-trace: {unfinished_note(ended)}", file=sys.stderr)
     saved = True
     if args.output:
         try:
@@ -427,6 +471,9 @@ def cmd_show(args: argparse.Namespace) -> int:
         dropped = int(trace["dropped"]) if _is_int(trace.get("dropped")) else 0
         problem = str(trace["launch_problem"]) if trace.get("launch_problem") else None
         events = shown_from_here(trace["events"])
+        unfinished = trace.get("unfinished")
+        if isinstance(unfinished, list) and unfinished and all(_is_int(pid) for pid in unfinished):
+            print(f"handoff-trace: {unfinished_note(unfinished)}", file=sys.stderr)
         print(summary(events, title=title, dropped=dropped, limit=limit, processes=count, launch_problem=problem))
     return 0
 

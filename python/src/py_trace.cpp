@@ -262,14 +262,18 @@ py::dict event_dict(const trace::event& e)
       item = name_or_none(value);
     } else if constexpr (std::is_integral_v<value_type>) {
       item = py::int_(value);
-    } else if constexpr (std::is_same_v<value_type, DLDevice>) {
-      item = device_tuple(value);
-    } else if constexpr (std::is_same_v<value_type, std::span<const std::int64_t>>) {
-      py::list shape;
-      for (const auto extent : value) { shape.append(extent); }
-      item = shape;
-    } else if constexpr (std::is_same_v<value_type, DLDataType>) {
-      item = dtype_text(value);
+    } else if constexpr (std::is_same_v<value_type, std::optional<DLDevice>>) {
+      item = value ? device_tuple(*value) : py::object(py::none());
+    } else if constexpr (std::is_same_v<value_type, std::optional<std::span<const std::int64_t>>>) {
+      if (value) {
+        py::list shape;
+        for (const auto extent : *value) { shape.append(extent); }
+        item = shape;
+      } else {
+        item = py::none();
+      }
+    } else if constexpr (std::is_same_v<value_type, std::optional<DLDataType>>) {
+      item = value ? dtype_text(*value) : py::object(py::none());
     } else if constexpr (std::is_same_v<value_type, std::optional<trace::stream_id>>) {
       item = stream_or_none(value);
     } else if constexpr (std::is_same_v<value_type, std::optional<std::int64_t>>) {

@@ -92,6 +92,13 @@ int owning_device(context& ctx, const array& view, const device::pointer_attribu
       fmt::format("the array claims device {}, but its memory belongs to device {}", claimed.device_id, where.device));
     return where.device;
   }
+  // A host-accessible claim (pinned, managed) is read by the host: copied to the CPU, or handed to it
+  // as it is. Memory only a device can read would fault there.
+  HANDOFF_EXPECTS(where.kind != device::memory_kind::device, value_error,
+                  fmt::format("the array claims {} memory, but {:#x} is device memory of device {} of the {} "
+                              "backend, which the host cannot read",
+                              device_type_name(claimed.device_type), reinterpret_cast<std::uintptr_t>(view.data()),
+                              where.device, ctx.backend().name()));
   // Pinned and managed memory report device 0 in DLPack; record where the allocation was made.
   return where.device >= 0 ? where.device : ctx.backend().current_device();
 }

@@ -79,9 +79,14 @@ array_layout layout_of(const DLTensor& t, bool readonly)
   HANDOFF_EXPECTS(
     is_dlpack_device_type(t.device.device_type), value_error,
     fmt::format("DLPack tensor's device type {} is not a DLPack device type", static_cast<int>(t.device.device_type)));
+  HANDOFF_EXPECTS(t.device.device_id >= 0, value_error,
+                  fmt::format("DLPack tensor's device id {} is negative", t.device.device_id));
   if (!is_common(t.dtype)) { (void)dtype_name(t.dtype); }  // throws buffer_error for dtypes handoff cannot describe
   array_layout layout;
   layout.device = t.device;
+  // DLPack numbers the CPU 0; a producer that numbers it otherwise (an id per host thread pool) still
+  // means the one host, and the array must not look moved to a consumer asking for (kDLCPU, 0).
+  if (layout.device.device_type == kDLCPU) { layout.device.device_id = 0; }
   layout.dtype = t.dtype;
   layout.readonly = readonly;
   const auto ndim = static_cast<std::size_t>(t.ndim);

@@ -5,6 +5,7 @@
 #include <handoff/internal/counters.hpp>
 #include <handoff/internal/ordering.hpp>
 #include <handoff/internal/shared_memory.hpp>
+#include <handoff/internal/trace_scope.hpp>
 #include <handoff/ipc.hpp>
 #include <handoff/stream_value.hpp>
 
@@ -373,6 +374,12 @@ void* endpoint::device_address(context& ctx, std::map<context*, void*>& known, c
 
 shared endpoint::share(exchange& on, const array& x, const named_stream& ready, share_options options)
 {
+  // An export to whichever processes open the share: they wait for it there (the trace's "ipc").
+  trace::exchange_scope scope{trace::event_kind::export_data, "ipc"};
+  if (scope.active()) {
+    scope.event().consumer = "ipc";
+    scope.set_view(x);
+  }
   handoff::detail::remove_leftovers();
   // The shares whose consumers are done give their events back first: a steady stream of shares
   // then reuses a few events, however far the service thread's polls have backed off.
@@ -393,6 +400,7 @@ shared endpoint::share(exchange& on, const array& x, const named_stream& ready, 
     copy_into_shared_memory(x, options, h, record);
   } else if (has_streams(type) && !is_host_accessible(type) && type != kDLCUDAManaged) {
     source = describe_device_memory(on, x, ready, h);
+    scope.set_producer_stream(source->ready_on);
     record.data = x;
   } else {
     throw buffer_error(
@@ -732,6 +740,11 @@ void endpoint::close_mapping(const std::string& key) noexcept
 
 array endpoint::open(exchange& on, std::span<const std::byte> bytes, const named_stream& consumer)
 {
+  trace::exchange_scope scope{trace::event_kind::import_data, "ipc"};
+  if (scope.active()) {
+    scope.event().producer = "ipc";
+    scope.event().consumer = "handoff";
+  }
   wire_handle h = decode(bytes);
   check_openable(h);
   const bool host = (h.flags & host_memory) != 0U;
@@ -743,8 +756,10 @@ array endpoint::open(exchange& on, std::span<const std::byte> bytes, const named
   remote_block& block = remote(h);
   const open_release done = count_open(h, block);
   try {
-    return host ? open_host(h, std::move(layout), lock, done)
-                : open_device(*ctx, block, h, std::move(layout), consumer, lock, done);
+    array view = host ? open_host(h, std::move(layout), lock, done)
+                      : open_device(*ctx, block, h, std::move(layout), consumer, lock, done);
+    scope.set_view(view);
+    return view;
   } catch (...) {
     if (lock.owns_lock()) { lock.unlock(); }
     done();  // the producer counts the hold out
@@ -815,6 +830,13 @@ array endpoint::open_device(context& ctx, remote_block& block, const wire_handle
   try {
     share_slot& slot = static_cast<control_block*>(block.mapping->data())->slots[h.slot];
     if (waits) { wait_for_producer(ctx, block, slot, h, waits->stream); }
+    if (trace::exchange_scope* scope = trace::traced()) {
+      if (waits) {
+        scope->note_wait_for_process(*waits);
+      } else {
+        scope->note_unordered();  // stream=-1: the consumer orders its work itself
+      }
+    }
   } catch (...) {
     lock.unlock();
     close_mapping(memory.key);

@@ -108,6 +108,15 @@ bool plainly_valid(const array_layout& layout) noexcept
   return !suspect;
 }
 
+// Why `device` is not a DLPack device, or null when it is one.
+const char* why_not_a_device(DLDevice device) noexcept
+{
+  if (!is_dlpack_device_type(device.device_type)) { return "DLPack defines no such device type"; }
+  if (device.device_id < 0) { return "its id is negative"; }
+  if (device.device_type == kDLCPU && device.device_id != 0) { return "the CPU is device 0"; }
+  return nullptr;
+}
+
 }  // namespace
 
 void validate_layout(const array_layout& layout)
@@ -124,10 +133,10 @@ void validate_layout(const array_layout& layout)
 void validate_description(const array_layout& layout)
 {
   const DLDevice device = layout.device;
-  HANDOFF_EXPECTS(
-    is_dlpack_device_type(device.device_type) && device.device_id >= 0, value_error,
-    fmt::format("device ({}, {}) is not a DLPack device: {}", static_cast<int>(device.device_type), device.device_id,
-                device.device_id < 0 ? "its id is negative" : "DLPack defines no such device type"));
+  const char* wrong = why_not_a_device(device);
+  HANDOFF_EXPECTS(wrong == nullptr, value_error,
+                  fmt::format("device ({}, {}) is not a DLPack device: {}", static_cast<int>(device.device_type),
+                              device.device_id, wrong));
   static_cast<void>(dtype_name(layout.dtype));  // buffer_error, naming the dtype, for one DLPack does not define
 }
 

@@ -29,6 +29,8 @@ transfer plan_transfer(const array& view, std::optional<DLDevice> target, std::o
 {
   HANDOFF_EXPECTS(!target || target->device_id >= 0, value_error,
                   fmt::format("cannot {} to {}: a device id is never negative", verb, device_text(*target)));
+  HANDOFF_EXPECTS(!target || target->device_type != kDLCPU || target->device_id == 0, buffer_error,
+                  fmt::format("cannot {} to {}: the CPU is device 0", verb, device_text(*target)));
   const bool moves = target.has_value() && !same_device(*target, view.device());
   HANDOFF_EXPECTS(!moves || target->device_type == kDLCPU, buffer_error,
                   fmt::format("cannot {} an array on {} to {}: the device is unreachable from there", verb,

@@ -198,7 +198,7 @@ void log_event(const event& e)
   }
   const char* producer = e.producer != nullptr ? e.producer : "?";
   const char* consumer = e.consumer != nullptr ? e.consumer : "?";
-  std::string data = e.shape.empty() && e.nbytes == 0 && e.kind == event_kind::release
+  std::string data = !describes_data(e)
                        ? std::string{}
                        : fmt::format(" {}[{}] on {}:{} ({} B)", dtype_name(e.dtype), fmt::join(e.shape, ", "),
                                      device_type_name(e.device.device_type), e.device.device_id, e.nbytes);
@@ -416,15 +416,22 @@ std::string to_json(const event& e)
       append_json_name(out, value);
     } else if constexpr (std::is_integral_v<value_type>) {
       out += fmt::format("{}", value);
-    } else if constexpr (std::is_same_v<value_type, DLDevice>) {
-      out += fmt::format("[{},{}]", static_cast<int>(value.device_type), value.device_id);
-    } else if constexpr (std::is_same_v<value_type, std::span<const std::int64_t>>) {
-      out += fmt::format("[{}]", fmt::join(value, ","));
-    } else if constexpr (std::is_same_v<value_type, DLDataType>) {
+    } else if constexpr (std::is_same_v<value_type, std::optional<DLDevice>>) {
+      out +=
+        value ? fmt::format("[{},{}]", static_cast<int>(value->device_type), value->device_id) : std::string{"null"};
+    } else if constexpr (std::is_same_v<value_type, std::optional<std::span<const std::int64_t>>>) {
+      out += value ? fmt::format("[{}]", fmt::join(*value, ",")) : std::string{"null"};
+    } else if constexpr (std::is_same_v<value_type, std::optional<DLDataType>>) {
+      std::string_view text;  // empty: written as null
       try {
-        append_json_string(out, dtype_name(value));
+        if (value) { text = dtype_name(*value); }
       } catch (const std::exception&) {
+        text = {};  // a dtype DLPack does not define (a hostile producer's)
+      }
+      if (text.empty()) {
         out += "null";
+      } else {
+        append_json_string(out, text);
       }
     } else if constexpr (std::is_same_v<value_type, std::optional<stream_id>>) {
       out += value ? fmt::format("{}", value->handle) : std::string{"null"};
@@ -688,6 +695,13 @@ void exchange_scope::note_wait(device::backend& backend, int device, std::uint64
   state_->event.producer_stream = stream_id{.device = {type, device}, .handle = producer};
   state_->event.consumer_stream = stream_id{.device = {type, device}, .handle = consumer};
   (inserted ? state_->waited : state_->elided) = true;
+}
+
+void exchange_scope::note_wait_for_process(const bound_stream& consumer) noexcept
+{
+  if (state_ == nullptr) { return; }
+  set_consumer_stream(consumer);
+  state_->waited = true;
 }
 
 void exchange_scope::classify()

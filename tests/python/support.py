@@ -6,13 +6,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import json
 import os
+import socket
 import subprocess
 import sys
 import threading
 import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import pytest
@@ -90,6 +93,19 @@ def serving_child(script: str, runtime_dir: Path) -> Iterator[tuple[subprocess.P
         finally:
             if child.poll() is None:
                 child.kill()
+
+
+@contextlib.contextmanager
+def attached_client(path: str) -> Iterator[tuple[dict, IO[str]]]:
+    """A client of the trace socket at `path` that the server admitted: (the hello it sent, a reader
+    of the lines it sends next, a JSON object each)."""
+    with socket.socket(socket.AF_UNIX) as client:
+        client.settimeout(30)
+        client.connect(path)
+        with client.makefile("r") as reader:
+            hello = json.loads(reader.readline())  # sent once the server has admitted the client
+            assert hello.get("hello") == "handoff", hello
+            yield hello, reader
 
 
 def go_on(child: subprocess.Popen, steps: int = 1) -> None:

@@ -312,8 +312,8 @@ def capsule_refusals(spec: dict, backing: Backing) -> tuple[set, set]:
     if spec["ndim"] < 0 or (spec["ndim"] > 0 and spec["null_shape"]):
         must.add(ValueError)
         return must, may
-    if spec["device"][0] not in DLPACK_DEVICE_TYPES:
-        must.add(ValueError)  # a device type DLPack does not define
+    if spec["device"][0] not in DLPACK_DEVICE_TYPES or spec["device"][1] < 0:
+        must.add(ValueError)  # a device type DLPack does not define, or a negative device id
         return must, may
     if spec["lanes"] != 1 or (spec["code"], spec["bits"]) not in DTYPE_NAMES:
         must.add(BufferError)
@@ -341,8 +341,12 @@ def capsule_refusals(spec: dict, backing: Backing) -> tuple[set, set]:
                 must.add(ValueError)
         else:
             foreign = device_type in (CUDA, ROCM) and not (backing.holds(pointer) and backing.device == device_id)
+            # The host reads memory claimed pinned or managed: device memory under that claim is refused.
+            host_read = (
+                device_type in (CUDA_HOST, CUDA_MANAGED, ROCM_HOST) and backing.kind == "sim" and backing.holds(pointer)
+            )
             spans = backing.kind == "sim" and backing.holds_span(pointer, shape, strides, itemsize_of(spec))
-            if foreign or (math.prod(shape) != 0 and not spans):
+            if foreign or host_read or (math.prod(shape) != 0 and not spans):
                 must.add(ValueError)
     elif CUDA_ORDERING_REFUSED and device_type in CUDA_LIKE and spec["stream"] != -1 and not must:
         must.add(handoff.DeviceError)  # nothing can order it, and it is not exchanged unordered
@@ -376,7 +380,7 @@ def assert_view_matches(view: handoff.Array, spec: dict, backing: Backing, copie
     assert view.size == math.prod(shape)
     assert view.nbytes == math.prod(shape) * item
     # A copy of host data is plain CPU memory; a device copy stays on the device.
-    assert view.device == ((CPU, 0) if copied and spec["device"][0] == CPU else spec["device"])
+    assert view.device == ((CPU, 0) if spec["device"][0] == CPU else spec["device"])  # DLPack numbers the CPU 0
     assert view.__dlpack_device__() == view.device
     assert isinstance(repr(view), str)
     if copied:

@@ -148,6 +148,30 @@ def test_dl_device_out_of_range_is_still_a_value_error(live):
         assert_dl_device_refused(device, ValueError)
 
 
+def test_dl_device_naming_a_cpu_other_than_0_is_a_buffer_error_not_a_copy_labelled_cpu_0(live):
+    array = handoff.from_dlpack(np.arange(3.0))
+    with pytest.raises(BufferError, match="the CPU is device 0"):
+        array.__dlpack__(dl_device=(CPU, 1), max_version=(1, 1))
+    with pytest.raises(BufferError, match="the CPU is device 0"):
+        handoff.from_dlpack(array, device=(CPU, 1))
+    assert array.__dlpack__(dl_device=(CPU, 0), copy=False, max_version=(1, 1)) is not None  # the control
+
+
+def test_a_capsule_numbering_the_cpu_otherwise_is_on_the_cpu_and_a_negative_id_is_refused(live):
+    data = np.arange(4, dtype=np.float32)
+    negative = HandMadeTensor(data.ctypes.data, (4,), device=(CPU, -1))
+    with pytest.raises(ValueError, match="device id -1 is negative"):
+        handoff.from_dlpack(negative.capsule())
+    assert negative.deleted == 1
+    # A CPU numbered 3 is the host: asked for on (kDLCPU, 0) without a copy, it was refused as a move.
+    numbered = HandMadeTensor(data.ctypes.data, (4,), device=(CPU, 3))
+    view = handoff.from_dlpack(numbered.capsule())
+    assert view.device == (CPU, 0)
+    assert handoff.from_dlpack(view, device=(CPU, 0), copy=False).data_ptr == data.ctypes.data
+    with pytest.raises(ValueError, match=r"device \(1, 3\) is not a DLPack device: the CPU is device 0"):
+        handoff.view(data.ctypes.data, 4, "float32", device=(CPU, 3), owner=data)  # a library's own: its error
+
+
 # --- calls that once crashed ------------------------------------------------------------------
 
 
@@ -204,7 +228,8 @@ def test_an_empty_capsule_on_a_device_the_backend_lacks_is_refused(device_id, li
 
     tensor = HandMadeTensor(None, (0,), device=(DEVICE_MEMORY, device_id))
     capsule = tensor.capsule(destructor=True)
-    with pytest.raises(ValueError, match=rf"device {device_id}\b.*has {DEVICE_COUNT} device"):
+    lacks = "device id -1 is negative" if device_id < 0 else rf"device {device_id}\b.*has {DEVICE_COUNT} device"
+    with pytest.raises(ValueError, match=lacks):
         handoff.from_dlpack(capsule)
     del capsule
     gc.collect()

@@ -62,6 +62,12 @@ def trace_run(tmp_path: Path, script: str, *options: str, env: dict[str, str] | 
     return result, section
 
 
+def show_saved(tmp_path: Path) -> subprocess.CompletedProcess:
+    """`handoff-trace show` of the trace trace_run saved."""
+    command = [sys.executable, "-m", "handoff._trace_cli", "show", str(tmp_path / "trace.json")]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+
+
 # --- programs that never import handoff, on the CPU ------------------------------------------------
 
 NEVER_IMPORTS_HANDOFF = """
@@ -288,13 +294,7 @@ def test_the_process_trace_is_bounded_and_says_what_it_dropped(tmp_path):
     assert result.returncode == 0, result.stderr
     assert len(section["events"]) == 10 and section["dropped"] == 40
     assert "40 older events dropped" in result.stderr
-    shown = subprocess.run(
-        [sys.executable, "-m", "handoff._trace_cli", "show", str(tmp_path / "trace.json")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    shown = show_saved(tmp_path)
     assert "40 older events dropped" in shown.stdout
 
 
@@ -324,6 +324,72 @@ def test_every_process_of_a_job_is_traced_to_its_own_file_and_merged(tmp_path):
     assert len(by_where[f"{program}:6"]) == 2, "the forked and the spawned child, each its own process"
     assert by_where[f"{program}:9"].isdisjoint(by_where[f"{program}:6"])
     assert len(section["processes"]) >= 3 and "processes" in result.stderr
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("joined", [False, True], ids=["terminated", "joined"])
+def test_pool_workers_a_pool_terminates_are_reported_as_unfinished_and_joined_ones_traced(tmp_path, method, joined):
+    # Leaving `with Pool()` terminates the workers (SIGTERM): their traces were lost without a word.
+    script = f"""
+        import multiprocessing as mp, os, threading
+        import numpy as np, torch
+
+        def work(n):
+            np.from_dlpack(torch.arange(float(n)))  # line 6
+            return os.getpid()
+
+        def keep(started):
+            global busy
+            busy = started
+
+        def stay():  # the worker is still busy when terminate() comes: it cannot leave on its own
+            busy.set()
+            threading.Event().wait()
+
+        if __name__ == "__main__":
+            context = mp.get_context("{method}")
+            started = context.Event()
+            with context.Pool(1, initializer=keep, initargs=(started,)) as pool:
+                workers = set(pool.map(work, [2, 3]))
+                if {joined}:
+                    pool.close()
+                    pool.join()
+                else:
+                    pool.apply_async(stay)
+                    started.wait()
+            print(*workers)
+    """
+    result, section = trace_run(tmp_path, script)
+    assert result.returncode == 0, result.stderr
+    (worker,) = map(int, result.stdout.split())
+    traced = {event["pid"] for event in section["events"] if event["where"] == f"{tmp_path / 'program.py'}:6"}
+    if joined:  # the control: a worker that leaves on its own saves its trace
+        assert traced == {worker} and worker not in section["unfinished"], result.stderr
+        assert "without saving" not in result.stderr
+    else:
+        assert not traced and worker in section["unfinished"]
+        assert f"process {worker} ended without saving its trace" in result.stderr
+        assert "pool.close() and pool.join()" in result.stderr
+        shown = show_saved(tmp_path)
+        assert shown.returncode == 0 and f"process {worker} ended without saving" in shown.stderr, shown.stderr
+
+
+def test_run_waits_for_a_process_that_outlives_the_program_to_save_its_trace(tmp_path):
+    # The child, traced from its start, exchanges once the program has ended (its stdin closes then):
+    # its unfinished file was read as it stood, and the process reported as killed.
+    script = """
+        import subprocess, sys
+        code = "import sys, numpy as np, torch; print(flush=True); sys.stdin.read(); np.from_dlpack(torch.arange(2.0))"
+        child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        child.stdout.readline()  # it runs
+        print(child.pid)
+    """
+    result, section = trace_run(tmp_path, script)
+    assert result.returncode == 0, result.stderr
+    child = int(result.stdout)
+    assert [e["where"] for e in section["events"] if e["pid"] == child] == ["<string>:1"], result.stderr
+    assert child in section["processes"] and not section["unfinished"]
+    assert "without saving" not in result.stderr and "still ran" not in result.stderr
 
 
 # --- peer libraries on the simulator --------------------------------------------------------------

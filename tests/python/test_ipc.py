@@ -179,6 +179,49 @@ def test_host_memory_is_copied_once_into_shared_memory(agent):
         ipc.share(source, copy=False)
 
 
+def test_a_share_and_its_opens_are_traced_as_exchanges(agent):
+    # They were not in the trace at all: a job's hand-offs between processes went unseen.
+    source = np.arange(6, dtype=np.float32)
+    with handoff.trace() as t:
+        handle = ipc.share(source)
+    (shared,) = [e for e in t.events if e["protocol"] == "ipc"]  # beside the release of its import
+    assert [shared[key] for key in ("kind", "protocol", "consumer", "device", "shape", "action")] == [
+        "export", "ipc", "ipc", (1, 0), [6], "none"
+    ]  # fmt: skip
+    opened = agent.run(
+        f"h = ipc.Handle({bytes(handle)!r})\n"
+        "with handoff.trace() as t:\n    a = ipc.open(h)\n"
+        "result = [[e[k] for k in ('kind', 'protocol', 'producer', 'consumer', 'shape', 'action')] for e in t.events]"
+    )
+    assert opened == [["import", "ipc", "ipc", "handoff", [6], "none"]]
+    agent.run("del a")
+
+
+@needs_sim
+def test_a_device_share_is_traced_with_its_stream_and_each_open_with_its_wait_or_none(agent):
+    from handoff import sim
+
+    producer = sim.Stream(non_blocking=True)
+    a = sim.zeros(64, "float32")
+    sim.fill(a, 2.0, stream=producer)
+    with handoff.trace() as t:
+        handle = ipc.share(a, stream=producer)
+    (shared,) = [e for e in t.events if e["protocol"] == "ipc"]
+    assert (shared["kind"], shared["protocol"], shared["producer_stream"]) == ("export", "ipc", producer.handle)
+    refused = 2 if handoff.runtime_info()["backend"] == "sim-rocm" else 0
+    opens = agent.run(
+        f"from handoff import sim; h = ipc.Handle({bytes(handle)!r}); consumer = sim.Stream(non_blocking=True)\n"
+        "with handoff.trace() as t:\n"
+        "    ordered = ipc.open(h, stream=consumer)\n"
+        "    unordered = ipc.open(h, stream=-1)\n"
+        f"    try:\n        ipc.open(h, stream={refused})\n    except ValueError:\n        pass\n"
+        "result = [[e['action'], e['consumer_stream'] == consumer.handle, e['hazard']] for e in t.events]"
+    )
+    assert opens == [["wait", True, None], ["unordered", False, None], ["refused", False, None]]
+    agent.run("del ordered, unordered")
+    sim.synchronize()
+
+
 def test_the_producer_keeps_host_memory_until_the_consumer_released_it(agent):
     handle = ipc.share(np.full(8, 3.0))
     agent.run(f"a = ipc.open(ipc.Handle({bytes(handle)!r}))")

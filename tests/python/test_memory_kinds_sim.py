@@ -119,6 +119,29 @@ def test_a_copy_of_host_accessible_memory_comes_back_on_the_same_device(host_acc
     assert np.from_dlpack(handoff.from_dlpack(copied, device="cpu"))[-1] == 5.0
 
 
+@pytest.mark.parametrize("claim", ["pinned", "managed"])
+def test_device_memory_claimed_host_accessible_is_refused_and_its_producer_released_once(claim):
+    # The host reads what is claimed pinned or managed (a view or a copy to the CPU): device memory
+    # under that claim faulted there.
+    if SIM_ROCM and claim == "managed":
+        pytest.skip("managed memory has no DLPack device type on ROCm")
+    claimed = {"pinned": 11 if SIM_ROCM else 3, "managed": 13}[claim]
+    device_memory, host_accessible = sim.zeros(N), sim.zeros(N, memory=claim)  # the second: the control
+    for memory, refused in ((device_memory, True), (host_accessible, False)):
+        tensor = HandMadeTensor(memory.data_ptr, (N,), code=2, bits=32)
+        tensor.managed.dl_tensor.device = DLDevice(claimed, 0)
+        if refused:
+            with pytest.raises(ValueError, match=f"claims .* memory, but {memory.data_ptr:#x} is device memory"):
+                handoff.from_dlpack(tensor.capsule())
+        else:
+            view = handoff.from_dlpack(tensor.capsule(), device="cpu")
+            assert view.data_ptr == memory.data_ptr, "host-accessible memory is reused"
+            del view
+        gc.collect()
+        sim.drain()
+        assert tensor.deleted == 1, memory
+
+
 def test_device_memory_to_the_cpu_with_copy_false_is_still_refused():
     source = sim.zeros(N)
     with pytest.raises(BufferError, match="copy=False"):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -21,7 +20,17 @@ import pytest
 import handoff
 from handoff import _trace_cli
 
-from support import BACKEND, DEFAULT_STREAM, DEVICE_COUNT, cuda_is_usable, go_on, needs_sim, run_python, serving_child
+from support import (
+    BACKEND,
+    DEFAULT_STREAM,
+    DEVICE_COUNT,
+    attached_client,
+    cuda_is_usable,
+    go_on,
+    needs_sim,
+    run_python,
+    serving_child,
+)
 
 HERE = Path(__file__).resolve()
 EXAMPLES = HERE.parents[2] / "examples"
@@ -626,14 +635,9 @@ sys.stdin.readline()
 @needs_sim
 def test_attach_carries_the_device_activity_of_a_launch_trace(tmp_path):
     with serving_child(ATTACHED, tmp_path) as (child, path):
-        with socket.socket(socket.AF_UNIX) as client:
-            client.settimeout(30)
-            client.connect(path)
-            with client.makefile("r") as reader:
-                # admitted: the hello is sent once the client counts as attached
-                assert json.loads(reader.readline())["hello"] == "handoff"
-                go_on(child)
-                events = [json.loads(reader.readline()) for _ in range(2)]
+        with attached_client(path) as (_, reader):
+            go_on(child)
+            events = [json.loads(reader.readline()) for _ in range(2)]
         assert [(e["kind"], e["op"]) for e in events] == [("launch", "kernel"), ("sync", "stream")]
         launch = next(e for e in events if e["kind"] == "launch")
         assert launch["kernel"] == "watched" and "launch" in _trace_cli.format_event(launch)

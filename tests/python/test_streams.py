@@ -614,15 +614,21 @@ _ENTRIES = {
 }
 
 
+@pytest.fixture
+def three_streams() -> tuple:
+    """A producer's stream and two streams for blocks, non-blocking streams of the simulator."""
+    from handoff import sim
+
+    return tuple(sim.Stream(non_blocking=True) for _ in range(3))
+
+
 @needs_sim
 @pytest.mark.parametrize(
     "entered",
     [*_ENTRIES, pytest.param("no first block", marks=pytest.mark.negative_control)],
 )
-def test_a_generators_block_entered_beside_another_stays_open_however_the_other_was_entered(entered):
-    from handoff import sim
-
-    producer, first_stream, second_stream = (sim.Stream(non_blocking=True) for _ in range(3))
+def test_a_generators_block_entered_beside_another_stays_open_however_the_other_was_entered(entered, three_streams):
+    producer, first_stream, second_stream = three_streams
     seen: dict[str, object] = {}
 
     def first():
@@ -665,10 +671,8 @@ def test_a_generators_block_entered_beside_another_stays_open_however_the_other_
     "entered",
     [*_ENTRIES, pytest.param("no outer block", marks=pytest.mark.negative_control)],
 )
-def test_a_block_ends_the_generators_blocks_entered_inside_it_however_it_was_entered(entered):
-    from handoff import sim
-
-    producer, outer_stream, inner_stream = (sim.Stream(non_blocking=True) for _ in range(3))
+def test_a_block_ends_the_generators_blocks_entered_inside_it_however_it_was_entered(entered, three_streams):
+    producer, outer_stream, inner_stream = three_streams
     default = handoff.Stream(DEFAULT_STREAM)
     seen: dict[str, object] = {}
 

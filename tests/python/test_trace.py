@@ -20,9 +20,11 @@ import numpy as np
 import pytest
 
 import handoff
+from handoff._trace import format_event
 
 from support import (
     BACKEND,
+    attached_client,
     go_on,
     needs_sim,
     needs_two_devices,
@@ -146,6 +148,22 @@ def test_lines_stay_right_when_more_locations_ran_than_are_remembered():
     imports = [e["where"] for e in t.events if e["kind"] == "import"]
     expected = [f"many_locations.py:{line}" for line in range(2, calls + 2)]
     assert imports == expected * 2
+
+
+def test_a_release_of_an_array_imported_before_the_trace_began_says_its_data_is_unknown():
+    # It was written as an empty float32 array on cpu:0, whatever the array was.
+    before = handoff.from_dlpack(np.ones((2, 3), dtype=np.int16))
+    with handoff.trace() as t:
+        del before
+        seen = handoff.from_dlpack(np.ones(0, dtype=np.float64))  # the negative control: a known release
+        del seen
+        gc.collect()
+    releases = [e for e in t.events if e["kind"] == "release"]
+    assert len(releases) == 2
+    unseen, known = releases
+    assert [unseen[field] for field in ("device", "shape", "dtype", "nbytes")] == [None] * 4
+    assert [known[field] for field in ("device", "shape", "dtype", "nbytes")] == [(1, 0), [0], "float64", 0]
+    assert "?[?] ? B  ?" in format_event(unseen) and "float64[0] 0 B  cpu:0" in format_event(known)
 
 
 def test_each_exchange_is_an_event_with_the_contracts_fields(torch):
@@ -418,14 +436,10 @@ def test_a_served_trace_streams_each_exchange_to_an_attached_client(tmp_path):
         assert path == str(tmp_path / "handoff" / f"trace-{child.pid}.sock")
         assert (os.stat(tmp_path / "handoff").st_mode & 0o777) == 0o700
         assert (os.stat(path).st_mode & 0o777) == 0o600
-        with socket.socket(socket.AF_UNIX) as client:
-            client.settimeout(30)
-            client.connect(path)
-            with client.makefile("r") as reader:
-                hello = json.loads(reader.readline())  # sent once the server has admitted the client
-                assert hello["hello"] == "handoff" and hello["pid"] == child.pid
-                go_on(child)
-                events = [json.loads(reader.readline()) for _ in range(6)]
+        with attached_client(path) as (hello, reader):
+            assert hello["pid"] == child.pid
+            go_on(child)
+            events = [json.loads(reader.readline()) for _ in range(6)]
         assert sorted(e["kind"] for e in events) == ["import"] * 3 + ["release"] * 3
         assert all(e["shape"] == [5] and e["producer"] == "numpy" for e in events)
         go_on(child)
@@ -447,13 +461,9 @@ def test_a_client_that_reads_gets_every_event_a_process_made_before_it_ended(tmp
     # The process ends right after its last exchanges: what its client has not read yet is written
     # before the socket closes (it was closed with the lines still queued).
     with serving_child(BURST_THEN_EXIT, tmp_path) as (child, path):
-        with socket.socket(socket.AF_UNIX) as client:
-            client.settimeout(30)
-            client.connect(path)
-            with client.makefile("r") as reader:
-                assert json.loads(reader.readline())["hello"] == "handoff"
-                go_on(child)
-                lines = [json.loads(line) for line in reader]  # until the process closes the socket
+        with attached_client(path) as (_, reader):
+            go_on(child)
+            lines = [json.loads(line) for line in reader]  # until the process closes the socket
         assert child.wait(timeout=60) == 0
     dropped = sum(line.get("dropped", 0) for line in lines)
     events = [line for line in lines if "kind" in line]
@@ -466,13 +476,9 @@ def test_garbage_and_a_vanishing_client_do_not_disturb_the_traced_process(tmp_pa
         with socket.socket(socket.AF_UNIX) as rude:
             rude.connect(path)
             rude.sendall(os.urandom(1 << 20) + b"x" * (1 << 20))  # garbage, and one huge line
-        with socket.socket(socket.AF_UNIX) as polite:
-            polite.settimeout(30)
-            polite.connect(path)
-            with polite.makefile("r") as reader:
-                assert json.loads(reader.readline())["hello"] == "handoff"  # admitted
-                go_on(child)
-                assert json.loads(reader.readline())["kind"] in ("import", "release")
+        with attached_client(path) as (_, reader):  # the polite one, admitted
+            go_on(child)
+            assert json.loads(reader.readline())["kind"] in ("import", "release")
         go_on(child)
         assert child.wait(timeout=60) == 0
 

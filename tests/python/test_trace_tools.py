@@ -546,6 +546,7 @@ HOSTILE_EVENT = {
             json.dumps({"handoff": {"events": [{**HOSTILE_EVENT, "shape": {"a": 1}}]}}),
             "event 0: field 'shape' holds dict",
         ),
+        (json.dumps({"handoff": {"events": [{**HOSTILE_EVENT, "kind": [1]}]}}), "event 0: field 'kind' holds list"),
         ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
         (
             json.dumps({"handoff": {"events": [], "graph": {"nodes": [1], "edges": []}}}),
@@ -555,7 +556,7 @@ HOSTILE_EVENT = {
         (json.dumps({"handoff": {"events": [], "graph": {"edges": [{"src": "a"}]}}}), "graph edges 0 has no 'dst'"),
         (json.dumps({"handoff": {"events": [], "graph": []}}), "the ownership graph is not an object"),
     ],
-    ids=["nan", "infinity", "unhashable id", "object field", "deep", "node", "node id", "edge", "graph"],
+    ids=["nan", "infinity", "unhashable id", "object field", "list kind", "deep", "node", "node id", "edge", "graph"],
 )
 def test_hostile_trace_files_are_one_line_errors(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str

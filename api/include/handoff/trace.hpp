@@ -164,6 +164,15 @@ inline optional_text optional_text_of(const char* text) noexcept
   return optional_text{text != nullptr ? text : ""};
 }
 
+/// Whether the event says which data it concerns. A release of a buffer that no running trace saw
+/// exchanged (it was, before any trace began) does not: its device, shape, dtype and size are unknown,
+/// and written as null rather than as an empty CPU array. A known release has a shape or a size (a
+/// 0-d array has its item's, an empty array its zero extent).
+[[nodiscard]] inline bool describes_data(const event& e) noexcept
+{
+  return e.kind != event_kind::release || e.nbytes != 0 || !e.shape.empty();
+}
+
 /// Calls `field(name, value)` for each field of an activity event, in the order the trace writes them.
 template <class Field>
 void for_each_activity_field(const event& e, Field&& field)
@@ -172,7 +181,7 @@ void for_each_activity_field(const event& e, Field&& field)
   field("op", optional_text_of(e.op));
   field("time_ns", e.time_ns);
   field("thread", e.thread);
-  field("device", e.device);
+  field("device", std::optional<DLDevice>{e.device});
   field("stream", e.stream);
   field("kernel", e.kernel);
   field("buffers", std::span<const buffer_ref>{e.buffers});
@@ -198,9 +207,9 @@ void for_each_activity_field(const event& e, Field&& field)
 
 /// Calls `field(name, value)` for each field of `e`, in the order the trace writes them: the one
 /// place that names them, for every form of an event (JSON lines, Python dicts). The values are
-/// std::string_view, std::int64_t, std::uint64_t, DLDevice, std::span<const std::int64_t> (the shape),
-/// DLDataType, const char* (a library or hazard name; null: none), std::optional<stream_id>,
-/// optional_text, std::optional<node_ref>, std::optional<std::int64_t> and, for device activity,
+/// std::string_view, std::int64_t, std::uint64_t, const char* (a library or hazard name; null: none),
+/// optional_text, and std::optional of DLDevice, std::span<const std::int64_t> (the shape),
+/// DLDataType, stream_id, node_ref and std::int64_t (empty: null), and, for device activity,
 /// std::span<const buffer_ref>.
 template <class Field>
 void for_each_field(const event& e, Field&& field)
@@ -213,10 +222,11 @@ void for_each_field(const event& e, Field&& field)
   field("protocol", e.protocol);
   field("time_ns", e.time_ns);
   field("thread", e.thread);
-  field("device", e.device);
-  field("shape", std::span<const std::int64_t>{e.shape});
-  field("dtype", e.dtype);
-  field("nbytes", e.nbytes);
+  const bool described = describes_data(e);
+  field("device", described ? std::optional<DLDevice>{e.device} : std::nullopt);
+  field("shape", described ? std::optional<std::span<const std::int64_t>>{e.shape} : std::nullopt);
+  field("dtype", described ? std::optional<DLDataType>{e.dtype} : std::nullopt);
+  field("nbytes", described ? std::optional<std::int64_t>{e.nbytes} : std::nullopt);
   field("producer", e.producer);
   field("consumer", e.consumer);
   field("producer_stream", e.producer_stream);

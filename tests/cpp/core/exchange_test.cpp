@@ -416,11 +416,14 @@ TEST_P(ExchangeTest, AViewOfADeviceOrDtypeDLPackDoesNotDefineIsRefused)
                                  ", -7) is not a DLPack device: its id is negative");
   }
   layout = host;
+  layout.device = {kDLCPU, 3};
+  EXPECT_EQ(refused(layout), "value_error: device (1, 3) is not a DLPack device: the CPU is device 0");
+  layout = host;
   layout.dtype = {kDLFloat, 24, 1};
   EXPECT_EQ(refused(layout), "buffer_error: unsupported DLPack dtype (code 2, bits 24, lanes 1)");
   layout.dtype = {kDLInt, 12, 1};
   EXPECT_EQ(refused(layout), "buffer_error: unsupported DLPack dtype (code 0, bits 12, lanes 1)");
-  EXPECT_EQ(released.load(), 5) << "each refused view's owner, once";
+  EXPECT_EQ(released.load(), 6) << "each refused view's owner, once";
   EXPECT_NO_THROW((void)ex().view(host, shared_producer{[] {}}));
 }
 

@@ -282,6 +282,35 @@ TEST_F(TraceSessionTest, AReleaseCarriesTheLayoutItsBufferWasExchangedWith)
   EXPECT_EQ(events[1].action, trace::action::none);
 }
 
+TEST_F(TraceSessionTest, AReleaseOfABufferExchangedBeforeTheTraceSaysItsLayoutIsUnknown)
+{
+  std::vector<float> data(5);
+  array_layout layout;
+  layout.data = data.data();
+  layout.shape = std::vector<std::int64_t>{5};
+  layout.strides = std::vector<std::int64_t>{1};
+  auto view = std::make_unique<array>(std::move(layout), shared_producer{[] {}});
+  {
+    trace::exchange_scope scope{trace::event_kind::import_data, "buffer"};  // before the trace: unseen
+    scope.set_view(*view);
+  }
+  const auto session = trace::begin_session();
+  view.reset();
+  host_exchange(0);  // the negative control: an empty array the trace saw, released
+  const auto events = trace::end_session(session);
+  ASSERT_EQ(events.size(), 3U);
+  EXPECT_EQ(events[0].kind, trace::event_kind::release);
+  EXPECT_FALSE(trace::describes_data(events[0]));
+  const std::string unseen = trace::to_json(events[0]);
+  for (const char* field : {R"("device":null)", R"("shape":null)", R"("dtype":null)", R"("nbytes":null)"}) {
+    EXPECT_NE(unseen.find(field), std::string::npos) << field << " in " << unseen;
+  }
+  ASSERT_EQ(events[2].kind, trace::event_kind::release);
+  EXPECT_TRUE(trace::describes_data(events[2]));
+  const std::string seen = trace::to_json(events[2]);
+  EXPECT_NE(seen.find(R"("device":[1,0],"shape":[0],"dtype":"float32","nbytes":0)"), std::string::npos) << seen;
+}
+
 TEST_F(TraceSessionTest, EachReleaseCarriesItsOwnImportsShapeWhileOtherViewsComeAndGo)
 {
   // The layout remembered for one buffer is reused for the next buffer's import once released;

@@ -49,6 +49,9 @@ class exchange_scope {
   /// A wait of `consumer` after `producer` (inserted or elided) on `backend`'s device `device`.
   void note_wait(device::backend& backend, int device, std::uint64_t producer, std::uint64_t consumer,
                  bool inserted) noexcept;
+  /// `consumer` waits for another process's work (an IPC share's event): the producer stream is not
+  /// this process's to name.
+  void note_wait_for_process(const bound_stream& consumer) noexcept;
   /// No ordering was asked for: the consumer uses the data as soon as it has it.
   void note_unordered() noexcept;
   /// The producer was handed the consumer's stream and orders it itself (DLPack's __dlpack__).
