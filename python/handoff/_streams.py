@@ -192,6 +192,7 @@ class _Entry:
         "frame",
         "frameworks",
         "holder",
+        "inner",
         "open",
         "stream",
         "thread",
@@ -212,6 +213,10 @@ class _Entry:
         self.enclosing = _running_block(blocks, caller)
         self.frameworks: AbstractContextManager[Any] | None = None
         self.thread_frameworks: list[_Entry] | None = None
+        # The blocks entered inside this one and still open: they end with it, wherever it ends.
+        self.inner: list[_Entry] = []
+        if self.enclosing is not None:
+            self.enclosing.inner.append(self)
 
     def inside(self, outer: _Entry) -> bool:
         """Whether this block was entered while `outer`'s code ran (directly or in blocks inside it)."""
@@ -223,10 +228,22 @@ class _Entry:
         return False
 
     def close(self) -> None:
-        self.open = False
+        """Leaves the block (its with-statement ends)."""
+        self._end()
+        if self.enclosing is not None and self in self.enclosing.inner:
+            self.enclosing.inner.remove(self)
         self.holder = self.frame = self.enclosing = None
-        if self.thread_frameworks is not None:
-            _framework_blocks.leave(self)
+
+    def _end(self) -> None:
+        """Ends the block, and the blocks entered inside it (a generator's, suspended in it), in every
+        context that lists them; an inner block still matches its own with-statement's exit."""
+        inner, self.inner = self.inner, []
+        for entry in inner:
+            entry._end()
+        if self.open:
+            self.open = False
+            if self.thread_frameworks is not None:
+                _framework_blocks.leave(self)
 
 
 def _is_machinery(frame: FrameType | None) -> bool:

@@ -327,6 +327,41 @@ def test_a_block_left_in_a_copy_of_its_context_ends_here_too(drain):
     assert handoff.current_stream() is None
 
 
+@pytest.mark.parametrize("inner", ["inside", pytest.param("beside", marks=pytest.mark.negative_control)])
+@pytest.mark.parametrize(
+    "drain",
+    [_drain_in_an_asyncio_task, _drain_in_asyncio_to_thread, _drain_in_a_copied_context],
+    ids=lambda f: f.__name__,
+)
+def test_a_block_left_in_another_context_ends_the_blocks_entered_inside_it_here_too(drain, inner):
+    # A block ended in its own context ends the generators' blocks entered inside it; ended in a copy
+    # of that context, it left them open here: their stream stayed current with it gone.
+    def blocks_of(stream: int):
+        with handoff.stream(stream):
+            yield
+
+    suspended = blocks_of(22)  # kept suspended (its block open) until the test ends
+
+    def outer():
+        with handoff.stream(21):
+            if inner == "inside":
+                next(suspended)  # entered while this block's code runs: inside it
+            yield
+            yield
+
+    def body() -> object:
+        rest = outer()
+        next(rest)
+        if inner == "beside":
+            next(suspended)  # entered while the outer generator is suspended: beside its block
+        assert handoff.current_stream() == handoff.Stream(22)
+        drain(rest)
+        return handoff.current_stream()
+
+    left = contextvars.copy_context().run(body)
+    assert left == (None if inner == "inside" else handoff.Stream(22))
+
+
 @needs_sim
 def test_a_block_ended_elsewhere_no_longer_orders_imports_here(sim_streams):
     from handoff import sim
