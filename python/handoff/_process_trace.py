@@ -16,10 +16,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from . import _settings
-from ._trace import dumps, trace, unfinished_trace
+from ._trace import dumps, process_state, trace, unfinished_trace
 
 #: How many events a process trace keeps when HANDOFF_TRACE_LIMIT does not say.
 DEFAULT_LIMIT = 30_000
@@ -64,9 +65,22 @@ def _finish() -> None:
     recording._events.extend(held)
     path = _trace_file(_trace_path)
     try:
-        recording.save(path)
+        _write_whole(path, recording.save)
     except OSError as error:
         _settings.warn(f"HANDOFF_TRACE: could not save the trace to {path}: {error}")
+
+
+def _write_whole(path: str, write: Callable[[str], object]) -> None:
+    """Writes `path` whole or not at all: `write` writes a file beside it, renamed over it. `handoff-
+    trace run` may read the file while a process that outlived the program writes it."""
+    partial = f"{path}.{os.getpid()}.partial"
+    try:
+        write(partial)
+        os.replace(partial, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+        raise
 
 
 def _start_process_trace() -> None:
@@ -74,11 +88,19 @@ def _start_process_trace() -> None:
     launches = _settings.flag("HANDOFF_TRACE_LAUNCHES")
     _process_trace = trace(limit=_settings.trace_limit(DEFAULT_LIMIT), libraries=True, launches=launches)
     _process_trace.__enter__()
-    if _trace_path is not None and "%p" in _trace_path:
-        # Each process of a job has its own file from the start, saying it is unfinished until the
-        # process saves its trace: one killed (a Pool's terminate()) is reported, not silently absent.
-        with contextlib.suppress(OSError):  # said at the exit, where the trace cannot be saved either
-            Path(_trace_file(_trace_path)).write_text(dumps(unfinished_trace(os.getpid())), encoding="utf-8")
+
+
+def _mark_unfinished() -> None:
+    """Writes this process's trace file as it begins, saying it is unfinished until the process saves
+    its trace: one killed (a Pool's terminate()) is reported, not silently absent. For a process of a
+    job (``%p``) that runs Python to its end: a program started, or a multiprocessing worker (not
+    any forked child, which may run another program: subprocess's preexec_fn, pty.fork)."""
+    if _trace_path is None or "%p" not in _trace_path:
+        return
+    state = process_state("self")
+    text = dumps(unfinished_trace(os.getpid(), state[1] if state is not None else None))
+    with contextlib.suppress(OSError):  # said at the exit, where the trace cannot be saved either
+        _write_whole(_trace_file(_trace_path), lambda partial: Path(partial).write_text(text, encoding="utf-8"))
 
 
 def _restart_in_forked_child() -> None:
@@ -99,6 +121,7 @@ class _ForkedWorkerExit:
         import multiprocessing.util
 
         multiprocessing.util.Finalize(None, _finish, exitpriority=-100)
+        _mark_unfinished()
 
 
 _forked_worker_exit = _ForkedWorkerExit()
@@ -112,6 +135,7 @@ def start_from_environment() -> None:
     if path is not None and _process_trace is None:
         _trace_path = os.path.abspath(path)  # where it was asked for, whatever folder the program moves to
         _start_process_trace()
+        _mark_unfinished()
         # Registered after handoff's own exit handler, so it runs first: views are still alive.
         atexit.register(_finish)
         if "%p" in path:

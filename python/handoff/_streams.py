@@ -230,8 +230,10 @@ class _Entry:
     def close(self) -> None:
         """Leaves the block (its with-statement ends)."""
         self._end()
-        if self.enclosing is not None and self in self.enclosing.inner:
-            self.enclosing.inner.remove(self)
+        enclosing = self.enclosing
+        if enclosing is not None:
+            with contextlib.suppress(ValueError):  # gone if the enclosing block ended it (on any thread)
+                enclosing.inner.remove(self)
         self.holder = self.frame = self.enclosing = None
 
     def _end(self) -> None:

@@ -557,11 +557,27 @@ def chrome_trace(
     }
 
 
-def unfinished_trace(pid: int) -> dict[str, Any]:
+def unfinished_trace(pid: int, started: int | None) -> dict[str, Any]:
     """What a process of a job writes to its trace file as it begins: a trace with no events that says
-    process `pid` has not saved its own (``"unfinished": [pid]``). Its trace replaces it at exit."""
-    section = {"version": _version(), "events": [], "graph": None, "unfinished": [pid]}
+    process `pid` (which started at `started`, in clock ticks since boot, where known) has not saved
+    its own (``"unfinished": [pid]``). Its trace replaces it at exit."""
+    section = {"version": _version(), "events": [], "graph": None, "unfinished": [pid], "started": started}
     return {"traceEvents": [], "displayTimeUnit": "ns", "handoff": section}
+
+
+def process_state(pid: int | str) -> tuple[str, int] | None:
+    """(state, start time in clock ticks since boot) of process `pid` (``"self"``: this one), from
+    Linux's /proc; None where it cannot be read. A pid reused later has another start time."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def still_running_note(pids: Sequence[int]) -> str:
+    """Why the processes `pids`, which outlived the program, have no events in its trace."""
+    return f"{processes_named(pids)} still ran when the program ended: not traced here"
 
 
 def processes_named(pids: Sequence[int]) -> str:

@@ -42,7 +42,8 @@ from ._trace import (
     exchanges_between_libraries,
     format_event,
     graph_to_dot,
-    processes_named,
+    process_state,
+    still_running_note,
     summary,
     unfinished_note,
 )
@@ -285,7 +286,7 @@ def _wait(command: list[str], env: dict[str, str]) -> int:
     return 128 - status if status < 0 else status
 
 
-def merge_traces(traces: Sequence[tuple[int, Trace]]) -> dict[str, Any]:
+def merge_traces(traces: Sequence[tuple[int, Trace]], running: Sequence[int] = ()) -> dict[str, Any]:
     """One Chrome trace of several processes' traces ((pid, "handoff" section) pairs): a process
     per track group on one clock, every event marked with its `pid`, the graphs' ids prefixed with
     their process's when there are several."""
@@ -322,45 +323,104 @@ def merge_traces(traces: Sequence[tuple[int, Trace]]) -> dict[str, Any]:
             "graph": graph,
             "dropped": dropped,
             "processes": [pid for pid, _ in traces],
-            "unfinished": [pid for pid, trace in traces if trace.get("unfinished")],
+            "unfinished": [pid for pid, trace in traces if trace.get("unfinished") and pid not in running],
+            "still_running": list(running),
             **({"launch_problem": "; ".join(problems)} if problems else {}),
         },
     }
 
 
-def _process_traces(folder: Path) -> list[tuple[int, Trace]]:
-    """The traces the processes of a run wrote to `folder` (trace-PID.json), oldest process first."""
-    found = []
-    for path in folder.glob("trace-*.json"):
-        try:
-            pid = int(path.stem.removeprefix("trace-"))
-            found.append((path.stat().st_mtime_ns, pid, load_trace(str(path))))
-        except (ValueError, OSError, CommandError) as error:
-            print(f"handoff-trace: skipped {path.name}: {error}", file=sys.stderr)
-    return [(pid, trace) for _, pid, trace in sorted(found, key=lambda item: (item[0], item[1]))]
+class _ProcessTraces:
+    """The traces the processes of a run write to a folder (trace-PID.json), each read again only
+    once its file changed (a trace is tens of MB); a file that cannot be read yet (being written by
+    a process that outlived the program) is pending."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._read: dict[Path, tuple[tuple[int, int], Trace | CommandError]] = {}
+
+    def read(self) -> tuple[list[tuple[int, Trace]], list[tuple[str, CommandError]]]:
+        """(pid, trace) of each readable file, oldest process first; (file name, why) of the others."""
+        found, unreadable = [], []
+        for path in self.folder.glob("trace-*.json"):
+            try:
+                pid = int(path.stem.removeprefix("trace-"))
+                stat = path.stat()
+            except (ValueError, OSError):
+                continue  # not a process's trace, or gone
+            key = (stat.st_mtime_ns, stat.st_size)
+            known = self._read.get(path)
+            if known is None or known[0] != key:
+                try:
+                    known = (key, load_trace(str(path)))
+                except CommandError as error:
+                    known = (key, error)
+                self._read[path] = known
+            if isinstance(known[1], CommandError):
+                unreadable.append((path.name, known[1]))
+            else:
+                found.append((stat.st_mtime_ns, pid, known[1]))
+        return [(pid, trace) for _, pid, trace in sorted(found, key=lambda item: (item[0], item[1]))], unreadable
 
 
-def _running(pid: int) -> bool:
+def _running(pid: int, started: object) -> bool:
+    """Whether process `pid`, which began its trace at `started` (its start time, where known), still
+    runs: not if it is gone, a zombie, or another process that took its pid."""
+    seen = process_state(pid)
+    if seen is not None:
+        state, start = seen
+        return state != "Z" and (not _is_int(started) or start == started)
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's now: the pid was reused
+    except (ProcessLookupError, PermissionError):  # gone, or another user's process took its pid
         return False
     return True
+
+
+class _StopWaiting(Exception):
+    """A termination asked of handoff-trace while it waits for processes that outlive the program."""
+
+
+def _stop_waiting(signum: int, _: object) -> None:
+    raise _StopWaiting(signum)
 
 
 def _settled_traces(folder: Path, patience_s: float = 10.0) -> tuple[list[tuple[int, Trace]], list[int]]:
     """The traces of a run's processes once those that outlive the program (a helper it started, as
     multiprocessing's resource tracker, which leaves after it) have saved theirs, waited for up to
-    `patience_s` seconds; and the processes still running then."""
+    `patience_s` seconds, or until handoff-trace is asked to end (Ctrl-C, SIGTERM, SIGHUP); and the
+    processes still running then. A file still unreadable then is said, and skipped."""
+    files = _ProcessTraces(folder)
     deadline = time.monotonic() + patience_s
-    while True:
-        traces = _process_traces(folder)
-        running = [pid for pid, trace in traces if trace.get("unfinished") and _running(pid)]
-        if not running or time.monotonic() >= deadline:
-            return traces, running
-        time.sleep(0.05)
+    handled = (signal.SIGTERM, signal.SIGHUP)
+    previous = (
+        {s: signal.signal(s, _stop_waiting) for s in handled}
+        if threading.current_thread() is threading.main_thread()
+        else {}
+    )
+
+    def still_running(traces: list[tuple[int, Trace]]) -> list[int]:
+        return [pid for pid, trace in traces if trace.get("unfinished") and _running(pid, trace.get("started"))]
+
+    try:
+        while True:
+            traces, unreadable = files.read()
+            running = still_running(traces)
+            if (not running and not unreadable) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        interrupted = False
+    except (KeyboardInterrupt, _StopWaiting):
+        interrupted = True
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if interrupted:  # the files as they are now
+        traces, unreadable = files.read()
+        running = still_running(traces)
+    for name, error in unreadable:
+        print(f"handoff-trace: skipped {name}: {error}", file=sys.stderr)
+    return traces, running
 
 
 def _launch_problem(traces: Sequence[tuple[int, Trace]]) -> str | None:
@@ -406,13 +466,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return status
-    merged = merge_traces(traces)
+    merged = merge_traces(traces, running)
     section = merged["handoff"]
-    if running:
-        print(f"handoff-trace: {processes_named(running)} still ran when the program ended: not traced here",
-              file=sys.stderr)  # fmt: skip
-    if ended := [pid for pid in section["unfinished"] if pid not in running]:
-        print(f"handoff-trace: {unfinished_note(ended)}", file=sys.stderr)
+    _say_unfinished(section)
     saved = True
     if args.output:
         try:
@@ -440,6 +496,15 @@ def cmd_run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     return status if status != 0 or saved else 1
+
+
+def _say_unfinished(trace: Trace) -> None:
+    """Names, on stderr, the processes whose exchanges a trace lacks: those that ended without saving
+    their trace, and those still running when the program ended."""
+    for key, say in (("unfinished", unfinished_note), ("still_running", still_running_note)):
+        pids = trace.get(key)
+        if isinstance(pids, list) and pids and all(_is_int(pid) for pid in pids):
+            print(f"handoff-trace: {say(pids)}", file=sys.stderr)
 
 
 def shown_from_here(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -471,9 +536,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         dropped = int(trace["dropped"]) if _is_int(trace.get("dropped")) else 0
         problem = str(trace["launch_problem"]) if trace.get("launch_problem") else None
         events = shown_from_here(trace["events"])
-        unfinished = trace.get("unfinished")
-        if isinstance(unfinished, list) and unfinished and all(_is_int(pid) for pid in unfinished):
-            print(f"handoff-trace: {unfinished_note(unfinished)}", file=sys.stderr)
+        _say_unfinished(trace)
         print(summary(events, title=title, dropped=dropped, limit=limit, processes=count, launch_problem=problem))
     return 0
 

@@ -61,6 +61,14 @@ std::optional<DLDevice> parse_device_argument(py::handle device, const char* fie
   return DLDevice{static_cast<DLDeviceType>(type), static_cast<std::int32_t>(id)};
 }
 
+std::optional<DLDevice> target_device_argument(py::handle device, const char* field, unknown_device_type unknown)
+{
+  const std::optional<DLDevice> target = device_argument(device, field, unknown);
+  HANDOFF_EXPECTS(!target || target->device_type != kDLCPU || target->device_id == 0, buffer_error,
+                  fmt::format("{}=(1, {}): the CPU is device 0", field, target ? target->device_id : 0));
+  return target;
+}
+
 std::optional<bool> parse_copy_argument(py::handle copy)
 {
   if (copy.is_none()) { return std::nullopt; }

@@ -44,6 +44,11 @@ enum class unknown_device_type {
   return device.is_none() ? std::nullopt : parse_device_argument(device, field, unknown);
 }
 
+/// A device the data is to go to (from_dlpack's `device`, __dlpack__'s `dl_device`): device_argument,
+/// and a CPU other than DLPack's one CPU, 0, is a buffer_error, refused before any producer is asked.
+[[nodiscard]] std::optional<DLDevice> target_device_argument(py::handle device, const char* field,
+                                                             unknown_device_type unknown);
+
 /// A `copy` argument: None, True or False. @throws type_error.
 [[nodiscard]] std::optional<bool> parse_copy_argument(py::handle copy);
 [[nodiscard]] inline std::optional<bool> copy_argument(py::handle copy)

@@ -429,7 +429,7 @@ py::capsule export_dlpack(exchange& on, const array& view, py::handle stream, py
   if (stream_value) { request.stream = named_stream::dlpack(*stream_value); }
   request.max_version = requested_version(max_version);
   if (!dl_device.is_none()) {
-    request.dl_device = device_argument(dl_device, "dl_device", unknown_device_type::unreachable);
+    request.dl_device = target_device_argument(dl_device, "dl_device", unknown_device_type::unreachable);
   }
   request.copy = copy_argument(copy);
   // A stream handle is certain to be alive when the export is released only if something holds it:

@@ -21,6 +21,7 @@
 #include <handoff/error.hpp>
 #include <handoff/exchange.hpp>
 #include <handoff/stream.hpp>
+#include <handoff/stream_value.hpp>
 
 #include <fmt/format.h>
 
@@ -115,7 +116,8 @@ std::optional<DLDevice> producer_device(py::handle x, bool required)
       const int64_reading id_value = read_int64(id);
       if (type_value.fits() && id_value.fits() && id_value.value >= 0 && id_value.value <= INT32_MAX &&
           is_dlpack_device_type(type_value.value)) {
-        return DLDevice{static_cast<DLDeviceType>(type_value.value), static_cast<std::int32_t>(id_value.value)};
+        return on_one_cpu(
+          DLDevice{static_cast<DLDeviceType>(type_value.value), static_cast<std::int32_t>(id_value.value)});
       }
     }
   }
@@ -123,7 +125,7 @@ std::optional<DLDevice> producer_device(py::handle x, bool required)
                   fmt::format("{}.__dlpack_device__() must return a (device_type, device_id) tuple, not {}",
                               type_name(x), type_name(device)));
   const std::string field = fmt::format("{}.__dlpack_device__()", type_name(x));
-  return parse_device_argument(device, field.c_str(), unknown_device_type::invalid);
+  return on_one_cpu(*parse_device_argument(device, field.c_str(), unknown_device_type::invalid));
 }
 
 // A keyword argument of __dlpack__: its interned name (from `cached`) and its value.
@@ -453,8 +455,9 @@ py::object from_dlpack(exchange& on, py::handle x, py::handle device, py::handle
     }
     if (auto view = import_without_streams(on, x, consumer, numpy_array, claim)) { return std::move(*view); }
   }
-  const import_request request{
-    .consumer = consumer, .device = device_argument(device, "device"), .copy = copy_argument(copy)};
+  const import_request request{.consumer = consumer,
+                               .device = target_device_argument(device, "device", unknown_device_type::invalid),
+                               .copy = copy_argument(copy)};
   return import_through_dlpack(on, x, request, copy, claim);
 }
 
@@ -472,7 +475,9 @@ py::object asarray(exchange& on, py::handle x, py::handle device, py::handle cop
       dlpack_refused = std::current_exception();
     }
   }
-  import_request request{.consumer = {}, .device = device_argument(device, "device"), .copy = copy_argument(copy)};
+  import_request request{.consumer = {},
+                         .device = target_device_argument(device, "device", unknown_device_type::invalid),
+                         .copy = copy_argument(copy)};
   // Held while the interface is read, which may run the producer's Python code (see call_argument).
   if (const call_argument cai{optional_attribute(x, cached.cuda_array_interface)}; !cai.get().is_none()) {
     trace_protocol("cuda-array-interface");

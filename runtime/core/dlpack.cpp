@@ -83,10 +83,7 @@ array_layout layout_of(const DLTensor& t, bool readonly)
                   fmt::format("DLPack tensor's device id {} is negative", t.device.device_id));
   if (!is_common(t.dtype)) { (void)dtype_name(t.dtype); }  // throws buffer_error for dtypes handoff cannot describe
   array_layout layout;
-  layout.device = t.device;
-  // DLPack numbers the CPU 0; a producer that numbers it otherwise (an id per host thread pool) still
-  // means the one host, and the array must not look moved to a consumer asking for (kDLCPU, 0).
-  if (layout.device.device_type == kDLCPU) { layout.device.device_id = 0; }
+  layout.device = on_one_cpu(t.device);
   layout.dtype = t.dtype;
   layout.readonly = readonly;
   const auto ndim = static_cast<std::size_t>(t.ndim);

@@ -400,6 +400,7 @@ shared endpoint::share(exchange& on, const array& x, const named_stream& ready, 
     copy_into_shared_memory(x, options, h, record);
   } else if (has_streams(type) && !is_host_accessible(type) && type != kDLCUDAManaged) {
     source = describe_device_memory(on, x, ready, h);
+    scope.forget_ordering();  // the ready stream's wait for the array's is the share's own preparation
     scope.set_producer_stream(source->ready_on);
     record.data = x;
   } else {

@@ -704,6 +704,16 @@ void exchange_scope::note_wait_for_process(const bound_stream& consumer) noexcep
   state_->waited = true;
 }
 
+void exchange_scope::forget_ordering() noexcept
+{
+  if (state_ == nullptr) { return; }
+  collected& s = *state_;
+  s.event.producer_stream.reset();
+  s.event.consumer_stream.reset();
+  s.backend = nullptr;
+  s.waited = s.elided = s.unordered = s.ordered_by_producer = false;
+}
+
 void exchange_scope::classify()
 {
   collected& s = *state_;

@@ -172,6 +172,32 @@ def test_a_capsule_numbering_the_cpu_otherwise_is_on_the_cpu_and_a_negative_id_i
         handoff.view(data.ctypes.data, 4, "float32", device=(CPU, 3), owner=data)  # a library's own: its error
 
 
+class NumberedCpu:
+    """A producer that numbers the CPU 3, in its __dlpack_device__ and in its capsules."""
+
+    def __init__(self) -> None:
+        self.data = np.arange(4, dtype=np.float32)
+        self.tensors: list[HandMadeTensor] = []  # each capsule's, alive as long as the producer
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (CPU, 3)
+
+    def __dlpack__(self, **kwargs: object) -> object:
+        self.tensors.append(HandMadeTensor(self.data.ctypes.data, (4,), device=(CPU, 3)))
+        return self.tensors[-1].capsule()
+
+
+def test_a_producer_numbering_the_cpu_otherwise_is_imported_and_a_cpu_other_than_0_is_never_asked_of_it(live):
+    # Its answer and its capsule said (1, 3); the capsule read as (1, 0) no longer matched the answer.
+    producer = NumberedCpu()
+    view = handoff.from_dlpack(producer)
+    assert view.device == (CPU, 0) and view.data_ptr == producer.data.ctypes.data
+    with pytest.raises(BufferError, match=r"device=\(1, 1\): the CPU is device 0"):
+        handoff.from_dlpack(producer, device=(CPU, 1))
+    assert len(producer.tensors) == 1, "refused before the producer was asked"
+    del view
+
+
 # --- calls that once crashed ------------------------------------------------------------------
 
 

@@ -27,7 +27,15 @@ import pytest
 import handoff
 import handoff._handoff as extension
 from handoff import _trace, _trace_cli
-from handoff._trace import chrome_trace, format_event, graph_to_dot, library_of_file, summary
+from handoff._trace import (
+    chrome_trace,
+    format_event,
+    graph_to_dot,
+    library_of_file,
+    process_state,
+    summary,
+    unfinished_trace,
+)
 
 TRAIN = "/home/me/train.py"
 UNORDERED = "handed over with no ordering while its producer stream 0x10 still had work pending"
@@ -1102,6 +1110,54 @@ def test_a_trace_merged_from_processes_tells_their_exchanges_and_arrows_apart():
             flows.setdefault((e["cat"], e["name"], e["id"], e["ph"]), []).append(e["pid"])
     assert flows and all(len(pids) == 1 for pids in flows.values()), "a flow id is global to the file"
     assert {pids[0] for pids in flows.values()} == {100, 200}
+
+
+def _unfinished(tmp_path: Path, pid: int, started: int | None) -> None:
+    (tmp_path / f"trace-{pid}.json").write_text(json.dumps(unfinished_trace(pid, started)))
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads start times from /proc")
+def test_a_process_is_waited_for_only_while_it_is_the_one_that_began_the_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    state = process_state(os.getpid())
+    assert state is not None
+    ended = subprocess.run(["/bin/sh", "-c", "echo $$"], capture_output=True, text=True, check=True)
+    dead = int(ended.stdout)
+    _unfinished(tmp_path, os.getpid(), state[1] + 1)  # a pid another process took since: not it
+    _unfinished(tmp_path, dead, None)  # gone
+    (tmp_path / "trace-7.json").write_text('{"handoff": ')  # still being written, then given up on
+    traces, running = _trace_cli._settled_traces(tmp_path, patience_s=0.0)
+    assert sorted(pid for pid, _ in traces) == sorted([os.getpid(), dead]) and running == []
+    assert capsys.readouterr().err.count("skipped trace-7.json") == 1, "said once, when the wait ends"
+    _unfinished(tmp_path, os.getpid(), state[1])  # the control: this very process, still running
+    assert _trace_cli._settled_traces(tmp_path, patience_s=0.0)[1] == [os.getpid()]
+    merged = _trace_cli.merge_traces(_trace_cli._settled_traces(tmp_path, patience_s=0.0)[0], [os.getpid()])
+    assert (merged["handoff"]["unfinished"], merged["handoff"]["still_running"]) == ([dead], [os.getpid()])
+    saved = tmp_path / "merged.json"
+    saved.write_text(json.dumps(merged))
+    capsys.readouterr()
+    assert _trace_cli.main(["show", str(saved)]) == 0
+    err = capsys.readouterr().err
+    assert f"process {dead} ended without saving" in err and f"process {os.getpid()} still ran" in err
+
+
+def test_run_does_not_wait_for_or_report_a_forked_child_that_runs_another_program(tmp_path: Path):
+    # Every fork began a trace file: a subprocess started with preexec_fn (forked, then another
+    # program) was reported as killed, or waited for while it ran.
+    script = "import os, subprocess; subprocess.run(['true'], preexec_fn=os.getpid, check=True)"
+    output = tmp_path / "trace.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "handoff._trace_cli", "run", "-o", str(output), "--", sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    section = json.loads(output.read_text())["handoff"]
+    assert (section["unfinished"], section["still_running"]) == ([], [])
+    assert "without saving" not in done.stderr and "still ran" not in done.stderr
 
 
 TERMINATED = """

@@ -136,6 +136,15 @@ struct named_stream {
   return device == kDLCUDAHost || device == kDLCUDAManaged || device == kDLROCMHost;
 }
 
+/// `device` as DLPack numbers it: the CPU is device 0. A producer that numbers it otherwise (an id per
+/// host thread pool) still means the one host, and its data must not look moved to a consumer that
+/// asks for (kDLCPU, 0).
+[[nodiscard]] constexpr DLDevice on_one_cpu(DLDevice device) noexcept
+{
+  if (device.device_type == kDLCPU) { device.device_id = 0; }
+  return device;
+}
+
 /// A device type DLPack defines, and its names: for messages ("CUDA host") and for the trace's
 /// tools ("cuda_host").
 struct device_type_info {

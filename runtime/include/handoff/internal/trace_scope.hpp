@@ -52,6 +52,9 @@ class exchange_scope {
   /// `consumer` waits for another process's work (an IPC share's event): the producer stream is not
   /// this process's to name.
   void note_wait_for_process(const bound_stream& consumer) noexcept;
+  /// Forgets the streams and waits noted so far: they were the exchange's own preparation (an IPC
+  /// share's stream ordered after the array's), not its hand-over.
+  void forget_ordering() noexcept;
   /// No ordering was asked for: the consumer uses the data as soon as it has it.
   void note_unordered() noexcept;
   /// The producer was handed the consumer's stream and orders it itself (DLPack's __dlpack__).
