@@ -28,6 +28,7 @@ DEFAULT_LIMIT = 30_000
 _process_trace: trace | None = None
 _trace_path: str | None = None
 _socket_path: str | None = None
+_marked_pid: int | None = None  # the process whose trace file _mark_unfinished wrote
 
 
 def serve_trace() -> str:
@@ -95,8 +96,10 @@ def _mark_unfinished() -> None:
     its trace: one killed (a Pool's terminate()) is reported, not silently absent. For a process of a
     job (``%p``) that runs Python to its end: a program started, or a multiprocessing worker (not
     any forked child, which may run another program: subprocess's preexec_fn, pty.fork)."""
-    if _trace_path is None or "%p" not in _trace_path:
-        return
+    global _marked_pid  # noqa: PLW0603 - the process marks its file once
+    if _trace_path is None or "%p" not in _trace_path or _marked_pid == os.getpid():
+        return  # a spawned worker, marked as it started, is marked again as a worker: once is enough
+    _marked_pid = os.getpid()
     state = process_state("self")
     text = dumps(unfinished_trace(os.getpid(), state[1] if state is not None else None))
     with contextlib.suppress(OSError):  # said at the exit, where the trace cannot be saved either
