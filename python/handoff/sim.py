@@ -23,11 +23,16 @@ A wait on the holding thread for held work (``to_numpy`` with ``wait=True``, ``s
 (``handoffErrorHoldDeadlock``) instead of waiting for ever.
 """
 
+import contextlib
+from collections.abc import Iterator
+
 from ._handoff._sim import (
     Graph,
     Hold,
     PendingCopy,
     Stream,
+    _call_counts,
+    _count_calls,
     begin_capture,
     clear_faults,
     clear_sticky_fault,
@@ -63,6 +68,7 @@ __all__ = [
     "clear_faults",
     "clear_sticky_fault",
     "clear_violations",
+    "count_calls",
     "current_device",
     "drain",
     "end_capture",
@@ -84,3 +90,24 @@ __all__ = [
     "waits_for_hold",
     "zeros",
 ]
+
+
+@contextlib.contextmanager
+def count_calls() -> Iterator[dict[str, int]]:
+    """Counts the simulated runtime calls the calling thread makes in the block, by operation.
+
+    The dict it gives is filled as the block ends: each key an operation as ``inject_fault`` names it
+    (``"record_event"``, ``"attributes"``, ...), each a call of the CUDA or HIP runtime on a GPU. For
+    tests that pin what an exchange asks of the device. One thread counts at a time::
+
+        with sim.count_calls() as calls:
+            handoff.from_dlpack(x, stream=consumer)
+        assert calls["attributes"] == 1
+    """
+    counts: dict[str, int] = {}
+    _count_calls(True)
+    try:
+        yield counts
+    finally:
+        _count_calls(False)
+        counts.update(_call_counts())

@@ -640,6 +640,17 @@ void bind_faults(py::module_& m, exchange& on)
   m.def(
     "clear_faults", [&on] { require_sim(on).sim.clear_faults(); }, "Removes every fault inject_fault set.");
   m.def(
+    "_count_calls", [&on](bool counting) { require_sim(on).sim.count_calls(counting); }, py::arg("on"),
+    "Counts the calls this thread makes from now on, by operation, or stops (sim.count_calls).");
+  m.def(
+    "_call_counts",
+    [&on] {
+      py::dict counts;
+      for (const auto& [op, n] : require_sim(on).sim.call_counts()) { counts[py::str(op)] = n; }
+      return counts;
+    },
+    "The counts since counting began, by operation (sim.count_calls).");
+  m.def(
     "inject_sticky_fault",
     [&on](long long device, const std::string& error) {
       auto s = require_sim(on);

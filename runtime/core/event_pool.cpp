@@ -5,6 +5,7 @@
 
 #include "log/logger.hpp"
 
+#include <mutex>
 #include <optional>
 
 namespace handoff {
@@ -41,7 +42,7 @@ event_pool::context_pool* event_pool::find(int device, std::uint64_t context)
 
 std::optional<pooled_event> event_pool::take_idle(int device, std::uint64_t context)
 {
-  std::lock_guard lock{mutex_};
+  std::lock_guard lock{lock_};
   context_pool* pool = find(device, context);
   if (pool == nullptr || pool->events.empty()) { return std::nullopt; }
   const auto event = pool->events.back();
@@ -64,7 +65,7 @@ pooled_event event_pool::acquire(int device)
   count(counter::events_created);
   HANDOFF_LOG_DEBUG("event pool: created event {:#x} on device {}", static_cast<std::uintptr_t>(event), device);
   try {
-    std::lock_guard lock{mutex_};
+    std::lock_guard lock{lock_};
     const auto slot = static_cast<std::size_t>(device);
     if (slot >= idle_.size()) { idle_.resize(slot + 1); }
     device_pools& pools = idle_[slot];
@@ -102,7 +103,7 @@ pooled_event event_pool::record(int device, device::stream_handle stream)
 
 std::size_t event_pool::idle() const
 {
-  std::lock_guard lock{mutex_};
+  std::lock_guard lock{lock_};
   std::size_t n = 0;
   for (const auto& device : idle_) {
     for (const auto& pool : device.contexts) { n += pool.events.size(); }
@@ -113,7 +114,7 @@ std::size_t event_pool::idle() const
 void event_pool::give_back(int device, std::uint64_t context, device::event_handle event) noexcept
 {
   try {
-    std::lock_guard lock{mutex_};
+    std::lock_guard lock{lock_};
     context_pool* pool = find(device, context);  // made by the acquire
     if (pool == nullptr) { return; }             // of a context reset since: gone with it
     pool->events.push_back(event);

@@ -357,8 +357,20 @@ void exchange::order_hand_over(const array& view, const named_stream& consumer) 
   const DLDeviceType type = view.device().device_type;
   const stream_request request = request_for(consumer, type);  // host data takes no stream, as exports
   if (!has_streams(type)) { return; }
-  order_export(device_context(), view, request, export_release_policy());
-  if (const auto binding = consumer_binding(view, consumer)) { view.owner().release_after(*binding); }
+  if (request.order == stream_order::none) {
+    note_unordered_export(view);
+    if (context* ctx = usable_context()) { (void)admit(*ctx, view); }  // checked where there is a backend
+    return;
+  }
+  // One admission for both halves: it finds the device that owns the data, where the consumer's
+  // stream waits for the producer's and the producer is kept until the consumer's work is done.
+  context& ctx = context_to_order(device_context(), view);
+  const bound_stream on_consumer{.ctx = &ctx,
+                                 .device = admit(ctx, view),
+                                 .stream = *resolve_stream(ctx.backend(), request),
+                                 .stream_owner = consumer.owner};
+  wait_for_ready(on_consumer, view);
+  view.owner().release_after(on_consumer);
 }
 
 // --- streams and memory, for a front end that orders other libraries' exchanges -----------------------

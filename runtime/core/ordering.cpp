@@ -61,6 +61,24 @@ array make_view(context* ctx, array_layout&& layout, shared_producer owner, stre
   return view;
 }
 
+context& context_to_order(context* ctx, const array& view)
+{
+  if (ctx == nullptr) {
+    throw device_error(
+      "none", error_names::no_backend,
+      fmt::format("ordering {} memory for a consumer stream needs a device backend, and none is active",
+                  device_type_name(view.device().device_type)));
+  }
+  return *ctx;
+}
+
+void wait_for_ready(const bound_stream& consumer, const array& view)
+{
+  const auto ready = view.owner().ready_on();
+  consumer.wait_for(ready && ready->ctx == consumer.ctx ? ready->stream
+                                                        : consumer.ctx->backend().legacy_default_stream());
+}
+
 // The export half's ordering: the consumer stream `consumer` asks for waits for the stream `view`
 // is ready on. Returns that consumer stream, bound on the data's device; nullopt when nothing is
 // asked (stream=-1).
@@ -70,20 +88,13 @@ std::optional<bound_stream> order_for_consumer(context* ctx, const array& view, 
     note_unordered_export(view);
     return std::nullopt;
   }
-  if (ctx == nullptr) {
-    throw device_error(
-      "none", error_names::no_backend,
-      fmt::format("ordering {} memory for a consumer stream needs a device backend, and none is active",
-                  device_type_name(view.device().device_type)));
-  }
-  require_stream_ordered(*ctx, view);
-  device::backend& backend = ctx->backend();
-  const int device = owning_device(*ctx, view);
-  const auto ready = view.owner().ready_on();
-  const auto producer = ready && ready->ctx == ctx ? ready->stream : backend.legacy_default_stream();
-  bound_stream on_consumer{
-    .ctx = ctx, .device = device, .stream = *resolve_stream(backend, consumer), .stream_owner = nullptr};
-  on_consumer.wait_for(producer);
+  context& on = context_to_order(ctx, view);
+  require_stream_ordered(on, view);
+  bound_stream on_consumer{.ctx = &on,
+                           .device = owning_device(on, view),
+                           .stream = *resolve_stream(on.backend(), consumer),
+                           .stream_owner = nullptr};
+  wait_for_ready(on_consumer, view);
   return on_consumer;
 }
 

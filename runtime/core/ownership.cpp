@@ -33,11 +33,6 @@ namespace {
 
 }  // namespace
 
-void view_list::wait() noexcept
-{
-  while (locked.load(std::memory_order_relaxed)) { std::this_thread::yield(); }
-}
-
 }  // namespace detail
 
 namespace {
@@ -106,7 +101,7 @@ struct ownership_registry {
       }
       if (bound.insert(state).second) {  // each producer's bindings once: its root's and derived ones'
         buffer_node& buffer = graph.buffers[at->second];
-        std::lock_guard bindings{state->mutex_};
+        std::lock_guard bindings{state->lock_};
         if (state->ready_on_) { add_once(buffer.ready_on, node_of(*state->ready_on_)); }
         for (const bound_stream& after : state->release_after_) { add_once(buffer.released_after, node_of(after)); }
       }

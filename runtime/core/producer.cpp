@@ -26,7 +26,7 @@ void trace_release(shared_producer::state& s) noexcept
   if (!scope.active()) { return; }
   trace::event& e = scope.event();
   e.buffer = s.id();
-  std::lock_guard lock{s.mutex_};  // no other reference is left; other threads may still read for the graph
+  std::lock_guard lock{s.lock_};  // no other reference is left; other threads may still read for the graph
   if (s.ready_on_) { scope.set_producer_stream(*s.ready_on_); }
   if (!s.release_after_.empty()) { scope.set_consumer_stream(s.release_after_.front()); }
 }
@@ -201,7 +201,7 @@ void shared_producer::visit_stream_owners(void (*visit)(const std::shared_ptr<co
       !state_->keeps_stream_owner_.load(std::memory_order_acquire)) {
     return;
   }
-  std::lock_guard lock{state_->mutex_};
+  std::lock_guard lock{state_->lock_};
   const auto visit_binding = [&](const bound_stream& binding) {
     if (binding.stream_owner) { visit(binding.stream_owner, context); }
   };
@@ -237,7 +237,7 @@ bound_stream thread_independent(bound_stream where) noexcept
 std::optional<bound_stream> shared_producer::ready_on() const
 {
   if (!state_) { return std::nullopt; }
-  std::lock_guard lock{state_->mutex_};
+  std::lock_guard lock{state_->lock_};
   return state_->ready_on_;
 }
 
@@ -245,7 +245,7 @@ void shared_producer::set_ready_on(const bound_stream& where) const
 {
   if (!state_) { return; }
   bound_stream bound = thread_independent(where);
-  std::lock_guard lock{state_->mutex_};
+  std::lock_guard lock{state_->lock_};
   if (bound.stream_owner) { state_->keeps_stream_owner_.store(true, std::memory_order_release); }
   state_->ready_on_ = std::move(bound);
 }
@@ -256,7 +256,7 @@ void shared_producer::release_after(const bound_stream& consumer, const std::opt
   bound_stream bound = thread_independent(consumer);
   std::optional<bound_stream> held;
   if (producer) { held = thread_independent(*producer); }
-  std::lock_guard lock{state_->mutex_};
+  std::lock_guard lock{state_->lock_};
   if (bound.stream_owner || (held && held->stream_owner)) {
     state_->keeps_stream_owner_.store(true, std::memory_order_release);
   }

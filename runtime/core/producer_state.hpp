@@ -2,13 +2,13 @@
 #pragma once
 
 #include <handoff/array.hpp>
+#include <handoff/detail/spin_lock.hpp>
 
 #include "core/live_views.hpp"
 
 #include <atomic>
 #include <cstdint>
 #include <functional>
-#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -64,7 +64,7 @@ struct shared_producer::state {
   std::atomic<long> references_{1};
   std::function<void()> release_;
   std::atomic<std::uint64_t> id_{0};
-  mutable std::mutex mutex_;  // guards the bindings
+  mutable detail::spin_lock lock_;  // guards the bindings
   // Set once a binding keeps a stream's owner: visit_stream_owners need not lock before then, as
   // most producers (host data, streams given as values) never do.
   std::atomic<bool> keeps_stream_owner_{false};

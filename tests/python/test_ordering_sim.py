@@ -196,6 +196,42 @@ def test_three_hundred_exchanges_create_at_most_sixteen_events(streams):
     assert sim.to_numpy(view, stream=consumer)[0] == 299.0
 
 
+def test_an_ordered_exchange_asks_the_device_once_for_what_it_cannot_know(streams):
+    """In steady state (the thread's device current, the pool's event made) each counted operation is
+    a call of the CUDA runtime on a GPU: an ordered export asks for the memory's owner, the thread's
+    context (for the device guard and for the event pool), whether either stream captures into a
+    graph and the producer stream's device, then records and waits. An import of a handoff.Array
+    takes its export through the C exchange table, then admits the tensor it was given (a second
+    owner lookup, and the consumer's capture asked again: it keeps the producer while a graph lives)."""
+    producer, consumer = streams
+    counted: dict[str, dict[str, int]] = {}
+
+    def exchanges():
+        sim.set_device(0)  # as on the thread of a library that has worked on the device
+        first, imported, exported = (pending_write(producer) for _ in range(3))
+        # Makes the pool's event; kept, as the views below, so that no release takes one meanwhile.
+        warm = handoff.from_dlpack(first, stream=consumer)
+        with sim.count_calls() as counted["import"]:
+            view = handoff.from_dlpack(imported, stream=consumer)
+        with sim.count_calls() as counted["export"]:
+            capsule = exported.__dlpack__(stream=consumer.handle)
+        del warm, view, capsule
+
+    worker = threading.Thread(target=exchanges)  # its own current device
+    worker.start()
+    worker.join()
+    export = {
+        "attributes": 1,
+        "current_device": 2,
+        "stream_capture_status": 2,
+        "stream_device": 1,
+        "record_event": 1,
+        "stream_wait_event": 1,
+    }
+    assert counted["export"] == export
+    assert counted["import"] == {**export, "attributes": 2, "current_device": 3, "stream_capture_status": 3}
+
+
 @needs_two_devices
 def test_export_from_a_device_other_than_the_current_one():
     producer = sim.Stream(1, non_blocking=True)

@@ -1,10 +1,10 @@
 // Per-device pools of events, so a steady stream of exchanges creates no events.
 #pragma once
 
+#include <handoff/detail/spin_lock.hpp>
 #include <handoff/device.hpp>
 
 #include <cstdint>
-#include <mutex>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -82,11 +82,11 @@ class event_pool {
     std::uint64_t primary{0};  // the id of the device's primary context when last asked
     std::vector<context_pool> contexts;
   };
-  [[nodiscard]] context_pool* find(int device, std::uint64_t context);  // call with mutex_ held
+  [[nodiscard]] context_pool* find(int device, std::uint64_t context);  // call with lock_ held
   [[nodiscard]] std::optional<pooled_event> take_idle(int device, std::uint64_t context);
 
   device::backend& backend_;
-  mutable std::mutex mutex_;
+  mutable detail::spin_lock lock_;  // held for a vector's push or pop
   std::vector<device_pools> idle_;  // by device
 };
 

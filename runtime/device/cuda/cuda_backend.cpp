@@ -189,6 +189,7 @@ class cuda_backend final : public backend {
   [[nodiscard]] bool device_is_current(int device) override
   {
     if (current_context() == nullptr) { return false; }
+    if (device_count_ == 1) { return device == 0; }  // a context is current: the one device's
     CUdevice current = 0;
     check_driver(driver_.ctx_get_device(&current), "cuCtxGetDevice", nullptr);
     return static_cast<int>(current) == device;
@@ -260,6 +261,7 @@ class cuda_backend final : public backend {
   // cuStreamGetFlags and cuStreamGetId). Its device is then its context's.
   [[nodiscard]] int stream_device(stream_handle stream, std::optional<bool> capturing = std::nullopt) override
   {
+    if (device_count_ == 1) { return 0; }  // every stream of the process is the one device's
     if (is_default_stream(stream)) { return current_device(); }
     if (capturing.has_value() ? *capturing : captures(stream)) { return context_device(stream); }
     CUdevice device = 0;

@@ -16,6 +16,8 @@
 #include <array>
 #include <cctype>
 #include <cstring>
+#include <functional>
+#include <map>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -665,6 +667,21 @@ void sim_backend::clear_faults() noexcept
 {
   std::lock_guard lock(impl_->fault_mutex);
   impl_->faults.clear();
+}
+
+void sim_backend::count_calls(bool on)
+{
+  std::lock_guard lock(impl_->fault_mutex);
+  if (on) { impl_->call_counts.clear(); }
+  impl_->counting_thread.store(on ? static_cast<std::uint64_t>(this_thread_key()) : 0, std::memory_order_relaxed);
+}
+
+std::map<std::string, std::size_t, std::less<>> sim_backend::call_counts()
+{
+  std::lock_guard lock(impl_->fault_mutex);
+  std::map<std::string, std::size_t, std::less<>> counts;
+  for (const auto& [op, n] : impl_->call_counts) { counts.emplace(op, n); }
+  return counts;
 }
 
 void sim_backend::inject_sticky_fault(int device, std::string error_name)

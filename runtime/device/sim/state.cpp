@@ -149,8 +149,16 @@ sim_backend::impl::~impl()
 
 // --- opening a call --------------------------------------------------------------------------------
 
+void sim_backend::impl::count_call(std::string_view op)
+{
+  if (counting_thread.load(std::memory_order_relaxed) != static_cast<std::uint64_t>(this_thread_key())) { return; }
+  std::lock_guard lock(fault_mutex);
+  ++call_counts[op];
+}
+
 void sim_backend::impl::open(const call& c)
 {
+  if (counting_thread.load(std::memory_order_relaxed) != 0) { count_call(c.op); }
   if (inside_host_function()) {
     {
       std::lock_guard lock(mutex);
@@ -172,6 +180,11 @@ void sim_backend::impl::open(const call& c)
 
 bool sim_backend::impl::open_quiet(const call& c) noexcept
 {
+  if (counting_thread.load(std::memory_order_relaxed) != 0) {
+    try {
+      count_call(c.op);
+    } catch (...) {}  // out of memory: the count is a test's, the call goes on
+  }
   if (!inside_host_function()) { return true; }
   try {
     const auto what = fmt::format("{}({}) called from inside a host function", call_name(c.op, flavour), c.args());

@@ -242,6 +242,8 @@ struct sim_backend::impl final : sim_detail::thread_state_owner {
   void open(const call& c);
   /// The same for a noexcept call; false (after logging) when it must not go on.
   bool open_quiet(const call& c) noexcept;
+  /// Counts a call of `op` where the calling thread is the one counted (count_calls).
+  void count_call(std::string_view op);
 
   [[nodiscard]] std::string_view backend_name() const noexcept;
   [[nodiscard]] device_error make_error(const call& c, std::string_view error_name, std::string_view text) const;
@@ -371,8 +373,11 @@ struct sim_backend::impl final : sim_detail::thread_state_owner {
   std::unordered_map<sim_detail::thread_key, std::uintptr_t> rocm_thread_streams;
   std::unordered_map<std::uintptr_t, sim_detail::thread_key> rocm_thread_stream_owner;
 
-  std::mutex fault_mutex;
+  std::mutex fault_mutex;  // guards the faults and the call counts
   std::unordered_map<std::string, sim_detail::fault> faults;
+  // The thread whose calls are counted (count_calls), 0 for none; its counts by operation key.
+  std::atomic<std::uint64_t> counting_thread{0};
+  std::unordered_map<std::string_view, std::size_t> call_counts;
 
   std::atomic<std::chrono::nanoseconds::rep> copy_duration{0};  // how long each copy_async occupies its stream
 

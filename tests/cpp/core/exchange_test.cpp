@@ -13,6 +13,8 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -659,6 +661,33 @@ TEST_P(ExchangeTest, AHandOverKeepsTheProducerUntilTheConsumersWorkByTheDeletion
   }
   ASSERT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
   EXPECT_EQ(released.load(), 1);
+}
+
+TEST_P(ExchangeTest, AnOrderedHandOverAsksTheDeviceOnceForWhatItCannotKnow)
+{
+  HANDOFF_REQUIRE_SIM("counts the runtime calls of each hand-over");
+  const auto producer = stream_on(0);
+  const auto consumer = stream_on(0);
+  const array view = written_on(producer);
+  const auto hand_over = [&] {
+    DLManagedTensorVersioned* tensor = ex().hand_over(view, named(consumer));
+    tensor->deleter(tensor);
+  };
+  b().set_current_device(0);  // as on the thread of a library that has worked on the device
+  hand_over();                // the first makes the pool's event
+  constexpr std::size_t times = 3;
+  sim().count_calls(true);
+  for (std::size_t i = 0; i < times; ++i) { hand_over(); }
+  sim().count_calls(false);
+  // Each: the memory's owner (one lookup for the wait and the release), the thread's context (as the
+  // device guard and the event pool see it), whether either stream captures into a graph, the
+  // producer stream's device, and the record and the wait. The view stays alive: no release.
+  const std::map<std::string, std::size_t, std::less<>> expected{
+    {"attributes", times},    {"current_device", 2 * times},
+    {"record_event", times},  {"stream_capture_status", 2 * times},
+    {"stream_device", times}, {"stream_wait_event", times}};
+  EXPECT_EQ(sim().call_counts(), expected);
+  b().synchronize_device();
 }
 
 TEST_P(ExchangeTest, ALentViewOrdersItsBorrowerAndIsCounted)

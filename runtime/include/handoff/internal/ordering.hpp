@@ -44,6 +44,15 @@ void note_unordered_export(const array& view) noexcept;
 void order_export(context* ctx, const array& view, stream_request consumer, export_release policy,
                   std::shared_ptr<const void> consumer_owner = {});
 
+/// The context that orders `view`'s exchange: `ctx` itself.
+/// @throws device_error when there is none (`ctx` null): device memory cannot be ordered without a backend.
+[[nodiscard]] context& context_to_order(context* ctx, const array& view);
+
+/// Makes `consumer` (on the data's device) wait for the stream `view` is ready on: its producer's last
+/// write, or the device's legacy default stream where that is unknown or another context's.
+/// @throws what bound_stream::wait_for throws.
+void wait_for_ready(const bound_stream& consumer, const array& view);
+
 /// The ordering half of an export, alone: the consumer's stream waits for the stream `view` is
 /// ready on. That consumer stream, bound on the data's device; nullopt when nothing is asked.
 /// @throws as order_export.

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -191,6 +192,14 @@ class sim_backend final : public backend {
   void inject_fault(std::string operation, int count, std::string error_name);
   /// Removes every injected fault.
   void clear_faults() noexcept;
+
+  /// Counts the calls the calling thread makes from now on, by operation (the keys
+  /// fault_operations() lists, and the few that cannot fail), until `count_calls(false)`; starting
+  /// clears the counts, and one thread counts at a time. For tests that pin what an exchange asks
+  /// of the device: each counted operation is a call of the CUDA or HIP runtime there.
+  void count_calls(bool on);
+  /// The counts since `count_calls(true)`.
+  [[nodiscard]] std::map<std::string, std::size_t, std::less<>> call_counts();
 
   /// Enqueues on `stream`: wait `delay` (without holding a worker thread), then write `pattern`
   /// repeatedly over `bytes` bytes at `dst`. `bytes` must be a multiple of the pattern's size.
