@@ -123,12 +123,15 @@ bool captures_a_graph(device::backend& b, int device, device::stream_handle stre
   }
 }
 
-void bind_to(const array& view, const bound_stream& consumer, const std::optional<bound_stream>& producer)
+// `consumer_captures`: whether the consumer's stream captures, where the wait before found it out.
+void bind_to(const array& view, const bound_stream& consumer, const std::optional<bound_stream>& producer,
+             std::optional<bool> consumer_captures)
 {
   if (trace::exchange_scope* scope = trace::traced()) { scope->set_consumer_stream(consumer); }
   view.owner().set_ready_on(consumer);
   view.owner().release_after(consumer, producer);
-  if (captures_a_graph(consumer.ctx->backend(), consumer.device, consumer.stream)) {
+  if (consumer_captures.has_value() ? *consumer_captures
+                                    : captures_a_graph(consumer.ctx->backend(), consumer.device, consumer.stream)) {
     // Every launch of the graph reads the data, however soon the consumer drops it: the producer is
     // kept until the graph is gone (and the stream's work then done), as a view dropped during the
     // capture is.
@@ -182,7 +185,7 @@ std::optional<bound_stream> stream_to_hold_back(const bound_stream& on_consumer,
 
 void bind_import(const array& view, const bound_stream& consumer)
 {
-  bind_to(view, consumer, std::nullopt);
+  bind_to(view, consumer, std::nullopt, std::nullopt);
 }
 
 bound_stream binding_on(context& ctx, DLDevice device, named_stream stream)
@@ -195,18 +198,20 @@ bound_stream binding_on(context& ctx, DLDevice device, named_stream stream)
 void bind_interface_import(const array& view, const bound_stream& consumer, stream_request producer,
                            std::shared_ptr<const void> producer_owner)
 {
+  std::optional<bool> captures;
   if (const auto producer_stream = resolve_stream(consumer.ctx->backend(), producer)) {
-    consumer.wait_for(*producer_stream);
+    captures = wait_telling_capture(consumer, *producer_stream);
   }
-  bind_to(view, consumer, stream_to_hold_back(consumer, producer, std::move(producer_owner)));
+  bind_to(view, consumer, stream_to_hold_back(consumer, producer, std::move(producer_owner)), captures);
 }
 
 void bind_after_producer(const array& view, const bound_stream& consumer, stream_request producer)
 {
+  std::optional<bool> captures;
   if (const auto producer_stream = resolve_stream(consumer.ctx->backend(), producer)) {
-    consumer.wait_for(*producer_stream);
+    captures = wait_telling_capture(consumer, *producer_stream);
   }
-  bind_import(view, consumer);
+  bind_to(view, consumer, std::nullopt, captures);
 }
 
 std::optional<device::stream_handle> published_ready_stream(const array& view)

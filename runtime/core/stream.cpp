@@ -3,6 +3,7 @@
 #include <handoff/error.hpp>
 #include <handoff/event_pool.hpp>
 #include <handoff/internal/counters.hpp>
+#include <handoff/internal/ordering.hpp>
 #include <handoff/internal/trace_scope.hpp>
 #include <handoff/stream.hpp>
 #include <handoff/stream_value.hpp>
@@ -57,11 +58,18 @@ std::int64_t bound_stream::dlpack_value() const noexcept
 
 void bound_stream::wait_for(device::stream_handle producer) const
 {
-  device::backend& b = ctx->backend();
+  (void)wait_telling_capture(*this, producer);
+}
+
+std::optional<bool> wait_telling_capture(const bound_stream& consumer, device::stream_handle producer)
+{
+  const device::stream_handle stream = consumer.stream;
+  const int device = consumer.device;
+  device::backend& b = consumer.ctx->backend();
   if (producer == stream) {
     count(counter::waits_elided);
-    note_wait(*this, producer, false);
-    return;
+    note_wait(consumer, producer, false);
+    return std::nullopt;
   }
   device_guard on_owner{b, device};  // default streams now resolve on the data's device
   const auto legacy = b.legacy_default_stream();
@@ -95,12 +103,13 @@ void bound_stream::wait_for(device::stream_handle producer) const
   const int producer_device = b.stream_device(producer, producer_captures);
   std::optional<device_guard> on_producer;
   if (producer_device != device) { on_producer.emplace(b, producer_device); }
-  const pooled_event event = ctx->events().record(producer_device, producer);
+  const pooled_event event = consumer.ctx->events().record(producer_device, producer);
   on_producer.reset();  // a default consumer stream is the data's device's
   b.stream_wait_event(stream, event.get());
   count(counter::waits_inserted);
-  note_wait(*this, producer, true);
+  note_wait(consumer, producer, true);
   HANDOFF_LOG_TRACE("stream {:#x} waits for stream {:#x} on device {}", raw(stream), raw(producer), device);
+  return consumer_captures;
 }
 
 }  // namespace handoff

@@ -201,8 +201,9 @@ def test_an_ordered_exchange_asks_the_device_once_for_what_it_cannot_know(stream
     a call of the CUDA runtime on a GPU: an ordered export asks for the memory's owner, the thread's
     context (for the device guard and for the event pool), whether either stream captures into a
     graph and the producer stream's device, then records and waits. An import of a handoff.Array
-    takes its export through the C exchange table, then admits the tensor it was given (a second
-    owner lookup, and the consumer's capture asked again: it keeps the producer while a graph lives)."""
+    asks for that export (its __dlpack__(stream=) orders the consumer), then admits the tensor it was
+    given (a second owner lookup) and binds it to the consumer, whose capture it asks again (a
+    capturing consumer keeps the producer while the graph lives)."""
     producer, consumer = streams
     counted: dict[str, dict[str, int]] = {}
 

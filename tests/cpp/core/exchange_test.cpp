@@ -185,6 +185,35 @@ TEST_P(ExchangeTest, ATableImportOrdersTheConsumerAfterTheProducersWorkStream)
   EXPECT_EQ(table.asked_conjugation, 0) << "only complex data can be lazily conjugated";
 }
 
+TEST_P(ExchangeTest, AnOrderedTableImportAsksWhetherTheConsumerCapturesOnce)
+{
+  HANDOFF_REQUIRE_SIM("counts the runtime calls of each import");
+  const auto producer = stream_on(0);
+  const auto consumer = stream_on(0);
+  const array source = written_on(producer);
+  scripted_table table;
+  table.work_stream = value_of(producer);
+  std::vector<array> kept;  // no release meanwhile: it would take an event of the pool
+  const auto import = [&] {
+    auto made = ex().import_from_table(export_versioned(source), named(consumer), table);
+    ASSERT_TRUE(made.has_value());
+    kept.push_back(std::move(*made));
+  };
+  b().set_current_device(0);  // as on the thread of a library that has worked on the device
+  import();                   // the first makes the pool's event
+  sim().count_calls(true);
+  import();
+  sim().count_calls(false);
+  // The wait asks whether either stream captures; binding the view to the consumer (kept for a
+  // graph's life where it captures) takes the consumer's answer from it, not from the device again.
+  const std::map<std::string, std::size_t, std::less<>> expected{{"attributes", 1},    {"current_device", 2},
+                                                                 {"record_event", 1},  {"stream_capture_status", 2},
+                                                                 {"stream_device", 1}, {"stream_wait_event", 1}};
+  EXPECT_EQ(sim().call_counts(), expected);
+  kept.clear();
+  EXPECT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
+}
+
 TEST_P(ExchangeTest, NegativeControlATableThatNamesTheDefaultStreamLeavesTheProducersStreamUnordered)
 {
   const auto producer = stream_on(0);  // non-blocking: the default stream does not wait for it

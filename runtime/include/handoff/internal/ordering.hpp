@@ -44,6 +44,11 @@ void note_unordered_export(const array& view) noexcept;
 void order_export(context* ctx, const array& view, stream_request consumer, export_release policy,
                   std::shared_ptr<const void> consumer_owner = {});
 
+/// consumer.wait_for(producer), telling whether the consumer's stream captures into a graph, which
+/// the wait asks before it records anything; nullopt where it asked nothing (the same stream).
+/// @throws what bound_stream::wait_for throws.
+[[nodiscard]] std::optional<bool> wait_telling_capture(const bound_stream& consumer, device::stream_handle producer);
+
 /// The context that orders `view`'s exchange: `ctx` itself.
 /// @throws device_error when there is none (`ctx` null): device memory cannot be ordered without a backend.
 [[nodiscard]] context& context_to_order(context* ctx, const array& view);
