@@ -96,13 +96,14 @@ __all__ = [
 def count_calls() -> Iterator[dict[str, int]]:
     """Counts the simulated runtime calls the calling thread makes in the block, by operation.
 
-    The dict it gives is filled as the block ends: each key an operation as ``inject_fault`` names it
-    (``"record_event"``, ``"attributes"``, ...), each a call of the CUDA or HIP runtime on a GPU. For
-    tests that pin what an exchange asks of the device. One thread counts at a time::
+    The dict it gives is filled as the block ends, each key an operation as ``inject_fault`` names it
+    (``"record_event"``, ``"attributes"``, ...): what an exchange asks of the device, each operation
+    one or two driver calls on a GPU (``"current_device"`` is the thread's current context). For
+    tests that pin those questions. One block counts at a time; another, on any thread, raises::
 
         with sim.count_calls() as calls:
-            handoff.from_dlpack(x, stream=consumer)
-        assert calls["attributes"] == 1
+            view = handoff.from_dlpack(x, stream=consumer)
+        assert calls["record_event"] == 1
     """
     counts: dict[str, int] = {}
     _count_calls(True)

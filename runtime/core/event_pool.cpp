@@ -64,6 +64,7 @@ pooled_event event_pool::acquire(int device)
   const auto event = backend_.create_event();                 // outside the lock: may be slow, may throw
   count(counter::events_created);
   HANDOFF_LOG_DEBUG("event pool: created event {:#x} on device {}", static_cast<std::uintptr_t>(event), device);
+  std::size_t forgotten = 0;
   try {
     std::lock_guard lock{lock_};
     const auto slot = static_cast<std::size_t>(device);
@@ -73,10 +74,7 @@ pooled_event event_pool::acquire(int device)
       // The device's primary context was reset: its events went with it.
       std::erase_if(pools.contexts, [&](const context_pool& pool) {
         if (pool.context != pools.primary) { return false; }
-        if (!pool.events.empty()) {
-          HANDOFF_LOG_DEBUG("event pool: device {} has a new context; {} event(s) of the old one forgotten", device,
-                            pool.events.size());
-        }
+        forgotten += pool.events.size();
         return true;
       });
       pools.primary = primary;
@@ -85,6 +83,10 @@ pooled_event event_pool::acquire(int device)
   } catch (...) {
     backend_.destroy_event(event);
     throw;
+  }
+  if (forgotten != 0) {
+    HANDOFF_LOG_DEBUG("event pool: device {} has a new context; {} event(s) of the old one forgotten", device,
+                      forgotten);
   }
   return {*this, device, context, event};
 }

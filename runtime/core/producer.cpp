@@ -244,10 +244,13 @@ std::optional<bound_stream> shared_producer::ready_on() const
 void shared_producer::set_ready_on(const bound_stream& where) const
 {
   if (!state_) { return; }
-  bound_stream bound = thread_independent(where);
+  // Swapped in, so that the binding it replaces (whose owner may be a Python object, which its
+  // release decrements) goes after the lock: nothing but the swap is done under it.
+  std::optional<bound_stream> replaced{thread_independent(where)};
+  const bool keeps_owner = replaced->stream_owner != nullptr;
   std::lock_guard lock{state_->lock_};
-  if (bound.stream_owner) { state_->keeps_stream_owner_.store(true, std::memory_order_release); }
-  state_->ready_on_ = std::move(bound);
+  if (keeps_owner) { state_->keeps_stream_owner_.store(true, std::memory_order_release); }
+  std::swap(state_->ready_on_, replaced);
 }
 
 void shared_producer::release_after(const bound_stream& consumer, const std::optional<bound_stream>& producer) const
@@ -269,7 +272,7 @@ void shared_producer::release_after(const bound_stream& consumer, const std::opt
     // The same stream named again: by a caller that holds it alive this time, the owner is kept.
     same->stream_owner = std::move(bound.stream_owner);
   }
-  if (held) { state_->hold_back_ = std::move(held); }
+  if (held) { std::swap(state_->hold_back_, held); }  // the replaced one goes after the lock, as above
 }
 
 }  // namespace handoff

@@ -196,9 +196,9 @@ def test_three_hundred_exchanges_create_at_most_sixteen_events(streams):
     assert sim.to_numpy(view, stream=consumer)[0] == 299.0
 
 
-def test_an_ordered_exchange_asks_the_device_once_for_what_it_cannot_know(streams):
-    """In steady state (the thread's device current, the pool's event made) each counted operation is
-    a call of the CUDA runtime on a GPU: an ordered export asks for the memory's owner, the thread's
+def test_what_an_ordered_export_and_import_ask_of_the_device(streams):
+    """In steady state (the thread's device current, the pool's event made), what each asks the
+    simulated device, by operation: an ordered export asks for the memory's owner, the thread's
     context (for the device guard and for the event pool), whether either stream captures into a
     graph and the producer stream's device, then records and waits. An import of a handoff.Array
     asks for that export (its __dlpack__(stream=) orders the consumer), then admits the tensor it was
@@ -206,21 +206,34 @@ def test_an_ordered_exchange_asks_the_device_once_for_what_it_cannot_know(stream
     capturing consumer keeps the producer while the graph lives)."""
     producer, consumer = streams
     counted: dict[str, dict[str, int]] = {}
+    failed: list[BaseException] = []
 
     def exchanges():
-        sim.set_device(0)  # as on the thread of a library that has worked on the device
-        first, imported, exported = (pending_write(producer) for _ in range(3))
-        # Makes the pool's event; kept, as the views below, so that no release takes one meanwhile.
-        warm = handoff.from_dlpack(first, stream=consumer)
-        with sim.count_calls() as counted["import"]:
-            view = handoff.from_dlpack(imported, stream=consumer)
-        with sim.count_calls() as counted["export"]:
-            capsule = exported.__dlpack__(stream=consumer.handle)
-        del warm, view, capsule
+        try:
+            sim.set_device(0)  # as on the thread of a library that has worked on the device
+            first, imported, exported = (pending_write(producer) for _ in range(3))
+            # Makes the pool's event; kept, as the views below, so that no release takes one
+            # meanwhile. Earlier releases are done and no collection runs while calls are counted.
+            warm = handoff.from_dlpack(first, stream=consumer)
+            gc.collect()
+            sim.drain()
+            gc.disable()
+            try:
+                with sim.count_calls() as counted["import"]:
+                    view = handoff.from_dlpack(imported, stream=consumer)
+                with sim.count_calls() as counted["export"]:
+                    capsule = exported.__dlpack__(stream=consumer.handle)
+            finally:
+                gc.enable()
+            del warm, view, capsule
+        except BaseException as error:  # noqa: BLE001 (raised again on the test's thread)
+            failed.append(error)
 
     worker = threading.Thread(target=exchanges)  # its own current device
     worker.start()
     worker.join()
+    if failed:
+        raise failed[0]
     export = {
         "attributes": 1,
         "current_device": 2,

@@ -408,3 +408,22 @@ def test_a_hold_is_entered_once_and_its_arguments_are_checked():
             pass
     finally:
         sim.end_capture(capturing)
+
+
+def test_calls_are_counted_on_the_counting_thread_one_count_at_a_time():
+    with sim.count_calls() as one_stream:
+        first = sim.Stream(non_blocking=True)  # kept: its destruction is not counted
+    assert one_stream["create_stream"] == 1
+    other_thread_streams = []
+    with sim.count_calls() as counted:
+        stream = sim.Stream(non_blocking=True)
+        worker = threading.Thread(target=lambda: other_thread_streams.append(sim.Stream(non_blocking=True)))
+        worker.start()
+        worker.join()
+        with pytest.raises(ValueError, match="one count at a time"), sim.count_calls():
+            pass
+    assert counted == one_stream, "another thread's calls were counted"
+    with sim.count_calls() as again:  # the count ended with its block
+        stream.synchronize()
+    assert again == {"synchronize_stream": 1}
+    del first, stream, other_thread_streams

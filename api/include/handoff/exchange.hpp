@@ -232,7 +232,10 @@ class exchange {
 
   /// Hands `view` to a consumer that works on `consumer` and holds nothing of its own (the DLPack C
   /// exchange API's no-sync calls): its stream waits for the data's, and the producer is kept until
-  /// the work enqueued there by the tensor's deletion is done. Returns the tensor.
+  /// the work enqueued there by the tensor's deletion is done, whatever the export-release policy
+  /// (the consumer's stream is its own to name). Returns the tensor. For stream=-1 nothing is
+  /// ordered, and a backend that cannot be used is no error (as for export_dlpack).
+  /// @throws device_error for a consumer stream where there is no usable backend, or ordering fails.
   [[nodiscard]] DLManagedTensorVersioned* hand_over(const array& view, const named_stream& consumer);
   /// hand_over for a consumer that borrows the view's own description (a bare DLTensor).
   void lend(const array& view, const named_stream& consumer);
@@ -245,7 +248,8 @@ class exchange {
   /// stream's own. `stream.owner` goes with it. nullopt for data without streams, where no context
   /// serves that device type, or for stream=-1.
   /// @throws value_error for a stream the device type does not take; device_error when the backend
-  ///         cannot tell a stream's device (a destroyed stream).
+  ///         cannot tell a stream's device (a destroyed stream, where the backend asks: CUDA with one
+  ///         GPU knows every stream is its, and a destroyed one fails when work is put on it).
   [[nodiscard]] std::optional<bound_stream> bind_stream(DLDevice data, const named_stream& stream) const;
 
   /// Whether a release deferred behind `stream` (for data of `type`) is certain to find it alive, as

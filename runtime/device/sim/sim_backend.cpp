@@ -672,7 +672,11 @@ void sim_backend::clear_faults() noexcept
 void sim_backend::count_calls(bool on)
 {
   std::lock_guard lock(impl_->fault_mutex);
-  if (on) { impl_->call_counts.clear(); }
+  if (on) {
+    HANDOFF_EXPECTS(impl_->counting_thread.load(std::memory_order_relaxed) == 0, value_error,
+                    "the simulator counts calls already: one count at a time");
+    impl_->call_counts.clear();
+  }
   impl_->counting_thread.store(on ? static_cast<std::uint64_t>(this_thread_key()) : 0, std::memory_order_relaxed);
 }
 

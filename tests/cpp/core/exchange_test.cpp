@@ -800,6 +800,36 @@ struct counting_source final : context_source {
   const absent_backend& absent() override { return none; }
 };
 
+// A context source whose backend cannot be used (it failed to start, or the process is a forked child).
+struct failing_source final : context_source {
+  absent_backend none;
+  context* device_context() override
+  {
+    throw device_error("cuda", "cudaErrorInitializationError", "the backend failed to start");
+  }
+  const absent_backend& absent() override { return none; }
+};
+
+TEST(ContextSourceTest, AHandOverForStreamMinusOneNeedsNoUsableBackendAndAnOrderedOneSaysWhyItHasNone)
+{
+  failing_source source;
+  exchange failing{source};
+  // The consumer orders its work itself: nothing to order, as an export for stream=-1.
+  DLManagedTensorVersioned* tensor = failing.hand_over(cuda_described(), named_stream::dlpack(-1));
+  tensor->deleter(tensor);
+  failing.lend(cuda_described(), named_stream::dlpack(-1));
+  try {
+    (void)failing.hand_over(cuda_described(), named_stream::dlpack(2));
+    FAIL() << "handed over unordered";
+  } catch (const device_error& e) {
+    EXPECT_EQ(e.error_name(), "cudaErrorInitializationError");
+  }
+  // With no backend at all (an application that asked for none), an ordered hand-over is refused too.
+  exchange unordered{
+    absent_backend{.setting = "HANDOFF_BACKEND=none", .error_name = {}, .reason = {}, .refuses_unordered = false}};
+  EXPECT_THROW((void)unordered.hand_over(cuda_described(), named_stream::dlpack(2)), device_error);
+}
+
 TEST(ContextSourceTest, HostExchangesNeverAskForTheDeviceContext)
 {
   counting_source source;

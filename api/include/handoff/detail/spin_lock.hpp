@@ -8,7 +8,7 @@ namespace handoff::detail {
 /// A lock held for a handful of loads and stores, taken far more often than contended: taking and
 /// giving back a std::mutex costs about 60 instructions, this lock two atomic operations. A waiter
 /// yields until the lock looks free. Trivially destructible and constant-initialised, so that it
-/// may be used before and after static construction and destruction. Lockable (std::lock_guard).
+/// may be used before and after static construction and destruction. BasicLockable (std::lock_guard).
 class spin_lock {
  public:
   void lock() noexcept

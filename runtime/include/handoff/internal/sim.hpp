@@ -195,8 +195,9 @@ class sim_backend final : public backend {
 
   /// Counts the calls the calling thread makes from now on, by operation (the keys
   /// fault_operations() lists, and the few that cannot fail), until `count_calls(false)`; starting
-  /// clears the counts, and one thread counts at a time. For tests that pin what an exchange asks
-  /// of the device: each counted operation is a call of the CUDA or HIP runtime there.
+  /// clears the counts. For tests that pin what an exchange asks of the device (each operation is
+  /// one or two driver calls on a GPU: "current_device" stands for the thread's current context).
+  /// @throws handoff::value_error when a count is under way already (one at a time).
   void count_calls(bool on);
   /// The counts since `count_calls(true)`.
   [[nodiscard]] std::map<std::string, std::size_t, std::less<>> call_counts();
