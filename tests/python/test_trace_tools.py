@@ -1161,11 +1161,16 @@ def test_run_does_not_wait_for_or_report_a_forked_child_that_runs_another_progra
 
 
 TERMINATED = """
-import signal, sys, numpy as np, handoff
+import os, select, signal, sys, numpy as np, handoff
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))  # ends as it chooses: its exit writes its trace
+# signal.pause() would miss a termination that came between the print and the pause (the handler
+# runs between bytecodes): the wake-up byte Python writes for each signal is waited on instead.
+woken, wake = os.pipe()
+os.set_blocking(wake, False)
+signal.set_wakeup_fd(wake)
 handoff.from_dlpack(np.ones(3))
 print("ready", flush=True)
-signal.pause()
+select.select([woken], [], [])
 """
 
 
