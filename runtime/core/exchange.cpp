@@ -365,12 +365,7 @@ void exchange::order_hand_over(const array& view, const named_stream& consumer) 
   // One admission for both halves: it finds the device that owns the data, where the consumer's
   // stream waits for the producer's and the producer is kept until the consumer's work is done.
   context& ctx = context_to_order(device_context(), view);
-  const bound_stream on_consumer{.ctx = &ctx,
-                                 .device = admit(ctx, view),
-                                 .stream = *resolve_stream(ctx.backend(), request),
-                                 .stream_owner = consumer.owner};
-  wait_for_ready(on_consumer, view);
-  view.owner().release_after(on_consumer);
+  view.owner().release_after(consumer_waiting_for_ready(ctx, view, admit(ctx, view), request, consumer.owner));
 }
 
 // --- streams and memory, for a front end that orders other libraries' exchanges -----------------------

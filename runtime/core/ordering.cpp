@@ -72,11 +72,16 @@ context& context_to_order(context* ctx, const array& view)
   return *ctx;
 }
 
-void wait_for_ready(const bound_stream& consumer, const array& view)
+bound_stream consumer_waiting_for_ready(context& ctx, const array& view, int device, stream_request consumer,
+                                        std::shared_ptr<const void> owner)
 {
+  bound_stream on_consumer{.ctx = &ctx,
+                           .device = device,
+                           .stream = *resolve_stream(ctx.backend(), consumer),
+                           .stream_owner = std::move(owner)};
   const auto ready = view.owner().ready_on();
-  consumer.wait_for(ready && ready->ctx == consumer.ctx ? ready->stream
-                                                        : consumer.ctx->backend().legacy_default_stream());
+  on_consumer.wait_for(ready && ready->ctx == &ctx ? ready->stream : ctx.backend().legacy_default_stream());
+  return on_consumer;
 }
 
 // The export half's ordering: the consumer stream `consumer` asks for waits for the stream `view`
@@ -90,12 +95,7 @@ std::optional<bound_stream> order_for_consumer(context* ctx, const array& view, 
   }
   context& on = context_to_order(ctx, view);
   require_stream_ordered(on, view);
-  bound_stream on_consumer{.ctx = &on,
-                           .device = owning_device(on, view),
-                           .stream = *resolve_stream(on.backend(), consumer),
-                           .stream_owner = nullptr};
-  wait_for_ready(on_consumer, view);
-  return on_consumer;
+  return consumer_waiting_for_ready(on, view, owning_device(on, view), consumer, nullptr);
 }
 
 void order_export(context* ctx, const array& view, stream_request consumer, export_release policy,
@@ -121,6 +121,14 @@ bool captures_a_graph(device::backend& b, int device, device::stream_handle stre
   } catch (...) {
     return false;
   }
+}
+
+// Makes `consumer` wait for the producer's stream (none: nothing is pending), telling whether the
+// consumer's stream captures where the wait found it out (wait_telling_capture).
+std::optional<bool> wait_for_producer(const bound_stream& consumer, stream_request producer)
+{
+  const auto producer_stream = resolve_stream(consumer.ctx->backend(), producer);
+  return producer_stream ? wait_telling_capture(consumer, *producer_stream) : std::nullopt;
 }
 
 // `consumer_captures`: whether the consumer's stream captures, where the wait before found it out.
@@ -198,20 +206,13 @@ bound_stream binding_on(context& ctx, DLDevice device, named_stream stream)
 void bind_interface_import(const array& view, const bound_stream& consumer, stream_request producer,
                            std::shared_ptr<const void> producer_owner)
 {
-  std::optional<bool> captures;
-  if (const auto producer_stream = resolve_stream(consumer.ctx->backend(), producer)) {
-    captures = wait_telling_capture(consumer, *producer_stream);
-  }
+  const auto captures = wait_for_producer(consumer, producer);
   bind_to(view, consumer, stream_to_hold_back(consumer, producer, std::move(producer_owner)), captures);
 }
 
 void bind_after_producer(const array& view, const bound_stream& consumer, stream_request producer)
 {
-  std::optional<bool> captures;
-  if (const auto producer_stream = resolve_stream(consumer.ctx->backend(), producer)) {
-    captures = wait_telling_capture(consumer, *producer_stream);
-  }
-  bind_to(view, consumer, std::nullopt, captures);
+  bind_to(view, consumer, std::nullopt, wait_for_producer(consumer, producer));
 }
 
 std::optional<device::stream_handle> published_ready_stream(const array& view)

@@ -53,10 +53,13 @@ void order_export(context* ctx, const array& view, stream_request consumer, expo
 /// @throws device_error when there is none (`ctx` null): device memory cannot be ordered without a backend.
 [[nodiscard]] context& context_to_order(context* ctx, const array& view);
 
-/// Makes `consumer` (on the data's device) wait for the stream `view` is ready on: its producer's last
-/// write, or the device's legacy default stream where that is unknown or another context's.
+/// The stream `consumer` asks for (not stream=-1), bound on `device` of `ctx` (the device that owns
+/// `view`'s data) and kept alive by `owner` (may be empty), made to wait for the stream `view` is
+/// ready on: its producer's last write, or the device's legacy default stream where that is unknown or
+/// another context's.
 /// @throws what bound_stream::wait_for throws.
-void wait_for_ready(const bound_stream& consumer, const array& view);
+[[nodiscard]] bound_stream consumer_waiting_for_ready(context& ctx, const array& view, int device,
+                                                      stream_request consumer, std::shared_ptr<const void> owner);
 
 /// The ordering half of an export, alone: the consumer's stream waits for the stream `view` is
 /// ready on. That consumer stream, bound on the data's device; nullopt when nothing is asked.
