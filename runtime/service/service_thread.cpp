@@ -2,6 +2,8 @@
 
 #include "log/logger.hpp"
 
+#include <handoff/internal/runtime_thread.hpp>
+
 #include <boost/asio/post.hpp>
 #include <boost/asio/steady_timer.hpp>
 
@@ -12,7 +14,7 @@
 namespace handoff::detail {
 
 service_thread::service_thread()
-    : guard_(boost::asio::make_work_guard(io_)), thread_([this] {
+    : guard_(boost::asio::make_work_guard(io_)), thread_(start_runtime_thread([this] {
         for (;;) {
           try {
             io_.run();
@@ -21,7 +23,7 @@ service_thread::service_thread()
             HANDOFF_LOG_ERROR("service thread: a task threw ({}); continuing", e.what());
           }
         }
-      })
+      }))
 {}
 
 service_thread::~service_thread()

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
 import pickle
+import signal
+import subprocess
+import sys
 import textwrap
 import weakref
 
@@ -93,6 +97,43 @@ def test_the_exit_waits_for_what_was_pending_not_for_releases_that_keep_arriving
     assert result.stdout.split() == ["ending"]
     assert "did not run within" not in result.stderr, result.stderr[-2000:]
     assert "capture never ended" not in result.stderr
+
+
+# The program blocks SIGUSR1 once handoff's threads run, signals itself and waits for the signal,
+# as a server waiting in sigwait does; `started_before` also starts a thread of its own first.
+AWAITS_ITS_SIGNAL = """
+import os, signal, sys, threading
+import numpy as np
+import handoff
+handoff.from_dlpack(np.ones(3))  # the service thread
+if handoff.runtime_info()["backend"].startswith("sim"):
+    from handoff import sim
+    handoff.from_dlpack(sim.zeros((4,), "float32"), stream=sim.Stream(0, non_blocking=True))  # its workers
+if sys.argv[1] == "started_before":
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+os.kill(os.getpid(), signal.SIGUSR1)
+print(signal.sigtimedwait({signal.SIGUSR1}, 30) is not None)
+"""
+
+
+@pytest.mark.parametrize("thread", ["none", "started_before"])
+def test_a_signal_the_program_waits_for_is_never_taken_by_handoffs_threads(thread):
+    # handoff's threads took every signal: the first one that the program blocked to wait for it
+    # went to one of them instead, and SIGUSR1's default action ended the process.
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # NumPy's BLAS starts none
+    result = subprocess.run(
+        [sys.executable, "-c", AWAITS_ITS_SIGNAL, thread],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    if thread == "none":
+        assert (result.returncode, result.stdout) == (0, "True\n"), result.stderr
+    else:  # the control: a thread that does not block the signal takes it
+        assert result.returncode == -signal.SIGUSR1, (result.returncode, result.stdout, result.stderr)
 
 
 def _double_through_handoff(n: int) -> float:

@@ -9,6 +9,8 @@
 
 #include "log/logger.hpp"
 
+#include <handoff/internal/runtime_thread.hpp>
+
 #include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/post.hpp>
@@ -89,7 +91,7 @@ struct worker_pool::state {
   {
     threads.reserve(worker_threads);
     for (unsigned i = 0; i < worker_threads; ++i) {
-      threads.emplace_back([this] { io.run(); });
+      threads.push_back(handoff::detail::start_runtime_thread([this] { io.run(); }));
     }
   }
 

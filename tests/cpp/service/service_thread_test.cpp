@@ -1,14 +1,29 @@
 #include "service/service_thread.hpp"
 
+#include <handoff/internal/runtime_thread.hpp>
+
 #include <gtest/gtest.h>
 
+#include <pthread.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <csignal>
+#include <ctime>
 #include <thread>
 #include <vector>
 
 namespace {
 
 using handoff::detail::service_thread;
+using handoff::detail::start_runtime_thread;
+
+sigset_t blocked_on_this_thread()
+{
+  sigset_t mask;
+  pthread_sigmask(SIG_BLOCK, nullptr, &mask);
+  return mask;
+}
 
 TEST(ServiceThreadTest, RunsPostedWorkInOrderOffTheCallersThread)
 {
@@ -40,6 +55,43 @@ TEST(ServiceThreadTest, DestructorRunsWhatIsPending)
     }
   }
   EXPECT_EQ(ran.load(), 50);
+}
+
+TEST(RuntimeThreadTest, TakesNoAsynchronousSignalButItsOwnFaultsAndLeavesTheCallersMaskAsItWas)
+{
+  const sigset_t before = blocked_on_this_thread();
+  ASSERT_FALSE(sigismember(&before, SIGTERM));
+  sigset_t in_plain_thread{};
+  std::thread([&] { in_plain_thread = blocked_on_this_thread(); }).join();
+  EXPECT_FALSE(sigismember(&in_plain_thread, SIGTERM)) << "the control: a thread inherits its creator's mask";
+
+  sigset_t in_runtime_thread{};
+  start_runtime_thread([&] { in_runtime_thread = blocked_on_this_thread(); }).join();
+  for (const int asynchronous : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGCHLD, SIGPIPE, SIGALRM}) {
+    EXPECT_TRUE(sigismember(&in_runtime_thread, asynchronous)) << strsignal(asynchronous);
+  }
+  for (const int fault : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP, SIGABRT}) {
+    EXPECT_FALSE(sigismember(&in_runtime_thread, fault)) << strsignal(fault);
+  }
+  const sigset_t after = blocked_on_this_thread();
+  for (int s = 1; s < NSIG; ++s) { EXPECT_EQ(sigismember(&after, s), sigismember(&before, s)) << strsignal(s); }
+}
+
+TEST(ServiceThreadTest, ASignalTheProgramWaitsForReachesItAfterTheServiceStarted)
+{
+  // A program that blocks a signal to wait for it (sigwait) after the runtime's threads started:
+  // one of them would have taken it, and SIGUSR1's default action ended the process.
+  service_thread service;
+  service.drain();
+  sigset_t awaited;
+  sigemptyset(&awaited);
+  sigaddset(&awaited, SIGUSR1);
+  sigset_t previous;
+  ASSERT_EQ(pthread_sigmask(SIG_BLOCK, &awaited, &previous), 0);
+  ASSERT_EQ(kill(getpid(), SIGUSR1), 0);
+  const timespec patience{.tv_sec = 30, .tv_nsec = 0};
+  EXPECT_EQ(sigtimedwait(&awaited, nullptr, &patience), SIGUSR1);
+  pthread_sigmask(SIG_SETMASK, &previous, nullptr);
 }
 
 TEST(ServiceThreadTest, AThrowingTaskDoesNotStopTheService)
