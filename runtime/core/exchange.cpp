@@ -249,9 +249,19 @@ array exchange::share(const array& source, const named_stream& consumer)
 {
   operation_trace trace{trace::event_kind::import_data, "dlpack"};
   array view{source.layout(), source.owner().derived()};
-  if (has_streams(view.device().device_type)) {
-    (void)order_for_consumer(device_context(), source, request_for(consumer, view.device().device_type));
-    bind_to_consumer(view, consumer);
+  if (const DLDeviceType type = view.device().device_type; has_streams(type)) {
+    const stream_request request = request_for(consumer, type);
+    if (request.order == stream_order::none) {
+      note_unordered_export(source);
+      bind_to_consumer(view, consumer);  // checked where there is a backend
+    } else {
+      // One admission for both halves, as a hand-over's: the consumer's stream waits for the
+      // producer's on the device that owns the data, and the view is bound there.
+      context& ctx = context_to_order(device_context(), source);
+      const waiting_consumer on_consumer =
+        consumer_waiting_for_ready(ctx, source, admit(ctx, source), request, consumer.owner);
+      bind_import(view, on_consumer.stream, on_consumer.captures);
+    }
   }
   count(counter::imports);
   trace.set_view(view);
@@ -365,7 +375,7 @@ void exchange::order_hand_over(const array& view, const named_stream& consumer) 
   // One admission for both halves: it finds the device that owns the data, where the consumer's
   // stream waits for the producer's and the producer is kept until the consumer's work is done.
   context& ctx = context_to_order(device_context(), view);
-  view.owner().release_after(consumer_waiting_for_ready(ctx, view, admit(ctx, view), request, consumer.owner));
+  view.owner().release_after(consumer_waiting_for_ready(ctx, view, admit(ctx, view), request, consumer.owner).stream);
 }
 
 // --- streams and memory, for a front end that orders other libraries' exchanges -----------------------

@@ -72,16 +72,17 @@ context& context_to_order(context* ctx, const array& view)
   return *ctx;
 }
 
-bound_stream consumer_waiting_for_ready(context& ctx, const array& view, int device, stream_request consumer,
-                                        std::shared_ptr<const void> owner)
+waiting_consumer consumer_waiting_for_ready(context& ctx, const array& view, int device, stream_request consumer,
+                                            std::shared_ptr<const void> owner)
 {
   bound_stream on_consumer{.ctx = &ctx,
                            .device = device,
                            .stream = *resolve_stream(ctx.backend(), consumer),
                            .stream_owner = std::move(owner)};
   const auto ready = view.owner().ready_on();
-  on_consumer.wait_for(ready && ready->ctx == &ctx ? ready->stream : ctx.backend().legacy_default_stream());
-  return on_consumer;
+  const auto captures = wait_telling_capture(
+    on_consumer, ready && ready->ctx == &ctx ? ready->stream : ctx.backend().legacy_default_stream());
+  return {.stream = std::move(on_consumer), .captures = captures};
 }
 
 // The export half's ordering: the consumer stream `consumer` asks for waits for the stream `view`
@@ -95,7 +96,7 @@ std::optional<bound_stream> order_for_consumer(context* ctx, const array& view, 
   }
   context& on = context_to_order(ctx, view);
   require_stream_ordered(on, view);
-  return consumer_waiting_for_ready(on, view, owning_device(on, view), consumer, nullptr);
+  return consumer_waiting_for_ready(on, view, owning_device(on, view), consumer, nullptr).stream;
 }
 
 void order_export(context* ctx, const array& view, stream_request consumer, export_release policy,
@@ -191,9 +192,9 @@ std::optional<bound_stream> stream_to_hold_back(const bound_stream& on_consumer,
 
 }  // namespace
 
-void bind_import(const array& view, const bound_stream& consumer)
+void bind_import(const array& view, const bound_stream& consumer, std::optional<bool> consumer_captures)
 {
-  bind_to(view, consumer, std::nullopt, std::nullopt);
+  bind_to(view, consumer, std::nullopt, consumer_captures);
 }
 
 bound_stream binding_on(context& ctx, DLDevice device, named_stream stream)

@@ -719,6 +719,30 @@ TEST_P(ExchangeTest, AnOrderedHandOverAsksTheDeviceOnceForWhatItCannotKnow)
   b().synchronize_device();
 }
 
+TEST_P(ExchangeTest, AnOrderedShareAsksTheDeviceWhatAHandOverAsks)
+{
+  HANDOFF_REQUIRE_SIM("counts the runtime calls of each share");
+  const auto producer = stream_on(0);
+  const auto consumer = stream_on(0);
+  const array source = written_on(producer);
+  std::vector<array> shared;  // alive until the count is read: no release is counted
+  b().set_current_device(0);
+  shared.push_back(ex().share(source, named(consumer)));  // the first makes the pool's event
+  constexpr std::size_t times = 3;
+  sim().count_calls(true);
+  for (std::size_t i = 0; i < times; ++i) { shared.push_back(ex().share(source, named(consumer))); }
+  sim().count_calls(false);
+  // One admission for the wait and the binding, and the consumer's capture state as the wait found
+  // it: a share of handoff's own array looked the owner up twice and asked the capture a third time.
+  const std::map<std::string, std::size_t, std::less<>> expected{
+    {"attributes", times},    {"current_device", 2 * times},
+    {"record_event", times},  {"stream_capture_status", 2 * times},
+    {"stream_device", times}, {"stream_wait_event", times}};
+  EXPECT_EQ(sim().call_counts(), expected);
+  shared.clear();
+  b().synchronize_device();
+}
+
 TEST_P(ExchangeTest, ALentViewOrdersItsBorrowerAndIsCounted)
 {
   const auto producer = stream_on(0);

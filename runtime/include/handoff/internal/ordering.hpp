@@ -53,13 +53,19 @@ void order_export(context* ctx, const array& view, stream_request consumer, expo
 /// @throws device_error when there is none (`ctx` null): device memory cannot be ordered without a backend.
 [[nodiscard]] context& context_to_order(context* ctx, const array& view);
 
+/// A consumer's stream made to wait for the stream its data is ready on.
+struct waiting_consumer {
+  bound_stream stream;
+  std::optional<bool> captures;  ///< whether `stream` captures into a graph, where the wait asked
+};
+
 /// The stream `consumer` asks for (not stream=-1), bound on `device` of `ctx` (the device that owns
 /// `view`'s data) and kept alive by `owner` (may be empty), made to wait for the stream `view` is
 /// ready on: its producer's last write, or the device's legacy default stream where that is unknown or
 /// another context's.
 /// @throws what bound_stream::wait_for throws.
-[[nodiscard]] bound_stream consumer_waiting_for_ready(context& ctx, const array& view, int device,
-                                                      stream_request consumer, std::shared_ptr<const void> owner);
+[[nodiscard]] waiting_consumer consumer_waiting_for_ready(context& ctx, const array& view, int device,
+                                                          stream_request consumer, std::shared_ptr<const void> owner);
 
 /// The ordering half of an export, alone: the consumer's stream waits for the stream `view` is
 /// ready on. That consumer stream, bound on the data's device; nullopt when nothing is asked.
@@ -68,8 +74,9 @@ void order_export(context* ctx, const array& view, stream_request consumer, expo
 
 /// Import half: records that `view`'s data is ready on `consumer`, and defers the release of its
 /// producer until the work enqueued on `consumer` by then is done; the consumer's `stream_owner` (may
-/// be empty) keeps the stream alive until then.
-void bind_import(const array& view, const bound_stream& consumer);
+/// be empty) keeps the stream alive until then. `consumer_captures`: whether `consumer` captures into
+/// a graph, where a wait before found it out (nullopt: asked here).
+void bind_import(const array& view, const bound_stream& consumer, std::optional<bool> consumer_captures = std::nullopt);
 
 /// Work on `device` of `ctx`'s backend bound to `stream` (resolved by the stream table of the
 /// device's type), which `stream.owner` keeps alive with the binding.
