@@ -49,6 +49,32 @@ class ExchangeTest : public BackendContextTest {
     return stream_value_of(b().device_type(), static_cast<std::uint64_t>(s));
   }
 
+  using counts_by_operation = std::map<std::string, std::size_t, std::less<>>;
+
+  // The simulated device's calls, by operation, of `times` calls of `exchange` in steady state: on a
+  // thread whose device is current (as a library's that has worked on it), after a first call that
+  // makes the pool's event.
+  template <class Exchange>
+  counts_by_operation steady_calls(std::size_t times, Exchange&& exchange)
+  {
+    b().set_current_device(0);
+    exchange();
+    sim().count_calls(true);
+    for (std::size_t i = 0; i < times; ++i) { exchange(); }
+    sim().count_calls(false);
+    return sim().call_counts();
+  }
+
+  // What `times` ordered exchanges of a view ask the device: the memory's owner (one lookup for the
+  // wait and the binding), the thread's context (as the device guard and the event pool see it),
+  // whether either stream captures into a graph, the producer stream's device, the record and the wait.
+  static counts_by_operation ordered_exchange_calls(std::size_t times)
+  {
+    return {{"attributes", times},    {"current_device", 2 * times},
+            {"record_event", times},  {"stream_capture_status", 2 * times},
+            {"stream_device", times}, {"stream_wait_event", times}};
+  }
+
   // A view of n floats on device 0 set to 1 by work on `producer` (pending while the test holds
   // it), recorded as ready there; `released` counts its producer's release.
   array written_on(device::stream_handle producer, std::atomic<int>* released = nullptr)
@@ -199,17 +225,9 @@ TEST_P(ExchangeTest, AnOrderedTableImportAsksWhetherTheConsumerCapturesOnce)
     ASSERT_TRUE(made.has_value());
     kept.push_back(std::move(*made));
   };
-  b().set_current_device(0);  // as on the thread of a library that has worked on the device
-  import();                   // the first makes the pool's event
-  sim().count_calls(true);
-  import();
-  sim().count_calls(false);
   // The wait asks whether either stream captures; binding the view to the consumer (kept for a
   // graph's life where it captures) takes the consumer's answer from it, not from the device again.
-  const std::map<std::string, std::size_t, std::less<>> expected{{"attributes", 1},    {"current_device", 2},
-                                                                 {"record_event", 1},  {"stream_capture_status", 2},
-                                                                 {"stream_device", 1}, {"stream_wait_event", 1}};
-  EXPECT_EQ(sim().call_counts(), expected);
+  EXPECT_EQ(steady_calls(1, import), ordered_exchange_calls(1));
   kept.clear();
   EXPECT_TRUE(ctx().drain_for(std::chrono::seconds{10}));
 }
@@ -697,25 +715,12 @@ TEST_P(ExchangeTest, AnOrderedHandOverAsksTheDeviceOnceForWhatItCannotKnow)
   HANDOFF_REQUIRE_SIM("counts the runtime calls of each hand-over");
   const auto producer = stream_on(0);
   const auto consumer = stream_on(0);
-  const array view = written_on(producer);
-  const auto hand_over = [&] {
+  const array view = written_on(producer);  // alive throughout: no release is counted
+  const auto counted = steady_calls(3, [&] {
     DLManagedTensorVersioned* tensor = ex().hand_over(view, named(consumer));
     tensor->deleter(tensor);
-  };
-  b().set_current_device(0);  // as on the thread of a library that has worked on the device
-  hand_over();                // the first makes the pool's event
-  constexpr std::size_t times = 3;
-  sim().count_calls(true);
-  for (std::size_t i = 0; i < times; ++i) { hand_over(); }
-  sim().count_calls(false);
-  // Each: the memory's owner (one lookup for the wait and the release), the thread's context (as the
-  // device guard and the event pool see it), whether either stream captures into a graph, the
-  // producer stream's device, and the record and the wait. The view stays alive: no release.
-  const std::map<std::string, std::size_t, std::less<>> expected{
-    {"attributes", times},    {"current_device", 2 * times},
-    {"record_event", times},  {"stream_capture_status", 2 * times},
-    {"stream_device", times}, {"stream_wait_event", times}};
-  EXPECT_EQ(sim().call_counts(), expected);
+  });
+  EXPECT_EQ(counted, ordered_exchange_calls(3)) << "one admission for the wait and the release";
   b().synchronize_device();
 }
 
@@ -726,19 +731,9 @@ TEST_P(ExchangeTest, AnOrderedShareAsksTheDeviceWhatAHandOverAsks)
   const auto consumer = stream_on(0);
   const array source = written_on(producer);
   std::vector<array> shared;  // alive until the count is read: no release is counted
-  b().set_current_device(0);
-  shared.push_back(ex().share(source, named(consumer)));  // the first makes the pool's event
-  constexpr std::size_t times = 3;
-  sim().count_calls(true);
-  for (std::size_t i = 0; i < times; ++i) { shared.push_back(ex().share(source, named(consumer))); }
-  sim().count_calls(false);
-  // One admission for the wait and the binding, and the consumer's capture state as the wait found
-  // it: a share of handoff's own array looked the owner up twice and asked the capture a third time.
-  const std::map<std::string, std::size_t, std::less<>> expected{
-    {"attributes", times},    {"current_device", 2 * times},
-    {"record_event", times},  {"stream_capture_status", 2 * times},
-    {"stream_device", times}, {"stream_wait_event", times}};
-  EXPECT_EQ(sim().call_counts(), expected);
+  const auto counted = steady_calls(3, [&] { shared.push_back(ex().share(source, named(consumer))); });
+  // A share of handoff's own array looked the owner up twice and asked the capture a third time.
+  EXPECT_EQ(counted, ordered_exchange_calls(3)) << "one admission, and the capture state the wait found";
   shared.clear();
   b().synchronize_device();
 }
