@@ -11,7 +11,7 @@ namespace handoff::detail {
 /// however early the runtime's started. A Python program handles them in its main thread, which a
 /// signal delivered elsewhere does not wake; a thread waiting in sigwait for a signal it blocks never
 /// sees one that another thread took. A fault of the thread's own (SIGSEGV, SIGBUS, SIGFPE, SIGILL,
-/// SIGTRAP, SIGABRT) still reaches the process's handlers.
+/// SIGTRAP, SIGABRT) still reaches the process's handlers, and a profiler's SIGPROF the thread.
 /// @throws std::system_error as std::thread's constructor does; the caller's signal mask is kept.
 [[nodiscard]] std::thread start_runtime_thread(std::function<void()> body);
 
