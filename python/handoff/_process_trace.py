@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib.util
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +31,20 @@ _process_trace: trace | None = None
 _trace_path: str | None = None
 _socket_path: str | None = None
 _marked_pid: int | None = None  # the process whose trace file _mark_unfinished wrote
+
+#: The scripts, in the `ray` package (2.60), of Ray's own services: its dashboard and dashboard agent,
+#: its log monitor, its runtime-environment agent and its autoscaler's monitor. Its workers'
+#: (``_private/workers``) are not among them: they run the program's tasks.
+RAY_SERVICES = (
+    ("dashboard", "dashboard.py"),
+    ("dashboard", "agent.py"),
+    ("_private", "log_monitor.py"),
+    ("_private", "runtime_env", "agent", "main.py"),
+    ("autoscaler", "_private", "monitor.py"),
+)
+
+#: The settings a process of Ray's services takes out of its environment, for its children too.
+TRACING_SETTINGS = ("HANDOFF_TRACE", "HANDOFF_TRACE_LAUNCHES", "HANDOFF_TRACE_SOCKET", "HANDOFF_ORDER")
 
 
 def serve_trace() -> str:
@@ -130,10 +146,32 @@ class _ForkedWorkerExit:
 _forked_worker_exit = _ForkedWorkerExit()
 
 
+def is_ray_service(script: str) -> bool:
+    """Whether `script` (a process's ``sys.argv[0]``) is one of Ray's own services (RAY_SERVICES) in
+    the `ray` package this Python imports."""
+    if f"{os.sep}ray{os.sep}" not in script:  # most programs: sys.path is not searched
+        return False
+    try:
+        spec = importlib.util.find_spec("ray")
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    package = Path(os.path.realpath(next(iter(spec.submodule_search_locations))))
+    return Path(os.path.realpath(script)) in {package.joinpath(*parts) for parts in RAY_SERVICES}
+
+
 def start_from_environment() -> None:
     """Starts what HANDOFF_TRACE, HANDOFF_ORDER and HANDOFF_TRACE_SOCKET ask for (at `import
     handoff`). What cannot be started is a warning on the logger: the program runs as it is."""
     global _trace_path  # noqa: PLW0603
+    argv = getattr(sys, "argv", None)  # an embedded interpreter may have none
+    if argv and is_ray_service(argv[0]):
+        # A service of Ray's exchanges no arrays, and Ray ends it without an exit: traced, it would
+        # be reported as a process whose trace was lost. The processes it starts are not traced either.
+        for name in TRACING_SETTINGS:
+            os.environ.pop(name, None)
+        return
     path = _settings.trace_path()
     if path is not None and _process_trace is None:
         _trace_path = os.path.abspath(path)  # where it was asked for, whatever folder the program moves to

@@ -1202,3 +1202,66 @@ def test_a_relative_trace_path_is_where_the_program_started(tmp_path: Path):
     )
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "trace.json").exists() and not (tmp_path / "elsewhere" / "trace.json").exists()
+
+
+# A Ray job: a task exchanges an array on a worker; before the shutdown it says which of Ray's
+# processes run its services (by their scripts, RAY_SERVICES) and which processes began a trace file.
+RAY_JOB = """
+import json, os, pathlib
+import numpy as np
+import ray
+import handoff
+from handoff._process_trace import RAY_SERVICES
+
+ray.init(num_cpus=1, log_to_driver=False)
+
+@ray.remote
+def total(x):
+    return os.getpid(), float(np.from_dlpack(handoff.from_dlpack(x)).sum())
+
+worker, result = ray.get(total.remote(np.ones(3)))
+package = pathlib.Path(ray.__file__).parent
+scripts = {str(package.joinpath(*parts)) for parts in RAY_SERVICES}
+services = []
+for entry in pathlib.Path("/proc").iterdir():
+    try:
+        arguments = (entry / "cmdline").read_bytes().decode().split(chr(0))
+    except (OSError, ValueError):
+        continue
+    if scripts & set(arguments):
+        services.append(int(entry.name))
+folder = pathlib.Path(os.environ["HANDOFF_TRACE"]).parent
+traced = [int(p.stem.removeprefix("trace-")) for p in folder.glob("trace-*.json")]
+print(json.dumps({"worker": worker, "result": result, "services": services, "traced": traced}), flush=True)
+ray.shutdown()
+"""
+
+
+def test_run_leaves_rays_own_services_untraced_and_traces_its_workers():
+    # Ray's dashboard, log monitor, agents and autoscaler monitor imported handoff as any Python
+    # process under `run` does, and Ray ends them without an exit: each was reported as a process
+    # whose trace was lost, in a program whose exchanges are all in its driver and workers.
+    pytest.importorskip("ray", reason="the job runs a local Ray cluster")
+    command = [sys.executable, "-m", "handoff._trace_cli", "run", "--", sys.executable, "-c", RAY_JOB]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["result"] == 3.0
+    assert seen["services"], "the control: Ray runs services of its own"
+    assert seen["worker"] in seen["traced"], "a worker, which runs the program's tasks, is traced"
+    assert not set(seen["services"]) & set(seen["traced"]), "no service began a trace"
+    for service in seen["services"]:
+        assert not re.search(rf"\b{service}\b", done.stderr), done.stderr[-3000:]
+
+
+def test_only_rays_service_scripts_are_services(tmp_path: Path):
+    ray = pytest.importorskip("ray", reason="needs the ray package's files")
+    from handoff._process_trace import RAY_SERVICES, is_ray_service
+
+    package = Path(ray.__file__).parent
+    for parts in RAY_SERVICES:
+        assert is_ray_service(str(package.joinpath(*parts))), parts
+    assert not is_ray_service(str(package / "_private" / "workers" / "default_worker.py"))
+    lookalike = tmp_path / "ray" / "dashboard" / "dashboard.py"  # a program's own folder named ray
+    assert not is_ray_service(str(lookalike))
+    assert not is_ray_service("-c") and not is_ray_service("")
