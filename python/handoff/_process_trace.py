@@ -33,18 +33,20 @@ _socket_path: str | None = None
 _marked_pid: int | None = None  # the process whose trace file _mark_unfinished wrote
 
 #: The scripts, in the `ray` package (2.60), of Ray's own services: its dashboard and dashboard agent,
-#: its log monitor, its runtime-environment agent and its autoscaler's monitor. Its workers'
-#: (``_private/workers``) are not among them: they run the program's tasks.
+#: its log monitor, its runtime-environment agent, its autoscaler's monitor (both versions) and its
+#: process reaper. Its workers' (``_private/workers``) are not among them: they run the program's tasks.
 RAY_SERVICES = (
     ("dashboard", "dashboard.py"),
     ("dashboard", "agent.py"),
     ("_private", "log_monitor.py"),
     ("_private", "runtime_env", "agent", "main.py"),
     ("autoscaler", "_private", "monitor.py"),
+    ("autoscaler", "v2", "monitor.py"),
+    ("_private", "ray_process_reaper.py"),
 )
 
 #: The settings a process of Ray's services takes out of its environment, for its children too.
-TRACING_SETTINGS = ("HANDOFF_TRACE", "HANDOFF_TRACE_LAUNCHES", "HANDOFF_TRACE_SOCKET", "HANDOFF_ORDER")
+TRACING_SETTINGS = ("HANDOFF_TRACE", "HANDOFF_TRACE_LAUNCHES", "HANDOFF_TRACE_SOCKET")
 
 
 def serve_trace() -> str:
@@ -149,7 +151,7 @@ _forked_worker_exit = _ForkedWorkerExit()
 def is_ray_service(script: str) -> bool:
     """Whether `script` (a process's ``sys.argv[0]``) is one of Ray's own services (RAY_SERVICES) in
     the `ray` package this Python imports."""
-    if f"{os.sep}ray{os.sep}" not in script:  # most programs: sys.path is not searched
+    if not isinstance(script, str) or f"{os.sep}ray{os.sep}" not in script:  # most programs: no search
         return False
     try:
         spec = importlib.util.find_spec("ray")
@@ -171,7 +173,6 @@ def start_from_environment() -> None:
         # be reported as a process whose trace was lost. The processes it starts are not traced either.
         for name in TRACING_SETTINGS:
             os.environ.pop(name, None)
-        return
     path = _settings.trace_path()
     if path is not None and _process_trace is None:
         _trace_path = os.path.abspath(path)  # where it was asked for, whatever folder the program moves to

@@ -260,7 +260,7 @@ array exchange::share(const array& source, const named_stream& consumer)
       context& ctx = context_to_order(device_context(), source);
       const waiting_consumer on_consumer =
         consumer_waiting_for_ready(ctx, source, admit(ctx, source), request, consumer.owner);
-      bind_import(view, on_consumer.stream, on_consumer.captures);
+      bind_import(view, on_consumer.binding, on_consumer.captures);
     }
   }
   count(counter::imports);
@@ -375,7 +375,7 @@ void exchange::order_hand_over(const array& view, const named_stream& consumer) 
   // One admission for both halves: it finds the device that owns the data, where the consumer's
   // stream waits for the producer's and the producer is kept until the consumer's work is done.
   context& ctx = context_to_order(device_context(), view);
-  view.owner().release_after(consumer_waiting_for_ready(ctx, view, admit(ctx, view), request, consumer.owner).stream);
+  view.owner().release_after(consumer_waiting_for_ready(ctx, view, admit(ctx, view), request, consumer.owner).binding);
 }
 
 // --- streams and memory, for a front end that orders other libraries' exchanges -----------------------

@@ -82,7 +82,7 @@ waiting_consumer consumer_waiting_for_ready(context& ctx, const array& view, int
   const auto ready = view.owner().ready_on();
   const auto captures = wait_telling_capture(
     on_consumer, ready && ready->ctx == &ctx ? ready->stream : ctx.backend().legacy_default_stream());
-  return {.stream = std::move(on_consumer), .captures = captures};
+  return {.binding = std::move(on_consumer), .captures = captures};
 }
 
 // The export half's ordering: the consumer stream `consumer` asks for waits for the stream `view`
@@ -96,7 +96,7 @@ std::optional<bound_stream> order_for_consumer(context* ctx, const array& view, 
   }
   context& on = context_to_order(ctx, view);
   require_stream_ordered(on, view);
-  return consumer_waiting_for_ready(on, view, owning_device(on, view), consumer, nullptr).stream;
+  return consumer_waiting_for_ready(on, view, owning_device(on, view), consumer, nullptr).binding;
 }
 
 void order_export(context* ctx, const array& view, stream_request consumer, export_release policy,

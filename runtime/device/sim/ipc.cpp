@@ -7,6 +7,7 @@
 #include "log/logger.hpp"
 
 #include <handoff/error.hpp>
+#include <handoff/internal/runtime_thread.hpp>
 
 #include <fmt/format.h>
 
@@ -70,7 +71,8 @@ std::atomic<std::uint64_t>& word_at(void* address)
 
 namespace sim_detail {
 
-ipc_watch::ipc_watch(worker_pool& pool) : pool_(pool), thread_([this] { run(); }) {}
+ipc_watch::ipc_watch(worker_pool& pool) : pool_(pool), thread_(handoff::detail::start_runtime_thread([this] { run(); }))
+{}
 
 ipc_watch::~ipc_watch()
 {

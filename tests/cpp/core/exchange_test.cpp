@@ -849,6 +849,20 @@ TEST(ContextSourceTest, AHandOverForStreamMinusOneNeedsNoUsableBackendAndAnOrder
   EXPECT_THROW((void)unordered.hand_over(cuda_described(), named_stream::dlpack(2)), device_error);
 }
 
+TEST(ContextSourceTest, AShareForStreamMinusOneNeedsNoUsableBackendAndAnOrderedOneSaysWhyItHasNone)
+{
+  failing_source source;
+  exchange failing{source};
+  const array shared = failing.share(cuda_described(), named_stream::dlpack(-1));  // as a hand-over for -1
+  EXPECT_EQ(shared.data(), cuda_described().data());
+  try {
+    (void)failing.share(cuda_described(), named_stream::dlpack(2));
+    FAIL() << "shared unordered";
+  } catch (const device_error& e) {
+    EXPECT_EQ(e.error_name(), "cudaErrorInitializationError");
+  }
+}
+
 TEST(ContextSourceTest, HostExchangesNeverAskForTheDeviceContext)
 {
   counting_source source;

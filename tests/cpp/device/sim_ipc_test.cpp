@@ -15,9 +15,12 @@
 
 #include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -67,6 +70,25 @@ int run_child(const std::vector<std::string>& orders)
   int status = 0;
   waitpid(child, &status, 0);
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// The threads of this process, other than the calling one, that take `signal` (do not block it), as
+// Linux's /proc says.
+int other_threads_taking(int signal)
+{
+  int taking = 0;
+  const std::string self = std::to_string(gettid());
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+    if (task.path().filename() == self) { continue; }
+    std::ifstream status(task.path() / "status");
+    for (std::string line; std::getline(status, line);) {
+      if (line.rfind("SigBlk:", 0) == 0) {
+        const std::uint64_t blocked = std::stoull(line.substr(7), nullptr, 16);
+        taking += static_cast<int>(((blocked >> static_cast<unsigned>(signal - 1)) & 1U) == 0);
+      }
+    }
+  }
+  return taking;
 }
 
 class SimIpcTest : public ::testing::Test {
@@ -150,6 +172,22 @@ TEST_F(SimIpcTest, AStreamWaitsForAValueTheHostOrAnotherStreamWrites)
   sim.destroy_stream(waiting);
   sim.destroy_stream(writer);
   sim.free_sync(p);
+}
+
+TEST_F(SimIpcTest, TheWatchOfSharedWordsTakesNoSignalOfTheProgram)
+{
+  alignas(8) static std::uint64_t flag = 0;
+  flag = 0;
+  void* address = sim.register_host_memory(&flag, sizeof flag);
+  const stream_handle waiting = sim.create_stream(true);
+  sim.stream_wait_value(waiting, address, 1);  // watched by a thread of the simulator's, started now
+  EXPECT_EQ(other_threads_taking(SIGTERM), 0) << "a thread of the simulator's takes the program's SIGTERM";
+  const stream_handle writer = sim.create_stream(true);
+  sim.stream_write_value(writer, address, 1);
+  sim.synchronize_stream(waiting);
+  sim.unregister_host_memory(&flag);
+  sim.destroy_stream(waiting);
+  sim.destroy_stream(writer);
 }
 
 TEST_F(SimIpcTest, AnotherProcessMapsTheMemoryAndWaitsForTheEvent)

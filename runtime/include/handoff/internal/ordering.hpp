@@ -55,8 +55,8 @@ void order_export(context* ctx, const array& view, stream_request consumer, expo
 
 /// A consumer's stream made to wait for the stream its data is ready on.
 struct waiting_consumer {
-  bound_stream stream;
-  std::optional<bool> captures;  ///< whether `stream` captures into a graph, where the wait asked
+  bound_stream binding;
+  std::optional<bool> captures;  ///< whether its stream captures into a graph, where the wait asked
 };
 
 /// The stream `consumer` asks for (not stream=-1), bound on `device` of `ctx` (the device that owns

@@ -18,18 +18,25 @@ class asynchronous_signals_blocked {
     sigset_t blocked;
     sigfillset(&blocked);
     // A fault of the thread's own still reaches the process's handlers (blocked, it ends the process
-    // without them), and a profiler's SIGPROF samples the runtime's threads as it does the others.
-    for (const int kept : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP, SIGABRT, SIGPROF}) { sigdelset(&blocked, kept); }
-    pthread_sigmask(SIG_BLOCK, &blocked, &previous_);
+    // without them; SIGSYS is a seccomp filter's trap), and a profiler's SIGPROF samples the
+    // runtime's threads as it does the others.
+    for (const int kept : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP, SIGABRT, SIGSYS, SIGPROF}) {
+      sigdelset(&blocked, kept);
+    }
+    restore_ = pthread_sigmask(SIG_BLOCK, &blocked, &previous_) == 0;
   }
   asynchronous_signals_blocked(const asynchronous_signals_blocked&) = delete;
   asynchronous_signals_blocked& operator=(const asynchronous_signals_blocked&) = delete;
   asynchronous_signals_blocked(asynchronous_signals_blocked&&) = delete;
   asynchronous_signals_blocked& operator=(asynchronous_signals_blocked&&) = delete;
-  ~asynchronous_signals_blocked() { pthread_sigmask(SIG_SETMASK, &previous_, nullptr); }
+  ~asynchronous_signals_blocked()
+  {
+    if (restore_) { pthread_sigmask(SIG_SETMASK, &previous_, nullptr); }
+  }
 
  private:
   sigset_t previous_{};
+  bool restore_{false};
 };
 
 }  // namespace
